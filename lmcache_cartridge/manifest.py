@@ -1,0 +1,208 @@
+"""The packed cartridge's manifest: the one record of what a payload holds and how to check it.
+
+A packed cartridge is a directory with two files:
+
+- `manifest.json`: this record (small, scanned cheaply by the registry and the plugin);
+- `kv.bin`: the payload, chunk after chunk, each chunk contiguous in LMCache's `KV_2LTD`
+  layout `[2, num_layers, chunk_tokens, num_kv_heads * head_dim]` (head-major hidden dim), so
+  serving a chunk is one `pread` (or one ranged GET) straight into an allocator buffer.
+
+Files are immutable once written (packing renames a finished temp directory into place), so
+any number of processes (vLLM's scheduler and workers) may read them at the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ManifestError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+PAYLOAD_NAME = "kv.bin"
+KINDS = ("first_k", "trained")
+
+# Ids become file names, registry keys and parts of URLs: keep them boring.
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Map a manifest dtype name (also accepts `torch.bfloat16`) to a torch dtype."""
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ManifestError(f"unsupported KV dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ManifestError(f"unsupported KV dtype {dtype}; expected one of {sorted(_DTYPES)}")
+
+
+def validate_id(cartridge_id: str) -> str:
+    """Refuse ids that could escape a directory or break a URL (`..`, `/`, spaces, ...)."""
+    if not isinstance(cartridge_id, str) or not _ID_RE.match(cartridge_id) or ".." in cartridge_id:
+        raise ManifestError(
+            f"invalid cartridge id {cartridge_id!r}: use 1-128 characters from [A-Za-z0-9._-], "
+            "starting with a letter or digit, without '..'"
+        )
+    return cartridge_id
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """Where one chunk lives in the payload and what its bytes must hash to."""
+
+    index: int
+    offset: int
+    nbytes: int
+    num_tokens: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    cartridge_id: str
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_tokens: int
+    kind: str
+    token_ids: list[int]
+    chunk_size: int
+    chunks: list[ChunkInfo]
+    content_hash: str
+    created_at: str
+    provenance: dict[str, Any] = field(default_factory=dict)
+    labels: list[str] = field(default_factory=list)
+    payload: str = PAYLOAD_NAME
+    format_version: int = FORMAT_VERSION
+
+    # --- derived facts (one place computes each) -------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def hidden_dim(self) -> int:
+        """Width of one token's KV in one layer for all heads (`KV_2LTD`'s last dim)."""
+        return self.num_kv_heads * self.head_dim
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
+        return (2, self.num_layers, num_tokens, self.hidden_dim)
+
+    def chunk_nbytes(self, num_tokens: int) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.num_layers * num_tokens * self.hidden_dim * itemsize
+
+    @property
+    def num_full_chunks(self) -> int:
+        return self.num_tokens // self.chunk_size
+
+    @property
+    def payload_nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    # --- (de)serialisation ------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps(d, indent=1, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        if not isinstance(d, dict):
+            raise ManifestError("manifest must be a JSON object")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ManifestError(
+                f"manifest format_version {version!r} is not supported (this build reads "
+                f"{FORMAT_VERSION}); re-pack the cartridge with this version's `lmcache-cartridge pack`"
+            )
+        try:
+            chunks = [ChunkInfo(**c) for c in d["chunks"]]
+            m = cls(**{**d, "chunks": chunks})
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"manifest is missing or has unexpected fields: {e}") from e
+        m.validate()
+        return m
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Manifest":
+        path = Path(directory) / MANIFEST_NAME
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except FileNotFoundError as e:
+            raise ManifestError(f"{path} not found: is {directory} a packed cartridge?") from e
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(d)
+
+    # --- checks -----------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Internal consistency: every number that serving relies on agrees with the others."""
+        validate_id(self.cartridge_id)
+        dtype_from_name(self.dtype)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_tokens", "chunk_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ManifestError(f"manifest field {name} must be a positive integer, got {v!r}")
+        if self.kind not in KINDS:
+            raise ManifestError(f"manifest kind {self.kind!r} must be one of {KINDS}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ManifestError("manifest field model must name the model the KV was made with")
+        if self.payload != PAYLOAD_NAME:
+            raise ManifestError(f"manifest payload must be {PAYLOAD_NAME!r}, got {self.payload!r}")
+        if len(self.token_ids) != self.num_tokens or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.token_ids
+        ):
+            raise ManifestError(
+                f"manifest has {len(self.token_ids)} token ids for num_tokens={self.num_tokens}, "
+                "or ids that are not non-negative integers"
+            )
+        if self.kind == "trained" and self.num_tokens % self.chunk_size:
+            raise ManifestError(
+                f"trained cartridge has {self.num_tokens} tokens, not a multiple of chunk_size "
+                f"{self.chunk_size}"
+            )
+        offset, tokens = 0, 0
+        for i, c in enumerate(self.chunks):
+            expect_tokens = min(self.chunk_size, self.num_tokens - tokens)
+            if (
+                c.index != i
+                or c.offset != offset
+                or c.num_tokens != expect_tokens
+                or c.nbytes != self.chunk_nbytes(c.num_tokens)
+                or not re.fullmatch(r"[0-9a-f]{64}", c.sha256 or "")
+            ):
+                raise ManifestError(
+                    f"manifest chunk {i} is inconsistent (offset {c.offset} vs {offset}, tokens "
+                    f"{c.num_tokens} vs {expect_tokens}, bytes {c.nbytes} vs "
+                    f"{self.chunk_nbytes(expect_tokens)}, or a malformed sha256)"
+                )
+            offset += c.nbytes
+            tokens += c.num_tokens
+        if tokens != self.num_tokens:
+            raise ManifestError(
+                f"manifest chunks cover {tokens} tokens but num_tokens is {self.num_tokens}"
+            )

@@ -1,0 +1,295 @@
+"""Writing and reading packed cartridges (layout described in `manifest`).
+
+Writers: `pack_kv` (CLI `pack`/`create`, registration-time re-chunking). Readers: the plugin and
+the CLI, in any number of processes at once: payloads are immutable and read with `pread`, so
+readers share no file position and need no locks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from .errors import CartridgeFormatError, ChecksumError, ManifestError
+from .keys import placeholder_token_ids
+from .manifest import (
+    KINDS,
+    MANIFEST_NAME,
+    PAYLOAD_NAME,
+    ChunkInfo,
+    Manifest,
+    dtype_name,
+    validate_id,
+)
+
+DEFAULT_CHUNK_SIZE = 256
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """What placeholder ids may be drawn from (trained cartridges only)."""
+
+    vocab_size: int
+    special_ids: tuple[int, ...] = ()
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A writable/readable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    if not t.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def sha256_of(t: torch.Tensor) -> str:
+    return hashlib.sha256(as_bytes(t)).hexdigest()
+
+
+def to_chunk_layout(kv: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Canonical `[2, L, T, H, D]` slice -> contiguous `KV_2LTD` chunk `[2, L, t, H*D]`."""
+    two, layers, _, heads, dim = kv.shape
+    return kv[:, :, start:end].reshape(two, layers, end - start, heads * dim).contiguous()
+
+
+def pack_kv(
+    kv: torch.Tensor,
+    out_dir: str | Path,
+    *,
+    cartridge_id: str,
+    model: str,
+    kind: str,
+    token_ids: Sequence[int] | None = None,
+    vocab: VocabInfo | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    dtype: torch.dtype | None = None,
+    provenance: dict[str, Any] | None = None,
+    labels: Iterable[str] = (),
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Manifest:
+    """Write canonical KV `[2, L, T, H, D]` as a packed cartridge directory; return its manifest.
+
+    First-k cartridges need their real `token_ids`. Trained ones get placeholder ids derived
+    from the content hash (needs `vocab`) unless `token_ids` are given (re-chunking keeps them).
+    The directory appears atomically: readers never see a half-written cartridge.
+    """
+    validate_id(cartridge_id)
+    if kind not in KINDS:
+        raise CartridgeFormatError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kv.dim() != 5 or kv.shape[0] != 2:
+        raise CartridgeFormatError(f"KV must be [2, L, T, H, D], got {tuple(kv.shape)}")
+    if dtype is not None:
+        kv = kv.to(dtype)
+    kv = kv.contiguous()
+    _, num_layers, num_tokens, num_heads, head_dim = kv.shape
+    if chunk_size <= 0:
+        raise CartridgeFormatError(f"chunk_size must be positive, got {chunk_size}")
+    if kind == "trained" and num_tokens % chunk_size:
+        raise CartridgeFormatError(
+            f"trained cartridge has {num_tokens} tokens, not a multiple of chunk_size {chunk_size}: "
+            f"LMCache loads only full chunks and would recompute the last {num_tokens % chunk_size} "
+            f"from meaningless placeholder tokens. Train {num_tokens - num_tokens % chunk_size} or "
+            f"{num_tokens + chunk_size - num_tokens % chunk_size} tokens instead."
+        )
+    if not torch.isfinite(kv).all():
+        raise CartridgeFormatError("KV contains NaN or Inf values; refusing to pack it")
+    if kind == "first_k" and token_ids is None:
+        raise CartridgeFormatError("a first_k cartridge needs the token ids its KV was computed from")
+    if token_ids is not None and len(token_ids) != num_tokens:
+        raise CartridgeFormatError(f"{len(token_ids)} token ids for {num_tokens} KV tokens")
+    if kind == "trained" and token_ids is None and vocab is None:
+        raise CartridgeFormatError(
+            "a trained cartridge needs the model's vocabulary to draw placeholder token ids: "
+            "pass --model DIR (or --vocab-size N)"
+        )
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise CartridgeFormatError(f"{out_dir} already exists (use --overwrite to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        chunks: list[ChunkInfo] = []
+        offset = 0
+        starts = range(0, num_tokens, chunk_size)
+        if progress:
+            from tqdm import tqdm
+
+            starts = tqdm(starts, desc=f"pack {cartridge_id}", unit="chunk")
+        with open(tmp / PAYLOAD_NAME, "wb") as f:
+            for i, start in enumerate(starts):
+                end = min(start + chunk_size, num_tokens)
+                chunk = to_chunk_layout(kv, start, end)
+                data = as_bytes(chunk)
+                f.write(data)
+                chunks.append(ChunkInfo(i, offset, len(data), end - start, hashlib.sha256(data).hexdigest()))
+                offset += len(data)
+            f.flush()
+            os.fsync(f.fileno())
+        content_hash = _content_hash(kv, chunks, chunk_size)
+        if token_ids is None:
+            assert vocab is not None
+            token_ids = placeholder_token_ids(content_hash, num_tokens, vocab.vocab_size, vocab.special_ids)
+        manifest = Manifest(
+            cartridge_id=cartridge_id,
+            model=model,
+            num_layers=num_layers,
+            num_kv_heads=num_heads,
+            head_dim=head_dim,
+            dtype=dtype_name(kv.dtype),
+            num_tokens=num_tokens,
+            kind=kind,
+            token_ids=[int(t) for t in token_ids],
+            chunk_size=chunk_size,
+            chunks=chunks,
+            content_hash=content_hash,
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            provenance=dict(provenance or {}),
+            labels=sorted(set(labels)),
+        )
+        manifest.validate()
+        (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+        os.chmod(tmp, 0o755)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _content_hash(kv: torch.Tensor, chunks: list[ChunkInfo], chunk_size: int) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([list(kv.shape), str(kv.dtype), chunk_size]).encode())
+    for c in chunks:
+        h.update(bytes.fromhex(c.sha256))
+    return h.hexdigest()
+
+
+@dataclass
+class VerifyReport:
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    chunks_checked: int = 0
+
+
+class PackedCartridge:
+    """Read access to one packed cartridge directory. Cheap to open; holds one fd lazily.
+
+    Thread-safe for reads (pread). Owned by whoever opened it; `close()` releases the fd.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.manifest = Manifest.load(self.directory)
+        self.payload_path = self.directory / self.manifest.payload
+        try:
+            size = self.payload_path.stat().st_size
+        except FileNotFoundError:
+            raise ManifestError(f"{self.payload_path}: payload missing") from None
+        if size != self.manifest.payload_nbytes:
+            raise ManifestError(
+                f"{self.payload_path}: payload is {size} bytes, manifest says "
+                f"{self.manifest.payload_nbytes} (truncated or replaced?)"
+            )
+        self._fd: int | None = None
+
+    def _fileno(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.payload_path, os.O_RDONLY)
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "PackedCartridge":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def chunk_shape(self, index: int) -> tuple[int, int, int, int]:
+        return self.manifest.chunk_shape(self.manifest.chunks[index].num_tokens)
+
+    def read_chunk_into(self, index: int, out: torch.Tensor, *, verify: bool = True) -> None:
+        """Read chunk `index` straight into `out` (contiguous, exactly the chunk's bytes)."""
+        info = self.manifest.chunks[index]
+        buf = as_bytes(out)
+        if buf.nbytes != info.nbytes:
+            raise ValueError(f"buffer of {buf.nbytes} bytes for a chunk of {info.nbytes}")
+        fd, done = self._fileno(), 0
+        while done < info.nbytes:
+            n = os.preadv(fd, [buf[done:]], info.offset + done)
+            if n <= 0:
+                raise ManifestError(f"{self.payload_path}: unexpected end of payload in chunk {index}")
+            done += n
+        if verify:
+            digest = hashlib.sha256(buf).hexdigest()
+            if digest != info.sha256:
+                raise ChecksumError(
+                    f"{self.payload_path}: chunk {index} checksum mismatch (payload corrupted); "
+                    "re-pack or re-download the cartridge"
+                )
+
+    def read_chunk(self, index: int, *, verify: bool = True) -> torch.Tensor:
+        out = torch.empty(self.chunk_shape(index), dtype=self.manifest.torch_dtype)
+        self.read_chunk_into(index, out, verify=verify)
+        return out
+
+    def load_kv(self, *, verify: bool = True) -> torch.Tensor:
+        """The whole cartridge in canonical `[2, L, T, H, D]`."""
+        m = self.manifest
+        parts = [self.read_chunk(i, verify=verify) for i in range(len(m.chunks))]
+        kv = torch.cat(parts, dim=2)
+        return kv.reshape(2, m.num_layers, m.num_tokens, m.num_kv_heads, m.head_dim)
+
+    def verify(self) -> VerifyReport:
+        """Recompute every checksum and look for NaN/Inf; never raises for bad content."""
+        report = VerifyReport(ok=True)
+        for i in range(len(self.manifest.chunks)):
+            try:
+                chunk = self.read_chunk(i, verify=True)
+            except (ChecksumError, ManifestError) as e:
+                report.problems.append(str(e))
+                continue
+            finally:
+                report.chunks_checked += 1
+            if not torch.isfinite(chunk).all():
+                report.problems.append(f"chunk {i} contains NaN or Inf values")
+        report.ok = not report.problems
+        return report
+
+
+def rechunk(src: PackedCartridge, out_dir: str | Path, chunk_size: int, *, overwrite: bool = False) -> Manifest:
+    """Re-pack a cartridge to another chunk size, keeping its id, kind and token ids.
+
+    Trained cartridges must still be a whole number of chunks; `pack_kv` refuses otherwise.
+    """
+    m = src.manifest
+    return pack_kv(
+        src.load_kv(verify=True),
+        out_dir,
+        cartridge_id=m.cartridge_id,
+        model=m.model,
+        kind=m.kind,
+        token_ids=m.token_ids,
+        chunk_size=chunk_size,
+        provenance={**m.provenance, "rechunked_from": m.chunk_size},
+        labels=m.labels,
+        overwrite=overwrite,
+    )
