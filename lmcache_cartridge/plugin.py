@@ -1,0 +1,316 @@
+"""The read-only LMCache storage plugin that serves cartridge chunks.
+
+Where it runs: LMCache builds it inside every engine (each vLLM worker rank; also vLLM's
+scheduler process when `enable_scheduler_bypass_lookup` is on, then with `local_cpu_backend=None`).
+Who calls it: LMCache's `StorageManager`, from the worker thread (lookup with `pin=True`,
+`batched_get_blocking` on retrieve, `unpin` after), from the lookup-server thread, and from the
+storage manager's event loop (the async pair). All state below is guarded by one lock.
+
+What it owns: an index `CacheEngineKey -> (cartridge, chunk)` computed in this process with
+LMCache's own token database (see `keys`), rebuilt when the registry changes; pin counts; the
+set of chunks whose checksum this process has verified. It never owns a cartridge's files:
+`remove` forgets keys, it never deletes anything.
+
+Registered YAML (see configs/lmcache-cartridge.yaml):
+    storage_plugins: ["cartridge"]
+    extra_config:
+      storage_plugin.cartridge.module_path: lmcache_cartridge.plugin
+      storage_plugin.cartridge.class_name: CartridgeStoragePlugin
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from .compat import EngineShape, mismatch, rank_slice
+from .errors import CartridgeError
+from .keys import ChunkKeyMapper, hash_config_problem
+from .packed import PackedCartridge
+from .registry import Entry, Registry
+from .settings import PluginSettings
+
+logger = logging.getLogger("lmcache_cartridge.plugin")
+
+
+@dataclass
+class Served:
+    """One cartridge this process serves: its open payload, its keys and which columns to copy."""
+
+    entry: Entry
+    packed: PackedCartridge
+    keys: list[Any]
+    columns: slice
+    whole_rows: bool  # True when this rank serves every head: read straight into the buffer
+
+
+@dataclass
+class _State:
+    served: dict[str, Served] = field(default_factory=dict)          # id -> Served
+    index: dict[Any, tuple[str, int]] = field(default_factory=dict)  # key -> (id, chunk)
+    draining: dict[Any, tuple[Served, int]] = field(default_factory=dict)  # removed but pinned
+    pins: dict[Any, int] = field(default_factory=dict)
+    verified: set[tuple[str, int]] = field(default_factory=set)      # (content_hash, chunk)
+    skipped: dict[str, str] = field(default_factory=dict)            # id -> why not served
+
+
+class CartridgeStoragePlugin(StoragePluginInterface):
+    """Read-only `StoragePluginInterface` mapping LMCache chunk keys to cartridge chunks."""
+
+    def __init__(self, dst_device: str = "cpu", config=None, metadata=None,
+                 local_cpu_backend=None, loop=None) -> None:
+        super().__init__(dst_device=dst_device, config=config, metadata=metadata,
+                         local_cpu_backend=local_cpu_backend, loop=loop)
+        # LMCache swallows constructor errors in one line: log our own cause first, then re-raise.
+        try:
+            self.settings = PluginSettings.from_config(config, type(self))
+            self.shape = EngineShape.from_lmcache(config, metadata, self.settings.accept_models)
+            self._lock = threading.RLock()
+            self._state = _State()
+            self._closed = threading.Event()
+            self.healthy = True
+            self.problem: str | None = None
+            if getattr(config, "use_layerwise", False):
+                raise CartridgeError("layerwise mode (use_layerwise: true) is not supported")
+            problem = hash_config_problem(config.pre_caching_hash_algorithm)
+            if problem and not self.settings.allow_unstable_hash:
+                # Keys would differ between scheduler and workers: serve nothing, say why.
+                self.healthy, self.problem = False, problem
+                logger.error("lmcache_cartridge: serving no cartridges: %s", problem)
+            self.mapper = ChunkKeyMapper(config, metadata)
+            self.registry = Registry(self.settings.registry)
+            self._version = -1
+            self.refresh()
+            self._watcher = threading.Thread(target=self._watch, name="cartridge-registry-watch",
+                                             daemon=True)
+            self._watcher.start()
+            logger.info("lmcache_cartridge: %s", self.summary())
+        except Exception as e:
+            logger.error("lmcache_cartridge plugin failed to start: %s: %s", type(e).__name__, e)
+            raise
+
+    # --- registry -> index (runs at start and on the watcher thread) --------------------------
+    def summary(self) -> str:
+        with self._lock:
+            st = self._state
+            chunks = sum(len(s.keys) for s in st.served.values())
+            return (
+                f"plugin '{self.settings.name}' {'ready' if self.healthy else 'DISABLED'}: "
+                f"{len(st.served)} cartridges ({chunks} chunks) for model {self.shape.model_names[0]!r} "
+                f"rank {self.shape.rank}/{self.shape.world_size}, {len(st.skipped)} not served"
+                f"{' (' + '; '.join(f'{k}: {v}' for k, v in sorted(st.skipped.items())) + ')' if st.skipped else ''}; "
+                f"registry {self.settings.registry}, hash {self.config.pre_caching_hash_algorithm}, "
+                f"chunk_size {self.shape.chunk_size}, refresh {self.settings.refresh_seconds}s"
+                f"{'; problem: ' + self.problem if self.problem else ''}"
+            )
+
+    def refresh(self) -> bool:
+        """Re-read the registry if another process changed it. Returns True if it did."""
+        version = self.registry.data_version()
+        if version == self._version:
+            return False
+        entries = {e.id: e for e in self.registry.list() if e.state == "ready"}
+        self._version = version
+        with self._lock:
+            current = self._state.served
+        keep = {i for i, s in current.items()
+                if i in entries and entries[i].content_hash == s.entry.content_hash
+                and entries[i].path == s.entry.path}
+        added: dict[str, Served] = {}
+        skipped: dict[str, str] = {}
+        if self.healthy:
+            for cid, entry in entries.items():
+                if cid in keep:
+                    continue
+                try:
+                    added[cid] = self._open(entry)
+                except CartridgeError as e:
+                    skipped[cid] = str(e)
+                    logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, e)
+        with self._lock:
+            st = self._state
+            for cid in [c for c in st.served if c not in keep]:
+                self._retire(st.served.pop(cid))
+            st.served.update(added)
+            st.index = {k: (cid, i) for cid, s in st.served.items() for i, k in enumerate(s.keys)}
+            st.skipped = skipped
+        if added or len(keep) != len(current):
+            logger.info("lmcache_cartridge: registry changed: %s", self.summary())
+        return True
+
+    def _open(self, entry: Entry) -> Served:
+        packed = PackedCartridge(entry.path)
+        m = packed.manifest
+        if m.cartridge_id != entry.id or m.content_hash != entry.content_hash:
+            packed.close()
+            raise CartridgeError(f"{entry.path} no longer holds what was registered; re-register it")
+        why = mismatch(m, self.shape)
+        if why:
+            packed.close()
+            raise CartridgeError(why)
+        keys = self.mapper.keys(m.token_ids)
+        cols = rank_slice(m, self.shape)
+        return Served(entry, packed, keys, cols, whole_rows=(cols.stop - cols.start) == m.hidden_dim)
+
+    def _retire(self, s: Served) -> None:
+        """Stop serving `s` (lock held): pinned chunks drain; LMCache's CPU copies are dropped."""
+        st = self._state
+        for i, key in enumerate(s.keys):
+            if st.pins.get(key):
+                st.draining[key] = (s, i)
+            if self.local_cpu_backend is not None:
+                self.local_cpu_backend.remove(key, force=True)
+        if not any(d[0] is s for d in st.draining.values()):
+            s.packed.close()
+        logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.settings.refresh_seconds):
+            try:
+                self.refresh()
+            except Exception as e:  # a locked/corrupt registry must not kill serving
+                logger.warning("lmcache_cartridge: registry refresh failed (keeping current index): %s", e)
+
+    # --- lookup ---------------------------------------------------------------------------------
+    def contains(self, key, pin: bool = False) -> bool:
+        with self._lock:
+            if key not in self._state.index:
+                return False
+            if pin:
+                self._state.pins[key] = self._state.pins.get(key, 0) + 1
+            return True
+
+    def batched_contains(self, keys, pin: bool = False) -> int:
+        hits = 0
+        with self._lock:
+            for key in keys:
+                if not self.contains(key, pin):
+                    break
+                hits += 1
+        return hits
+
+    async def batched_async_contains(self, lookup_id: str, keys, pin: bool = False) -> int:
+        return self.batched_contains(keys, pin)
+
+    def exists_in_put_tasks(self, key) -> bool:
+        return False
+
+    def pin(self, key) -> bool:
+        return self.contains(key, pin=True)
+
+    def unpin(self, key) -> bool:
+        with self._lock:
+            st = self._state
+            n = st.pins.get(key, 0)
+            if n <= 0:
+                return False
+            if n == 1:
+                del st.pins[key]
+                drained = st.draining.pop(key, None)
+                if drained and not any(d[0] is drained[0] for d in st.draining.values()):
+                    drained[0].packed.close()
+            else:
+                st.pins[key] = n - 1
+            return True
+
+    def pin_count(self, key) -> int:
+        with self._lock:
+            return self._state.pins.get(key, 0)
+
+    # --- retrieve ---------------------------------------------------------------------------------
+    def _locate(self, key) -> Optional[tuple[Served, int]]:
+        with self._lock:
+            st = self._state
+            where = st.index.get(key)
+            if where is not None:
+                return st.served[where[0]], where[1]
+            return st.draining.get(key)
+
+    def get_blocking(self, key):
+        found = self._locate(key)
+        if found is None or self.local_cpu_backend is None:
+            return None
+        served, index = found
+        m = served.packed.manifest
+        tokens = m.chunks[index].num_tokens
+        cols = served.columns
+        obj = self.local_cpu_backend.allocate(
+            torch.Size([2, m.num_layers, tokens, cols.stop - cols.start]), self.shape.dtype,
+            MemoryFormat.KV_2LTD, eviction=True, busy_loop=False)
+        if obj is None:  # allocator full: a miss, the request recomputes
+            logger.warning("lmcache_cartridge: allocator full, chunk %d of %r not served", index, m.cartridge_id)
+            return None
+        tag = (m.content_hash, index)
+        verify = tag not in self._state.verified
+        try:
+            if served.whole_rows:
+                served.packed.read_chunk_into(index, obj.tensor, verify=verify)
+            else:
+                obj.tensor.copy_(served.packed.read_chunk(index, verify=verify)[..., cols])
+        except (CartridgeError, OSError) as e:
+            obj.ref_count_down()
+            logger.error("lmcache_cartridge: chunk %d of %r not served: %s", index, m.cartridge_id, e)
+            self._quarantine(served, str(e))
+            return None
+        if verify:
+            with self._lock:
+                self._state.verified.add(tag)
+        return obj
+
+    def _quarantine(self, served: Served, why: str) -> None:
+        """A cartridge whose bytes are bad is never served again by this process."""
+        with self._lock:
+            st = self._state
+            if st.served.get(served.entry.id) is served:
+                self._retire(st.served.pop(served.entry.id))
+                st.index = {k: v for k, v in st.index.items() if v[0] != served.entry.id}
+                st.skipped[served.entry.id] = why
+
+    def batched_get_blocking(self, keys):
+        out: list = []
+        for key in keys:
+            obj = self.get_blocking(key) if (not out or out[-1] is not None) else None
+            out.append(obj)
+        return out
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys, transfer_spec=None):
+        objs = self.batched_get_blocking(keys)
+        got = []
+        for obj in objs:
+            if obj is None:
+                break
+            got.append(obj)
+        return got
+
+    # --- read-only: puts and removals never touch a cartridge ---------------------------------------
+    def batched_submit_put_task(self, keys, objs, transfer_spec=None,
+                                on_complete_callback: Optional[Callable] = None):
+        return None
+
+    def remove(self, key, force: bool = True) -> bool:
+        return False  # never deletes an origin; registry `remove` is how a cartridge leaves
+
+    def get_allocator_backend(self):
+        return self.local_cpu_backend
+
+    def touch_cache(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._closed.set()
+        if getattr(self, "_watcher", None) is not None:
+            self._watcher.join(timeout=5)
+        with self._lock:
+            for s in self._state.served.values():
+                s.packed.close()
+            for s, _ in self._state.draining.values():
+                s.packed.close()
+            self._state = _State()
+        if getattr(self, "registry", None) is not None:
+            self.registry.close()

@@ -1,0 +1,173 @@
+"""SQLite index of packed cartridges, shared by the CLI, the gateway and every serving process.
+
+WAL mode lets one writer and many readers work at once across processes. Readers notice other
+processes' commits cheaply with `PRAGMA data_version`, which is how a running plugin picks up
+`register`/`remove` without a restart. Every statement is parameterised.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CartridgeError
+from .manifest import Manifest, validate_id
+from .packed import PackedCartridge
+from .paths import cache_root
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS cartridges (
+    id            TEXT PRIMARY KEY,
+    path          TEXT NOT NULL,
+    source_uri    TEXT NOT NULL,
+    model         TEXT NOT NULL,
+    kind          TEXT NOT NULL,
+    num_layers    INTEGER NOT NULL,
+    num_kv_heads  INTEGER NOT NULL,
+    head_dim      INTEGER NOT NULL,
+    dtype         TEXT NOT NULL,
+    num_tokens    INTEGER NOT NULL,
+    chunk_size    INTEGER NOT NULL,
+    content_hash  TEXT NOT NULL,
+    labels        TEXT NOT NULL DEFAULT '[]',
+    state         TEXT NOT NULL DEFAULT 'ready',
+    added_at      REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS cartridges_state ON cartridges(state);
+"""
+
+
+class RegistryError(CartridgeError):
+    """The registry database cannot be used (locked, corrupt, unknown id, ...)."""
+
+
+def default_registry_path() -> Path:
+    return cache_root() / "registry.db"
+
+
+@dataclass
+class Entry:
+    """One registry row. `path` is the packed directory serving reads from."""
+
+    id: str
+    path: str
+    source_uri: str
+    model: str
+    kind: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_tokens: int
+    chunk_size: int
+    content_hash: str
+    labels: list[str] = field(default_factory=list)
+    state: str = "ready"
+    added_at: float = 0.0
+
+
+_COLUMNS = [f for f in Entry.__dataclass_fields__]
+
+
+def _row_to_entry(row: tuple) -> Entry:
+    d = dict(zip(_COLUMNS, row))
+    d["labels"] = json.loads(d["labels"])
+    return Entry(**d)
+
+
+class Registry:
+    """A connection to the registry. One per thread-owner; methods are serialised by a lock."""
+
+    def __init__(self, path: str | Path | None = None, *, timeout: float = 10.0) -> None:
+        self.path = Path(path) if path else default_registry_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(str(self.path), timeout=timeout, check_same_thread=False,
+                                       isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA busy_timeout=%d" % int(timeout * 1000))
+            self._db.executescript(SCHEMA)
+        except sqlite3.DatabaseError as e:
+            raise RegistryError(f"cannot open cartridge registry {self.path}: {e}") from e
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _q(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with self._lock:
+            try:
+                return self._db.execute(sql, params).fetchall()
+            except sqlite3.DatabaseError as e:
+                raise RegistryError(f"cartridge registry {self.path}: {e}") from e
+
+    def data_version(self) -> int:
+        """Changes whenever another connection commits: the cheap 'anything new?' probe."""
+        return int(self._q("PRAGMA data_version")[0][0])
+
+    # --- writes ------------------------------------------------------------------------------
+    def register(self, directory: str | Path, *, source_uri: str | None = None,
+                 labels: list[str] | tuple[str, ...] = (), replace: bool = True) -> Entry:
+        """Index a packed cartridge directory (validated: manifest and payload size)."""
+        directory = Path(directory).resolve()
+        with PackedCartridge(directory) as packed:
+            m: Manifest = packed.manifest
+        all_labels = sorted(set(m.labels) | set(labels))
+        entry = Entry(
+            id=m.cartridge_id, path=str(directory), source_uri=source_uri or str(directory),
+            model=m.model, kind=m.kind, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim, dtype=m.dtype, num_tokens=m.num_tokens, chunk_size=m.chunk_size,
+            content_hash=m.content_hash, labels=all_labels, state="ready", added_at=time.time(),
+        )
+        if not replace and self.get(entry.id) is not None:
+            raise RegistryError(f"cartridge {entry.id!r} is already registered")
+        values = [getattr(entry, c) for c in _COLUMNS]
+        values[_COLUMNS.index("labels")] = json.dumps(all_labels)
+        placeholders = ",".join("?" for _ in _COLUMNS)
+        self._q(f"INSERT OR REPLACE INTO cartridges ({','.join(_COLUMNS)}) VALUES ({placeholders})",
+                tuple(values))
+        return entry
+
+    def remove(self, cartridge_id: str) -> bool:
+        """Forget a cartridge (its files stay where they are). True if it was registered."""
+        validate_id(cartridge_id)
+        existed = self.get(cartridge_id) is not None
+        self._q("DELETE FROM cartridges WHERE id = ?", (cartridge_id,))
+        return existed
+
+    def label(self, cartridge_id: str, add: list[str] = (), remove: list[str] = ()) -> Entry:
+        entry = self.get(cartridge_id)
+        if entry is None:
+            raise RegistryError(f"no cartridge {cartridge_id!r} in {self.path}")
+        labels = sorted((set(entry.labels) | set(add)) - set(remove))
+        self._q("UPDATE cartridges SET labels = ? WHERE id = ?", (json.dumps(labels), cartridge_id))
+        entry.labels = labels
+        return entry
+
+    # --- reads -------------------------------------------------------------------------------
+    def get(self, cartridge_id: str) -> Entry | None:
+        rows = self._q(f"SELECT {','.join(_COLUMNS)} FROM cartridges WHERE id = ?", (cartridge_id,))
+        return _row_to_entry(rows[0]) if rows else None
+
+    def resolve(self, id_or_label: str) -> Entry:
+        """An id, else the single cartridge carrying that label; ambiguity is an error."""
+        entry = self.get(id_or_label)
+        if entry is not None:
+            return entry
+        matches = [e for e in self.list() if id_or_label in e.labels]
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            raise RegistryError(f"no cartridge with id or label {id_or_label!r}")
+        raise RegistryError(
+            f"label {id_or_label!r} names {len(matches)} cartridges ({', '.join(e.id for e in matches)}); use an id"
+        )
+
+    def list(self) -> list[Entry]:
+        rows = self._q(f"SELECT {','.join(_COLUMNS)} FROM cartridges ORDER BY id")
+        return [_row_to_entry(r) for r in rows]

@@ -1,0 +1,85 @@
+"""Plugin settings: read once, here, from LMCache's `extra_config` (`storage_plugin.<name>.*`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CartridgeError
+from .paths import cache_root
+
+PREFIX = "storage_plugin"
+
+
+def _as_list(value: Any) -> list[str]:
+    if value is None or value == "":
+        return []
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    text = str(value).strip()
+    if text.startswith("["):
+        return [str(v) for v in json.loads(text)]
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    name: str
+    registry: Path
+    cache_dir: Path
+    refresh_seconds: float = 1.0
+    preload: tuple[str, ...] = ()
+    accept_models: tuple[str, ...] = ()
+    allow_unstable_hash: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config, plugin_cls: type) -> "PluginSettings":
+        extra = dict(getattr(config, "extra_config", None) or {})
+        name = find_plugin_name(config, plugin_cls)
+        p = f"{PREFIX}.{name}."
+
+        def get(key: str, default: Any = None) -> Any:
+            return extra.get(p + key, default)
+
+        try:
+            return cls(
+                name=name,
+                registry=Path(get("registry") or cache_root() / "registry.db").expanduser(),
+                cache_dir=Path(get("cache_dir") or cache_root() / "cache").expanduser(),
+                refresh_seconds=float(get("refresh_seconds", 1.0)),
+                preload=tuple(_as_list(get("preload"))),
+                accept_models=tuple(_as_list(get("accept_models"))),
+                allow_unstable_hash=_as_bool(get("allow_unstable_hash", False)),
+                extra={k[len(p):]: v for k, v in extra.items() if k.startswith(p)},
+            )
+        except (TypeError, ValueError) as e:
+            raise CartridgeError(f"bad setting under extra_config {p}*: {e}") from e
+
+
+def find_plugin_name(config, plugin_cls: type) -> str:
+    """The `storage_plugins` entry whose module_path/class_name load `plugin_cls`.
+
+    LMCache does not tell a plugin its own name, but its settings live under that name.
+    """
+    extra = getattr(config, "extra_config", None) or {}
+    names = []
+    for name in getattr(config, "storage_plugins", None) or []:
+        cls_name = extra.get(f"{PREFIX}.{name}.class_name")
+        module = extra.get(f"{PREFIX}.{name}.module_path")
+        if cls_name == plugin_cls.__name__ and module in {plugin_cls.__module__, "lmcache_cartridge"}:
+            names.append(name)
+    if len(names) != 1:
+        raise CartridgeError(
+            f"expected exactly one storage_plugins entry with class_name {plugin_cls.__name__} and "
+            f"module_path {plugin_cls.__module__}, found {names or 'none'}"
+        )
+    return names[0]

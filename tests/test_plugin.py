@@ -1,0 +1,250 @@
+"""The plugin, built by LMCache's own loader from YAML, serves cartridges through a real engine."""
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import random_kv
+from lmc_helpers import Engine, make_metadata
+from lmcache_cartridge.packed import PackedCartridge, VocabInfo, pack_kv
+from lmcache_cartridge.plugin import CartridgeStoragePlugin
+from lmcache_cartridge.registry import Registry
+
+L, H, D, CHUNK = 2, 2, 16, 64
+MODEL = "tiny-test-model"
+
+
+def write_yaml(tmp_path: Path, registry: Path, **overrides) -> Path:
+    cfg = {
+        "chunk_size": CHUNK,
+        "local_cpu": True,
+        "max_local_cpu_size": 0.2,
+        "storage_plugins": ["cartridge"],
+        "store_location": "LocalCPUBackend",
+        "pre_caching_hash_algorithm": "sha256_cbor",
+        "extra_config": {
+            "storage_plugin.cartridge.module_path": "lmcache_cartridge.plugin",
+            "storage_plugin.cartridge.class_name": "CartridgeStoragePlugin",
+            "storage_plugin.cartridge.registry": str(registry),
+            "storage_plugin.cartridge.refresh_seconds": 0.1,
+        },
+    }
+    cfg.update(overrides)
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def load_config(path):
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    return LMCacheEngineConfig.from_file(str(path))
+
+
+@pytest.fixture
+def carts(tmp_path):
+    """Two cartridges: A first-k (real ids, partial last chunk), B trained (placeholder ids)."""
+    reg = Registry(tmp_path / "reg.db")
+    kv_a = random_kv(L, 3 * CHUNK + 20, H, D, seed=1)
+    kv_b = random_kv(L, 2 * CHUNK, H, D, seed=2)
+    a = pack_kv(kv_a, tmp_path / "a", cartridge_id="doc-a", model=MODEL, kind="first_k",
+                token_ids=list(range(10, 10 + kv_a.shape[2])), chunk_size=CHUNK)
+    b = pack_kv(kv_b, tmp_path / "b", cartridge_id="trained-b", model=MODEL, kind="trained",
+                vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+    reg.register(tmp_path / "a", labels=["docs"])
+    reg.register(tmp_path / "b")
+    return {"reg": reg, "a": (a, kv_a), "b": (b, kv_b), "dir": tmp_path}
+
+
+def engine_for(tmp_path, registry, metadata=None, **overrides):
+    cfg = load_config(write_yaml(tmp_path, registry, **overrides))
+    md = metadata or make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)
+    return Engine(cfg, md)
+
+
+def flat(kv):
+    return kv.reshape(2, L, kv.shape[2], -1)
+
+
+def test_loaded_by_lmcache_and_serves_bit_exact(carts):
+    (a, kv_a), (b, kv_b) = carts["a"], carts["b"]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        plugin = eng.backend("cartridge")
+        assert isinstance(plugin, CartridgeStoragePlugin), eng.storage_manager.storage_backends
+        user = [900, 901, 902]
+        # lookup reports the cartridge's full-chunk length
+        assert eng.engine.lookup(a.token_ids + user) == 3 * CHUNK
+        assert eng.engine.lookup(b.token_ids + user) == 2 * CHUNK
+        for m, kv in ((a, kv_a), (b, kv_b)):
+            eng.clear_local_cpu()
+            assert len(eng.backend("LocalCPUBackend").hot_cache) == 0
+            n, got = eng.retrieve(m.token_ids + user)
+            full = m.num_full_chunks * CHUNK
+            assert n == full
+            assert torch.equal(got[:, :, :full].view(torch.uint8), flat(kv)[:, :, :full].view(torch.uint8))
+            assert not got[:, :, full:].any()  # the partial chunk and user tokens were not loaded
+        # the plugin, not LMCache's CPU cache, served them: every chunk was verified by the plugin
+        assert len(plugin._state.verified) == a.num_full_chunks + b.num_full_chunks
+
+
+def test_no_cross_talk_unknown_and_extended_prompts(carts):
+    (a, kv_a), (b, kv_b) = carts["a"], carts["b"]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        assert eng.engine.lookup(list(range(5000, 5000 + 3 * CHUNK))) == 0
+        # a prompt extending A's document by whole chunks hits on the document's chunks only
+        extended = a.token_ids + list(range(2000, 2000 + 2 * CHUNK))
+        assert eng.engine.lookup(extended) == 3 * CHUNK
+        eng.clear_local_cpu()
+        n, got = eng.retrieve(extended)
+        assert n == 3 * CHUNK
+        assert torch.equal(got[:, :, :n], flat(kv_a)[:, :, :n])
+        # B's bytes never appear for A's tokens and vice versa
+        eng.clear_local_cpu()
+        _, got_b = eng.retrieve(b.token_ids + [1])
+        assert not torch.equal(got_b[:, :, :CHUNK], flat(kv_a)[:, :, :CHUNK])
+        assert torch.equal(got_b[:, :, :2 * CHUNK], flat(kv_b))
+        # a prompt that diverges inside A's second chunk hits the first chunk only
+        diverged = a.token_ids[:CHUNK + 5] + [7] + a.token_ids[CHUNK + 6:]
+        assert eng.engine.lookup(diverged) == CHUNK
+
+
+@pytest.mark.parametrize("what", ["model", "dtype", "world_size", "layers", "chunk_size"])
+def test_mismatched_engine_serves_nothing_logs_and_keeps_working(carts, caplog, what):
+    md_args = dict(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)
+    overrides = {}
+    if what == "model":
+        md_args["model_name"] = "another-model"
+    elif what == "dtype":
+        md_args["dtype"] = torch.float16
+    elif what == "world_size":
+        md_args.update(world_size=2, worker_id=0)  # 2 heads over 2 ranks is 1 head, engine says 2
+    elif what == "layers":
+        md_args["num_layers"] = L + 1
+    elif what == "chunk_size":
+        md_args["chunk_size"] = 32
+        overrides["chunk_size"] = 32
+    caplog.set_level(logging.INFO, logger="lmcache_cartridge")
+    a = carts["a"][0]
+    with engine_for(carts["dir"], carts["reg"].path, make_metadata(**md_args), **overrides) as eng:
+        plugin = eng.backend("cartridge")
+        assert plugin is not None and not plugin._state.served
+        assert eng.engine.lookup(a.token_ids) == 0
+        msgs = [r.getMessage() for r in caplog.records if "not serving cartridge 'doc-a'" in r.getMessage()]
+        assert len(msgs) == 1, msgs
+        # the engine still stores and retrieves ordinary KV
+        layers, hidden = eng.kv.shape[1], eng.kv.shape[-1]
+        kv = random_kv(layers, 128, hidden // D, D, dtype=eng.kv.dtype, seed=5).reshape(2, layers, 128, hidden)
+        toks = list(range(3000, 3000 + 128))
+        eng.store(toks, kv)
+        n, got = eng.retrieve(toks)
+        assert n == 128 and torch.equal(got, kv)
+
+
+def test_tensor_parallel_rank_serves_its_head_slice(carts):
+    (a, kv_a) = carts["a"]
+    for rank in (0, 1):
+        md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=1, head_dim=D, chunk_size=CHUNK,
+                           world_size=2, worker_id=rank)
+        with engine_for(carts["dir"], carts["reg"].path, md) as eng:
+            n, got = eng.retrieve(a.token_ids + [1])
+            assert n == 3 * CHUNK
+            assert torch.equal(got[:, :, :n], kv_a[:, :, :n, rank, :])
+
+
+def test_registered_while_running_and_removed(carts):
+    reg, tmp = carts["reg"], carts["dir"]
+    kv_c = random_kv(L, CHUNK * 2, H, D, seed=9)
+    c = pack_kv(kv_c, tmp / "c", cartridge_id="late-c", model=MODEL, kind="first_k",
+                token_ids=list(range(7000, 7000 + 2 * CHUNK)), chunk_size=CHUNK)
+    a = carts["a"][0]
+    with engine_for(tmp, reg.path) as eng:
+        plugin = eng.backend("cartridge")
+        assert eng.engine.lookup(c.token_ids + [1]) == 0
+        other = Registry(reg.path)  # another process's connection, as the CLI would have
+        other.register(tmp / "c")
+        deadline = time.time() + 5
+        while eng.engine.lookup(c.token_ids + [1]) == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert eng.engine.lookup(c.token_ids + [1]) == 2 * CHUNK
+        n, got = eng.retrieve(c.token_ids + [1])
+        assert n == 2 * CHUNK
+        assert torch.equal(got[:, :, :n], flat(kv_c))
+        # A is served and written back to LMCache's CPU cache; a pin is held by a lookup
+        assert eng.retrieve(a.token_ids + [1])[0] == 3 * CHUNK
+        key0 = plugin.mapper.keys(a.token_ids)[0]
+        assert plugin.contains(key0, pin=True)
+        other.remove("doc-a")
+        deadline = time.time() + 5
+        while eng.engine.lookup(a.token_ids + [1]) != 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert eng.engine.lookup(a.token_ids + [1]) == 0  # gone from the plugin and LocalCPUBackend
+        # the pinned chunk finishes cleanly, then drains
+        assert plugin.get_blocking(key0) is not None
+        assert plugin.unpin(key0)
+        assert plugin.get_blocking(key0) is None
+        assert PackedCartridge(tmp / "a").verify().ok  # remove never touches the files
+
+
+def test_read_only_and_pin_counts(carts):
+    a = carts["a"][0]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        plugin = eng.backend("cartridge")
+        keys = plugin.mapper.keys(a.token_ids)
+        assert plugin.batched_contains(keys + [keys[0]], pin=True) == len(keys) + 1
+        assert plugin.pin_count(keys[0]) == 2
+        assert plugin.unpin(keys[0]) and plugin.unpin(keys[0]) and not plugin.unpin(keys[0])
+        assert plugin.batched_submit_put_task(keys, [None] * len(keys)) is None
+        assert not plugin.exists_in_put_tasks(keys[0])
+        assert plugin.remove(keys[0]) is False and plugin.contains(keys[0])
+
+
+def test_async_pair(carts):
+    import asyncio
+
+    a, kv_a = carts["a"]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        plugin = eng.backend("cartridge")
+        keys = plugin.mapper.keys(a.token_ids)
+
+        async def go():
+            hits = await plugin.batched_async_contains("l1", keys, pin=True)
+            objs = await plugin.batched_get_non_blocking("l1", keys)
+            return hits, objs
+
+        hits, objs = asyncio.run(go())
+        assert hits == 3 and len(objs) == 3
+        assert torch.equal(objs[1].tensor, flat(kv_a)[:, :, CHUNK:2 * CHUNK])
+        for o in objs:
+            o.ref_count_down()
+
+
+def test_scheduler_side_without_local_cpu_backend(carts):
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    cfg = load_config(write_yaml(carts["dir"], carts["reg"].path))
+    md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK, role="scheduler")
+    plugin = CartridgeStoragePlugin(dst_device="cpu", config=cfg, metadata=md, local_cpu_backend=None, loop=None)
+    try:
+        keys = plugin.mapper.keys(carts["a"][0].token_ids)
+        assert plugin.batched_contains(keys) == 3
+        assert plugin.get_blocking(keys[0]) is None  # nothing to allocate from: a miss, not a crash
+    finally:
+        plugin.close()
+
+
+def test_unstable_hash_config_disables_serving_loudly(carts, caplog, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    caplog.set_level(logging.ERROR, logger="lmcache_cartridge")
+    cfg = load_config(write_yaml(carts["dir"], carts["reg"].path, pre_caching_hash_algorithm="builtin"))
+    md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)
+    plugin = CartridgeStoragePlugin(dst_device="cpu", config=cfg, metadata=md, local_cpu_backend=None, loop=None)
+    try:
+        assert not plugin.healthy and not plugin._state.served
+        assert any("PYTHONHASHSEED unset" in r.getMessage() for r in caplog.records)
+        assert "DISABLED" in plugin.summary()
+    finally:
+        plugin.close()
