@@ -1,0 +1,191 @@
+"""Make "first-k" cartridges: run real text through a local HF model and keep its KV cache.
+
+Canonical KV layout across the project: one tensor `[2, num_layers, num_tokens, num_kv_heads,
+head_dim]` (0 = K, 1 = V), K after RoPE exactly as HF caches it, in the model's dtype. A
+cartridge is only valid as the prefix it was computed for, so the token ids travel with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CartridgeFormatError
+
+
+@dataclass
+class CreatedCartridge:
+    """A cartridge before packing: its KV is valid only after exactly these token ids."""
+
+    kv: torch.Tensor  # [2, num_layers, num_tokens, num_kv_heads, head_dim]
+    token_ids: list[int]
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | None = None):
+    """Load (model, tokenizer) on CPU in eval mode.
+
+    Eager attention: it is the reference implementation, so the KV we keep is not shaped by a
+    fused kernel's numerics. `dtype=None` keeps the checkpoint's dtype (the serving dtype).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise CartridgeFormatError(
+            f"{model_dir} has no config.json: pass a local HF model directory (e.g. the path "
+            "printed by `python -m lmcache_cartridge.testmodel`)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=dtype if dtype is not None else "auto",
+        attn_implementation="eager",
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return model.to("cpu").eval(), tokenizer
+
+
+def cache_to_kv(past_key_values: Any) -> torch.Tensor:
+    """HF cache (per layer `[batch=1, kv_heads, T, head_dim]`) -> canonical `[2, L, T, H, D]`."""
+    if hasattr(past_key_values, "layers"):  # transformers >= 4.56 DynamicCache
+        pairs = [(layer.keys, layer.values) for layer in past_key_values.layers]
+    else:  # legacy tuple of (k, v) per layer
+        pairs = [(k, v) for k, v in past_key_values]
+    if any(k.shape[0] != 1 for k, _ in pairs):
+        raise ValueError("expected a batch of one sequence in the cache")
+    keys = torch.stack([k[0].permute(1, 0, 2) for k, _ in pairs])
+    values = torch.stack([v[0].permute(1, 0, 2) for _, v in pairs])
+    return torch.stack([keys, values]).contiguous()
+
+
+def kv_to_cache(kv: torch.Tensor, config: Any = None):
+    """Canonical `[2, L, T, H, D]` -> a DynamicCache the HF model accepts as `past_key_values`."""
+    from transformers import DynamicCache
+
+    if kv.dim() != 5 or kv.shape[0] != 2:
+        raise CartridgeFormatError(
+            f"KV must be [2, layers, tokens, kv_heads, head_dim], got {tuple(kv.shape)}"
+        )
+    per_layer = kv.permute(1, 0, 3, 2, 4).unsqueeze(2)  # [L, 2, 1, H, T, D]
+    layers = [(layer[0].contiguous(), layer[1].contiguous()) for layer in per_layer]
+    return DynamicCache(layers, config=config)
+
+
+def compute_prefix_kv(model: Any, token_ids: list[int]) -> torch.Tensor:
+    """KV of `token_ids` (positions 0..n-1) in the canonical layout, in the model's dtype."""
+    if not token_ids:
+        raise CartridgeFormatError("cannot compute KV for an empty token sequence")
+    limit = model.config.max_position_embeddings
+    if len(token_ids) > limit:
+        raise CartridgeFormatError(
+            f"{len(token_ids)} tokens exceed the model's max_position_embeddings ({limit}); "
+            "pass fewer tokens (max_tokens) or use a longer-context model"
+        )
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, use_cache=True)
+    return cache_to_kv(out.past_key_values)
+
+
+def sample_chunks(body_len: int, budget: int, chunk: int, seed: int) -> list[tuple[int, int]]:
+    """SCI: random non-overlapping `[start, end)` chunks of a sequence, in order, `budget` tokens.
+
+    Chunk starts are anywhere in the sequence (sorted random offsets into the tokens left over),
+    not on a fixed grid. The last chunk is cut short to hit the budget exactly;
+    chunks may abut, so two can read as one longer chunk.
+    """
+    if body_len <= budget:
+        return [(0, body_len)] if body_len else []
+    lengths = [chunk] * (budget // chunk) + ([budget % chunk] if budget % chunk else [])
+    free = body_len - budget
+    rng = random.Random(seed)
+    gaps = sorted(rng.randint(0, free) for _ in lengths)
+    spans, used = [], 0
+    for gap, length in zip(gaps, lengths):
+        spans.append((gap + used, gap + used + length))
+        used += length
+    return spans
+
+
+def create_first_k(
+    model_dir: str | Path,
+    text: str,
+    *,
+    max_tokens: int | None = None,
+    sci_chunk: int | None = None,
+    seed: int = 0,
+    model_and_tokenizer: tuple[Any, Any] | None = None,
+) -> CreatedCartridge:
+    """Cartridge from real text: the first `max_tokens` tokens (BOS included), or with `sci_chunk`
+    a BOS plus sampled document chunks (Sampled Chunk Initialization, Cartridges paper).
+
+    `model_and_tokenizer` lets callers that make several cartridges load the model once.
+    """
+    import transformers
+
+    if not text or not text.strip():
+        raise CartridgeFormatError(
+            "source text is empty: give the document the cartridge should hold"
+        )
+    if max_tokens is not None and max_tokens < 2:
+        raise CartridgeFormatError(
+            f"max_tokens={max_tokens} is too small: a cartridge needs BOS plus at least one token"
+        )
+    if sci_chunk is not None:
+        if sci_chunk < 1:
+            raise CartridgeFormatError(
+                f"sci_chunk must be a positive number of tokens, got {sci_chunk}"
+            )
+        if max_tokens is None:
+            raise CartridgeFormatError(
+                "sci_chunk needs max_tokens: SCI samples chunks up to a token budget"
+            )
+
+    model, tokenizer = model_and_tokenizer or load_model(model_dir)
+    doc = list(tokenizer(text)["input_ids"])
+    bos = model.config.bos_token_id
+    if not doc or doc[0] != bos:
+        raise CartridgeFormatError(
+            f"the tokenizer in {model_dir} does not prepend BOS (id {bos}); cartridges must start "
+            "with BOS to match what the engine computes for a prompt"
+        )
+
+    limit = model.config.max_position_embeddings
+    if sci_chunk is None:
+        method = "first_k"
+        token_ids = doc if max_tokens is None else doc[:max_tokens]
+        spans = None
+    else:
+        method = "sci"
+        spans = sample_chunks(len(doc) - 1, max_tokens - 1, sci_chunk, seed)
+        token_ids = [doc[0]] + [t for s, e in spans for t in doc[1 + s : 1 + e]]
+    if len(token_ids) > limit:
+        raise CartridgeFormatError(
+            f"the document is {len(doc)} tokens, longer than the model's "
+            f"max_position_embeddings ({limit}); pass max_tokens <= {limit} (or sci_chunk with "
+            "max_tokens) to keep part of it"
+        )
+
+    kv = compute_prefix_kv(model, token_ids)
+    provenance: dict[str, Any] = {
+        "model_dir": str(model_dir),
+        "model_name_or_path": getattr(model.config, "_name_or_path", None) or str(model_dir),
+        "method": method,
+        "max_tokens": max_tokens,
+        "sci_chunk": sci_chunk,
+        "seed": seed,
+        "source_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "source_num_tokens": len(doc),
+        "num_tokens": len(token_ids),
+        "transformers_version": transformers.__version__,
+    }
+    if spans is not None:
+        # Offsets into the document's tokens after BOS, so a cartridge can be re-derived.
+        provenance["sci_spans"] = [[s, e] for s, e in spans]
+    return CreatedCartridge(kv=kv, token_ids=[int(t) for t in token_ids], provenance=provenance)
