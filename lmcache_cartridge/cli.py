@@ -171,6 +171,138 @@ def cmd_test_model(args) -> int:
     return 0
 
 
+# --- registry ---------------------------------------------------------------------------------
+def _registry(args):
+    from .registry import Registry
+
+    if getattr(args, "config", None):
+        from .settings import PluginSettings
+        from .plugin import CartridgeStoragePlugin
+
+        return Registry(PluginSettings.from_config(_load_lmcache_config(args.config), CartridgeStoragePlugin).registry)
+    return Registry(args.registry)
+
+
+def _load_lmcache_config(path):
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    if not Path(path).is_file():
+        raise CartridgeError(f"{path}: no such LMCache config file")
+    try:
+        return LMCacheEngineConfig.from_file(str(path))
+    except Exception as e:  # LMCache raises assorted errors for bad YAML
+        raise CartridgeError(f"{path}: LMCache cannot load this config: {e}") from e
+
+
+def cmd_register(args) -> int:
+    from .packed import PackedCartridge, rechunk
+    from .paths import cache_root
+
+    path = Path(args.path).resolve()
+    with PackedCartridge(path) as packed:
+        m = packed.manifest
+        if args.chunk_size and m.chunk_size != args.chunk_size:
+            target = Path(args.packed_dir or cache_root() / "packed") / f"{m.cartridge_id}-c{args.chunk_size}"
+            rechunk(packed, target, args.chunk_size, overwrite=True)
+            print(f"re-chunked {m.cartridge_id} from {m.chunk_size} to {args.chunk_size} tokens -> {target}")
+            path = target
+    entry = _registry(args).register(path, source_uri=str(Path(args.path).resolve()), labels=args.label or [])
+    print(f"registered {entry.id} ({entry.kind}, {entry.num_tokens} tokens, model {entry.model}) from {entry.path}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    entries = _registry(args).list()
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps([asdict(e) for e in entries], indent=1))
+        return 0
+    if not entries:
+        print("no cartridges registered")
+        return 0
+    head = ("id", "kind", "model", "tokens", "chunk", "shape LxHxD", "dtype", "labels", "path")
+    rows = [(e.id, e.kind, e.model, str(e.num_tokens), str(e.chunk_size),
+             f"{e.num_layers}x{e.num_kv_heads}x{e.head_dim}", e.dtype, ",".join(e.labels) or "-", e.path)
+            for e in entries]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_remove(args) -> int:
+    if not _registry(args).remove(args.id):
+        raise CartridgeError(f"no cartridge {args.id!r} is registered")
+    print(f"removed {args.id} from the registry (its files were not touched)")
+    return 0
+
+
+def cmd_label(args) -> int:
+    e = _registry(args).label(args.id, add=args.add or [], remove=args.remove or [])
+    print(f"{e.id}: labels {', '.join(e.labels) or '-'}")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    """Check a config the way LMCache will load it, then every registered cartridge against it."""
+    from .keys import hash_config_problem
+    from .packed import PackedCartridge
+    from .plugin import CartridgeStoragePlugin
+    from .registry import Registry
+    from .settings import PluginSettings
+
+    results: list[tuple[str, str]] = []
+
+    def check(level: str, msg: str) -> None:
+        results.append((level, msg))
+        print(f"{level:<4}  {msg}")
+
+    config = _load_lmcache_config(args.config)
+    check("OK", f"{args.config} loads as an LMCacheEngineConfig")
+    try:
+        settings = PluginSettings.from_config(config, CartridgeStoragePlugin)
+        check("OK", f"storage plugin '{settings.name}' -> {CartridgeStoragePlugin.__module__}.{CartridgeStoragePlugin.__name__}")
+    except CartridgeError as e:
+        check("FAIL", f"plugin not configured: {e}")
+        return EXIT_PROBLEMS
+    if not config.local_cpu or not config.max_local_cpu_size or config.max_local_cpu_size <= 0:
+        check("FAIL", "local_cpu must be true and max_local_cpu_size > 0: LocalCPUBackend is the allocator the plugin fills")
+    else:
+        check("OK", f"LocalCPUBackend allocator: {config.max_local_cpu_size} GB")
+    if config.store_location != "LocalCPUBackend":
+        check("WARN", f"store_location is {config.store_location!r}; set it to LocalCPUBackend so puts never reach the read-only plugin")
+    problem = hash_config_problem(config.pre_caching_hash_algorithm)
+    check("FAIL" if problem and not settings.allow_unstable_hash else "OK",
+          problem or f"hash {config.pre_caching_hash_algorithm}: scheduler and workers agree on keys")
+    if config.use_layerwise:
+        check("FAIL", "use_layerwise: true is not supported by the cartridge plugin")
+    try:
+        entries = Registry(settings.registry).list()
+        check("OK", f"registry {settings.registry}: {len(entries)} cartridges")
+    except CartridgeError as e:
+        check("FAIL", str(e))
+        entries = []
+    for e in entries:
+        try:
+            with PackedCartridge(e.path) as p:
+                m = p.manifest
+                report = p.verify() if args.verify else None
+        except CartridgeError as err:
+            check("FAIL", f"{e.id}: {err}")
+            continue
+        if m.chunk_size != config.chunk_size:
+            check("FAIL", f"{e.id}: packed with chunk_size {m.chunk_size}, config uses {config.chunk_size}; "
+                          f"re-register with --chunk-size {config.chunk_size}")
+        elif args.model and m.model != args.model and m.model not in settings.accept_models:
+            check("FAIL", f"{e.id}: made for model {m.model!r}, not {args.model!r}")
+        elif report is not None and not report.ok:
+            check("FAIL", f"{e.id}: " + "; ".join(report.problems))
+        else:
+            check("OK", f"{e.id}: {m.kind}, {m.num_full_chunks} servable chunks, model {m.model}")
+    return EXIT_PROBLEMS if any(level == "FAIL" for level, _ in results) else 0
+
+
 # --- parser -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmcache-cartridge", description=__doc__.splitlines()[0])
@@ -219,6 +351,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("test-model", cmd_test_model, "build (once) the tiny local test model and print its directory")
     sp.add_argument("--root")
+
+    def reg_opts(sp):
+        sp.add_argument("--registry", help="registry database (default: $LMCACHE_CARTRIDGE_HOME/registry.db)")
+        sp.add_argument("--config", help="LMCache YAML: use its plugin's registry")
+
+    sp = add("register", cmd_register, "add a packed cartridge to the registry (servers pick it up without restart)")
+    sp.add_argument("path")
+    sp.add_argument("--label", action="append")
+    sp.add_argument("--chunk-size", type=int, help="serving chunk_size: re-chunk a copy if the cartridge differs")
+    sp.add_argument("--packed-dir", help="where re-chunked copies go (default: $LMCACHE_CARTRIDGE_HOME/packed)")
+    reg_opts(sp)
+
+    sp = add("list", cmd_list, "list registered cartridges")
+    sp.add_argument("--json", action="store_true")
+    reg_opts(sp)
+
+    sp = add("remove", cmd_remove, "remove a cartridge from the registry (files are kept)")
+    sp.add_argument("id")
+    reg_opts(sp)
+
+    sp = add("label", cmd_label, "add or remove labels")
+    sp.add_argument("id")
+    sp.add_argument("--add", action="append")
+    sp.add_argument("--remove", action="append")
+    reg_opts(sp)
+
+    sp = add("doctor", cmd_doctor, "check an LMCache config and its registered cartridges as the server will load them")
+    sp.add_argument("--config", required=True)
+    sp.add_argument("--model", help="the model name the server will use (vLLM --model)")
+    sp.add_argument("--verify", action="store_true", help="also recompute every chunk checksum")
     return p
 
 

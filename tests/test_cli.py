@@ -1,0 +1,154 @@
+"""The `lmcache-cartridge` console script, run as a user would (subprocess, real files)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import random_kv
+
+BIN = Path(sys.executable).parent / "lmcache-cartridge"
+
+
+def cli(*args, home, check=True):
+    env = {**os.environ, "LMCACHE_CARTRIDGE_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    r = subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _paper_pt(path, tokens=64, layers=2, heads=2, dim=8, seed=0):
+    kv = random_kv(layers, tokens, heads, dim, seed=seed)
+    torch.save({"trainable_keys": [kv[0, i].permute(1, 0, 2)[None] for i in range(layers)],
+                "trainable_values": [kv[1, i].permute(1, 0, 2)[None] for i in range(layers)]}, path)
+    return kv
+
+
+def test_pack_inspect_verify_register_list_label_remove(tmp_path):
+    kv = _paper_pt(tmp_path / "paper.pt")
+    r = cli("pack", tmp_path / "paper.pt", "-o", tmp_path / "p", "--model", "m", "--vocab-size", "500",
+            "--special-id", "0", "--chunk-size", "32", "--label", "demo", home=tmp_path)
+    assert "packed paper (trained): 64 tokens, 2 chunks" in r.stdout
+    assert "pack paper" in r.stderr  # progress bar
+    r = cli("inspect", tmp_path / "p", home=tmp_path)
+    assert "trained" in r.stdout and "2 x 2 x 8" in r.stdout and "64 (2 full chunks of 32)" in r.stdout
+    m = json.loads(cli("inspect", "--json", tmp_path / "p", home=tmp_path).stdout)
+    assert m["num_tokens"] == 64 and len(m["chunks"]) == 2 and m["labels"] == ["demo"]
+    assert "OK: paper: 2 chunks" in cli("verify", tmp_path / "p", home=tmp_path).stdout
+
+    r = cli("register", tmp_path / "p", "--label", "extra", home=tmp_path)
+    assert "registered paper (trained, 64 tokens" in r.stdout
+    listing = cli("list", home=tmp_path).stdout
+    assert "paper" in listing and "demo,extra" in listing
+    cli("label", "paper", "--add", "x", "--remove", "demo", home=tmp_path)
+    entries = json.loads(cli("list", "--json", home=tmp_path).stdout)
+    assert entries[0]["labels"] == ["extra", "x"] and Path(entries[0]["path"]) == (tmp_path / "p").resolve()
+    assert "removed paper" in cli("remove", "paper", home=tmp_path).stdout
+    assert "no cartridges registered" in cli("list", home=tmp_path).stdout
+    assert (tmp_path / "p" / "kv.bin").exists()  # remove never deletes files
+
+
+def test_register_rechunks_to_serving_chunk_size(tmp_path):
+    kv = _paper_pt(tmp_path / "paper.pt", tokens=64)
+    cli("pack", tmp_path / "paper.pt", "-o", tmp_path / "p", "--model", "m", "--vocab-size", "500",
+        "--chunk-size", "16", "-q", home=tmp_path)
+    r = cli("register", tmp_path / "p", "--chunk-size", "32", home=tmp_path)
+    assert "re-chunked paper from 16 to 32" in r.stdout
+    entry = json.loads(cli("list", "--json", home=tmp_path).stdout)[0]
+    assert entry["chunk_size"] == 32
+    from lmcache_cartridge.packed import PackedCartridge
+    assert torch.equal(PackedCartridge(entry["path"]).load_kv(), kv)
+    r = cli("register", tmp_path / "p", "--chunk-size", "48", home=tmp_path, check=False)
+    assert r.returncode == 2 and "not a multiple of chunk_size 48" in r.stderr
+
+
+def test_verify_flags_flipped_byte_with_exit_1(tmp_path):
+    _paper_pt(tmp_path / "paper.pt")
+    cli("pack", tmp_path / "paper.pt", "-o", tmp_path / "p", "--model", "m", "--vocab-size", "500",
+        "--chunk-size", "32", "-q", home=tmp_path)
+    with open(tmp_path / "p" / "kv.bin", "r+b") as f:
+        f.seek(40)
+        b = f.read(1)
+        f.seek(40)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = cli("verify", tmp_path / "p", home=tmp_path, check=False)
+    assert r.returncode == 1 and "FAIL" in r.stdout and "chunk 0 checksum mismatch" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["verify", "/nonexistent/x"], "not found"),
+    (["pack", "/nonexistent.pt", "-o", "out", "--model", "m"], "no such file"),
+    (["remove", "ghost"], "no cartridge 'ghost'"),
+    (["doctor", "--config", "/nonexistent.yaml"], "no such LMCache config"),
+])
+def test_user_mistakes_are_one_line_exit_2(tmp_path, args, needle):
+    r = cli(*args, home=tmp_path, check=False)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len([l for l in r.stderr.splitlines() if l.startswith("lmcache-cartridge: error")]) == 1
+
+
+def test_malicious_pickle_via_cli(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"token_ids": [1, 2], "metadata": Evil()}, tmp_path / "evil.pt")
+    r = cli("pack", tmp_path / "evil.pt", "-o", tmp_path / "o", "--model", "m", home=tmp_path, check=False)
+    assert r.returncode == 2 and "refused to load" in r.stderr and not marker.exists()
+
+
+def test_create_then_pack_token_only_matches(tmp_path):
+    """create (text -> first-k) and pack of a token-only .pt give the same KV for the same tokens."""
+    from lmcache_cartridge.testmodel import ensure_test_model
+    from lmcache_cartridge.packed import PackedCartridge
+
+    model_dir = ensure_test_model(tmp_path / "models")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse on Gannet Rock shows two white flashes every fifteen seconds. " * 8)
+    r = cli("create", "--model-dir", model_dir, "--text", doc, "-o", tmp_path / "c", "--max-tokens", "100",
+            "--chunk-size", "32", "--id", "gannet", "-q", home=tmp_path)
+    assert "created gannet: 100 tokens" in r.stdout
+    created = PackedCartridge(tmp_path / "c")
+    assert created.manifest.kind == "first_k" and created.manifest.token_ids[0] == 1  # BOS belongs to the cartridge
+    torch.save({"token_ids": created.manifest.token_ids, "metadata": {"model": str(model_dir)}}, tmp_path / "t.pt")
+    cli("pack", tmp_path / "t.pt", "-o", tmp_path / "t", "--model-dir", model_dir, "--chunk-size", "32", "-q",
+        home=tmp_path)
+    assert torch.equal(PackedCartridge(tmp_path / "t").load_kv(), created.load_kv())
+    r = cli("pack", tmp_path / "t.pt", "-o", tmp_path / "t2", "--chunk-size", "32", home=tmp_path, check=False)
+    assert r.returncode == 2 and "--model-dir" in r.stderr
+
+
+def test_doctor_reports_problems(tmp_path):
+    import yaml
+
+    cfg = yaml.safe_load(Path(__file__).parents[1].joinpath("configs/lmcache-cartridge.yaml").read_text())
+    cfg["extra_config"]["storage_plugin.cartridge.registry"] = str(tmp_path / "reg.db")
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(cfg))
+    _paper_pt(tmp_path / "paper.pt", tokens=512)
+    cli("pack", tmp_path / "paper.pt", "-o", tmp_path / "p", "--model", "m", "--vocab-size", "500", "-q",
+        "--chunk-size", "128", home=tmp_path)
+    cli("register", tmp_path / "p", "--config", good, home=tmp_path)
+    r = cli("doctor", "--config", good, home=tmp_path, check=False)
+    assert r.returncode == 1 and "re-register with --chunk-size 256" in r.stdout
+    cli("register", tmp_path / "p", "--config", good, "--chunk-size", "256", home=tmp_path)
+    r = cli("doctor", "--config", good, "--model", "m", "--verify", home=tmp_path)
+    assert "OK    paper: trained, 2 servable chunks" in r.stdout
+    bad = dict(cfg, pre_caching_hash_algorithm="builtin", store_location="LocalDiskBackend")
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    env_seed = os.environ.pop("PYTHONHASHSEED", None)
+    try:
+        r = cli("doctor", "--config", tmp_path / "bad.yaml", home=tmp_path, check=False)
+    finally:
+        if env_seed is not None:
+            os.environ["PYTHONHASHSEED"] = env_seed
+    assert r.returncode == 1 and "PYTHONHASHSEED unset" in r.stdout and "WARN  store_location" in r.stdout
