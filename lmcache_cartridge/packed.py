@@ -179,6 +179,15 @@ def _content_hash(kv: torch.Tensor, chunks: list[ChunkInfo], chunk_size: int) ->
     return h.hexdigest()
 
 
+def check_chunk(info: ChunkInfo, buf: memoryview, where: str) -> None:
+    """Raise `ChecksumError` unless `buf` hashes to the manifest's sha256 for this chunk."""
+    if hashlib.sha256(buf).hexdigest() != info.sha256:
+        raise ChecksumError(
+            f"{where}: chunk {info.index} checksum mismatch (corrupted or replaced bytes); "
+            "re-pack or re-download the cartridge"
+        )
+
+
 @dataclass
 class VerifyReport:
     ok: bool
@@ -226,10 +235,9 @@ class PackedCartridge:
     def chunk_shape(self, index: int) -> tuple[int, int, int, int]:
         return self.manifest.chunk_shape(self.manifest.chunks[index].num_tokens)
 
-    def read_chunk_into(self, index: int, out: torch.Tensor, *, verify: bool = True) -> None:
-        """Read chunk `index` straight into `out` (contiguous, exactly the chunk's bytes)."""
+    def read_raw_into(self, index: int, buf: memoryview) -> None:
+        """Chunk `index`'s bytes into `buf` (exactly the chunk's size), unverified."""
         info = self.manifest.chunks[index]
-        buf = as_bytes(out)
         if buf.nbytes != info.nbytes:
             raise ValueError(f"buffer of {buf.nbytes} bytes for a chunk of {info.nbytes}")
         fd, done = self._fileno(), 0
@@ -238,13 +246,13 @@ class PackedCartridge:
             if n <= 0:
                 raise ManifestError(f"{self.payload_path}: unexpected end of payload in chunk {index}")
             done += n
+
+    def read_chunk_into(self, index: int, out: torch.Tensor, *, verify: bool = True) -> None:
+        """Read chunk `index` straight into `out` (contiguous, exactly the chunk's bytes)."""
+        buf = as_bytes(out)
+        self.read_raw_into(index, buf)
         if verify:
-            digest = hashlib.sha256(buf).hexdigest()
-            if digest != info.sha256:
-                raise ChecksumError(
-                    f"{self.payload_path}: chunk {index} checksum mismatch (payload corrupted); "
-                    "re-pack or re-download the cartridge"
-                )
+            check_chunk(self.manifest.chunks[index], buf, str(self.payload_path))
 
     def read_chunk(self, index: int, *, verify: bool = True) -> torch.Tensor:
         out = torch.empty(self.chunk_shape(index), dtype=self.manifest.torch_dtype)

@@ -30,10 +30,13 @@ from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .compat import EngineShape, mismatch, rank_slice
-from .errors import CartridgeError
+from .errors import CartridgeError, ChecksumError
 from .keys import ChunkKeyMapper, hash_config_problem
-from .packed import PackedCartridge
+from .manifest import Manifest
+from .metrics import Metrics
+from .origins import is_s3, open_origin
 from .registry import Entry, Registry
+from .residency import DiskTier, Handle, MemoryTier, Residency
 from .settings import PluginSettings
 
 logger = logging.getLogger("lmcache_cartridge.plugin")
@@ -44,7 +47,7 @@ class Served:
     """One cartridge this process serves: its open payload, its keys and which columns to copy."""
 
     entry: Entry
-    packed: PackedCartridge
+    handle: Handle
     keys: list[Any]
     columns: slice
     whole_rows: bool  # True when this rank serves every head: read straight into the buffer
@@ -56,7 +59,6 @@ class _State:
     index: dict[Any, tuple[str, int]] = field(default_factory=dict)  # key -> (id, chunk)
     draining: dict[Any, tuple[Served, int]] = field(default_factory=dict)  # removed but pinned
     pins: dict[Any, int] = field(default_factory=dict)
-    verified: set[tuple[str, int]] = field(default_factory=set)      # (content_hash, chunk)
     skipped: dict[str, str] = field(default_factory=dict)            # id -> why not served
 
 
@@ -84,12 +86,19 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 self.healthy, self.problem = False, problem
                 logger.error("lmcache_cartridge: serving no cartridges: %s", problem)
             self.mapper = ChunkKeyMapper(config, metadata)
+            self.metrics = Metrics()
+            st = self.settings
+            self.residency = Residency(
+                MemoryTier("cpu", st.cpu_budget_bytes, metrics=self.metrics),
+                DiskTier(st.cache_dir / "chunks", st.disk_budget_bytes, metrics=self.metrics),
+                self.metrics, prefetch=st.prefetch)
             self.registry = Registry(self.settings.registry)
             self._version = -1
             self.refresh()
             self._watcher = threading.Thread(target=self._watch, name="cartridge-registry-watch",
                                              daemon=True)
             self._watcher.start()
+            self._preload()
             logger.info("lmcache_cartridge: %s", self.summary())
         except Exception as e:
             logger.error("lmcache_cartridge plugin failed to start: %s: %s", type(e).__name__, e)
@@ -121,7 +130,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             current = self._state.served
         keep = {i for i, s in current.items()
                 if i in entries and entries[i].content_hash == s.entry.content_hash
-                and entries[i].path == s.entry.path}
+                and entries[i].path == s.entry.path and entries[i].epoch == s.entry.epoch}
         added: dict[str, Served] = {}
         skipped: dict[str, str] = {}
         if self.healthy:
@@ -136,7 +145,11 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         with self._lock:
             st = self._state
             for cid in [c for c in st.served if c not in keep]:
-                self._retire(st.served.pop(cid))
+                old = st.served.pop(cid)
+                self._retire(old)
+                new = entries.get(cid)
+                if new is not None and new.epoch != old.entry.epoch:  # force_redownload
+                    self.residency.forget(old.handle.content_hash, disk=True)
             st.served.update(added)
             st.index = {k: (cid, i) for cid, s in st.served.items() for i, k in enumerate(s.keys)}
             st.skipped = skipped
@@ -145,30 +158,46 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         return True
 
     def _open(self, entry: Entry) -> Served:
-        packed = PackedCartridge(entry.path)
-        m = packed.manifest
+        m = Manifest.load(entry.path)
         if m.cartridge_id != entry.id or m.content_hash != entry.content_hash:
-            packed.close()
             raise CartridgeError(f"{entry.path} no longer holds what was registered; re-register it")
         why = mismatch(m, self.shape)
         if why:
-            packed.close()
             raise CartridgeError(why)
+        s3 = self._s3_settings() if is_s3(entry.source_uri) else None
+        origin = open_origin(entry.source_uri, entry.path, s3)
         keys = self.mapper.keys(m.token_ids)
         cols = rank_slice(m, self.shape)
-        return Served(entry, packed, keys, cols, whole_rows=(cols.stop - cols.start) == m.hidden_dim)
+        return Served(entry, Handle(m, origin, servable=len(keys)), keys, cols, whole_rows=(cols.stop - cols.start) == m.hidden_dim)
+
+    def _s3_settings(self):
+        from .s3 import S3Settings
+
+        return S3Settings.from_mapping(self.settings.s3)
 
     def _retire(self, s: Served) -> None:
-        """Stop serving `s` (lock held): pinned chunks drain; LMCache's CPU copies are dropped."""
+        """Stop serving `s` (lock held): pinned chunks drain; cached copies are dropped."""
         st = self._state
         for i, key in enumerate(s.keys):
             if st.pins.get(key):
                 st.draining[key] = (s, i)
             if self.local_cpu_backend is not None:
                 self.local_cpu_backend.remove(key, force=True)
+        self.residency.forget(s.handle.content_hash)
         if not any(d[0] is s for d in st.draining.values()):
-            s.packed.close()
+            s.handle.origin.close()
         logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
+
+    def _preload(self) -> None:
+        """Warm the configured cartridges in the background (ids or labels)."""
+        with self._lock:
+            served = dict(self._state.served)
+        for name in self.settings.preload:
+            s = served.get(name) or next((v for v in served.values() if name in v.entry.labels), None)
+            if s is None:
+                logger.warning("lmcache_cartridge: preload %r: no such served cartridge", name)
+                continue
+            self.residency.prefetch_async(s.handle)
 
     def _watch(self) -> None:
         while not self._closed.wait(self.settings.refresh_seconds):
@@ -184,6 +213,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 return False
             if pin:
                 self._state.pins[key] = self._state.pins.get(key, 0) + 1
+                cid, idx = self._state.index[key]
+                self.residency.cpu.pin((self._state.served[cid].handle.content_hash, idx))
             return True
 
     def batched_contains(self, keys, pin: bool = False) -> int:
@@ -210,11 +241,14 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             n = st.pins.get(key, 0)
             if n <= 0:
                 return False
+            found = self._locate(key)
+            if found is not None:
+                self.residency.cpu.unpin((found[0].handle.content_hash, found[1]))
             if n == 1:
                 del st.pins[key]
                 drained = st.draining.pop(key, None)
                 if drained and not any(d[0] is drained[0] for d in st.draining.values()):
-                    drained[0].packed.close()
+                    drained[0].handle.origin.close()
             else:
                 st.pins[key] = n - 1
             return True
@@ -237,7 +271,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         if found is None or self.local_cpu_backend is None:
             return None
         served, index = found
-        m = served.packed.manifest
+        m = served.handle.manifest
         tokens = m.chunks[index].num_tokens
         cols = served.columns
         obj = self.local_cpu_backend.allocate(
@@ -246,25 +280,24 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         if obj is None:  # allocator full: a miss, the request recomputes
             logger.warning("lmcache_cartridge: allocator full, chunk %d of %r not served", index, m.cartridge_id)
             return None
-        tag = (m.content_hash, index)
-        verify = tag not in self._state.verified
         try:
             if served.whole_rows:
-                served.packed.read_chunk_into(index, obj.tensor, verify=verify)
+                self.residency.read_into(served.handle, index, obj.tensor)
             else:
-                obj.tensor.copy_(served.packed.read_chunk(index, verify=verify)[..., cols])
-        except (CartridgeError, OSError) as e:
+                full = torch.empty(m.chunk_shape(tokens), dtype=m.torch_dtype)
+                self.residency.read_into(served.handle, index, full)
+                obj.tensor.copy_(full[..., cols])
+        except Exception as e:  # never let a bad chunk reach LMCache or kill the worker
             obj.ref_count_down()
-            logger.error("lmcache_cartridge: chunk %d of %r not served: %s", index, m.cartridge_id, e)
-            self._quarantine(served, str(e))
+            logger.error("lmcache_cartridge: chunk %d of %r not served (request recomputes): %s",
+                         index, m.cartridge_id, e)
+            if isinstance(e, ChecksumError) and served.handle.origin.local:
+                self._quarantine(served, str(e))
             return None
-        if verify:
-            with self._lock:
-                self._state.verified.add(tag)
         return obj
 
     def _quarantine(self, served: Served, why: str) -> None:
-        """A cartridge whose bytes are bad is never served again by this process."""
+        """A cartridge whose origin bytes are bad is not served again until re-registered."""
         with self._lock:
             st = self._state
             if st.served.get(served.entry.id) is served:
@@ -308,9 +341,11 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             self._watcher.join(timeout=5)
         with self._lock:
             for s in self._state.served.values():
-                s.packed.close()
+                s.handle.origin.close()
             for s, _ in self._state.draining.values():
-                s.packed.close()
+                s.handle.origin.close()
             self._state = _State()
+        if getattr(self, "residency", None) is not None:
+            self.residency.close()
         if getattr(self, "registry", None) is not None:
             self.registry.close()

@@ -35,7 +35,8 @@ CREATE TABLE IF NOT EXISTS cartridges (
     content_hash  TEXT NOT NULL,
     labels        TEXT NOT NULL DEFAULT '[]',
     state         TEXT NOT NULL DEFAULT 'ready',
-    added_at      REAL NOT NULL
+    added_at      REAL NOT NULL,
+    epoch         INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS cartridges_state ON cartridges(state);
 """
@@ -68,6 +69,7 @@ class Entry:
     labels: list[str] = field(default_factory=list)
     state: str = "ready"
     added_at: float = 0.0
+    epoch: int = 0  # bumped by force_redownload: servers drop cached copies of the old bytes
 
 
 _COLUMNS = [f for f in Entry.__dataclass_fields__]
@@ -112,19 +114,30 @@ class Registry:
 
     # --- writes ------------------------------------------------------------------------------
     def register(self, directory: str | Path, *, source_uri: str | None = None,
-                 labels: list[str] | tuple[str, ...] = (), replace: bool = True) -> Entry:
-        """Index a packed cartridge directory (validated: manifest and payload size)."""
+                 labels: list[str] | tuple[str, ...] = (), replace: bool = True,
+                 force_redownload: bool = False) -> Entry:
+        """Index a packed cartridge directory (validated: manifest, and payload size if local).
+
+        For an S3 cartridge `directory` holds only its manifest and `source_uri` is the
+        `s3://` prefix the chunks are fetched from.
+        """
         directory = Path(directory).resolve()
-        with PackedCartridge(directory) as packed:
-            m: Manifest = packed.manifest
+        if source_uri and source_uri.startswith("s3://"):
+            m: Manifest = Manifest.load(directory)
+        else:
+            with PackedCartridge(directory) as packed:
+                m = packed.manifest
+        previous = self.get(m.cartridge_id)
+        epoch = (previous.epoch if previous else 0) + (1 if force_redownload else 0)
         all_labels = sorted(set(m.labels) | set(labels))
         entry = Entry(
             id=m.cartridge_id, path=str(directory), source_uri=source_uri or str(directory),
             model=m.model, kind=m.kind, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim, dtype=m.dtype, num_tokens=m.num_tokens, chunk_size=m.chunk_size,
             content_hash=m.content_hash, labels=all_labels, state="ready", added_at=time.time(),
+            epoch=epoch,
         )
-        if not replace and self.get(entry.id) is not None:
+        if not replace and previous is not None:
             raise RegistryError(f"cartridge {entry.id!r} is already registered")
         values = [getattr(entry, c) for c in _COLUMNS]
         values[_COLUMNS.index("labels")] = json.dumps(all_labels)

@@ -39,6 +39,10 @@ class PluginSettings:
     preload: tuple[str, ...] = ()
     accept_models: tuple[str, ...] = ()
     allow_unstable_hash: bool = False
+    cpu_budget_bytes: int = 2 << 30
+    disk_budget_bytes: int = 20 << 30
+    prefetch: bool = True
+    s3: dict[str, str] = field(default_factory=dict)  # endpoint_url, region, ... (see s3.S3Settings)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -59,6 +63,10 @@ class PluginSettings:
                 preload=tuple(_as_list(get("preload"))),
                 accept_models=tuple(_as_list(get("accept_models"))),
                 allow_unstable_hash=_as_bool(get("allow_unstable_hash", False)),
+                cpu_budget_bytes=int(float(get("cpu_budget_gb", 2)) * (1 << 30)),
+                disk_budget_bytes=int(float(get("disk_budget_gb", 20)) * (1 << 30)),
+                prefetch=_as_bool(get("prefetch", True)),
+                s3={k[len(p) + 3:]: v for k, v in extra.items() if k.startswith(p + "s3.")},
                 extra={k[len(p):]: v for k, v in extra.items() if k.startswith(p)},
             )
         except (TypeError, ValueError) as e:

@@ -31,6 +31,8 @@ def write_yaml(tmp_path: Path, registry: Path, **overrides) -> Path:
             "storage_plugin.cartridge.class_name": "CartridgeStoragePlugin",
             "storage_plugin.cartridge.registry": str(registry),
             "storage_plugin.cartridge.refresh_seconds": 0.1,
+            "storage_plugin.cartridge.cache_dir": str(tmp_path / "cache"),
+            "storage_plugin.cartridge.prefetch": False,
         },
     }
     cfg.update(overrides)
@@ -88,7 +90,7 @@ def test_loaded_by_lmcache_and_serves_bit_exact(carts):
             assert torch.equal(got[:, :, :full].view(torch.uint8), flat(kv)[:, :, :full].view(torch.uint8))
             assert not got[:, :, full:].any()  # the partial chunk and user tokens were not loaded
         # the plugin, not LMCache's CPU cache, served them: every chunk was verified by the plugin
-        assert len(plugin._state.verified) == a.num_full_chunks + b.num_full_chunks
+        assert plugin.residency.origin_reads == a.num_full_chunks + b.num_full_chunks
 
 
 def test_no_cross_talk_unknown_and_extended_prompts(carts):

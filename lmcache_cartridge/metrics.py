@@ -1,0 +1,92 @@
+"""Per-tier counters: kept per plugin instance (for `lmcache-cartridge stats`) and mirrored to
+prometheus_client, as LMCache does, under `lmcache_cartridge_*` names with a `tier` label."""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@functools.lru_cache(maxsize=1)
+def _prometheus():
+    """Collectors are process-wide by prometheus' design: create them once per process."""
+    try:
+        from prometheus_client import Counter, Histogram
+    except ImportError:  # metrics are optional
+        return None
+    return {
+        "hits": Counter("lmcache_cartridge_hits", "chunk reads served by a tier", ["tier"]),
+        "misses": Counter("lmcache_cartridge_misses", "chunk reads a tier could not serve", ["tier"]),
+        "bytes": Counter("lmcache_cartridge_bytes", "bytes served by a tier", ["tier"]),
+        "evictions": Counter("lmcache_cartridge_evictions", "chunks evicted from a tier", ["tier"]),
+        "errors": Counter("lmcache_cartridge_errors", "failed chunk reads (served as misses)", ["tier"]),
+        "latency": Histogram("lmcache_cartridge_read_seconds", "chunk read latency", ["tier"],
+                             buckets=LATENCY_BUCKETS),
+    }
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    bytes: int = 0
+    evictions: int = 0
+    errors: int = 0
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+
+
+class Metrics:
+    """Counters for one plugin instance. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.tiers: dict[str, TierStats] = {}
+
+    def _tier(self, tier: str) -> TierStats:
+        return self.tiers.setdefault(tier, TierStats())
+
+    def _inc(self, what: str, tier: str, n: int = 1) -> None:
+        with self._lock:
+            s = self._tier(tier)
+            setattr(s, what, getattr(s, what) + n)
+        prom = _prometheus()
+        if prom is not None:
+            prom[what].labels(tier=tier).inc(n)
+
+    def hit(self, tier: str, nbytes: int, seconds: float) -> None:
+        self._inc("hits", tier)
+        self._inc("bytes", tier, nbytes)
+        with self._lock:
+            self._tier(tier).latency_buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        prom = _prometheus()
+        if prom is not None:
+            prom["latency"].labels(tier=tier).observe(seconds)
+
+    def miss(self, tier: str) -> None:
+        self._inc("misses", tier)
+
+    def eviction(self, tier: str, n: int = 1) -> None:
+        self._inc("evictions", tier, n)
+
+    def error(self, tier: str) -> None:
+        self._inc("errors", tier)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"tiers": {t: asdict(s) for t, s in self.tiers.items()},
+                    "latency_bucket_bounds": list(LATENCY_BUCKETS), "time": time.time()}
+
+    def dump(self, directory: Path, name: str) -> None:
+        """Write the snapshot where `lmcache-cartridge stats` finds it (atomic replace)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{name}.tmp"
+        tmp.write_text(json.dumps(self.snapshot()))
+        os.replace(tmp, directory / f"{name}.json")

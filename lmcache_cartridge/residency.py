@@ -1,0 +1,416 @@
+"""Tiered residency for cartridge chunks: CPU memory -> local disk cache -> origin (local or S3).
+
+Where it runs: inside each plugin instance (one per LMCache engine / vLLM worker rank). The hot
+path (`read_into`) is called from LMCache's retrieve on the worker thread and copies exactly the
+chunk asked for; everything else (prefetching a cartridge's other chunks, writing downloads to
+the disk cache, preloading) runs on a small background thread pool.
+
+Who owns what: each tier owns its bytes and its LRU order; `Residency` owns the in-flight table
+(single flight: N concurrent misses on one chunk make one origin read) and the set of chunks this
+process has verified. A chunk is identified by `(content_hash, index)`, so two cartridges never
+share bytes and a re-packed cartridge never reuses stale ones.
+
+Invariant: nothing unverified is served or cached. Origin bytes are checked against the
+manifest's sha256 before use; disk-cache files are checked on their first read in a process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CartridgeError, ChecksumError
+from .manifest import Manifest
+from .metrics import Metrics
+from .origins import Origin
+from .packed import as_bytes, check_chunk
+
+logger = logging.getLogger("lmcache_cartridge.residency")
+
+ChunkId = tuple[str, int]  # (content_hash, chunk index)
+
+
+@dataclass
+class Handle:
+    """A served cartridge as residency sees it: what to read and where it comes from."""
+
+    manifest: Manifest
+    origin: Origin
+    servable: int | None = None  # chunks LMCache can look up (keyed); None = all
+
+    @property
+    def content_hash(self) -> str:
+        return self.manifest.content_hash
+
+
+# --- memory tier ------------------------------------------------------------------------------
+class MemoryTier:
+    """Byte-budgeted LRU of whole chunks in memory on one device (CPU, or CUDA for the GPU tier).
+
+    Device-agnostic on purpose: the same logic is tested on CPU and used on CUDA. Pinned chunks
+    (in use by a lookup) are never evicted.
+    """
+
+    def __init__(self, name: str, budget_bytes: int, device: str = "cpu", metrics: Metrics | None = None) -> None:
+        self.name, self.budget, self.device = name, int(budget_bytes), torch.device(device)
+        self.metrics = metrics or Metrics()
+        self._pin_host = self.device.type == "cpu" and torch.cuda.is_available()
+        self._lock = threading.Lock()
+        self._chunks: OrderedDict[ChunkId, torch.Tensor] = OrderedDict()
+        self._pins: dict[ChunkId, int] = {}
+        self.used = 0
+
+    def __contains__(self, cid: ChunkId) -> bool:
+        with self._lock:
+            return cid in self._chunks
+
+    def keys(self) -> list[ChunkId]:
+        with self._lock:
+            return list(self._chunks)
+
+    def get_into(self, cid: ChunkId, out: torch.Tensor) -> bool:
+        """Copy a resident chunk into `out` (flat uint8); True on a hit. A hit refreshes LRU."""
+        with self._lock:
+            data = self._chunks.get(cid)
+            if data is None:
+                return False
+            self._chunks.move_to_end(cid)
+            out.copy_(data)  # under the lock: eviction cannot free it mid-copy
+        return True
+
+    def put(self, cid: ChunkId, data: torch.Tensor) -> bool:
+        """Keep a copy of `data` (flat uint8) if the budget allows after evicting unpinned LRU."""
+        n = data.numel()
+        if n > self.budget:
+            return False
+        with self._lock:
+            if cid in self._chunks:
+                self._chunks.move_to_end(cid)
+                return True
+            if not self._make_room(n):
+                return False
+            copy = torch.empty(n, dtype=torch.uint8, device=self.device, pin_memory=self._pin_host)
+            copy.copy_(data)
+            self._chunks[cid] = copy
+            self.used += n
+        return True
+
+    def _make_room(self, n: int) -> bool:
+        evicted = 0
+        for victim in list(self._chunks):
+            if self.used + n <= self.budget:
+                break
+            if self._pins.get(victim):
+                continue
+            self.used -= self._chunks.pop(victim).numel()
+            evicted += 1
+        if evicted:
+            self.metrics.eviction(self.name, evicted)
+        return self.used + n <= self.budget
+
+    def pin(self, cid: ChunkId) -> None:
+        with self._lock:
+            self._pins[cid] = self._pins.get(cid, 0) + 1
+
+    def unpin(self, cid: ChunkId) -> None:
+        with self._lock:
+            n = self._pins.get(cid, 0) - 1
+            if n > 0:
+                self._pins[cid] = n
+            else:
+                self._pins.pop(cid, None)
+
+    def discard(self, content_hash: str) -> int:
+        """Drop every chunk of one cartridge (removal, force_redownload); pinned ones included."""
+        with self._lock:
+            victims = [c for c in self._chunks if c[0] == content_hash]
+            for c in victims:
+                self.used -= self._chunks.pop(c).numel()
+        return len(victims)
+
+
+# --- disk tier --------------------------------------------------------------------------------
+class DiskTier:
+    """Local disk cache of chunks fetched from remote origins; survives restarts.
+
+    Layout: `root/<content_hash>/<index>.chunk`, each written to a temp file and renamed, so a
+    crash leaves either nothing or a whole file; the checksum is still verified on the first
+    read in each process, which catches bit rot and files changed behind our back. The index is
+    rebuilt from the directory at start; LRU order starts from file mtimes.
+    """
+
+    def __init__(self, root: str | Path, budget_bytes: int, metrics: Metrics | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.budget = int(budget_bytes)
+        self.metrics = metrics or Metrics()
+        self._lock = threading.Lock()
+        self._files: OrderedDict[ChunkId, int] = OrderedDict()
+        self._verified: set[ChunkId] = set()
+        self.used = 0
+        self._rebuild()
+
+    def _path(self, cid: ChunkId) -> Path:
+        return self.root / cid[0] / f"{cid[1]}.chunk"
+
+    def _rebuild(self) -> None:
+        found = []
+        for d in self.root.iterdir():
+            if not d.is_dir() or len(d.name) != 64:
+                continue
+            for f in d.iterdir():
+                if f.name.startswith("."):  # a temp file from an interrupted write
+                    f.unlink(missing_ok=True)
+                    continue
+                if f.suffix == ".chunk" and f.stem.isdigit():
+                    st = f.stat()
+                    found.append((st.st_mtime, (d.name, int(f.stem)), st.st_size))
+        for _, cid, size in sorted(found):
+            self._files[cid] = size
+            self.used += size
+
+    def __contains__(self, cid: ChunkId) -> bool:
+        with self._lock:
+            return cid in self._files
+
+    def get_into(self, cid: ChunkId, buf: memoryview, handle: Handle) -> bool:
+        """Read a cached chunk into `buf`; a corrupt file is deleted and reported as a miss."""
+        with self._lock:
+            if cid not in self._files:
+                return False
+            self._files.move_to_end(cid)
+            verify = cid not in self._verified
+        path = self._path(cid)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                n = f.readinto(buf)
+            if n != buf.nbytes:
+                raise ChecksumError(f"{path}: {n} bytes, expected {buf.nbytes}")
+            if verify:
+                check_chunk(handle.manifest.chunks[cid[1]], buf, str(path))
+        except (OSError, ChecksumError) as e:
+            logger.error("lmcache_cartridge: disk cache chunk dropped (%s); fetching it again", e)
+            self.metrics.error("disk")
+            self._drop(cid)
+            return False
+        if verify:
+            with self._lock:
+                self._verified.add(cid)
+        return True
+
+    def put(self, cid: ChunkId, buf: memoryview) -> bool:
+        """Store verified bytes atomically; False (nothing kept) if it does not fit or I/O fails."""
+        n = buf.nbytes
+        with self._lock:
+            if cid in self._files:
+                return True
+            if n > self.budget:
+                return False
+            evicted = []
+            while self.used + n > self.budget and self._files:
+                victim, size = self._files.popitem(last=False)
+                self.used -= size
+                evicted.append(victim)
+            self._files[cid] = n  # reserve
+            self.used += n
+        for victim in evicted:
+            try:
+                self._path(victim).unlink(missing_ok=True)
+            except OSError as e:
+                logger.warning("lmcache_cartridge: could not evict %s: %s", self._path(victim), e)
+        if evicted:
+            self.metrics.eviction("disk", len(evicted))
+        path = self._path(cid)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb", buffering=0) as f:
+                f.write(buf)
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:  # disk full, permissions: keep serving from memory/origin
+            tmp.unlink(missing_ok=True)
+            self._drop(cid)
+            logger.warning("lmcache_cartridge: could not write disk cache %s: %s", path, e)
+            self.metrics.error("disk")
+            return False
+        with self._lock:
+            self._verified.add(cid)
+        return True
+
+    def _drop(self, cid: ChunkId) -> None:
+        with self._lock:
+            size = self._files.pop(cid, None)
+            if size is not None:
+                self.used -= size
+            self._verified.discard(cid)
+        try:
+            self._path(cid).unlink(missing_ok=True)
+        except OSError as e:
+            logger.warning("lmcache_cartridge: could not delete %s: %s", self._path(cid), e)
+
+    def discard(self, content_hash: str) -> int:
+        with self._lock:
+            victims = [c for c in self._files if c[0] == content_hash]
+        for c in victims:
+            self._drop(c)
+        return len(victims)
+
+
+# --- the manager ------------------------------------------------------------------------------
+class _Flight:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.data: torch.Tensor | None = None
+        self.error: Exception | None = None
+        self.waiters = 0
+
+
+class Residency:
+    """Serves chunk bytes from the closest tier, filling the tiers on the way up."""
+
+    def __init__(self, cpu: MemoryTier, disk: DiskTier | None, metrics: Metrics,
+                 prefetch_workers: int = 2, prefetch: bool = True) -> None:
+        self.cpu, self.disk, self.metrics, self.prefetch = cpu, disk, metrics, prefetch
+        self._lock = threading.Lock()
+        self._flights: dict[ChunkId, _Flight] = {}
+        self._verified: set[ChunkId] = set()  # origin chunks verified in this process
+        self._prefetched: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, prefetch_workers),
+                                        thread_name_prefix="cartridge-prefetch")
+        self.origin_reads = 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- hot path ---------------------------------------------------------------------------------
+    def read_into(self, handle: Handle, index: int, out: torch.Tensor) -> str:
+        """Fill `out` (contiguous, the chunk's exact size) with verified bytes; return the tier.
+
+        Raises `CartridgeError`/`OSError` when no tier can supply good bytes: the caller makes it
+        a miss and the request recomputes.
+        """
+        flat = out.reshape(-1).view(torch.uint8)
+        cid = (handle.content_hash, index)
+        t0 = time.perf_counter()
+        if self.cpu.get_into(cid, flat):
+            self.metrics.hit("cpu", flat.numel(), time.perf_counter() - t0)
+            return "cpu"
+        self.metrics.miss("cpu")
+        tier = self._fetch(handle, index, flat)
+        self.metrics.hit(tier, flat.numel(), time.perf_counter() - t0)
+        self._maybe_prefetch(handle)
+        return tier
+
+    def _fetch(self, handle: Handle, index: int, flat: torch.Tensor) -> str:
+        """Single flight: the first caller reads; concurrent callers wait and copy its bytes."""
+        cid = (handle.content_hash, index)
+        with self._lock:
+            flight = self._flights.get(cid)
+            leader = flight is None
+            if leader:
+                flight = self._flights[cid] = _Flight()
+            else:
+                flight.waiters += 1
+        if not leader:
+            if not flight.done.wait(timeout=120):
+                raise CartridgeError(f"timed out waiting for chunk {index} of {handle.manifest.cartridge_id}")
+            if flight.error is not None:
+                raise flight.error
+            flat.copy_(flight.data)
+            return "shared"
+        try:
+            if self.cpu.get_into(cid, flat):  # filled while we were deciding to lead
+                tier = "cpu"
+            else:
+                tier = self._read_below_cpu(handle, index, flat)
+                self.cpu.put(cid, flat)
+            with self._lock:
+                if flight.waiters:  # our buffer belongs to our caller: waiters get a copy
+                    flight.data = flat.clone()
+            return tier
+        except Exception as e:
+            flight.error = e
+            raise
+        finally:
+            with self._lock:
+                self._flights.pop(cid, None)
+            flight.done.set()
+
+    def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor) -> str:
+        cid = (handle.content_hash, index)
+        buf = as_bytes(flat)
+        if self.disk is not None and not handle.origin.local:
+            t0 = time.perf_counter()
+            if self.disk.get_into(cid, buf, handle):
+                self.metrics.hit("disk", buf.nbytes, time.perf_counter() - t0)
+                return "disk"
+            self.metrics.miss("disk")
+        tier = "local" if handle.origin.local else "s3"
+        try:
+            handle.origin.read_into(handle.manifest.chunks[index], buf)
+            with self._lock:
+                self.origin_reads += 1
+                verify = not handle.origin.local or cid not in self._verified
+            if verify:
+                check_chunk(handle.manifest.chunks[index], buf, handle.origin.uri)
+                with self._lock:
+                    self._verified.add(cid)
+        except Exception:
+            self.metrics.error(tier)
+            raise
+        if self.disk is not None and not handle.origin.local:
+            # Write-behind: the caller does not wait for the disk.
+            data = flat.clone()
+            self._pool.submit(self.disk.put, cid, as_bytes(data))
+        return tier
+
+    # -- background -------------------------------------------------------------------------------
+    def _maybe_prefetch(self, handle: Handle) -> None:
+        if not self.prefetch:
+            return
+        with self._lock:
+            if handle.content_hash in self._prefetched:
+                return
+            self._prefetched.add(handle.content_hash)
+        self._pool.submit(self.warm, handle)
+
+    def warm(self, handle: Handle) -> int:
+        """Bring every chunk of a cartridge as close as the budgets allow (prefetch, preload)."""
+        warmed = 0
+        for info in handle.manifest.chunks[: handle.servable]:
+            cid = (handle.content_hash, info.index)
+            if cid in self.cpu or (self.disk is not None and not handle.origin.local and cid in self.disk
+                                   and self.cpu.used + info.nbytes > self.cpu.budget):
+                continue
+            scratch = torch.empty(info.nbytes, dtype=torch.uint8)
+            try:
+                self._fetch(handle, info.index, scratch)
+                warmed += 1
+            except Exception as e:  # prefetch failures only cost a later miss
+                logger.warning("lmcache_cartridge: prefetch of chunk %d of %r failed: %s",
+                               info.index, handle.manifest.cartridge_id, e)
+                break
+        return warmed
+
+    def prefetch_async(self, handle: Handle):
+        with self._lock:
+            self._prefetched.add(handle.content_hash)
+        return self._pool.submit(self.warm, handle)
+
+    def forget(self, content_hash: str, *, disk: bool = False) -> None:
+        """Drop a cartridge from memory (removal), and from disk too (force_redownload)."""
+        self.cpu.discard(content_hash)
+        if disk and self.disk is not None:
+            self.disk.discard(content_hash)
+        with self._lock:
+            self._prefetched.discard(content_hash)
+            self._verified = {c for c in self._verified if c[0] != content_hash}

@@ -1,0 +1,180 @@
+"""Residency tiers on CPU: budgets, LRU, pinning, disk cache across restarts, single flight."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import random_kv
+from lmcache_cartridge.errors import ChecksumError
+from lmcache_cartridge.metrics import Metrics
+from lmcache_cartridge.origins import LocalOrigin
+from lmcache_cartridge.packed import PackedCartridge, pack_kv
+from lmcache_cartridge.residency import DiskTier, Handle, MemoryTier, Residency
+
+CHUNK = 16
+
+
+def chunk_bytes(n, fill):
+    return torch.full((n,), fill, dtype=torch.uint8)
+
+
+def test_memory_tier_lru_and_pins():
+    tier = MemoryTier("cpu", budget_bytes=300)
+    for i in range(3):
+        assert tier.put(("h", i), chunk_bytes(100, i))
+    out = torch.empty(100, dtype=torch.uint8)
+    assert tier.get_into(("h", 0), out) and out[0] == 0  # 0 becomes most recent
+    tier.pin(("h", 1))
+    assert tier.put(("h", 3), chunk_bytes(100, 3))  # evicts 2 (LRU, unpinned), not pinned 1
+    assert tier.keys() == [("h", 1), ("h", 0), ("h", 3)]
+    assert tier.put(("h", 4), chunk_bytes(100, 4))  # evicts 0; 1 still pinned
+    assert ("h", 1) in tier and ("h", 0) not in tier
+    tier.pin(("h", 3)); tier.pin(("h", 4))
+    assert not tier.put(("h", 5), chunk_bytes(100, 5))  # everything pinned: not cached
+    assert not tier.put(("h", 6), chunk_bytes(400, 6))  # larger than the budget
+    assert tier.used == 300 and tier.metrics.tiers["cpu"].evictions == 2
+    tier.unpin(("h", 1))
+    assert tier.put(("h", 7), chunk_bytes(100, 7)) and ("h", 1) not in tier
+    assert tier.discard("h") == 3 and tier.used == 0
+
+
+def _packed(tmp_path, name="c", tokens=4 * CHUNK, seed=0):
+    kv = random_kv(2, tokens, 2, 8, seed=seed)
+    pack_kv(kv, tmp_path / name, cartridge_id=name, model="m", kind="first_k",
+            token_ids=list(range(tokens)), chunk_size=CHUNK)
+    return PackedCartridge(tmp_path / name)
+
+
+def test_disk_tier_survives_restart_verifies_and_evicts(tmp_path):
+    p = _packed(tmp_path)
+    h = Handle(p.manifest, LocalOrigin(p.directory))
+    size = p.manifest.chunks[0].nbytes
+    disk = DiskTier(tmp_path / "cache", budget_bytes=3 * size)
+    for i in range(4):
+        data = p.read_chunk(i).reshape(-1).view(torch.uint8)
+        assert disk.put((p.manifest.content_hash, i), memoryview(data.numpy()))
+    # budget of three: chunk 0 (LRU) was evicted, its file deleted
+    assert (p.manifest.content_hash, 0) not in disk
+    assert not (tmp_path / "cache" / p.manifest.content_hash / "0.chunk").exists()
+    # a stray temp file from a crashed write is cleaned up at start; the index is rebuilt
+    (tmp_path / "cache" / p.manifest.content_hash / ".2.chunk.999.1").write_bytes(b"partial")
+    disk2 = DiskTier(tmp_path / "cache", budget_bytes=3 * size)
+    assert sorted(c[1] for c in disk2._files) == [1, 2, 3] and disk2.used == 3 * size
+    assert not list((tmp_path / "cache" / p.manifest.content_hash).glob(".*"))
+    buf = torch.empty(size, dtype=torch.uint8)
+    assert disk2.get_into((p.manifest.content_hash, 1), memoryview(buf.numpy()), h)
+    assert torch.equal(buf, p.read_chunk(1).reshape(-1).view(torch.uint8))
+    # corruption on disk is detected on the first read after a restart: dropped, reported as a miss
+    f = tmp_path / "cache" / p.manifest.content_hash / "2.chunk"
+    raw = bytearray(f.read_bytes()); raw[5] ^= 1; f.write_bytes(bytes(raw))
+    disk3 = DiskTier(tmp_path / "cache", budget_bytes=3 * size)
+    assert not disk3.get_into((p.manifest.content_hash, 2), memoryview(buf.numpy()), h)
+    assert not f.exists() and (p.manifest.content_hash, 2) not in disk3
+
+
+def test_disk_write_failure_is_not_fatal(tmp_path):
+    """A write that fails (here: the target is a directory) keeps nothing and leaks nothing."""
+    p = _packed(tmp_path)
+    disk = DiskTier(tmp_path / "cache", budget_bytes=1 << 30)
+    blocker = tmp_path / "cache" / p.manifest.content_hash / "0.chunk"
+    blocker.mkdir(parents=True)
+    data = p.read_chunk(0).reshape(-1).view(torch.uint8)
+    assert not disk.put((p.manifest.content_hash, 0), memoryview(data.numpy()))
+    assert disk.used == 0 and (p.manifest.content_hash, 0) not in disk
+    assert [f.name for f in blocker.parent.iterdir()] == ["0.chunk"]  # no temp file left
+
+
+class CountingOrigin:
+    """A real local origin that counts reads and can be slowed, to observe single flight."""
+
+    def __init__(self, directory, delay=0.0, local=False):
+        self.inner = LocalOrigin(directory)
+        self.uri, self.local, self.delay, self.reads = str(directory), local, delay, 0
+        self._lock = threading.Lock()
+
+    def read_into(self, info, buf):
+        with self._lock:
+            self.reads += 1
+        time.sleep(self.delay)
+        self.inner.read_into(info, buf)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_single_flight_one_origin_read_for_concurrent_misses(tmp_path):
+    p = _packed(tmp_path)
+    origin = CountingOrigin(p.directory, delay=0.3)
+    res = Residency(MemoryTier("cpu", 1 << 30), DiskTier(tmp_path / "cache", 1 << 30), Metrics(), prefetch=False)
+    h = Handle(p.manifest, origin)
+    outs = [torch.empty(p.chunk_shape(1), dtype=torch.bfloat16) for _ in range(8)]
+    tiers = [None] * 8
+
+    def worker(i):
+        tiers[i] = res.read_into(h, 1, outs[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert origin.reads == 1
+    assert sorted(tiers).count("s3") == 1  # non-local origin label, one leader
+    expected = p.read_chunk(1)
+    assert all(torch.equal(o, expected) for o in outs)
+    res.close()
+
+
+def test_promotion_disk_after_restart_and_prefetch(tmp_path):
+    p = _packed(tmp_path)
+    origin = CountingOrigin(p.directory)
+    res = Residency(MemoryTier("cpu", 1 << 30), DiskTier(tmp_path / "cache", 1 << 30), Metrics(), prefetch=True)
+    h = Handle(p.manifest, origin)
+    out = torch.empty(p.chunk_shape(0), dtype=torch.bfloat16)
+    assert res.read_into(h, 0, out) == "s3"
+    assert res.read_into(h, 0, out) == "cpu"
+    deadline = time.time() + 10
+    while len(list((tmp_path / "cache" / p.manifest.content_hash).glob("*.chunk"))) < 4 and time.time() < deadline:
+        time.sleep(0.05)
+    assert origin.reads == 4  # first hit prefetched the rest: each chunk downloaded once
+    res.close()
+    # "restart": new tiers over the same cache dir serve from disk without touching the origin
+    origin2 = CountingOrigin(p.directory)
+    res2 = Residency(MemoryTier("cpu", 1 << 30), DiskTier(tmp_path / "cache", 1 << 30), Metrics(), prefetch=False)
+    h2 = Handle(p.manifest, origin2)
+    for i in range(4):
+        assert res2.read_into(h2, i, out) == "disk"
+        assert torch.equal(out, p.read_chunk(i))
+    assert origin2.reads == 0
+    # force_redownload drops disk copies: exactly one new origin read for the chunk asked
+    res2.forget(p.manifest.content_hash, disk=True)
+    assert res2.read_into(h2, 2, out) == "s3" and origin2.reads == 1
+    res2.close()
+
+
+def test_bad_origin_bytes_are_never_cached(tmp_path):
+    p = _packed(tmp_path)
+    f = p.payload_path
+    raw = bytearray(f.read_bytes()); raw[p.manifest.chunks[1].offset + 3] ^= 0x40; f.write_bytes(bytes(raw))
+    cpu, disk = MemoryTier("cpu", 1 << 30), DiskTier(tmp_path / "cache", 1 << 30)
+    res = Residency(cpu, disk, Metrics(), prefetch=False)
+    h = Handle(p.manifest, CountingOrigin(p.directory))
+    out = torch.empty(p.chunk_shape(1), dtype=torch.bfloat16)
+    with pytest.raises(ChecksumError):
+        res.read_into(h, 1, out)
+    time.sleep(0.2)
+    assert (p.manifest.content_hash, 1) not in cpu and (p.manifest.content_hash, 1) not in disk
+    assert res.read_into(h, 0, out) == "s3"  # other chunks still fine
+    res.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_tier_on_cuda():
+    tier = MemoryTier("gpu", budget_bytes=200, device="cuda")
+    assert tier.put(("h", 0), chunk_bytes(100, 1)) and tier.put(("h", 1), chunk_bytes(100, 2))
+    assert tier.put(("h", 2), chunk_bytes(100, 3)) and ("h", 0) not in tier
+    out = torch.empty(100, dtype=torch.uint8)
+    assert tier.get_into(("h", 2), out) and int(out[0]) == 3
