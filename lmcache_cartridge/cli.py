@@ -303,6 +303,38 @@ def cmd_doctor(args) -> int:
     return EXIT_PROBLEMS if any(level == "FAIL" for level, _ in results) else 0
 
 
+def cmd_stats(args) -> int:
+    """Sum the tier counters that running plugins publish under their cache dir."""
+    from .plugin import CartridgeStoragePlugin
+    from .settings import PluginSettings
+
+    if args.config:
+        stats_dir = PluginSettings.from_config(_load_lmcache_config(args.config), CartridgeStoragePlugin).cache_dir / "stats"
+    else:
+        from .paths import cache_root
+
+        stats_dir = Path(args.cache_dir) if args.cache_dir else cache_root() / "cache"
+        stats_dir = stats_dir / "stats"
+    files = sorted(stats_dir.glob("*.json"))
+    if not files:
+        print(f"no statistics under {stats_dir} (no plugin has run with this cache dir)")
+        return 0
+    totals: dict[str, dict[str, int]] = {}
+    for f in files:
+        for tier, s in json.loads(f.read_text())["tiers"].items():
+            t = totals.setdefault(tier, {"hits": 0, "misses": 0, "bytes": 0, "evictions": 0, "errors": 0})
+            for k in t:
+                t[k] += s.get(k, 0)
+    if args.json:
+        print(json.dumps({"sources": [f.name for f in files], "tiers": totals}, indent=1))
+        return 0
+    print(f"{len(files)} plugin instance(s) reporting from {stats_dir}")
+    print(f"{'tier':<8}{'hits':>10}{'misses':>10}{'MiB':>12}{'evictions':>11}{'errors':>8}")
+    for tier, t in sorted(totals.items()):
+        print(f"{tier:<8}{t['hits']:>10}{t['misses']:>10}{t['bytes'] / 2**20:>12.1f}{t['evictions']:>11}{t['errors']:>8}")
+    return 0
+
+
 # --- parser -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmcache-cartridge", description=__doc__.splitlines()[0])
@@ -376,6 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--add", action="append")
     sp.add_argument("--remove", action="append")
     reg_opts(sp)
+
+    sp = add("stats", cmd_stats, "per-tier hits, misses, bytes and evictions of running plugins")
+    sp.add_argument("--config", help="LMCache YAML: use its plugin's cache dir")
+    sp.add_argument("--cache-dir")
+    sp.add_argument("--json", action="store_true")
 
     sp = add("doctor", cmd_doctor, "check an LMCache config and its registered cartridges as the server will load them")
     sp.add_argument("--config", required=True)

@@ -21,6 +21,7 @@ Registered YAML (see configs/lmcache-cartridge.yaml):
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -205,6 +206,15 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 self.refresh()
             except Exception as e:  # a locked/corrupt registry must not kill serving
                 logger.warning("lmcache_cartridge: registry refresh failed (keeping current index): %s", e)
+            self.dump_stats()
+
+    def dump_stats(self) -> None:
+        """Publish this instance's tier counters for `lmcache-cartridge stats`."""
+        try:
+            self.metrics.dump(self.settings.cache_dir / "stats",
+                              f"{self.settings.name}-rank{self.shape.rank}-pid{os.getpid()}")
+        except OSError as e:
+            logger.debug("lmcache_cartridge: cannot write stats: %s", e)
 
     # --- lookup ---------------------------------------------------------------------------------
     def contains(self, key, pin: bool = False) -> bool:

@@ -250,3 +250,24 @@ def test_unstable_hash_config_disables_serving_loudly(carts, caplog, monkeypatch
         assert "DISABLED" in plugin.summary()
     finally:
         plugin.close()
+
+
+def test_stats_published_per_tier(carts, capsys):
+    import json as _json
+
+    from lmcache_cartridge import cli
+
+    a = carts["a"][0]
+    cfg_path = write_yaml(carts["dir"], carts["reg"].path)
+    with Engine(load_config(cfg_path), make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H,
+                                                     head_dim=D, chunk_size=CHUNK)) as eng:
+        plugin = eng.backend("cartridge")
+        eng.retrieve(a.token_ids + [1])
+        eng.clear_local_cpu()
+        eng.retrieve(a.token_ids + [1])  # second time from the plugin's CPU tier
+        plugin.dump_stats()
+    capsys.readouterr()
+    assert cli.main(["stats", "--config", str(cfg_path), "--json"]) == 0
+    tiers = _json.loads(capsys.readouterr().out)["tiers"]
+    assert tiers["local"]["hits"] == 3 and tiers["cpu"]["hits"] == 3 and tiers["cpu"]["misses"] == 3
+    assert tiers["cpu"]["bytes"] == 3 * a.chunks[0].nbytes
