@@ -1,4 +1,5 @@
 import os
+pytest_plugins = ["s3_server"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

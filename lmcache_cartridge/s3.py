@@ -1,0 +1,517 @@
+"""Reading packed cartridges from S3 (or any S3-compatible endpoint).
+
+A packed cartridge in S3 is the same two files under a prefix: `s3://bucket/prefix/manifest.json`
+and `s3://bucket/prefix/kv.bin`. Because `kv.bin` is chunk after chunk at the offsets the manifest
+records, a chunk is one ranged GET straight into the caller's buffer, and a whole payload is many
+ranged GETs in parallel into one preallocated file.
+
+Credentials come only from botocore's standard chain (env, shared files, SSO, IMDS...): nothing
+here accepts, stores or prints them, and error messages are built from the URI, the operation and
+the S3 error code only, never from raw exception text.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
+
+from .errors import CartridgeError
+
+__all__ = [
+    "AccessDenied",
+    "NotFound",
+    "OriginError",
+    "S3Origin",
+    "S3Settings",
+    "Timeout",
+    "Unavailable",
+    "parse_s3_uri",
+]
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+class OriginError(CartridgeError):
+    """The object store could not give us the bytes we asked for (base class)."""
+
+
+class NotFound(OriginError):
+    """The bucket or key does not exist (permanent until someone uploads it)."""
+
+
+class AccessDenied(OriginError):
+    """The credentials found by the standard chain may not read this object (or none were found)."""
+
+
+class Unavailable(OriginError):
+    """Transient: throttling, 5xx, dropped connections. Worth retrying later."""
+
+
+class Timeout(Unavailable):
+    """Connecting or reading took longer than the configured timeout."""
+
+
+# --- URIs -----------------------------------------------------------------------------------
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_IPV4_RE = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._=-]+$")
+_MAX_KEY_BYTES = 1024
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """`s3://bucket/some/prefix[/]` -> `("bucket", "some/prefix")`; prefix may be `""`.
+
+    Strict on purpose: the prefix becomes object keys and cache directory names, so only boring
+    segments (`[A-Za-z0-9._=-]`, no `.`/`..`, no empty segments) and valid bucket names pass.
+    """
+    if not isinstance(uri, str) or not uri:
+        raise ValueError("empty S3 URI; expected s3://bucket/prefix")
+    if not uri.startswith("s3://"):
+        raise ValueError(f"{uri!r} is not an S3 URI; expected s3://bucket/prefix")
+    rest = uri[len("s3://"):]
+    if rest.endswith("/"):
+        rest = rest[:-1]
+    bucket, _, prefix = rest.partition("/")
+    if (
+        not _BUCKET_RE.match(bucket)
+        or ".." in bucket
+        or ".-" in bucket
+        or "-." in bucket
+        or _IPV4_RE.match(bucket)
+        or bucket.startswith(("xn--", "sthree-"))
+        or bucket.endswith(("-s3alias", "--ol-s3"))
+    ):
+        raise ValueError(
+            f"{uri!r}: invalid bucket name {bucket!r} (3-63 characters from [a-z0-9.-], starting "
+            "and ending with a letter or digit, not an IP address)"
+        )
+    if prefix:
+        for seg in prefix.split("/"):
+            if seg in ("", ".", "..") or not _SEGMENT_RE.match(seg):
+                raise ValueError(
+                    f"{uri!r}: invalid prefix segment {seg!r}; use non-empty segments of "
+                    "[A-Za-z0-9._=-] other than '.' and '..'"
+                )
+        if len(prefix.encode()) > _MAX_KEY_BYTES - 64:
+            raise ValueError(f"{uri!r}: prefix is too long for an S3 key")
+    return bucket, prefix
+
+
+# --- settings -------------------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def _parse_size(value: Any) -> int:
+    """`8388608`, `"8MiB"`, `"512k"` -> bytes (binary multiples)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use bytes or e.g. 8MiB)")
+    unit = (m.group(2) or "b")[0].lower()
+    return int(m.group(1)) * {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[unit]
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """How to talk to the object store. Deliberately holds no credentials.
+
+    `max_attempts` counts the first try (botocore `total_max_attempts`); `retry_mode` is
+    botocore's `standard` or `adaptive` (client-side rate limiting on throttling).
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    max_attempts: int = 5
+    retry_mode: str = "standard"
+    connect_timeout: float = 5.0
+    read_timeout: float = 30.0
+    max_concurrency: int = 8
+    part_size: int = 8 << 20
+    addressing_style: str = "path"
+
+    def __post_init__(self) -> None:
+        if self.endpoint_url is not None:
+            # Never echo a rejected URL: it may carry a secret (user:pass@, or a mangled one).
+            if "@" in self.endpoint_url:
+                raise ValueError("endpoint_url must not embed credentials; use the standard chain")
+            u = urlsplit(self.endpoint_url)
+            try:
+                u.port
+            except ValueError:
+                u = u._replace(netloc="")
+            if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query:
+                raise ValueError("endpoint_url must look like http(s)://host[:port]")
+        if self.retry_mode not in ("standard", "adaptive"):
+            raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {self.retry_mode!r}")
+        if self.addressing_style not in ("path", "virtual", "auto"):
+            raise ValueError(f"addressing_style must be path, virtual or auto, got {self.addressing_style!r}")
+        for name in ("max_attempts", "max_concurrency", "part_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("connect_timeout", "read_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any], prefix: str = "") -> "S3Settings":
+        """Build from plain string settings (e.g. LMCache `extra_config`); unknown keys ignored.
+
+        Keys are the field names, optionally behind `prefix` (e.g. `"s3_"`); sizes accept `8MiB`.
+        """
+        conv: dict[str, Callable[[Any], Any]] = {
+            "endpoint_url": lambda v: str(v) or None,
+            "region": lambda v: str(v) or None,
+            "max_attempts": int,
+            "retry_mode": str,
+            "connect_timeout": float,
+            "read_timeout": float,
+            "max_concurrency": int,
+            "part_size": _parse_size,
+            "addressing_style": str,
+        }
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            key = prefix + f.name
+            if key in d and d[key] is not None:
+                try:
+                    kwargs[f.name] = conv[f.name](d[key])
+                except (TypeError, ValueError) as e:
+                    raise CartridgeError(f"bad S3 setting {key}: {e}") from None
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise CartridgeError(f"bad S3 settings: {e}") from None
+
+
+# --- the origin -----------------------------------------------------------------------------
+
+_NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
+_DENIED = {
+    "AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "ExpiredToken", "InvalidToken", "AllAccessDisabled", "AccountProblem",
+}
+_WINDOW = 1 << 20  # bytes per readinto: bounds urllib3's temporary copy (it reads then copies)
+_MAX_MANIFEST_BYTES = 64 << 20
+
+
+class S3Origin:
+    """One cartridge prefix in S3, read through one thread-safe boto3 client.
+
+    `stats` counts logical requests and HTTP attempts (via botocore's `before-send` event, so
+    retries are observable without a server-side log). Owned by its creator; no global state.
+    """
+
+    def __init__(self, uri: str, settings: S3Settings | None = None) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.bucket, self.prefix = parse_s3_uri(uri)
+        self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        self.settings = settings or S3Settings()
+        s = self.settings
+        config = Config(
+            region_name=s.region,
+            retries={"mode": s.retry_mode, "total_max_attempts": s.max_attempts},
+            connect_timeout=s.connect_timeout,
+            read_timeout=s.read_timeout,
+            max_pool_connections=max(10, s.max_concurrency),
+            s3={"addressing_style": s.addressing_style},
+        )
+        # A private session: the default session is process-global and not thread-safe to build.
+        self._client = boto3.session.Session().client("s3", endpoint_url=s.endpoint_url, config=config)
+        self._lock = threading.Lock()
+        self._stats = {"requests": 0, "attempts": 0, "gets": 0, "heads": 0, "bytes": 0, "errors": 0}
+        self._client.meta.events.register("before-send.s3", self._on_send)
+
+    # -- bookkeeping --
+    @property
+    def stats(self) -> dict[str, int]:
+        """A snapshot. `retries` = HTTP attempts beyond the first, botocore's and our own."""
+        with self._lock:
+            d = dict(self._stats)
+        d["retries"] = d["attempts"] - d["requests"]
+        return d
+
+    def _count(self, **inc: int) -> None:
+        with self._lock:
+            for k, v in inc.items():
+                self._stats[k] += v
+
+    def _on_send(self, **_: Any) -> None:
+        self._count(attempts=1)  # returning None lets botocore send the request as usual
+
+    def key(self, key_suffix: str) -> str:
+        if not key_suffix or key_suffix.startswith("/") or ".." in key_suffix.split("/"):
+            raise ValueError(f"bad key suffix {key_suffix!r}")
+        return f"{self.prefix}/{key_suffix}" if self.prefix else key_suffix
+
+    def uri_of(self, key_suffix: str) -> str:
+        return f"s3://{self.bucket}/{self.key(key_suffix)}"
+
+    # -- error mapping --
+    def _map_error(self, e: BaseException, key_suffix: str, op: str) -> OriginError:
+        """botocore/urllib3 exception -> our taxonomy, with a message free of raw exception text."""
+        from botocore import exceptions as bx
+
+        self._count(errors=1)
+        where = f"{op} {self.uri_of(key_suffix)}"
+        if isinstance(e, bx.ClientError):
+            err = e.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if code in _NOT_FOUND or status == 404:
+                what = "bucket" if code == "NoSuchBucket" else "object"
+                return NotFound(f"{where}: {what} not found (S3 {code or status})")
+            if code in _DENIED or status == 403:
+                return AccessDenied(
+                    f"{where}: access denied (S3 {code or status}); check the IAM policy or bucket "
+                    "policy for the credentials the standard chain picked up"
+                )
+            if status in (412, 416) or code in ("PreconditionFailed", "InvalidRange"):
+                return OriginError(f"{where}: object changed or is shorter than expected (S3 {code or status})")
+            if status == 429 or status >= 500 or "Throttl" in code or code in ("SlowDown", "RequestTimeout"):
+                return Unavailable(f"{where}: S3 unavailable after {self.settings.max_attempts} attempts (S3 {code or status})")
+            return OriginError(f"{where}: S3 error {code or status}")
+        if isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError)):
+            return AccessDenied(f"{where}: no usable AWS credentials found by the standard chain")
+        if isinstance(e, (bx.ConnectTimeoutError, bx.ReadTimeoutError)):
+            return Timeout(f"{where}: timed out ({type(e).__name__}; connect {self.settings.connect_timeout}s, read {self.settings.read_timeout}s)")
+        if isinstance(e, (bx.EndpointConnectionError, bx.ConnectionError, bx.HTTPClientError,
+                          bx.ResponseStreamingError, bx.IncompleteReadError)):
+            return Unavailable(f"{where}: connection failed ({type(e).__name__})")
+        if isinstance(e, _ShortBody):
+            return Unavailable(f"{where}: {e}")
+        if isinstance(e, OSError):
+            return Unavailable(f"{where}: connection failed ({type(e).__name__})")
+        return OriginError(f"{where}: unexpected {type(e).__name__}")
+
+    # -- primitives --
+    def head(self, key_suffix: str) -> int:
+        """Size of the object in bytes."""
+        return self._head(key_suffix)[0]
+
+    def _head(self, key_suffix: str) -> tuple[int, str | None]:
+        self._count(requests=1, heads=1)
+        try:
+            r = self._client.head_object(Bucket=self.bucket, Key=self.key(key_suffix))
+        except Exception as e:
+            raise self._map_error(e, key_suffix, "HEAD") from e
+        return int(r["ContentLength"]), r.get("ETag")
+
+    def get_manifest_bytes(self, name: str = "manifest.json") -> bytes:
+        """The whole (small) manifest object; refuses anything implausibly large."""
+        self._count(requests=1, gets=1)
+        try:
+            r = self._client.get_object(Bucket=self.bucket, Key=self.key(name))
+            size = int(r["ContentLength"])
+            if size > _MAX_MANIFEST_BYTES:
+                r["Body"].close()
+                raise OriginError(f"{self.uri_of(name)}: {size} bytes is too large for a manifest")
+            data = r["Body"].read()
+        except OriginError:
+            raise
+        except Exception as e:
+            raise self._map_error(e, name, "GET") from e
+        self._count(bytes=len(data))
+        return data
+
+    def read_range_into(self, key_suffix: str, offset: int, out: memoryview | Any,
+                        *, if_match: str | None = None) -> int:
+        """Ranged GET of exactly `len(out)` bytes at `offset` into `out`; returns the object size.
+
+        `out` may be any writable contiguous buffer (bytearray, numpy array, a tensor's numpy view,
+        LMCache's ctypes `<B` byte_array): it is recast to plain bytes because urllib3's readinto
+        cannot assign into `<B` views. Bytes land in `out` through bounded windows, never via a
+        full-size temporary.
+        """
+        view = memoryview(out).cast("B")
+        if view.readonly:
+            raise ValueError("read_range_into needs a writable buffer")
+        if view.nbytes == 0:
+            return self.head(key_suffix)
+        return self._get_range(key_suffix, offset, view.nbytes,
+                               lambda pos, m: view[pos:pos + m], None, if_match)
+
+    def _get_range(self, key_suffix: str, offset: int, n: int,
+                   window: Callable[[int, int], memoryview],
+                   flush: Callable[[int, memoryview], None] | None,
+                   if_match: str | None) -> int:
+        """One logical ranged GET: bytes for `[pos, pos+m)` go into `window(pos, m)`, then
+        `flush(pos, that view)`. botocore retries failures up to the response headers; a body
+        cut short or stalled afterwards is retried here by re-fetching the whole range."""
+        self._count(requests=1, gets=1)
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(key_suffix),
+                              "Range": f"bytes={offset}-{offset + n - 1}"}
+        if if_match:
+            kw["IfMatch"] = if_match
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                r = self._client.get_object(**kw)
+            except Exception as e:
+                raise self._map_error(e, key_suffix, "GET") from e
+            body = r["Body"]
+            try:
+                total = _total_from_content_range(r.get("ContentRange"), offset, n)
+                if int(r["ContentLength"]) != n:
+                    raise OriginError(f"GET {self.uri_of(key_suffix)}: asked for {n} bytes at "
+                                      f"{offset}, got {r['ContentLength']}")
+                pos = 0
+                while pos < n:
+                    mv = window(pos, min(_WINDOW, n - pos))
+                    got = body.readinto(mv)
+                    if not got:
+                        raise _ShortBody(f"body ended after {pos} of {n} bytes")
+                    if flush is not None:
+                        flush(pos, mv[:got])
+                    pos += got
+            except (OriginError, _Cancelled):
+                raise
+            except Exception as e:
+                err = self._map_error(e, key_suffix, "GET")
+                if isinstance(err, Unavailable) and attempt < self.settings.max_attempts:
+                    time.sleep(random.random() * min(1.0, 0.05 * 2**attempt))  # jittered backoff
+                    continue  # the retry's HTTP attempt is counted by before-send
+                raise err from e
+            finally:
+                body.close()
+            self._count(bytes=n)
+            return total
+
+    def download_to(self, key_suffix: str, dest_path: str | os.PathLike[str], size: int,
+                    on_progress: Callable[[int, int], None] | None = None) -> Path:
+        """Fetch the whole object into `dest_path` with parallel ranged GETs; atomic.
+
+        One HEAD checks the size against `size` (the manifest's) and pins the ETag, so every part
+        comes from the same object version (If-Match). Each part is one GET streamed through a
+        1 MiB per-part buffer into a preallocated temp file next to the destination with `pwrite`;
+        the file is fsynced and renamed only when complete, so readers never see a partial file
+        and a failure leaves nothing behind. `on_progress(bytes_done, size)` runs on worker threads
+        (bytes re-fetched by a retry are counted again).
+        """
+        import tempfile
+
+        dest = Path(dest_path)
+        actual, etag = self._head(key_suffix)
+        if actual != size:
+            raise OriginError(f"{self.uri_of(key_suffix)} is {actual} bytes, expected {size} "
+                              "(stale manifest or wrong object)")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+        try:
+            if size:
+                try:
+                    os.posix_fallocate(fd, 0, size)  # fail early on a full disk
+                except OSError:
+                    os.ftruncate(fd, size)
+            part = self.settings.part_size
+            ranges = [(o, min(part, size - o)) for o in range(0, size, part)]
+            stop = threading.Event()
+            lock = threading.Lock()
+            done = [0]
+
+            def fetch(off: int, length: int) -> None:
+                if stop.is_set():
+                    return
+                buf = memoryview(bytearray(min(length, _WINDOW)))
+
+                def flush(pos: int, mv: memoryview) -> None:
+                    if stop.is_set():
+                        raise _Cancelled()
+                    _pwrite_all(fd, mv, off + pos)
+                    if on_progress is not None:
+                        with lock:
+                            done[0] += len(mv)
+                            now = done[0]
+                        on_progress(now, size)
+
+                try:
+                    self._get_range(key_suffix, off, length, lambda pos, m: buf[:m], flush, etag)
+                except _Cancelled:
+                    return
+
+            workers = max(1, min(self.settings.max_concurrency, len(ranges)))
+            with ThreadPoolExecutor(workers, thread_name_prefix="s3-download") as pool:
+                futures = [pool.submit(fetch, o, n) for o, n in ranges]
+                wait(futures, return_when=FIRST_EXCEPTION)
+                failed = next((f for f in futures if f.done() and f.exception()), None)
+                if failed is not None:
+                    stop.set()
+                    for f in futures:
+                        f.cancel()
+                    raise failed.exception()  # type: ignore[misc]
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, dest)
+            tmp = ""
+            _fsync_dir(dest.parent)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if tmp:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+        return dest
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "S3Origin":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"S3Origin({self.uri!r}, endpoint={self.settings.endpoint_url!r})"
+
+
+class _ShortBody(Exception):
+    """The connection delivered fewer body bytes than Content-Length promised."""
+
+
+class _Cancelled(Exception):
+    """Another part failed; this one stops writing."""
+
+
+def _total_from_content_range(value: str | None, offset: int, n: int) -> int:
+    """`bytes a-b/total` -> total, checking that the server returned the range we asked for."""
+    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", value or "")
+    if not m or int(m.group(1)) != offset or int(m.group(2)) != offset + n - 1:
+        raise OriginError(f"server ignored or changed the requested range (Content-Range {value!r})")
+    return -1 if m.group(3) == "*" else int(m.group(3))
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        w = os.pwrite(fd, data, offset)
+        data, offset = data[w:], offset + w
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        dfd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
