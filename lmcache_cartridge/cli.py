@@ -175,12 +175,8 @@ def cmd_test_model(args) -> int:
 def _registry(args):
     from .registry import Registry
 
-    if getattr(args, "config", None):
-        from .settings import PluginSettings
-        from .plugin import CartridgeStoragePlugin
-
-        return Registry(PluginSettings.from_config(_load_lmcache_config(args.config), CartridgeStoragePlugin).registry)
-    return Registry(args.registry)
+    settings = _plugin_settings(args)
+    return Registry(settings.registry if settings else args.registry)
 
 
 def _load_lmcache_config(path):
@@ -194,10 +190,36 @@ def _load_lmcache_config(path):
         raise CartridgeError(f"{path}: LMCache cannot load this config: {e}") from e
 
 
+def _plugin_settings(args):
+    if not getattr(args, "config", None):
+        return None
+    from .plugin import CartridgeStoragePlugin
+    from .settings import PluginSettings
+
+    return PluginSettings.from_config(_load_lmcache_config(args.config), CartridgeStoragePlugin)
+
+
 def cmd_register(args) -> int:
     from .packed import PackedCartridge, rechunk
     from .paths import cache_root
 
+    settings = _plugin_settings(args)
+    if args.path.startswith("s3://"):
+        from .origins import register_s3
+        from .s3 import S3Settings
+
+        s3 = dict(settings.s3 if settings else {})
+        if args.s3_endpoint:
+            s3["endpoint_url"] = args.s3_endpoint
+        if args.s3_region:
+            s3["region"] = args.s3_region
+        cache_dir = settings.cache_dir if settings else cache_root() / "cache"
+        entry = register_s3(_registry(args), args.path, cache_dir, S3Settings.from_mapping(s3),
+                            labels=args.label or [], force_redownload=args.force_redownload,
+                            chunk_size=args.chunk_size)
+        print(f"registered {entry.id} ({entry.kind}, {entry.num_tokens} tokens, model {entry.model}) "
+              f"from {entry.source_uri}{' (servers will download it again)' if args.force_redownload else ''}")
+        return 0
     path = Path(args.path).resolve()
     with PackedCartridge(path) as packed:
         m = packed.manifest
@@ -206,7 +228,8 @@ def cmd_register(args) -> int:
             rechunk(packed, target, args.chunk_size, overwrite=True)
             print(f"re-chunked {m.cartridge_id} from {m.chunk_size} to {args.chunk_size} tokens -> {target}")
             path = target
-    entry = _registry(args).register(path, source_uri=str(Path(args.path).resolve()), labels=args.label or [])
+    entry = _registry(args).register(path, source_uri=str(Path(args.path).resolve()), labels=args.label or [],
+                                     force_redownload=args.force_redownload)
     print(f"registered {entry.id} ({entry.kind}, {entry.num_tokens} tokens, model {entry.model}) from {entry.path}")
     return 0
 
@@ -388,11 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--registry", help="registry database (default: $LMCACHE_CARTRIDGE_HOME/registry.db)")
         sp.add_argument("--config", help="LMCache YAML: use its plugin's registry")
 
-    sp = add("register", cmd_register, "add a packed cartridge to the registry (servers pick it up without restart)")
+    sp = add("register", cmd_register, "add a packed cartridge (directory or s3://bucket/prefix) to the registry; servers pick it up without restart")
     sp.add_argument("path")
     sp.add_argument("--label", action="append")
     sp.add_argument("--chunk-size", type=int, help="serving chunk_size: re-chunk a copy if the cartridge differs")
     sp.add_argument("--packed-dir", help="where re-chunked copies go (default: $LMCACHE_CARTRIDGE_HOME/packed)")
+    sp.add_argument("--force-redownload", action="store_true", help="running servers drop cached copies and fetch again")
+    sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL (s3:// paths)")
+    sp.add_argument("--s3-region")
     reg_opts(sp)
 
     sp = add("list", cmd_list, "list registered cartridges")

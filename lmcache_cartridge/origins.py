@@ -78,6 +78,29 @@ def fetch_s3_manifest(uri: str, settings, into_dir: Path) -> Manifest:
     return manifest
 
 
+def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), force_redownload: bool = False,
+                chunk_size: int | None = None):
+    """Register an S3 cartridge: fetch and validate its manifest; chunks are fetched on demand.
+
+    Runs in the CLI or the gateway. The manifest lands in `cache_dir/manifests/<uri hash>`, the
+    directory the registry entry points at; servers then read chunks from `uri`.
+    """
+    import hashlib
+
+    from .s3 import parse_s3_uri
+
+    bucket, prefix = parse_s3_uri(uri)
+    uri = f"s3://{bucket}/{prefix}".rstrip("/")
+    into = Path(cache_dir) / "manifests" / hashlib.sha256(uri.encode()).hexdigest()[:24]
+    manifest = fetch_s3_manifest(uri, settings, into)
+    if chunk_size and manifest.chunk_size != chunk_size:
+        raise CartridgeError(
+            f"{uri} was packed with chunk_size {manifest.chunk_size}, the server uses {chunk_size}: "
+            f"re-pack it with `lmcache-cartridge pack --chunk-size {chunk_size}` and upload it again"
+        )
+    return registry.register(into, source_uri=uri, labels=list(labels), force_redownload=force_redownload)
+
+
 def open_origin(source_uri: str, path: str, s3_settings=None) -> Origin:
     if is_s3(source_uri):
         return S3ChunkOrigin(source_uri, s3_settings)
