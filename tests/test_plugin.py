@@ -271,3 +271,19 @@ def test_stats_published_per_tier(carts, capsys):
     tiers = _json.loads(capsys.readouterr().out)["tiers"]
     assert tiers["local"]["hits"] == 3 and tiers["cpu"]["hits"] == 3 and tiers["cpu"]["misses"] == 3
     assert tiers["cpu"]["bytes"] == 3 * a.chunks[0].nbytes
+
+
+def test_preload_warms_cartridges_at_start(carts):
+    a = carts["a"][0]
+    cfg = load_config(write_yaml(carts["dir"], carts["reg"].path, **{}))
+    cfg.extra_config["storage_plugin.cartridge.preload"] = "docs"  # a label; ids work too
+    md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)
+    with Engine(cfg, md) as eng:
+        plugin = eng.backend("cartridge")
+        deadline = time.time() + 5
+        while len(plugin.residency.cpu.keys()) < a.num_full_chunks and time.time() < deadline:
+            time.sleep(0.05)
+        assert sorted(i for _, i in plugin.residency.cpu.keys()) == list(range(a.num_full_chunks))
+        eng.clear_local_cpu()
+        assert eng.retrieve(a.token_ids + [1])[0] == 3 * CHUNK
+        assert plugin.metrics.tiers["cpu"].hits == a.num_full_chunks  # all served from the warm tier
