@@ -358,6 +358,31 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_gateway(args) -> int:
+    """Serve the OpenAI-compatible gateway in front of a vLLM server."""
+    import uvicorn
+
+    from .gateway import GatewaySettings, create_app
+    from .paths import cache_root
+
+    settings = _plugin_settings(args)
+    config = _load_lmcache_config(args.config) if args.config else None
+    gs = GatewaySettings(
+        upstream=args.upstream.rstrip("/"),
+        model=args.model,
+        tokenizer=args.tokenizer or args.model,
+        registry=settings.registry if settings else Path(args.registry or cache_root() / "registry.db"),
+        cache_dir=settings.cache_dir if settings else cache_root() / "cache",
+        chunk_size=int(config.chunk_size) if config else args.chunk_size,
+        local_roots=tuple(Path(r) for r in (args.allow_local or [])),
+        s3=dict(settings.s3) if settings else ({"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {}),
+        max_cartridges=args.max_cartridges,
+        max_body_bytes=args.max_body_bytes,
+    )
+    uvicorn.run(create_app(gs), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 # --- parser -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmcache-cartridge", description=__doc__.splitlines()[0])
@@ -434,6 +459,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--add", action="append")
     sp.add_argument("--remove", action="append")
     reg_opts(sp)
+
+    sp = add("gateway", cmd_gateway, "OpenAI-compatible gateway adding the `cartridges` field in front of vLLM")
+    sp.add_argument("--upstream", required=True, help="the vLLM server, e.g. http://127.0.0.1:8000")
+    sp.add_argument("--model", required=True, help="the upstream model name (vLLM --model)")
+    sp.add_argument("--tokenizer", help="local tokenizer directory (default: --model)")
+    sp.add_argument("--config", help="the server's LMCache YAML (registry, cache dir, S3, chunk size)")
+    sp.add_argument("--registry")
+    sp.add_argument("--chunk-size", type=int, default=256)
+    sp.add_argument("--allow-local", action="append", help="directory local cartridge paths may come from (repeatable)")
+    sp.add_argument("--s3-endpoint")
+    sp.add_argument("--max-cartridges", type=int, default=4)
+    sp.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8100)
 
     sp = add("stats", cmd_stats, "per-tier hits, misses, bytes and evictions of running plugins")
     sp.add_argument("--config", help="LMCache YAML: use its plugin's cache dir")
