@@ -93,9 +93,12 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 MemoryTier("cpu", st.cpu_budget_bytes, metrics=self.metrics),
                 DiskTier(st.cache_dir / "chunks", st.disk_budget_bytes, metrics=self.metrics),
                 self.metrics, prefetch=st.prefetch)
-            self.registry = Registry(self.settings.registry)
+            self.registry: Registry | None = None
             self._version = -1
-            self.refresh()
+            try:
+                self.refresh()
+            except CartridgeError as e:  # locked/corrupt registry: serve nothing, keep retrying
+                logger.error("lmcache_cartridge: registry unusable, serving no cartridges until it is: %s", e)
             self._watcher = threading.Thread(target=self._watch, name="cartridge-registry-watch",
                                              daemon=True)
             self._watcher.start()
@@ -122,6 +125,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
 
     def refresh(self) -> bool:
         """Re-read the registry if another process changed it. Returns True if it did."""
+        if self.registry is None:
+            self.registry = Registry(self.settings.registry)
         version = self.registry.data_version()
         if version == self._version:
             return False
@@ -359,3 +364,4 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             self.residency.close()
         if getattr(self, "registry", None) is not None:
             self.registry.close()
+            self.registry = None

@@ -287,3 +287,21 @@ def test_preload_warms_cartridges_at_start(carts):
         eng.clear_local_cpu()
         assert eng.retrieve(a.token_ids + [1])[0] == 3 * CHUNK
         assert plugin.metrics.tiers["cpu"].hits == a.num_full_chunks  # all served from the warm tier
+
+
+def test_corrupt_registry_serves_nothing_then_recovers(carts, caplog):
+    a = carts["a"][0]
+    bad = carts["dir"] / "bad.db"
+    bad.write_bytes(b"this is not a database" * 100)
+    caplog.set_level(logging.ERROR, logger="lmcache_cartridge")
+    with engine_for(carts["dir"], bad) as eng:
+        plugin = eng.backend("cartridge")
+        assert isinstance(plugin, CartridgeStoragePlugin)  # built, not swallowed by LMCache
+        assert eng.engine.lookup(a.token_ids + [1]) == 0
+        assert any("registry unusable" in r.getMessage() for r in caplog.records)
+        bad.unlink()
+        Registry(bad).register(carts["dir"] / "a")  # the operator repairs it
+        deadline = time.time() + 5
+        while eng.engine.lookup(a.token_ids + [1]) == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert eng.engine.lookup(a.token_ids + [1]) == 3 * CHUNK
