@@ -1,0 +1,389 @@
+"""End to end: cartridges served to a REAL vLLM OpenAI server on vLLM's CPU backend, through
+LMCache 0.5.6 + `lmcache_cartridge.connector.CartridgeConnector` (CPU KV connector) + the plugin.
+
+One server for the module (start-up ~60-90 s on 2 cores). Prefix caching is off, so every
+prompt token either is computed or comes from LMCache; vLLM's `/metrics` counter
+`vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` proves which. Requests use
+`logprobs`, never `prompt_logprobs` (that makes vLLM skip external KV). Baselines are sent with
+`kv_transfer_params: {"lmcache.skip_save": true}` so LMCache does not store vLLM's own KV for
+the cartridge's tokens (a later hit must come from the plugin, not from that copy).
+
+Tolerances (bf16 serving). The test model's attention is deliberately peaked (q/k x4, lm_head
+x12) so that layout errors are glaring; that also amplifies bf16 rounding. Measured on this
+machine: vLLM vs HF transformers on a plain ~290-token prompt (no cartridge, no LMCache) differs
+by up to ~0.2 on one generated-token logprob (mean ~0.06), HF bf16 vs HF fp32 by up to ~0.09,
+vLLM vs HF on the random trained KV below by up to ~0.31 (mean ~0.09), and up to ~0.5 on a
+near-tie token of the swapped control (mean ~0.2); a K/V-head swap moves the logprobs by ~9.5
+on average. Hence:
+* first-k, vLLM with the cartridge vs the same prompt recomputed by vLLM: same text, max
+  |dlogprob| <= FIRST_K_MAX_TOL;
+* trained, vLLM vs HF given the same KV (teacher-forced on vLLM's tokens): mean |dlogprob| <=
+  HF_MEAN_TOL and max <= HF_MAX_TOL, and every vLLM greedy token within HF_MAX_TOL of HF's best;
+* negative control, mean |dlogprob| against the unaltered KV's reference >= NEG_MIN_MEAN.
+The noise floor (vLLM vs HF on a plain prompt) is measured in the run and printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytestmark = pytest.mark.slow
+
+FIRST_K_MAX_TOL = 0.10   # vLLM + first-k cartridge vs vLLM recompute, per generated token
+HF_MEAN_TOL = 0.25       # vLLM vs HF given the same KV: mean |dlogprob| over generated tokens
+HF_MAX_TOL = 0.6         # ... and the largest single-token difference
+NEG_MIN_MEAN = 1.0       # a wrong KV (heads swapped) must move the logprobs at least this much
+STARTUP_TIMEOUT_S = 300
+MAX_TOKENS = 8
+CHUNK = 256
+USER_TEXT = "Question: what does the document say about the harbor and the old keeper?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root: Path, model_dir: Path) -> None:
+        from lmcache_cartridge.registry import Registry
+
+        self.root, self.model_dir = root, model_dir
+        self.model = str(model_dir)
+        self.registry_path = root / "registry.db"
+        self.registry = Registry(self.registry_path)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = root / "server.log"
+        cfg = {
+            "chunk_size": CHUNK,
+            "local_cpu": True,
+            "max_local_cpu_size": 1,
+            "storage_plugins": ["cartridge"],
+            "store_location": "LocalCPUBackend",
+            "pre_caching_hash_algorithm": "sha256_cbor",
+            "extra_config": {
+                "storage_plugin.cartridge.module_path": "lmcache_cartridge.plugin",
+                "storage_plugin.cartridge.class_name": "CartridgeStoragePlugin",
+                "storage_plugin.cartridge.registry": str(self.registry_path),
+                "storage_plugin.cartridge.refresh_seconds": 0.2,
+            },
+        }
+        (root / "lmcache.yaml").write_text(yaml.safe_dump(cfg))
+        for d in ("prom", "tmp", "vcache"):
+            (root / d).mkdir(exist_ok=True)
+        env = dict(os.environ)
+        env.pop("PYTHONHASHSEED", None)
+        env.update({
+            "LMCACHE_CONFIG_FILE": str(root / "lmcache.yaml"),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+            "PROMETHEUS_MULTIPROC_DIR": str(root / "prom"),
+            "TMPDIR": str(root / "tmp"),
+            "VLLM_CACHE_ROOT": str(root / "vcache"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        })
+        ktc = {"kv_connector": "CartridgeConnector",
+               "kv_connector_module_path": "lmcache_cartridge.connector",
+               "kv_role": "kv_both"}
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+               "--max-model-len", "2048", "--no-enable-prefix-caching",
+               "--kv-transfer-config", json.dumps(ktc)]
+        self._log = open(self.log_path, "wb")
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=str(root), start_new_session=True)
+        self.startup_s: float | None = None
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = self.t0 + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.startup_s = time.time() - self.t0
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM server not healthy after {timeout}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._log.close()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    # --- API ---------------------------------------------------------------------------------
+    def complete(self, prompt_ids: list[int], *, skip_save: bool = True, max_tokens: int = MAX_TOKENS) -> dict:
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True}
+        if skip_save:
+            body["kv_transfer_params"] = {"lmcache.skip_save": True}
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t = time.time()
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.load(r)
+        c = out["choices"][0]
+        lp = c["logprobs"]
+        return {"text": c["text"], "tokens": lp["tokens"], "logprobs": lp["token_logprobs"],
+                "seconds": time.time() - t}
+
+    def external_tokens(self) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def register(self, directory: Path, expect_served: int) -> None:
+        """Register and wait until the plugin in the server reports `expect_served` cartridges."""
+        self.registry.register(directory)
+        pat = re.compile(r"registry changed: plugin '\w+' ready: (\d+) cartridges")
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            found = [int(m) for m in pat.findall(self.log_text())]
+            if found and found[-1] == expect_served:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"plugin did not pick up {directory}:\n{self.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from lmcache_cartridge.testmodel import ensure_test_model
+
+    model_dir = ensure_test_model()
+    root = tmp_path_factory.mktemp("vllm_e2e")
+    srv = Server(root, model_dir)
+    try:
+        srv.wait_healthy()
+        print(f"\n[e2e] vLLM server healthy after {srv.startup_s:.1f}s (log {srv.log_path})")
+        log = srv.log_text()
+        assert "No supported cpu connector" not in log, srv.log_tail()
+        assert "vLLM CPU KV layout verified" in log, srv.log_tail()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from lmcache_cartridge.create import load_model
+    from lmcache_cartridge.testmodel import ensure_test_model
+
+    return load_model(ensure_test_model())
+
+
+def user_ids(tokenizer) -> list[int]:
+    return list(tokenizer(USER_TEXT, add_special_tokens=False)["input_ids"])
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def mean_diff(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def hf_teacher_forced(model, kv: torch.Tensor, user: list[int], gen_ids: list[int],
+                      dtype: torch.dtype) -> tuple[list[int], list[float], list[float]]:
+    """HF given `kv` as past_key_values (positions offset by its length), teacher-forced on
+    `gen_ids`: per step the argmax, the logprob of `gen_ids`' token, and the best logprob."""
+    from lmcache_cartridge.create import kv_to_cache
+
+    m = model.to(dtype)
+    n = kv.shape[2]
+    seq = user + gen_ids[:-1]
+    ids = torch.tensor([seq])
+    pos = torch.arange(n, n + len(seq)).unsqueeze(0)
+    with torch.inference_mode():
+        out = m(input_ids=ids, past_key_values=kv_to_cache(kv.to(dtype), m.config), position_ids=pos,
+                use_cache=True)
+    logp = torch.log_softmax(out.logits[0, len(user) - 1:].float(), dim=-1)
+    greedy = logp.argmax(-1).tolist()
+    chosen = [float(logp[i, t]) for i, t in enumerate(gen_ids)]
+    best = logp.max(-1).values.tolist()
+    return greedy, chosen, best
+
+
+def token_ids_of(server: Server, tokenizer, res: dict) -> list[int]:
+    """vLLM's generated token ids (the completions API returns token strings)."""
+    ids = []
+    for tok in res["tokens"]:
+        if tok.startswith("token_id:"):
+            ids.append(int(tok.split(":", 1)[1]))
+        else:
+            ids.append(tokenizer.convert_tokens_to_ids(tok))
+    return ids
+
+
+def test_first_k_cartridge_matches_recompute_and_comes_from_lmcache(server, hf, tmp_path):
+    from lmcache_cartridge.create import create_first_k
+    from lmcache_cartridge.packed import pack_kv
+    from lmcache_cartridge.testmodel import document_text
+
+    model, tok = hf
+    cart = create_first_k(server.model_dir, document_text(), max_tokens=2 * CHUNK,
+                          model_and_tokenizer=(model, tok))
+    assert len(cart.token_ids) == 2 * CHUNK
+    prompt = cart.token_ids + user_ids(tok)
+
+    ext0 = server.external_tokens()
+    base = server.complete(prompt)                      # nothing registered: all computed
+    assert server.external_tokens() == ext0
+
+    pack_kv(cart.kv, tmp_path / "fk", cartridge_id="e2e-first-k", model=server.model,
+            kind="first_k", token_ids=cart.token_ids, chunk_size=CHUNK)
+    server.register(tmp_path / "fk", expect_served=1)
+    got = server.complete(prompt)
+    loaded = server.external_tokens() - ext0
+    d = max_diff(base["logprobs"], got["logprobs"])
+    print(f"\n[e2e first-k] external tokens {loaded:.0f}, text equal {got['text'] == base['text']}, "
+          f"max |dlogprob| {d:.4f}, recompute {base['seconds']:.3f}s vs cartridge {got['seconds']:.3f}s")
+    assert loaded == 2 * CHUNK, server.log_tail()     # the 512 cartridge tokens came from LMCache
+    # vLLM counts scheduled external tokens even if a load is refused (then recomputed): make
+    # sure none was.
+    assert "KV load failed" not in server.log_text(), server.log_tail()
+    assert got["text"] == base["text"]
+    assert d <= FIRST_K_MAX_TOL, (base, got)
+
+
+def _trained_kv(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 2, CHUNK, 2, 64, generator=g).to(torch.bfloat16)  # [2, L, T, H, D]
+
+
+def test_trained_cartridge_matches_hf_and_altered_kv_changes_output(server, hf, tmp_path):
+    from lmcache_cartridge.packed import PackedCartridge, VocabInfo, pack_kv
+
+    model, tok = hf
+    user = user_ids(tok)
+    vocab = VocabInfo(model.config.vocab_size, (0, 1, 2, 3))
+    kv = _trained_kv(7)
+    swapped = kv[:, :, :, [1, 0]].contiguous()          # K/V heads swapped: the layout trap
+
+    pack_kv(kv, tmp_path / "tr", cartridge_id="e2e-trained", model=server.model, kind="trained",
+            vocab=vocab, chunk_size=CHUNK)
+    pack_kv(swapped, tmp_path / "tr-swapped", cartridge_id="e2e-trained-swapped", model=server.model,
+            kind="trained", vocab=vocab, chunk_size=CHUNK)
+    ids = PackedCartridge(tmp_path / "tr").manifest.token_ids
+    ids_sw = PackedCartridge(tmp_path / "tr-swapped").manifest.token_ids
+    assert ids != ids_sw
+    n_before = len(server.registry.list())
+    server.register(tmp_path / "tr", expect_served=n_before + 1)
+    server.register(tmp_path / "tr-swapped", expect_served=n_before + 2)
+
+    ext0 = server.external_tokens()
+    got = server.complete(ids + user)
+    assert server.external_tokens() - ext0 == CHUNK, server.log_tail()
+    assert "KV load failed" not in server.log_text(), server.log_tail()
+    gen = token_ids_of(server, tok, got)
+
+    greedy_bf16, lp_bf16, best_bf16 = hf_teacher_forced(model, kv, user, gen, torch.bfloat16)
+    _, lp_fp32, _ = hf_teacher_forced(model, kv, user, gen, torch.float32)
+    model.to(torch.bfloat16)
+    lp = got["logprobs"]
+    print(f"\n[e2e trained] vLLM vs HF bf16: max |dlogprob| {max_diff(lp, lp_bf16):.4f} mean "
+          f"{mean_diff(lp, lp_bf16):.4f}; vs HF fp32: max {max_diff(lp, lp_fp32):.4f} mean "
+          f"{mean_diff(lp, lp_fp32):.4f}; HF bf16 vs fp32 max {max_diff(lp_bf16, lp_fp32):.4f}; "
+          f"greedy equal to HF bf16: {gen == greedy_bf16}")
+    print(f"[e2e trained] vLLM {[round(x, 3) for x in lp]}\n[e2e trained] HF   {[round(x, 3) for x in lp_bf16]}")
+    assert min(mean_diff(lp, lp_bf16), mean_diff(lp, lp_fp32)) <= HF_MEAN_TOL
+    assert min(max_diff(lp, lp_bf16), max_diff(lp, lp_fp32)) <= HF_MAX_TOL
+    assert all(b - c <= HF_MAX_TOL for b, c in zip(best_bf16, lp_bf16)), (gen, greedy_bf16)
+
+    # Negative control: the swapped cartridge is loaded too; its output follows ITS KV (close to
+    # HF given the swapped KV) and is far from the unaltered KV's reference.
+    ext1 = server.external_tokens()
+    neg = server.complete(ids_sw + user)
+    assert server.external_tokens() - ext1 == CHUNK
+    gen_neg = token_ids_of(server, tok, neg)
+    _, lp_neg_own, _ = hf_teacher_forced(model, swapped, user, gen_neg, torch.bfloat16)
+    _, lp_neg_orig, _ = hf_teacher_forced(model, kv, user, gen_neg, torch.bfloat16)
+    own, orig = mean_diff(neg["logprobs"], lp_neg_own), mean_diff(neg["logprobs"], lp_neg_orig)
+    print(f"[e2e negative] swapped-heads cartridge: text changed {neg['text'] != got['text']}; mean "
+          f"|dlogprob| vs HF(swapped KV) {own:.4f}, vs HF(original KV) {orig:.4f}")
+    assert neg["text"] != got["text"]
+    assert own <= HF_MEAN_TOL
+    assert orig >= NEG_MIN_MEAN
+
+
+def test_noise_floor_vllm_vs_hf_without_cartridge(server, hf):
+    """Reference point for the tolerances: vLLM vs HF on a plain prompt, nothing from LMCache."""
+    model, tok = hf
+    g = torch.Generator().manual_seed(5)
+    prompt = [1] + torch.randint(4, model.config.vocab_size, (CHUNK + 30,), generator=g).tolist()
+    ext0 = server.external_tokens()
+    got = server.complete(prompt)
+    assert server.external_tokens() == ext0
+    gen = token_ids_of(server, tok, got)
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([prompt + gen[:-1]]))
+    logp = torch.log_softmax(out.logits[0, len(prompt) - 1:].float(), dim=-1)
+    ref = [float(logp[i, t]) for i, t in enumerate(gen)]
+    print(f"\n[e2e noise floor] vLLM vs HF bf16, plain prompt: max |dlogprob| "
+          f"{max_diff(got['logprobs'], ref):.4f} mean {mean_diff(got['logprobs'], ref):.4f}")
+    assert mean_diff(got["logprobs"], ref) <= HF_MEAN_TOL
+
+
+def test_kv_stored_by_vllm_reloads_through_cpu_connector(server, hf):
+    """from_gpu then to_gpu on the real paged layout: a prompt stored by LMCache (not a cartridge)
+    is loaded back on the second request and gives the same output."""
+    model, tok = hf
+    g = torch.Generator().manual_seed(3)
+    prompt = [1] + torch.randint(4, model.config.vocab_size, (CHUNK + 40,), generator=g).tolist()
+    ext0 = server.external_tokens()
+    first = server.complete(prompt, skip_save=False)
+    assert server.external_tokens() == ext0
+    second = server.complete(prompt, skip_save=True)
+    assert server.external_tokens() - ext0 == CHUNK, server.log_tail()
+    d = max_diff(first["logprobs"], second["logprobs"])
+    print(f"\n[e2e store/reload] max |dlogprob| {d:.4f}")
+    assert second["text"] == first["text"]
+    assert d <= FIRST_K_MAX_TOL
+
+
+def test_engine_survived_and_logged(server):
+    assert server.proc.poll() is None
+    log = server.log_text()
+    assert "EngineDeadError" not in log and "Traceback" not in log, server.log_tail(120)
+    assert "KV load failed" not in log and "refusing vLLM CPU KV layout" not in log
+    assert "kv_load_failure_policy 'fail' -> 'recompute'" in log
