@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv test demo clean-venv
+.PHONY: venv test demo bench clean-venv
 
 venv: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	echo 'torch==2.13.0+cpu' > $(CONSTRAINTS)
-	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e '.[cpu,test]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e '.[cpu,test,bench]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
@@ -30,6 +30,9 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m lmcache_cartridge.demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/chunk_retrieval.py
 
 clean-venv:
 	rm -rf $(VENV)
