@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -93,6 +94,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 MemoryTier("cpu", st.cpu_budget_bytes, metrics=self.metrics),
                 DiskTier(st.cache_dir / "chunks", st.disk_budget_bytes, metrics=self.metrics),
                 self.metrics, prefetch=st.prefetch)
+            self._readers = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                               thread_name_prefix="cartridge-read")
             self.registry: Registry | None = None
             self._version = -1
             try:
@@ -223,21 +226,21 @@ class CartridgeStoragePlugin(StoragePluginInterface):
 
     # --- lookup ---------------------------------------------------------------------------------
     def contains(self, key, pin: bool = False) -> bool:
-        with self._lock:
-            if key not in self._state.index:
-                return False
-            if pin:
-                self._state.pins[key] = self._state.pins.get(key, 0) + 1
-                cid, idx = self._state.index[key]
-                self.residency.cpu.pin((self._state.served[cid].handle.content_hash, idx))
-            return True
+        return self.batched_contains([key], pin) == 1
 
     def batched_contains(self, keys, pin: bool = False) -> int:
+        """Leading hits, under one lock (this runs for every lookup of every request)."""
         hits = 0
         with self._lock:
+            st = self._state
+            index = st.index
             for key in keys:
-                if not self.contains(key, pin):
+                where = index.get(key)
+                if where is None:
                     break
+                if pin:
+                    st.pins[key] = st.pins.get(key, 0) + 1
+                    self.residency.cpu.pin((st.served[where[0]].handle.content_hash, where[1]))
                 hits += 1
         return hits
 
@@ -282,34 +285,35 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             return st.draining.get(key)
 
     def get_blocking(self, key):
-        found = self._locate(key)
-        if found is None or self.local_cpu_backend is None:
-            return None
-        served, index = found
+        return self.batched_get_blocking([key])[0]
+
+    def _allocate(self, served: Served, index: int):
         m = served.handle.manifest
-        tokens = m.chunks[index].num_tokens
         cols = served.columns
         obj = self.local_cpu_backend.allocate(
-            torch.Size([2, m.num_layers, tokens, cols.stop - cols.start]), self.shape.dtype,
-            MemoryFormat.KV_2LTD, eviction=True, busy_loop=False)
+            torch.Size([2, m.num_layers, m.chunks[index].num_tokens, cols.stop - cols.start]),
+            self.shape.dtype, MemoryFormat.KV_2LTD, eviction=True, busy_loop=False)
         if obj is None:  # allocator full: a miss, the request recomputes
             logger.warning("lmcache_cartridge: allocator full, chunk %d of %r not served", index, m.cartridge_id)
-            return None
+        return obj
+
+    def _fill(self, served: Served, index: int, obj) -> bool:
+        """Put verified chunk bytes (this rank's columns) into `obj`; False on any failure."""
+        m = served.handle.manifest
         try:
             if served.whole_rows:
                 self.residency.read_into(served.handle, index, obj.tensor)
             else:
-                full = torch.empty(m.chunk_shape(tokens), dtype=m.torch_dtype)
+                full = torch.empty(m.chunk_shape(m.chunks[index].num_tokens), dtype=m.torch_dtype)
                 self.residency.read_into(served.handle, index, full)
-                obj.tensor.copy_(full[..., cols])
+                obj.tensor.copy_(full[..., served.columns])
+            return True
         except Exception as e:  # never let a bad chunk reach LMCache or kill the worker
-            obj.ref_count_down()
             logger.error("lmcache_cartridge: chunk %d of %r not served (request recomputes): %s",
                          index, m.cartridge_id, e)
             if isinstance(e, ChecksumError) and served.handle.origin.local:
                 self._quarantine(served, str(e))
-            return None
-        return obj
+            return False
 
     def _quarantine(self, served: Served, why: str) -> None:
         """A cartridge whose origin bytes are bad is not served again until re-registered."""
@@ -321,10 +325,31 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 st.skipped[served.entry.id] = why
 
     def batched_get_blocking(self, keys):
-        out: list = []
-        for key in keys:
-            obj = self.get_blocking(key) if (not out or out[-1] is not None) else None
-            out.append(obj)
+        """Chunks for a prefix of `keys` (aligned, `None` from the first miss on, as LMCache
+        expects). Buffers are allocated here in order; the reads run in parallel."""
+        out: list = [None] * len(keys)
+        if self.local_cpu_backend is None:
+            return out
+        jobs = []
+        for i, key in enumerate(keys):
+            found = self._locate(key)
+            if found is None:
+                break
+            obj = self._allocate(*found)
+            if obj is None:
+                break
+            jobs.append((found[0], found[1], obj))
+        if not jobs:
+            return out
+        if len(jobs) == 1:
+            oks = [self._fill(*jobs[0])]
+        else:
+            oks = list(self._readers.map(lambda j: self._fill(*j), jobs))
+        for i, ((_, _, obj), ok) in enumerate(zip(jobs, oks)):
+            if ok and (i == 0 or out[i - 1] is not None):
+                out[i] = obj
+            else:
+                obj.ref_count_down()
         return out
 
     async def batched_get_non_blocking(self, lookup_id: str, keys, transfer_spec=None):
@@ -362,6 +387,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             self._state = _State()
         if getattr(self, "residency", None) is not None:
             self.residency.close()
+        if getattr(self, "_readers", None) is not None:
+            self._readers.shutdown(wait=False)
         if getattr(self, "registry", None) is not None:
             self.registry.close()
             self.registry = None

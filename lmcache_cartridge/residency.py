@@ -31,7 +31,7 @@ from .errors import CartridgeError, ChecksumError
 from .manifest import Manifest
 from .metrics import Metrics
 from .origins import Origin
-from .packed import as_bytes, check_chunk
+from .packed import as_bytes, check_chunk, clone_bytes, copy_into
 
 logger = logging.getLogger("lmcache_cartridge.residency")
 
@@ -83,7 +83,7 @@ class MemoryTier:
             if data is None:
                 return False
             self._chunks.move_to_end(cid)
-            out.copy_(data)  # under the lock: eviction cannot free it mid-copy
+            copy_into(out, data)  # under the lock: eviction cannot free it mid-copy
         return True
 
     def put(self, cid: ChunkId, data: torch.Tensor) -> bool:
@@ -98,7 +98,7 @@ class MemoryTier:
             if not self._make_room(n):
                 return False
             copy = torch.empty(n, dtype=torch.uint8, device=self.device, pin_memory=self._pin_host)
-            copy.copy_(data)
+            copy_into(copy, data)
             self._chunks[cid] = copy
             self.used += n
         return True
@@ -325,7 +325,7 @@ class Residency:
                 raise CartridgeError(f"timed out waiting for chunk {index} of {handle.manifest.cartridge_id}")
             if flight.error is not None:
                 raise flight.error
-            flat.copy_(flight.data)
+            copy_into(flat, flight.data)
             return "shared"
         try:
             if self.cpu.get_into(cid, flat):  # filled while we were deciding to lead
@@ -335,7 +335,7 @@ class Residency:
                 self.cpu.put(cid, flat)
             with self._lock:
                 if flight.waiters:  # our buffer belongs to our caller: waiters get a copy
-                    flight.data = flat.clone()
+                    flight.data = clone_bytes(flat)
             return tier
         except Exception as e:
             flight.error = e
@@ -365,9 +365,9 @@ class Residency:
         except Exception:
             self.metrics.error(tier)
             raise
-        if self.disk is not None and not handle.origin.local:
+        if self.disk is not None and not handle.origin.local and buf.nbytes <= self.disk.budget:
             # Write-behind: the caller does not wait for the disk.
-            data = flat.clone()
+            data = clone_bytes(flat)
             self._pool.submit(self.disk.put, cid, as_bytes(data))
         return tier
 
