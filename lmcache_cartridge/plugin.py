@@ -235,13 +235,15 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             st = self._state
             index = st.index
             for key in keys:
-                where = index.get(key)
-                if where is None:
+                if key not in index:
                     break
-                if pin:
-                    st.pins[key] = st.pins.get(key, 0) + 1
-                    self.residency.cpu.pin((st.served[where[0]].handle.content_hash, where[1]))
                 hits += 1
+            if pin and hits:
+                pins = st.pins
+                for key in keys[:hits]:
+                    pins[key] = pins.get(key, 0) + 1
+                self.residency.cpu.pin_many(
+                    (st.served[cid].handle.content_hash, i) for cid, i in map(index.__getitem__, keys[:hits]))
         return hits
 
     async def batched_async_contains(self, lookup_id: str, keys, pin: bool = False) -> int:

@@ -117,8 +117,12 @@ class MemoryTier:
         return self.used + n <= self.budget
 
     def pin(self, cid: ChunkId) -> None:
+        self.pin_many((cid,))
+
+    def pin_many(self, cids) -> None:
         with self._lock:
-            self._pins[cid] = self._pins.get(cid, 0) + 1
+            for cid in cids:
+                self._pins[cid] = self._pins.get(cid, 0) + 1
 
     def unpin(self, cid: ChunkId) -> None:
         with self._lock:
