@@ -199,13 +199,18 @@ def _content_hash(kv: torch.Tensor, chunks: list[ChunkInfo], chunk_size: int) ->
     return h.hexdigest()
 
 
-def check_chunk(info: ChunkInfo, buf: memoryview, where: str) -> None:
-    """Raise `ChecksumError` unless `buf` hashes to the manifest's sha256 for this chunk."""
+def check_chunk(info: ChunkInfo, buf: memoryview, where: str, dtype: torch.dtype | None = None) -> None:
+    """Raise `ChecksumError` unless `buf` hashes to the manifest's sha256 for this chunk and,
+    given its dtype, holds only finite values (a packer elsewhere may have hashed NaNs)."""
     if hashlib.sha256(buf).hexdigest() != info.sha256:
         raise ChecksumError(
             f"{where}: chunk {info.index} checksum mismatch (corrupted or replaced bytes); "
             "re-pack or re-download the cartridge"
         )
+    if dtype is not None and dtype.is_floating_point:
+        values = torch.frombuffer(buf, dtype=dtype)
+        if not torch.isfinite(values).all():
+            raise ChecksumError(f"{where}: chunk {info.index} contains NaN or Inf values; refusing to serve it")
 
 
 @dataclass

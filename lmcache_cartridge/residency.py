@@ -199,7 +199,7 @@ class DiskTier:
             if n != buf.nbytes:
                 raise ChecksumError(f"{path}: {n} bytes, expected {buf.nbytes}")
             if verify:
-                check_chunk(handle.manifest.chunks[cid[1]], buf, str(path))
+                check_chunk(handle.manifest.chunks[cid[1]], buf, str(path), handle.manifest.torch_dtype)
         except (OSError, ChecksumError) as e:
             logger.error("lmcache_cartridge: disk cache chunk dropped (%s); fetching it again", e)
             self.metrics.error("disk")
@@ -363,7 +363,7 @@ class Residency:
                 self.origin_reads += 1
                 verify = not handle.origin.local or cid not in self._verified
             if verify:
-                check_chunk(handle.manifest.chunks[index], buf, handle.origin.uri)
+                check_chunk(handle.manifest.chunks[index], buf, handle.origin.uri, handle.manifest.torch_dtype)
                 with self._lock:
                     self._verified.add(cid)
         except Exception:

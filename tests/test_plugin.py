@@ -305,3 +305,49 @@ def test_corrupt_registry_serves_nothing_then_recovers(carts, caplog):
         while eng.engine.lookup(a.token_ids + [1]) == 0 and time.time() < deadline:
             time.sleep(0.05)
         assert eng.engine.lookup(a.token_ids + [1]) == 3 * CHUNK
+
+
+def test_nan_chunk_with_matching_checksum_is_never_served(carts, caplog):
+    """A cartridge packed elsewhere with NaNs and correct checksums: refused at first read."""
+    import hashlib
+    import json as _json
+
+    (a, kv_a) = carts["a"]
+    d = carts["dir"] / "a"
+    payload = bytearray((d / "kv.bin").read_bytes())
+    info = a.chunks[1]
+    chunk = torch.frombuffer(payload, dtype=torch.bfloat16, offset=info.offset, count=info.nbytes // 2)
+    chunk[17] = float("nan")
+    (d / "kv.bin").write_bytes(bytes(payload))
+    m = _json.loads((d / "manifest.json").read_text())
+    m["chunks"][1]["sha256"] = hashlib.sha256(payload[info.offset:info.offset + info.nbytes]).hexdigest()
+    (d / "manifest.json").write_text(_json.dumps(m))
+    caplog.set_level(logging.ERROR, logger="lmcache_cartridge")
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        n, got = eng.retrieve(a.token_ids + [1])
+        assert n == CHUNK  # chunk 0 served, chunk 1 refused: the rest recomputes
+        assert torch.isfinite(got).all()
+        assert any("NaN or Inf" in r.getMessage() for r in caplog.records)
+        assert eng.engine.lookup(a.token_ids + [1]) == 0  # quarantined until re-registered
+
+
+def test_allocator_full_is_a_miss(carts):
+    (a, kv_a) = carts["a"]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        plugin = eng.backend("cartridge")
+        keys = plugin.mapper.keys(a.token_ids)
+        cpu = eng.backend("LocalCPUBackend")
+        hog = []
+        while True:  # fill LMCache's allocator for real
+            obj = cpu.allocate(torch.Size([2, L, CHUNK, H * D]), torch.bfloat16, eviction=False, busy_loop=False)
+            if obj is None:
+                break
+            hog.append(obj)
+        assert plugin.batched_get_blocking(keys) == [None] * len(keys)
+        for obj in hog:
+            obj.ref_count_down()
+        objs = plugin.batched_get_blocking(keys)
+        assert all(o is not None for o in objs)
+        assert torch.equal(objs[2].tensor, flat(kv_a)[:, :, 2 * CHUNK:3 * CHUNK])
+        for o in objs:
+            o.ref_count_down()
