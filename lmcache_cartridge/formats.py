@@ -129,7 +129,7 @@ def _order_layers(d: dict) -> list[str]:
 def _seed000_layer(name: str, value: Any, num_tokens: int | None, layout: str | None):
     if isinstance(value, (list, tuple)) and len(value) == 2:
         return _htd(value[0], f"{name}[k]"), _htd(value[1], f"{name}[v]")
-    if not isinstance(value, torch.Tensor) or value.shape[0] != 2:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != 2:
         raise CartridgeFormatError(
             f"kv_cache[{name!r}] must be a (k, v) pair or a tensor with a leading K/V axis of 2"
         )
@@ -155,7 +155,7 @@ def _seed000_layer(name: str, value: Any, num_tokens: int | None, layout: str | 
         t = t.permute(0, 2, 1, 3)
     elif layout != "HTD":
         raise CartridgeFormatError(f"metadata['kv_layout'] must be 'HTD' or 'THD', got {layout!r}")
-    return t[0], t[1]
+    return _htd(t[0], f"{name}[k]"), _htd(t[1], f"{name}[v]")
 
 
 # --- Cartridges paper -------------------------------------------------------------------------
@@ -203,6 +203,8 @@ def _parse_paper(obj: dict) -> LoadedCartridge:
         if len(ks) != len(vs):
             raise CartridgeFormatError(f"{group}: {len(ks)} key layers but {len(vs)} value layers")
         parts.append(_stack_layers(list(zip(ks, vs))))
+    if not parts:
+        raise CartridgeFormatError("no complete keys/values pair (trainable_* or frozen_*) found")
     if len(parts) == 2 and parts[0].shape[1] != parts[1].shape[1]:
         raise CartridgeFormatError("frozen and trainable parts have different layer counts")
     kv = torch.cat(parts, dim=2) if len(parts) == 2 else parts[0]
@@ -231,11 +233,15 @@ def _htd(t: Any, where: str) -> torch.Tensor:
         raise CartridgeFormatError(f"{where}: shape {tuple(t.shape)}; expected [1, H, T, D] or [H, T, D]")
     if not t.is_floating_point():
         raise CartridgeFormatError(f"{where}: dtype {t.dtype} is not a floating-point KV dtype")
+    if t.numel() == 0:
+        raise CartridgeFormatError(f"{where}: shape {tuple(t.shape)} is empty")
     return t
 
 
 def _stack_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """`[(k [H,T,D], v [H,T,D]) per layer]` -> canonical `[2, L, T, H, D]`."""
+    if not layers:
+        raise CartridgeFormatError("no layers")
     shape, dtype = layers[0][0].shape, layers[0][0].dtype
     for i, (k, v) in enumerate(layers):
         if k.shape != shape or v.shape != shape or k.dtype != dtype or v.dtype != dtype:

@@ -276,6 +276,32 @@ def completion_chunk_to_chat(chunk: dict, first: bool) -> dict:
 
 
 # --- the app ----------------------------------------------------------------------------------
+# Published request schemas (the handlers validate by hand, with messages; these document the
+# API and let schemathesis fuzz it). Other OpenAI/vLLM sampling fields pass through.
+_CARTRIDGES_SCHEMA = {
+    "type": "array",
+    "items": {"type": "object", "required": ["id"], "additionalProperties": False, "properties": {
+        "id": {"type": "string", "minLength": 1},
+        "source": {"type": "string", "enum": ["s3", "local"]},
+        "force_redownload": {"type": "boolean"}}},
+}
+_COMMON = {"model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
+           "temperature": {"type": "number", "minimum": 0}, "stream": {"type": "boolean"},
+           "cartridges": _CARTRIDGES_SCHEMA}
+
+
+def _body(required: str, prompt_schema: dict) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "required": [required],
+        "properties": {required: prompt_schema, **_COMMON}}}}}}
+
+
+_COMPLETIONS_BODY = _body("prompt", {"oneOf": [{"type": "string"},
+                                               {"type": "array", "items": {"type": "integer", "minimum": 0}}]})
+_CHAT_BODY = _body("messages", {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}})
+
 _CHAT_ONLY = {"messages", "tools", "tool_choice", "response_format", "parallel_tool_calls", "top_logprobs"}
 
 
@@ -365,11 +391,11 @@ def create_app(settings: GatewaySettings):
 
         return StreamingResponse(relay(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_COMPLETIONS_BODY)
     async def completions(request: Request):
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_CHAT_BODY)
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 

@@ -43,6 +43,8 @@ _DTYPES: dict[str, torch.dtype] = {
 
 def dtype_from_name(name: str) -> torch.dtype:
     """Map a manifest dtype name (also accepts `torch.bfloat16`) to a torch dtype."""
+    if not isinstance(name, str):
+        raise ManifestError(f"KV dtype must be a string like 'bfloat16', got {name!r}")
     key = name.removeprefix("torch.")
     if key not in _DTYPES:
         raise ManifestError(f"unsupported KV dtype {name!r}; expected one of {sorted(_DTYPES)}")
@@ -138,6 +140,8 @@ class Manifest:
                 f"{FORMAT_VERSION}); re-pack the cartridge with this version's `lmcache-cartridge pack`"
             )
         try:
+            if not isinstance(d["chunks"], list) or not all(isinstance(c, dict) for c in d["chunks"]):
+                raise TypeError("chunks must be a list of objects")
             chunks = [ChunkInfo(**c) for c in d["chunks"]]
             m = cls(**{**d, "chunks": chunks})
         except (KeyError, TypeError) as e:
@@ -163,6 +167,12 @@ class Manifest:
         """Internal consistency: every number that serving relies on agrees with the others."""
         validate_id(self.cartridge_id)
         dtype_from_name(self.dtype)
+        for name, typ in (("token_ids", list), ("chunks", list), ("provenance", dict), ("labels", list),
+                          ("content_hash", str), ("created_at", str)):
+            if not isinstance(getattr(self, name), typ):
+                raise ManifestError(f"manifest field {name} must be a {typ.__name__}")
+        if not all(isinstance(x, str) for x in self.labels):
+            raise ManifestError("manifest labels must be strings")
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_tokens", "chunk_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -187,6 +197,9 @@ class Manifest:
             )
         offset, tokens = 0, 0
         for i, c in enumerate(self.chunks):
+            if not all(isinstance(v, int) and not isinstance(v, bool)
+                       for v in (c.index, c.offset, c.nbytes, c.num_tokens)) or not isinstance(c.sha256, str):
+                raise ManifestError(f"manifest chunk {i} has fields of the wrong type")
             expect_tokens = min(self.chunk_size, self.num_tokens - tokens)
             if (
                 c.index != i
