@@ -351,3 +351,44 @@ def test_allocator_full_is_a_miss(carts):
         assert torch.equal(objs[2].tensor, flat(kv_a)[:, :, 2 * CHUNK:3 * CHUNK])
         for o in objs:
             o.ref_count_down()
+
+
+def test_missing_payload_not_served_with_reason(carts, caplog):
+    (carts["dir"] / "b" / "kv.bin").unlink()
+    caplog.set_level(logging.ERROR, logger="lmcache_cartridge")
+    a, b = carts["a"][0], carts["b"][0]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        assert eng.engine.lookup(b.token_ids + [1]) == 0
+        assert eng.engine.lookup(a.token_ids + [1]) == 3 * CHUNK  # the others still served
+        assert any("not serving cartridge 'trained-b'" in r.getMessage() and "payload missing" in r.getMessage()
+                   for r in caplog.records)
+
+
+def test_locked_registry_register_fails_clearly_while_serving_continues(carts):
+    """WAL readers are never blocked; a writer holding the lock makes `register` wait, then fail
+    with a clear error, while the server keeps serving; after the lock goes, it catches up."""
+    import sqlite3
+
+    from lmcache_cartridge.registry import RegistryError
+
+    reg, tmp = carts["reg"], carts["dir"]
+    kv_c = random_kv(L, CHUNK, H, D, seed=4)
+    c = pack_kv(kv_c, tmp / "c", cartridge_id="c", model=MODEL, kind="first_k",
+                token_ids=list(range(8000, 8000 + CHUNK)), chunk_size=CHUNK)
+    a = carts["a"][0]
+    with engine_for(tmp, reg.path) as eng:
+        locker = sqlite3.connect(str(reg.path), isolation_level=None)
+        locker.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        locker.execute("UPDATE cartridges SET labels = labels")
+        try:
+            with pytest.raises(RegistryError, match="locked"):
+                Registry(reg.path, timeout=0.3).register(tmp / "c")
+            assert eng.engine.lookup(a.token_ids + [1]) == 3 * CHUNK  # serving continues
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+        Registry(reg.path).register(tmp / "c")
+        deadline = time.time() + 5
+        while eng.engine.lookup(c.token_ids + [1]) == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert eng.engine.lookup(c.token_ids + [1]) == CHUNK
