@@ -378,6 +378,7 @@ def cmd_gateway(args) -> int:
         s3=dict(settings.s3) if settings else ({"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {}),
         max_cartridges=args.max_cartridges,
         max_body_bytes=args.max_body_bytes,
+        serve_timeout=args.serve_timeout,
     )
     uvicorn.run(create_app(gs), host=args.host, port=args.port, log_level="warning")
     return 0
@@ -471,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--s3-endpoint")
     sp.add_argument("--max-cartridges", type=int, default=4)
     sp.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    sp.add_argument("--serve-timeout", type=float, default=15.0,
+                    help="seconds to wait for the engine's plugins to serve a newly registered cartridge (then 503)")
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8100)
 

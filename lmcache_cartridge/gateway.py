@@ -13,6 +13,7 @@ tokenizer; the vLLM server and its plugins are reached only over HTTP and the sh
 """
 
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ from typing import Any
 from .errors import CartridgeError
 from .manifest import MANIFEST_NAME, Manifest
 from .registry import Entry, Registry, RegistryError
+from .serving import NotServed, Wanted, wait_served
 
 logger = logging.getLogger("lmcache_cartridge.gateway")
 
@@ -51,6 +53,7 @@ class GatewaySettings:
     max_id_length: int = 1024
     max_body_bytes: int = 4 << 20
     upstream_timeout: float = 600.0
+    serve_timeout: float = 15.0     # wait this long for the engine's plugins to serve a cartridge
 
 
 # --- resolution -------------------------------------------------------------------------------
@@ -97,6 +100,15 @@ class Resolver:
         self.registry = registry
 
     def resolve(self, ref: CartridgeRef) -> tuple[Entry, Manifest]:
+        """Blocking (file reads, S3 downloads, packing): the app calls it from a worker thread."""
+        try:
+            return self._resolve(ref)
+        except (RequestError, CartridgeError):
+            raise
+        except (OSError, ValueError) as e:  # unreadable file, NUL byte, name too long, ...
+            raise RequestError(400, f"cannot use cartridge {ref.id[:200]!r}: {type(e).__name__}: {e}") from None
+
+    def _resolve(self, ref: CartridgeRef) -> tuple[Entry, Manifest]:
         if ref.id.startswith("s3://") or ref.source == "s3" and "://" in ref.id:
             entry = self._s3(ref)
         elif ref.id.startswith("/") or ref.source == "local":
@@ -129,7 +141,7 @@ class Resolver:
             raise RequestError(403, str(e)) from None
         except OriginError as e:
             raise RequestError(502, f"cannot fetch {ref.id}: {e}") from None
-        except CartridgeError as e:
+        except (CartridgeError, ValueError) as e:  # ValueError: a malformed s3:// URI
             raise RequestError(400, str(e)) from None
 
     def _local(self, ref: CartridgeRef) -> Entry:
@@ -183,6 +195,15 @@ class Resolver:
         return len(tok), tuple(tok.all_special_ids)
 
 
+def _without_credentials(url: str) -> str:
+    """`url` with any `user:password@` removed, for messages and logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=host))
+
+
 def _safe_id(stem: str, digest: str) -> str:
     import re
 
@@ -234,7 +255,10 @@ class PromptBuilder:
             for m in messages
         ):
             raise RequestError(400, "'messages' must be a non-empty list of {role, content} with string content")
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # no chat template, or one that rejects these roles/order
+            raise RequestError(400, f"the model's chat template rejected 'messages': {type(e).__name__}: {e}") from None
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         ids = list(ids)
@@ -314,6 +338,7 @@ def create_app(settings: GatewaySettings):
     resolver = Resolver(settings, registry)
     prompts = PromptBuilder(settings.tokenizer)
     client = httpx.AsyncClient(base_url=settings.upstream, timeout=settings.upstream_timeout)
+    shown_upstream = _without_credentials(settings.upstream)  # what error messages may name
     app = FastAPI(title="lmcache_cartridge gateway")
 
     def error(status: int, message: str) -> JSONResponse:
@@ -339,8 +364,13 @@ def create_app(settings: GatewaySettings):
         try:
             body = await read_body(request)
             refs = parse_refs(body.pop("cartridges", None), settings)
-            manifests = [resolver.resolve(r)[1] for r in refs]
+            resolved = [await asyncio.to_thread(resolver.resolve, r) for r in refs]
+            manifests = [m for _, m in resolved]
             prefix = chain_prefix(manifests)
+            if resolved:
+                await asyncio.to_thread(
+                    wait_served, settings.cache_dir / "stats", settings.registry,
+                    [Wanted(e.id, e.content_hash, e.epoch) for e, _ in resolved], settings.serve_timeout)
             if chat:
                 ids = prompts.chat_ids(body.get("messages"), prefix)
             else:
@@ -349,33 +379,51 @@ def create_app(settings: GatewaySettings):
                 ids = prompts.completion_ids(body["prompt"], prefix)
             if body.get("model") not in (None, settings.model):
                 raise RequestError(404, f"model {body.get('model')!r} is not served here ({settings.model!r} is)")
+            upstream = {k: v for k, v in body.items() if k not in _CHAT_ONLY and k != "prompt"}
+            upstream.update(model=settings.model, prompt=ids)
+            if chat:  # chat's logprobs: bool + top_logprobs: int -> completions' logprobs: int
+                if body.get("logprobs") is True:
+                    top = body.get("top_logprobs") or 1
+                    if not isinstance(top, int) or isinstance(top, bool):
+                        raise RequestError(400, "'top_logprobs' must be an integer")
+                    upstream["logprobs"] = max(1, top)
+                else:
+                    upstream.pop("logprobs", None)
+            if any(m.kind == "trained" for m in manifests):
+                # If a trained cartridge's chunk ever fails to load, vLLM recomputes its
+                # placeholder tokens: that KV must never be stored where LMCache would serve it.
+                params = upstream.get("kv_transfer_params")
+                if params is not None and not isinstance(params, dict):
+                    raise RequestError(400, "'kv_transfer_params' must be an object")
+                upstream["kv_transfer_params"] = {**(params or {}), "lmcache.skip_save": True}
         except RequestError as e:
+            return error(e.status, str(e))
+        except NotServed as e:
             return error(e.status, str(e))
         except CartridgeError as e:
             return error(400, str(e))
-        upstream = {k: v for k, v in body.items() if k not in _CHAT_ONLY and k != "prompt"}
-        upstream.update(model=settings.model, prompt=ids)
-        if chat:  # chat's logprobs: bool + top_logprobs: int -> completions' logprobs: int
-            if body.get("logprobs") is True:
-                upstream["logprobs"] = max(1, int(body.get("top_logprobs") or 1))
-            else:
-                upstream.pop("logprobs", None)
         stream = bool(upstream.get("stream"))
         try:
             if not stream:
                 r = await client.post("/v1/completions", json=upstream)
-                data = r.json()
+                try:
+                    data = r.json()
+                except ValueError:
+                    return error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {r.text[:200]!r}")
                 if r.status_code != 200:
                     return JSONResponse(data, status_code=r.status_code)
                 return JSONResponse(completion_to_chat(data) if chat else data)
             req = client.build_request("POST", "/v1/completions", json=upstream)
             r = await client.send(req, stream=True)
         except httpx.HTTPError as e:
-            return error(502, f"upstream {settings.upstream} unreachable: {type(e).__name__}")
+            return error(502, f"upstream {shown_upstream} unreachable: {type(e).__name__}")
         if r.status_code != 200:
             content = await r.aread()
             await r.aclose()
-            return JSONResponse(json.loads(content or b"{}"), status_code=r.status_code)
+            try:
+                return JSONResponse(json.loads(content or b"{}"), status_code=r.status_code)
+            except ValueError:
+                return error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {content[:200]!r}")
 
         async def relay():
             first = True
@@ -384,7 +432,12 @@ def create_app(settings: GatewaySettings):
                     if not chat or not line.startswith("data: ") or line == "data: [DONE]":
                         yield line + "\n"
                         continue
-                    yield "data: " + json.dumps(completion_chunk_to_chat(json.loads(line[6:]), first)) + "\n"
+                    try:
+                        chunk = json.loads(line[6:])
+                    except ValueError:  # not an event we can translate: pass it on as is
+                        yield line + "\n"
+                        continue
+                    yield "data: " + json.dumps(completion_chunk_to_chat(chunk, first)) + "\n"
                     first = False
             finally:
                 await r.aclose()
@@ -401,8 +454,11 @@ def create_app(settings: GatewaySettings):
 
     @app.get("/v1/models")
     async def models():
-        r = await client.get("/v1/models")
-        return JSONResponse(r.json(), status_code=r.status_code)
+        try:
+            r = await client.get("/v1/models")
+            return JSONResponse(r.json(), status_code=r.status_code)
+        except (httpx.HTTPError, ValueError) as e:
+            return error(502, f"upstream {shown_upstream}: {type(e).__name__}")
 
     @app.get("/health")
     async def health():

@@ -84,9 +84,10 @@ class Metrics:
             return {"tiers": {t: asdict(s) for t, s in self.tiers.items()},
                     "latency_bucket_bounds": list(LATENCY_BUCKETS), "time": time.time()}
 
-    def dump(self, directory: Path, name: str) -> None:
-        """Write the snapshot where `lmcache-cartridge stats` finds it (atomic replace)."""
+    def dump(self, directory: Path, name: str, extra: dict | None = None) -> None:
+        """Write the snapshot (plus `extra`) where `lmcache-cartridge stats` and the gateway find
+        it (atomic replace)."""
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{name}.tmp"
-        tmp.write_text(json.dumps(self.snapshot()))
+        tmp.write_text(json.dumps(self.snapshot() | (extra or {})))
         os.replace(tmp, directory / f"{name}.json")

@@ -135,7 +135,6 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         if version == self._version:
             return False
         entries = {e.id: e for e in self.registry.list() if e.state == "ready"}
-        self._version = version
         with self._lock:
             current = self._state.served
         keep = {i for i, s in current.items()
@@ -149,9 +148,9 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                     continue
                 try:
                     added[cid] = self._open(entry)
-                except CartridgeError as e:
-                    skipped[cid] = str(e)
-                    logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, e)
+                except Exception as e:  # one bad entry (unreadable manifest, bad S3 settings) never blocks the rest
+                    skipped[cid] = str(e) if isinstance(e, CartridgeError) else f"{type(e).__name__}: {e}"
+                    logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, skipped[cid])
         with self._lock:
             st = self._state
             for cid in [c for c in st.served if c not in keep]:
@@ -160,11 +159,20 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 new = entries.get(cid)
                 if new is not None and new.epoch != old.entry.epoch:  # force_redownload
                     self.residency.forget(old.handle.content_hash, disk=True)
+            if self.local_cpu_backend is not None:
+                # KV that LMCache stored under these keys before we served them was recomputed
+                # from the cartridge's token ids (for a trained cartridge: from placeholders):
+                # it must never be served in place of the cartridge's own KV.
+                for s in added.values():
+                    for key in s.keys:
+                        self.local_cpu_backend.remove(key, force=True)
             st.served.update(added)
             st.index = {k: (cid, i) for cid, s in st.served.items() for i, k in enumerate(s.keys)}
             st.skipped = skipped
+        self._version = version  # only once the index reflects it: a failed refresh is retried
         if added or len(keep) != len(current):
             logger.info("lmcache_cartridge: registry changed: %s", self.summary())
+        self.dump_stats()
         return True
 
     def _open(self, entry: Entry) -> Served:
@@ -217,11 +225,21 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 logger.warning("lmcache_cartridge: registry refresh failed (keeping current index): %s", e)
             self.dump_stats()
 
+    def served_now(self) -> dict[str, list]:
+        """`{cartridge id: [content_hash, epoch]}` this instance serves right now."""
+        with self._lock:
+            return {cid: [s.entry.content_hash, s.entry.epoch] for cid, s in self._state.served.items()}
+
     def dump_stats(self) -> None:
-        """Publish this instance's tier counters for `lmcache-cartridge stats`."""
+        """Publish this instance's tier counters (for `lmcache-cartridge stats`) and what it
+        serves (the gateway forwards a request only once every live instance serves its
+        cartridges: see `serving.wait_served`)."""
         try:
             self.metrics.dump(self.settings.cache_dir / "stats",
-                              f"{self.settings.name}-rank{self.shape.rank}-pid{os.getpid()}")
+                              f"{self.settings.name}-rank{self.shape.rank}-pid{os.getpid()}",
+                              {"registry": str(self.settings.registry), "served": self.served_now(),
+                               "skipped": dict(self._state.skipped),
+                               "refresh_seconds": self.settings.refresh_seconds, "pid": os.getpid()})
         except OSError as e:
             logger.debug("lmcache_cartridge: cannot write stats: %s", e)
 

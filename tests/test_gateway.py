@@ -135,6 +135,8 @@ def _call(app, method, path, **kw):
     (json.dumps({"cartridges": []}).encode(), 400, "'prompt' is required"),
     (json.dumps({"prompt": 3.5}).encode(), 400, "'prompt' must be"),
     (json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404, "not served here"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": "s3://AB/x"}]}).encode(), 400, "bucket"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": "/a\u0000b"}]}).encode(), 400, "null"),
 ])
 def test_bad_requests_are_4xx_with_a_message(settings, body, status, needle):
     app = create_app(settings)
@@ -147,6 +149,13 @@ def test_bad_chat_and_unreachable_upstream(settings):
     app = create_app(settings)
     r = _call(app, "POST", "/v1/chat/completions", json={"messages": "hi"})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = _call(app, "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "logprobs": True, "top_logprobs": "3"})
+    assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
+    # a local id whose file name is too long for the file system: a 400, not a crash
+    long_id = str(settings.local_roots[0] / ("a" * 300))
+    r = _call(app, "POST", "/v1/completions", json={"prompt": "hi", "cartridges": [{"id": long_id}]})
+    assert r.status_code == 400 and "File name too long" in r.json()["error"]["message"], r.text
     r = _call(app, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
     assert _call(app, "GET", "/health").status_code == 503

@@ -153,3 +153,24 @@ def test_several_cartridges_chain_or_400(stack):
     r = post(stack["gw"], "/v1/completions", {"prompt": "x", "cartridges": [{"id": "/etc/passwd", "source": "local"}]})
     assert r.status_code == 403
     assert stack["server"].alive()
+
+
+def test_new_trained_cartridge_is_served_from_its_kv_on_the_first_request(stack):
+    """A trained cartridge the gateway has never seen (a local path, registered by this request):
+    the plugins pick it up on their next registry poll, so the gateway waits for them. The very
+    first answer must use the cartridge's KV (vLLM's external-KV counter), not a recompute of its
+    placeholder ids."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(stack["model"])
+    tok = AutoTokenizer.from_pretrained(stack["model"])
+    g = torch.Generator().manual_seed(77)
+    kv = (torch.randn(2, cfg.num_hidden_layers, CHUNK, cfg.num_key_value_heads,
+                      cfg.hidden_size // cfg.num_attention_heads, generator=g) * 2).to(torch.bfloat16)
+    path = stack["root"] / "carts" / "gamma"
+    pack_kv(kv, path, cartridge_id="gamma", model=stack["model"], kind="trained",
+            vocab=VocabInfo(len(tok), tuple(tok.all_special_ids)), chunk_size=CHUNK)
+    before = stack["server"].external_tokens()
+    first = complete(stack, [{"id": str(path)}])
+    assert stack["server"].external_tokens() - before >= CHUNK, stack["server"].log_tail()
+    assert same(complete(stack, [{"id": "gamma"}]), first)

@@ -392,3 +392,63 @@ def test_locked_registry_register_fails_clearly_while_serving_continues(carts):
         while eng.engine.lookup(c.token_ids + [1]) == 0 and time.time() < deadline:
             time.sleep(0.05)
         assert eng.engine.lookup(c.token_ids + [1]) == CHUNK
+
+
+def _wait_served(plugin, cid, timeout=5.0):
+    deadline = time.time() + timeout
+    while cid not in plugin.served_now() and time.time() < deadline:
+        time.sleep(0.02)
+    assert cid in plugin.served_now(), plugin.summary()
+
+
+def test_kv_stored_before_registration_never_replaces_the_cartridge(carts):
+    """A request that ran before the plugin served a cartridge was recomputed, and LMCache stored
+    that KV under the cartridge's keys (for a trained cartridge: KV of meaningless placeholder
+    tokens). Once the cartridge is served, its own bytes must be what a retrieve returns."""
+    reg, tmp = carts["reg"], carts["dir"]
+    kv_c = random_kv(L, 2 * CHUNK, H, D, seed=11)
+    c = pack_kv(kv_c, tmp / "c", cartridge_id="late-trained", model=MODEL, kind="trained",
+                vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+    recomputed = random_kv(L, 2 * CHUNK, H, D, seed=12)
+    with engine_for(tmp, reg.path) as eng:
+        plugin = eng.backend("cartridge")
+        eng.store(c.token_ids, flat(recomputed))  # what LMCache saved from vLLM's recompute
+        n, got = eng.retrieve(c.token_ids + [1])
+        assert n == 2 * CHUNK and torch.equal(got[:, :, :n], flat(recomputed))  # the stale copy is there
+        Registry(reg.path).register(tmp / "c")
+        _wait_served(plugin, "late-trained")
+        n, got = eng.retrieve(c.token_ids + [1])
+        assert n == 2 * CHUNK
+        assert torch.equal(got[:, :, :n].view(torch.uint8), flat(kv_c).view(torch.uint8))
+
+
+def test_published_serving_state_and_wait_served(carts):
+    """What the gateway waits on before forwarding: every live plugin instance serving the exact
+    bytes (content hash, epoch) it resolved; a refusal is a 400 with the plugin's reason; a
+    cartridge never served is a 503 after the timeout; no plugin at all: nothing to wait for."""
+    from lmcache_cartridge.serving import NotServed, Wanted, wait_served
+
+    reg, tmp = carts["reg"], carts["dir"]
+    stats = tmp / "cache" / "stats"
+    a = reg.resolve("doc-a")
+    want_a = Wanted(a.id, a.content_hash, a.epoch)
+    assert wait_served(stats, reg.path, [want_a], timeout=1) is False  # no engine is running
+    with engine_for(tmp, reg.path) as eng:
+        assert wait_served(stats, reg.path, [want_a], timeout=5) is True
+        c = pack_kv(random_kv(L, CHUNK, H, D, seed=13), tmp / "c", cartridge_id="new-c", model=MODEL,
+                    kind="trained", vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+        e = Registry(reg.path).register(tmp / "c")
+        assert e.content_hash == c.content_hash
+        t0 = time.time()
+        assert wait_served(stats, reg.path, [want_a, Wanted(e.id, e.content_hash, e.epoch)], timeout=10)
+        assert time.time() - t0 < 5
+        assert "new-c" in eng.backend("cartridge").served_now()
+        with pytest.raises(NotServed) as err:  # other bytes than the engine serves under this id
+            wait_served(stats, reg.path, [Wanted(a.id, "0" * 64, a.epoch)], timeout=0.3)
+        assert err.value.status == 503 and "do not serve it yet" in str(err.value)
+        pack_kv(random_kv(L, CHUNK, H, D, seed=14), tmp / "d", cartridge_id="other-model", model="another-model",
+                kind="trained", vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+        d = Registry(reg.path).register(tmp / "d")
+        with pytest.raises(NotServed, match="another-model") as err:
+            wait_served(stats, reg.path, [Wanted(d.id, d.content_hash, d.epoch)], timeout=5)
+        assert err.value.status == 400
