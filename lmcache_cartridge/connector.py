@@ -225,13 +225,23 @@ class CartridgeConnector(LMCacheConnectorV1):
             logger.exception("lmcache_cartridge: wait_for_layer_load raised")
             self._fail_requests(None, f"{type(e).__name__}: {e}")
 
+    def _store_refused(self) -> bool:
+        """On a refused CPU layout LMCache would allocate memory objects for a store that then
+        raises, and never free them: do not start such a store at all."""
+        conn = self._cpu_kv()
+        return conn is not None and conn.refused
+
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        if self._store_refused():
+            return
         try:
             super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
         except Exception:
             logger.exception("lmcache_cartridge: save_kv_layer raised; KV of this step not saved")
 
     def wait_for_save(self):
+        if self._store_refused():
+            return
         try:
             super().wait_for_save()
         except Exception:

@@ -169,6 +169,11 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         return cls(int(num_layers), int(num_kv_heads), int(head_dim), metadata.kv_dtype, kv_cache_dtype)
 
     # --- layout ---------------------------------------------------------------------------
+    @property
+    def refused(self) -> bool:
+        """True once vLLM's KV caches were checked and refused: nothing can be loaded or stored."""
+        return any(self._checked.values())
+
     def check_layout(self, kvcaches) -> None:
         """Raise `UnverifiedKVLayout` unless `kvcaches` is a layout this connector verified."""
         if isinstance(kvcaches, dict):

@@ -54,7 +54,7 @@ class S3ChunkOrigin:
         self.s3.read_range_into(PAYLOAD_NAME, info.offset, buf)
 
     def close(self) -> None:
-        return None
+        self.s3.close()  # its connection pool; a re-opened cartridge builds a new client
 
 
 def fetch_s3_manifest(uri: str, settings, into_dir: Path) -> Manifest:

@@ -337,17 +337,22 @@ class Residency:
             else:
                 tier = self._read_below_cpu(handle, index, flat)
                 self.cpu.put(cid, flat)
+        except BaseException as e:
             with self._lock:
-                if flight.waiters:  # our buffer belongs to our caller: waiters get a copy
-                    flight.data = clone_bytes(flat)
-            return tier
-        except Exception as e:
-            flight.error = e
-            raise
-        finally:
-            with self._lock:
+                flight.error = e if isinstance(e, Exception) else CartridgeError(f"read interrupted: {e!r}")
                 self._flights.pop(cid, None)
             flight.done.set()
+            raise
+        # Our buffer belongs to our caller: waiters get a copy. Publishing and leaving the flight
+        # table happen under one lock, so a waiter that joins at the last moment still gets data.
+        data = clone_bytes(flat) if flight.waiters else None
+        with self._lock:
+            if flight.waiters and data is None:
+                data = clone_bytes(flat)
+            flight.data = data
+            self._flights.pop(cid, None)
+        flight.done.set()
+        return tier
 
     def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor) -> str:
         cid = (handle.content_hash, index)

@@ -136,7 +136,9 @@ def test_unverified_isa_is_refused_without_raising_into_lmcache(data, monkeypatc
     monkeypatch.setattr(cpu_kv, "current_attn_isa", lambda *a, **kw: "amx")
     conn = CpuPagedKVConnector(L, H, D, DT)
     caches = [torch.zeros(NB, H, BS, 2 * D, dtype=DT) for _ in range(L)]
+    assert not conn.refused
     conn.batched_to_gpu([Obj(lmc(k, v, 0, 256))], [0], [256], kvcaches=caches, slot_mapping=slots, req_id="r1")
+    assert conn.refused  # CartridgeConnector then starts no store (LMCache would leak its buffers)
     assert "r1" in conn.failed_loads and "amx" in conn.failed_loads["r1"]
     assert all(not c.any() for c in caches)  # nothing written
     assert conn.take_failed_loads() and not conn.failed_loads
