@@ -241,6 +241,13 @@ class CartridgeConnector(LMCacheConnectorV1):
 
     def wait_for_save(self):
         if self._store_refused():
+            # LMCache's wait_for_save also releases each request's lookup pins: keep that part.
+            try:
+                eng = self._lmc_engine()
+                for request in getattr(self._get_connector_metadata(), "requests", []):
+                    eng.lookup_unpin(request.req_id)
+            except Exception:
+                logger.exception("lmcache_cartridge: releasing lookup pins failed")
             return
         try:
             super().wait_for_save()

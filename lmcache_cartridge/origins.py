@@ -7,7 +7,7 @@ Owned by the plugin (one per served cartridge); reads are thread-safe.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .errors import CartridgeError
 from .manifest import MANIFEST_NAME, PAYLOAD_NAME, ChunkInfo, Manifest
@@ -18,7 +18,11 @@ class Origin(Protocol):
     uri: str
     local: bool  # local origins are their own disk tier: nothing is copied to the disk cache
 
-    def read_into(self, info: ChunkInfo, buf: memoryview) -> None: ...
+    def read_into(self, info: ChunkInfo, buf: memoryview,
+                  on_data: Callable[[int, int], None] | None = None) -> None:
+        """Fill `buf` with the chunk's payload bytes; tell `on_data(pos, n)` in order as bytes
+        land (a retry starts again at 0), so a check can run while they arrive."""
+        ...
 
     def close(self) -> None: ...
 
@@ -34,8 +38,11 @@ class LocalOrigin:
         self.packed = PackedCartridge(directory)
         self.uri = str(self.packed.directory)
 
-    def read_into(self, info: ChunkInfo, buf: memoryview) -> None:
+    def read_into(self, info: ChunkInfo, buf: memoryview,
+                  on_data: Callable[[int, int], None] | None = None) -> None:
         self.packed.read_raw_into(info.index, buf)
+        if on_data is not None:
+            on_data(0, info.nbytes)
 
     def close(self) -> None:
         self.packed.close()
@@ -50,8 +57,9 @@ class S3ChunkOrigin:
         self.uri = uri
         self.s3 = S3Origin(uri, settings)
 
-    def read_into(self, info: ChunkInfo, buf: memoryview) -> None:
-        self.s3.read_range_into(PAYLOAD_NAME, info.offset, buf)
+    def read_into(self, info: ChunkInfo, buf: memoryview,
+                  on_data: Callable[[int, int], None] | None = None) -> None:
+        self.s3.read_range_into(PAYLOAD_NAME, info.offset, buf, on_data=on_data)
 
     def close(self) -> None:
         self.s3.close()  # its connection pool; a re-opened cartridge builds a new client

@@ -31,7 +31,7 @@ from .errors import CartridgeError, ChecksumError
 from .manifest import Manifest
 from .metrics import Metrics
 from .origins import Origin
-from .packed import as_bytes, check_chunk, clone_bytes, copy_into
+from .packed import StreamingCheck, as_bytes, check_chunk, clone_bytes, copy_into
 
 logger = logging.getLogger("lmcache_cartridge.residency")
 
@@ -362,15 +362,27 @@ class Residency:
                 return "disk"  # counted by read_into, with the whole read's latency
             self.metrics.miss("disk")
         tier = "local" if handle.origin.local else "s3"
+        info, dtype = handle.manifest.chunks[index], handle.manifest.torch_dtype
         try:
-            handle.origin.read_into(handle.manifest.chunks[index], buf)
-            with self._lock:
-                self.origin_reads += 1
-                verify = not handle.origin.local or cid not in self._verified
-            if verify:
-                check_chunk(handle.manifest.chunks[index], buf, handle.origin.uri, handle.manifest.torch_dtype)
+            if handle.origin.local:
+                handle.origin.read_into(info, buf)
                 with self._lock:
-                    self._verified.add(cid)
+                    self.origin_reads += 1
+                    verify = cid not in self._verified
+                if verify:  # a local origin's chunk: once per process
+                    check_chunk(info, buf, handle.origin.uri, dtype)
+                    with self._lock:
+                        self._verified.add(cid)
+            else:  # remote bytes: every time, checked while they arrive
+                check = StreamingCheck(info, buf, handle.origin.uri, dtype)
+                try:
+                    handle.origin.read_into(info, buf, on_data=check.arrived)
+                except BaseException:
+                    check.cancel()
+                    raise
+                with self._lock:
+                    self.origin_reads += 1
+                check.result()
         except Exception:
             self.metrics.error(tier)
             raise

@@ -328,21 +328,24 @@ class S3Origin:
         return data
 
     def read_range_into(self, key_suffix: str, offset: int, out: memoryview | Any,
-                        *, if_match: str | None = None) -> int:
+                        *, if_match: str | None = None,
+                        on_data: Callable[[int, int], None] | None = None) -> int:
         """Ranged GET of exactly `len(out)` bytes at `offset` into `out`; returns the object size.
 
         `out` may be any writable contiguous buffer (bytearray, numpy array, a tensor's numpy view,
         LMCache's ctypes `<B` byte_array): it is recast to plain bytes because urllib3's readinto
         cannot assign into `<B` views. Bytes land in `out` through bounded windows, never via a
-        full-size temporary.
+        full-size temporary. `on_data(pos, n)` is told, in order, each time bytes `[pos, pos+n)`
+        have landed (a retry starts again at 0).
         """
         view = memoryview(out).cast("B")
         if view.readonly:
             raise ValueError("read_range_into needs a writable buffer")
         if view.nbytes == 0:
             return self.head(key_suffix)
+        flush = None if on_data is None else (lambda pos, mv: on_data(pos, len(mv)))
         return self._get_range(key_suffix, offset, view.nbytes,
-                               lambda pos, m: view[pos:pos + m], None, if_match)
+                               lambda pos, m: view[pos:pos + m], flush, if_match)
 
     def _get_range(self, key_suffix: str, offset: int, n: int,
                    window: Callable[[int, int], memoryview],

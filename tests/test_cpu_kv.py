@@ -190,8 +190,9 @@ def test_connector_turns_load_failures_into_failed_blocks(monkeypatch):
 
     c._failed_lock = threading.Lock()
     cpu = CpuPagedKVConnector(L, H, D, DT)
+    unpinned = []
     c._lmcache_engine = SimpleNamespace(lmcache_engine=SimpleNamespace(gpu_connector=cpu,
-                                                                        lookup_unpin=lambda rid: None),
+                                                                        lookup_unpin=unpinned.append),
                                         get_block_ids_with_load_errors=lambda: {99})
 
     def req(rid, slots, lo, hi):
@@ -215,3 +216,15 @@ def test_connector_turns_load_failures_into_failed_blocks(monkeypatch):
     cpu.failed_loads["b"] = "UnverifiedKVLayout: test"
     c.start_load_kv(None)
     assert c.get_block_ids_with_load_errors() == {99, 10, 11}
+
+    # Once vLLM's layout is refused, no LMCache store starts (it would leak LMCache's buffers), but
+    # the lookup pins that LMCache's wait_for_save releases are still released.
+    def store(self):
+        raise AssertionError("a store was started on a refused layout")
+
+    monkeypatch.setattr(LMCacheConnectorV1, "wait_for_save", store)
+    cpu._checked[("sig",)] = "ISA 'amx' not verified"
+    assert cpu.refused
+    unpinned.clear()
+    c.wait_for_save()
+    assert unpinned == ["a", "b"]

@@ -94,11 +94,11 @@ class CountingOrigin:
         self.uri, self.local, self.delay, self.reads = str(directory), local, delay, 0
         self._lock = threading.Lock()
 
-    def read_into(self, info, buf):
+    def read_into(self, info, buf, on_data=None):
         with self._lock:
             self.reads += 1
         time.sleep(self.delay)
-        self.inner.read_into(info, buf)
+        self.inner.read_into(info, buf, on_data)
 
     def close(self):
         self.inner.close()
@@ -178,3 +178,55 @@ def test_memory_tier_on_cuda():
     assert tier.put(("h", 2), chunk_bytes(100, 3)) and ("h", 0) not in tier
     out = torch.empty(100, dtype=torch.uint8)
     assert tier.get_into(("h", 2), out) and int(out[0]) == 3
+
+
+def test_streaming_check_overlaps_arrival_restarts_on_retry_and_refuses_bad_bytes():
+    """The check S3 reads run while bytes arrive: uneven pieces, a retry that starts again at 0
+    after half of a corrupted attempt, a flipped byte, NaNs with a matching checksum, a cancel."""
+    import hashlib
+
+    from lmcache_cartridge.errors import ChecksumError
+    from lmcache_cartridge.manifest import ChunkInfo
+    from lmcache_cartridge.packed import StreamingCheck
+
+    good = torch.randn(4099, dtype=torch.float32).to(torch.bfloat16)
+    raw = bytearray(good.view(torch.uint8).numpy().tobytes())
+    info = ChunkInfo(index=3, offset=0, nbytes=len(raw), num_tokens=1, sha256=hashlib.sha256(raw).hexdigest())
+
+    def feed(check, buf, src, pieces):
+        pos = 0
+        for n in pieces:
+            n = min(n, len(src) - pos)
+            buf[pos:pos + n] = src[pos:pos + n]
+            check.arrived(pos, n)
+            pos += n
+
+    buf = bytearray(len(raw))
+    check = StreamingCheck(info, memoryview(buf), "s3://b/x", torch.bfloat16)
+    feed(check, buf, raw, [1, 7, 1000, 3, 5000, 10 ** 6])  # odd sizes: finiteness on aligned parts
+    check.result()
+
+    bad = bytearray(raw)
+    bad[100] ^= 0xFF
+    buf = bytearray(len(raw))
+    check = StreamingCheck(info, memoryview(buf), "s3://b/x", torch.bfloat16)
+    feed(check, buf, bad, [len(raw) // 2])   # the first attempt is cut half way...
+    feed(check, buf, raw, [333] * 100)       # ...and the retry delivers good bytes from 0
+    check.result()
+
+    for src, needle in ((bad, "checksum mismatch"), (None, "NaN or Inf")):
+        if src is None:  # NaNs whose checksum matches (a packer elsewhere hashed them)
+            nan = good.clone()
+            nan[7] = float("nan")
+            src = bytearray(nan.view(torch.uint8).numpy().tobytes())
+            info = ChunkInfo(index=3, offset=0, nbytes=len(src), num_tokens=1, sha256=hashlib.sha256(src).hexdigest())
+        buf = bytearray(len(src))
+        check = StreamingCheck(info, memoryview(buf), "s3://b/x", torch.bfloat16)
+        feed(check, buf, src, [4096] * 10)
+        with pytest.raises(ChecksumError, match=needle):
+            check.result()
+
+    check = StreamingCheck(info, memoryview(bytearray(len(raw))), "s3://b/x", torch.bfloat16)
+    check.arrived(0, 10)
+    check.cancel()  # the download failed: the helper stops, nothing hangs
+    assert not check._thread.is_alive()
