@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv test demo bench clean-venv
+.PHONY: venv test demo bench bench-ttft soak clean-venv
 
 venv: $(STAMP)
 
@@ -33,6 +33,13 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/chunk_retrieval.py
+
+bench-ttft: $(STAMP)
+	$(PY) benchmarks/ttft.py --lengths 256,1024,2048,4096,8192,16384 --concurrency 1,4,16 \
+		--samples 8 --max-burst-s 120 --cell-budget-s 60
+
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py --cartridges 20 --clients 16 --requests 6000 --max-seconds 300
 
 clean-venv:
 	rm -rf $(VENV)
