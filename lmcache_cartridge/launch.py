@@ -51,6 +51,25 @@ def lmcache_config(registry: Path, *, chunk_size: int = 256, cpu_gb: float = 1, 
             "pre_caching_hash_algorithm": "sha256_cbor", "extra_config": ec}
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is left in process group `pgid`."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            return True
+    return False
+
+
 class VllmServer:
     """One vLLM server. `lmcache=None` starts plain vLLM (no connector) for baselines."""
 
@@ -106,17 +125,29 @@ class VllmServer:
         raise TimeoutError(f"vLLM server not healthy after {timeout}s:\n{self.log_tail()}")
 
     def stop(self) -> None:
+        """Stop the server and everything it started (engine core, workers): the whole process
+        group, not only the API server, which can exit while a worker lingers on (seen: an
+        orphaned VLLM::Worker holding 1.8 GB after a test)."""
+        pgid = self.proc.pid  # start_new_session: the group is the server's
         if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.time() + 10
+        while _group_alive(pgid) and time.time() < deadline:
+            time.sleep(0.2)
+        if _group_alive(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=10)
         if not self._log.closed:
             self._log.close()
 
