@@ -266,7 +266,10 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         return hits
 
     async def batched_async_contains(self, lookup_id: str, keys, pin: bool = False) -> int:
-        return self.batched_contains(keys, pin)
+        # LMCache 0.5.6's async path never unpins a plugin's hit keys (it releases memory
+        # objects only), so a pin here would last forever; the get follows in the same task and
+        # a chunk evicted in between is read again from a lower tier, never served wrong.
+        return self.batched_contains(keys, pin=False)
 
     def exists_in_put_tasks(self, key) -> bool:
         return False

@@ -219,6 +219,7 @@ def test_async_pair(carts):
 
         hits, objs = asyncio.run(go())
         assert hits == 3 and len(objs) == 3
+        assert plugin.pin_count(keys[0]) == 0  # LMCache's async path never unpins: nothing pinned
         assert torch.equal(objs[1].tensor, flat(kv_a)[:, :, CHUNK:2 * CHUNK])
         for o in objs:
             o.ref_count_down()
