@@ -60,7 +60,9 @@ class _State:
     served: dict[str, Served] = field(default_factory=dict)          # id -> Served
     index: dict[Any, tuple[str, int]] = field(default_factory=dict)  # key -> (id, chunk)
     draining: dict[Any, tuple[Served, int]] = field(default_factory=dict)  # removed but pinned
-    pins: dict[Any, int] = field(default_factory=dict)
+    # key -> what each pin was taken on, oldest first: after a re-registration under the same
+    # keys, an unpin must release the chunk its lookup pinned, not whatever the key maps to now.
+    pins: dict[Any, list[tuple[Served, int]]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)            # id -> why not served
 
 
@@ -197,12 +199,12 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         """Stop serving `s` (lock held): pinned chunks drain; cached copies are dropped."""
         st = self._state
         for i, key in enumerate(s.keys):
-            if st.pins.get(key):
+            if any(t[0] is s for t in st.pins.get(key, ())):
                 st.draining[key] = (s, i)
             if self.local_cpu_backend is not None:
                 self.local_cpu_backend.remove(key, force=True)
         self.residency.forget(s.handle.content_hash)
-        if not any(d[0] is s for d in st.draining.values()):
+        if not self._pinned(s):
             s.handle.origin.close()
         logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
 
@@ -258,11 +260,11 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                     break
                 hits += 1
             if pin and hits:
-                pins = st.pins
-                for key in keys[:hits]:
-                    pins[key] = pins.get(key, 0) + 1
-                self.residency.cpu.pin_many(
-                    (st.served[cid].handle.content_hash, i) for cid, i in map(index.__getitem__, keys[:hits]))
+                pins, served = st.pins, st.served
+                taken = [(served[cid], i) for cid, i in map(index.__getitem__, keys[:hits])]
+                for key, t in zip(keys, taken):
+                    pins.setdefault(key, []).append(t)
+                self.residency.cpu.pin_many((sv.handle.content_hash, i) for sv, i in taken)
         return hits
 
     async def batched_async_contains(self, lookup_id: str, keys, pin: bool = False) -> int:
@@ -280,24 +282,27 @@ class CartridgeStoragePlugin(StoragePluginInterface):
     def unpin(self, key) -> bool:
         with self._lock:
             st = self._state
-            n = st.pins.get(key, 0)
-            if n <= 0:
+            taken = st.pins.get(key)
+            if not taken:
                 return False
-            found = self._locate(key)
-            if found is not None:
-                self.residency.cpu.unpin((found[0].handle.content_hash, found[1]))
-            if n == 1:
+            sv, i = taken.pop(0)
+            if not taken:
                 del st.pins[key]
-                drained = st.draining.pop(key, None)
-                if drained and not any(d[0] is drained[0] for d in st.draining.values()):
-                    drained[0].handle.origin.close()
-            else:
-                st.pins[key] = n - 1
+            self.residency.cpu.unpin((sv.handle.content_hash, i))
+            drained = st.draining.get(key)
+            if drained is not None and not any(t[0] is drained[0] for t in st.pins.get(key, ())):
+                del st.draining[key]
+            if st.served.get(sv.entry.id) is not sv and not self._pinned(sv):
+                sv.handle.origin.close()  # retired and now unused (closing twice is harmless)
             return True
+
+    def _pinned(self, s: Served) -> bool:
+        """Whether any pin is held on a chunk of `s` (lock held)."""
+        return any(t[0] is s for taken in self._state.pins.values() for t in taken)
 
     def pin_count(self, key) -> int:
         with self._lock:
-            return self._state.pins.get(key, 0)
+            return len(self._state.pins.get(key, ()))
 
     # --- retrieve ---------------------------------------------------------------------------------
     def _locate(self, key) -> Optional[tuple[Served, int]]:

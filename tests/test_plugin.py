@@ -453,3 +453,43 @@ def test_published_serving_state_and_wait_served(carts):
         with pytest.raises(NotServed, match="another-model") as err:
             wait_served(stats, reg.path, [Wanted(d.id, d.content_hash, d.epoch)], timeout=5)
         assert err.value.status == 400
+
+
+def test_unpin_after_reregistration_releases_the_chunk_the_lookup_pinned(carts):
+    """A lookup pins chunk 0 of cartridge X; X is then re-registered with other bytes for the same
+    tokens (same keys). The unpin must release the chunk that was pinned (its CPU-tier pin, its
+    drained origin), not the new one; the new bytes are what is served."""
+    reg, tmp = carts["reg"], carts["dir"]
+    toks = list(range(7000, 7000 + 2 * CHUNK))
+    kv1, kv2 = random_kv(L, 2 * CHUNK, H, D, seed=21), random_kv(L, 2 * CHUNK, H, D, seed=22)
+    pack_kv(kv1, tmp / "x1", cartridge_id="same-doc", model=MODEL, kind="first_k", token_ids=toks, chunk_size=CHUNK)
+    pack_kv(kv2, tmp / "x2", cartridge_id="same-doc", model=MODEL, kind="first_k", token_ids=toks, chunk_size=CHUNK)
+    reg.register(tmp / "x1")
+    with engine_for(tmp, reg.path) as eng:
+        plugin = eng.backend("cartridge")
+        _wait_served(plugin, "same-doc")
+        old = plugin._state.served["same-doc"]
+        key0 = plugin.mapper.keys(toks)[0]
+        assert plugin.contains(key0, pin=True)
+        obj = plugin.get_blocking(key0)  # also fills the CPU tier
+        assert obj.tensor.equal(flat(kv1)[:, :, :CHUNK])
+        obj.ref_count_down()
+        old_cid = (old.handle.content_hash, 0)
+        assert plugin.residency.cpu._pins.get(old_cid) == 1
+        Registry(reg.path).register(tmp / "x2")
+        deadline = time.time() + 5
+        while plugin._state.served["same-doc"] is old and time.time() < deadline:
+            time.sleep(0.02)
+        new = plugin._state.served["same-doc"]
+        assert new is not old and plugin.pin_count(key0) == 1
+        obj = plugin.get_blocking(key0)
+        assert obj.tensor.equal(flat(kv2)[:, :, :CHUNK])  # the new bytes
+        obj.ref_count_down()
+        assert old.handle.origin.packed._fd is not None  # still pinned: not closed yet
+        assert plugin.unpin(key0)
+        assert plugin.residency.cpu._pins.get(old_cid) is None  # the pinned chunk was released
+        assert plugin.residency.cpu._pins.get((new.handle.content_hash, 0)) is None
+        assert plugin.pin_count(key0) == 0 and key0 not in plugin._state.draining
+        assert old.handle.origin.packed._fd is None  # the drained origin is closed
+        n, got = eng.retrieve(toks + [1])
+        assert n == 2 * CHUNK and torch.equal(got[:, :, :n], flat(kv2))
