@@ -17,7 +17,8 @@ from lmcache_cartridge.formats import parse_object
 from lmcache_cartridge.manifest import Manifest
 from lmcache_cartridge.packed import pack_kv
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck),
+                derandomize=True)  # the same examples in every run: CI is reproducible
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
@@ -100,7 +101,8 @@ def test_gateway_openapi_fuzz(tmp_path):
         if operation.method.upper() != "POST":
             continue
 
-        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+        # derandomize: the same 40 examples in every run, so CI cannot pass or fail by the draw
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
         @given(case=operation.as_strategy())
         def run(case):
             r = case.call()
@@ -112,4 +114,5 @@ def test_gateway_openapi_fuzz(tmp_path):
 
         run()
     assert set(seen) == {"/v1/completions", "/v1/chat/completions"}
-    assert all(400 in codes for codes in seen.values())  # invalid inputs were generated and refused
+    # requests the gateway must refuse (unknown ids, bad paths, bad fields) were generated and refused
+    assert all(any(400 <= c < 500 for c in codes) for codes in seen.values()), seen
