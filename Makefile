@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 demo: $(STAMP)
-	$(PY) -m lmcache_cartridge.demo
+	$(PY) -m lmcache_cartridge.testing.demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/chunk_retrieval.py

@@ -149,7 +149,7 @@ def random_kv(shape: Shape, n_chunks: int, seed: int) -> torch.Tensor:
 
 def build_dataset(shape: Shape, n: int, n_s3: int, workdir: Path, seed: int = 0) -> Dataset:
     """Pack `n` chunks as one first-k cartridge, and the first `n_s3` as one-chunk cartridges."""
-    from lmcache_cartridge.packed import pack_kv
+    from lmcache_cartridge.cartridge.packed import pack_kv
 
     base = 1000 + 100_000 * (seed % 50)
     kv = random_kv(shape, n, seed)
@@ -267,7 +267,7 @@ class PluginHost:
 
     def __init__(self, ds: Dataset, workdir: Path, *, name: str, cpu_gb: float, disk_gb: float,
                  alloc_gb: float, s3_endpoint: str | None = None) -> None:
-        from lmcache_cartridge.registry import Registry
+        from lmcache_cartridge.store.registry import Registry
 
         self.ds, self.workdir = ds, workdir / name
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -301,8 +301,8 @@ class PluginHost:
         assert self.plugin.batched_contains(self.keys) == len(self.keys), self.plugin.summary()
 
     def _register_s3(self, endpoint: str) -> None:
-        from lmcache_cartridge.origins import register_s3
-        from lmcache_cartridge.s3 import S3Settings
+        from lmcache_cartridge.store.registration import register_s3
+        from lmcache_cartridge.store.s3 import S3Settings
 
         settings = S3Settings(endpoint_url=endpoint, region="us-east-1")
         for i in range(self.ds.n_s3):
@@ -447,7 +447,7 @@ class LMCacheHost:
 
     def __init__(self, ds: Dataset, workdir: Path, kind: str, alloc_gb: float,
                  s3_url: str | None = None) -> None:
-        from lmcache_cartridge.keys import ChunkKeyMapper
+        from lmcache_cartridge.cartridge.keys import ChunkKeyMapper
 
         self.ds, self.kind = ds, kind
         self.dir = workdir / f"lmc-{kind}"

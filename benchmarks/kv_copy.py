@@ -61,7 +61,7 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
     """Time every arm; return {arm: seconds, ...} plus the caches `ours` and `vllm-op` wrote."""
     import vllm._custom_ops as ops
 
-    from lmcache_cartridge.cpu_kv import CpuPagedKVConnector, current_attn_isa
+    from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, current_attn_isa
 
     if tokens % CHUNK or CHUNK % block_size:
         raise ValueError(f"tokens must be whole {CHUNK}-token chunks of whole {block_size}-token blocks")

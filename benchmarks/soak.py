@@ -279,12 +279,12 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
     import httpx
     import torch
 
-    from lmcache_cartridge.create import load_model
-    from lmcache_cartridge.gateway import GatewaySettings
-    from lmcache_cartridge.launch import GatewayThread, VllmServer, lmcache_config
-    from lmcache_cartridge.packed import VocabInfo, pack_kv
-    from lmcache_cartridge.registry import Registry
-    from lmcache_cartridge.testmodel import ensure_test_model
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.api.gateway import GatewaySettings
+    from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -349,8 +349,8 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         registry_path = work / "registry.db"
         cache_dir = work / "cache"
         reg = Registry(registry_path)
-        from lmcache_cartridge.origins import register_s3
-        from lmcache_cartridge.s3 import S3Settings
+        from lmcache_cartridge.store.registration import register_s3
+        from lmcache_cartridge.store.s3 import S3Settings
 
         for name in names:
             if name in s3_names:

@@ -94,7 +94,7 @@ class ModelSpec:
     seed: int = 0
 
     def ensure(self, root: Path | None = None) -> Path:
-        from lmcache_cartridge.testmodel import ensure_test_model
+        from lmcache_cartridge.tools.testmodel import ensure_test_model
 
         return ensure_test_model(root, **asdict(self))
 
@@ -136,7 +136,7 @@ def model_info(model_dir: Path) -> dict[str, Any]:
 def document_ids(tokenizer, length: int, seed: int) -> list[int]:
     """`length` tokens of deterministic filler text, BOS first; distinct per seed, so documents of
     different lengths share no chunk (no cross-length hits in LMCache or the prefix cache)."""
-    from lmcache_cartridge.testmodel import extra_text
+    from lmcache_cartridge.tools.testmodel import extra_text
 
     n = max(32, length // 8)
     while True:
@@ -405,7 +405,7 @@ def compute_kv_chunked(model, token_ids: list[int], step: int = 2048):
     import torch
     from transformers import DynamicCache
 
-    from lmcache_cartridge.create import cache_to_kv, compute_prefix_kv
+    from lmcache_cartridge.cartridge.model_kv import cache_to_kv, compute_prefix_kv
 
     if len(token_ids) <= step:
         return compute_prefix_kv(model, token_ids)
@@ -421,9 +421,9 @@ def compute_kv_chunked(model, token_ids: list[int], step: int = 2048):
 def make_cartridges(model_dir: Path, docs: dict[int, list[int]], out_dir: Path, *, model_name: str,
                     device: str = "cpu", log: Callable[[str], None] = print) -> dict[int, Path]:
     """A packed first-k cartridge per document (reused when already built for the same tokens)."""
-    from lmcache_cartridge.create import load_model
-    from lmcache_cartridge.manifest import Manifest
-    from lmcache_cartridge.packed import pack_kv
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.cartridge.manifest import Manifest
+    from lmcache_cartridge.cartridge.packed import pack_kv
 
     out: dict[int, Path] = {}
     model = None
@@ -457,8 +457,8 @@ def hf_reference_tokens(model_dir: Path, cartridges: dict[int, Path], keys_by_le
     near-ties."""
     import torch
 
-    from lmcache_cartridge.create import kv_to_cache, load_model
-    from lmcache_cartridge.packed import PackedCartridge
+    from lmcache_cartridge.cartridge.model_kv import kv_to_cache, load_model
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
 
     model, _ = load_model(model_dir)
     out: dict[tuple, int] = {}
@@ -490,8 +490,8 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
     """Start (not wait for) one server. kind: `plain` (prefix caching off), `prefix` (plain, prefix
     caching on) or `lmcache` (LMCache + plugin + CartridgeConnector, prefix caching off).
     Returns (server, registry or None)."""
-    from lmcache_cartridge.launch import VllmServer, lmcache_config
-    from lmcache_cartridge.registry import Registry
+    from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+    from lmcache_cartridge.store.registry import Registry
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

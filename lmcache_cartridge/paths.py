@@ -1,4 +1,8 @@
-"""Where lmcache_cartridge keeps files on this machine: the one place that reads the env for it."""
+"""Where lmcache_cartridge keeps files on this machine: the one place that reads the env for it
+and the one place that names every default path.
+
+Runs in every process (CLI, gateway, the plugin inside vLLM); owns nothing, only computes paths.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,21 @@ def cache_root() -> Path:
     """
     env = os.environ.get(ENV_HOME)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lmcache_cartridge"
+
+
+def default_registry_path() -> Path:
+    """The SQLite registry used when no config or flag names one."""
+    return cache_root() / "registry.db"
+
+
+def default_cache_dir() -> Path:
+    """The plugin's cache dir (disk tier, S3 manifests, published serving state) by default."""
+    return cache_root() / "cache"
+
+
+def default_packed_dir() -> Path:
+    """Where re-chunked copies made at registration go by default."""
+    return cache_root() / "packed"
 
 
 def models_dir() -> Path:

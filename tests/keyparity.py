@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 from lmc_helpers import Engine, make_config, make_metadata  # noqa: E402
-from lmcache_cartridge.keys import ChunkKeyMapper  # noqa: E402
-from lmcache_cartridge.packed import PackedCartridge, VocabInfo, pack_kv  # noqa: E402
+from lmcache_cartridge.cartridge.keys import ChunkKeyMapper
+from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv
 
 L, H, D, CHUNK = 2, 2, 16, 64
 

@@ -38,7 +38,7 @@ def check(arm, indices):
 
 
 def test_expected_bytes_are_the_packed_chunks(ds):
-    from lmcache_cartridge.packed import PackedCartridge
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
 
     with PackedCartridge(ds.local_dir) as p:
         for i in range(N):

@@ -37,7 +37,7 @@ def expected_n(c: int) -> int:
 def bench(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from lmcache_cartridge.testmodel import ensure_test_model
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     model_dir = ensure_test_model()
     work = tmp_path_factory.mktemp("bench_ttft")
@@ -114,8 +114,8 @@ def test_greedy_first_token_is_the_same_in_every_arm(bench):
     test_vllm_e2e) every arm's token must instead be one of HF's near-best tokens. Seen here: a
     random suffix whose HF top-2 logits were 10.88 vs 10.69; vLLM's own prefill took the second,
     the cartridge arm (HF-computed KV) the first."""
-    from lmcache_cartridge.create import load_model
-    from lmcache_cartridge.testmodel import ensure_test_model
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     by_key: dict[tuple, dict[str, int]] = {}
     for name, cells in bench.cells.items():

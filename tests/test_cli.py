@@ -62,7 +62,7 @@ def test_register_rechunks_to_serving_chunk_size(tmp_path):
     assert "re-chunked paper from 16 to 32" in r.stdout
     entry = json.loads(cli("list", "--json", home=tmp_path).stdout)[0]
     assert entry["chunk_size"] == 32
-    from lmcache_cartridge.packed import PackedCartridge
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
     assert torch.equal(PackedCartridge(entry["path"]).load_kv(), kv)
     r = cli("register", tmp_path / "p", "--chunk-size", "48", home=tmp_path, check=False)
     assert r.returncode == 2 and "not a multiple of chunk_size 48" in r.stderr
@@ -108,8 +108,8 @@ def test_malicious_pickle_via_cli(tmp_path):
 
 def test_create_then_pack_token_only_matches(tmp_path):
     """create (text -> first-k) and pack of a token-only .pt give the same KV for the same tokens."""
-    from lmcache_cartridge.testmodel import ensure_test_model
-    from lmcache_cartridge.packed import PackedCartridge
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
 
     model_dir = ensure_test_model(tmp_path / "models")
     doc = tmp_path / "doc.txt"

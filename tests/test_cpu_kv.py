@@ -16,8 +16,8 @@ vllm_ops = pytest.importorskip("vllm._custom_ops")
 
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 
-from lmcache_cartridge import cpu_kv  # noqa: E402
-from lmcache_cartridge.cpu_kv import CpuPagedKVConnector, UnverifiedKVLayout, slot_runs  # noqa: E402
+from lmcache_cartridge.vllm import cpu_kv
+from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, UnverifiedKVLayout, slot_runs
 
 L, H, D, BS, NB = 2, 2, 64, 128, 16
 DT = torch.bfloat16
@@ -160,7 +160,7 @@ def test_hook_builds_cpu_connector_for_vllm_only(monkeypatch):
     import lmcache.v1.gpu_connector as gc
     from lmcache.utils import EngineType
 
-    from lmcache_cartridge.connector import install_cpu_connector_hook
+    from lmcache_cartridge.vllm.connector import install_cpu_connector_hook
 
     from lmc_helpers import make_config, make_metadata
 
@@ -182,7 +182,7 @@ def test_connector_turns_load_failures_into_failed_blocks(monkeypatch):
     request was to load are reported, so vLLM recomputes them."""
     from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
-    from lmcache_cartridge.connector import CartridgeConnector
+    from lmcache_cartridge.vllm.connector import CartridgeConnector
 
     c = object.__new__(CartridgeConnector)  # no engine: exercise the fallback logic only
     c._failed_blocks, c._block_size = set(), 16

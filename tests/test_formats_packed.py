@@ -9,9 +9,9 @@ import torch
 
 from conftest import random_kv
 from lmcache_cartridge.errors import CartridgeFormatError, ChecksumError, ManifestError
-from lmcache_cartridge.formats import load_input
-from lmcache_cartridge.manifest import Manifest
-from lmcache_cartridge.packed import PackedCartridge, VocabInfo, pack_kv, rechunk, to_chunk_layout
+from lmcache_cartridge.cartridge.formats import load_input
+from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv, rechunk, to_chunk_layout
 
 L, T, H, D = 3, 40, 2, 8
 CHUNK = 16

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import random_kv
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.formats import parse_object
-from lmcache_cartridge.manifest import Manifest
-from lmcache_cartridge.packed import pack_kv
+from lmcache_cartridge.cartridge.formats import parse_object
+from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.packed import pack_kv
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck),
                 derandomize=True)  # the same examples in every run: CI is reproducible
@@ -87,8 +87,8 @@ def test_input_format_parser_never_crashes(obj):
 def test_gateway_openapi_fuzz(tmp_path):
     import schemathesis
 
-    from lmcache_cartridge.gateway import GatewaySettings, create_app
-    from lmcache_cartridge.testmodel import ensure_test_model
+    from lmcache_cartridge.api.gateway import GatewaySettings, create_app
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     model_dir = str(ensure_test_model())
     app = create_app(GatewaySettings(upstream="http://127.0.0.1:9", model=model_dir, tokenizer=model_dir,

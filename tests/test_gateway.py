@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from conftest import random_kv
-from lmcache_cartridge.gateway import (CartridgeRef, GatewaySettings, PromptBuilder, RequestError, Resolver,
-                                       chain_prefix, create_app, parse_refs)
-from lmcache_cartridge.manifest import Manifest
-from lmcache_cartridge.packed import pack_kv
-from lmcache_cartridge.registry import Registry
-from lmcache_cartridge.testmodel import ensure_test_model
+from lmcache_cartridge.api.gateway import CartridgeRef, GatewaySettings, PromptBuilder, RequestError, Resolver, chain_prefix, create_app, parse_refs
+from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.packed import pack_kv
+from lmcache_cartridge.store.registry import Registry
+from lmcache_cartridge.tools.testmodel import ensure_test_model
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +92,8 @@ def test_resolver_packs_seed000_pt_files(tmp_path, settings, model_dir):
     entry, m = r.resolve(CartridgeRef(str(pt), "local"))
     assert m.kind == "first_k" and m.num_tokens == 32 and m.token_ids[0] == 1
     # the KV was computed with the model: equal to create's computation for those tokens
-    from lmcache_cartridge.create import compute_prefix_kv, load_model
-    from lmcache_cartridge.packed import PackedCartridge
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
 
     model, _ = load_model(model_dir)
     assert torch.equal(PackedCartridge(entry.path).load_kv(), compute_prefix_kv(model, m.token_ids))

@@ -13,10 +13,10 @@ import httpx
 import pytest
 import torch
 
-from lmcache_cartridge.gateway import GatewaySettings
-from lmcache_cartridge.launch import GatewayThread, VllmServer, lmcache_config
-from lmcache_cartridge.packed import VocabInfo, pack_kv
-from lmcache_cartridge.registry import Registry
+from lmcache_cartridge.api.gateway import GatewaySettings
+from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+from lmcache_cartridge.store.registry import Registry
 from s3_server import s3_client, upload_dir
 
 pytestmark = pytest.mark.slow
@@ -26,8 +26,9 @@ LOGPROB_TOL = 0.15  # batching changes bf16 rounding; mixing KV moves logprobs b
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, moto_server):
-    from lmcache_cartridge.create import create_first_k, load_model
-    from lmcache_cartridge.testmodel import document_text, ensure_test_model
+    from lmcache_cartridge.tools.create import create_first_k
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
 
     model_dir = ensure_test_model()
     root = tmp_path_factory.mktemp("gw_e2e")

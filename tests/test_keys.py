@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from lmcache_cartridge.errors import IncompatibleCartridgeError
-from lmcache_cartridge.keys import hash_config_problem, placeholder_token_ids
-from lmcache_cartridge.tp import hidden_slice, kv_head_range
+from lmcache_cartridge.cartridge.keys import hash_config_problem, placeholder_token_ids
+from lmcache_cartridge.cartridge.tp import hidden_slice, kv_head_range
 
 HERE = Path(__file__).parent
 

@@ -10,9 +10,9 @@ import yaml
 
 from conftest import random_kv
 from lmc_helpers import Engine, make_metadata
-from lmcache_cartridge.packed import PackedCartridge, VocabInfo, pack_kv
-from lmcache_cartridge.plugin import CartridgeStoragePlugin
-from lmcache_cartridge.registry import Registry
+from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv
+from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+from lmcache_cartridge.store.registry import Registry
 
 L, H, D, CHUNK = 2, 2, 16, 64
 MODEL = "tiny-test-model"
@@ -256,7 +256,7 @@ def test_unstable_hash_config_disables_serving_loudly(carts, caplog, monkeypatch
 def test_stats_published_per_tier(carts, capsys):
     import json as _json
 
-    from lmcache_cartridge import cli
+    from lmcache_cartridge.tools import cli
 
     a = carts["a"][0]
     cfg_path = write_yaml(carts["dir"], carts["reg"].path)
@@ -370,7 +370,7 @@ def test_locked_registry_register_fails_clearly_while_serving_continues(carts):
     with a clear error, while the server keeps serving; after the lock goes, it catches up."""
     import sqlite3
 
-    from lmcache_cartridge.registry import RegistryError
+    from lmcache_cartridge.store.registry import RegistryError
 
     reg, tmp = carts["reg"], carts["dir"]
     kv_c = random_kv(L, CHUNK, H, D, seed=4)
@@ -427,7 +427,7 @@ def test_published_serving_state_and_wait_served(carts):
     """What the gateway waits on before forwarding: every live plugin instance serving the exact
     bytes (content hash, epoch) it resolved; a refusal is a 400 with the plugin's reason; a
     cartridge never served is a 503 after the timeout; no plugin at all: nothing to wait for."""
-    from lmcache_cartridge.serving import NotServed, Wanted, wait_served
+    from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 
     reg, tmp = carts["reg"], carts["dir"]
     stats = tmp / "cache" / "stats"

@@ -8,10 +8,10 @@ import torch
 
 from conftest import random_kv
 from lmcache_cartridge.errors import ChecksumError
-from lmcache_cartridge.metrics import Metrics
-from lmcache_cartridge.origins import LocalOrigin
-from lmcache_cartridge.packed import PackedCartridge, pack_kv
-from lmcache_cartridge.residency import DiskTier, Handle, MemoryTier, Residency
+from lmcache_cartridge.store.metrics import Metrics
+from lmcache_cartridge.store.origins import LocalOrigin
+from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv
+from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, Residency
 
 CHUNK = 16
 
@@ -186,8 +186,8 @@ def test_streaming_check_overlaps_arrival_restarts_on_retry_and_refuses_bad_byte
     import hashlib
 
     from lmcache_cartridge.errors import ChecksumError
-    from lmcache_cartridge.manifest import ChunkInfo
-    from lmcache_cartridge.packed import StreamingCheck
+    from lmcache_cartridge.cartridge.manifest import ChunkInfo
+    from lmcache_cartridge.cartridge.integrity import StreamingCheck
 
     good = torch.randn(4099, dtype=torch.float32).to(torch.bfloat16)
     raw = bytearray(good.view(torch.uint8).numpy().tobytes())

@@ -14,18 +14,10 @@ import pytest
 import torch
 
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.manifest import Manifest
-from lmcache_cartridge.packed import as_bytes, pack_kv
-from lmcache_cartridge.s3 import (
-    AccessDenied,
-    NotFound,
-    OriginError,
-    S3Origin,
-    S3Settings,
-    Timeout,
-    Unavailable,
-    parse_s3_uri,
-)
+from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.buffers import as_bytes
+from lmcache_cartridge.cartridge.packed import pack_kv
+from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, S3Origin, S3Settings, Timeout, Unavailable, parse_s3_uri
 from s3_server import s3_client, upload_dir
 
 BUCKET, PREFIX = "carts", "models/demo-1"

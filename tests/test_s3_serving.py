@@ -10,9 +10,9 @@ from conftest import random_kv
 from lmc_helpers import Engine, make_metadata
 from s3_server import s3_client, upload_dir
 from test_plugin import CHUNK, D, H, L, MODEL, flat, load_config, write_yaml
-from lmcache_cartridge import cli
-from lmcache_cartridge.packed import pack_kv
-from lmcache_cartridge.registry import Registry
+from lmcache_cartridge.tools import cli
+from lmcache_cartridge.cartridge.packed import pack_kv
+from lmcache_cartridge.store.registry import Registry
 
 BUCKET = "carts"
 

@@ -1,5 +1,5 @@
 """End to end: cartridges served to a REAL vLLM OpenAI server on vLLM's CPU backend, through
-LMCache 0.5.6 + `lmcache_cartridge.connector.CartridgeConnector` (CPU KV connector) + the plugin.
+LMCache 0.5.6 + `lmcache_cartridge.vllm.connector.CartridgeConnector` (CPU KV connector) + the plugin.
 
 One server for the module (start-up ~60-90 s on 2 cores). Prefix caching is off, so every
 prompt token either is computed or comes from LMCache; vLLM's `/metrics` counter
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_cartridge.launch import VllmServer, lmcache_config
+from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ class Server(VllmServer):
     """The module's server: LMCache + plugin + CartridgeConnector, prefix caching off."""
 
     def __init__(self, root: Path, model_dir: Path) -> None:
-        from lmcache_cartridge.registry import Registry
+        from lmcache_cartridge.store.registry import Registry
 
         self.model_dir = model_dir
         self.registry_path = root / "registry.db"
@@ -89,7 +89,7 @@ class Server(VllmServer):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from lmcache_cartridge.testmodel import ensure_test_model
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     model_dir = ensure_test_model()
     root = tmp_path_factory.mktemp("vllm_e2e")
@@ -107,8 +107,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf():
-    from lmcache_cartridge.create import load_model
-    from lmcache_cartridge.testmodel import ensure_test_model
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     return load_model(ensure_test_model())
 
@@ -129,7 +129,7 @@ def hf_teacher_forced(model, kv: torch.Tensor, user: list[int], gen_ids: list[in
                       dtype: torch.dtype) -> tuple[list[int], list[float], list[float]]:
     """HF given `kv` as past_key_values (positions offset by its length), teacher-forced on
     `gen_ids`: per step the argmax, the logprob of `gen_ids`' token, and the best logprob."""
-    from lmcache_cartridge.create import kv_to_cache
+    from lmcache_cartridge.cartridge.model_kv import kv_to_cache
 
     m = model.to(dtype)
     n = kv.shape[2]
@@ -158,9 +158,9 @@ def token_ids_of(server: Server, tokenizer, res: dict) -> list[int]:
 
 
 def test_first_k_cartridge_matches_recompute_and_comes_from_lmcache(server, hf, tmp_path):
-    from lmcache_cartridge.create import create_first_k
-    from lmcache_cartridge.packed import pack_kv
-    from lmcache_cartridge.testmodel import document_text
+    from lmcache_cartridge.tools.create import create_first_k
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.tools.testmodel import document_text
 
     model, tok = hf
     cart = create_first_k(server.model_dir, document_text(), max_tokens=2 * CHUNK,
@@ -194,7 +194,7 @@ def _trained_kv(seed: int) -> torch.Tensor:
 
 
 def test_trained_cartridge_matches_hf_and_altered_kv_changes_output(server, hf, tmp_path):
-    from lmcache_cartridge.packed import PackedCartridge, VocabInfo, pack_kv
+    from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv
 
     model, tok = hf
     user = user_ids(tok)

@@ -20,9 +20,9 @@ import httpx
 import pytest
 import torch
 
-from lmcache_cartridge.launch import VllmServer, lmcache_config
-from lmcache_cartridge.packed import VocabInfo, pack_kv
-from lmcache_cartridge.registry import Registry
+from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+from lmcache_cartridge.store.registry import Registry
 
 pytestmark = pytest.mark.slow
 CHUNK = 256
@@ -31,8 +31,8 @@ GEN = 380  # 515 + 380 tokens: 7 blocks of 128, within max_model_len 1024
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from lmcache_cartridge.create import load_model
-    from lmcache_cartridge.testmodel import ensure_test_model
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     model_dir = ensure_test_model()
     root = tmp_path_factory.mktemp("preempt")

@@ -7,13 +7,11 @@ readers share no file position and need no locks.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,17 +19,11 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .errors import CartridgeFormatError, ChecksumError, ManifestError
-from .keys import placeholder_token_ids
-from .manifest import (
-    KINDS,
-    MANIFEST_NAME,
-    PAYLOAD_NAME,
-    ChunkInfo,
-    Manifest,
-    dtype_name,
-    validate_id,
-)
+from lmcache_cartridge.cartridge.buffers import as_bytes
+from lmcache_cartridge.cartridge.integrity import check_chunk
+from lmcache_cartridge.errors import CartridgeFormatError, ChecksumError, ManifestError
+from lmcache_cartridge.cartridge.keys import placeholder_token_ids
+from lmcache_cartridge.cartridge.manifest import KINDS, MANIFEST_NAME, PAYLOAD_NAME, ChunkInfo, Manifest, dtype_name, validate_id
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -42,36 +34,6 @@ class VocabInfo:
 
     vocab_size: int
     special_ids: tuple[int, ...] = ()
-
-
-def as_bytes(t: torch.Tensor) -> memoryview:
-    """A writable/readable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    if not t.is_contiguous():
-        raise ValueError("tensor must be contiguous")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy `src`'s bytes into `dst`: one memmove for contiguous CPU tensors.
-
-    ctypes releases the GIL for the call; torch's `copy_` with its default intra-op threads was
-    measured ~5x slower than a single memmove on this 2-core machine (benchmarks/chunk_retrieval).
-    """
-    if (dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous()
-            and dst.nbytes == src.nbytes):
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.nbytes)
-    else:
-        dst.copy_(src)
-
-
-def clone_bytes(src: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(src.nbytes, dtype=torch.uint8)
-    copy_into(out, src.reshape(-1).view(torch.uint8))
-    return out
-
-
-def sha256_of(t: torch.Tensor) -> str:
-    return hashlib.sha256(as_bytes(t)).hexdigest()
 
 
 def to_chunk_layout(kv: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -198,111 +160,6 @@ def _content_hash(kv: torch.Tensor, chunks: list[ChunkInfo], chunk_size: int) ->
     for c in chunks:
         h.update(bytes.fromhex(c.sha256))
     return h.hexdigest()
-
-
-def _checksum_error(info: ChunkInfo, where: str) -> ChecksumError:
-    return ChecksumError(f"{where}: chunk {info.index} checksum mismatch (corrupted or replaced bytes); "
-                         "re-pack or re-download the cartridge")
-
-
-def _nonfinite_error(info: ChunkInfo, where: str) -> ChecksumError:
-    return ChecksumError(f"{where}: chunk {info.index} contains NaN or Inf values; refusing to serve it")
-
-
-def _all_finite(buf: memoryview, dtype: torch.dtype | None) -> bool:
-    if dtype is None or not dtype.is_floating_point or len(buf) == 0:
-        return True
-    return bool(torch.isfinite(torch.frombuffer(buf, dtype=dtype)).all())
-
-
-def check_chunk(info: ChunkInfo, buf: memoryview, where: str, dtype: torch.dtype | None = None) -> None:
-    """Raise `ChecksumError` unless `buf` hashes to the manifest's sha256 for this chunk and,
-    given its dtype, holds only finite values (a packer elsewhere may have hashed NaNs)."""
-    if hashlib.sha256(buf).hexdigest() != info.sha256:
-        raise _checksum_error(info, where)
-    if not _all_finite(buf, dtype):
-        raise _nonfinite_error(info, where)
-
-
-class StreamingCheck:
-    """`check_chunk` run on a helper thread while the chunk's bytes are still arriving in `buf`,
-    so verifying a download overlaps the download instead of following it (sha256 runs at ~1 GB/s
-    here: after a 0.6 GB/s GET it would add half again).
-
-    Where it runs: the downloading thread calls `arrived(pos, n)` in order as bytes land (a retry
-    that starts again at 0 restarts the check) and then `result()`; the helper thread only reads
-    bytes already reported, so it never races the writer of the attempt it is checking.
-    """
-
-    def __init__(self, info: ChunkInfo, buf: memoryview, where: str, dtype: torch.dtype | None = None) -> None:
-        self.info, self.where, self.dtype = info, where, dtype
-        self.buf = memoryview(buf).cast("B")
-        self._align = torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
-        self._cv = threading.Condition()
-        self._avail = 0        # bytes of the current attempt that have landed
-        self._attempt = 0      # bumped when a retry starts again at 0
-        self._closed = False
-        self._outcome: tuple[int, str | None] | None = None  # (attempt, problem or None)
-        self._thread = threading.Thread(target=self._run, name="chunk-verify", daemon=True)
-        self._thread.start()
-
-    def arrived(self, pos: int, n: int) -> None:
-        with self._cv:
-            if pos == 0 and self._avail:
-                self._attempt += 1
-            self._avail = pos + n
-            self._cv.notify_all()
-
-    def _run(self) -> None:
-        total = len(self.buf)
-        while True:
-            with self._cv:
-                attempt = self._attempt
-            h, done, finite_done, problem = hashlib.sha256(), 0, 0, None
-            while done < total and problem is None:
-                with self._cv:
-                    while self._avail <= done and self._attempt == attempt and not self._closed:
-                        self._cv.wait()
-                    if self._closed or self._attempt != attempt:
-                        break
-                    upto = self._avail
-                h.update(self.buf[done:upto])
-                done = upto
-                aligned = done - done % self._align
-                if not _all_finite(self.buf[finite_done:aligned], self.dtype):
-                    problem = "nonfinite"
-                finite_done = aligned
-            with self._cv:
-                if self._closed:
-                    return
-                if self._attempt != attempt:
-                    continue  # a retry restarted the range: check its bytes instead
-                if problem is None and h.hexdigest() != self.info.sha256:
-                    problem = "checksum"
-                self._outcome = (attempt, problem)
-                self._cv.notify_all()
-                return
-
-    def result(self) -> None:
-        """Wait for the check of the complete attempt; raise `ChecksumError` as `check_chunk`."""
-        with self._cv:
-            while self._outcome is None and not self._closed:
-                self._cv.wait()
-            outcome = self._outcome
-        self._thread.join()
-        if outcome is None:
-            raise ChecksumError(f"{self.where}: chunk {self.info.index} check was cancelled")
-        if outcome[1] == "checksum":
-            raise _checksum_error(self.info, self.where)
-        if outcome[1] == "nonfinite":
-            raise _nonfinite_error(self.info, self.where)
-
-    def cancel(self) -> None:
-        """The download failed: stop the helper (its bytes will never all arrive)."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join()
 
 
 @dataclass

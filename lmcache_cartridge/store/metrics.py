@@ -1,5 +1,11 @@
 """Per-tier counters: kept per plugin instance (for `lmcache-cartridge stats`) and mirrored to
-prometheus_client, as LMCache does, under `lmcache_cartridge_*` names with a `tier` label."""
+prometheus_client, as LMCache does, under `lmcache_cartridge_*` names with a `tier` label.
+
+Where it runs: inside each plugin instance; the tiers (`residency`) count into it from whatever
+thread served the read. It lives with the tiers because they are what it counts. Each instance
+owns its counters; the prometheus collectors are process-wide (prometheus' design), and the JSON
+snapshot under `<cache_dir>/stats/` is the instance's to write and other processes' to read.
+"""
 
 from __future__ import annotations
 

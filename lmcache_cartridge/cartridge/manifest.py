@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import ManifestError
+from lmcache_cartridge.errors import ManifestError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

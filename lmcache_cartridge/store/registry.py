@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CartridgeError
-from .manifest import Manifest, validate_id
-from .packed import PackedCartridge
-from .paths import cache_root
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.cartridge.manifest import Manifest, validate_id
+from lmcache_cartridge.cartridge.packed import PackedCartridge
+from lmcache_cartridge.paths import default_registry_path
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS cartridges (
@@ -45,9 +45,6 @@ CREATE INDEX IF NOT EXISTS cartridges_state ON cartridges(state);
 class RegistryError(CartridgeError):
     """The registry database cannot be used (locked, corrupt, unknown id, ...)."""
 
-
-def default_registry_path() -> Path:
-    return cache_root() / "registry.db"
 
 
 @dataclass

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CartridgeError
-from .manifest import MANIFEST_NAME, Manifest
-from .registry import Entry, Registry, RegistryError
-from .serving import NotServed, Wanted, wait_served
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
+from lmcache_cartridge.store.registry import Entry, Registry, RegistryError
+from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 
-logger = logging.getLogger("lmcache_cartridge.gateway")
+logger = logging.getLogger("lmcache_cartridge.api.gateway")
 
 
 class RequestError(Exception):
@@ -128,8 +128,8 @@ class Resolver:
         return entry, manifest
 
     def _s3(self, ref: CartridgeRef) -> Entry:
-        from .origins import register_s3
-        from .s3 import NotFound, OriginError, S3Settings, AccessDenied
+        from lmcache_cartridge.store.registration import register_s3
+        from lmcache_cartridge.store.s3 import NotFound, OriginError, S3Settings, AccessDenied
 
         try:
             return register_s3(self.registry, ref.id, self.settings.cache_dir,
@@ -164,8 +164,8 @@ class Resolver:
 
     def _pack_file(self, path: Path) -> Path:
         """A `.pt` in any input format: pack once, content-addressed, into the cache dir."""
-        from .formats import load_input
-        from .packed import VocabInfo, pack_kv
+        from lmcache_cartridge.cartridge.formats import load_input
+        from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
 
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         out = self.settings.cache_dir / "packed" / digest[:32]
@@ -175,7 +175,7 @@ class Resolver:
             loaded = load_input(path)
             kv = loaded.kv
             if kv is None:  # token-only: compute its KV once with the model
-                from .create import compute_prefix_kv, load_model
+                from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
 
                 model, _ = load_model(self.settings.tokenizer)
                 kv = compute_prefix_kv(model, loaded.token_ids)

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .errors import CartridgeError
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.paths import default_cache_dir, default_packed_dir, default_registry_path
 
 EXIT_USAGE = 2
 EXIT_PROBLEMS = 1
@@ -24,7 +25,7 @@ def _default_id(path: Path) -> str:
 
 
 def _vocab_from_args(args):
-    from .packed import VocabInfo
+    from lmcache_cartridge.cartridge.packed import VocabInfo
 
     if args.vocab_size:
         return VocabInfo(args.vocab_size, tuple(args.special_id or ()))
@@ -40,9 +41,9 @@ def _vocab_from_args(args):
 def cmd_pack(args) -> int:
     import torch
 
-    from .formats import load_input
-    from .manifest import MANIFEST_NAME
-    from .packed import PackedCartridge, pack_kv, rechunk
+    from lmcache_cartridge.cartridge.formats import load_input
+    from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
+    from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv, rechunk
 
     src = Path(args.input)
     out = Path(args.output)
@@ -61,7 +62,7 @@ def cmd_pack(args) -> int:
             raise CartridgeError(
                 f"{src} holds only token ids; pass --model-dir DIR to compute its KV with the model"
             )
-        from .create import compute_prefix_kv, load_model
+        from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
 
         hf_model, _ = load_model(args.model_dir)
         kv = compute_prefix_kv(hf_model, loaded.token_ids)
@@ -96,7 +97,7 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from .manifest import Manifest
+    from lmcache_cartridge.cartridge.manifest import Manifest
 
     m = Manifest.load(args.path)
     if args.json:
@@ -126,7 +127,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .packed import PackedCartridge
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
 
     with PackedCartridge(args.path) as p:
         report = p.verify()
@@ -140,8 +141,8 @@ def cmd_verify(args) -> int:
 
 # --- create -----------------------------------------------------------------------------------
 def cmd_create(args) -> int:
-    from .create import create_first_k
-    from .packed import pack_kv
+    from lmcache_cartridge.tools.create import create_first_k
+    from lmcache_cartridge.cartridge.packed import pack_kv
 
     text = Path(args.text).read_text(encoding="utf-8")
     made = create_first_k(args.model_dir, text, max_tokens=args.max_tokens,
@@ -165,7 +166,7 @@ def cmd_create(args) -> int:
 
 
 def cmd_test_model(args) -> int:
-    from .testmodel import ensure_test_model
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     print(ensure_test_model(Path(args.root) if args.root else None))
     return 0
@@ -173,7 +174,7 @@ def cmd_test_model(args) -> int:
 
 # --- registry ---------------------------------------------------------------------------------
 def _registry(args):
-    from .registry import Registry
+    from lmcache_cartridge.store.registry import Registry
 
     settings = _plugin_settings(args)
     return Registry(settings.registry if settings else args.registry)
@@ -193,27 +194,26 @@ def _load_lmcache_config(path):
 def _plugin_settings(args):
     if not getattr(args, "config", None):
         return None
-    from .plugin import CartridgeStoragePlugin
-    from .settings import PluginSettings
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+    from lmcache_cartridge.lmcache.settings import PluginSettings
 
     return PluginSettings.from_config(_load_lmcache_config(args.config), CartridgeStoragePlugin)
 
 
 def cmd_register(args) -> int:
-    from .packed import PackedCartridge, rechunk
-    from .paths import cache_root
-
+    from lmcache_cartridge.cartridge.packed import PackedCartridge, rechunk
+    
     settings = _plugin_settings(args)
     if args.path.startswith("s3://"):
-        from .origins import register_s3
-        from .s3 import S3Settings
+        from lmcache_cartridge.store.registration import register_s3
+        from lmcache_cartridge.store.s3 import S3Settings
 
         s3 = dict(settings.s3 if settings else {})
         if args.s3_endpoint:
             s3["endpoint_url"] = args.s3_endpoint
         if args.s3_region:
             s3["region"] = args.s3_region
-        cache_dir = settings.cache_dir if settings else cache_root() / "cache"
+        cache_dir = settings.cache_dir if settings else default_cache_dir()
         entry = register_s3(_registry(args), args.path, cache_dir, S3Settings.from_mapping(s3),
                             labels=args.label or [], force_redownload=args.force_redownload,
                             chunk_size=args.chunk_size)
@@ -224,7 +224,7 @@ def cmd_register(args) -> int:
     with PackedCartridge(path) as packed:
         m = packed.manifest
         if args.chunk_size and m.chunk_size != args.chunk_size:
-            target = Path(args.packed_dir or cache_root() / "packed") / f"{m.cartridge_id}-c{args.chunk_size}"
+            target = Path(args.packed_dir or default_packed_dir()) / f"{m.cartridge_id}-c{args.chunk_size}"
             rechunk(packed, target, args.chunk_size, overwrite=True)
             print(f"re-chunked {m.cartridge_id} from {m.chunk_size} to {args.chunk_size} tokens -> {target}")
             path = target
@@ -269,11 +269,11 @@ def cmd_label(args) -> int:
 
 def cmd_doctor(args) -> int:
     """Check a config the way LMCache will load it, then every registered cartridge against it."""
-    from .keys import hash_config_problem
-    from .packed import PackedCartridge
-    from .plugin import CartridgeStoragePlugin
-    from .registry import Registry
-    from .settings import PluginSettings
+    from lmcache_cartridge.cartridge.keys import hash_config_problem
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.lmcache.settings import PluginSettings
 
     results: list[tuple[str, str]] = []
 
@@ -328,15 +328,14 @@ def cmd_doctor(args) -> int:
 
 def cmd_stats(args) -> int:
     """Sum the tier counters that running plugins publish under their cache dir."""
-    from .plugin import CartridgeStoragePlugin
-    from .settings import PluginSettings
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+    from lmcache_cartridge.lmcache.settings import PluginSettings
 
     if args.config:
         stats_dir = PluginSettings.from_config(_load_lmcache_config(args.config), CartridgeStoragePlugin).cache_dir / "stats"
     else:
-        from .paths import cache_root
-
-        stats_dir = Path(args.cache_dir) if args.cache_dir else cache_root() / "cache"
+        
+        stats_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
         stats_dir = stats_dir / "stats"
     files = sorted(stats_dir.glob("*.json"))
     if not files:
@@ -362,17 +361,16 @@ def cmd_gateway(args) -> int:
     """Serve the OpenAI-compatible gateway in front of a vLLM server."""
     import uvicorn
 
-    from .gateway import GatewaySettings, create_app
-    from .paths import cache_root
-
+    from lmcache_cartridge.api.gateway import GatewaySettings, create_app
+    
     settings = _plugin_settings(args)
     config = _load_lmcache_config(args.config) if args.config else None
     gs = GatewaySettings(
         upstream=args.upstream.rstrip("/"),
         model=args.model,
         tokenizer=args.tokenizer or args.model,
-        registry=settings.registry if settings else Path(args.registry or cache_root() / "registry.db"),
-        cache_dir=settings.cache_dir if settings else cache_root() / "cache",
+        registry=settings.registry if settings else Path(args.registry or default_registry_path()),
+        cache_dir=settings.cache_dir if settings else default_cache_dir(),
         chunk_size=int(config.chunk_size) if config else args.chunk_size,
         local_roots=tuple(Path(r) for r in (args.allow_local or [])),
         s3=dict(settings.s3) if settings else ({"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {}),

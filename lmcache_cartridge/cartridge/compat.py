@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import IncompatibleCartridgeError
-from .manifest import Manifest
-from .tp import hidden_slice
+from lmcache_cartridge.errors import IncompatibleCartridgeError
+from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.tp import hidden_slice
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import IncompatibleCartridgeError
+from lmcache_cartridge.errors import IncompatibleCartridgeError
 
 
 def kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:

@@ -27,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-from .errors import CartridgeError, ChecksumError
-from .manifest import Manifest
-from .metrics import Metrics
-from .origins import Origin
-from .packed import StreamingCheck, as_bytes, check_chunk, clone_bytes, copy_into
+from lmcache_cartridge.errors import CartridgeError, ChecksumError
+from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.store.metrics import Metrics
+from lmcache_cartridge.store.origins import Origin
+from lmcache_cartridge.cartridge.integrity import StreamingCheck, check_chunk
+from lmcache_cartridge.cartridge.buffers import as_bytes, clone_bytes, copy_into
 
-logger = logging.getLogger("lmcache_cartridge.residency")
+logger = logging.getLogger("lmcache_cartridge.store.residency")
 
 ChunkId = tuple[str, int]  # (content_hash, chunk index)
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CartridgeError
-from .paths import cache_root
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.paths import default_cache_dir, default_registry_path
 
 PREFIX = "storage_plugin"
 
@@ -57,8 +57,8 @@ class PluginSettings:
         try:
             return cls(
                 name=name,
-                registry=Path(get("registry") or cache_root() / "registry.db").expanduser(),
-                cache_dir=Path(get("cache_dir") or cache_root() / "cache").expanduser(),
+                registry=Path(get("registry") or default_registry_path()).expanduser(),
+                cache_dir=Path(get("cache_dir") or default_cache_dir()).expanduser(),
                 refresh_seconds=float(get("refresh_seconds", 1.0)),
                 preload=tuple(_as_list(get("preload"))),
                 accept_models=tuple(_as_list(get("accept_models"))),
@@ -73,6 +73,21 @@ class PluginSettings:
             raise CartridgeError(f"bad setting under extra_config {p}*: {e}") from e
 
 
+def _names_class(module: str | None, cls_name: str, plugin_cls: type) -> bool:
+    """Whether `module_path`/`class_name` load `plugin_cls` (users write the stable re-export
+    `lmcache_cartridge.plugin`; the class lives elsewhere)."""
+    if not module:
+        return False
+    if module == plugin_cls.__module__:
+        return True
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), cls_name, None) is plugin_cls
+    except ImportError:
+        return False
+
+
 def find_plugin_name(config, plugin_cls: type) -> str:
     """The `storage_plugins` entry whose module_path/class_name load `plugin_cls`.
 
@@ -83,7 +98,7 @@ def find_plugin_name(config, plugin_cls: type) -> str:
     for name in getattr(config, "storage_plugins", None) or []:
         cls_name = extra.get(f"{PREFIX}.{name}.class_name")
         module = extra.get(f"{PREFIX}.{name}.module_path")
-        if cls_name == plugin_cls.__name__ and module in {plugin_cls.__module__, "lmcache_cartridge"}:
+        if cls_name == plugin_cls.__name__ and _names_class(module, cls_name, plugin_cls):
             names.append(name)
     if len(names) != 1:
         raise CartridgeError(

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .errors import KeyConfigError
+from lmcache_cartridge.errors import KeyConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import CartridgeFormatError
+from lmcache_cartridge.errors import CartridgeFormatError
 
 
 @dataclass

@@ -6,7 +6,7 @@ permuted, positions shifted) would still produce almost the same logits and bugs
 We therefore scale q/k projections and the LM head so attention and next-token choices are
 peaked: layout errors then change the argmax.
 
-Run `python -m lmcache_cartridge.testmodel` to build the default model and print its path.
+Run `python -m lmcache_cartridge.tools.testmodel` to build the default model and print its path.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
-from .paths import models_dir
+from lmcache_cartridge.paths import models_dir
 
 PEAK_Q_K_SCALE = 4.0
 PEAK_LM_HEAD_SCALE = 12.0

@@ -8,6 +8,10 @@ ranged GETs in parallel into one preallocated file.
 Credentials come only from botocore's standard chain (env, shared files, SSO, IMDS...): nothing
 here accepts, stores or prints them, and error messages are built from the URI, the operation and
 the S3 error code only, never from raw exception text.
+
+Where it runs: inside each plugin instance (ranged reads of chunks, on the residency tier's
+threads) and in the CLI and gateway (manifest fetches, whole-object downloads). Each `S3Origin`
+owns its boto3 client and connection pool; callers own the buffers they ask it to fill.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
-from .errors import CartridgeError
+from lmcache_cartridge.errors import CartridgeError
 
 __all__ = [
     "AccessDenied",

@@ -30,6 +30,12 @@ chunks are 256 tokens, vLLM-CPU blocks 128) is one copy per layer for K and one 
 slice, or by block index when the blocks are not consecutive). Chunks with partial blocks at
 either end go by runs of consecutive slots inside one block; only a fragmented slot mapping falls
 back to a per-slot scatter.
+
+Where it runs: inside each vLLM worker process, on the thread that runs the model, called by
+LMCache's engine (`batched_to_gpu` on retrieve, `batched_from_gpu` on store) between forward
+passes. Who owns what: vLLM owns the paged KV tensors (we write only the slots LMCache hands us);
+LMCache owns the memory objects (we read or fill them, never free them); this module owns only
+the cached result of the one-time layout probe.
 """
 
 from __future__ import annotations
@@ -42,9 +48,9 @@ import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from .errors import CartridgeError
+from lmcache_cartridge.errors import CartridgeError
 
-logger = logging.getLogger("lmcache_cartridge.cpu_kv")
+logger = logging.getLogger("lmcache_cartridge.vllm.cpu_kv")
 
 # ISAs whose layout was derived from vLLM's source and checked on a real engine.
 VERIFIED_ISAS = frozenset({"vec"})

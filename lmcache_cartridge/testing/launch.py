@@ -192,7 +192,7 @@ class GatewayThread:
     def __init__(self, settings, port: int | None = None) -> None:
         import uvicorn
 
-        from .gateway import create_app
+        from lmcache_cartridge.api.gateway import create_app
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from . import cli
-from .paths import cache_root
+from lmcache_cartridge.tools import cli
+from lmcache_cartridge.paths import cache_root
 
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "lmcache-cartridge.yaml"
 
@@ -66,7 +66,7 @@ def lookup_through_lmcache(config_path: Path, model: str, token_ids: list[int]) 
 
 
 def main() -> int:
-    from .testmodel import ensure_test_model
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     work = cache_root() / "demo"
     shutil.rmtree(work, ignore_errors=True)
@@ -93,7 +93,7 @@ def main() -> int:
     run_cli("doctor", "--config", str(config), "--model", str(model_dir), "--verify")
 
     print("\n== 4. LMCache's engine (built from the YAML) looks the cartridge up", flush=True)
-    from .manifest import Manifest
+    from lmcache_cartridge.cartridge.manifest import Manifest
 
     m = Manifest.load(packed)
     user = [7, 8, 9]
@@ -131,8 +131,8 @@ def stream_ttft(url: str, body: dict) -> tuple[float, str]:
 
 
 def serve_and_ask(work: Path, model_dir: Path, packed: Path, m) -> bool:
-    from .gateway import GatewaySettings
-    from .launch import GatewayThread, VllmServer, lmcache_config
+    from lmcache_cartridge.api.gateway import GatewaySettings
+    from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
 
     registry = work / "serve-registry.db"  # empty at start: the baseline must not hit
     server = VllmServer(work / "vllm", str(model_dir), lmcache=lmcache_config(registry, cache_dir=work / "cache"))

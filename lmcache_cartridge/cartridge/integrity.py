@@ -1,0 +1,125 @@
+"""Is a chunk's payload exactly what its manifest promised? sha256 per chunk, plus a NaN/Inf scan.
+
+Runs wherever bytes enter from outside (the plugin's first read of a chunk in a process, S3
+downloads, `verify`). It owns nothing but the helper thread of a `StreamingCheck`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import torch
+
+from lmcache_cartridge.cartridge.buffers import as_bytes
+from lmcache_cartridge.cartridge.manifest import ChunkInfo
+from lmcache_cartridge.errors import ChecksumError
+
+
+def sha256_of(t: torch.Tensor) -> str:
+    return hashlib.sha256(as_bytes(t)).hexdigest()
+
+
+def _checksum_error(info: ChunkInfo, where: str) -> ChecksumError:
+    return ChecksumError(f"{where}: chunk {info.index} checksum mismatch (corrupted or replaced bytes); "
+                         "re-pack or re-download the cartridge")
+
+
+def _nonfinite_error(info: ChunkInfo, where: str) -> ChecksumError:
+    return ChecksumError(f"{where}: chunk {info.index} contains NaN or Inf values; refusing to serve it")
+
+
+def _all_finite(buf: memoryview, dtype: torch.dtype | None) -> bool:
+    if dtype is None or not dtype.is_floating_point or len(buf) == 0:
+        return True
+    return bool(torch.isfinite(torch.frombuffer(buf, dtype=dtype)).all())
+
+
+def check_chunk(info: ChunkInfo, buf: memoryview, where: str, dtype: torch.dtype | None = None) -> None:
+    """Raise `ChecksumError` unless `buf` hashes to the manifest's sha256 for this chunk and,
+    given its dtype, holds only finite values (a packer elsewhere may have hashed NaNs)."""
+    if hashlib.sha256(buf).hexdigest() != info.sha256:
+        raise _checksum_error(info, where)
+    if not _all_finite(buf, dtype):
+        raise _nonfinite_error(info, where)
+
+
+class StreamingCheck:
+    """`check_chunk` run on a helper thread while the chunk's bytes are still arriving in `buf`,
+    so verifying a download overlaps the download instead of following it (sha256 runs at ~1 GB/s
+    here: after a 0.6 GB/s GET it would add half again).
+
+    Where it runs: the downloading thread calls `arrived(pos, n)` in order as bytes land (a retry
+    that starts again at 0 restarts the check) and then `result()`; the helper thread only reads
+    bytes already reported, so it never races the writer of the attempt it is checking.
+    """
+
+    def __init__(self, info: ChunkInfo, buf: memoryview, where: str, dtype: torch.dtype | None = None) -> None:
+        self.info, self.where, self.dtype = info, where, dtype
+        self.buf = memoryview(buf).cast("B")
+        self._align = torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
+        self._cv = threading.Condition()
+        self._avail = 0        # bytes of the current attempt that have landed
+        self._attempt = 0      # bumped when a retry starts again at 0
+        self._closed = False
+        self._outcome: tuple[int, str | None] | None = None  # (attempt, problem or None)
+        self._thread = threading.Thread(target=self._run, name="chunk-verify", daemon=True)
+        self._thread.start()
+
+    def arrived(self, pos: int, n: int) -> None:
+        with self._cv:
+            if pos == 0 and self._avail:
+                self._attempt += 1
+            self._avail = pos + n
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        total = len(self.buf)
+        while True:
+            with self._cv:
+                attempt = self._attempt
+            h, done, finite_done, problem = hashlib.sha256(), 0, 0, None
+            while done < total and problem is None:
+                with self._cv:
+                    while self._avail <= done and self._attempt == attempt and not self._closed:
+                        self._cv.wait()
+                    if self._closed or self._attempt != attempt:
+                        break
+                    upto = self._avail
+                h.update(self.buf[done:upto])
+                done = upto
+                aligned = done - done % self._align
+                if not _all_finite(self.buf[finite_done:aligned], self.dtype):
+                    problem = "nonfinite"
+                finite_done = aligned
+            with self._cv:
+                if self._closed:
+                    return
+                if self._attempt != attempt:
+                    continue  # a retry restarted the range: check its bytes instead
+                if problem is None and h.hexdigest() != self.info.sha256:
+                    problem = "checksum"
+                self._outcome = (attempt, problem)
+                self._cv.notify_all()
+                return
+
+    def result(self) -> None:
+        """Wait for the check of the complete attempt; raise `ChecksumError` as `check_chunk`."""
+        with self._cv:
+            while self._outcome is None and not self._closed:
+                self._cv.wait()
+            outcome = self._outcome
+        self._thread.join()
+        if outcome is None:
+            raise ChecksumError(f"{self.where}: chunk {self.info.index} check was cancelled")
+        if outcome[1] == "checksum":
+            raise _checksum_error(self.info, self.where)
+        if outcome[1] == "nonfinite":
+            raise _nonfinite_error(self.info, self.where)
+
+    def cancel(self) -> None:
+        """The download failed: stop the helper (its bytes will never all arrive)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()

@@ -1,0 +1,82 @@
+"""A cartridge's KV as an HF transformers model computes it, and back into an HF cache.
+
+Canonical KV layout across the project: one tensor `[2, num_layers, num_tokens, num_kv_heads,
+head_dim]` (0 = K, 1 = V), K after RoPE exactly as HF caches it, in the model's dtype. Runs
+offline (CLI `create`/`pack`) and in tests, where HF is the independent reference for what
+vLLM computes; never on the serving path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcache_cartridge.errors import CartridgeFormatError
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | None = None):
+    """Load (model, tokenizer) on CPU in eval mode.
+
+    Eager attention: it is the reference implementation, so the KV we keep is not shaped by a
+    fused kernel's numerics. `dtype=None` keeps the checkpoint's dtype (the serving dtype).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise CartridgeFormatError(
+            f"{model_dir} has no config.json: pass a local HF model directory (e.g. the path "
+            "printed by `python -m lmcache_cartridge.tools.testmodel`)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=dtype if dtype is not None else "auto",
+        attn_implementation="eager",
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return model.to("cpu").eval(), tokenizer
+
+
+def cache_to_kv(past_key_values: Any) -> torch.Tensor:
+    """HF cache (per layer `[batch=1, kv_heads, T, head_dim]`) -> canonical `[2, L, T, H, D]`."""
+    if hasattr(past_key_values, "layers"):  # transformers >= 4.56 DynamicCache
+        pairs = [(layer.keys, layer.values) for layer in past_key_values.layers]
+    else:  # legacy tuple of (k, v) per layer
+        pairs = [(k, v) for k, v in past_key_values]
+    if any(k.shape[0] != 1 for k, _ in pairs):
+        raise ValueError("expected a batch of one sequence in the cache")
+    keys = torch.stack([k[0].permute(1, 0, 2) for k, _ in pairs])
+    values = torch.stack([v[0].permute(1, 0, 2) for _, v in pairs])
+    return torch.stack([keys, values]).contiguous()
+
+
+def kv_to_cache(kv: torch.Tensor, config: Any = None):
+    """Canonical `[2, L, T, H, D]` -> a DynamicCache the HF model accepts as `past_key_values`."""
+    from transformers import DynamicCache
+
+    if kv.dim() != 5 or kv.shape[0] != 2:
+        raise CartridgeFormatError(
+            f"KV must be [2, layers, tokens, kv_heads, head_dim], got {tuple(kv.shape)}"
+        )
+    per_layer = kv.permute(1, 0, 3, 2, 4).unsqueeze(2)  # [L, 2, 1, H, T, D]
+    layers = [(layer[0].contiguous(), layer[1].contiguous()) for layer in per_layer]
+    return DynamicCache(layers, config=config)
+
+
+def compute_prefix_kv(model: Any, token_ids: list[int]) -> torch.Tensor:
+    """KV of `token_ids` (positions 0..n-1) in the canonical layout, in the model's dtype."""
+    if not token_ids:
+        raise CartridgeFormatError("cannot compute KV for an empty token sequence")
+    limit = model.config.max_position_embeddings
+    if len(token_ids) > limit:
+        raise CartridgeFormatError(
+            f"{len(token_ids)} tokens exceed the model's max_position_embeddings ({limit}); "
+            "pass fewer tokens (max_tokens) or use a longer-context model"
+        )
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, use_cache=True)
+    return cache_to_kv(out.past_key_values)

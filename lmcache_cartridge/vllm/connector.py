@@ -1,0 +1,274 @@
+"""`CartridgeConnector`: vLLM's `LMCacheConnectorV1`, made usable on vLLM's CPU backend and
+made unable to kill the engine.
+
+Load it with:
+    --kv-transfer-config '{"kv_connector":"CartridgeConnector",
+                           "kv_connector_module_path":"lmcache_cartridge.connector",
+                           "kv_role":"kv_both"}'
+and LMCache's config as usual (`LMCACHE_CONFIG_FILE`, with the cartridge storage plugin).
+
+On CUDA (or any non-CPU platform) it is exactly `LMCacheConnectorV1`: LMCache builds its own
+GPU connector. On vLLM's CPU backend LMCache has no connector ("No supported cpu connector
+found") and would run degraded (every request recomputed after a lookup timeout). The hook:
+LMCache's vLLM service factory resolves `lmcache.v1.gpu_connector.CreateGPUConnector` at call
+time (`VllmServiceFactory.get_or_create_lmcache_engine`, worker role), so before LMCache starts
+we wrap that one function: for `EngineType.VLLM` on LMCache's "cpu" device type it returns our
+`cpu_kv.CpuPagedKVConnector`; every other case goes to LMCache's original. Nothing else in
+LMCache or vLLM is replaced.
+
+Failure handling (a connector exception in a vLLM worker would otherwise kill the engine):
+* scheduler `get_num_new_matched_tokens` raising -> 0 external tokens (recompute), logged;
+* worker `start_load_kv` raising, or the CPU connector refusing/failing a load -> the request's
+  blocks that were to be loaded are reported by `get_block_ids_with_load_errors`, and vLLM
+  recomputes them. That needs `kv_load_failure_policy: "recompute"`; vLLM's default is "fail"
+  (fail the request), so this connector switches the default to "recompute" unless
+  `kv_connector_extra_config.cartridge.keep_load_failure_policy` is true;
+* save paths raising -> logged, nothing stored for that step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("lmcache_cartridge.connector")
+
+
+def _ensure_log_handler() -> None:
+    """vLLM configures only its own loggers: without a handler our INFO lines (plugin ready,
+    layout verified, hook installed) would be dropped. Add one unless the host configured logging."""
+    pkg = logging.getLogger("lmcache_cartridge")
+    if not pkg.handlers and not logging.getLogger().handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s"))
+        pkg.addHandler(h)
+        if pkg.level == logging.NOTSET:
+            pkg.setLevel(logging.INFO)
+
+
+_ensure_log_handler()
+
+_hook_lock = threading.Lock()
+
+
+def _on_cpu_backend(vllm_config: "VllmConfig") -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return True
+    except Exception:
+        pass
+    return str(getattr(vllm_config.device_config, "device", "")).startswith("cpu")
+
+
+def install_cpu_connector_hook(kv_cache_dtype: str = "auto") -> bool:
+    """Make LMCache build `CpuPagedKVConnector` for vLLM on its "cpu" device type. Idempotent.
+
+    Returns True if the hook is (now) installed, False if LMCache is not on a CPU device type
+    (then nothing is changed).
+    """
+    import lmcache
+    import lmcache.v1.gpu_connector as gc
+
+    if getattr(lmcache, "torch_device_type", None) != "cpu":
+        return False
+    with _hook_lock:
+        current = gc.CreateGPUConnector
+        if getattr(current, "_cartridge_cpu_hook", False):
+            return True
+        original = current
+
+        def CreateGPUConnector(config, metadata, engine, layout_hints=None):  # noqa: N802
+            from lmcache.utils import EngineType
+
+            from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector
+
+            if engine == EngineType.VLLM and getattr(lmcache, "torch_device_type", None) == "cpu":
+                if config.use_layerwise or config.enable_blending:
+                    raise RuntimeError(
+                        "lmcache_cartridge CPU connector supports neither use_layerwise nor "
+                        "enable_blending; turn them off to use LMCache on vLLM's CPU backend")
+                logger.info("lmcache_cartridge: LMCache on vLLM's CPU backend uses CpuPagedKVConnector")
+                return CpuPagedKVConnector.from_metadata(metadata, kv_cache_dtype=kv_cache_dtype)
+            return original(config, metadata, engine, layout_hints=layout_hints)
+
+        CreateGPUConnector._cartridge_cpu_hook = True  # type: ignore[attr-defined]
+        CreateGPUConnector.__wrapped__ = original  # type: ignore[attr-defined]
+        gc.CreateGPUConnector = CreateGPUConnector
+    return True
+
+
+class CartridgeConnector(LMCacheConnectorV1):
+    """`LMCacheConnectorV1` + a CPU KV connector for vLLM-CPU + recompute instead of crashing."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig" = None) -> None:
+        self._cpu_backend = False
+        self._failed_blocks: set[int] = set()
+        self._failed_lock = threading.Lock()
+        self._block_size = int(vllm_config.cache_config.block_size or 0)
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+        if role == KVConnectorRole.SCHEDULER and getattr(ktc, "kv_load_failure_policy", None) == "fail" \
+                and not extra.get("cartridge.keep_load_failure_policy", False):
+            try:
+                ktc.kv_load_failure_policy = "recompute"
+                logger.info("lmcache_cartridge: kv_load_failure_policy 'fail' -> 'recompute': a KV load "
+                            "that fails is recomputed instead of failing the request")
+            except Exception as e:  # frozen config: keep vLLM's behaviour, say so
+                logger.warning("lmcache_cartridge: could not set kv_load_failure_policy=recompute (%s); "
+                               "a failed KV load will fail its request", e)
+        if _on_cpu_backend(vllm_config):
+            try:
+                self._cpu_backend = install_cpu_connector_hook(str(vllm_config.cache_config.cache_dtype))
+            except Exception:
+                logger.exception("lmcache_cartridge: could not install the CPU KV connector; "
+                                 "LMCache will run without one (recompute)")
+        super().__init__(vllm_config, role, kv_cache_config)
+        logger.info("lmcache_cartridge: CartridgeConnector ready (role %s, cpu backend %s)",
+                    role.name, self._cpu_backend)
+
+    # --- helpers --------------------------------------------------------------------------
+    def _impl(self):
+        return self._lmcache_engine  # LMCacheConnectorV1Impl
+
+    def _lmc_engine(self):
+        try:
+            return self._impl().lmcache_engine
+        except Exception:
+            return None
+
+    def _cpu_kv(self):
+        from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector
+
+        eng = self._lmc_engine()
+        conn = getattr(eng, "gpu_connector", None)
+        return conn if isinstance(conn, CpuPagedKVConnector) else None
+
+    def _load_blocks(self, req) -> set[int]:
+        """vLLM block ids a request's LMCache load was to fill."""
+        spec = getattr(req, "load_spec", None)
+        if spec is None or not spec.can_load or req.slot_mapping is None or not self._block_size:
+            return set()
+        lo, hi = int(spec.vllm_cached_tokens), int(spec.lmcache_cached_tokens)
+        slots = req.slot_mapping[lo:hi].to("cpu").long()
+        slots = slots[slots >= 0]
+        return {int(b) for b in (slots // self._block_size).unique().tolist()}
+
+    def _fail_requests(self, req_ids: set[str] | None, why: str) -> None:
+        """Report the load blocks of `req_ids` (None: every loading request this step) as failed."""
+        try:
+            metadata = self._get_connector_metadata()
+            requests = list(getattr(metadata, "requests", []))
+        except Exception:
+            requests = []
+        blocks: set[int] = set()
+        names = []
+        for req in requests:
+            if req_ids is not None and str(req.req_id) not in req_ids:
+                continue
+            b = self._load_blocks(req)
+            if b:
+                blocks |= b
+                names.append(str(req.req_id))
+                eng = self._lmc_engine()
+                if eng is not None:
+                    try:
+                        eng.lookup_unpin(req.req_id)
+                    except Exception:
+                        pass
+        if blocks:
+            with self._failed_lock:
+                self._failed_blocks |= blocks
+            logger.error("lmcache_cartridge: KV load failed for requests %s (%s): %d blocks will be "
+                         "recomputed", names, why, len(blocks))
+
+    # --- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]):
+        super().register_kv_caches(kv_caches)
+        conn = self._cpu_kv()
+        if conn is not None:
+            from lmcache_cartridge.vllm.cpu_kv import UnverifiedKVLayout
+
+            try:
+                conn.check_layout(list(kv_caches.values()))
+            except UnverifiedKVLayout as e:
+                logger.error("lmcache_cartridge: LMCache hits will be recomputed on this engine: %s", e)
+            except Exception:
+                logger.exception("lmcache_cartridge: checking vLLM's CPU KV layout failed")
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        try:
+            super().start_load_kv(forward_context, **kwargs)
+        except Exception as e:
+            logger.exception("lmcache_cartridge: start_load_kv raised; recomputing this step's loads")
+            self._fail_requests(None, f"{type(e).__name__}: {e}")
+        conn = self._cpu_kv()
+        if conn is not None:
+            failed = conn.take_failed_loads()
+            if failed:
+                self._fail_requests(set(failed), "; ".join(sorted(set(failed.values())))[:500])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        try:
+            super().wait_for_layer_load(layer_name)
+        except Exception as e:
+            logger.exception("lmcache_cartridge: wait_for_layer_load raised")
+            self._fail_requests(None, f"{type(e).__name__}: {e}")
+
+    def _store_refused(self) -> bool:
+        """On a refused CPU layout LMCache would allocate memory objects for a store that then
+        raises, and never free them: do not start such a store at all."""
+        conn = self._cpu_kv()
+        return conn is not None and conn.refused
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        if self._store_refused():
+            return
+        try:
+            super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        except Exception:
+            logger.exception("lmcache_cartridge: save_kv_layer raised; KV of this step not saved")
+
+    def wait_for_save(self):
+        if self._store_refused():
+            # LMCache's wait_for_save also releases each request's lookup pins: keep that part.
+            try:
+                eng = self._lmc_engine()
+                for request in getattr(self._get_connector_metadata(), "requests", []):
+                    eng.lookup_unpin(request.req_id)
+            except Exception:
+                logger.exception("lmcache_cartridge: releasing lookup pins failed")
+            return
+        try:
+            super().wait_for_save()
+        except Exception:
+            logger.exception("lmcache_cartridge: wait_for_save raised; KV of this step not saved")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        try:
+            theirs = set(super().get_block_ids_with_load_errors())
+        except Exception:
+            logger.exception("lmcache_cartridge: get_block_ids_with_load_errors raised")
+            theirs = set()
+        with self._failed_lock:
+            ours, self._failed_blocks = self._failed_blocks, set()
+        return theirs | ours
+
+    # --- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        try:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            logger.exception("lmcache_cartridge: lookup for request %s raised; recomputing it",
+                             getattr(request, "request_id", "?"))
+            return 0, False

@@ -1,0 +1,114 @@
+"""The package's folders follow the data path, and the names users type keep working.
+
+Stages, in the order a cartridge travels: `cartridge` -> `store` -> `lmcache` -> `vllm` -> `api`
+-> `tools`, with `testing` (harness) last and `errors`/`paths` shared by all. A module may import
+from its own stage or an earlier one, never a later one (lazy imports inside functions count).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import lmcache_cartridge
+
+PKG = Path(lmcache_cartridge.__file__).parent
+STAGES = ["errors", "paths", "cartridge", "store", "lmcache", "vllm", "api", "tools", "testing"]
+RANK = {name: i for i, name in enumerate(STAGES)}
+RANK["paths"] = RANK["errors"]
+ENTRY_POINTS = {"plugin", "connector"}  # the stable re-exports users name in YAML / vLLM flags
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "lmcache_cartridge" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in RANK else None
+
+
+def _imports(path: Path, module: str) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    out = []
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((node.lineno, target))
+        elif isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name) for a in node.names)
+    return out
+
+
+def _modules() -> list[tuple[Path, str]]:
+    mods = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods.append((path, ".".join(parts)))
+    return mods
+
+
+def test_no_module_imports_from_a_later_stage():
+    problems = []
+    for path, module in _modules():
+        own = _stage(module)
+        if own is None:
+            continue  # the package root and the entry-point re-exports
+        for line, target in _imports(path, module):
+            other = _stage(target)
+            if other is not None and RANK[other] > RANK[own]:
+                problems.append(f"{module}:{line} ({own}) imports {target} ({other})")
+    assert not problems, "imports against the data path:\n" + "\n".join(problems)
+
+
+def test_top_level_holds_only_shared_modules_and_entry_points():
+    flat = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
+    assert flat == {"errors", "paths"} | ENTRY_POINTS
+
+
+def test_every_module_says_why_in_its_docstring():
+    missing = [m for p, m in _modules() if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not missing, f"modules without a docstring: {missing}"
+
+
+def test_plugin_entry_point_is_the_plugin_and_loads_from_users_yaml():
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+    from lmcache_cartridge.lmcache.settings import find_plugin_name
+
+    assert importlib.import_module("lmcache_cartridge.plugin").CartridgeStoragePlugin is CartridgeStoragePlugin
+
+    class Cfg:  # what users write in LMCache's YAML (configs/lmcache-cartridge.yaml)
+        storage_plugins = ["cartridge"]
+        extra_config = {"storage_plugin.cartridge.module_path": "lmcache_cartridge.plugin",
+                        "storage_plugin.cartridge.class_name": "CartridgeStoragePlugin"}
+
+    assert find_plugin_name(Cfg, CartridgeStoragePlugin) == "cartridge"
+    Cfg.extra_config = {**Cfg.extra_config, "storage_plugin.cartridge.module_path": "lmcache_cartridge.nope"}
+    with pytest.raises(Exception, match="exactly one storage_plugins entry"):
+        find_plugin_name(Cfg, CartridgeStoragePlugin)
+
+
+def test_connector_entry_point_is_the_connector():
+    pytest.importorskip("vllm")
+    from lmcache_cartridge.vllm.connector import CartridgeConnector
+
+    assert importlib.import_module("lmcache_cartridge.connector").CartridgeConnector is CartridgeConnector
+
+
+def test_shipped_configs_name_the_entry_points():
+    root = PKG.parent
+    yaml_text = (root / "configs" / "lmcache-cartridge.yaml").read_text()
+    assert "module_path: lmcache_cartridge.plugin" in yaml_text
+    for script in ("vllm-serve-cpu.sh", "vllm-serve-gpu.sh"):
+        assert '"kv_connector_module_path":"lmcache_cartridge.connector"' in (
+            root / "configs" / script).read_text().replace(" ", "")
