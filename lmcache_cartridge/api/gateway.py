@@ -370,7 +370,7 @@ def create_app(settings: GatewaySettings):
             if resolved:
                 await asyncio.to_thread(
                     wait_served, settings.cache_dir / "stats", settings.registry,
-                    [Wanted(e.id, e.content_hash, e.epoch) for e, _ in resolved], settings.serve_timeout)
+                    [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e, _ in resolved], settings.serve_timeout)
             if chat:
                 ids = prompts.chat_ids(body.get("messages"), prefix)
             else:
@@ -399,7 +399,10 @@ def create_app(settings: GatewaySettings):
         except RequestError as e:
             return error(e.status, str(e))
         except NotServed as e:
-            return error(e.status, str(e))
+            resp = error(e.status, str(e))
+            if e.retry_after is not None:
+                resp.headers["Retry-After"] = str(max(1, round(e.retry_after)))
+            return resp
         except CartridgeError as e:
             return error(400, str(e))
         stream = bool(upstream.get("stream"))

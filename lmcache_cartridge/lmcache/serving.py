@@ -26,14 +26,16 @@ class Wanted:
     id: str
     content_hash: str
     epoch: int
+    kind: str = "first_k"  # "trained" cartridges must be resident before a request may go on
 
 
 class NotServed(Exception):
     """A cartridge the engine does not (yet) serve: `status` is the HTTP answer to give."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after  # seconds, sent as HTTP Retry-After with a 503
 
 
 def live_instances(stats_dir: Path, registry: Path, now: float | None = None) -> list[dict]:
@@ -92,5 +94,6 @@ def wait_served(stats_dir: Path, registry: Path, wanted: list[Wanted], timeout: 
         if time.monotonic() >= deadline:
             w, lacking, _ = missing[0]
             raise NotServed(503, f"cartridge {w.id!r} is registered but {lacking} of {len(snaps)} engine "
-                                 f"instance(s) do not serve it yet (waited {timeout:.0f}s); retry shortly")
+                                 f"instance(s) do not serve it yet (waited {timeout:.0f}s); retry shortly",
+                            retry_after=max(1.0, 3 * float(snaps[0].get("refresh_seconds") or 1.0)))
         time.sleep(0.05)
