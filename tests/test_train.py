@@ -92,6 +92,26 @@ def test_teacher_topk_keeps_mass_until_cover():
     assert torch.allclose(lp[0, :2].exp(), torch.tensor([0.6, 0.3]))
 
 
+def test_teacher_batch_scores_the_answer_where_generate_did(model_dir, doc, data_file):
+    """The positions `collate` picks are the answer's: a plain forward of the teacher's sequence
+    reproduces the top-k log-probs `generate` recorded for each answer token."""
+    cfg = config(model_dir, doc, data_file.parent.parent / "c", steps=1)
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    train, _ = load_or_synthesize(cfg, model, tok, doc.read_text())
+    batch = collate(train[:4], teacher=True, pad_id=tok.pad_token_id, device="cpu")
+    with torch.no_grad():
+        lp = answer_logprobs(model, batch)
+    got = lp.gather(-1, batch.topk_ids)
+    kept = torch.isfinite(batch.topk_logprobs) & batch.mask.unsqueeze(-1)
+    assert kept.sum() > 0
+    torch.testing.assert_close(got[kept], batch.topk_logprobs[kept], rtol=1e-3, atol=1e-3)
+    # Shifted by one position the teacher's answer is not reproduced (the check can fail).
+    shifted = replace(batch, positions=(batch.positions - 1).clamp(min=0))
+    with torch.no_grad():
+        off = answer_logprobs(model, shifted).gather(-1, batch.topk_ids)
+    assert (off[kept] - batch.topk_logprobs[kept]).abs().max() > 1.0
+
+
 def test_batches_are_a_function_of_seed_and_step():
     seen = [i for s in range(4) for i in batch_indices(s, 8, 4, seed=3)]
     assert sorted(seen[:8]) == list(range(8)) and sorted(seen[8:]) == list(range(8))  # epochs
