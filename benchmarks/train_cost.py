@@ -28,10 +28,10 @@ if str(ROOT) not in sys.path:
 
 
 def main() -> None:
-    from lmcache_cartridge.tools.selfstudy.loop import METRICS_NAME, LoopConfig, MetricsLog
-    from lmcache_cartridge.tools.selfstudy.synth import SynthConfig
+    from lmcache_cartridge.tools.selfstudy.config import LoopConfig, SynthConfig, TrainConfig
+    from lmcache_cartridge.tools.selfstudy.loop import METRICS_NAME, MetricsLog
+    from lmcache_cartridge.tools.selfstudy.run import load_for_training, load_or_synthesize, resolve_device, train_cartridge
     from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
-    from lmcache_cartridge.tools.train import TrainConfig, load_for_training, load_or_synthesize, resolve_device, train_cartridge
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir")

@@ -16,14 +16,16 @@ import pytest
 import torch
 
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.tools.selfstudy.config import LoopConfig, SynthConfig, TrainConfig, check_length
 from lmcache_cartridge.tools.selfstudy.loop import (
-    CHECKPOINT_NAME, METRICS_NAME, LoopConfig, batch_indices, build_student, encoder_of, run_loop,
+    CHECKPOINT_NAME, METRICS_NAME, batch_indices, build_student, encoder_of, run_loop,
 )
 from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss
-from lmcache_cartridge.tools.selfstudy.synth import SynthConfig, teacher_topk
-from lmcache_cartridge.tools.train import (
-    DATA_NAME, TrainConfig, check_length, export_kv, load_for_training, load_or_synthesize, main, train_cartridge,
+from lmcache_cartridge.tools.selfstudy.run import (
+    DATA_NAME, export_kv, load_for_training, load_or_synthesize, train_cartridge,
 )
+from lmcache_cartridge.tools.selfstudy.synth import teacher_topk
+from lmcache_cartridge.tools.train import main
 
 TOKENS = 256
 SYNTH = SynthConfig(window_min=128, window_max=256, question_tokens=16, answer_tokens=16)

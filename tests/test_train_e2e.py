@@ -27,10 +27,9 @@ STEPS = 60
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from lmcache_cartridge.tools.selfstudy.loop import LoopConfig
-    from lmcache_cartridge.tools.selfstudy.synth import SynthConfig
+    from lmcache_cartridge.tools.selfstudy.config import LoopConfig, SynthConfig, TrainConfig
+    from lmcache_cartridge.tools.selfstudy.run import train_cartridge
     from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
-    from lmcache_cartridge.tools.train import TrainConfig, train_cartridge
 
     root = tmp_path_factory.mktemp("train_e2e")
     (root / "doc.txt").write_text(document_text())
@@ -66,7 +65,7 @@ def test_training_lowers_heldout_kl_below_first_k(trained):
 def test_trained_cartridge_serves_through_vllm_like_hf(trained, tmp_path):
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.cartridge.packed import PackedCartridge
-    from lmcache_cartridge.tools.train import DATA_NAME
+    from lmcache_cartridge.tools.selfstudy.run import DATA_NAME
     from lmcache_cartridge.tools.selfstudy.synth import Conversation
 
     cfg, res = trained

@@ -4,6 +4,7 @@ Runs offline, in the `lmcache-cartridge train` process, on CPU or one CUDA devic
 is on the serving path. The trainable KV is PEFT's `CARTRIDGE` adapter, the model is HF
 transformers, conversations are synthesised with transformers' `generate`.
 
+- `config`: the run's settings and fingerprints (no torch: the CLI parser imports it).
 - `synth`: sample document windows, have the model (window in context) write a question from a
   seed prompt type and answer it; keep the teacher's top-k next-token distribution per answer token.
 - `objective`: student/teacher log-probs on the answer tokens; the top-k distillation loss and
@@ -11,5 +12,7 @@ transformers, conversations are synthesised with transformers' `generate`.
 - `loop`: the PEFT model with first-k initialisation, the optimisation loop, resumable
   checkpoints and the metrics log.
 
-The packed cartridge and the command line live in `lmcache_cartridge.tools.train`.
+- `run`: one run end to end, ending in the packed cartridge (`pack_kv`, kind `trained`).
+
+The command line lives in `lmcache_cartridge.tools.train`.
 """

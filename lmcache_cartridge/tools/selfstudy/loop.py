@@ -20,21 +20,12 @@ from typing import Any
 import torch
 
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.tools.selfstudy.config import LoopConfig
 from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss, kl_sum
 from lmcache_cartridge.tools.selfstudy.synth import Conversation, sub_seed
 
 CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.jsonl"
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    steps: int
-    batch_size: int = 8
-    lr: float = 2e-2
-    seed: int = 0
-    eval_every: int = 25
-    save_every: int = 25
 
 
 @dataclass

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from lmcache_cartridge.tools.selfstudy.config import SynthConfig
+
 SYSTEM_TEMPLATE = (
     "You are in a conversation about the document below. Answer from its content, without "
     "starting with phrases like \"According to the document\".\n\n<document>\n{window}\n</document>"
@@ -78,19 +80,6 @@ class Conversation:
     def from_dict(cls, d: dict[str, Any]) -> "Conversation":
         return cls(d["seed_type"], tuple(d["window"]), d["question"], list(d["student_prefix"]),
                    list(d["teacher_prefix"]), list(d["answer"]), d["topk_ids"], d["topk_logprobs"])
-
-
-@dataclass(frozen=True)
-class SynthConfig:
-    """How conversations are drawn; part of the run's fingerprint."""
-
-    window_min: int = 512
-    window_max: int = 1024
-    question_tokens: int = 64
-    answer_tokens: int = 128
-    question_temperature: float = 0.6
-    top_k: int = 20
-    cover: float = 0.99
 
 
 def sub_seed(seed: int, *parts: object) -> int:
