@@ -1,0 +1,100 @@
+"""Settings of a self-study run: plain dataclasses, no torch, so the CLI parser stays light.
+
+Read by every part of `train` (one process); the fingerprints decide whether a work directory's
+data and checkpoint belong to a run (resume) or not (refused).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmcache_cartridge.errors import CartridgeError
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """How conversations are drawn; part of the run's fingerprint."""
+
+    window_min: int = 512
+    window_max: int = 1024
+    question_tokens: int = 64
+    answer_tokens: int = 128
+    question_temperature: float = 0.6
+    top_k: int = 20
+    cover: float = 0.99
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    steps: int
+    batch_size: int = 8
+    lr: float = 2e-2
+    seed: int = 0
+    eval_every: int = 25
+    save_every: int = 25
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Fields marked in `fingerprint` decide the data and the optimisation:
+    a work directory can only be resumed with the same values (steps may grow)."""
+
+    model_dir: Path
+    text_path: Path
+    output: Path
+    model_name: str | None = None          # vLLM's --model string (default: model_dir)
+    cartridge_id: str | None = None
+    tokens: int = 256                      # cartridge length (multiple of chunk_size)
+    chunk_size: int = 256
+    frozen_tokens: int = 1
+    conversations: int = 256
+    heldout: int = 16
+    synth: SynthConfig = field(default_factory=SynthConfig)
+    loop: LoopConfig = field(default_factory=lambda: LoopConfig(steps=200))
+    device: str = "auto"
+    dtype: str | None = None               # training dtype (default float32 on CPU, bfloat16 on CUDA)
+    kv_dtype: str | None = None            # packed KV dtype (default: the checkpoint's dtype)
+    threads: int | None = None
+    work_dir: Path | None = None           # default: OUTPUT.train beside the output
+    adapter_dir: Path | None = None
+    labels: tuple[str, ...] = ()
+    overwrite: bool = False
+    progress: bool = True
+
+    @property
+    def work(self) -> Path:
+        return self.work_dir or self.output.with_name(self.output.name + ".train")
+
+    def data_fingerprint(self, text: str) -> str:
+        return _digest({"model_dir": str(Path(self.model_dir).resolve()),
+                        "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+                        "conversations": self.conversations, "heldout": self.heldout,
+                        "synth": asdict(self.synth), "seed": self.loop.seed})
+
+    def fingerprint(self, text: str) -> str:
+        loop = {k: v for k, v in asdict(self.loop).items() if k not in ("steps", "eval_every", "save_every")}
+        return _digest({"data": self.data_fingerprint(text), "tokens": self.tokens,
+                        "frozen_tokens": self.frozen_tokens, "loop": loop})
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def check_length(tokens: int, chunk_size: int, frozen: int) -> None:
+    """Refuse before any work what `pack_kv` would refuse after it (same rule, same advice)."""
+    if tokens <= 0 or tokens % chunk_size:
+        lower = tokens - tokens % chunk_size
+        options = " or ".join(str(n) for n in (lower, lower + chunk_size) if n > 0)
+        raise CartridgeError(
+            f"--tokens {tokens} is not a multiple of the serving chunk size {chunk_size}: LMCache "
+            f"loads only full chunks and would recompute the rest from placeholder tokens. Use {options}."
+        )
+    if not 0 <= frozen < tokens:
+        raise CartridgeError(f"--frozen-tokens must be in [0, {tokens}), got {frozen}")

@@ -1,0 +1,190 @@
+"""The optimisation loop: PEFT CARTRIDGE student, first-k initialisation, Adam on the KV only,
+resumable checkpoints and a JSON-lines metrics log.
+
+Runs in the `train` process; owns the work directory (`checkpoint.pt`, `metrics.jsonl`). The
+batch of step `s` is a pure function of (seed, s), and the checkpoint holds the prompt
+embeddings and Adam's state, so a run stopped after step s and resumed computes exactly what
+an uninterrupted run computes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.tools.selfstudy.config import LoopConfig
+from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss, kl_sum
+from lmcache_cartridge.tools.selfstudy.synth import Conversation, sub_seed
+
+CHECKPOINT_NAME = "checkpoint.pt"
+METRICS_NAME = "metrics.jsonl"
+
+
+@dataclass
+class LoopResult:
+    steps: int
+    losses: list[float] = field(default_factory=list)           # this process's steps only
+    heldout_kl: dict[int, float] = field(default_factory=dict)  # step -> KL, whole run
+    step_seconds: list[float] = field(default_factory=list)
+    resumed_from: int = 0
+
+
+def build_student(model, tokenizer, text: str, num_tokens: int, num_frozen: int):
+    """PEFT CARTRIDGE adapter over `model`, initialised with the KV of the document's first
+    `num_tokens` tokens (PEFT's `initialize_kv_prefix_from_text`: the document as the chat
+    template's system message, as the paper's first-k initialisation)."""
+    from peft import CartridgeConfig, get_peft_model
+    from peft.tuners.cartridge.utils import initialize_kv_prefix_from_text
+
+    student = get_peft_model(model, CartridgeConfig(task_type="CAUSAL_LM", num_virtual_tokens=num_tokens,
+                                                    num_frozen_tokens=num_frozen))
+    try:
+        initialize_kv_prefix_from_text(student, tokenizer, text=text, max_length=num_tokens)
+    except ValueError as e:
+        raise CartridgeError(
+            f"first-k initialisation failed ({e}): the document is shorter than the cartridge "
+            f"({num_tokens} tokens, chat template included); use a longer document or fewer --tokens"
+        ) from e
+    return student
+
+
+def encoder_of(student):
+    return student.prompt_encoder[student.active_adapter]
+
+
+@lru_cache(maxsize=8)
+def _epoch_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(sub_seed(seed, "epoch", epoch))
+    return tuple(torch.randperm(n, generator=g).tolist())
+
+
+def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+    """Examples of step `step` (0-based): consecutive slots of a stream of seeded epoch shuffles."""
+    out = []
+    for slot in range(step * batch_size, (step + 1) * batch_size):
+        epoch, i = divmod(slot, n)
+        out.append(_epoch_order(n, seed, epoch)[i])
+    return out
+
+
+def heldout_kl(student, convs: list[Conversation], *, pad_id: int, batch_size: int = 8) -> float:
+    """Mean full-vocabulary KL(teacher with the window || student with the cartridge) per answer
+    token, on conversations never trained on."""
+    device = student.device
+    base = student.get_base_model()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(convs), batch_size):
+            part = convs[i:i + batch_size]
+            sb = collate(part, teacher=False, pad_id=pad_id, device=device)
+            t = answer_logprobs(base, collate(part, teacher=True, pad_id=pad_id, device=device))
+            s = answer_logprobs(student, sb)
+            kl, n = kl_sum(t, s, sb.mask)
+            total, count = total + kl, count + n
+    return total / count
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(work_dir: Path, *, fingerprint: str, step: int, student, optimizer) -> None:
+    _atomic_save({"version": 1, "fingerprint": fingerprint, "step": step,
+                  "prompt_embeddings": encoder_of(student).weight.detach().cpu(),
+                  "optimizer": optimizer.state_dict()}, work_dir / CHECKPOINT_NAME)
+
+
+def load_checkpoint(work_dir: Path, fingerprint: str) -> dict[str, Any] | None:
+    path = work_dir / CHECKPOINT_NAME
+    if not path.exists():
+        return None
+    ck = torch.load(path, map_location="cpu", weights_only=True)
+    if ck.get("fingerprint") != fingerprint:
+        raise CartridgeError(
+            f"{path} belongs to a run with other settings (model, document, data or optimiser "
+            "settings differ): pass another --work-dir, or delete it to start over"
+        )
+    return ck
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one object per line, `{"step", "loss", "seconds"}` or `{"step", "heldout_kl"}`.
+    On resume, lines after the checkpoint's step are dropped (that work is redone)."""
+
+    def __init__(self, path: Path, keep_until: int) -> None:
+        self.path = path
+        kept = [r for r in self.read(path) if r["step"] <= keep_until]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    @staticmethod
+    def read(path: Path) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def run_loop(student, train: list[Conversation], heldout: list[Conversation], cfg: LoopConfig, *,
+             work_dir: Path, fingerprint: str, pad_id: int, progress: bool = True) -> LoopResult:
+    """Train `student`'s cartridge for `cfg.steps` steps in all (resuming from a checkpoint)."""
+    from tqdm import tqdm
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    encoder = encoder_of(student)
+    optimizer = torch.optim.Adam([encoder.trainable_embedding], lr=cfg.lr)
+    ck = load_checkpoint(work_dir, fingerprint)
+    start = 0
+    if ck is not None:
+        encoder.load_prompt_embeddings(ck["prompt_embeddings"])
+        optimizer.load_state_dict(ck["optimizer"])
+        start = int(ck["step"])
+    if start > cfg.steps:
+        raise CartridgeError(f"the checkpoint in {work_dir} is at step {start}, past --steps {cfg.steps}")
+    log = MetricsLog(work_dir / METRICS_NAME, keep_until=start)
+    result = LoopResult(steps=cfg.steps, resumed_from=start)
+    result.heldout_kl = {r["step"]: r["heldout_kl"] for r in MetricsLog.read(log.path) if "heldout_kl" in r}
+
+    def evaluate(step: int) -> None:
+        kl = heldout_kl(student, heldout, pad_id=pad_id, batch_size=cfg.batch_size)
+        result.heldout_kl[step] = kl
+        log.write({"step": step, "heldout_kl": kl})
+
+    if start == 0 and heldout:
+        evaluate(0)
+    bar = tqdm(range(start, cfg.steps), desc="train cartridge", unit="step", disable=not progress,
+               initial=start, total=cfg.steps)
+    with bar:
+        for step in bar:
+            batch = collate([train[i] for i in batch_indices(step, len(train), cfg.batch_size, cfg.seed)],
+                            teacher=False, pad_id=pad_id, device=student.device)
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = distill_loss(answer_logprobs(student, batch), batch)
+            loss.backward()
+            optimizer.step()
+            seconds = time.perf_counter() - t0
+            done, value = step + 1, float(loss.detach())
+            result.losses.append(value)
+            result.step_seconds.append(seconds)
+            log.write({"step": done, "loss": value, "seconds": seconds})
+            bar.set_postfix(loss=f"{value:.4f}")
+            if heldout and (done % cfg.eval_every == 0 or done == cfg.steps):
+                evaluate(done)
+                bar.set_postfix(loss=f"{value:.4f}", kl=f"{result.heldout_kl[done]:.4f}")
+            if done % cfg.save_every == 0 or done == cfg.steps:
+                # A stopped run loses at most save_every steps; rerunning the command resumes.
+                save_checkpoint(work_dir, fingerprint=fingerprint, step=done, student=student, optimizer=optimizer)
+    return result

@@ -1,0 +1,164 @@
+"""One self-study run end to end: load the model, synthesise (or reload) the data, train (or
+resume), export the cartridge's KV, pack it (kind `trained`), save the PEFT adapter.
+
+Runs in the `train` process on CPU or one CUDA device; owns the work directory's `data.pt`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.tools.selfstudy.config import TrainConfig, check_length
+from lmcache_cartridge.tools.selfstudy.loop import LoopResult, build_student, encoder_of, run_loop
+from lmcache_cartridge.tools.selfstudy.synth import SEED_TYPES, Conversation, synthesize
+
+DATA_NAME = "data.pt"
+
+
+@dataclass
+class TrainResult:
+    manifest: Any
+    loop: LoopResult
+    adapter_dir: Path | None
+    provenance: dict[str, Any]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CartridgeError(f"--device {name}: this torch build or machine has no CUDA device")
+    return device
+
+
+def checkpoint_dtype(model_dir: Path) -> torch.dtype:
+    """The dtype the model is stored (and served) in."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+    return getattr(torch, d) if isinstance(d, str) else d
+
+
+def load_for_training(model_dir: Path, device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer): SDPA attention (no FlexAttention, any device), eval mode (no dropout)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise CartridgeError(f"{model_dir} has no config.json: pass a local HF model directory")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.chat_template is None:
+        raise CartridgeError(f"the tokenizer in {model_dir} has no chat template; self-study needs one")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token_id = tokenizer.eos_token_id
+    return model.to(device).eval(), tokenizer
+
+
+def export_kv(student) -> torch.Tensor:
+    """The cartridge as canonical KV `[2, L, T, H, D]` from PEFT's prompt embeddings
+    (`[T, L*2*H*D]`, per token: layer 0 K, layer 0 V, layer 1 K, ...)."""
+    cfg = student.peft_config[student.active_adapter]
+    heads = cfg.num_attention_heads  # PEFT sets the KV head count for GQA models
+    w = encoder_of(student).weight.detach().float().cpu()
+    return w.view(w.shape[0], cfg.num_layers, 2, heads, cfg.token_dim // heads).permute(2, 1, 0, 3, 4).contiguous()
+
+
+def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str) -> tuple[list[Conversation], list[Conversation]]:
+    """The run's conversations: read from the work dir when it holds this run's data, else made
+    and saved there (so a resumed run trains on the same data)."""
+    path = cfg.work / DATA_NAME
+    fp = cfg.data_fingerprint(text)
+    if path.exists():
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        if data.get("fingerprint") == fp:
+            return ([Conversation.from_dict(d) for d in data["train"]],
+                    [Conversation.from_dict(d) for d in data["heldout"]])
+    train = synthesize(model, tokenizer, text, cfg.synth, count=cfg.conversations, seed=cfg.loop.seed,
+                       tag="train", progress=cfg.progress)
+    heldout = synthesize(model, tokenizer, text, cfg.synth, count=cfg.heldout, seed=cfg.loop.seed,
+                         tag="heldout", exclude_questions={c.question for c in train}, progress=cfg.progress)
+    cfg.work.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"fingerprint": fp, "train": [c.to_dict() for c in train],
+                "heldout": [c.to_dict() for c in heldout]}, tmp)
+    tmp.replace(path)
+    return train, heldout
+
+
+def train_cartridge(cfg: TrainConfig) -> TrainResult:
+    """Synthesise (or reload) the data, train (or resume), pack the cartridge, save the adapter."""
+    import peft
+    import transformers
+
+    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+
+    check_length(cfg.tokens, cfg.chunk_size, cfg.frozen_tokens)
+    if cfg.output.exists() and not cfg.overwrite:
+        raise CartridgeError(f"{cfg.output} already exists (use --overwrite to replace it)")
+    if cfg.conversations < 1 or cfg.loop.batch_size < 1 or cfg.loop.steps < 1:
+        raise CartridgeError("--conversations, --batch-size and --steps must be positive")
+    text = Path(cfg.text_path).read_text(encoding="utf-8")
+    if not text.strip():
+        raise CartridgeError(f"{cfg.text_path} is empty: give the document the cartridge should hold")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    kv_dtype = getattr(torch, cfg.kv_dtype) if cfg.kv_dtype else checkpoint_dtype(cfg.model_dir)
+
+    model, tokenizer = load_for_training(cfg.model_dir, device, dtype)
+    train, heldout = load_or_synthesize(cfg, model, tokenizer, text)
+    student = build_student(model, tokenizer, text, cfg.tokens, cfg.frozen_tokens)
+    t0 = time.time()
+    result = run_loop(student, train, heldout, cfg.loop, work_dir=cfg.work, fingerprint=cfg.fingerprint(text),
+                      pad_id=tokenizer.pad_token_id, progress=cfg.progress)
+    wall = time.time() - t0
+
+    kls = result.heldout_kl
+    seed_types = {t: sum(c.seed_type == t for c in train) for t in SEED_TYPES}
+    provenance: dict[str, Any] = {
+        "method": "self_study",
+        "base_model": getattr(model.config, "_name_or_path", None) or str(cfg.model_dir),
+        "model_dir": str(cfg.model_dir),
+        "init": "first_k",
+        "num_frozen_tokens": cfg.frozen_tokens,
+        "steps": cfg.loop.steps,
+        "data": {"source": str(cfg.text_path), "source_sha256": hashlib.sha256(text.encode()).hexdigest(),
+                 "conversations": len(train), "heldout_conversations": len(heldout),
+                 "answer_tokens": sum(len(c.answer) for c in train), "seed_types": seed_types,
+                 "synth": asdict(cfg.synth)},
+        "loss": {"last": result.losses[-1] if result.losses else None,
+                 "first": result.losses[0] if result.losses and not result.resumed_from else None},
+        "heldout_kl": {"init": kls.get(0), "final": kls.get(cfg.loop.steps)},
+        "optimizer": {"name": "Adam", "lr": cfg.loop.lr, "batch_size": cfg.loop.batch_size, "seed": cfg.loop.seed},
+        "device": str(device), "train_dtype": str(dtype).removeprefix("torch."),
+        "seconds_per_step": (sum(result.step_seconds) / len(result.step_seconds)) if result.step_seconds else None,
+        "train_wall_seconds": wall,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
+    }
+    manifest = pack_kv(
+        export_kv(student), cfg.output,
+        cartridge_id=cfg.cartridge_id or _default_id(cfg.output),
+        model=cfg.model_name or str(cfg.model_dir), kind="trained",
+        vocab=VocabInfo(len(tokenizer), tuple(tokenizer.all_special_ids)),
+        chunk_size=cfg.chunk_size, dtype=kv_dtype, provenance=provenance, labels=cfg.labels,
+        overwrite=cfg.overwrite, progress=cfg.progress,
+    )
+    if cfg.adapter_dir is not None:
+        student.save_pretrained(str(cfg.adapter_dir))
+    return TrainResult(manifest, result, cfg.adapter_dir, provenance)
+
+
+def _default_id(path: Path) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", path.name).strip("-.") or "cartridge"

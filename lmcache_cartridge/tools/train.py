@@ -1,0 +1,103 @@
+"""`lmcache-cartridge train`: a trained cartridge for a document by self-study distillation.
+
+Runs offline on an operator's machine (CPU or one CUDA device), never on the serving path. It
+owns its work directory (synthesised data, checkpoint, metrics log) and writes its output with
+`pack_kv` (kind `trained`) ready for `register`, plus, on request, the PEFT adapter directory.
+
+create -> train -> pack -> register -> serve: the first-k initialisation is the same KV
+`create` makes from the document's first tokens (through the chat template's system message);
+training then moves every token's KV but the first (the attention sink). A trained cartridge's
+length must be a multiple of the serving chunk size: LMCache loads only full chunks and vLLM
+would recompute the rest from placeholder tokens, a wrong answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.tools.selfstudy.config import DTYPE_NAMES, LoopConfig, SynthConfig, TrainConfig
+
+
+# --- command line (the lead wires `train` in tools/cli.py with these two) ----------------------
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    d, s = LoopConfig(steps=200), SynthConfig()
+    p.add_argument("--model-dir", required=True, help="local HF model directory (the served model)")
+    p.add_argument("--text", required=True, help="UTF-8 document to train the cartridge on")
+    p.add_argument("-o", "--output", required=True, help="packed cartridge directory to create")
+    p.add_argument("--model", help="model name as vLLM's --model, recorded in the manifest (default: --model-dir)")
+    p.add_argument("--id", help="cartridge id (default: from the output name)")
+    p.add_argument("--tokens", type=int, default=256, help="cartridge length, a multiple of --chunk-size (default 256)")
+    p.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk_size of the serving config")
+    p.add_argument("--frozen-tokens", type=int, default=1, help="leading tokens kept fixed (the attention sink; default 1)")
+    p.add_argument("--conversations", type=int, default=256, help="synthesised training conversations")
+    p.add_argument("--heldout", type=int, default=16, help="held-out conversations for the KL metric")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--window-min", type=int, default=s.window_min, help="document window, tokens (min)")
+    p.add_argument("--window-max", type=int, default=s.window_max, help="document window, tokens (max)")
+    p.add_argument("--question-tokens", type=int, default=s.question_tokens)
+    p.add_argument("--answer-tokens", type=int, default=s.answer_tokens)
+    p.add_argument("--top-k", type=int, default=s.top_k, help="teacher log-probs kept per answer token")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="training dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--kv-dtype", choices=DTYPE_NAMES, help="packed KV dtype (default: the model's)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch")
+    p.add_argument("--work-dir", help="data, checkpoint and metrics.jsonl (default: OUTPUT.train); rerun to resume")
+    p.add_argument("--adapter-dir", help="also save the PEFT CARTRIDGE adapter here")
+    p.add_argument("--label", action="append", help="label (repeatable)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        model_dir=Path(args.model_dir), text_path=Path(args.text), output=Path(args.output),
+        model_name=args.model, cartridge_id=args.id, tokens=args.tokens, chunk_size=args.chunk_size,
+        frozen_tokens=args.frozen_tokens, conversations=args.conversations, heldout=args.heldout,
+        synth=SynthConfig(window_min=args.window_min, window_max=args.window_max,
+                          question_tokens=args.question_tokens, answer_tokens=args.answer_tokens, top_k=args.top_k),
+        loop=LoopConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                        eval_every=args.eval_every, save_every=args.save_every),
+        device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads,
+        work_dir=Path(args.work_dir) if args.work_dir else None,
+        adapter_dir=Path(args.adapter_dir) if args.adapter_dir else None,
+        labels=tuple(args.label or ()), overwrite=args.overwrite, progress=not args.quiet,
+    )
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from lmcache_cartridge.tools.selfstudy.run import train_cartridge
+
+    cfg = config_from_args(args)
+    res = train_cartridge(cfg)
+    m, kl = res.manifest, res.provenance["heldout_kl"]
+    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+    print(f"trained {m.cartridge_id}: {m.num_tokens} tokens, {cfg.loop.steps} steps, "
+          f"held-out KL {fmt(kl['init'])} (first-k) -> {fmt(kl['final'])}, "
+          f"{fmt(res.provenance['seconds_per_step'])} s/step -> {cfg.output}"
+          + (f"; adapter -> {res.adapter_dir}" if res.adapter_dir else "")
+          + f"; metrics: {cfg.work / 'metrics.jsonl'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    p = argparse.ArgumentParser(prog="lmcache-cartridge train", description=__doc__.splitlines()[0])
+    add_train_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run_train(args)
+    except CartridgeError as e:
+        print(f"lmcache-cartridge: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""Self-study training (`tools/train.py`, `tools/selfstudy/`) on the tiny peaked test model, CPU.
+
+Few steps, small data: the loop's correctness, not the cartridge's quality (that is
+`test_train_e2e.py`). References are independent of the code under test where one exists:
+PEFT's own model forward for the exported KV layout, HF's KV of the BOS token for the frozen sink.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.tools.selfstudy.config import LoopConfig, SynthConfig, TrainConfig, check_length
+from lmcache_cartridge.tools.selfstudy.loop import (
+    CHECKPOINT_NAME, METRICS_NAME, batch_indices, build_student, encoder_of, run_loop,
+)
+from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss
+from lmcache_cartridge.tools.selfstudy.run import (
+    DATA_NAME, export_kv, load_for_training, load_or_synthesize, train_cartridge,
+)
+from lmcache_cartridge.tools.selfstudy.synth import teacher_topk
+from lmcache_cartridge.tools.train import main
+
+TOKENS = 256
+SYNTH = SynthConfig(window_min=128, window_max=256, question_tokens=16, answer_tokens=16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # 2 shared cores: one thread is several times faster than two here (and deterministic).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory) -> Path:
+    from lmcache_cartridge.tools.testmodel import document_text
+
+    p = tmp_path_factory.mktemp("doc") / "doc.txt"
+    p.write_text(document_text())
+    return p
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    return ensure_test_model()
+
+
+def config(model_dir: Path, doc: Path, out: Path, steps: int, **kw) -> TrainConfig:
+    loop = LoopConfig(steps=steps, batch_size=4, lr=2e-2, seed=0, eval_every=kw.pop("eval_every", 100),
+                      save_every=kw.pop("save_every", 100))
+    return TrainConfig(model_dir=model_dir, text_path=doc, output=out, tokens=TOKENS, conversations=8,
+                       heldout=2, synth=SYNTH, loop=loop, device="cpu", progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def data_file(model_dir, doc, tmp_path_factory) -> Path:
+    """The synthesised conversations, made once and copied into each test's work dir."""
+    cfg = config(model_dir, doc, tmp_path_factory.mktemp("data") / "c", steps=1)
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    train, heldout = load_or_synthesize(cfg, model, tok, doc.read_text())
+    assert len(train) == 8 and len(heldout) == 2
+    assert not {c.question for c in heldout} & {c.question for c in train}
+    for c in train + heldout:
+        assert c.student_prefix[0] != tok.bos_token_id          # the cartridge owns BOS
+        assert c.teacher_prefix[0] == tok.bos_token_id
+        assert c.topk_ids.shape == c.topk_logprobs.shape == (len(c.answer), SYNTH.top_k)
+        # The teacher's greedy answer token is its own top-1.
+        assert c.topk_ids[:, 0].tolist() == c.answer
+    return cfg.work / DATA_NAME
+
+
+def with_data(cfg: TrainConfig, data_file: Path) -> TrainConfig:
+    cfg.work.mkdir(parents=True, exist_ok=True)
+    shutil.copy(data_file, cfg.work / DATA_NAME)
+    return cfg
+
+
+def test_teacher_topk_keeps_mass_until_cover():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.03, 0.02]]))
+    ids, lp = teacher_topk(logits, k=4, cover=0.9)
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    assert torch.isfinite(lp[0]).tolist() == [True, True, False, False]  # 0.6 + 0.3 reaches 0.9
+    assert torch.allclose(lp[0, :2].exp(), torch.tensor([0.6, 0.3]))
+
+
+def test_teacher_batch_scores_the_answer_where_generate_did(model_dir, doc, data_file):
+    """The positions `collate` picks are the answer's: a plain forward of the teacher's sequence
+    reproduces the top-k log-probs `generate` recorded for each answer token."""
+    cfg = config(model_dir, doc, data_file.parent.parent / "c", steps=1)
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    train, _ = load_or_synthesize(cfg, model, tok, doc.read_text())
+    batch = collate(train[:4], teacher=True, pad_id=tok.pad_token_id, device="cpu")
+    with torch.no_grad():
+        lp = answer_logprobs(model, batch)
+    got = lp.gather(-1, batch.topk_ids)
+    kept = torch.isfinite(batch.topk_logprobs) & batch.mask.unsqueeze(-1)
+    assert kept.sum() > 0
+    torch.testing.assert_close(got[kept], batch.topk_logprobs[kept], rtol=1e-3, atol=1e-3)
+    # Shifted by one position the teacher's answer is not reproduced (the check can fail).
+    shifted = replace(batch, positions=(batch.positions - 1).clamp(min=0))
+    with torch.no_grad():
+        off = answer_logprobs(model, shifted).gather(-1, batch.topk_ids)
+    assert (off[kept] - batch.topk_logprobs[kept]).abs().max() > 1.0
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    seen = [i for s in range(4) for i in batch_indices(s, 8, 4, seed=3)]
+    assert sorted(seen[:8]) == list(range(8)) and sorted(seen[8:]) == list(range(8))  # epochs
+    assert seen[:8] != seen[8:]                                                       # reshuffled
+    assert batch_indices(3, 8, 4, seed=3) == seen[12:]
+    assert batch_indices(0, 8, 4, seed=4) != seen[:4]
+
+
+def test_length_must_fit_serving_chunks(model_dir, doc, tmp_path):
+    with pytest.raises(CartridgeError, match=r"not a multiple of the serving chunk size 256.*256 or 512"):
+        train_cartridge(replace(config(model_dir, doc, tmp_path / "o", steps=1), tokens=300))
+    with pytest.raises(CartridgeError, match="frozen-tokens"):
+        check_length(256, 256, 256)
+    assert not (tmp_path / "o.train").exists()  # refused before any work
+    # Same rule as pack_kv's (the writer refuses such a trained cartridge too).
+    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+    from lmcache_cartridge.errors import CartridgeFormatError
+
+    with pytest.raises(CartridgeFormatError, match="not a multiple of chunk_size 256"):
+        pack_kv(torch.zeros(2, 1, 300, 1, 2), tmp_path / "p", cartridge_id="x", model="m", kind="trained",
+                vocab=VocabInfo(1024, (0, 1, 2, 3)))
+
+
+def test_few_steps_lower_the_loss_keep_the_sink_and_pack(model_dir, doc, data_file, tmp_path):
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+
+    cfg = with_data(config(model_dir, doc, tmp_path / "cart", steps=6, kv_dtype="float32",
+                           eval_every=6), data_file)
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    train, heldout = load_or_synthesize(cfg, model, tok, doc.read_text())
+    student = build_student(model, tok, doc.read_text(), TOKENS, 1)
+    init = encoder_of(student).weight.detach().clone()
+    full = collate(train, teacher=False, pad_id=tok.pad_token_id, device="cpu")
+    with torch.no_grad():
+        loss_before = float(distill_loss(answer_logprobs(student, full), full))
+
+    res = run_loop(student, train, heldout, cfg.loop, work_dir=tmp_path / "loop", fingerprint="fp",
+                   pad_id=tok.pad_token_id, progress=False)
+    after = encoder_of(student).weight.detach()
+    with torch.no_grad():
+        loss_after = float(distill_loss(answer_logprobs(student, full), full))
+    print(f"\n[train] objective on the training set {loss_before:.4f} -> {loss_after:.4f}; "
+          f"step losses {[round(x, 3) for x in res.losses]}; held-out KL {res.heldout_kl}")
+    assert len(res.losses) == 6
+    assert loss_after < loss_before
+    # Only the KV moves; the sink token is bit-identical, and it is the BOS's own KV at position 0.
+    assert torch.equal(after[0], init[0])
+    assert not torch.equal(after[1:], init[1:])
+    assert all(not p.requires_grad for p in student.get_base_model().parameters())
+    bos_kv = compute_prefix_kv(model, [tok.bos_token_id])  # [2, L, 1, H, D]
+    kv = export_kv(student)
+    assert kv.shape == (2, model.config.num_hidden_layers, TOKENS, model.config.num_key_value_heads,
+                        model.config.hidden_size // model.config.num_attention_heads)
+    torch.testing.assert_close(kv[:, :, :1], bos_kv.float())
+    assert set(res.heldout_kl) == {0, 6}
+
+    # The whole command on the same data: a packed trained cartridge with provenance + adapter.
+    res2 = train_cartridge(replace(cfg, adapter_dir=tmp_path / "adapter"))
+    m = res2.manifest
+    assert (m.kind, m.num_tokens, m.chunk_size, m.dtype) == ("trained", TOKENS, 256, "float32")
+    p = m.provenance
+    assert p["steps"] == 6 and p["method"] == "self_study" and p["init"] == "first_k"
+    assert p["data"]["conversations"] == 8 and p["data"]["heldout_conversations"] == 2
+    assert p["loss"]["last"] == pytest.approx(res.losses[-1], rel=1e-4)
+    assert p["heldout_kl"]["init"] == pytest.approx(res.heldout_kl[0], rel=1e-4)
+    packed = PackedCartridge(cfg.output)
+    assert packed.verify().ok
+    torch.testing.assert_close(packed.load_kv(), kv, rtol=1e-4, atol=1e-4)
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter["peft_type"] == "CARTRIDGE" and adapter["num_virtual_tokens"] == TOKENS
+    assert adapter["num_frozen_tokens"] == 1
+
+
+def test_packed_kv_is_what_peft_computes_with(model_dir, doc, data_file, tmp_path):
+    """Oracle: PEFT's own forward with the adapter vs HF given the exported KV as past_key_values."""
+    from peft import PeftModel
+    from lmcache_cartridge.cartridge.model_kv import kv_to_cache
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+
+    cfg = with_data(config(model_dir, doc, tmp_path / "cart", steps=2, kv_dtype="float32",
+                           adapter_dir=tmp_path / "adapter"), data_file)
+    train_cartridge(cfg)
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    kv = PackedCartridge(cfg.output).load_kv()
+    conv = load_or_synthesize(cfg, model, tok, doc.read_text())[1][0]
+    ids = torch.tensor([conv.student_prefix + conv.answer])
+    with torch.no_grad():
+        ours = model(input_ids=ids, past_key_values=kv_to_cache(kv, model.config), use_cache=True).logits
+        peft_model = PeftModel.from_pretrained(model, str(tmp_path / "adapter"))
+        theirs = peft_model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        wrong = model(input_ids=ids, past_key_values=kv_to_cache(kv[:, :, :, [1, 0]].contiguous(), model.config),
+                      use_cache=True).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert (wrong - theirs).abs().max() > 1.0  # a head swap is visible on the peaked model
+
+
+def test_resume_continues_exactly(model_dir, doc, data_file, tmp_path):
+    straight = with_data(config(model_dir, doc, tmp_path / "a", steps=4, kv_dtype="float32", save_every=2),
+                         data_file)
+    first = train_cartridge(straight)
+    half = with_data(config(model_dir, doc, tmp_path / "b", steps=2, kv_dtype="float32", save_every=2), data_file)
+    train_cartridge(half)
+    ck = torch.load(half.work / CHECKPOINT_NAME, weights_only=True)
+    assert ck["step"] == 2
+    resumed = train_cartridge(replace(half, loop=replace(half.loop, steps=4), overwrite=True))
+    assert resumed.loop.resumed_from == 2 and len(resumed.loop.losses) == 2
+    assert resumed.loop.losses == first.loop.losses[2:]
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+
+    assert torch.equal(PackedCartridge(straight.output).load_kv(), PackedCartridge(half.output).load_kv())
+    steps = [r["step"] for r in map(json.loads, (half.work / METRICS_NAME).read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3, 4]
+
+    # A work dir of a run with other settings is refused, not silently mixed.
+    other = replace(half, loop=replace(half.loop, steps=4, lr=1e-3), overwrite=True)
+    with pytest.raises(CartridgeError, match="other settings"):
+        train_cartridge(other)
+
+
+def test_cli_trains_and_reports(model_dir, doc, data_file, tmp_path, capsys):
+    out = tmp_path / "cli-cart"
+    work = tmp_path / "cli-work"
+    work.mkdir()
+    shutil.copy(data_file, work / DATA_NAME)
+    argv = ["--model-dir", str(model_dir), "--text", str(doc), "-o", str(out), "--work-dir", str(work),
+            "--conversations", "8", "--heldout", "2", "--steps", "2", "--batch-size", "4",
+            "--window-min", "128", "--window-max", "256", "--question-tokens", "16", "--answer-tokens", "16",
+            "--device", "cpu", "--id", "cli-trained", "-q"]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "trained cli-trained: 256 tokens, 2 steps, held-out KL" in said
+    # The data were reused (same fingerprint), not synthesised again: still the copied file.
+    assert (work / DATA_NAME).read_bytes() == data_file.read_bytes()
+    assert main(argv) == 2  # the output exists: one-line error, no traceback
+    assert "already exists" in capsys.readouterr().err
