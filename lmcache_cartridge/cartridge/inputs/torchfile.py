@@ -76,5 +76,5 @@ def parameter_list_items(pl: torch.nn.ParameterList) -> list[torch.Tensor]:
 def _first_line(e: BaseException) -> str:
     lines = [ln for ln in str(e).splitlines() if ln.strip()]
     # torch's message leads with generic advice; the specific reason is the WeightsUnpickler line.
-    specific = [ln.strip() for ln in lines if "WeightsUnpickler error" in ln or "Unsupported global" in ln]
+    specific = [ln.strip() for ln in lines if "GLOBAL" in ln or "global" in ln.split(":")[0]]
     return (specific or lines or [type(e).__name__])[0]
