@@ -243,3 +243,60 @@ def test_directory_that_is_no_cartridge(tmp_path):
     (tmp_path / "x.txt").write_text("hi")
     with pytest.raises(CartridgeFormatError, match="not a cartridge directory"):
         load_input(tmp_path)
+
+
+# --- `lmcache-cartridge pack` / `inspect` ---------------------------------------------------------------
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    from lmcache_cartridge.tools.cli import main
+
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_pack_and_inspect_every_format(tmp_path, tiny, capsys):
+    """`inspect` says which format an input is read as; `pack` reads it and the manifest's
+    provenance records the format and the base model; the packed KV is the input's, bit for bit."""
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+
+    C = 16
+    kv = random_kv(2, 2 * C, 2, 64, seed=21)
+    ids = list(range(10, 10 + 2 * C))
+    pt = tmp_path / "run" / "cache-step7.pt"
+    pt.parent.mkdir()
+    torch.save(trainable_cache_state(kv, 1), pt)
+    inputs = {
+        "cartridges": (pt, None, "run-step7"),
+        "tokasaurus": (write_tokasaurus_dir(tmp_path / "toka", kv, model=str(tiny)), str(tiny), "toka"),
+        "kv_pairs+prefix_token_ids": (write_knlp_dir(tmp_path / "knlp", kv, ids, model=str(tiny)), str(tiny), "knlp"),
+    }
+    make_peft_adapter(fresh_model(tiny), tmp_path / "peft-ad", num_virtual_tokens=2 * C, num_frozen_tokens=1)
+    peft_kv = load_input(tmp_path / "peft-ad").kv
+    inputs["peft"] = (tmp_path / "peft-ad", str(tiny), "peft-ad")
+    for fmt, (src, base, cid) in inputs.items():
+        rc, out, _ = run_cli(capsys, "inspect", src)
+        assert rc == 0 and f"read as                       {fmt}: " in out, out
+        assert (base or "- (not recorded") in out
+        info = json.loads(run_cli(capsys, "inspect", "--json", src)[1])
+        assert info["read_as"] == fmt and info["base_model"] == base and info["num_tokens"] == 2 * C
+        rc, out, err = run_cli(capsys, "pack", src, "-o", tmp_path / f"p-{fmt}", "--model", str(tiny),
+                               "--model-dir", tiny, "--chunk-size", C, "-q")
+        assert rc == 0, err
+        assert f"read {src} as {fmt}" in out and f"packed {cid} (" in out
+        p = PackedCartridge(tmp_path / f"p-{fmt}")
+        m = p.manifest
+        assert m.provenance["source_format"] == fmt and m.provenance.get("base_model") == base
+        assert m.kind == ("first_k" if fmt == "kv_pairs+prefix_token_ids" else "trained")
+        if fmt == "peft":  # fp32 adapter packed in the model's dtype, as PEFT casts it
+            assert m.dtype == "bfloat16" and m.provenance["converted_from_dtype"] == "float32"
+            assert bit_equal(p.load_kv(), peft_kv.to(torch.bfloat16))
+        else:
+            assert bit_equal(p.load_kv(), kv)
+        if fmt in ("cartridges", "tokasaurus", "peft"):
+            assert m.provenance["num_frozen_tokens"] == 1
+        rc, out, _ = run_cli(capsys, "inspect", tmp_path / f"p-{fmt}")
+        assert rc == 0 and f"read as                       {fmt}" in out
+    rc, _, err = run_cli(capsys, "pack", tmp_path / "toka", "-o", tmp_path / "x", "--model", "another/model",
+                         "--vocab-size", 1024, "-q")
+    assert rc == 2 and "made for model" in err and "--allow-model-mismatch" in err
+    assert not (tmp_path / "x").exists()

@@ -27,7 +27,7 @@ from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge, check_mod
 from lmcache_cartridge.cartridge.inputs.torchfile import safe_torch_load
 from lmcache_cartridge.errors import CartridgeFormatError
 
-__all__ = ["LoadedCartridge", "load_input", "parse_object", "safe_torch_load", "same_model", "FORMATS"]
+__all__ = ["LoadedCartridge", "load_input", "parse_object", "safe_torch_load", "same_model", "FORMATS", "describe"]
 
 FORMATS: dict[str, str] = {
     trainable_cache.FORMAT: "HazyResearch/cartridges TrainableCache.save() checkpoint",
@@ -103,3 +103,30 @@ def _load_dir(path: Path) -> LoadedCartridge:
         f"{path}: not a cartridge directory: expected adapter_config.json (PEFT CARTRIDGE adapter), "
         "cartridge.pt + config.yaml (Tokasaurus), cartridge.pt + prefix_token_ids.json, or "
         "cache_last.pt (a Cartridges training run)")
+
+
+def describe(loaded: LoadedCartridge) -> dict[str, Any]:
+    """What `lmcache-cartridge inspect` shows for an unpacked input: the format it was read as,
+    the model it names, its geometry, and how `pack` will treat it."""
+    kv = loaded.kv
+    if kv is None:
+        packs_as = "first_k, token-only (pack computes the KV with --model-dir)"
+    elif loaded.token_ids is not None:
+        packs_as = "first_k (its token ids go first in the prompt)"
+    else:
+        packs_as = "trained (no token ids: placeholder ids, whole chunks only)"
+    return {
+        "read_as": loaded.source_format,
+        "description": FORMATS.get(loaded.source_format, ""),
+        "packs_as": packs_as,
+        "base_model": loaded.base_model,
+        "num_tokens": loaded.num_tokens,
+        "num_frozen_tokens": loaded.num_frozen_tokens,
+        "num_layers": int(kv.shape[1]) if kv is not None else None,
+        "num_kv_heads": int(kv.shape[3]) if kv is not None else None,
+        "head_dim": int(kv.shape[4]) if kv is not None else None,
+        "dtype": str(kv.dtype).removeprefix("torch.") if kv is not None else None,
+        "num_token_ids": len(loaded.token_ids) if loaded.token_ids is not None else None,
+        "suggested_id": loaded.suggested_id,
+        "metadata": loaded.metadata,
+    }
