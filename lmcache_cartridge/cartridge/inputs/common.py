@@ -45,18 +45,13 @@ class LoadedCartridge:
 
 
 def same_model(a: str, b: str) -> bool:
-    """Whether two model names plausibly name the same model.
-
-    Equal after trimming a trailing '/', or one is a hub id / path whose trailing components are
-    the other's (`meta-llama/Llama-3.2-3B-Instruct` and `/models/meta-llama/Llama-3.2-3B-Instruct`,
-    or a bare directory named `Llama-3.2-3B-Instruct`). Anything else is a mismatch.
+    """Whether two model names plausibly name the same model: equal, or the same last path
+    component, so a hub id and a local copy match (`meta-llama/Llama-3.2-3B-Instruct`,
+    `/models/Llama-3.2-3B-Instruct`). Anything else is a mismatch.
     """
-    pa = [p for p in str(a).rstrip("/").split("/") if p]
-    pb = [p for p in str(b).rstrip("/").split("/") if p]
-    if not pa or not pb:
-        return False
-    n = min(len(pa), len(pb))
-    return pa[-n:] == pb[-n:]
+    pa = [p for p in str(a).split("/") if p]
+    pb = [p for p in str(b).split("/") if p]
+    return bool(pa) and bool(pb) and pa[-1] == pb[-1]
 
 
 def check_model(loaded: LoadedCartridge, expected_model: str | None, where: str) -> None:
