@@ -301,3 +301,47 @@ def test_pack_and_inspect_every_format(tmp_path, tiny, capsys):
                          "--vocab-size", 1024, "-q")
     assert rc == 2 and "made for model" in err and "--allow-model-mismatch" in err
     assert not (tmp_path / "x").exists()
+
+
+# --- bounded fuzzing of the makers' side files -------------------------------------------------------------
+def test_side_files_fuzzed_give_clear_errors(tmp_path, tiny):
+    """adapter_config.json, config.yaml, meta.json and prefix_token_ids.json with arbitrary values:
+    the answer is a cartridge or a CartridgeFormatError, never another exception."""
+    import yaml
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    values = st.recursive(
+        st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=12),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=8)
+    kv = random_kv(2, 16, 2, 64, seed=3)
+    make_peft_adapter(fresh_model(tiny), tmp_path / "ad", num_virtual_tokens=16)
+    write_tokasaurus_dir(tmp_path / "toka", kv, model="m")
+    write_knlp_dir(tmp_path / "knlp", kv, list(range(16)), model="m")
+    files = {"ad/adapter_config.json": json, "toka/config.yaml": yaml, "knlp/meta.json": json}
+    originals = {name: (tmp_path / name).read_text() for name in files}
+
+    @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def check(data):
+        name = data.draw(st.sampled_from(sorted(files) + ["knlp/prefix_token_ids.json"]))
+        path = tmp_path / name
+        if name.endswith("prefix_token_ids.json"):
+            path.write_text(json.dumps(data.draw(values)))
+        else:
+            doc = json.loads(originals[name]) if name.endswith(".json") else yaml.safe_load(originals[name])
+            keys = sorted(doc) + ["kv_cache_initializer.max_tokens", "model.pretrained_model_name_or_path"]
+            key = data.draw(st.sampled_from(keys))
+            if "." in key and isinstance(doc.get(key.split(".")[0]), dict):
+                doc[key.split(".")[0]][key.split(".")[1]] = data.draw(values)
+            else:
+                doc[key] = data.draw(values)
+            text = json.dumps(doc) if name.endswith(".json") else yaml.safe_dump(doc)
+            path.write_text(text)
+        try:
+            load_input(path.parent, expected_model=data.draw(st.none() | st.text(max_size=8)))
+        except CartridgeFormatError:
+            pass
+        finally:
+            path.write_text(originals.get(name, json.dumps(list(range(16)))))
+
+    check()
