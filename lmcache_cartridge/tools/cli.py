@@ -39,11 +39,26 @@ def _vocab_from_args(args):
 
 # --- pack -------------------------------------------------------------------------------------
 def cmd_pack(args) -> int:
+    """Pack any input format (see `cartridge/inputs`) into the packed format. The manifest's
+    provenance says what the input was read as (`source_format`) and the model it names."""
     import torch
 
     from lmcache_cartridge.cartridge.formats import load_input
     from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
     from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv, rechunk
+
+    def _model_dtype_for(kv, model_dir):
+        """float32 KV (PEFT adapters store fp32) packed for a local model: the model's dtype, as PEFT
+        itself casts the prefix at load. Anything else keeps its dtype."""
+        if kv is None or kv.dtype != torch.float32 or not model_dir:
+            return None
+        try:
+            cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        name = cfg.get("dtype") or cfg.get("torch_dtype")
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
     src = Path(args.input)
     out = Path(args.output)
@@ -51,12 +66,19 @@ def cmd_pack(args) -> int:
         m = rechunk(PackedCartridge(src), out, args.chunk_size, overwrite=args.overwrite)
         print(f"re-chunked {m.cartridge_id}: {m.num_tokens} tokens in {len(m.chunks)} chunks -> {out}")
         return 0
-    loaded = load_input(src)
+    # The input's own base model (PEFT, Tokasaurus, meta.json) must be the --model named here.
+    check = None if getattr(args, "allow_model_mismatch", False) else args.model
+    loaded = load_input(src, expected_model=check)
     meta = loaded.metadata
-    model = args.model or meta.get("model") or args.model_dir
+    model = args.model or meta.get("model") or loaded.base_model or args.model_dir
     if not model:
         raise CartridgeError("name the model the KV belongs to: --model NAME (as vLLM's --model)")
-    kv, kind, provenance = loaded.kv, args.kind, {"source": str(src), "source_format": loaded.source_format}
+    kv, kind = loaded.kv, args.kind
+    provenance = {"source": str(src), "source_format": loaded.source_format}
+    if loaded.base_model:
+        provenance["base_model"] = loaded.base_model
+    if loaded.num_frozen_tokens:
+        provenance["num_frozen_tokens"] = loaded.num_frozen_tokens
     if kv is None:  # token-only cartridge: compute its KV once with the model
         if not args.model_dir:
             raise CartridgeError(
@@ -69,11 +91,13 @@ def cmd_pack(args) -> int:
         provenance["kv_computed_with"] = str(args.model_dir)
     if kind is None:
         kind = "first_k" if loaded.token_ids is not None else "trained"
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dtype = getattr(torch, args.dtype) if args.dtype else _model_dtype_for(kv, args.model_dir)
+    if dtype is not None and dtype != kv.dtype:
+        provenance["converted_from_dtype"] = str(kv.dtype).removeprefix("torch.")
     m = pack_kv(
         kv,
         out,
-        cartridge_id=args.id or _default_id(src),
+        cartridge_id=args.id or loaded.suggested_id or _default_id(src),
         model=model,
         kind=kind,
         token_ids=loaded.token_ids if kind == "first_k" else None,
@@ -85,6 +109,7 @@ def cmd_pack(args) -> int:
         overwrite=args.overwrite,
         progress=not args.quiet,
     )
+    print(f"read {src} as {loaded.source_format}" + (f" (base model {loaded.base_model})" if loaded.base_model else ""))
     print(f"packed {m.cartridge_id} ({m.kind}): {m.num_tokens} tokens, {len(m.chunks)} chunks, "
           f"{m.payload_nbytes / 2**20:.1f} MiB -> {out}")
     return 0
@@ -97,18 +122,47 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from lmcache_cartridge.cartridge.manifest import Manifest
+    """A packed cartridge: its manifest, with what its input was read as. Any other input (a
+    `.pt` or a cartridge directory): which format it is read as, and what it holds."""
+    from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
 
+    path = Path(args.path)
+    if not (path.is_dir() and (path / MANIFEST_NAME).exists()):
+        from lmcache_cartridge.cartridge.formats import load_input
+        from lmcache_cartridge.cartridge.inputs import describe
+
+        info = describe(load_input(path))
+        if args.json:
+            print(json.dumps({"path": str(path), **info}, indent=1, sort_keys=True, default=str))
+            return 0
+        geometry = (f"{info['num_layers']} x {info['num_kv_heads']} x {info['head_dim']}"
+                    if info["num_layers"] is not None else "-")
+        frozen = f" ({info['num_frozen_tokens']} frozen first)" if info["num_frozen_tokens"] else ""
+        print(_table([
+            ("path", str(path)),
+            ("read as", f"{info['read_as']}: {info['description']}"),
+            ("packs as", info["packs_as"]),
+            ("base model", info["base_model"] or "- (not recorded by this format)"),
+            ("layers x kv_heads x head_dim", geometry),
+            ("dtype", info["dtype"] or "-"),
+            ("tokens", f"{info['num_tokens']}{frozen}"),
+            ("default id", info["suggested_id"] or "-"),
+            ("metadata", json.dumps(info["metadata"], sort_keys=True, default=str)),
+        ]))
+        return 0
     m = Manifest.load(args.path)
     if args.json:
         print(m.to_json())
         return 0
     ids = m.token_ids
     preview = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
+    prov = m.provenance
+    read_as = prov.get("source_format") or "-"
     print(_table([
         ("id", m.cartridge_id),
         ("kind", m.kind),
         ("model", m.model),
+        ("read as", read_as + (f" (base model {prov['base_model']})" if prov.get("base_model") else "")),
         ("layers x kv_heads x head_dim", f"{m.num_layers} x {m.num_kv_heads} x {m.head_dim}"),
         ("dtype", m.dtype),
         ("tokens", f"{m.num_tokens} ({m.num_full_chunks} full chunks of {m.chunk_size})"),
@@ -117,7 +171,7 @@ def cmd_inspect(args) -> int:
         ("content hash", m.content_hash),
         ("labels", ", ".join(m.labels) or "-"),
         ("created", m.created_at),
-        ("provenance", json.dumps(m.provenance, sort_keys=True)),
+        ("provenance", json.dumps(prov, sort_keys=True)),
     ]))
     print()
     print(f"{'chunk':>5}  {'tokens':>6}  {'offset':>12}  {'bytes':>10}  sha256")

@@ -1,0 +1,132 @@
+"""Reading cartridge *inputs*: every format their makers save, into one canonical KV tensor.
+
+Runs wherever an input is read: `lmcache-cartridge pack` / `inspect` on an operator's machine,
+and the gateway process when a request names a `.pt` or a directory. Pure data: no model, no
+network; nothing here runs pickle code (see `torchfile`).
+
+| `source_format`             | input (read by)                                                      |
+|-----------------------------|----------------------------------------------------------------------|
+| `cartridges`                | `TrainableCache.save()` `.pt` (`cache-step<N>.pt`, `cache_last.pt`)  |
+| `tokasaurus`                | directory with `cartridge.pt` + `config.yaml`                        |
+| `peft`                      | PEFT `CARTRIDGE` adapter directory (`adapter_config.json` + weights) |
+| `kv_pairs+prefix_token_ids` | `list[(k, v)]` `.pt` with `prefix_token_ids.json` beside it          |
+| `kv_pairs`                  | `list[(k, v)]` `.pt` alone (trained KV)                              |
+| `seed000`                   | `{'token_ids', 'kv_cache', 'metadata'}` `.pt`                        |
+
+One module per maker's format; `load_input` picks by what is on disk, never by trial and error
+across formats (a file that looks like one format and is broken gets that format's error).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lmcache_cartridge.cartridge.inputs import kv_list, peft_adapter, seed000, tokasaurus, trainable_cache
+from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge, check_model, same_model
+from lmcache_cartridge.cartridge.inputs.torchfile import safe_torch_load
+from lmcache_cartridge.errors import CartridgeFormatError
+
+__all__ = ["LoadedCartridge", "load_input", "parse_object", "safe_torch_load", "same_model", "FORMATS", "describe"]
+
+FORMATS: dict[str, str] = {
+    trainable_cache.FORMAT: "HazyResearch/cartridges TrainableCache.save() checkpoint",
+    tokasaurus.FORMAT: "Tokasaurus cartridge directory (cartridge.pt + config.yaml)",
+    peft_adapter.FORMAT: "PEFT CARTRIDGE adapter (adapter_config.json + adapter_model.safetensors)",
+    kv_list.FORMAT_WITH_IDS: "list[(k, v)] per layer with prefix_token_ids.json (first-k)",
+    kv_list.FORMAT: "list[(k, v)] per layer (trained KV, no token ids)",
+    seed000.FORMAT: "seed 000 dict {'token_ids', 'kv_cache', 'metadata'}",
+}
+
+_RUN_CHECKPOINT = "cache_last.pt"  # a Cartridges training run directory's newest checkpoint
+
+
+def parse_object(obj: Any) -> LoadedCartridge:
+    """Parse what a `.pt` held (after the restricted unpickler)."""
+    if kv_list.matches(obj):
+        return kv_list.parse(obj)
+    if not isinstance(obj, dict):
+        raise CartridgeFormatError(f"expected a dict or a list of (k, v) pairs, got {type(obj).__name__}")
+    if trainable_cache.matches(obj):
+        return trainable_cache.parse(obj)
+    if seed000.matches(obj):
+        return seed000.parse(obj)
+    raise CartridgeFormatError(
+        "unrecognised cartridge: expected 'token_ids'/'kv_cache' (seed 000), "
+        "'trainable_keys'/'trainable_values' (+ 'frozen_*' or 'fixed_*', Cartridges TrainableCache) "
+        f"or a list of (k, v) per layer; found keys {sorted(map(str, obj))[:8]}"
+    )
+
+
+def load_input(path: str | Path, *, expected_model: str | None = None) -> LoadedCartridge:
+    """Read any supported input (a `.pt` file or a directory); errors name the path and what was
+    expected. With `expected_model`, a base model recorded by the input must name the same model."""
+    path = Path(path)
+    if path.is_dir():
+        loaded = _load_dir(path)
+    elif path.is_file():
+        if path.name == tokasaurus.PT_NAME and tokasaurus.matches(path.parent):
+            loaded = tokasaurus.load(path.parent)
+        else:
+            loaded = _load_pt(path)
+    else:
+        raise CartridgeFormatError(f"{path}: no such file or directory")
+    check_model(loaded, expected_model, str(path))
+    return loaded
+
+
+def _load_pt(path: Path) -> LoadedCartridge:
+    obj = safe_torch_load(path)
+    try:
+        loaded = parse_object(obj)
+    except CartridgeFormatError as e:
+        raise CartridgeFormatError(f"{path}: {e}") from None
+    if loaded.source_format == kv_list.FORMAT:
+        loaded = kv_list.attach_sidecars(loaded, path)
+    elif loaded.source_format == trainable_cache.FORMAT:
+        loaded.suggested_id = trainable_cache.suggested_id(path)
+    return loaded
+
+
+def _load_dir(path: Path) -> LoadedCartridge:
+    if (path / "manifest.json").is_file():
+        raise CartridgeFormatError(f"{path} is already a packed cartridge (it has a manifest.json)")
+    if peft_adapter.matches(path):
+        return peft_adapter.load(path)
+    if tokasaurus.matches(path):
+        return tokasaurus.load(path)
+    if (path / kv_list.IDS_NAME).is_file() and (path / tokasaurus.PT_NAME).is_file():
+        return _load_pt(path / tokasaurus.PT_NAME)
+    if (path / _RUN_CHECKPOINT).is_file():
+        return _load_pt(path / _RUN_CHECKPOINT)
+    raise CartridgeFormatError(
+        f"{path}: not a cartridge directory: expected adapter_config.json (PEFT CARTRIDGE adapter), "
+        "cartridge.pt + config.yaml (Tokasaurus), cartridge.pt + prefix_token_ids.json, or "
+        "cache_last.pt (a Cartridges training run)")
+
+
+def describe(loaded: LoadedCartridge) -> dict[str, Any]:
+    """What `lmcache-cartridge inspect` shows for an unpacked input: the format it was read as,
+    the model it names, its geometry, and how `pack` will treat it."""
+    kv = loaded.kv
+    if kv is None:
+        packs_as = "first_k, token-only (pack computes the KV with --model-dir)"
+    elif loaded.token_ids is not None:
+        packs_as = "first_k (its token ids go first in the prompt)"
+    else:
+        packs_as = "trained (no token ids: placeholder ids, whole chunks only)"
+    return {
+        "read_as": loaded.source_format,
+        "description": FORMATS.get(loaded.source_format, ""),
+        "packs_as": packs_as,
+        "base_model": loaded.base_model,
+        "num_tokens": loaded.num_tokens,
+        "num_frozen_tokens": loaded.num_frozen_tokens,
+        "num_layers": int(kv.shape[1]) if kv is not None else None,
+        "num_kv_heads": int(kv.shape[3]) if kv is not None else None,
+        "head_dim": int(kv.shape[4]) if kv is not None else None,
+        "dtype": str(kv.dtype).removeprefix("torch.") if kv is not None else None,
+        "num_token_ids": len(loaded.token_ids) if loaded.token_ids is not None else None,
+        "suggested_id": loaded.suggested_id,
+        "metadata": loaded.metadata,
+    }
