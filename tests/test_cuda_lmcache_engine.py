@@ -5,10 +5,21 @@ What runs: LMCache's own `CreateGPUConnector(config, metadata, EngineType.VLLM)`
 is `VLLMPagedMemGPUConnectorV2`, whose copy is `lmcache.cuda_ops` when that compiled extension
 loads for the installed torch, else LMCache's torch baseline: the test prints which), the
 engine and StorageManager built by `LMCacheEngineBuilder` from the same YAML as the vLLM tests,
-the plugin loaded by LMCache's plugin loader, packed cartridges on disk, and per layer one
-CUDA tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]` (vLLM's FLASH_ATTN KV cache
-shape; K at index 0). The slot mapping scatters tokens over blocks in a shuffled order, as a
-real block table does, so a copy that ignored paging would put bytes in the wrong place.
+the plugin loaded by LMCache's plugin loader, packed cartridges on disk, and per layer one CUDA
+tensor in one of vLLM's FLASH_ATTN KV cache layouts:
+* "split": `[2, num_blocks, block_size, num_kv_heads, head_dim]`, K at index 0 (vLLM <= 0.25);
+* "fused": `[num_blocks, block_size, num_kv_heads, 2 * head_dim]`, K and V packed per head in
+  the last axis (vLLM 0.26.0 `FlashAttentionBackend.get_kv_cache_shape`, NHD; LMCache calls it
+  `NL_X_NB_BS_NH_CS`).
+The slot mapping scatters tokens over blocks in a shuffled order, as a real block table does, so
+a copy that ignored paging would put bytes in the wrong place.
+
+Seen on an H100 (2026-11-22, torch 2.11.0+cu130, LMCache 0.5.6): `lmcache.cuda_ops` does not
+load for torch 2.11 (undefined symbol), so LMCache copies with its torch baseline; the "split"
+tests passed there. The "fused" case was not run on a device: LMCache 0.5.6's torch baseline
+(`platform/torch_ops/mem_kernels.py`) addresses a fused-packed layer as `(2, slots, hidden)`,
+and vLLM 0.26's own KV stored and reloaded through LMCache gave different text
+(test_cuda_vllm_e2e), so expect "fused" to fail there until the compiled ops load.
 
 Oracle: the cartridge's own KV `[2, L, T, H, D]` read at slot s of block s // block_size,
 offset s % block_size, compared as bytes.
@@ -53,7 +64,7 @@ def _yaml(tmp_path, registry):
 class CudaEngine:
     """LMCacheEngine with LMCache's own vLLM GPU connector over a flash-attention paged cache."""
 
-    def __init__(self, tmp_path, registry) -> None:
+    def __init__(self, tmp_path, registry, layout: str = "split") -> None:
         import lmcache
         from lmcache.utils import EngineType
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -71,8 +82,13 @@ class CudaEngine:
         self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, config, md, self.connector,
                                                          None, None)
         self.engine.post_init()
-        self.kv = [torch.zeros(2, NUM_BLOCKS, BLOCK, H, D, dtype=torch.bfloat16, device="cuda")
-                   for _ in range(L)]
+        shape = (2, NUM_BLOCKS, BLOCK, H, D) if layout == "split" else (NUM_BLOCKS, BLOCK, H, 2 * D)
+        self.layout = layout
+        self.kv = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(L)]
+
+    def _plane(self, t: torch.Tensor, kv: int) -> torch.Tensor:
+        """K (kv=0) or V (kv=1) of one layer as a `[num_blocks, block_size, H, D]` view."""
+        return t[kv] if self.layout == "split" else t[..., kv * D:(kv + 1) * D]
 
     def backend(self, name):
         return self.engine.storage_manager.storage_backends.get(name)
@@ -91,13 +107,13 @@ class CudaEngine:
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """[2, L, n, H, D] on CPU read back from the paged cache at `slots`."""
         b, o = slots // BLOCK, slots % BLOCK
-        return torch.stack([torch.stack([t[kv][b, o] for t in self.kv]) for kv in (0, 1)]).cpu()
+        return torch.stack([torch.stack([self._plane(t, kv)[b, o] for t in self.kv]) for kv in (0, 1)]).cpu()
 
     def scatter(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
         b, o = slots // BLOCK, slots % BLOCK
         for layer, t in enumerate(self.kv):
             for k in (0, 1):
-                t[k][b, o] = kv[k, layer].cuda()
+                self._plane(t, k)[b, o] = kv[k, layer].cuda()
 
     def close(self) -> None:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -112,8 +128,8 @@ def _paged_slots(n: int, seed: int) -> torch.Tensor:
     return (blocks.repeat_interleave(BLOCK) * BLOCK + torch.arange(BLOCK).repeat(len(blocks)))[:n]
 
 
-@pytest.fixture
-def carts(tmp_path):
+@pytest.fixture(params=["split", "fused"])
+def carts(tmp_path, request):
     from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
     from lmcache_cartridge.store.registry import Registry
 
@@ -126,7 +142,7 @@ def carts(tmp_path):
                 vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
     reg.register(tmp_path / "a")
     reg.register(tmp_path / "b")
-    eng = CudaEngine(tmp_path, reg.path)
+    eng = CudaEngine(tmp_path, reg.path, request.param)
     try:
         yield {"eng": eng, "a": (a, kv_a), "b": (b, kv_b)}
     finally:
@@ -147,7 +163,7 @@ def test_cartridge_served_into_flash_attn_paged_cache_byte_exact(carts):
     eng = carts["eng"]
     plugin = eng.backend("cartridge")
     assert isinstance(plugin, CartridgeStoragePlugin), eng.engine.storage_manager.storage_backends
-    print(f"\n[cuda] GPU connector {type(eng.connector).__name__}, copy by {_native_ops()}")
+    print(f"\n[cuda] {eng.layout} layout, GPU connector {type(eng.connector).__name__}, copy by {_native_ops()}")
     user = [900, 901, 902]
     for seed, (m, kv) in enumerate((carts["a"], carts["b"])):
         eng.backend("LocalCPUBackend").clear()
