@@ -28,7 +28,8 @@ $PIP -d stage/b_vdeps lm-format-enforcer==0.11.3 outlines-core==0.2.14 lark==1.2
   opentelemetry-exporter-otlp==1.40.0 opentelemetry-exporter-otlp-proto-grpc==1.40.0 \
   opentelemetry-exporter-otlp-proto-http==1.40.0 opentelemetry-exporter-otlp-proto-common==1.40.0 \
   opentelemetry-semantic-conventions-ai apache-tvm-ffi==0.1.15.post2 interegular astor dill loguru \
-  sse-starlette pydantic-settings python-dotenv email-validator dnspython websockets httpx-sse pyjwt
+  sse-starlette pydantic-settings python-dotenv email-validator dnspython websockets httpx-sse pyjwt \
+  httpx2 httpcore2
 # vLLM 0.26.0 without what a dense Llama on FLASH_ATTN (FA3 on Hopper) never loads: FA2, MoE,
 # FlashMLA, qutlass, DeepGEMM builds, the Rust front end, CUTLASS headers (303 MB -> 104 MB gz).
 $PIP -d . vllm==0.26.0 && rm -rf v26 && mkdir v26 && (cd v26 && unzip -q ../vllm-0.26.0-*.whl && \
