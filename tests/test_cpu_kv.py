@@ -252,6 +252,32 @@ def test_fragmented_slots_match_vllm(data, isa, path):
         assert conn.stats["scatter_tokens" if path == "torch" else "native_copies"] >= 256
 
 
+def test_slot_runs_agree_with_a_per_slot_walk_on_random_mappings():
+    import random
+
+    def walk(s, bs):
+        out, i = [], 0
+        while i < len(s):
+            if s[i] < 0:
+                i += 1
+                continue
+            j = i + 1
+            while j < len(s) and s[j] >= 0 and s[j] == s[j - 1] + 1 and s[j] % bs:
+                j += 1
+            out.append((i, j, s[i] // bs, s[i] % bs))
+            i = j
+        return out
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        bs, s = rng.choice([4, 8, 128]), []
+        for _ in range(rng.randint(0, 40)):
+            r = rng.random()
+            s.append(-1 if r < 0.2 else s[-1] + 1 if s and s[-1] >= 0 and r < 0.8 else rng.randint(0, 300))
+        for dt in (torch.long, torch.int32):
+            assert slot_runs(torch.tensor(s, dtype=dt), bs) == walk(s, bs), (s, bs)
+
+
 def test_slot_runs_split_at_block_edges_and_gaps():
     s = torch.tensor([126, 127, 128, 129, 5, 6, -1, -1, 300])
     assert slot_runs(s, 128) == [(0, 2, 0, 126), (2, 4, 1, 0), (4, 6, 0, 5), (8, 9, 2, 44)]

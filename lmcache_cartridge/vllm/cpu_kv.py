@@ -32,6 +32,7 @@ import logging
 import threading
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
@@ -72,26 +73,36 @@ def probe_layout(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch
         return str(e)
 
 
-def slot_runs(slots: torch.Tensor, block_size: int) -> list[tuple[int, int, int, int]]:
-    """Split a slot mapping into runs `(token_start, token_end, block, offset)` of consecutive
-    slots inside one block. Negative slots (tokens vLLM already has) are left out."""
-    n = slots.numel()
+def run_array(slots: torch.Tensor, block_size: int) -> np.ndarray:
+    """Split a slot mapping into runs of consecutive slots inside one block: an int64 array
+    `[runs, 4]` of `(token_start, token_end, block, offset)`. Negative slots (tokens vLLM
+    already has) are left out. numpy, not torch: on a 256-slot chunk torch's per-op overhead
+    cost more than the copy of a small chunk."""
+    s = slots.numpy().astype(np.int64, copy=False) if slots.dtype != torch.int64 else slots.numpy()
+    n = s.shape[0]
     if n == 0:
-        return []
-    s = slots.to(torch.long)
-    valid = s >= 0
-    brk = torch.ones(n, dtype=torch.bool)
+        return np.zeros((0, 4), dtype=np.int64)
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
     if n > 1:
-        brk[1:] = (s[1:] != s[:-1] + 1) | (s[1:] % block_size == 0) | (valid[1:] != valid[:-1])
-    starts = torch.nonzero(brk).view(-1).tolist()
-    ends = starts[1:] + [n]
-    runs = []
-    sl = s.tolist()
-    for a, e in zip(starts, ends):
-        if sl[a] < 0:
-            continue
-        runs.append((a, e, sl[a] // block_size, sl[a] % block_size))
-    return runs
+        valid = s >= 0
+        np.not_equal(s[1:], s[:-1] + 1, out=brk[1:])
+        brk[1:] |= (s[1:] % block_size == 0) | (valid[1:] != valid[:-1])
+    starts = np.flatnonzero(brk)
+    starts = starts[s[starts] >= 0] if (s < 0).any() else starts
+    ends = np.empty_like(starts)
+    if starts.size:
+        # a run ends where the next break is (a skipped stretch ends it too)
+        all_starts = np.flatnonzero(brk)
+        nxt = np.searchsorted(all_starts, starts, side="right")
+        ends[:] = np.where(nxt < all_starts.size, all_starts[np.minimum(nxt, all_starts.size - 1)], n)
+    first = s[starts]
+    return np.stack([starts, ends, first // block_size, first % block_size], axis=1).astype(np.int64)
+
+
+def slot_runs(slots: torch.Tensor, block_size: int) -> list[tuple[int, int, int, int]]:
+    """`run_array` as a list of tuples."""
+    return [tuple(int(x) for x in r) for r in run_array(slots, block_size)]
 
 
 class CpuPagedKVConnector(GPUConnectorInterface):
@@ -128,6 +139,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
                       "writer_copies": 0, "gather_copies": 0, "load_failures": 0}
         # False: never use the native kernel (benchmarks and tests compare both paths).
         self.use_native = True
+        self._ptr_cache: Optional[tuple] = None
 
     @classmethod
     def from_metadata(cls, metadata, kv_cache_dtype: str = "auto") -> "CpuPagedKVConnector":
@@ -241,16 +253,18 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             self._copy_permuted(layout, kvcaches, slots, obj, to_cache=to_cache)
             return
         bs = kvcaches[0].shape[2]
+        lib = native.kernel() if self.use_native else None
+        if lib is not None:
+            arr = np.ascontiguousarray(run_array(slots, bs))
+            if arr.shape[0]:
+                self._copy_native(lib, kvcaches, arr, obj, to_cache=to_cache)
+                full = int(((arr[:, 3] == 0) & (arr[:, 1] - arr[:, 0] == bs)).sum())
+                self.stats["native_copies"] += arr.shape[0]
+                self.stats["block_copies"] += full
+                self.stats["partial_copies"] += arr.shape[0] - full
+            return
         runs = slot_runs(slots, bs)
         n = slots.numel()
-        lib = native.kernel() if self.use_native else None
-        if lib is not None and runs:
-            self._copy_native(lib, kvcaches, runs, obj, to_cache=to_cache)
-            full = sum(1 for a, e, _, off in runs if off == 0 and e - a == bs)
-            self.stats["native_copies"] += len(runs)
-            self.stats["block_copies"] += full
-            self.stats["partial_copies"] += len(runs) - full
-            return
         if runs and all(off == 0 and e - a == bs for a, e, _, off in runs) and len(runs) * bs == n:
             self._copy_blocks(kvcaches, [blk for _, _, blk, _ in runs], obj, to_cache=to_cache)
             return
@@ -322,20 +336,25 @@ class CpuPagedKVConnector(GPUConnectorInterface):
                         v_src.copy_(v_cache.index_select(0, idx))
         self.stats["block_copies"] += nblk
 
-    def _copy_native(self, lib, kvcaches, runs: list[tuple[int, int, int, int]], obj: torch.Tensor, *,
-                     to_cache: bool) -> None:
+    def _copy_native(self, lib, kvcaches, runs: np.ndarray, obj: torch.Tensor, *, to_cache: bool) -> None:
         """All layers and runs of one chunk in one call of the native kernel (`csrc/kv_copy.c`)."""
         nb, h, bs, two_d = kvcaches[0].shape
-        run_t = torch.tensor(runs, dtype=torch.int64)
-        ptrs = (ctypes.c_void_p * len(kvcaches))(*[c.data_ptr() for c in kvcaches])
+        ptrs = self._layer_pointers(kvcaches)
         kv_stride, layer_stride, tok_stride = obj.stride(0), obj.stride(1), obj.stride(2)
         if obj.stride(3) != self.head_dim or obj.stride(4) != 1:
             raise ValueError(f"memory object view has strides {obj.stride()}, expected head-major rows")
         rc = lib.cart_kv_copy(1 if to_cache else 0, obj.element_size(), obj.data_ptr(), kv_stride,
                               layer_stride, tok_stride, ptrs, len(kvcaches), h, self.head_dim, bs,
-                              run_t.data_ptr(), len(runs))
+                              runs.ctypes.data, runs.shape[0])
         if rc != 0:
             raise RuntimeError(f"native KV copy failed (rc {rc}, element size {obj.element_size()})")
+
+    def _layer_pointers(self, kvcaches):
+        """ctypes array of the layers' data pointers, kept while vLLM's tensors stay the same."""
+        key = (len(kvcaches), kvcaches[0].data_ptr(), kvcaches[-1].data_ptr())
+        if self._ptr_cache is None or self._ptr_cache[0] != key:
+            self._ptr_cache = (key, (ctypes.c_void_p * len(kvcaches))(*[c.data_ptr() for c in kvcaches]))
+        return self._ptr_cache[1]
 
     def _copy_permuted(self, layout: PagedLayout, kvcaches, slots: torch.Tensor, obj: torch.Tensor, *,
                        to_cache: bool) -> None:

@@ -4,7 +4,8 @@
  *
  * Why a kernel: the K transpose is the whole cost of injection on vLLM's CPU backend. torch's
  * strided copy (and vLLM's own per-token writer) move it at a fraction of memory speed; a tiled
- * transpose with 8x8 (16-bit) / 4x4 (32-bit) SSE2 register transposes runs near a plain copy.
+ * transpose with 8x8 (16-bit) / 4x4 (32-bit) SSE2 register transposes and streaming stores
+ * runs near a plain copy (benchmarks/kv_copy.py).
  * The layout itself is not decided here: lmcache_cartridge/vllm/cpu_layout.py derives it from
  * vLLM's writer op and only calls this kernel for a layout it proved equal to this one.
  *
@@ -14,80 +15,93 @@
  * falls back to pure torch when it is absent.
  */
 #include <stdint.h>
+#include <stddef.h>
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
-/* dst[c * ds + r] = src[r * ss + c] for r < rows, c < cols (strides in elements). */
-static void transpose_u16(const uint16_t *src, int64_t ss, uint16_t *dst, int64_t ds,
-                          int64_t rows, int64_t cols) {
-  int64_t r0 = 0;
+/* Stores: streaming (non-temporal) when the destination is 16-byte aligned. A cartridge is
+ * written once and read later by attention; streaming skips the read-for-ownership of every
+ * destination line, which is what lets a transpose keep up with a plain memcpy (glibc's memcpy
+ * streams large copies too). */
 #if defined(__SSE2__)
-  for (; r0 + 8 <= rows; r0 += 8) {
-    int64_t c0 = 0;
-    for (; c0 + 8 <= cols; c0 += 8) {
-      const uint16_t *s = src + r0 * ss + c0;
-      uint16_t *d = dst + c0 * ds + r0;
-      __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * ss));
-      __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * ss));
-      __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * ss));
-      __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * ss));
-      __m128i a4 = _mm_loadu_si128((const __m128i *)(s + 4 * ss));
-      __m128i a5 = _mm_loadu_si128((const __m128i *)(s + 5 * ss));
-      __m128i a6 = _mm_loadu_si128((const __m128i *)(s + 6 * ss));
-      __m128i a7 = _mm_loadu_si128((const __m128i *)(s + 7 * ss));
-      __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
-      __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
-      __m128i b4 = _mm_unpacklo_epi16(a4, a5), b5 = _mm_unpackhi_epi16(a4, a5);
-      __m128i b6 = _mm_unpacklo_epi16(a6, a7), b7 = _mm_unpackhi_epi16(a6, a7);
-      __m128i c0_ = _mm_unpacklo_epi32(b0, b2), c1 = _mm_unpackhi_epi32(b0, b2);
-      __m128i c2 = _mm_unpacklo_epi32(b1, b3), c3 = _mm_unpackhi_epi32(b1, b3);
-      __m128i c4 = _mm_unpacklo_epi32(b4, b6), c5 = _mm_unpackhi_epi32(b4, b6);
-      __m128i c6 = _mm_unpacklo_epi32(b5, b7), c7 = _mm_unpackhi_epi32(b5, b7);
-      _mm_storeu_si128((__m128i *)(d + 0 * ds), _mm_unpacklo_epi64(c0_, c4));
-      _mm_storeu_si128((__m128i *)(d + 1 * ds), _mm_unpackhi_epi64(c0_, c4));
-      _mm_storeu_si128((__m128i *)(d + 2 * ds), _mm_unpacklo_epi64(c1, c5));
-      _mm_storeu_si128((__m128i *)(d + 3 * ds), _mm_unpackhi_epi64(c1, c5));
-      _mm_storeu_si128((__m128i *)(d + 4 * ds), _mm_unpacklo_epi64(c2, c6));
-      _mm_storeu_si128((__m128i *)(d + 5 * ds), _mm_unpackhi_epi64(c2, c6));
-      _mm_storeu_si128((__m128i *)(d + 6 * ds), _mm_unpacklo_epi64(c3, c7));
-      _mm_storeu_si128((__m128i *)(d + 7 * ds), _mm_unpackhi_epi64(c3, c7));
-    }
-    for (; c0 < cols; ++c0)
-      for (int64_t r = r0; r < r0 + 8; ++r) dst[c0 * ds + r] = src[r * ss + c0];
-  }
-#endif
-  for (; r0 < rows; ++r0)
-    for (int64_t c = 0; c < cols; ++c) dst[c * ds + r0] = src[r0 * ss + c];
+#define TILE_STORE(nt, p, x) do { if (nt) _mm_stream_si128((__m128i *)(p), (x)); \
+                                  else _mm_storeu_si128((__m128i *)(p), (x)); } while (0)
+
+static inline void tile8x8_u16(const uint16_t *s, int64_t ss, uint16_t *d, int64_t ds, int nt) {
+  __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * ss));
+  __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * ss));
+  __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * ss));
+  __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * ss));
+  __m128i a4 = _mm_loadu_si128((const __m128i *)(s + 4 * ss));
+  __m128i a5 = _mm_loadu_si128((const __m128i *)(s + 5 * ss));
+  __m128i a6 = _mm_loadu_si128((const __m128i *)(s + 6 * ss));
+  __m128i a7 = _mm_loadu_si128((const __m128i *)(s + 7 * ss));
+  __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
+  __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
+  __m128i b4 = _mm_unpacklo_epi16(a4, a5), b5 = _mm_unpackhi_epi16(a4, a5);
+  __m128i b6 = _mm_unpacklo_epi16(a6, a7), b7 = _mm_unpackhi_epi16(a6, a7);
+  __m128i c0 = _mm_unpacklo_epi32(b0, b2), c1 = _mm_unpackhi_epi32(b0, b2);
+  __m128i c2 = _mm_unpacklo_epi32(b1, b3), c3 = _mm_unpackhi_epi32(b1, b3);
+  __m128i c4 = _mm_unpacklo_epi32(b4, b6), c5 = _mm_unpackhi_epi32(b4, b6);
+  __m128i c6 = _mm_unpacklo_epi32(b5, b7), c7 = _mm_unpackhi_epi32(b5, b7);
+  TILE_STORE(nt, d + 0 * ds, _mm_unpacklo_epi64(c0, c4));
+  TILE_STORE(nt, d + 1 * ds, _mm_unpackhi_epi64(c0, c4));
+  TILE_STORE(nt, d + 2 * ds, _mm_unpacklo_epi64(c1, c5));
+  TILE_STORE(nt, d + 3 * ds, _mm_unpackhi_epi64(c1, c5));
+  TILE_STORE(nt, d + 4 * ds, _mm_unpacklo_epi64(c2, c6));
+  TILE_STORE(nt, d + 5 * ds, _mm_unpackhi_epi64(c2, c6));
+  TILE_STORE(nt, d + 6 * ds, _mm_unpacklo_epi64(c3, c7));
+  TILE_STORE(nt, d + 7 * ds, _mm_unpackhi_epi64(c3, c7));
 }
 
-static void transpose_u32(const uint32_t *src, int64_t ss, uint32_t *dst, int64_t ds,
-                          int64_t rows, int64_t cols) {
-  int64_t r0 = 0;
+static inline void tile4x4_u32(const uint32_t *s, int64_t ss, uint32_t *d, int64_t ds, int nt) {
+  __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * ss));
+  __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * ss));
+  __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * ss));
+  __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * ss));
+  __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);
+  __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
+  TILE_STORE(nt, d + 0 * ds, _mm_unpacklo_epi64(b0, b2));
+  TILE_STORE(nt, d + 1 * ds, _mm_unpackhi_epi64(b0, b2));
+  TILE_STORE(nt, d + 2 * ds, _mm_unpacklo_epi64(b1, b3));
+  TILE_STORE(nt, d + 3 * ds, _mm_unpackhi_epi64(b1, b3));
+}
+#endif
+
+/* dst[c * ds + r] = src[r * ss + c] for r < rows, c < cols (strides in elements). Tiles go
+ * column strip by column strip (outer c0), so each destination row is written front to back. */
+#define DEFINE_TRANSPOSE(NAME, T, TILE, FN)                                                  \
+  static void NAME(const T *src, int64_t ss, T *dst, int64_t ds, int64_t rows, int64_t cols) { \
+    int64_t R = 0, C = 0;                                                                     \
+    TRANSPOSE_SIMD(T, TILE, FN)                                                               \
+    for (int64_t r = 0; r < rows; ++r)                                                        \
+      for (int64_t c = (r < R ? C : 0); c < cols; ++c) dst[c * ds + r] = src[r * ss + c];     \
+  }
 #if defined(__SSE2__)
-  for (; r0 + 4 <= rows; r0 += 4) {
-    int64_t c0 = 0;
-    for (; c0 + 4 <= cols; c0 += 4) {
-      const uint32_t *s = src + r0 * ss + c0;
-      uint32_t *d = dst + c0 * ds + r0;
-      __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * ss));
-      __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * ss));
-      __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * ss));
-      __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * ss));
-      __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);
-      __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
-      _mm_storeu_si128((__m128i *)(d + 0 * ds), _mm_unpacklo_epi64(b0, b2));
-      _mm_storeu_si128((__m128i *)(d + 1 * ds), _mm_unpackhi_epi64(b0, b2));
-      _mm_storeu_si128((__m128i *)(d + 2 * ds), _mm_unpacklo_epi64(b1, b3));
-      _mm_storeu_si128((__m128i *)(d + 3 * ds), _mm_unpackhi_epi64(b1, b3));
-    }
-    for (; c0 < cols; ++c0)
-      for (int64_t r = r0; r < r0 + 4; ++r) dst[c0 * ds + r] = src[r * ss + c0];
+#define TRANSPOSE_SIMD(T, TILE, FN)                                                           \
+  R = rows - rows % TILE;                                                                     \
+  C = cols - cols % TILE;                                                                     \
+  int nt = ((uintptr_t)dst % 16 == 0) && ((ds * (int64_t)sizeof(T)) % 16 == 0);               \
+  for (int64_t c0 = 0; c0 < C; c0 += TILE)                                                    \
+    for (int64_t r0 = 0; r0 < R; r0 += TILE) FN(src + r0 * ss + c0, ss, dst + c0 * ds + r0, ds, nt);
+#else
+#define TRANSPOSE_SIMD(T, TILE, FN)
+#endif
+DEFINE_TRANSPOSE(transpose_u16, uint16_t, 8, tile8x8_u16)
+DEFINE_TRANSPOSE(transpose_u32, uint32_t, 4, tile4x4_u32)
+
+/* Copy one row of `bytes`, streaming when both ends allow it. */
+static inline void copy_row(char *dst, const char *src, int64_t bytes) {
+#if defined(__SSE2__)
+  if ((uintptr_t)dst % 16 == 0 && bytes % 16 == 0) {
+    for (int64_t i = 0; i < bytes; i += 16)
+      _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+    return;
   }
 #endif
-  for (; r0 < rows; ++r0)
-    for (int64_t c = 0; c < cols; ++c) dst[c * ds + r0] = src[r0 * ss + c];
+  memcpy(dst, src, (size_t)bytes);
 }
 
 static int transpose_any(int elem, const char *src, int64_t ss, char *dst, int64_t ds,
@@ -107,6 +121,7 @@ static int transpose_any(int elem, const char *src, int64_t ss, char *dst, int64
 }
 
 int cart_kv_abi_version(void) { return 1; }
+
 
 /* For every layer l and run (token_start, token_end, block, offset):
  *   obj K rows  = obj + (0 * kv_stride + l * layer_stride + t * tok_stride + h * D) * elem
@@ -133,14 +148,17 @@ int cart_kv_copy(int to_cache, int elem, char *obj, int64_t kv_stride, int64_t l
         if (to_cache) {
           transpose_any(elem, k_rows, tok_stride, k_reg + off * elem, bs, n, D);
           for (int64_t t = 0; t < n; ++t)
-            memcpy(v_reg + (off + t) * D * elem, v_rows + t * tok_stride * elem, (size_t)(D * elem));
+            copy_row(v_reg + (off + t) * D * elem, v_rows + t * tok_stride * elem, D * elem);
         } else {
           transpose_any(elem, k_reg + off * elem, bs, k_rows, tok_stride, D, n);
           for (int64_t t = 0; t < n; ++t)
-            memcpy(v_rows + t * tok_stride * elem, v_reg + (off + t) * D * elem, (size_t)(D * elem));
+            copy_row(v_rows + t * tok_stride * elem, v_reg + (off + t) * D * elem, D * elem);
         }
       }
     }
   }
+#if defined(__SSE2__)
+  _mm_sfence(); /* streaming stores visible before the caller (and attention) reads */
+#endif
   return 0;
 }
