@@ -276,6 +276,10 @@ def test_slot_runs_agree_with_a_per_slot_walk_on_random_mappings():
             s.append(-1 if r < 0.2 else s[-1] + 1 if s and s[-1] >= 0 and r < 0.8 else rng.randint(0, 300))
         for dt in (torch.long, torch.int32):
             assert slot_runs(torch.tensor(s, dtype=dt), bs) == walk(s, bs), (s, bs)
+    for _ in range(2000):  # consecutive slots (the fast path): any start, any length
+        bs, first, n = rng.choice([4, 16, 128]), rng.randint(0, 500), rng.randint(1, 300)
+        s = list(range(first, first + n))
+        assert slot_runs(torch.tensor(s), bs) == walk(s, bs), (first, n, bs)
 
 
 def test_slot_runs_split_at_block_edges_and_gaps():

@@ -82,6 +82,16 @@ def run_array(slots: torch.Tensor, block_size: int) -> np.ndarray:
     n = s.shape[0]
     if n == 0:
         return np.zeros((0, 4), dtype=np.int64)
+    first, last = int(s[0]), int(s[-1])
+    if first >= 0 and last - first == n - 1 and (n == 1 or bool((np.diff(s) == 1).all())):
+        # The usual case (a fresh request's slots are consecutive): cut at block edges only.
+        edges = list(range(first, last + 1, block_size)) if first % block_size == 0 else \
+            [first] + list(range(first - first % block_size + block_size, last + 1, block_size))
+        out = np.empty((len(edges), 4), dtype=np.int64)
+        for i, e0 in enumerate(edges):
+            out[i] = (e0 - first, min(n, e0 - first + block_size - e0 % block_size), e0 // block_size,
+                      e0 % block_size)
+        return out
     brk = np.empty(n, dtype=bool)
     brk[0] = True
     if n > 1:
@@ -227,7 +237,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         slots = kwargs["slot_mapping"][start:end].to("cpu")
         return layout, kvcaches, slots, t[:, :, :n].unflatten(-1, (self.num_kv_heads, self.head_dim))
 
-    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs):
+    def _load_plan(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any]):
         if memory_obj.metadata.fmt != MemoryFormat.KV_2LTD:
             raise ValueError(f"memory object format {memory_obj.metadata.fmt}, expected KV_2LTD")
         layout, kvcaches, slots, src = self._prepare(memory_obj, start, end, kwargs)
@@ -237,6 +247,10 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         if skip:
             slots = slots.clone()
             slots[:skip] = -1
+        return layout, kvcaches, slots, src
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs):
+        layout, kvcaches, slots, src = self._load_plan(memory_obj, start, end, kwargs)
         self._copy(layout, kvcaches, slots, src, to_cache=True)
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs):
@@ -255,13 +269,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         bs = kvcaches[0].shape[2]
         lib = native.kernel() if self.use_native else None
         if lib is not None:
-            arr = np.ascontiguousarray(run_array(slots, bs))
-            if arr.shape[0]:
-                self._copy_native(lib, kvcaches, arr, obj, to_cache=to_cache)
-                full = int(((arr[:, 3] == 0) & (arr[:, 1] - arr[:, 0] == bs)).sum())
-                self.stats["native_copies"] += arr.shape[0]
-                self.stats["block_copies"] += full
-                self.stats["partial_copies"] += arr.shape[0] - full
+            self._copy_native(lib, kvcaches, [self._native_runs(obj, slots, bs)], to_cache=to_cache)
             return
         runs = slot_runs(slots, bs)
         n = slots.numel()
@@ -336,18 +344,34 @@ class CpuPagedKVConnector(GPUConnectorInterface):
                         v_src.copy_(v_cache.index_select(0, idx))
         self.stats["block_copies"] += nblk
 
-    def _copy_native(self, lib, kvcaches, runs: np.ndarray, obj: torch.Tensor, *, to_cache: bool) -> None:
-        """All layers and runs of one chunk in one call of the native kernel (`csrc/kv_copy.c`)."""
+    def _native_runs(self, obj: torch.Tensor, slots: torch.Tensor, bs: int) -> np.ndarray:
+        """The kernel's run rows `(obj, kv_stride, layer_stride, tok_stride, start, end, block,
+        offset)` for one memory object view `[2, L, n, H, D]`."""
+        if obj.stride(3) != self.head_dim or obj.stride(4) != 1 or obj.dtype != self.dtype:
+            raise ValueError(f"memory object view has strides {obj.stride()} / dtype {obj.dtype}, "
+                             f"expected head-major {self.dtype} rows")
+        runs = run_array(slots, bs)
+        rows = np.empty((runs.shape[0], 8), dtype=np.int64)
+        rows[:, 0] = obj.data_ptr()
+        rows[:, 1], rows[:, 2], rows[:, 3] = obj.stride(0), obj.stride(1), obj.stride(2)
+        rows[:, 4:] = runs
+        return rows
+
+    def _copy_native(self, lib, kvcaches, run_rows: list[np.ndarray], *, to_cache: bool) -> None:
+        """All layers and runs (of one or several memory objects) in one kernel call."""
+        rows = np.ascontiguousarray(np.concatenate(run_rows) if len(run_rows) > 1 else run_rows[0])
+        if rows.shape[0] == 0:
+            return
         nb, h, bs, two_d = kvcaches[0].shape
-        ptrs = self._layer_pointers(kvcaches)
-        kv_stride, layer_stride, tok_stride = obj.stride(0), obj.stride(1), obj.stride(2)
-        if obj.stride(3) != self.head_dim or obj.stride(4) != 1:
-            raise ValueError(f"memory object view has strides {obj.stride()}, expected head-major rows")
-        rc = lib.cart_kv_copy(1 if to_cache else 0, obj.element_size(), obj.data_ptr(), kv_stride,
-                              layer_stride, tok_stride, ptrs, len(kvcaches), h, self.head_dim, bs,
-                              runs.ctypes.data, runs.shape[0])
+        elem = kvcaches[0].element_size()
+        rc = lib.cart_kv_copy(1 if to_cache else 0, elem, self._layer_pointers(kvcaches), len(kvcaches),
+                              h, self.head_dim, bs, rows.ctypes.data, rows.shape[0])
         if rc != 0:
-            raise RuntimeError(f"native KV copy failed (rc {rc}, element size {obj.element_size()})")
+            raise RuntimeError(f"native KV copy failed (rc {rc}, element size {elem})")
+        full = int(((rows[:, 7] == 0) & (rows[:, 5] - rows[:, 4] == bs)).sum())
+        self.stats["native_copies"] += rows.shape[0]
+        self.stats["block_copies"] += full
+        self.stats["partial_copies"] += rows.shape[0] - full
 
     def _layer_pointers(self, kvcaches):
         """ctypes array of the layers' data pointers, kept while vLLM's tensors stay the same."""
@@ -411,8 +435,17 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs):
         req_id = str(kwargs.get("req_id"))
         try:
-            for m, s, e in zip(memory_objs, starts, ends, strict=True):
-                self.to_gpu(m, s, e, **kwargs)
+            plans = [self._load_plan(m, s, e, kwargs) for m, s, e in zip(memory_objs, starts, ends, strict=True)]
+            lib = native.kernel() if self.use_native else None
+            if plans and lib is not None and all(p[0].kind == K_TRANSPOSED for p in plans):
+                # One retrieve, one kernel call: every chunk's runs together.
+                kvcaches = plans[0][1]
+                bs = kvcaches[0].shape[2]
+                self._copy_native(lib, kvcaches, [self._native_runs(src, slots, bs) for _, _, slots, src in plans],
+                                  to_cache=True)
+            else:
+                for layout, kvcaches, slots, src in plans:
+                    self._copy(layout, kvcaches, slots, src, to_cache=True)
         except Exception as e:
             # Do not raise into LMCache (it would leak the memory objects of this retrieve):
             # record the failure; the vLLM connector reports the request's blocks as failed.

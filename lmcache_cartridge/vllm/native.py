@@ -36,7 +36,7 @@ from lmcache_cartridge.paths import cache_root
 logger = logging.getLogger("lmcache_cartridge.vllm.native")
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_copy.c"
-ABI_VERSION = 1
+ABI_VERSION = 2
 ENV_SWITCH = "LMCACHE_CARTRIDGE_NATIVE"  # "0" disables the kernel (pure-torch copy)
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-Wall")
 
@@ -80,7 +80,7 @@ def _load(path: Path) -> ctypes.CDLL:
         raise RuntimeError(f"{path} has ABI {lib.cart_kv_abi_version()}, expected {ABI_VERSION}")
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.cart_kv_copy.restype = ctypes.c_int
-    lib.cart_kv_copy.argtypes = [ctypes.c_int, ctypes.c_int, p, i64, i64, i64, p, i64, i64, i64, i64, p, i64]
+    lib.cart_kv_copy.argtypes = [ctypes.c_int, ctypes.c_int, p, i64, i64, i64, i64, p, i64]
     return lib
 
 

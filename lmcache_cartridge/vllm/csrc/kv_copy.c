@@ -120,26 +120,30 @@ static int transpose_any(int elem, const char *src, int64_t ss, char *dst, int64
   return 0;
 }
 
-int cart_kv_abi_version(void) { return 1; }
+int cart_kv_abi_version(void) { return 2; }
 
-
-/* For every layer l and run (token_start, token_end, block, offset):
+/* Each run is 8 int64: (obj, kv_stride, layer_stride, tok_stride, token_start, token_end, block,
+ * offset): a memory object's base address, its strides in elements, and a stretch of its tokens
+ * that sits at consecutive slots of one block. For every layer l and run:
  *   obj K rows  = obj + (0 * kv_stride + l * layer_stride + t * tok_stride + h * D) * elem
  *   obj V rows  = obj + (1 * kv_stride + l * layer_stride + t * tok_stride + h * D) * elem
  *   K region    = caches[l] + ((block * H + h) * 2 + 0) * bs * D * elem, [D][bs]
  *   V region    = caches[l] + ((block * H + h) * 2 + 1) * bs * D * elem, [bs][D]
- * to_cache != 0 copies obj -> caches, else caches -> obj. Returns 0, or -1 on a bad element size. */
-int cart_kv_copy(int to_cache, int elem, char *obj, int64_t kv_stride, int64_t layer_stride,
-                 int64_t tok_stride, char *const *caches, int64_t L, int64_t H, int64_t D,
+ * to_cache != 0 copies objects -> caches, else caches -> objects. Runs of several memory objects
+ * go in one call (one retrieve = one call). Returns 0, or -1 on a bad element size. */
+int cart_kv_copy(int to_cache, int elem, char *const *caches, int64_t L, int64_t H, int64_t D,
                  int64_t bs, const int64_t *runs, int64_t nruns) {
   if (elem != 1 && elem != 2 && elem != 4 && elem != 8) return -1;
   const int64_t region = bs * D;
   for (int64_t l = 0; l < L; ++l) {
-    char *k_obj = obj + (l * layer_stride) * elem;
-    char *v_obj = obj + (kv_stride + l * layer_stride) * elem;
     for (int64_t i = 0; i < nruns; ++i) {
-      const int64_t a = runs[4 * i], e = runs[4 * i + 1], blk = runs[4 * i + 2], off = runs[4 * i + 3];
+      const int64_t *r = runs + 8 * i;
+      char *obj = (char *)(intptr_t)r[0];
+      const int64_t kv_stride = r[1], layer_stride = r[2], tok_stride = r[3];
+      const int64_t a = r[4], e = r[5], blk = r[6], off = r[7];
       const int64_t n = e - a;
+      char *k_obj = obj + (l * layer_stride) * elem;
+      char *v_obj = obj + (kv_stride + l * layer_stride) * elem;
       for (int64_t h = 0; h < H; ++h) {
         char *k_reg = caches[l] + ((blk * H + h) * 2) * region * elem;
         char *v_reg = k_reg + region * elem;
