@@ -282,6 +282,15 @@ def test_slot_runs_agree_with_a_per_slot_walk_on_random_mappings():
         assert slot_runs(torch.tensor(s), bs) == walk(s, bs), (first, n, bs)
 
 
+def test_slots_past_the_cache_are_a_failed_load_not_a_wild_write(data, path):
+    k, v, _ = data
+    caches = [torch.zeros(NB, H, BS, 2 * D, dtype=DT) for _ in range(L)]
+    slots = torch.arange(NB * BS - 128, NB * BS + 128)  # the second block is past the end
+    conn = connector(path)
+    conn.batched_to_gpu([Obj(lmc(k, v, 0, 256))], [0], [256], kvcaches=caches, slot_mapping=slots, req_id="r")
+    assert "r" in conn.failed_loads
+
+
 def test_slot_runs_split_at_block_edges_and_gaps():
     s = torch.tensor([126, 127, 128, 129, 5, 6, -1, -1, 300])
     assert slot_runs(s, 128) == [(0, 2, 0, 126), (2, 4, 1, 0), (4, 6, 0, 5), (8, 9, 2, 44)]

@@ -363,6 +363,9 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         if rows.shape[0] == 0:
             return
         nb, h, bs, two_d = kvcaches[0].shape
+        if int(rows[:, 6].max()) >= nb or int(rows[:, 6].min()) < 0:
+            # torch indexing would raise here; C would write out of bounds
+            raise ValueError(f"slot mapping points past vLLM's {nb} KV blocks")
         elem = kvcaches[0].element_size()
         rc = lib.cart_kv_copy(1 if to_cache else 0, elem, self._layer_pointers(kvcaches), len(kvcaches),
                               h, self.head_dim, bs, rows.ctypes.data, rows.shape[0])
