@@ -23,7 +23,13 @@ $(STAMP): setup.cfg pyproject.toml
 	echo 'torch==2.13.0+cpu' > $(CONSTRAINTS)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e '.[cpu,test,bench]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PY) -m lmcache_cartridge.vllm.native || echo "native KV copy kernel not built: pure-torch copy"
 	touch $(STAMP)
+
+# The CPU connector's native KV copy kernel (lmcache_cartridge/vllm/csrc/kv_copy.c, built with
+# the system cc into $(LMCACHE_CARTRIDGE_HOME)/native; optional: without it the copy is pure torch).
+native: $(STAMP)
+	$(PY) -m lmcache_cartridge.vllm.native --force
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests

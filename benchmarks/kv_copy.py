@@ -4,17 +4,21 @@
                                            [--head-dim 128] [--block-size 128] [--threads 1]
 
 Same bytes (a cartridge of `--tokens` tokens in 256-token `KV_2LTD` chunks), same destination
-(vLLM-CPU's per-layer `[blocks, kv_heads, block_size, 2*head_dim]` caches), one run, four arms:
+(vLLM-CPU's per-layer `[blocks, kv_heads, block_size, 2*head_dim]` caches), one run, five arms:
 
-- `ours`: `CpuPagedKVConnector.batched_to_gpu`, what LMCache calls on retrieve;
+- `ours`: `CpuPagedKVConnector.batched_to_gpu`, what LMCache calls on retrieve, with the native
+  tiled-transpose kernel (`lmcache_cartridge/vllm/csrc/kv_copy.c`; absent if it cannot be built);
+- `ours-torch`: the same connector on its pure-torch fallback (`LMCACHE_CARTRIDGE_NATIVE=0`);
 - `vllm-op`: vLLM's own C++ writer `cpu_attn_reshape_and_cache` (what vLLM uses to store the KV
   it computes), one call per chunk and layer: the best a kernel written for this layout does;
 - `transpose`: only the K transposes the layout needs (`[tokens, H*D] -> [H*D, tokens]`);
 - `memcpy`: a plain copy of the same number of bytes (the limit without the layout).
 
-Torch runs with `--threads` intra-op threads (vLLM's worker in the TTFT benchmark has one core).
-`run(...)` is importable; `tests/test_bench_kv_copy.py` checks at tiny sizes that `ours` and
-`vllm-op` leave byte-identical caches.
+The arms take turns in every repetition (best of `--reps` each), so a load spike on a shared
+machine hits them alike. Torch runs with `--threads` intra-op threads (vLLM's worker in the TTFT benchmark has one core).
+`--isa` picks the layout (default: what vLLM picks here); "amx" has no fast path (loads go
+through vLLM's writer). `run(...)` is importable; `tests/test_bench_kv_copy.py` checks at tiny
+sizes that `ours`, `ours-torch` and `vllm-op` leave byte-identical caches.
 """
 
 from __future__ import annotations
@@ -46,27 +50,32 @@ class _Obj:
         self.metadata = SimpleNamespace(fmt=MemoryFormat.KV_2LTD)
 
 
-def _best(fn, reps: int) -> float:
-    fn()  # warm-up (layout probe, page faults)
-    best = float("inf")
+def _best_interleaved(arms, reps: int) -> dict[str, float]:
+    """Best time per arm, the arms taking turns in every repetition: on a shared machine a load
+    spike then hits all arms alike instead of skewing the one that happened to run during it."""
+    for _, fn in arms:
+        fn()  # warm-up (layout probe, page faults)
+    best = {name: float("inf") for name, _ in arms}
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
+        for name, fn in arms:
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
     return best
 
 
 def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 128,
-        block_size: int = 128, reps: int = 10, seed: int = 0) -> dict[str, Any]:
-    """Time every arm; return {arm: seconds, ...} plus the caches `ours` and `vllm-op` wrote."""
+        block_size: int = 128, reps: int = 10, seed: int = 0, isa: str | None = None) -> dict[str, Any]:
+    """Time every arm; return {arm: seconds, ...} plus the caches `ours*` and `vllm-op` wrote."""
     import vllm._custom_ops as ops
 
+    from lmcache_cartridge.vllm import cpu_kv, native
     from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, current_attn_isa
 
     if tokens % CHUNK or CHUNK % block_size:
         raise ValueError(f"tokens must be whole {CHUNK}-token chunks of whole {block_size}-token blocks")
     dt = torch.bfloat16
-    isa = current_attn_isa(dt, block_size, head_dim)
+    isa = isa or current_attn_isa(dt, block_size, head_dim)
     nb = tokens // block_size + 2
     g = torch.Generator().manual_seed(seed)
     chunks = [torch.randn(2, layers, CHUNK, kv_heads * head_dim, generator=g).to(dt)
@@ -79,13 +88,28 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
     def caches():
         return [torch.zeros(nb, kv_heads, block_size, 2 * head_dim, dtype=dt) for _ in range(layers)]
 
-    ours_caches, op_caches = caches(), caches()
-    conn = CpuPagedKVConnector(layers, kv_heads, head_dim, dt)
+    ours_caches, torch_caches, op_caches = caches(), caches(), caches()
+    real_isa = cpu_kv.current_attn_isa
+    cpu_kv.current_attn_isa = lambda *a, **kw: isa  # the layout under test (vLLM's pick by default)
+    try:
+        conn = CpuPagedKVConnector(layers, kv_heads, head_dim, dt)
+        conn.check_layout(ours_caches)
+        conn_torch = CpuPagedKVConnector(layers, kv_heads, head_dim, dt)
+        conn_torch.use_native = False
+        conn_torch.check_layout(torch_caches)
+    finally:
+        cpu_kv.current_attn_isa = real_isa
+
+    def load(c, dst):
+        c.batched_to_gpu(objs, starts, ends, kvcaches=dst, slot_mapping=slots, req_id="bench")
+        if c.failed_loads:
+            raise RuntimeError(f"connector refused the load: {c.take_failed_loads()}")
 
     def ours():
-        conn.batched_to_gpu(objs, starts, ends, kvcaches=ours_caches, slot_mapping=slots, req_id="bench")
-        if conn.failed_loads:
-            raise RuntimeError(f"connector refused the load: {conn.take_failed_loads()}")
+        load(conn, ours_caches)
+
+    def ours_torch():
+        load(conn_torch, torch_caches)
 
     def vllm_op():
         for c, (s, e) in enumerate(zip(starts, ends)):
@@ -112,11 +136,13 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
     nbytes = flat_src.numel() * flat_src.element_size()
     out: dict[str, Any] = {"tokens": tokens, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
                            "block_size": block_size, "isa": isa, "bytes": nbytes,
-                           "threads": torch.get_num_threads(), "arms": {}}
-    for name, fn in (("ours", ours), ("vllm-op", vllm_op), ("transpose", transpose), ("memcpy", memcpy)):
-        s = _best(fn, reps)
+                           "threads": torch.get_num_threads(), "native": native.kernel() is not None,
+                           "native_unavailable": native.unavailable_reason(), "arms": {}}
+    arms = [("ours", ours), ("ours-torch", ours_torch), ("vllm-op", vllm_op), ("transpose", transpose),
+            ("memcpy", memcpy)]
+    for name, s in _best_interleaved(arms, reps).items():
         out["arms"][name] = {"seconds": s, "gbps": nbytes / s / 1e9}
-    out["caches"] = {"ours": ours_caches, "vllm-op": op_caches}
+    out["caches"] = {"ours": ours_caches, "ours-torch": torch_caches, "vllm-op": op_caches}
     return out
 
 
@@ -129,18 +155,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--isa", default=None, help="layout to inject into (default: vLLM's pick here)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv_copy.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    r = run(a.tokens, a.layers, a.kv_heads, a.head_dim, a.block_size, a.reps)
-    same = all(torch.equal(x, y) for x, y in zip(r["caches"]["ours"], r["caches"]["vllm-op"]))
+    r = run(a.tokens, a.layers, a.kv_heads, a.head_dim, a.block_size, a.reps, isa=a.isa)
+    same = all(torch.equal(x.view(torch.uint16), y.view(torch.uint16)) and torch.equal(x.view(torch.uint16), z.view(torch.uint16))
+               for x, y, z in zip(r["caches"]["ours"], r["caches"]["vllm-op"], r["caches"]["ours-torch"]))
     r.pop("caches")
     r["ours_equals_vllm_op"] = same
+    r["ours_over_memcpy"] = r["arms"]["memcpy"]["seconds"] / r["arms"]["ours"]["seconds"]
     print(f"{a.tokens} tokens ({r['bytes'] / 2**20:.0f} MiB) into vLLM-CPU paged KV "
-          f"(ISA {r['isa']}, {r['threads']} thread(s)); ours == vllm-op bytes: {same}")
+          f"(ISA {r['isa']}, {r['threads']} thread(s), native kernel: "
+          f"{r['native'] or r['native_unavailable']}); ours == ours-torch == vllm-op bytes: {same}")
     for name, x in r["arms"].items():
         print(f"  {name:10s} {x['seconds'] * 1e3:8.2f} ms  {x['gbps']:6.2f} GB/s  "
-              f"({x['seconds'] / r['arms']['memcpy']['seconds']:.1f}x memcpy)")
+              f"({r['arms']['memcpy']['seconds'] / x['seconds']:.2f}x memcpy speed)")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(r, indent=1) + "\n")
     return 0 if same else 1

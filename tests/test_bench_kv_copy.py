@@ -1,6 +1,7 @@
 """benchmarks/kv_copy.py at a tiny size: correctness only (no timing is asserted). The connector
-LMCache calls on retrieve must leave vLLM's CPU paged KV byte-identical to what vLLM's own C++
-writer (`cpu_attn_reshape_and_cache`) leaves for the same tokens and slots."""
+LMCache calls on retrieve (native kernel and pure-torch fallback) must leave vLLM's CPU paged KV
+byte-identical to what vLLM's own C++ writer (`cpu_attn_reshape_and_cache`) leaves for the same
+tokens and slots, for each ISA whose writer runs here."""
 
 import sys
 from pathlib import Path
@@ -13,11 +14,21 @@ import kv_copy  # noqa: E402
 
 def test_connector_writes_what_vllm_writes():
     r = kv_copy.run(tokens=512, layers=2, kv_heads=2, head_dim=128, block_size=128, reps=1)
-    ours, theirs = r["caches"]["ours"], r["caches"]["vllm-op"]
+    ours, fallback, theirs = r["caches"]["ours"], r["caches"]["ours-torch"], r["caches"]["vllm-op"]
     assert len(ours) == 2
-    for a, b in zip(ours, theirs):
+    for a, f, b in zip(ours, fallback, theirs):
         assert a[1:5].any()  # the four blocks the 512 tokens occupy were written
         assert torch.equal(a.view(torch.uint16), b.view(torch.uint16))
+        assert torch.equal(f.view(torch.uint16), b.view(torch.uint16))
         assert not a[0].any() and not a[5:].any()  # and nothing else
-    assert set(r["arms"]) == {"ours", "vllm-op", "transpose", "memcpy"}
+    assert set(r["arms"]) == {"ours", "ours-torch", "vllm-op", "transpose", "memcpy"}
     assert all(x["seconds"] > 0 for x in r["arms"].values())
+
+
+def test_every_isa_arm_writes_what_vllm_writes():
+    for isa in ("vec16", "amx"):
+        r = kv_copy.run(tokens=256, layers=1, kv_heads=2, head_dim=64, block_size=128, reps=1, isa=isa)
+        assert r["isa"] == isa
+        for name in ("ours", "ours-torch"):
+            for a, b in zip(r["caches"][name], r["caches"]["vllm-op"]):
+                assert a.any() and torch.equal(a.view(torch.uint16), b.view(torch.uint16)), (isa, name)

@@ -3,6 +3,9 @@
 The reference for the layout is vLLM itself: `torch.ops._C.cpu_attn_reshape_and_cache` (what
 vLLM's CPU attention calls to write K/V into the paged cache). Whatever it writes, the connector
 must read back as the same K/V, and what the connector writes must be byte-identical to it.
+Every such test runs for each ISA whose writer executes on this machine ("vec", "vec16", and
+"amx", whose writer is checked in a subprocess first) and for both copy paths of the
+transposed-K layouts (the native kernel and the pure-torch fallback).
 """
 
 from __future__ import annotations
@@ -16,19 +19,59 @@ vllm_ops = pytest.importorskip("vllm._custom_ops")
 
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 
-from lmcache_cartridge.vllm import cpu_kv
+import functools
+import shutil
+import subprocess
+import sys
+
+from lmcache_cartridge.vllm import cpu_kv, cpu_layout, native
 from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, UnverifiedKVLayout, slot_runs
 
 L, H, D, BS, NB = 2, 2, 64, 128, 16
 DT = torch.bfloat16
+ISAS = ["vec", "vec16", "amx"]
+
+_WRITER_SNIPPET = """
+import sys, torch, vllm._custom_ops as ops
+c = torch.zeros(2, 2, 32, 128, dtype=torch.bfloat16)
+kc, vc = c.view(2, 2, 64, 64).chunk(2, dim=2)
+x = torch.randn(40, 2, 64).to(torch.bfloat16)
+ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(40), sys.argv[1])
+print("written", int((c != 0).sum()))
+"""
 
 
-def machine_isa() -> str:
-    return cpu_kv.current_attn_isa(DT, BS, D)
+@functools.lru_cache(maxsize=None)
+def writer_in_subprocess(isa: str) -> tuple[int, str]:
+    """Run vLLM's writer for `isa` in a child process (an ISA this CPU lacks could kill it)."""
+    p = subprocess.run([sys.executable, "-c", _WRITER_SNIPPET, isa], capture_output=True, text=True,
+                       timeout=300)
+    return p.returncode, (p.stdout + p.stderr).strip().splitlines()[-1] if (p.stdout + p.stderr).strip() else ""
 
 
-needs_vec = pytest.mark.skipif(
-    "machine_isa() != 'vec'", reason="layout verified for vLLM's 'vec' CPU attention ISA only")
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Makes the connector believe vLLM picked this ISA; the reference is written with it."""
+    name = request.param
+    if name != cpu_kv.current_attn_isa(DT, BS, D):
+        rc, last = writer_in_subprocess(name)
+        if rc != 0:
+            pytest.skip(f"vLLM's '{name}' writer does not run on this machine: rc {rc}: {last}")
+    monkeypatch.setattr(cpu_kv, "current_attn_isa", lambda *a, **kw: name)
+    return name
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request):
+    if request.param == "native" and native.kernel() is None:
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    return request.param
+
+
+def connector(path: str, *args) -> CpuPagedKVConnector:
+    conn = CpuPagedKVConnector(*(args or (L, H, D, DT)))
+    conn.use_native = path == "native"
+    return conn
 
 
 class Obj:
@@ -39,14 +82,14 @@ class Obj:
         self.metadata = SimpleNamespace(fmt=MemoryFormat.KV_2LTD)
 
 
-def vllm_written(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
+def vllm_written(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, isa: str) -> list[torch.Tensor]:
     """Per-layer caches written by vLLM's own op. k, v: [L, T, H, D]."""
     caches = []
     for layer in range(L):
         c = torch.zeros(NB, H, BS, 2 * D, dtype=DT)
         kc, vc = c.view(NB, H, 2 * BS, D).chunk(2, dim=2)
         vllm_ops.cpu_attn_reshape_and_cache(k[layer].contiguous(), v[layer].contiguous(), kc, vc,
-                                            slots, machine_isa())
+                                            slots, isa)
         caches.append(c)
     return caches
 
@@ -66,15 +109,95 @@ def lmc(k, v, a, b):
     return torch.stack([k[:, a:b], v[:, a:b]]).flatten(-2).contiguous()  # [2, L, n, H*D]
 
 
-@needs_vec
-def test_probe_confirms_layout_on_this_machine():
-    assert cpu_kv.probe_layout(BS, H, D, DT, "vec") is None
-    assert cpu_kv.probe_layout(64, 4, 128, DT, "vec") is None
+def test_probe_learns_each_layout_from_vllms_writer(isa):
+    for bs, heads, hd, dt in [(BS, H, D, DT), (64, 4, 128, DT), (32, 2, 64, torch.float16),
+                              (128, 1, 128, torch.float32)]:
+        assert cpu_kv.probe_layout(bs, heads, hd, dt, isa) is None, (bs, heads, hd, dt)
+    lay = cpu_layout.derive_layout(isa, BS, H, D, DT)
+    # vec and vec16 store K transposed (vLLM's cpu_attn_vec*.hpp); amx packs tiles.
+    assert lay.kind == (cpu_layout.PERMUTED if isa == "amx" else cpu_layout.K_TRANSPOSED)
 
 
-@needs_vec
+def test_vec16_head_dims_are_what_vllm_picks_vec16_for():
+    """head_dim 80 (a multiple of 16, not 32) is where vLLM picks "vec16" on any x86 CPU."""
+    assert cpu_kv.current_attn_isa(DT, BS, 80) == "vec16"
+    lay = cpu_layout.derive_layout("vec16", BS, 2, 80, DT)
+    assert lay.kind == cpu_layout.K_TRANSPOSED
+
+
+def test_amx_writer_runs_in_a_subprocess_or_is_refused():
+    """vLLM's "amx" writer only packs bytes (no AMX instruction), so it runs on any x86 build;
+    where it cannot run, the layout must be refused, never guessed."""
+    rc, last = writer_in_subprocess("amx")
+    if rc == 0:
+        assert last.startswith("written ")
+    else:
+        with pytest.raises(UnverifiedKVLayout):
+            cpu_layout.derive_layout("amx", 32, 2, 64, DT)
+
+
+def test_a_writer_that_does_not_exist_is_refused():
+    assert "could not learn" in cpu_kv.probe_layout(BS, H, D, DT, "no-such-isa")
+
+
+def test_a_writer_that_is_not_a_permutation_is_refused(monkeypatch):
+    """A writer that drops or changes values (e.g. a quantizing one) cannot be served."""
+    real = cpu_layout._write
+
+    def lossy(isa, k, v, cache, slots):
+        real("vec", k, v, cache, slots)
+        cache.view(-1)[::7] = 0
+
+    monkeypatch.setattr(cpu_layout, "_write", lossy)
+    with pytest.raises(UnverifiedKVLayout, match="unwritten"):
+        cpu_layout.derive_layout("lossy-test", BS, H, D, DT)
+
+    def scaled(isa, k, v, cache, slots):
+        real("vec", k * 2, v, cache, slots)
+
+    monkeypatch.setattr(cpu_layout, "_write", scaled)
+    with pytest.raises(UnverifiedKVLayout):
+        cpu_layout.derive_layout("scaled-test", BS, H, D, DT)
+
+
+def test_native_kernel_builds_where_a_compiler_exists():
+    if not shutil.which("cc") and not shutil.which("gcc"):
+        pytest.skip("no C compiler")
+    assert native.kernel() is not None, native.unavailable_reason()
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hd", [64, 80, 128])
+def test_native_and_torch_paths_write_vllms_bytes_for_each_dtype_and_head_dim(path, dt, hd):
+    """Odd run lengths (tails of the 8x8/4x4 tiles), mid-block starts, scattered blocks."""
+    g = torch.Generator().manual_seed(hd)
+    t, heads = 301, 2
+    k = torch.randn(L, t, heads, hd, generator=g).to(dt)
+    v = torch.randn(L, t, heads, hd, generator=g).to(dt)
+    blocks = [3, 1, 6, 4]
+    slots = torch.tensor([blocks[(i + 37) // 128] * 128 + (i + 37) % 128 for i in range(t)])
+    isa = cpu_kv.current_attn_isa(dt, 128, hd)
+    ref = []
+    for layer in range(L):
+        c = torch.zeros(8, heads, 128, 2 * hd, dtype=dt)
+        kc, vc = c.view(8, heads, 256, hd).chunk(2, dim=2)
+        vllm_ops.cpu_attn_reshape_and_cache(k[layer].contiguous(), v[layer].contiguous(), kc, vc, slots, isa)
+        ref.append(c)
+    conn = connector(path, L, heads, hd, dt)
+    mine = [torch.zeros_like(c) for c in ref]
+    obj = torch.stack([k, v]).flatten(-2).contiguous()
+    conn.batched_to_gpu([Obj(obj)], [0], [t], kvcaches=mine, slot_mapping=slots, req_id="r")
+    assert not conn.failed_loads
+    for r, m in zip(ref, mine):
+        assert torch.equal(r.view(torch.uint8), m.view(torch.uint8))
+    out = Obj(torch.empty_like(obj))
+    conn.batched_from_gpu([out], [0], [t], kvcaches=ref, slot_mapping=slots)
+    assert torch.equal(out.tensor.view(torch.uint8), obj.view(torch.uint8))
+    assert (conn.stats["native_copies"] > 0) == (path == "native")
+
+
 @pytest.mark.parametrize("start", [0, 100])  # chunk aligned to a block / starting mid-block
-def test_reads_what_vllm_wrote_and_writes_what_vllm_writes(data, start):
+def test_reads_what_vllm_wrote_and_writes_what_vllm_writes(data, start, isa, path):
     k, v, slots = data
     slots = slots.clone()
     if start:  # shift the whole sequence so chunks start mid-block
@@ -82,8 +205,8 @@ def test_reads_what_vllm_wrote_and_writes_what_vllm_writes(data, start):
         slots = slots[slots < NB * BS]
         k, v = k[:, :len(slots)], v[:, :len(slots)]
     t = len(slots)
-    ref = vllm_written(k, v, slots)
-    conn = CpuPagedKVConnector(L, H, D, DT)
+    ref = vllm_written(k, v, slots, isa)
+    conn = connector(path)
     mine = [torch.zeros_like(c) for c in ref]
     for a in range(0, t, 256):
         b = min(t, a + 256)
@@ -95,14 +218,17 @@ def test_reads_what_vllm_wrote_and_writes_what_vllm_writes(data, start):
     for r, m in zip(ref, mine):
         assert torch.equal(r.view(torch.int16), m.view(torch.int16))
     assert conn.stats["scatter_tokens"] == 0  # copied by runs, not per slot
-    assert conn.stats["block_copies" if start == 0 else "partial_copies"] > 0
+    if isa == "amx":  # loads by vLLM's own writer, stores through the proven maps
+        assert conn.stats["writer_copies"] > 0 and conn.stats["gather_copies"] > 0
+    else:
+        assert conn.stats["block_copies" if start == 0 else "partial_copies"] > 0
+        assert (conn.stats["native_copies"] > 0) == (path == "native")
 
 
-@needs_vec
-def test_never_overwrites_tokens_vllm_already_has(data):
+def test_never_overwrites_tokens_vllm_already_has(data, isa, path):
     k, v, slots = data
     caches = [torch.full((NB, H, BS, 2 * D), 7.0, dtype=DT) for _ in range(L)]
-    conn = CpuPagedKVConnector(L, H, D, DT)
+    conn = connector(path)
     conn.batched_to_gpu([Obj(lmc(k, v, 0, 256))], [0], [256], kvcaches=caches, slot_mapping=slots,
                         vllm_cached_tokens=130, req_id="r")
     out = Obj(torch.empty(2, L, 256, H * D, dtype=DT))
@@ -111,19 +237,58 @@ def test_never_overwrites_tokens_vllm_already_has(data):
     assert torch.equal(out.tensor[:, :, 130:], lmc(k, v, 130, 256))
 
 
-@needs_vec
-def test_fragmented_slots_use_scatter_and_match_vllm(data):
+def test_fragmented_slots_match_vllm(data, isa, path):
     k, v, _ = data
     slots = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(1))[:256]
-    ref = vllm_written(k[:, :256], v[:, :256], slots)
-    conn = CpuPagedKVConnector(L, H, D, DT)
+    ref = vllm_written(k[:, :256], v[:, :256], slots, isa)
+    conn = connector(path)
     out = Obj(torch.empty(2, L, 256, H * D, dtype=DT))
     conn.batched_from_gpu([out], [0], [256], kvcaches=ref, slot_mapping=slots)
     assert torch.equal(out.tensor, lmc(k, v, 0, 256))
     mine = [torch.zeros_like(c) for c in ref]
     conn.batched_to_gpu([out], [0], [256], kvcaches=mine, slot_mapping=slots, req_id="r")
     assert all(torch.equal(a, b) for a, b in zip(ref, mine))
-    assert conn.stats["scatter_tokens"] == 512
+    if isa != "amx":  # per-slot: a torch scatter, or single-token runs of the native kernel
+        assert conn.stats["scatter_tokens" if path == "torch" else "native_copies"] >= 256
+
+
+def test_slot_runs_agree_with_a_per_slot_walk_on_random_mappings():
+    import random
+
+    def walk(s, bs):
+        out, i = [], 0
+        while i < len(s):
+            if s[i] < 0:
+                i += 1
+                continue
+            j = i + 1
+            while j < len(s) and s[j] >= 0 and s[j] == s[j - 1] + 1 and s[j] % bs:
+                j += 1
+            out.append((i, j, s[i] // bs, s[i] % bs))
+            i = j
+        return out
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        bs, s = rng.choice([4, 8, 128]), []
+        for _ in range(rng.randint(0, 40)):
+            r = rng.random()
+            s.append(-1 if r < 0.2 else s[-1] + 1 if s and s[-1] >= 0 and r < 0.8 else rng.randint(0, 300))
+        for dt in (torch.long, torch.int32):
+            assert slot_runs(torch.tensor(s, dtype=dt), bs) == walk(s, bs), (s, bs)
+    for _ in range(2000):  # consecutive slots (the fast path): any start, any length
+        bs, first, n = rng.choice([4, 16, 128]), rng.randint(0, 500), rng.randint(1, 300)
+        s = list(range(first, first + n))
+        assert slot_runs(torch.tensor(s), bs) == walk(s, bs), (first, n, bs)
+
+
+def test_slots_past_the_cache_are_a_failed_load_not_a_wild_write(data, path):
+    k, v, _ = data
+    caches = [torch.zeros(NB, H, BS, 2 * D, dtype=DT) for _ in range(L)]
+    slots = torch.arange(NB * BS - 128, NB * BS + 128)  # the second block is past the end
+    conn = connector(path)
+    conn.batched_to_gpu([Obj(lmc(k, v, 0, 256))], [0], [256], kvcaches=caches, slot_mapping=slots, req_id="r")
+    assert "r" in conn.failed_loads
 
 
 def test_slot_runs_split_at_block_edges_and_gaps():
@@ -133,13 +298,13 @@ def test_slot_runs_split_at_block_edges_and_gaps():
 
 def test_unverified_isa_is_refused_without_raising_into_lmcache(data, monkeypatch):
     k, v, slots = data
-    monkeypatch.setattr(cpu_kv, "current_attn_isa", lambda *a, **kw: "amx")
+    monkeypatch.setattr(cpu_kv, "current_attn_isa", lambda *a, **kw: "no-such-isa")  # no writer for it
     conn = CpuPagedKVConnector(L, H, D, DT)
     caches = [torch.zeros(NB, H, BS, 2 * D, dtype=DT) for _ in range(L)]
     assert not conn.refused
     conn.batched_to_gpu([Obj(lmc(k, v, 0, 256))], [0], [256], kvcaches=caches, slot_mapping=slots, req_id="r1")
     assert conn.refused  # CartridgeConnector then starts no store (LMCache would leak its buffers)
-    assert "r1" in conn.failed_loads and "amx" in conn.failed_loads["r1"]
+    assert "r1" in conn.failed_loads and "no-such-isa" in conn.failed_loads["r1"]
     assert all(not c.any() for c in caches)  # nothing written
     assert conn.take_failed_loads() and not conn.failed_loads
     with pytest.raises(UnverifiedKVLayout):  # a store is refused loudly (nothing stored)

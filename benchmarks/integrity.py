@@ -1,0 +1,96 @@
+"""First-read verification speed: what a cartridge chunk's first hit pays to prove its bytes.
+
+    .venv/bin/python benchmarks/integrity.py [--mib 32] [--reps 5]
+
+One buffer (random bf16, the size of one chunk: 32 MiB is a 256-token chunk of Llama-3.1-8B),
+one thread, best of `--reps`, in one run:
+
+- `sha256`: hashlib's sha256 (what `cartridge/integrity.check_chunk` does today; content identity);
+- `blake2b`: hashlib's blake2b (a per-chunk digest a manifest could store instead);
+- `blake3`: the `blake3` package, one thread (installed here as a dependency of LMCache);
+- `xxh3_64`: the `xxhash` package if installed (not a cryptographic hash: only against accidents);
+- `isfinite`: `torch.isfinite(t).all()`, the NaN/Inf scan `check_chunk` did until now;
+- `finite-bits`: `integrity._all_finite`, the scan it does now (exponent bits, in slices);
+- `memcpy`: a plain copy of the same bytes, the yardstick (`benchmarks/kv_copy.py` measures the
+  injection copy against the same thing).
+
+Nothing here changes what is verified; it measures the options issue 17 lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _best(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def run(mib: int = 32, reps: int = 5) -> dict:
+    from lmcache_cartridge.cartridge.integrity import _all_finite
+
+    torch.set_num_threads(1)
+    n = mib * 2**20
+    t = torch.randn(n // 2, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    buf = memoryview(t.view(torch.uint8).numpy())
+    dst = torch.empty_like(t)
+    arms = {
+        "sha256": lambda: hashlib.sha256(buf).digest(),
+        "blake2b": lambda: hashlib.blake2b(buf).digest(),
+        "isfinite": lambda: bool(torch.isfinite(t).all()),
+        "finite-bits": lambda: _all_finite(buf, torch.bfloat16),
+        "memcpy": lambda: dst.copy_(t),
+    }
+    try:
+        import blake3
+
+        arms["blake3"] = lambda: blake3.blake3(buf, max_threads=1).digest()
+    except ImportError:
+        pass
+    try:
+        import xxhash
+
+        arms["xxh3_64"] = lambda: xxhash.xxh3_64(buf).digest()
+    except ImportError:
+        pass
+    out = {"bytes": n, "threads": 1, "arms": {}}
+    for name, fn in arms.items():
+        s = _best(fn, reps)
+        out["arms"][name] = {"seconds": s, "gbps": n / s / 1e9}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv_copy-integrity.json")
+    a = ap.parse_args(argv)
+    r = run(a.mib, a.reps)
+    print(f"{a.mib} MiB, 1 thread")
+    for name, x in r["arms"].items():
+        print(f"  {name:9s} {x['seconds'] * 1e3:8.2f} ms  {x['gbps']:6.2f} GB/s")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(r, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

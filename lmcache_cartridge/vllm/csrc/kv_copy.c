@@ -1,0 +1,168 @@
+/* Copy between token-major KV rows (LMCache's KV_2LTD chunks) and vLLM-CPU's paged KV blocks in
+ * the layout of its "vec"/"vec16" attention writers: per (block, head) a K region stored
+ * transposed, [head_dim][block_size], followed by a V region [block_size][head_dim].
+ *
+ * Why a kernel: the K transpose is the whole cost of injection on vLLM's CPU backend. torch's
+ * strided copy (and vLLM's own per-token writer) move it at a fraction of memory speed; a tiled
+ * transpose with 8x8 (16-bit) / 4x4 (32-bit) SSE2 register transposes and streaming stores
+ * runs near a plain copy (benchmarks/kv_copy.py).
+ * The layout itself is not decided here: lmcache_cartridge/vllm/cpu_layout.py derives it from
+ * vLLM's writer op and only calls this kernel for a layout it proved equal to this one.
+ *
+ * Where it runs: in the vLLM worker process, on the thread LMCache calls the connector from
+ * (ctypes releases the GIL). It owns no memory: it reads and writes what the caller passes.
+ * Build: `make native` (cc -O3 -shared -fPIC); lmcache_cartridge/vllm/native.py loads it and
+ * falls back to pure torch when it is absent.
+ */
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* Stores: streaming (non-temporal) when the destination is 16-byte aligned. A cartridge is
+ * written once and read later by attention; streaming skips the read-for-ownership of every
+ * destination line, which is what lets a transpose keep up with a plain memcpy (glibc's memcpy
+ * streams large copies too). */
+#if defined(__SSE2__)
+#define TILE_STORE(nt, p, x) do { if (nt) _mm_stream_si128((__m128i *)(p), (x)); \
+                                  else _mm_storeu_si128((__m128i *)(p), (x)); } while (0)
+
+static inline void tile8x8_u16(const uint16_t *s, int64_t ss, uint16_t *d, int64_t ds, int nt) {
+  __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * ss));
+  __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * ss));
+  __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * ss));
+  __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * ss));
+  __m128i a4 = _mm_loadu_si128((const __m128i *)(s + 4 * ss));
+  __m128i a5 = _mm_loadu_si128((const __m128i *)(s + 5 * ss));
+  __m128i a6 = _mm_loadu_si128((const __m128i *)(s + 6 * ss));
+  __m128i a7 = _mm_loadu_si128((const __m128i *)(s + 7 * ss));
+  __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
+  __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
+  __m128i b4 = _mm_unpacklo_epi16(a4, a5), b5 = _mm_unpackhi_epi16(a4, a5);
+  __m128i b6 = _mm_unpacklo_epi16(a6, a7), b7 = _mm_unpackhi_epi16(a6, a7);
+  __m128i c0 = _mm_unpacklo_epi32(b0, b2), c1 = _mm_unpackhi_epi32(b0, b2);
+  __m128i c2 = _mm_unpacklo_epi32(b1, b3), c3 = _mm_unpackhi_epi32(b1, b3);
+  __m128i c4 = _mm_unpacklo_epi32(b4, b6), c5 = _mm_unpackhi_epi32(b4, b6);
+  __m128i c6 = _mm_unpacklo_epi32(b5, b7), c7 = _mm_unpackhi_epi32(b5, b7);
+  TILE_STORE(nt, d + 0 * ds, _mm_unpacklo_epi64(c0, c4));
+  TILE_STORE(nt, d + 1 * ds, _mm_unpackhi_epi64(c0, c4));
+  TILE_STORE(nt, d + 2 * ds, _mm_unpacklo_epi64(c1, c5));
+  TILE_STORE(nt, d + 3 * ds, _mm_unpackhi_epi64(c1, c5));
+  TILE_STORE(nt, d + 4 * ds, _mm_unpacklo_epi64(c2, c6));
+  TILE_STORE(nt, d + 5 * ds, _mm_unpackhi_epi64(c2, c6));
+  TILE_STORE(nt, d + 6 * ds, _mm_unpacklo_epi64(c3, c7));
+  TILE_STORE(nt, d + 7 * ds, _mm_unpackhi_epi64(c3, c7));
+}
+
+static inline void tile4x4_u32(const uint32_t *s, int64_t ss, uint32_t *d, int64_t ds, int nt) {
+  __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * ss));
+  __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * ss));
+  __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * ss));
+  __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * ss));
+  __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);
+  __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
+  TILE_STORE(nt, d + 0 * ds, _mm_unpacklo_epi64(b0, b2));
+  TILE_STORE(nt, d + 1 * ds, _mm_unpackhi_epi64(b0, b2));
+  TILE_STORE(nt, d + 2 * ds, _mm_unpacklo_epi64(b1, b3));
+  TILE_STORE(nt, d + 3 * ds, _mm_unpackhi_epi64(b1, b3));
+}
+#endif
+
+/* dst[c * ds + r] = src[r * ss + c] for r < rows, c < cols (strides in elements). Tiles go
+ * column strip by column strip (outer c0), so each destination row is written front to back. */
+#define DEFINE_TRANSPOSE(NAME, T, TILE, FN)                                                  \
+  static void NAME(const T *src, int64_t ss, T *dst, int64_t ds, int64_t rows, int64_t cols) { \
+    int64_t R = 0, C = 0;                                                                     \
+    TRANSPOSE_SIMD(T, TILE, FN)                                                               \
+    for (int64_t r = 0; r < rows; ++r)                                                        \
+      for (int64_t c = (r < R ? C : 0); c < cols; ++c) dst[c * ds + r] = src[r * ss + c];     \
+  }
+#if defined(__SSE2__)
+#define TRANSPOSE_SIMD(T, TILE, FN)                                                           \
+  R = rows - rows % TILE;                                                                     \
+  C = cols - cols % TILE;                                                                     \
+  int nt = ((uintptr_t)dst % 16 == 0) && ((ds * (int64_t)sizeof(T)) % 16 == 0);               \
+  for (int64_t c0 = 0; c0 < C; c0 += TILE)                                                    \
+    for (int64_t r0 = 0; r0 < R; r0 += TILE) FN(src + r0 * ss + c0, ss, dst + c0 * ds + r0, ds, nt);
+#else
+#define TRANSPOSE_SIMD(T, TILE, FN)
+#endif
+DEFINE_TRANSPOSE(transpose_u16, uint16_t, 8, tile8x8_u16)
+DEFINE_TRANSPOSE(transpose_u32, uint32_t, 4, tile4x4_u32)
+
+/* Copy one row of `bytes`, streaming when both ends allow it. */
+static inline void copy_row(char *dst, const char *src, int64_t bytes) {
+#if defined(__SSE2__)
+  if ((uintptr_t)dst % 16 == 0 && bytes % 16 == 0) {
+    for (int64_t i = 0; i < bytes; i += 16)
+      _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+    return;
+  }
+#endif
+  memcpy(dst, src, (size_t)bytes);
+}
+
+static int transpose_any(int elem, const char *src, int64_t ss, char *dst, int64_t ds,
+                         int64_t rows, int64_t cols) {
+  if (elem == 2) {
+    transpose_u16((const uint16_t *)src, ss, (uint16_t *)dst, ds, rows, cols);
+  } else if (elem == 4) {
+    transpose_u32((const uint32_t *)src, ss, (uint32_t *)dst, ds, rows, cols);
+  } else if (elem == 1 || elem == 8) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        memcpy(dst + (c * ds + r) * elem, src + (r * ss + c) * elem, (size_t)elem);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+int cart_kv_abi_version(void) { return 2; }
+
+/* Each run is 8 int64: (obj, kv_stride, layer_stride, tok_stride, token_start, token_end, block,
+ * offset): a memory object's base address, its strides in elements, and a stretch of its tokens
+ * that sits at consecutive slots of one block. For every layer l and run:
+ *   obj K rows  = obj + (0 * kv_stride + l * layer_stride + t * tok_stride + h * D) * elem
+ *   obj V rows  = obj + (1 * kv_stride + l * layer_stride + t * tok_stride + h * D) * elem
+ *   K region    = caches[l] + ((block * H + h) * 2 + 0) * bs * D * elem, [D][bs]
+ *   V region    = caches[l] + ((block * H + h) * 2 + 1) * bs * D * elem, [bs][D]
+ * to_cache != 0 copies objects -> caches, else caches -> objects. Runs of several memory objects
+ * go in one call (one retrieve = one call). Returns 0, or -1 on a bad element size. */
+int cart_kv_copy(int to_cache, int elem, char *const *caches, int64_t L, int64_t H, int64_t D,
+                 int64_t bs, const int64_t *runs, int64_t nruns) {
+  if (elem != 1 && elem != 2 && elem != 4 && elem != 8) return -1;
+  const int64_t region = bs * D;
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t i = 0; i < nruns; ++i) {
+      const int64_t *r = runs + 8 * i;
+      char *obj = (char *)(intptr_t)r[0];
+      const int64_t kv_stride = r[1], layer_stride = r[2], tok_stride = r[3];
+      const int64_t a = r[4], e = r[5], blk = r[6], off = r[7];
+      const int64_t n = e - a;
+      char *k_obj = obj + (l * layer_stride) * elem;
+      char *v_obj = obj + (kv_stride + l * layer_stride) * elem;
+      for (int64_t h = 0; h < H; ++h) {
+        char *k_reg = caches[l] + ((blk * H + h) * 2) * region * elem;
+        char *v_reg = k_reg + region * elem;
+        char *k_rows = k_obj + (a * tok_stride + h * D) * elem;
+        char *v_rows = v_obj + (a * tok_stride + h * D) * elem;
+        if (to_cache) {
+          transpose_any(elem, k_rows, tok_stride, k_reg + off * elem, bs, n, D);
+          for (int64_t t = 0; t < n; ++t)
+            copy_row(v_reg + (off + t) * D * elem, v_rows + t * tok_stride * elem, D * elem);
+        } else {
+          transpose_any(elem, k_reg + off * elem, bs, k_rows, tok_stride, D, n);
+          for (int64_t t = 0; t < n; ++t)
+            copy_row(v_rows + t * tok_stride * elem, v_reg + (off + t) * D * elem, D * elem);
+        }
+      }
+    }
+  }
+#if defined(__SSE2__)
+  _mm_sfence(); /* streaming stores visible before the caller (and attention) reads */
+#endif
+  return 0;
+}

@@ -1,0 +1,117 @@
+"""Build and load the native KV copy kernel (`csrc/kv_copy.c`); None when it cannot be had.
+
+Why: the K transpose of vLLM-CPU's "vec"/"vec16" layout is the whole cost of injecting a
+cartridge on the CPU backend, and torch's strided copy does it at a fraction of memory speed.
+The kernel is one small C file built with the system C compiler (`cc -O3 -shared -fPIC`, no
+torch headers, no Python headers) and called through ctypes, which releases the GIL. Nothing
+depends on it: `cpu_kv` falls back to its pure-torch copy, which is always correct, when the
+compiler or the library is missing, or when `LMCACHE_CARTRIDGE_NATIVE=0`.
+
+The library goes to `<cache root>/native/kv_copy-<source sha256[:16]>-<machine>.so`, so an edited
+source is rebuilt and a shared cache never mixes architectures. `make native` (or
+`python -m lmcache_cartridge.vllm.native`) builds it ahead; otherwise the first connector that
+needs it builds it (about a second), atomically (a temp file renamed into place).
+
+Where it runs: in the vLLM worker process (and in tests/benchmarks). It owns the built file and
+the loaded library handle; callers own every buffer they pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+from lmcache_cartridge.paths import cache_root
+
+logger = logging.getLogger("lmcache_cartridge.vllm.native")
+
+SOURCE = Path(__file__).with_name("csrc") / "kv_copy.c"
+ABI_VERSION = 2
+ENV_SWITCH = "LMCACHE_CARTRIDGE_NATIVE"  # "0" disables the kernel (pure-torch copy)
+CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-Wall")
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+_why_not: Optional[str] = None
+
+
+def library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return cache_root() / "native" / f"kv_copy-{digest}-{platform.machine()}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel if its library is missing (or `force`); return the library path."""
+    out = library_path()
+    if out.exists() and not force:
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise RuntimeError("no C compiler (cc/gcc/clang) found to build the KV copy kernel")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name, suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"building {SOURCE.name} failed: {e.stderr.strip()[-2000:]}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.cart_kv_abi_version.restype = ctypes.c_int
+    if lib.cart_kv_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {lib.cart_kv_abi_version()}, expected {ABI_VERSION}")
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.cart_kv_copy.restype = ctypes.c_int
+    lib.cart_kv_copy.argtypes = [ctypes.c_int, ctypes.c_int, p, i64, i64, i64, i64, p, i64]
+    return lib
+
+
+def kernel() -> Optional[ctypes.CDLL]:
+    """The loaded kernel, building it on first use; None (logged once) when unavailable."""
+    global _lib, _tried, _why_not
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                _lib = _load(build())
+                logger.info("lmcache_cartridge: native KV copy kernel loaded")
+            except Exception as e:  # no compiler, read-only cache, foreign ABI: torch fallback
+                _why_not = f"{type(e).__name__}: {e}"
+                logger.warning("lmcache_cartridge: native KV copy kernel unavailable (%s); using the "
+                               "pure-torch copy", _why_not)
+            _tried = True
+    return _lib
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why `kernel()` returned None (None if it loaded or was not tried)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"{ENV_SWITCH}=0"
+    return _why_not
+
+
+if __name__ == "__main__":
+    p = build(force="--force" in sys.argv)
+    _load(p)
+    print(p)
