@@ -247,7 +247,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
     import httpx
     import torch
 
-    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.cartridge.model_kv import kv_geometry, load_model
     from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
     from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
@@ -270,8 +270,8 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         model_dir = ensure_test_model()
         model, tok = load_model(model_dir)
         cfg = model.config
-        L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
-        D = cfg.hidden_size // cfg.num_attention_heads
+        geo = kv_geometry(cfg)
+        L, H, D = geo.num_layers, geo.num_kv_heads, geo.head_dim
         chunk_bytes = 2 * L * CHUNK * H * D * 2  # bf16
         del model
         vocab = VocabInfo(len(tok), tuple(tok.all_special_ids))
