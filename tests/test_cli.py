@@ -247,3 +247,22 @@ def test_stats_sums_every_instance_without_lmcache_log_lines(tmp_path):
     _snapshots(stats_dir, {"worker1": [("cpu", "hit", 5), ("cpu", "eviction", 2), ("disk", "error", 1)]})
     assert sum_tier_stats(stats_dir).minus(before)["cpu"] == {"hits": 4, "misses": 0, "bytes": 4 << 20,
                                                               "evictions": 0, "errors": 0}
+
+
+@pytest.mark.parametrize("family,bos", [("llama", True), ("qwen2", False)])
+def test_test_model_and_create_for_both_families(tmp_path, family, bos):
+    """`create` takes the tokenizer as it is: a Llama cartridge starts with BOS, a Qwen2 one
+    (no BOS token) with the document (the old `create` refused the Qwen2 tokenizer)."""
+    from transformers import AutoTokenizer
+
+    model_dir = Path(cli("test-model", "--family", family, "--root", tmp_path / "models", home=tmp_path).stdout.strip())
+    assert model_dir == tmp_path / "models" / f"tiny-{family}"
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse on Gannet Rock shows two white flashes every fifteen seconds. " * 8)
+    r = cli("create", "--model-dir", model_dir, "--text", doc, "-o", tmp_path / "c", "--max-tokens", "64",
+            "--chunk-size", "32", "-q", home=tmp_path)
+    assert "created doc: 64 tokens" in r.stdout
+    m = json.loads(cli("inspect", "--json", tmp_path / "c", home=tmp_path).stdout)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    plain = tok(doc.read_text(), add_special_tokens=False)["input_ids"]
+    assert m["token_ids"] == ([tok.bos_token_id] if bos else []) + plain[: 64 - bos]

@@ -169,7 +169,7 @@ def cmd_create(args) -> int:
 def cmd_test_model(args) -> int:
     from lmcache_cartridge.tools.testmodel import ensure_test_model
 
-    print(ensure_test_model(Path(args.root) if args.root else None))
+    print(ensure_test_model(Path(args.root) if args.root else None, family=args.family))
     return 0
 
 
@@ -471,11 +471,13 @@ def build_parser() -> argparse.ArgumentParser:
              "lmcache-cartridge verify carts/doc")
     sp.add_argument("path", help="packed cartridge directory")
 
-    sp = add("test-model", cmd_test_model, "build (once) the tiny local test model and print its directory",
-             "A 2-layer Llama with random weights and peaked attention and a tokenizer trained on a\n"
+    sp = add("test-model", cmd_test_model, "build (once) a tiny local test model and print its directory",
+             "A 2-layer model with random weights and peaked attention and a tokenizer trained on a\n"
              "shipped document: loads in vLLM and HF transformers with no download. Kept under\n"
-             "$LMCACHE_CARTRIDGE_HOME/models.",
-             "lmcache-cartridge test-model")
+             "$LMCACHE_CARTRIDGE_HOME/models. `--family llama`: BOS first, separate LM head;\n"
+             "`--family qwen2`: no BOS, attention biases, tied embeddings, ChatML chat template.",
+             "lmcache-cartridge test-model --family qwen2")
+    sp.add_argument("--family", choices=["llama", "qwen2"], default="llama", help="model family (default llama)")
     sp.add_argument("--root", help="directory to build it in (default: $LMCACHE_CARTRIDGE_HOME/models)")
 
     # -- the registry servers read
