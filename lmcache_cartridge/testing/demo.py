@@ -92,9 +92,10 @@ def stderr_to(path: Path):
         with open(path, "ab") as f:
             os.dup2(f.fileno(), 2)
             sys.stderr = fd2
-            for lg in [logging.getLogger(), *logging.root.manager.loggerDict.values()]:
+            for name, lg in [("", logging.getLogger()), *logging.root.manager.loggerDict.items()]:
                 for h in getattr(lg, "handlers", []):
-                    if type(h) is logging.StreamHandler and h.stream in (saved_obj, sys.__stderr__):
+                    ours = name.split(".")[0] in ("lmcache", "vllm")  # stderr of whenever they loaded
+                    if type(h) is logging.StreamHandler and (ours or h.stream in (saved_obj, sys.__stderr__)):
                         swapped.append((h, h.setStream(fd2)))
             yield
     finally:
