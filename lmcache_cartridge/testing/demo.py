@@ -96,12 +96,13 @@ def stderr_to(path: Path):
                 for h in getattr(lg, "handlers", []):
                     ours = name.split(".")[0] in ("lmcache", "vllm")  # stderr of whenever they loaded
                     if type(h) is logging.StreamHandler and (ours or h.stream in (saved_obj, sys.__stderr__)):
-                        swapped.append((h, h.setStream(fd2)))
+                        swapped.append((h, h.stream))
+                        h.stream = fd2  # not setStream: it flushes the old stream, which may be closed
             yield
     finally:
         fd2.flush()
         for h, old in swapped:
-            h.setStream(old)
+            h.stream = old
         sys.stderr = saved_obj
         os.dup2(saved_fd, 2)
         os.close(saved_fd)
