@@ -4,8 +4,9 @@ engine (vLLM) only the documented modules fail to import.
 Two checks, one static and one by running imports:
 * every third-party top-level module imported anywhere in the package (lazy imports inside
   functions included) belongs to a distribution declared in `install_requires`, or, for the
-  `vllm` stage, in the `cpu`/`gpu` extras (`importlib.metadata.packages_distributions()` maps
-  modules to the distributions installed here); and no base dependency is declared unused;
+  `vllm` stage, in the `cpu`/`gpu` extras, and for training (`tools/selfstudy`) in `train`
+  (`importlib.metadata.packages_distributions()` maps modules to the distributions installed
+  here); and no base dependency is declared unused;
 * in a fresh interpreter with `vllm` made unimportable (a meta-path finder refuses it, as if the
   base install had no engine), every module of the package is imported: exactly ENGINE_MODULES
   fail, each with ModuleNotFoundError for vllm, and every other module imports.
@@ -31,6 +32,8 @@ ROOT = PKG.parent
 ENGINE_MODULES = {"lmcache_cartridge.connector", "lmcache_cartridge.vllm.connector"}
 # The modules that may use vLLM at all (`cpu_kv` does so inside functions: it imports without it).
 ENGINE_STAGE = ENGINE_MODULES | {"lmcache_cartridge.vllm", "lmcache_cartridge.vllm.cpu_kv"}
+# Optional features: modules under a prefix may also use their extra's distributions.
+FEATURE_EXTRAS = {"lmcache_cartridge.tools.selfstudy": "train"}
 # Declared although no module of the package names them in an import statement, with why.
 DECLARED_NOT_IMPORTED = {
     "safetensors": "model weights are read and written as .safetensors by transformers "
@@ -79,6 +82,9 @@ def test_every_import_is_a_declared_distribution():
             continue
         for user in sorted(users):
             allowed = base | (engine if user in ENGINE_STAGE else set())
+            for prefix, extra in FEATURE_EXTRAS.items():
+                if user == prefix or user.startswith(prefix + "."):
+                    allowed |= extras[extra]
             if not provided & allowed:
                 problems.append(f"{user} imports {top} (distribution {sorted(provided)}), "
                                 "which setup.cfg does not declare for it")
