@@ -34,8 +34,10 @@ native: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# `make demo MODEL_DIR=/path/to/local/hf-model` runs it on your own model; `make demo FAMILY=qwen2`
+# on the built-in tiny Qwen2 instead of the tiny Llama. The servers' logs go to files (printed).
 demo: $(STAMP)
-	$(PY) -m lmcache_cartridge.testing.demo
+	$(PY) -m lmcache_cartridge.testing.demo $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") $(if $(FAMILY),--family $(FAMILY))
 
 bench: $(STAMP)
 	$(PY) benchmarks/chunk_retrieval.py

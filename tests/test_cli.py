@@ -152,3 +152,117 @@ def test_doctor_reports_problems(tmp_path):
         if env_seed is not None:
             os.environ["PYTHONHASHSEED"] = env_seed
     assert r.returncode == 1 and "PYTHONHASHSEED unset" in r.stdout and "WARN  store_location" in r.stdout
+
+
+# --- help reads as a guide; mistakes are one line, exit 2 -------------------------------------
+
+
+def test_help_is_a_users_guide(tmp_path):
+    from lmcache_cartridge.tools.cli import build_parser
+
+    r = cli("--help", home=tmp_path)
+    assert "The first five minutes" in r.stdout and "make demo" in r.stdout
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and "create" in a.choices)
+    undocumented = []
+    for name, sp in sub.choices.items():
+        assert sp.description and sp.description.strip() != sp.format_usage().strip(), name
+        for action in sp._actions:
+            if action.dest != "help" and not action.help:
+                undocumented.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert not undocumented, f"arguments without help: {undocumented}"
+    for name in ("create", "register", "gateway"):
+        r = cli(name, "--help", home=tmp_path)
+        assert "example:\n  lmcache-cartridge " + name in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["register", "s3://BAD"], "invalid bucket name 'BAD'"),
+    (["create", "--model-dir", "/nonexistent", "--text", "/nonexistent.txt", "-o", "x"], "No such file"),
+    (["create"], "the following arguments are required: --model-dir"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+    (["verify"], "the following arguments are required: path"),
+])
+def test_more_user_mistakes_are_one_line_exit_2(tmp_path, args, needle):
+    r = cli(*args, home=tmp_path, check=False)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stdout == ""
+
+
+def test_text_that_is_not_utf8_is_one_line(tmp_path):
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    model_dir = ensure_test_model(tmp_path / "models")
+    (tmp_path / "doc.bin").write_bytes(b"\xff\xfe\x00binary")
+    r = cli("create", "--model-dir", model_dir, "--text", tmp_path / "doc.bin", "-o", tmp_path / "c",
+            home=tmp_path, check=False)
+    assert r.returncode == 2 and "utf-8" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _snapshots(stats_dir, per_instance):
+    """Write what running plugin instances write: `Metrics.dump` snapshots."""
+    from lmcache_cartridge.store.metrics import Metrics
+
+    for name, events in per_instance.items():
+        m = Metrics()
+        for tier, what, n in events:
+            for _ in range(n):
+                if what == "hit":
+                    m.hit(tier, 1 << 20, 0.001)
+                else:
+                    getattr(m, what)(tier)
+        m.dump(stats_dir, name, extra={"served": {}})
+
+
+def test_stats_sums_every_instance_without_lmcache_log_lines(tmp_path):
+    import yaml
+
+    cfg = yaml.safe_load(Path(__file__).parents[1].joinpath("configs/lmcache-cartridge.yaml").read_text())
+    cfg["extra_config"]["storage_plugin.cartridge.cache_dir"] = str(tmp_path / "cachedir")
+    cfg["extra_config"]["storage_plugin.cartridge.registry"] = str(tmp_path / "reg.db")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    stats_dir = tmp_path / "cachedir" / "stats"
+    _snapshots(stats_dir, {"worker0": [("cpu", "hit", 3), ("cpu", "miss", 1), ("s3", "hit", 2)],
+                           "worker1": [("cpu", "hit", 1), ("cpu", "eviction", 2), ("disk", "error", 1)]})
+    (stats_dir / "notes.json").write_text("not json")  # the folder is shared: skipped
+    env_level = os.environ.pop("LMCACHE_LOG_LEVEL", None)
+    try:
+        r = cli("stats", "--config", tmp_path / "c.yaml", home=tmp_path)
+        j = json.loads(cli("stats", "--config", tmp_path / "c.yaml", "--json", home=tmp_path).stdout)
+    finally:
+        if env_level is not None:
+            os.environ["LMCACHE_LOG_LEVEL"] = env_level
+    assert "LMCache" not in r.stderr + r.stdout, r.stderr  # no INFO lines from importing LMCache
+    assert "2 plugin instance(s)" in r.stdout
+    assert j["sources"] == ["worker0.json", "worker1.json"]
+    assert j["tiers"]["cpu"] == {"hits": 4, "misses": 1, "bytes": 4 << 20, "evictions": 2, "errors": 0}
+    assert j["tiers"]["s3"]["hits"] == 2 and j["tiers"]["disk"]["errors"] == 1
+    # the benchmark (soak) reads through the same function: the CLI prints what it returns
+    from lmcache_cartridge.store.tier_totals import sum_tier_stats
+
+    before = sum_tier_stats(stats_dir)
+    assert before.to_json() == j
+    _snapshots(stats_dir, {"worker1": [("cpu", "hit", 5), ("cpu", "eviction", 2), ("disk", "error", 1)]})
+    assert sum_tier_stats(stats_dir).minus(before)["cpu"] == {"hits": 4, "misses": 0, "bytes": 4 << 20,
+                                                              "evictions": 0, "errors": 0}
+
+
+@pytest.mark.parametrize("family,bos", [("llama", True), ("qwen2", False)])
+def test_test_model_and_create_for_both_families(tmp_path, family, bos):
+    """`create` takes the tokenizer as it is: a Llama cartridge starts with BOS, a Qwen2 one
+    (no BOS token) with the document (the old `create` refused the Qwen2 tokenizer)."""
+    from transformers import AutoTokenizer
+
+    model_dir = Path(cli("test-model", "--family", family, "--root", tmp_path / "models", home=tmp_path).stdout.strip())
+    assert model_dir == tmp_path / "models" / f"tiny-{family}"
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse on Gannet Rock shows two white flashes every fifteen seconds. " * 8)
+    r = cli("create", "--model-dir", model_dir, "--text", doc, "-o", tmp_path / "c", "--max-tokens", "64",
+            "--chunk-size", "32", "-q", home=tmp_path)
+    assert "created doc: 64 tokens" in r.stdout
+    m = json.loads(cli("inspect", "--json", tmp_path / "c", home=tmp_path).stdout)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    plain = tok(doc.read_text(), add_special_tokens=False)["input_ids"]
+    assert m["token_ids"] == ([tok.bos_token_id] if bos else []) + plain[: 64 - bos]

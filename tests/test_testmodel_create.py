@@ -13,9 +13,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from lmcache_cartridge.tools.create import CreatedCartridge, create_first_k, sample_chunks
-from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, kv_to_cache, load_model
+from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, kv_geometry, kv_to_cache, load_model
 from lmcache_cartridge.errors import CartridgeFormatError
-from lmcache_cartridge.tools.testmodel import MARKER_NAME, PEAK_LM_HEAD_SCALE, PEAK_Q_K_SCALE, BuildParams, build_tokenizer, document_text, ensure_test_model, llama_config
+from lmcache_cartridge.tools.testmodel import (MARKER_NAME, PEAK_LM_HEAD_SCALE, PEAK_Q_K_SCALE, QWEN_CHAT_TEMPLATE, BuildParams,
+                                               build_tokenizer, document_text, ensure_test_model, llama_config, qwen2_config)
 
 DEFAULTS = BuildParams(
     hidden_size=256,
@@ -50,6 +51,23 @@ def loaded(model_dir):
 @pytest.fixture(scope="session")
 def doc_ids(loaded):
     return loaded[1](document_text())["input_ids"]
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(models_root):
+    return ensure_test_model(models_root, family="qwen2")
+
+
+@pytest.fixture(scope="session")
+def qwen(qwen_dir):
+    return load_model(qwen_dir)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def family_loaded(request):
+    """(model, tokenizer, document ids as the tokenizer encodes it) of each family."""
+    model, tok = request.getfixturevalue("loaded" if request.param == "llama" else "qwen")
+    return model, tok, tok(document_text())["input_ids"]
 
 
 def logits(model, ids, past=None):
@@ -158,8 +176,8 @@ def test_kv_layout_and_rope(loaded):
 
 
 @pytest.mark.parametrize("n", [1, 37, 400])
-def test_prefix_kv_reproduces_full_forward(loaded, doc_ids, n):
-    model, _ = loaded
+def test_prefix_kv_reproduces_full_forward(family_loaded, n):
+    model, _, doc_ids = family_loaded
     ids = doc_ids[:500]
     full = logits(model, ids)
     kv = compute_prefix_kv(model, ids[:n])
@@ -180,9 +198,9 @@ def test_prefix_kv_reproduces_full_forward(loaded, doc_ids, n):
         pytest.param(lambda kv: kv.flip(1), id="layers-swapped"),
     ],
 )
-def test_mangled_kv_changes_the_output(loaded, doc_ids, mangle):
+def test_mangled_kv_changes_the_output(family_loaded, mangle):
     """Negative control: a peaked model exposes layout errors, else the test above proves little."""
-    model, _ = loaded
+    model, _, doc_ids = family_loaded
     ids, n = doc_ids[:500], 400
     full = logits(model, ids)[n:]
     kv = mangle(compute_prefix_kv(model, ids[:n])).contiguous()
@@ -280,3 +298,98 @@ def test_document_longer_than_context(tmp_path):
     # Keeping a part that fits is allowed: that is what max_tokens and SCI are for.
     assert create_first_k(short, text, max_tokens=128).kv.shape[2] == 128
     assert create_first_k(short, text, max_tokens=64, sci_chunk=8).kv.shape[2] == 64
+
+
+# --- the Qwen2 family: no BOS, attention biases, tied embeddings, ChatML ----------------------
+
+
+def test_qwen2_is_shaped_like_qwen2(qwen_dir, qwen):
+    from transformers import Qwen2ForCausalLM
+
+    model, tok = qwen
+    assert isinstance(model, Qwen2ForCausalLM) and model.dtype == torch.bfloat16
+    cfg = json.loads((qwen_dir / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["tie_word_embeddings"] is True
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    for layer in model.model.layers:  # the biases exist and are not HF's zero init
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            assert getattr(layer.self_attn, proj).bias.float().std() > 0.3
+        assert layer.self_attn.o_proj.bias is None
+    # the tokenizer adds no BOS, although the config names one (as Qwen's configs do)
+    assert tok.bos_token is None and cfg["bos_token_id"] == tok.convert_tokens_to_ids("<|endoftext|>")
+    text = "The keeper wound the clock."
+    assert tok(text)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert rendered == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.chat_template == QWEN_CHAT_TEMPLATE
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|> first, two <|im_end|>: special tokens
+
+
+def test_qwen2_attention_and_logits_are_peaked(qwen):
+    from transformers import Qwen2ForCausalLM
+
+    model, tok = qwen
+    params = BuildParams(**{**DEFAULTS.__dict__, "family": "qwen2"})
+    torch.manual_seed(params.seed)
+    fresh = Qwen2ForCausalLM(qwen2_config(params)).float().requires_grad_(False)
+    assert torch.equal(model.model.embed_tokens.weight, fresh.model.embed_tokens.weight.bfloat16())
+    ratio = (model.model.norm.weight.float().norm() / fresh.model.norm.weight.norm()).item()
+    assert ratio == pytest.approx(PEAK_LM_HEAD_SCALE, rel=1e-3)
+    ids = tok("The keeper climbed the tower and lit the lamp")["input_ids"]
+    top = logits(model, ids).topk(2, dim=-1).values
+    top0 = logits(fresh.bfloat16(), ids).topk(2, dim=-1).values
+    gap, gap0 = (top[:, 0] - top[:, 1]).median(), (top0[:, 0] - top0[:, 1]).median()
+    assert gap > 0.5 and gap > 5 * gap0
+
+
+def test_create_without_bos_starts_with_the_document(qwen_dir, qwen):
+    """Qwen2's tokenizer prepends nothing: the cartridge is the document's own tokens (the old
+    `create` refused such a tokenizer)."""
+    model, tok = qwen
+    plain = tok(document_text(), add_special_tokens=False)["input_ids"]
+    c = create_first_k(qwen_dir, document_text(), max_tokens=100, model_and_tokenizer=qwen)
+    assert c.token_ids == plain[:100]
+    assert c.provenance["leading_special_ids"] == [] and c.provenance["source_num_tokens"] == len(plain)
+    assert torch.equal(c.kv, compute_prefix_kv(model, c.token_ids))
+    assert c.kv.shape == (2, 2, 100, 2, 64)
+    s = create_first_k(qwen_dir, document_text(), max_tokens=120, sci_chunk=16, seed=3, model_and_tokenizer=qwen)
+    assert len(s.token_ids) == 120
+    assert s.token_ids == [t for a, b in s.provenance["sci_spans"] for t in plain[a:b]]
+
+
+def test_create_with_bos_keeps_it_first(model_dir, loaded):
+    c = create_first_k(model_dir, document_text(), max_tokens=50, model_and_tokenizer=loaded)
+    assert c.provenance["leading_special_ids"] == [loaded[1].bos_token_id] == c.token_ids[:1]
+
+
+def test_explicit_head_dim(tmp_path):
+    """A config whose head_dim is not hidden_size / num_heads (as Llama 3 and Qwen3 allow)."""
+    d = ensure_test_model(tmp_path, name="hd32", head_dim=32, **SHORT_CTX | {"hidden_size": 128, "num_heads": 2})
+    model, tok = load_model(d)
+    assert json.loads((d / "config.json").read_text())["head_dim"] == 32
+    geo = kv_geometry(model.config)
+    assert (geo.num_layers, geo.num_kv_heads, geo.head_dim) == (1, 1, 32) and 128 // 2 != 32
+    c = create_first_k(d, document_text(), max_tokens=40, model_and_tokenizer=(model, tok))
+    assert c.kv.shape == (2, 1, 40, 1, 32)
+    ids = tok(document_text())["input_ids"][:60]
+    rest = logits(model, ids[40:], past=kv_to_cache(c.kv, model.config))
+    assert torch.equal(rest.argmax(-1), logits(model, ids)[40:].argmax(-1))
+    with pytest.raises(ValueError, match="head_dim is a Llama-family option"):
+        ensure_test_model(tmp_path, family="qwen2", head_dim=32)
+
+
+def test_kv_geometry_of_each_family(qwen, loaded):
+    assert kv_geometry(qwen[0].config) == kv_geometry(loaded[0].config)  # same sizes, both families
+    assert kv_geometry(loaded[0].config).head_dim == 64
+
+
+def test_default_marker_is_unchanged_by_the_family_options(model_dir):
+    """Models cached before the family/head_dim options stay valid (no rebuild)."""
+    marker = json.loads((model_dir / MARKER_NAME).read_text())
+    assert "family" not in marker and "head_dim" not in marker

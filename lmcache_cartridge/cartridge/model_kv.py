@@ -8,12 +8,32 @@ vLLM computes; never on the serving path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmcache_cartridge.errors import CartridgeFormatError
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of one token's KV in a model: what a cartridge for it must have."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_geometry(config: Any) -> KVGeometry:
+    """An HF config's KV shape, read as transformers' attention reads it: an explicit `head_dim`
+    wins (Llama 3, Qwen3, Gemma: it need not be hidden_size / num_heads), else the quotient; KV
+    heads default to the attention heads (no GQA)."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVGeometry(int(config.num_hidden_layers), int(kv_heads), int(head_dim))
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None = None):

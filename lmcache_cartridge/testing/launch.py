@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+IPC_DIR_MAX = 60  # longest TMPDIR for vLLM's IPC sockets: 107 bytes minus "/" + a uuid4 + slack
 
 CONNECTOR = {"kv_connector": "CartridgeConnector",
              "kv_connector_module_path": "lmcache_cartridge.connector",
@@ -85,11 +89,17 @@ class VllmServer:
         env.pop("PYTHONHASHSEED", None)
         for d in ("prom", "tmp", "vcache"):
             (self.root / d).mkdir(exist_ok=True)
+        # vLLM binds ZMQ IPC sockets under TMPDIR (a 36-character name): a Unix socket path has at
+        # most 107 bytes, so a deep root (pytest's tmp_path) gets a short private temp dir instead.
+        tmp = self.root / "tmp"
+        self._own_tmp: Path | None = None
+        if len(str(tmp)) > IPC_DIR_MAX:
+            self._own_tmp = tmp = Path(tempfile.mkdtemp(prefix="vllm-"))
         env.update({
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
             "VLLM_CPU_OMP_THREADS_BIND": threads_bind,  # pinned identically in every arm
             "PROMETHEUS_MULTIPROC_DIR": str(self.root / "prom"),  # one per server: no merged metrics
-            "TMPDIR": str(self.root / "tmp"),
+            "TMPDIR": str(tmp),
             "VLLM_CACHE_ROOT": str(self.root / "vcache"),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -148,6 +158,8 @@ class VllmServer:
                 pass
         if self.proc.poll() is None:
             self.proc.wait(timeout=10)
+        if self._own_tmp is not None:
+            shutil.rmtree(self._own_tmp, ignore_errors=True)
         if not self._log.closed:
             self._log.close()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -222,7 +223,7 @@ def cmd_create(args) -> int:
 def cmd_test_model(args) -> int:
     from lmcache_cartridge.tools.testmodel import ensure_test_model
 
-    print(ensure_test_model(Path(args.root) if args.root else None))
+    print(ensure_test_model(Path(args.root) if args.root else None, family=args.family))
     return 0
 
 
@@ -382,31 +383,20 @@ def cmd_doctor(args) -> int:
 
 def cmd_stats(args) -> int:
     """Sum the tier counters that running plugins publish under their cache dir."""
-    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
-    from lmcache_cartridge.lmcache.settings import PluginSettings
+    from lmcache_cartridge.store.tier_totals import sum_tier_stats
 
-    if args.config:
-        stats_dir = PluginSettings.from_config(_load_lmcache_config(args.config), CartridgeStoragePlugin).cache_dir / "stats"
-    else:
-        
-        stats_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-        stats_dir = stats_dir / "stats"
-    files = sorted(stats_dir.glob("*.json"))
-    if not files:
-        print(f"no statistics under {stats_dir} (no plugin has run with this cache dir)")
-        return 0
-    totals: dict[str, dict[str, int]] = {}
-    for f in files:
-        for tier, s in json.loads(f.read_text())["tiers"].items():
-            t = totals.setdefault(tier, {"hits": 0, "misses": 0, "bytes": 0, "evictions": 0, "errors": 0})
-            for k in t:
-                t[k] += s.get(k, 0)
+    settings = _plugin_settings(args)
+    cache_dir = settings.cache_dir if settings else Path(args.cache_dir or default_cache_dir())
+    totals = sum_tier_stats(cache_dir / "stats")
     if args.json:
-        print(json.dumps({"sources": [f.name for f in files], "tiers": totals}, indent=1))
+        print(json.dumps(totals.to_json(), indent=1))
         return 0
-    print(f"{len(files)} plugin instance(s) reporting from {stats_dir}")
+    if not totals.instances:
+        print(f"no statistics under {totals.stats_dir} (no plugin has run with this cache dir)")
+        return 0
+    print(f"{len(totals.instances)} plugin instance(s) reporting from {totals.stats_dir}")
     print(f"{'tier':<8}{'hits':>10}{'misses':>10}{'MiB':>12}{'evictions':>11}{'errors':>8}")
-    for tier, t in sorted(totals.items()):
+    for tier, t in sorted(totals.tiers.items()):
         print(f"{tier:<8}{t['hits']:>10}{t['misses']:>10}{t['bytes'] / 2**20:>12.1f}{t['evictions']:>11}{t['errors']:>8}")
     return 0
 
@@ -437,17 +427,80 @@ def cmd_gateway(args) -> int:
 
 
 # --- parser -----------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmcache-cartridge", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+GUIDE = """\
+Serve KV cache cartridges to vLLM through LMCache: make or convert a cartridge, register it,
+and the storage plugin inside every vLLM server that reads the same registry serves it (no
+restart). A cartridge is a KV cache computed or trained offline for a document; a request that
+starts with the cartridge's tokens loads that KV instead of prefilling it.
 
-    def add(name: str, fn: Callable, help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
+The first five minutes (`make demo` runs all of this on a built-in tiny model):
+  lmcache-cartridge test-model                                # a tiny local model, no download
+  lmcache-cartridge create --model-dir MODEL --text doc.txt -o carts/doc
+  lmcache-cartridge verify carts/doc
+  lmcache-cartridge register carts/doc --config configs/lmcache-cartridge.yaml
+  lmcache-cartridge doctor --config configs/lmcache-cartridge.yaml --model MODEL
+  # start vLLM with LMCache and the connector: configs/vllm-serve-cpu.sh (or -gpu.sh)
+  lmcache-cartridge gateway --upstream http://127.0.0.1:8000 --model MODEL \\
+      --config configs/lmcache-cartridge.yaml --allow-local carts
+  lmcache-cartridge stats --config configs/lmcache-cartridge.yaml
+
+Files live under $LMCACHE_CARTRIDGE_HOME (default ~/.cache/lmcache_cartridge): the registry
+(registry.db), the plugin's cache dir (cache/), test models (models/). A mistake in what you
+typed ends in one `lmcache-cartridge: error: ...` line and exit status 2; a check that finds
+problems (verify, doctor) exits 1.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the house rule for mistakes: one line and exit 2 (argparse's own usage dump
+    would bury the reason); the full usage is one `--help` away."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = _Parser(prog="lmcache-cartridge", description=GUIDE, formatter_class=fmt)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           title="commands (each has --help)")
+
+    def add(name: str, fn: Callable, summary: str, guide: str = "", example: str = "") -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=summary, formatter_class=fmt,
+                            description=summary[0].upper() + summary[1:] + "." + (f"\n\n{guide}" if guide else ""),
+                            epilog=f"example:\n  {example}" if example else None)
         sp.set_defaults(fn=fn)
         return sp
 
-    sp = add("pack", cmd_pack, "convert a cartridge (.pt in any supported format, or a packed dir) to the packed format")
-    sp.add_argument("input")
+    # -- making cartridges
+    sp = add("create", cmd_create, "make a first-k cartridge from a text document with a local HF model",
+             "Runs the document through the model (HF transformers, CPU) and keeps its KV cache: the\n"
+             "cartridge is exactly what the engine would compute for a prompt starting with the\n"
+             "document. Llama-style tokenizers put BOS first and the cartridge starts with it;\n"
+             "tokenizers without BOS (Qwen2) start with the document's first token. Send requests as\n"
+             "the cartridge's token ids followed by your own (the gateway does this for you).",
+             "lmcache-cartridge create --model-dir ~/models/Qwen2.5-0.5B-Instruct --text doc.txt -o carts/doc")
+    sp.add_argument("--model-dir", required=True, metavar="DIR", help="local HF model directory (config.json, weights, tokenizer)")
+    sp.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file: the document")
+    sp.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to create (the packed cartridge)")
+    sp.add_argument("--model", help="model name servers use (vLLM --model; default: --model-dir)")
+    sp.add_argument("--id", help="cartridge id (default: from the text file's name)")
+    sp.add_argument("--max-tokens", type=int, metavar="N", help="keep the first N tokens (default: the whole document)")
+    sp.add_argument("--sci-chunk", type=int, metavar="N",
+                    help="sampled-chunk initialisation: random N-token chunks of the document up to --max-tokens")
+    sp.add_argument("--seed", type=int, default=0, help="seed for --sci-chunk (default 0)")
+    sp.add_argument("--chunk-size", type=int, default=256, metavar="N", help="LMCache chunk_size of the serving config (default 256)")
+    sp.add_argument("--label", action="append", help="label (repeatable)")
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    sp = add("pack", cmd_pack, "convert a cartridge (.pt, PEFT adapter, ...) or re-chunk a packed one",
+             "Reads the Cartridges paper's TrainableCache .pt files and the other supported input\n"
+             "formats (never with pickle code execution) and writes the packed format servers read:\n"
+             "a manifest, and the KV in chunks of --chunk-size tokens with a sha256 each.",
+             "lmcache-cartridge pack cache_last.pt -o carts/trained --model meta-llama/Llama-3.2-1B-Instruct "
+             "--model-dir ~/models/Llama-3.2-1B-Instruct")
+    sp.add_argument("input", help="input file or directory (a packed directory is re-chunked)")
     sp.add_argument("-o", "--output", required=True, help="directory to create")
     sp.add_argument("--id", help="cartridge id (default: from the file name)")
     sp.add_argument("--model", help="model name as vLLM's --model (default: metadata['model'] or --model-dir)")
@@ -458,99 +511,125 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--vocab-size", type=int, help="vocabulary size, instead of --model-dir")
     sp.add_argument("--special-id", type=int, action="append", help="special token id to avoid (repeatable)")
     sp.add_argument("--label", action="append", help="label (repeatable)")
-    sp.add_argument("--overwrite", action="store_true")
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
-    sp = add("inspect", cmd_inspect, "show a packed cartridge's manifest")
-    sp.add_argument("path")
-    sp.add_argument("--json", action="store_true")
+    sp = add("inspect", cmd_inspect, "show a packed cartridge's manifest",
+             "Id, kind, model, KV shape and dtype, tokens, chunks and their checksums.",
+             "lmcache-cartridge inspect carts/doc")
+    sp.add_argument("path", help="packed cartridge directory")
+    sp.add_argument("--json", action="store_true", help="the manifest as JSON")
 
-    sp = add("verify", cmd_verify, "recompute checksums and check values of a packed cartridge")
-    sp.add_argument("path")
+    sp = add("verify", cmd_verify, "recompute a packed cartridge's checksums and check its values",
+             "Exit 0 when every chunk matches its sha256 and holds only finite values, 1 otherwise.",
+             "lmcache-cartridge verify carts/doc")
+    sp.add_argument("path", help="packed cartridge directory")
 
-    sp = add("create", cmd_create, "make a first-k cartridge from a text document with a local HF model")
-    sp.add_argument("--model-dir", required=True)
-    sp.add_argument("--text", required=True, help="UTF-8 text file")
-    sp.add_argument("-o", "--output", required=True)
-    sp.add_argument("--model", help="model name recorded in the manifest (default: --model-dir)")
-    sp.add_argument("--id")
-    sp.add_argument("--max-tokens", type=int)
-    sp.add_argument("--sci-chunk", type=int, help="sampled-chunk initialisation with chunks of this many tokens")
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--chunk-size", type=int, default=256)
-    sp.add_argument("--label", action="append")
-    sp.add_argument("--overwrite", action="store_true")
-    sp.add_argument("-q", "--quiet", action="store_true")
+    sp = add("test-model", cmd_test_model, "build (once) a tiny local test model and print its directory",
+             "A 2-layer model with random weights and peaked attention and a tokenizer trained on a\n"
+             "shipped document: loads in vLLM and HF transformers with no download. Kept under\n"
+             "$LMCACHE_CARTRIDGE_HOME/models. `--family llama`: BOS first, separate LM head;\n"
+             "`--family qwen2`: no BOS, attention biases, tied embeddings, ChatML chat template.",
+             "lmcache-cartridge test-model --family qwen2")
+    sp.add_argument("--family", choices=["llama", "qwen2"], default="llama", help="model family (default llama)")
+    sp.add_argument("--root", help="directory to build it in (default: $LMCACHE_CARTRIDGE_HOME/models)")
 
-    sp = add("test-model", cmd_test_model, "build (once) the tiny local test model and print its directory")
-    sp.add_argument("--root")
-
+    # -- the registry servers read
     def reg_opts(sp):
         sp.add_argument("--registry", help="registry database (default: $LMCACHE_CARTRIDGE_HOME/registry.db)")
-        sp.add_argument("--config", help="LMCache YAML: use its plugin's registry")
+        sp.add_argument("--config", help="LMCache YAML: use its plugin's registry (and cache dir, S3 settings)")
 
-    sp = add("register", cmd_register, "add a packed cartridge (directory or s3://bucket/prefix) to the registry; servers pick it up without restart")
-    sp.add_argument("path")
-    sp.add_argument("--label", action="append")
+    sp = add("register", cmd_register, "add a packed cartridge (directory or s3://bucket/prefix) to the registry",
+             "Servers whose plugin reads this registry serve it within a refresh period, without a\n"
+             "restart. Registering the same id again replaces it.",
+             "lmcache-cartridge register carts/doc --config configs/lmcache-cartridge.yaml")
+    sp.add_argument("path", help="packed cartridge directory, or s3://bucket/prefix of one")
+    sp.add_argument("--label", action="append", help="label (repeatable)")
     sp.add_argument("--chunk-size", type=int, help="serving chunk_size: re-chunk a copy if the cartridge differs")
     sp.add_argument("--packed-dir", help="where re-chunked copies go (default: $LMCACHE_CARTRIDGE_HOME/packed)")
     sp.add_argument("--force-redownload", action="store_true", help="running servers drop cached copies and fetch again")
     sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL (s3:// paths)")
-    sp.add_argument("--s3-region")
+    sp.add_argument("--s3-region", help="S3 region (s3:// paths)")
     reg_opts(sp)
 
-    sp = add("list", cmd_list, "list registered cartridges")
-    sp.add_argument("--json", action="store_true")
+    sp = add("list", cmd_list, "list registered cartridges", example="lmcache-cartridge list --json")
+    sp.add_argument("--json", action="store_true", help="one JSON list")
     reg_opts(sp)
 
-    sp = add("remove", cmd_remove, "remove a cartridge from the registry (files are kept)")
-    sp.add_argument("id")
+    sp = add("remove", cmd_remove, "remove a cartridge from the registry (its files are kept)",
+             "Servers stop serving it within a refresh period.", "lmcache-cartridge remove doc")
+    sp.add_argument("id", help="cartridge id")
     reg_opts(sp)
 
-    sp = add("label", cmd_label, "add or remove labels")
-    sp.add_argument("id")
-    sp.add_argument("--add", action="append")
-    sp.add_argument("--remove", action="append")
+    sp = add("label", cmd_label, "add or remove labels of a registered cartridge",
+             example="lmcache-cartridge label doc --add prod --remove staging")
+    sp.add_argument("id", help="cartridge id")
+    sp.add_argument("--add", action="append", help="label to add (repeatable)")
+    sp.add_argument("--remove", action="append", help="label to remove (repeatable)")
     reg_opts(sp)
 
-    sp = add("gateway", cmd_gateway, "OpenAI-compatible gateway adding the `cartridges` field in front of vLLM")
+    # -- serving
+    sp = add("doctor", cmd_doctor, "check an LMCache config and its registered cartridges as a server will load them",
+             "Loads the YAML with LMCache's own loader, checks the plugin entry, the allocator, the\n"
+             "hash algorithm, and every registered cartridge against the chunk size and model.\n"
+             "Exit 0 when all is well, 1 when something would not be served.",
+             "lmcache-cartridge doctor --config configs/lmcache-cartridge.yaml --model MODEL --verify")
+    sp.add_argument("--config", required=True, help="the LMCache YAML the server loads (LMCACHE_CONFIG_FILE)")
+    sp.add_argument("--model", help="the model name the server will use (vLLM --model)")
+    sp.add_argument("--verify", action="store_true", help="also recompute every chunk checksum")
+
+    sp = add("gateway", cmd_gateway, "serve the OpenAI-compatible gateway (adds a `cartridges` field) in front of vLLM",
+             "POST /v1/completions and /v1/chat/completions with\n"
+             '  "cartridges": [{"id": "doc", "source": "local"}]\n'
+             "put the cartridge's tokens in front of the prompt and forward it to vLLM; unknown or\n"
+             "incompatible cartridges are refused with a 4xx that says why.",
+             "lmcache-cartridge gateway --upstream http://127.0.0.1:8000 --model MODEL "
+             "--config configs/lmcache-cartridge.yaml --allow-local carts")
     sp.add_argument("--upstream", required=True, help="the vLLM server, e.g. http://127.0.0.1:8000")
     sp.add_argument("--model", required=True, help="the upstream model name (vLLM --model)")
     sp.add_argument("--tokenizer", help="local tokenizer directory (default: --model)")
     sp.add_argument("--config", help="the server's LMCache YAML (registry, cache dir, S3, chunk size)")
-    sp.add_argument("--registry")
-    sp.add_argument("--chunk-size", type=int, default=256)
-    sp.add_argument("--allow-local", action="append", help="directory local cartridge paths may come from (repeatable)")
-    sp.add_argument("--s3-endpoint")
-    sp.add_argument("--max-cartridges", type=int, default=4)
-    sp.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    sp.add_argument("--registry", help="registry database, without --config")
+    sp.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk_size, without --config (default 256)")
+    sp.add_argument("--allow-local", action="append", metavar="DIR",
+                    help="directory local cartridge paths may come from (repeatable)")
+    sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL, without --config")
+    sp.add_argument("--max-cartridges", type=int, default=4, help="most cartridges per request (default 4)")
+    sp.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
     sp.add_argument("--serve-timeout", type=float, default=15.0,
                     help="seconds to wait for the engine's plugins to serve a newly registered cartridge (then 503)")
-    sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--port", type=int, default=8100)
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sp.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
 
-    sp = add("stats", cmd_stats, "per-tier hits, misses, bytes and evictions of running plugins")
+    sp = add("stats", cmd_stats, "per-tier hits, misses, bytes and evictions of running plugins",
+             "Every plugin instance publishes its counters under <cache_dir>/stats/; this sums them.",
+             "lmcache-cartridge stats --config configs/lmcache-cartridge.yaml")
     sp.add_argument("--config", help="LMCache YAML: use its plugin's cache dir")
-    sp.add_argument("--cache-dir")
-    sp.add_argument("--json", action="store_true")
-
-    sp = add("doctor", cmd_doctor, "check an LMCache config and its registered cartridges as the server will load them")
-    sp.add_argument("--config", required=True)
-    sp.add_argument("--model", help="the model name the server will use (vLLM --model)")
-    sp.add_argument("--verify", action="store_true", help="also recompute every chunk checksum")
+    sp.add_argument("--cache-dir", help="the plugin's cache dir, without --config (default: $LMCACHE_CARTRIDGE_HOME/cache)")
+    sp.add_argument("--json", action="store_true", help="as JSON")
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    # LMCache logs INFO lines on import (device detection, config loading): a command's output is
+    # its own. An explicit LMCACHE_LOG_LEVEL still wins.
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except CartridgeError as e:
-        print(f"lmcache-cartridge: error: {e}", file=sys.stderr)
+    except (CartridgeError, ValueError, OSError) as e:
+        # Input the user gave that cannot work: a bad path, URI, value or file. (ValueError is how
+        # parsers of user input refuse it, e.g. an S3 URI or a UTF-8 text file.)
+        print(f"lmcache-cartridge: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(f"lmcache-cartridge: error: {e.strerror}: {e.filename}", file=sys.stderr)
-        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

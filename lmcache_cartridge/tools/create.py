@@ -48,6 +48,26 @@ def sample_chunks(body_len: int, budget: int, chunk: int, seed: int) -> list[tup
     return spans
 
 
+def document_tokens(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
+    """(leading special ids, text ids): what the engine computes for a prompt that starts with
+    `text`, split where the document begins.
+
+    The tokenizer decides, as vLLM's does for a text prompt: a Llama tokenizer prepends BOS (the
+    cartridge starts with it, the attention sink); a Qwen2 tokenizer adds nothing (the cartridge
+    starts with the text). Specials a tokenizer appends (an EOS after the text) are dropped: the
+    user's tokens follow the cartridge, not an end of sequence.
+    """
+    plain = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    full = [int(t) for t in tokenizer(text)["input_ids"]]
+    for k in range(len(full) - len(plain) + 1):
+        if full[k : k + len(plain)] == plain:
+            return full[:k], plain
+    raise CartridgeFormatError(
+        "the tokenizer encodes the document differently with and without special tokens; "
+        "cannot tell where the document starts"
+    )
+
+
 def create_first_k(
     model_dir: str | Path,
     text: str,
@@ -57,8 +77,9 @@ def create_first_k(
     seed: int = 0,
     model_and_tokenizer: tuple[Any, Any] | None = None,
 ) -> CreatedCartridge:
-    """Cartridge from real text: the first `max_tokens` tokens (BOS included), or with `sci_chunk`
-    a BOS plus sampled document chunks (Sampled Chunk Initialization, Cartridges paper).
+    """Cartridge from real text: the first `max_tokens` tokens (the tokenizer's BOS included where
+    it adds one), or with `sci_chunk` the leading specials plus sampled document chunks (Sampled
+    Chunk Initialization, Cartridges paper).
 
     `model_and_tokenizer` lets callers that make several cartridges load the model once.
     """
@@ -70,7 +91,7 @@ def create_first_k(
         )
     if max_tokens is not None and max_tokens < 2:
         raise CartridgeFormatError(
-            f"max_tokens={max_tokens} is too small: a cartridge needs BOS plus at least one token"
+            f"max_tokens={max_tokens} is too small: a cartridge needs at least two tokens"
         )
     if sci_chunk is not None:
         if sci_chunk < 1:
@@ -83,13 +104,8 @@ def create_first_k(
             )
 
     model, tokenizer = model_and_tokenizer or load_model(model_dir)
-    doc = list(tokenizer(text)["input_ids"])
-    bos = model.config.bos_token_id
-    if not doc or doc[0] != bos:
-        raise CartridgeFormatError(
-            f"the tokenizer in {model_dir} does not prepend BOS (id {bos}); cartridges must start "
-            "with BOS to match what the engine computes for a prompt"
-        )
+    head, body = document_tokens(tokenizer, text)
+    doc = head + body
 
     limit = model.config.max_position_embeddings
     if sci_chunk is None:
@@ -98,8 +114,8 @@ def create_first_k(
         spans = None
     else:
         method = "sci"
-        spans = sample_chunks(len(doc) - 1, max_tokens - 1, sci_chunk, seed)
-        token_ids = [doc[0]] + [t for s, e in spans for t in doc[1 + s : 1 + e]]
+        spans = sample_chunks(len(body), max_tokens - len(head), sci_chunk, seed)
+        token_ids = head + [t for s, e in spans for t in body[s:e]]
     if len(token_ids) > limit:
         raise CartridgeFormatError(
             f"the document is {len(doc)} tokens, longer than the model's "
@@ -117,10 +133,12 @@ def create_first_k(
         "seed": seed,
         "source_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
         "source_num_tokens": len(doc),
+        "leading_special_ids": list(head),
         "num_tokens": len(token_ids),
         "transformers_version": transformers.__version__,
     }
     if spans is not None:
-        # Offsets into the document's tokens after BOS, so a cartridge can be re-derived.
+        # Offsets into the document's tokens after its leading specials (BOS where the
+        # tokenizer adds one), so a cartridge can be re-derived.
         provenance["sci_spans"] = [[s, e] for s, e in spans]
     return CreatedCartridge(kv=kv, token_ids=[int(t) for t in token_ids], provenance=provenance)

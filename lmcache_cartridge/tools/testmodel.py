@@ -1,12 +1,24 @@
-"""A tiny Llama with random weights and a locally trained tokenizer, built on demand and cached.
+"""Tiny models with random weights and a locally trained tokenizer, built on demand and cached:
+one per family the project serves, each with its family's own conventions.
+
+* `llama` (the default, `tiny-llama`): the tokenizer prepends BOS `<s>`, separate LM head, no
+  attention biases, a plain `[role]: text` chat template. `head_dim` may be given explicitly
+  (config `head_dim` != hidden_size / num_heads), as Llama-3-style configs allow.
+* `qwen2` (`tiny-qwen2`): like Qwen2/Qwen2.5: the tokenizer adds no BOS (`bos_token` is None,
+  while the config still names `<|endoftext|>` as bos_token_id, as Qwen's does), q/k/v attention
+  biases (random, non-zero), tied input/output embeddings, and Qwen2-Instruct's ChatML template
+  (`<|im_start|>role ... <|im_end|>`, eos `<|im_end|>`).
 
 Tests and the demo need a real HF/vLLM-loadable model without a model hub. Random weights alone
 make attention nearly uniform, so a KV cache injected in the wrong layout (K/V swapped, heads
 permuted, positions shifted) would still produce almost the same logits and bugs would hide.
-We therefore scale q/k projections and the LM head so attention and next-token choices are
-peaked: layout errors then change the argmax.
+We therefore scale q/k projections and the logits so attention and next-token choices are
+peaked: layout errors then change the argmax. (Llama scales its LM head; with tied embeddings
+that would also scale the input embeddings, so Qwen2 scales the final norm's weight instead: the
+same logits, untouched inputs.)
 
-Run `python -m lmcache_cartridge.tools.testmodel` to build the default model and print its path.
+Runs offline, in tests, the demo and benchmarks; the files belong to the cache dir it writes.
+Run `python -m lmcache_cartridge.tools.testmodel [--family qwen2]` to build one and print its path.
 """
 
 from __future__ import annotations
@@ -38,6 +50,41 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}[assistant]:{% endif %}"
 )
 
+# Qwen2's specials (Qwen2TokenizerFast: <|endoftext|> is pad and the base model's eos,
+# <|im_end|> the chat eos; no BOS, no UNK) and Qwen2-Instruct's chat template, verbatim.
+QWEN_ENDOFTEXT, QWEN_IM_START, QWEN_IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's tokenizer conventions: its special tokens (ids 0.. in this order) and
+    which of them is BOS / EOS / PAD / UNK (None: the family has none)."""
+
+    name: str
+    specials: tuple[str, ...]
+    bos: str | None
+    eos: str
+    pad: str
+    unk: str | None
+    chat_template: str
+
+    def id_of(self, token: str | None) -> int | None:
+        return None if token is None else self.specials.index(token)
+
+
+FAMILIES = {
+    "llama": Family("llama", SPECIAL_TOKENS, BOS, EOS, PAD, UNK, CHAT_TEMPLATE),
+    "qwen2": Family("qwen2", (QWEN_ENDOFTEXT, QWEN_IM_START, QWEN_IM_END), None, QWEN_IM_END,
+                    QWEN_ENDOFTEXT, None, QWEN_CHAT_TEMPLATE),
+}
+QWEN2_ATTN_BIAS_STD = 0.5  # random q/k/v biases: HF initialises them to zero, which tests nothing
+
 
 @dataclass(frozen=True)
 class BuildParams:
@@ -51,23 +98,36 @@ class BuildParams:
     vocab_size: int
     max_position_embeddings: int
     seed: int
+    family: str = "llama"
+    head_dim: int | None = None  # None: hidden_size // num_heads (written to the config either way)
     peak_q_k_scale: float = PEAK_Q_K_SCALE
     peak_lm_head_scale: float = PEAK_LM_HEAD_SCALE
     recipe_version: int = RECIPE_VERSION
 
+    @property
+    def attn_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
     def validate(self) -> None:
-        if self.hidden_size % self.num_heads:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family {self.family!r} is not one of {sorted(FAMILIES)}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}"
+                " (or give head_dim)"
             )
+        if self.head_dim is not None and self.family == "qwen2":
+            # vLLM's Qwen2 derives head_dim from hidden_size / num_heads and ignores the config's.
+            raise ValueError("an explicit head_dim is a Llama-family option (vLLM's Qwen2 ignores it)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
             )
-        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+        specials = len(FAMILIES[self.family].specials)
+        if self.vocab_size < 256 + specials:
             raise ValueError(
                 f"vocab_size {self.vocab_size} is too small: byte-level BPE needs at least "
-                f"{256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)"
+                f"{256 + specials} (256 bytes + special tokens)"
             )
 
 
@@ -112,21 +172,24 @@ def extra_text(num_sentences: int, seed: int = 0) -> str:
     return "\n".join(sentences)
 
 
-def build_tokenizer(vocab_size: int, max_length: int = 8192):
-    """Train the byte-level BPE tokenizer (deterministic: same text and settings, same ids)."""
+def build_tokenizer(vocab_size: int, max_length: int = 8192, family: str = "llama"):
+    """Train the byte-level BPE tokenizer (deterministic: same text and settings, same ids), with
+    the family's special tokens and BOS behaviour (`llama`: BOS on single texts, like Llama;
+    `qwen2`: nothing added, like Qwen2's tokenizer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    fam = FAMILIES[family]
     corpora = [[document_text()]]
     # Larger vocabularies need more text to learn enough merges; add filler only then.
     corpora += [[document_text(), extra_text(n)] for n in (2_000, 20_000)]
     for corpus in corpora:
-        tok = Tokenizer(models.BPE(unk_token=UNK))
+        tok = Tokenizer(models.BPE(unk_token=fam.unk))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
-            special_tokens=list(SPECIAL_TOKENS),
+            special_tokens=list(fam.specials),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
@@ -138,24 +201,28 @@ def build_tokenizer(vocab_size: int, max_length: int = 8192):
             f"could not train a tokenizer with vocab_size {vocab_size} (got "
             f"{tok.get_vocab_size()}): choose a smaller vocab_size"
         )
-    for i, special in enumerate(SPECIAL_TOKENS):
+    for i, special in enumerate(fam.specials):
         if tok.token_to_id(special) != i:
             raise RuntimeError(
                 f"tokenizer trainer put {special!r} at id {tok.token_to_id(special)}, not {i}"
             )
-    # BOS on single texts by default (like Llama); add_special_tokens=False leaves it out.
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A",
-        pair=f"{BOS} $A {BOS} $B",
-        special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))],
-    )
+    if fam.bos is not None:
+        # BOS on single texts by default (like Llama); add_special_tokens=False leaves it out.
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{fam.bos} $A",
+            pair=f"{fam.bos} $A {fam.bos} $B",
+            special_tokens=[(fam.bos, fam.id_of(fam.bos))],
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)  # as Qwen2's tokenizer.json
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        pad_token=PAD,
-        chat_template=CHAT_TEMPLATE,
+        bos_token=fam.bos,
+        eos_token=fam.eos,
+        unk_token=fam.unk,
+        pad_token=fam.pad,
+        additional_special_tokens=[t for t in fam.specials if t not in (fam.bos, fam.eos, fam.pad, fam.unk)] or None,
+        chat_template=fam.chat_template,
         model_max_length=max_length,
     )
 
@@ -170,7 +237,7 @@ def llama_config(params: BuildParams):
         num_hidden_layers=params.num_layers,
         num_attention_heads=params.num_heads,
         num_key_value_heads=params.num_kv_heads,
-        head_dim=params.hidden_size // params.num_heads,
+        head_dim=params.attn_head_dim,
         max_position_embeddings=params.max_position_embeddings,
         tie_word_embeddings=False,
         bos_token_id=SPECIAL_TOKENS.index(BOS),
@@ -180,19 +247,61 @@ def llama_config(params: BuildParams):
     )
 
 
+def qwen2_config(params: BuildParams):
+    """Qwen2's shape: tied embeddings, q/k/v biases (built into Qwen2Attention), no sliding window;
+    `bos_token_id` names <|endoftext|> as Qwen's configs do, though the tokenizer adds no BOS."""
+    from transformers import Qwen2Config
+
+    fam = FAMILIES["qwen2"]
+    return Qwen2Config(
+        vocab_size=params.vocab_size,
+        hidden_size=params.hidden_size,
+        intermediate_size=params.intermediate_size,
+        num_hidden_layers=params.num_layers,
+        num_attention_heads=params.num_heads,
+        num_key_value_heads=params.num_kv_heads,
+        max_position_embeddings=params.max_position_embeddings,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=fam.id_of(QWEN_ENDOFTEXT),
+        eos_token_id=fam.id_of(fam.eos),
+        pad_token_id=fam.id_of(fam.pad),
+        dtype="bfloat16",
+    )
+
+
 def build_model(params: BuildParams):
-    """Random-init Llama (fp32, seeded), with peaked q/k and LM head, cast to bfloat16."""
+    """Random-init model of the family (fp32, seeded), with peaked q/k and logits, cast to bf16."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     torch.manual_seed(params.seed)
-    model = LlamaForCausalLM(llama_config(params)).float()
+    if params.family == "qwen2":
+        model = Qwen2ForCausalLM(qwen2_config(params)).float()
+    else:
+        model = LlamaForCausalLM(llama_config(params)).float()
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(params.peak_q_k_scale)
             layer.self_attn.k_proj.weight.mul_(params.peak_q_k_scale)
-        model.lm_head.weight.mul_(params.peak_lm_head_scale)
+            if params.family == "qwen2":
+                for proj in ("q_proj", "k_proj", "v_proj"):
+                    getattr(layer.self_attn, proj).bias.normal_(0.0, QWEN2_ATTN_BIAS_STD)
+        if params.family == "qwen2":  # tied: scale the logits through the final norm, not the embeddings
+            model.model.norm.weight.mul_(params.peak_lm_head_scale)
+        else:
+            model.lm_head.weight.mul_(params.peak_lm_head_scale)
     return model.to(torch.bfloat16).eval()
+
+
+def marker(params: BuildParams) -> dict:
+    """The marker's content. Options at their defaults are left out, so models built before the
+    option existed (same files) stay valid."""
+    d = asdict(params)
+    for key, default in (("family", "llama"), ("head_dim", None)):
+        if d[key] == default:
+            del d[key]
+    return d
 
 
 def read_marker(directory: Path) -> dict | None:
@@ -203,16 +312,18 @@ def read_marker(directory: Path) -> dict | None:
 
 
 def _write_model(directory: Path, params: BuildParams) -> None:
-    build_tokenizer(params.vocab_size, params.max_position_embeddings).save_pretrained(directory)
+    build_tokenizer(params.vocab_size, params.max_position_embeddings, params.family).save_pretrained(directory)
     build_model(params).save_pretrained(directory, safe_serialization=True)
     # Written last: its presence means every other file is complete.
-    (directory / MARKER_NAME).write_text(json.dumps(asdict(params), indent=1) + "\n", "utf-8")
+    (directory / MARKER_NAME).write_text(json.dumps(marker(params), indent=1) + "\n", "utf-8")
 
 
 def ensure_test_model(
     root: Path | None = None,
     *,
-    name: str = "tiny-llama",
+    family: str = "llama",
+    name: str | None = None,
+    head_dim: int | None = None,
     hidden_size: int = 256,
     num_layers: int = 2,
     num_heads: int = 4,
@@ -222,7 +333,8 @@ def ensure_test_model(
     max_position_embeddings: int = 8192,
     seed: int = 0,
 ) -> Path:
-    """Return `root/name`, building it first unless it already holds this exact model.
+    """Return `root/name` (default `tiny-<family>`), building it first unless it already holds
+    this exact model.
 
     Builds go to a temp dir beside the target and are renamed into place, so concurrent
     processes (vLLM scheduler, workers, pytest-xdist) never see a half-written model. A cached
@@ -237,11 +349,14 @@ def ensure_test_model(
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
         seed=seed,
+        family=family,
+        head_dim=head_dim,
     )
     params.validate()
+    name = name or f"tiny-{family}"
     root = Path(root) if root is not None else models_dir()
     target = root / name
-    wanted = asdict(params)
+    wanted = marker(params)
     if read_marker(target) == wanted:
         return target
 
@@ -273,8 +388,12 @@ def ensure_test_model(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main() -> None:
-    print(ensure_test_model())
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="build (once) a tiny test model and print its directory")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    print(ensure_test_model(family=ap.parse_args(argv).family))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""What every benchmark script does before it imports the package, and what it records about
+the machine: one preamble for `ttft.py` and `soak.py`.
+
+Import it first (`import _common`): it puts the repository on `sys.path` (the scripts run from a
+checkout, `python benchmarks/x.py`) and sets the environment the Makefile sets (caches inside the
+work tree, no model hub, LMCache at WARNING so its INFO lines do not bury the results).
+Runs in the benchmark's own process; owns nothing but these defaults (an explicit environment
+variable always wins).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+ENV_DEFAULTS = {
+    "LMCACHE_CARTRIDGE_HOME": str(ROOT / ".cache"),  # as the Makefile does
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "LMCACHE_LOG_LEVEL": "WARNING",
+}
+
+
+def setup() -> Path:
+    """Idempotent: repository on sys.path, environment defaults set. Returns the repository root."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    return ROOT
+
+
+def machine_info(device: bool = False) -> dict[str, Any]:
+    """Where a result was measured: CPU, memory, library versions, git revision; `nvidia-smi`
+    with `device`."""
+    info: dict[str, Any] = {"host": platform.node(), "platform": platform.platform(),
+                            "python": platform.python_version(), "nproc": os.cpu_count(),
+                            "loadavg_start": os.getloadavg()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        info["mem_total_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1)
+    except (OSError, ValueError):
+        pass
+    for mod in ("vllm", "lmcache", "torch", "transformers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            info[mod] = f"unavailable: {type(e).__name__}"
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+        info["git"] = rev + (" (dirty)" if dirty.strip() else "")
+    except OSError:
+        pass
+    if device:
+        try:
+            info["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+            info["nvidia_smi_full"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True,
+                                                     timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired) as e:
+            info["nvidia_smi"] = f"unavailable: {e}"
+    return info
+
+
+setup()
