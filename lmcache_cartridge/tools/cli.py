@@ -511,13 +511,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--vocab-size", type=int, help="vocabulary size, instead of --model-dir")
     sp.add_argument("--special-id", type=int, action="append", help="special token id to avoid (repeatable)")
     sp.add_argument("--label", action="append", help="label (repeatable)")
+    sp.add_argument("--allow-model-mismatch", action="store_true",
+                    help="pack although the input records another base model than --model (same model, other name)")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
-    sp = add("inspect", cmd_inspect, "show a packed cartridge's manifest",
-             "Id, kind, model, KV shape and dtype, tokens, chunks and their checksums.",
-             "lmcache-cartridge inspect carts/doc")
-    sp.add_argument("path", help="packed cartridge directory")
+    sp = add("inspect", cmd_inspect, "show a packed cartridge's manifest, or which format an input is read as",
+             "On a packed directory: id, kind, model, KV shape and dtype, tokens, chunks and their\n"
+             "checksums, and the input format it was packed from. On a .pt file or a cartridge\n"
+             "directory (PEFT adapter, Tokasaurus): the format, base model, geometry and frozen tokens.",
+             "lmcache-cartridge inspect cache_last.pt")
+    sp.add_argument("path", help="packed cartridge directory, or an input file or directory")
     sp.add_argument("--json", action="store_true", help="the manifest as JSON")
 
     sp = add("verify", cmd_verify, "recompute a packed cartridge's checksums and check its values",
@@ -533,6 +537,16 @@ def build_parser() -> argparse.ArgumentParser:
              "lmcache-cartridge test-model --family qwen2")
     sp.add_argument("--family", choices=["llama", "qwen2"], default="llama", help="model family (default llama)")
     sp.add_argument("--root", help="directory to build it in (default: $LMCACHE_CARTRIDGE_HOME/models)")
+
+    from lmcache_cartridge.tools import train as train_tool
+
+    sp = add("train", train_tool.run_train, "train a cartridge for a document by self-study distillation (offline)",
+             "Synthesises conversations about the document and trains the KV (PEFT's CARTRIDGE\n"
+             "adapter) to answer as the model does with the whole document in context; the output is\n"
+             "a packed `trained` cartridge ready for `register`. Needs the `train` extra (peft).\n"
+             "Rerun the same command to resume from the work directory's checkpoint.",
+             "lmcache-cartridge train --model-dir DIR --text doc.txt -o carts/doc-trained --tokens 256")
+    train_tool.add_train_arguments(sp)
 
     # -- the registry servers read
     def reg_opts(sp):
