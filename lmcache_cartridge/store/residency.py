@@ -415,8 +415,10 @@ class Residency:
             if self.is_local(handle, info.index):
                 continue
             scratch = torch.empty(info.nbytes, dtype=torch.uint8)
+            t0 = time.perf_counter()
             try:
-                self._fetch(handle, info.index, scratch, background=True)
+                tier = self._fetch(handle, info.index, scratch, background=True)
+                self.metrics.hit(tier, info.nbytes, time.perf_counter() - t0)  # bytes the origin gave
                 fetched += 1
             except Exception as e:  # the next lookup (or the plugin's watcher) asks again
                 logger.warning("lmcache_cartridge: download of chunk %d of %r failed: %s",
