@@ -103,7 +103,8 @@ def phase(server, model: str, docs: list[list[int]], rounds: int, c: int, plan, 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stalled_origin")
-    ap.add_argument("--work", type=Path, default=None, help="scratch dir (default: under --out)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="scratch dir: cartridges, server root (default: $LMCACHE_CARTRIDGE_HOME/bench-stalled-origin)")
     ap.add_argument("--length", type=int, default=1024, help="document tokens (whole 256-token chunks)")
     ap.add_argument("--local", type=int, default=4, help="local cartridges")
     ap.add_argument("--rounds", type=int, default=12)
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
 
     t_start = time.time()
     out = args.out
-    work = args.work or out / "work"
+    work = args.work or Path(os.environ["LMCACHE_CARTRIDGE_HOME"]) / "bench-stalled-origin"  # never in the repo
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_test_model()
