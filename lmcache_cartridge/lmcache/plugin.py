@@ -4,12 +4,20 @@ Where it runs: LMCache builds it inside every engine (each vLLM worker rank; als
 scheduler process when `enable_scheduler_bypass_lookup` is on, then with `local_cpu_backend=None`).
 Who calls it: LMCache's `StorageManager`, from the worker thread (lookup with `pin=True`,
 `batched_get_blocking` on retrieve, `unpin` after), from the lookup-server thread, and from the
-storage manager's event loop (the async pair). All state below is guarded by one lock.
+storage manager's event loop (the async pair, whose work runs on the plugin's own executor).
+All state below is guarded by one lock.
 
 What it owns: an index `CacheEngineKey -> (cartridge, chunk)` computed in this process with
-LMCache's own token database (see `keys`), rebuilt when the registry changes; pin counts; the
-set of chunks whose checksum this process has verified. It never owns a cartridge's files:
-`remove` forgets keys, it never deletes anything.
+LMCache's own token database (see `keys`), swapped in whole when the registry changes; lookup
+pins (with a lease); quarantines; tombstones of retired keys (re-purged from LMCache's CPU cache
+until no in-flight read can write them back). It never owns a cartridge's files: `remove`
+forgets keys, it never deletes anything.
+
+Hot path rule: a lookup hits only on chunks readable without the network (memory, disk cache,
+local origin); a remote chunk not yet local is a miss and starts a background download. Trained
+cartridges are downloaded as soon as they are registered, and the published state says which
+cartridges are resident (the gateway holds a trained cartridge's requests until they are).
+Lock order: the plugin lock is never held while a tier lock or LMCache's lock is taken.
 
 Registered YAML (see configs/lmcache-cartridge.yaml):
     storage_plugins: ["cartridge"]
@@ -20,9 +28,12 @@ Registered YAML (see configs/lmcache-cartridge.yaml):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
+import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -38,13 +49,13 @@ from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
-from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, Residency
+from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
 from lmcache_cartridge.lmcache.settings import PluginSettings
 
 logger = logging.getLogger("lmcache_cartridge.plugin")
 
 
-@dataclass
+@dataclass(eq=False)
 class Served:
     """One cartridge this process serves: its open payload, its keys and which columns to copy."""
 
@@ -53,17 +64,57 @@ class Served:
     keys: list[Any]
     columns: slice
     whole_rows: bool  # True when this rank serves every head: read straight into the buffer
+    pins: int = 0     # lookup pins held on its chunks (plugin lock): closing waits for 0
+    reads: int = 0    # retrieves reading it right now (plugin lock)
+
+
+@dataclass(eq=False)
+class _Pin:
+    served: Served
+    index: int
+    taken: float  # time.monotonic(): a pin LMCache never releases expires after the lease
+
+
+@dataclass(eq=False)
+class _Tombstone:
+    """Keys of a cartridge no longer served. LMCache writes a plugin's hits back into its
+    LocalCPUBackend right after `batched_get_blocking` returns, so a read that was in flight (or
+    a pinned, draining chunk) at removal can put the old bytes back after the purge. The keys
+    are purged again on every refresh tick until the cartridge has no reads and no pins, and once
+    more a tick after that."""
+
+    served: Served
+    idle_seen: bool = False
+
+
+@dataclass(frozen=True)
+class _Quarantine:
+    """Bytes found bad at their origin: not served again until the registered bytes change."""
+
+    content_hash: str
+    epoch: int
+    path: str
+    why: str
+
+    def matches(self, e: Entry) -> bool:
+        return (e.content_hash, e.epoch, e.path) == (self.content_hash, self.epoch, self.path)
 
 
 @dataclass
 class _State:
     served: dict[str, Served] = field(default_factory=dict)          # id -> Served
-    index: dict[Any, tuple[str, int]] = field(default_factory=dict)  # key -> (id, chunk)
-    draining: dict[Any, tuple[Served, int]] = field(default_factory=dict)  # removed but pinned
+    index: dict[Any, tuple[Served, int]] = field(default_factory=dict)  # key -> (served, chunk)
+    draining: dict[Any, tuple[Served, int]] = field(default_factory=dict)  # retired but pinned
     # key -> what each pin was taken on, oldest first: after a re-registration under the same
     # keys, an unpin must release the chunk its lookup pinned, not whatever the key maps to now.
-    pins: dict[Any, list[tuple[Served, int]]] = field(default_factory=dict)
+    pins: dict[Any, deque] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)            # id -> why not served
+    quarantined: dict[str, _Quarantine] = field(default_factory=dict)
+    tombstones: list[_Tombstone] = field(default_factory=list)
+
+
+def _same_bytes(a: Entry, b: Entry) -> bool:
+    return (a.content_hash, a.path, a.epoch) == (b.content_hash, b.path, b.epoch)
 
 
 class CartridgeStoragePlugin(StoragePluginInterface):
@@ -98,6 +149,9 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 self.metrics, prefetch=st.prefetch)
             self._readers = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                                thread_name_prefix="cartridge-read")
+            # LMCache runs the async pair on its storage event loop: the work goes here instead,
+            # so one request's reads never freeze the loop other requests' lookups run on.
+            self._async_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cartridge-async")
             self.registry: Registry | None = None
             self._version = -1
             try:
@@ -130,7 +184,11 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             )
 
     def refresh(self) -> bool:
-        """Re-read the registry if another process changed it. Returns True if it did."""
+        """Re-read the registry if another process changed it. Returns True if it did.
+
+        The new state is built completely, then swapped in under the lock in one step (an
+        exception while opening leaves the old state whole); side effects on LMCache's cache and
+        the tiers run after, outside the lock."""
         if self.registry is None:
             self.registry = Registry(self.settings.registry)
         version = self.registry.data_version()
@@ -138,15 +196,14 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             return False
         entries = {e.id: e for e in self.registry.list() if e.state == "ready"}
         with self._lock:
-            current = self._state.served
-        keep = {i for i, s in current.items()
-                if i in entries and entries[i].content_hash == s.entry.content_hash
-                and entries[i].path == s.entry.path and entries[i].epoch == s.entry.epoch}
+            current = dict(self._state.served)
+            quarantined = dict(self._state.quarantined)
+        keep = {i for i, s in current.items() if i in entries and _same_bytes(entries[i], s.entry)}
         added: dict[str, Served] = {}
         skipped: dict[str, str] = {}
         if self.healthy:
             for cid, entry in entries.items():
-                if cid in keep:
+                if cid in keep or (cid in quarantined and quarantined[cid].matches(entry)):
                     continue
                 try:
                     added[cid] = self._open(entry)
@@ -155,22 +212,30 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                     logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, skipped[cid])
         with self._lock:
             st = self._state
-            for cid in [c for c in st.served if c not in keep]:
-                old = st.served.pop(cid)
-                self._retire(old)
-                new = entries.get(cid)
-                if new is not None and new.epoch != old.entry.epoch:  # force_redownload
-                    self.residency.forget(old.handle.content_hash, disk=True)
-            if self.local_cpu_backend is not None:
-                # KV that LMCache stored under these keys before we served them was recomputed
-                # from the cartridge's token ids (for a trained cartridge: from placeholders):
-                # it must never be served in place of the cartridge's own KV.
-                for s in added.values():
-                    for key in s.keys:
-                        self.local_cpu_backend.remove(key, force=True)
-            st.served.update(added)
-            st.index = {k: (cid, i) for cid, s in st.served.items() for i, k in enumerate(s.keys)}
-            st.skipped = skipped
+            # Against the state as it is now: a reader may have quarantined a cartridge meanwhile.
+            still = {cid: q for cid, q in st.quarantined.items() if cid in entries and q.matches(entries[cid])}
+            served = {cid: s for cid, s in st.served.items() if cid in keep}
+            dropped = [s for cid, s in added.items() if cid in still]
+            served.update({cid: s for cid, s in added.items() if cid not in still})
+            index = {k: (s, i) for s in served.values() for i, k in enumerate(s.keys)}
+            retired = [s for cid, s in st.served.items() if served.get(cid) is not s]
+            st.served, st.index, st.quarantined = served, index, still
+            st.skipped = skipped | {cid: q.why for cid, q in still.items()}
+            for s in retired:
+                self._retire_locked(s)
+        for s in dropped:
+            s.handle.origin.close()
+        for s in retired:
+            new = entries.get(s.entry.id)
+            self._after_retire(s, forget_disk=new is not None and new.epoch != s.entry.epoch)  # force_redownload
+        fresh = [s for s in added.values() if s not in dropped]
+        # KV that LMCache stored under these keys before we served them was recomputed from the
+        # cartridge's token ids (for a trained cartridge: from placeholders): it must never be
+        # served in place of the cartridge's own KV.
+        self._purge(k for s in fresh for k in s.keys)
+        for s in fresh:
+            if s.entry.kind == "trained":  # the gateway waits for these to be resident: fetch now
+                self._want_download(s)
         self._version = version  # only once the index reflects it: a failed refresh is retried
         if added or len(keep) != len(current):
             logger.info("lmcache_cartridge: registry changed: %s", self.summary())
@@ -195,18 +260,43 @@ class CartridgeStoragePlugin(StoragePluginInterface):
 
         return S3Settings.from_mapping(self.settings.s3)
 
-    def _retire(self, s: Served) -> None:
-        """Stop serving `s` (lock held): pinned chunks drain; cached copies are dropped."""
+    def _retire_locked(self, s: Served) -> None:
+        """Stop serving `s` (plugin lock held; bookkeeping only): pinned chunks drain, and its
+        keys stay tombstoned until no read or pin can write its bytes back into LMCache."""
         st = self._state
-        for i, key in enumerate(s.keys):
-            if any(t[0] is s for t in st.pins.get(key, ())):
-                st.draining[key] = (s, i)
-            if self.local_cpu_backend is not None:
-                self.local_cpu_backend.remove(key, force=True)
-        self.residency.forget(s.handle.content_hash)
-        if not self._pinned(s):
-            s.handle.origin.close()
+        s.handle.retired = True
+        if s.pins:
+            for key, taken in st.pins.items():
+                for p in taken:
+                    if p.served is s:
+                        st.draining[key] = (s, p.index)
+                        break
+        st.tombstones.append(_Tombstone(s))
+
+    def _after_retire(self, s: Served, forget_disk: bool = False) -> None:
+        """The side effects of retiring `s`, outside the plugin lock."""
+        self._purge(s.keys)
+        self.residency.forget(s.handle.content_hash, disk=forget_disk)
+        self._close_if_unused(s)
         logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
+
+    def _close_if_unused(self, s: Served) -> None:
+        with self._lock:
+            unused = s.handle.retired and not s.pins and not s.reads
+        if unused:
+            s.handle.origin.close()  # closing twice is harmless
+
+    def _purge(self, keys) -> None:
+        """Drop keys from LMCache's own CPU cache (never under the plugin lock: LMCache's lock)."""
+        if self.local_cpu_backend is None:
+            return
+        for key in keys:
+            self.local_cpu_backend.remove(key, force=True)
+
+    def _want_download(self, s: Served) -> None:
+        """Start fetching a remote cartridge to this host's tiers (no-op if local or under way);
+        publish the new state when it ends so the gateway sees it resident promptly."""
+        self.residency.download_async(s.handle, on_done=lambda _h: self.dump_stats())
 
     def _preload(self) -> None:
         """Warm the configured cartridges in the background (ids or labels)."""
@@ -225,22 +315,69 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 self.refresh()
             except Exception as e:  # a locked/corrupt registry must not kill serving
                 logger.warning("lmcache_cartridge: registry refresh failed (keeping current index): %s", e)
+            try:
+                self.tick()
+            except Exception as e:
+                logger.warning("lmcache_cartridge: housekeeping failed: %s", e)
             self.dump_stats()
+
+    def tick(self) -> None:
+        """Once per refresh period: re-purge tombstoned keys, expire pins past their lease, keep
+        trained cartridges resident (re-download what eviction or a failure lost)."""
+        now = time.monotonic()
+        lease = self.settings.pin_lease_seconds
+        expired: list[_Pin] = []
+        purge: list[Any] = []
+        with self._lock:
+            st = self._state
+            for t in list(st.tombstones):
+                purge.extend(t.served.keys)
+                if t.served.pins or t.served.reads:
+                    t.idle_seen = False
+                elif t.idle_seen:
+                    st.tombstones.remove(t)
+                else:
+                    t.idle_seen = True
+            for key in list(st.pins):
+                taken = st.pins[key]
+                while taken and now - taken[0].taken > lease:
+                    expired.append(self._release_locked(key, taken.popleft()))
+                if not taken:
+                    del st.pins[key]
+            trained = [s for s in st.served.values() if s.entry.kind == "trained"]
+        if expired:
+            logger.warning("lmcache_cartridge: %d lookup pins expired after %.0fs without an unpin",
+                           len(expired), lease)
+            self.residency.cpu.unpin_many((p.served.handle.content_hash, p.index) for p in expired)
+            for s in {id(p.served): p.served for p in expired}.values():
+                self._close_if_unused(s)
+        self._purge(purge)
+        for s in trained:
+            if not s.handle.origin.local and not self.residency.resident(s.handle):
+                self._want_download(s)
 
     def served_now(self) -> dict[str, list]:
         """`{cartridge id: [content_hash, epoch]}` this instance serves right now."""
         with self._lock:
             return {cid: [s.entry.content_hash, s.entry.epoch] for cid, s in self._state.served.items()}
 
+    def resident_now(self) -> list[str]:
+        """Ids of served cartridges whose every chunk is readable here without the network."""
+        with self._lock:
+            served = list(self._state.served.values())
+        return sorted(s.entry.id for s in served if self.residency.resident(s.handle))
+
     def dump_stats(self) -> None:
-        """Publish this instance's tier counters (for `lmcache-cartridge stats`) and what it
-        serves (the gateway forwards a request only once every live instance serves its
-        cartridges: see `serving.wait_served`)."""
+        """Publish this instance's tier counters (for `lmcache-cartridge stats`), what it serves
+        and what is resident (the gateway forwards a request only once every live instance
+        serves its cartridges, and for a trained one has it resident: see `serving.wait_served`)."""
         try:
+            with self._lock:
+                skipped = dict(self._state.skipped)
             self.metrics.dump(self.settings.cache_dir / "stats",
                               f"{self.settings.name}-rank{self.shape.rank}-pid{os.getpid()}",
                               {"registry": str(self.settings.registry), "served": self.served_now(),
-                               "skipped": dict(self._state.skipped),
+                               "resident": self.resident_now(), "skipped": skipped,
                                "refresh_seconds": self.settings.refresh_seconds, "pid": os.getpid()})
         except OSError as e:
             logger.debug("lmcache_cartridge: cannot write stats: %s", e)
@@ -250,28 +387,53 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         return self.batched_contains([key], pin) == 1
 
     def batched_contains(self, keys, pin: bool = False) -> int:
-        """Leading hits, under one lock (this runs for every lookup of every request)."""
-        hits = 0
+        """Leading hits: chunks this process serves AND can read without the network.
+
+        A chunk of a remote cartridge that is not in memory or the disk cache is a miss, and its
+        download starts in the background. Pins (worker side only: the scheduler-side instance,
+        `local_cpu_backend=None`, never retrieves, so nothing would ever release them) keep the
+        CPU-tier copy until LMCache's unpin, or the lease. The plugin lock is never held while a
+        tier lock is taken."""
+        taken: list[tuple[Served, int]] = []
         with self._lock:
-            st = self._state
-            index = st.index
+            index = self._state.index
             for key in keys:
-                if key not in index:
+                where = index.get(key)
+                if where is None:
                     break
-                hits += 1
-            if pin and hits:
-                pins, served = st.pins, st.served
-                taken = [(served[cid], i) for cid, i in map(index.__getitem__, keys[:hits])]
-                for key, t in zip(keys, taken):
-                    pins.setdefault(key, []).append(t)
-                self.residency.cpu.pin_many((sv.handle.content_hash, i) for sv, i in taken)
+                taken.append(where)
+        if not taken:
+            return 0
+        pin = pin and self.local_cpu_backend is not None
+        cids = [(sv.handle.content_hash, i) for sv, i in taken]
+        if pin:  # before the locality check, so a chunk found in memory cannot be evicted after it
+            self.residency.cpu.pin_many(cids)
+        hits = 0
+        for sv, i in taken:
+            if not self.residency.is_local(sv.handle, i):
+                self._want_download(sv)
+                break
+            hits += 1
+        if pin:
+            if hits < len(taken):
+                self.residency.cpu.unpin_many(cids[hits:])
+            if hits:
+                now = time.monotonic()
+                with self._lock:
+                    st = self._state
+                    for key, (sv, i) in zip(keys, taken[:hits]):
+                        st.pins.setdefault(key, deque()).append(_Pin(sv, i, now))
+                        sv.pins += 1
+                        if sv.handle.retired and key not in st.draining:  # retired since we looked
+                            st.draining[key] = (sv, i)
         return hits
 
     async def batched_async_contains(self, lookup_id: str, keys, pin: bool = False) -> int:
         # LMCache 0.5.6's async path never unpins a plugin's hit keys (it releases memory
-        # objects only), so a pin here would last forever; the get follows in the same task and
-        # a chunk evicted in between is read again from a lower tier, never served wrong.
-        return self.batched_contains(keys, pin=False)
+        # objects only), so a pin here would last until its lease; the get follows in the same
+        # task and a chunk evicted in between is read from a lower local tier, never served wrong.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._async_pool, self.batched_contains, keys, False)
 
     def exists_in_put_tasks(self, key) -> bool:
         return False
@@ -279,40 +441,37 @@ class CartridgeStoragePlugin(StoragePluginInterface):
     def pin(self, key) -> bool:
         return self.contains(key, pin=True)
 
+    def _release_locked(self, key, p: _Pin) -> _Pin:
+        """Bookkeeping of one released pin (plugin lock held); the tier unpin is the caller's."""
+        st = self._state
+        p.served.pins -= 1
+        drained = st.draining.get(key)
+        if drained is not None and drained[0] is p.served and \
+                not any(q.served is p.served for q in st.pins.get(key, ())):
+            del st.draining[key]
+        return p
+
     def unpin(self, key) -> bool:
+        """Release the oldest pin on `key`: O(1) (a deque per key, a pin count per cartridge)."""
         with self._lock:
             st = self._state
             taken = st.pins.get(key)
             if not taken:
                 return False
-            sv, i = taken.pop(0)
+            p = taken.popleft()
             if not taken:
                 del st.pins[key]
-            self.residency.cpu.unpin((sv.handle.content_hash, i))
-            drained = st.draining.get(key)
-            if drained is not None and not any(t[0] is drained[0] for t in st.pins.get(key, ())):
-                del st.draining[key]
-            if st.served.get(sv.entry.id) is not sv and not self._pinned(sv):
-                sv.handle.origin.close()  # retired and now unused (closing twice is harmless)
-            return True
-
-    def _pinned(self, s: Served) -> bool:
-        """Whether any pin is held on a chunk of `s` (lock held)."""
-        return any(t[0] is s for taken in self._state.pins.values() for t in taken)
+            self._release_locked(key, p)
+        self.residency.cpu.unpin((p.served.handle.content_hash, p.index))
+        if p.served.handle.retired:
+            self._close_if_unused(p.served)  # retired and now unused
+        return True
 
     def pin_count(self, key) -> int:
         with self._lock:
             return len(self._state.pins.get(key, ()))
 
     # --- retrieve ---------------------------------------------------------------------------------
-    def _locate(self, key) -> Optional[tuple[Served, int]]:
-        with self._lock:
-            st = self._state
-            where = st.index.get(key)
-            if where is not None:
-                return st.served[where[0]], where[1]
-            return st.draining.get(key)
-
     def get_blocking(self, key):
         return self.batched_get_blocking([key])[0]
 
@@ -331,12 +490,16 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         m = served.handle.manifest
         try:
             if served.whole_rows:
-                self.residency.read_into(served.handle, index, obj.tensor)
+                self.residency.read_into(served.handle, index, obj.tensor, network=False)
             else:
                 full = torch.empty(m.chunk_shape(m.chunks[index].num_tokens), dtype=m.torch_dtype)
-                self.residency.read_into(served.handle, index, full)
+                self.residency.read_into(served.handle, index, full, network=False)
                 obj.tensor.copy_(full[..., served.columns])
             return True
+        except NotLocal as e:  # evicted from every local tier since the lookup: fetch, miss now
+            logger.warning("lmcache_cartridge: %s (request recomputes; downloading)", e)
+            self._want_download(served)
+            return False
         except Exception as e:  # never let a bad chunk reach LMCache or kill the worker
             logger.error("lmcache_cartridge: chunk %d of %r not served (request recomputes): %s",
                          index, m.cartridge_id, e)
@@ -345,44 +508,75 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             return False
 
     def _quarantine(self, served: Served, why: str) -> None:
-        """A cartridge whose origin bytes are bad is not served again until re-registered."""
+        """A cartridge whose origin bytes are bad is not served again until its registered bytes
+        change (re-registered, repacked): sticky across unrelated registry changes."""
         with self._lock:
             st = self._state
-            if st.served.get(served.entry.id) is served:
-                self._retire(st.served.pop(served.entry.id))
-                st.index = {k: v for k, v in st.index.items() if v[0] != served.entry.id}
-                st.skipped[served.entry.id] = why
+            if st.served.get(served.entry.id) is not served:
+                return
+            e = served.entry
+            served_now = {cid: s for cid, s in st.served.items() if s is not served}
+            index = {k: v for k, v in st.index.items() if v[0] is not served}
+            st.served, st.index = served_now, index
+            st.quarantined = st.quarantined | {e.id: _Quarantine(e.content_hash, e.epoch, e.path, why)}
+            st.skipped = st.skipped | {e.id: why}
+            self._retire_locked(served)
+        self._after_retire(served)
 
     def batched_get_blocking(self, keys):
         """Chunks for a prefix of `keys` (aligned, `None` from the first miss on, as LMCache
-        expects). Buffers are allocated here in order; the reads run in parallel."""
+        expects). Buffers are allocated here in order; the reads run in parallel. Only local
+        tiers are read. A chunk whose cartridge was retired while it was read (and that no lookup
+        pinned) comes back None: LMCache would otherwise write the old bytes into its CPU cache."""
         out: list = [None] * len(keys)
         if self.local_cpu_backend is None:
             return out
-        jobs = []
-        for i, key in enumerate(keys):
-            found = self._locate(key)
-            if found is None:
-                break
-            obj = self._allocate(*found)
-            if obj is None:
-                break
-            jobs.append((found[0], found[1], obj))
-        if not jobs:
-            return out
-        if len(jobs) == 1:
-            oks = [self._fill(*jobs[0])]
-        else:
-            oks = list(self._readers.map(lambda j: self._fill(*j), jobs))
-        for i, ((_, _, obj), ok) in enumerate(zip(jobs, oks)):
-            if ok and (i == 0 or out[i - 1] is not None):
-                out[i] = obj
+        located: list[tuple[Served, int]] = []
+        with self._lock:
+            st = self._state
+            for key in keys:
+                where = st.index.get(key) or st.draining.get(key)
+                if where is None:
+                    break
+                located.append(where)
+            reading = list({id(sv): sv for sv, _ in located}.values())
+            for sv in reading:
+                sv.reads += 1
+        try:
+            jobs = []
+            for sv, i in located:
+                obj = self._allocate(sv, i)
+                if obj is None:
+                    break
+                jobs.append((sv, i, obj))
+            if not jobs:
+                return out
+            if len(jobs) == 1:
+                oks = [self._fill(*jobs[0])]
             else:
-                obj.ref_count_down()
-        return out
+                oks = list(self._readers.map(lambda j: self._fill(*j), jobs))
+            with self._lock:
+                st = self._state
+                for n, ((sv, i, _), key) in enumerate(zip(jobs, keys)):
+                    if oks[n] and sv.handle.retired and st.draining.get(key) != (sv, i):
+                        oks[n] = False  # removed or replaced while we read it
+            for n, ((_, _, obj), ok) in enumerate(zip(jobs, oks)):
+                if ok and (n == 0 or out[n - 1] is not None):
+                    out[n] = obj
+                else:
+                    obj.ref_count_down()
+            return out
+        finally:
+            with self._lock:
+                for sv in reading:
+                    sv.reads -= 1
+            for sv in reading:
+                if sv.handle.retired:
+                    self._close_if_unused(sv)
 
     async def batched_get_non_blocking(self, lookup_id: str, keys, transfer_spec=None):
-        objs = self.batched_get_blocking(keys)
+        loop = asyncio.get_running_loop()
+        objs = await loop.run_in_executor(self._async_pool, self.batched_get_blocking, keys)
         got = []
         for obj in objs:
             if obj is None:
@@ -410,14 +604,16 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             self._watcher.join(timeout=5)
         with self._lock:
             for s in self._state.served.values():
+                s.handle.retired = True
                 s.handle.origin.close()
             for s, _ in self._state.draining.values():
                 s.handle.origin.close()
             self._state = _State()
         if getattr(self, "residency", None) is not None:
             self.residency.close()
-        if getattr(self, "_readers", None) is not None:
-            self._readers.shutdown(wait=False)
+        for pool in (getattr(self, "_readers", None), getattr(self, "_async_pool", None)):
+            if pool is not None:
+                pool.shutdown(wait=False)
         if getattr(self, "registry", None) is not None:
             self.registry.close()
             self.registry = None

@@ -5,6 +5,10 @@ registry poll (`refresh_seconds`). A request forwarded before that misses in LMC
 recomputes the cartridge's tokens: harmless for a first-k cartridge, a wrong answer for a trained
 one (its placeholder ids mean nothing to the model). So the gateway waits until every live plugin
 instance serves the exact bytes (content hash and epoch) it resolved, and answers 503 otherwise.
+Lookups hit only on chunks readable without the network (a remote chunk not yet downloaded is a
+miss), so for a trained cartridge "serves" also means "resident": every chunk in a local tier.
+Nobody has to ask for the download: the plugins start it as soon as a trained cartridge is
+registered and keep it resident; the gateway only waits (bounded) and answers 503 Retry-After.
 
 Where it runs: the gateway process (in a worker thread). Data: the JSON snapshots each plugin
 instance writes under `<cache_dir>/stats/` (see `CartridgeStoragePlugin.dump_stats`); this
@@ -61,18 +65,27 @@ def live_instances(stats_dir: Path, registry: Path, now: float | None = None) ->
     return out
 
 
-def _missing(snaps: list[dict], wanted: list[Wanted]) -> list[tuple[Wanted, int, str | None]]:
-    """(cartridge, instances not serving it, a reason one of them gave) for each one lacking."""
+def _missing(snaps: list[dict], wanted: list[Wanted]) -> list[tuple[Wanted, int, str | None, bool]]:
+    """(cartridge, instances not ready for it, a reason one of them gave, whether every such
+    instance serves it and only residency is lacking) for each one lacking.
+
+    Ready: the instance serves the exact bytes; for a trained cartridge also has every chunk
+    resident (readable without the network), since a lookup miss would recompute placeholders.
+    A snapshot without a "resident" list (an older plugin) never counts a trained one resident.
+    """
     out = []
     for w in wanted:
-        lacking, why = 0, None
+        lacking, why, only_residency = 0, None, True
         for snap in snaps:
             got = snap["served"].get(w.id)
             if got is None or list(got) != [w.content_hash, w.epoch]:
                 lacking += 1
+                only_residency = False
                 why = why or (snap.get("skipped") or {}).get(w.id)
+            elif w.kind == "trained" and w.id not in (snap.get("resident") or ()):
+                lacking += 1
         if lacking:
-            out.append((w, lacking, why))
+            out.append((w, lacking, why, only_residency))
     return out
 
 
@@ -88,12 +101,14 @@ def wait_served(stats_dir: Path, registry: Path, wanted: list[Wanted], timeout: 
         missing = _missing(snaps, wanted)
         if not missing:
             return True
-        for w, _, why in missing:
+        for w, _, why, _ in missing:
             if why:
                 raise NotServed(400, f"cartridge {w.id!r} cannot be served by this engine: {why}")
         if time.monotonic() >= deadline:
-            w, lacking, _ = missing[0]
+            w, lacking, _, only_residency = missing[0]
+            what = ("do not have its chunks local yet (downloading)" if only_residency
+                    else "do not serve it yet")
             raise NotServed(503, f"cartridge {w.id!r} is registered but {lacking} of {len(snaps)} engine "
-                                 f"instance(s) do not serve it yet (waited {timeout:.0f}s); retry shortly",
+                                 f"instance(s) {what} (waited {timeout:.0f}s); retry shortly",
                             retry_after=max(1.0, 3 * float(snaps[0].get("refresh_seconds") or 1.0)))
         time.sleep(0.05)

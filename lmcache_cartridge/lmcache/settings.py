@@ -43,7 +43,9 @@ class PluginSettings:
     disk_budget_bytes: int = 20 << 30
     prefetch: bool = True
     s3: dict[str, str] = field(default_factory=dict)  # endpoint_url, region, ... (see s3.S3Settings)
-    extra: dict[str, Any] = field(default_factory=dict)
+    # A lookup pin LMCache never releases (its async path, a request lost in between) expires
+    # after this long: it only protects a CPU-tier copy and a retired cartridge's drain.
+    pin_lease_seconds: float = 120.0
 
     @classmethod
     def from_config(cls, config, plugin_cls: type) -> "PluginSettings":
@@ -67,7 +69,7 @@ class PluginSettings:
                 disk_budget_bytes=int(float(get("disk_budget_gb", 20)) * (1 << 30)),
                 prefetch=_as_bool(get("prefetch", True)),
                 s3={k[len(p) + 3:]: v for k, v in extra.items() if k.startswith(p + "s3.")},
-                extra={k[len(p):]: v for k, v in extra.items() if k.startswith(p)},
+                pin_lease_seconds=float(get("pin_lease_seconds", 120.0)),
             )
         except (TypeError, ValueError) as e:
             raise CartridgeError(f"bad setting under extra_config {p}*: {e}") from e

