@@ -237,6 +237,11 @@ def test_local_resolution_cached_until_the_registry_changes(tmp_path, settings, 
     assert reg.get(first.entry.id).labels == ["mine"]
     reg.register(first.entry.path, source_uri=first.entry.source_uri)  # re-registration keeps labels
     assert reg.get(first.entry.id).labels == ["mine"]
+    kv2 = random_kv(2, CHUNK, 2, 64, seed=10)  # the file is replaced: resolved (hashed, converted) again
+    torch.save({"trainable_keys": [kv2[0, i].transpose(0, 1)[None] for i in range(2)],
+                "trainable_values": [kv2[1, i].transpose(0, 1)[None] for i in range(2)]}, pt)
+    changed = r.resolve(spec(str(pt), source="local"))
+    assert r.stats["hashes"] == 2 and changed.entry.content_hash != first.entry.content_hash
 
 
 def test_default_id_is_one_rule():

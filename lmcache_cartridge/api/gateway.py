@@ -152,7 +152,7 @@ def create_app(settings: GatewaySettings):
             specs = body.cartridges or []
             if len(specs) > settings.max_cartridges:
                 raise RequestError(400, f"too many cartridges: {len(specs)} (at most {settings.max_cartridges})")
-            if body.model not in (None, settings.model):
+            if body.model not in (None, settings.model, *settings.accept_models):  # names of the same weights
                 raise RequestError(404, f"model {body.model!r} is not served here ({settings.model!r} is)")
             resolved = [await asyncio.to_thread(resolver.resolve, s) for s in specs]
             plan = await asyncio.to_thread(resolver.plan, resolved)

@@ -79,7 +79,7 @@ class Resolver:
         """Blocking (file reads, S3 downloads, conversion): the app calls it from a worker thread."""
         try:
             where = self._where(spec)
-            key = (where, spec.id)
+            key = (where, spec.id, _signature(spec.id) if where == "local" else None)
             with self._guard:
                 lock = self._locks.setdefault(key, threading.Lock())
             with lock:
@@ -273,6 +273,16 @@ class Resolver:
             self._cache[key] = _Cached(Resolved(entry.id, "trained", tuple(m.token_ids), entry, m),
                                        self.registry.data_version())
             return entry, m
+
+
+def _signature(path: str) -> tuple:
+    """What changes when a local input changes (stat only: no reading, no hashing)."""
+    p = Path(path)
+    try:
+        files = [p] if not p.is_dir() else sorted(q for q in p.rglob("*") if q.is_file())
+        return tuple((str(q), st.st_ino, st.st_size, st.st_mtime_ns) for q in files for st in [q.stat()])
+    except (OSError, ValueError):
+        return ()  # missing or unreadable: resolution says why
 
 
 def _s3_allowed(root: str, bucket: str, key: str) -> bool:
