@@ -65,7 +65,10 @@ def composite_manifest(parts: list[Manifest]) -> Manifest:
 def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir: Path) -> tuple[Entry, Manifest]:
     """Write (once) and register the composite of `parts`, in this order."""
     manifest = composite_manifest([m for _, m in parts])
-    directory = Path(cache_dir) / "composites" / manifest.content_hash[:32]
+    listing = [{"id": e.id, "source_uri": e.source_uri, "path": e.path} for e, _ in parts]
+    # named by the parts' bytes AND where they are read from: a part moved elsewhere gets a new one
+    where = hashlib.sha256(json.dumps([manifest.content_hash, listing]).encode()).hexdigest()
+    directory = Path(cache_dir) / "composites" / where[:32]
     scheme = COMPOSITE_S3 if any(is_s3(e.source_uri) for e, _ in parts) else COMPOSITE
     uri = scheme + str(directory)
     existing = registry.get(manifest.cartridge_id)
@@ -73,8 +76,7 @@ def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir:
         return existing, Manifest.load(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    (tmp / PARTS_NAME).write_text(json.dumps(
-        [{"id": e.id, "source_uri": e.source_uri, "path": e.path} for e, _ in parts], indent=1), encoding="utf-8")
+    (tmp / PARTS_NAME).write_text(json.dumps(listing, indent=1), encoding="utf-8")
     (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
     os.chmod(tmp, 0o755)
     try:
