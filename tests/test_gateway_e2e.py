@@ -76,9 +76,12 @@ def stack(tmp_path_factory, moto_server):
     files.mkdir()
     guide = {"token_ids": doc_ids[:300], "metadata": {"model": GUIDE_MODEL, "description": "Common system prompt"}}
     torch.save(guide, files / "cartridge.pt")
-    system_ids = doc_ids[:CHUNK]
+    # system prompt + context start with tokens no other cartridge here starts with (else vLLM's own
+    # prefix cache may hold them already and the test could not see the context's KV load)
+    own_ids = tok("You are a careful reader of this document. " + document_text() * 2)["input_ids"]
+    system_ids = own_ids[:CHUNK]
     torch.save({"token_ids": system_ids}, files / "system-prompt.pt")          # token-only
-    ctx_ids = doc_ids[:CHUNK + 300]                                           # first-k computed after it
+    ctx_ids = own_ids[:CHUNK + 300]                                           # first-k computed after it
     torch.save({"token_ids": ctx_ids, "kv_cache": _seed000_kv_cache(compute_prefix_kv(model, ctx_ids))},
                files / "context.pt")
     trained = {n: torch.randn(2, L, CHUNK, H, D, generator=g).to(torch.bfloat16) for n in ("ta", "tb")}  # as test_vllm_e2e
