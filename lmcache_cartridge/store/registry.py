@@ -3,6 +3,9 @@
 WAL mode lets one writer and many readers work at once across processes. Readers notice other
 processes' commits cheaply with `PRAGMA data_version`, which is how a running plugin picks up
 `register`/`remove` without a restart. Every statement is parameterised.
+
+Databases written before the always-"ready" `state` column was dropped still open: every
+statement names its columns, and that column has a default.
 """
 
 from __future__ import annotations
@@ -34,11 +37,9 @@ CREATE TABLE IF NOT EXISTS cartridges (
     chunk_size    INTEGER NOT NULL,
     content_hash  TEXT NOT NULL,
     labels        TEXT NOT NULL DEFAULT '[]',
-    state         TEXT NOT NULL DEFAULT 'ready',
     added_at      REAL NOT NULL,
     epoch         INTEGER NOT NULL DEFAULT 0
 );
-CREATE INDEX IF NOT EXISTS cartridges_state ON cartridges(state);
 """
 
 
@@ -64,9 +65,13 @@ class Entry:
     chunk_size: int
     content_hash: str
     labels: list[str] = field(default_factory=list)
-    state: str = "ready"
     added_at: float = 0.0
     epoch: int = 0  # bumped by force_redownload: servers drop cached copies of the old bytes
+
+    @property
+    def state(self) -> str:
+        """Every registered cartridge is servable. Only until plugin.py stops filtering on it."""
+        return "ready"
 
 
 _COLUMNS = [f for f in Entry.__dataclass_fields__]
@@ -85,6 +90,7 @@ class Registry:
         self.path = Path(path) if path else default_registry_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self.writes = 0  # statements this connection ran that change rows (tests count them)
         try:
             self._db = sqlite3.connect(str(self.path), timeout=timeout, check_same_thread=False,
                                        isolation_level=None)
@@ -98,9 +104,10 @@ class Registry:
         with self._lock:
             self._db.close()
 
-    def _q(self, sql: str, params: tuple = ()) -> list[tuple]:
+    def _q(self, sql: str, params: tuple = (), *, write: bool = False) -> list[tuple]:
         with self._lock:
             try:
+                self.writes += write
                 return self._db.execute(sql, params).fetchall()
             except sqlite3.DatabaseError as e:
                 raise RegistryError(f"cartridge registry {self.path}: {e}") from e
@@ -116,22 +123,25 @@ class Registry:
         """Index a packed cartridge directory (validated: manifest, and payload size if local).
 
         For an S3 cartridge `directory` holds only its manifest and `source_uri` is the
-        `s3://` prefix the chunks are fetched from.
+        `s3://` prefix the chunks are fetched from; for a composite (`store.composite`) it holds
+        its manifest and parts list. Labels it had before are kept.
         """
+        from lmcache_cartridge.store.origins import has_payload
+
         directory = Path(directory).resolve()
-        if source_uri and source_uri.startswith("s3://"):
+        if source_uri and not has_payload(source_uri):
             m: Manifest = Manifest.load(directory)
         else:
             with PackedCartridge(directory) as packed:
                 m = packed.manifest
         previous = self.get(m.cartridge_id)
         epoch = (previous.epoch if previous else 0) + (1 if force_redownload else 0)
-        all_labels = sorted(set(m.labels) | set(labels))
+        all_labels = sorted(set(m.labels) | set(labels) | set(previous.labels if previous else ()))
         entry = Entry(
             id=m.cartridge_id, path=str(directory), source_uri=source_uri or str(directory),
             model=m.model, kind=m.kind, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim, dtype=m.dtype, num_tokens=m.num_tokens, chunk_size=m.chunk_size,
-            content_hash=m.content_hash, labels=all_labels, state="ready", added_at=time.time(),
+            content_hash=m.content_hash, labels=all_labels, added_at=time.time(),
             epoch=epoch,
         )
         if not replace and previous is not None:
@@ -140,14 +150,14 @@ class Registry:
         values[_COLUMNS.index("labels")] = json.dumps(all_labels)
         placeholders = ",".join("?" for _ in _COLUMNS)
         self._q(f"INSERT OR REPLACE INTO cartridges ({','.join(_COLUMNS)}) VALUES ({placeholders})",
-                tuple(values))
+                tuple(values), write=True)
         return entry
 
     def remove(self, cartridge_id: str) -> bool:
         """Forget a cartridge (its files stay where they are). True if it was registered."""
         validate_id(cartridge_id)
         existed = self.get(cartridge_id) is not None
-        self._q("DELETE FROM cartridges WHERE id = ?", (cartridge_id,))
+        self._q("DELETE FROM cartridges WHERE id = ?", (cartridge_id,), write=True)
         return existed
 
     def label(self, cartridge_id: str, add: list[str] = (), remove: list[str] = ()) -> Entry:
@@ -155,7 +165,7 @@ class Registry:
         if entry is None:
             raise RegistryError(f"no cartridge {cartridge_id!r} in {self.path}")
         labels = sorted((set(entry.labels) | set(add)) - set(remove))
-        self._q("UPDATE cartridges SET labels = ? WHERE id = ?", (json.dumps(labels), cartridge_id))
+        self._q("UPDATE cartridges SET labels = ? WHERE id = ?", (json.dumps(labels), cartridge_id), write=True)
         entry.labels = labels
         return entry
 

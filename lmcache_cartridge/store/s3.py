@@ -10,7 +10,7 @@ here accepts, stores or prints them, and error messages are built from the URI, 
 the S3 error code only, never from raw exception text.
 
 Where it runs: inside each plugin instance (ranged reads of chunks, on the residency tier's
-threads) and in the CLI and gateway (manifest fetches, whole-object downloads). Each `S3Origin`
+threads) and in the CLI and gateway (manifest fetches, whole `.pt` object downloads). Each `S3Origin`
 owns its boto3 client and connection pool; callers own the buffers they ask it to fill.
 """
 
@@ -21,7 +21,6 @@ import random
 import re
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -32,6 +31,7 @@ from lmcache_cartridge.errors import CartridgeError
 __all__ = [
     "AccessDenied",
     "NotFound",
+    "ObjectInfo",
     "OriginError",
     "S3Origin",
     "S3Settings",
@@ -201,6 +201,17 @@ class S3Settings:
 
 # --- the origin -----------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """A whole object as downloaded: what the cache keeps beside it to know it is current."""
+
+    uri: str
+    size: int
+    etag: str
+    sha256: str
+
+
 _NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
 _DENIED = {
     "AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
@@ -265,12 +276,12 @@ class S3Origin:
         return f"s3://{self.bucket}/{self.key(key_suffix)}"
 
     # -- error mapping --
-    def _map_error(self, e: BaseException, key_suffix: str, op: str) -> OriginError:
+    def _map_error(self, e: BaseException, key_suffix: str, op: str, *, key: str | None = None) -> OriginError:
         """botocore/urllib3 exception -> our taxonomy, with a message free of raw exception text."""
         from botocore import exceptions as bx
 
         self._count(errors=1)
-        where = f"{op} {self.uri_of(key_suffix)}"
+        where = f"{op} {self.uri_of(key_suffix) if key is None else f's3://{self.bucket}/{key}'}"
         if isinstance(e, bx.ClientError):
             err = e.response.get("Error", {})
             code = str(err.get("Code", ""))
@@ -385,7 +396,7 @@ class S3Origin:
                     if flush is not None:
                         flush(pos, mv[:got])
                     pos += got
-            except (OriginError, _Cancelled):
+            except OriginError:
                 raise
             except Exception as e:
                 err = self._map_error(e, key_suffix, "GET")
@@ -398,83 +409,70 @@ class S3Origin:
             self._count(bytes=n)
             return total
 
-    def download_to(self, key_suffix: str, dest_path: str | os.PathLike[str], size: int,
-                    on_progress: Callable[[int, int], None] | None = None) -> Path:
-        """Fetch the whole object into `dest_path` with parallel ranged GETs; atomic.
+    def download_object(self, dest_path: str | os.PathLike[str]) -> "ObjectInfo":
+        """Fetch the whole object this URI names (`s3://bucket/key.pt`) into `dest_path`, atomically.
 
-        One HEAD checks the size against `size` (the manifest's) and pins the ETag, so every part
-        comes from the same object version (If-Match). Each part is one GET streamed through a
-        1 MiB per-part buffer into a preallocated temp file next to the destination with `pwrite`;
-        the file is fsynced and renamed only when complete, so readers never see a partial file
-        and a failure leaves nothing behind. `on_progress(bytes_done, size)` runs on worker threads
-        (bytes re-fetched by a retry are counted again).
+        boto3's transfer manager (s3transfer) does the work: parallel ranged parts of `part_size`,
+        its own retries, pinned by If-Match to the ETag a HEAD saw, so every part is the same object
+        version. The result is checked against that HEAD: the size always, and the MD5 when the
+        ETag is one (single-part uploads). A failure leaves nothing at `dest_path`.
         """
+        import hashlib
         import tempfile
 
+        from s3transfer.manager import TransferConfig, TransferManager
+        from s3transfer.subscribers import BaseSubscriber
+
+        if not self.prefix:
+            raise ValueError(f"{self.uri} names a bucket, not an object")
         dest = Path(dest_path)
-        actual, etag = self._head(key_suffix)
-        if actual != size:
-            raise OriginError(f"{self.uri_of(key_suffix)} is {actual} bytes, expected {size} "
-                              "(stale manifest or wrong object)")
+        self._count(requests=1, heads=1)
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=self.prefix)
+        except Exception as e:
+            raise self._map_error(e, "", "HEAD", key=self.prefix) from e
+        size, etag = int(head["ContentLength"]), str(head.get("ETag") or "")
+
+        class _Known(BaseSubscriber):  # what the HEAD saw: no second HEAD, parts pinned to this ETag
+            def on_queued(self, future, **kwargs):
+                future.meta.provide_transfer_size(size)
+                if etag:
+                    future.meta.provide_object_etag(etag)
+
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+        os.close(fd)
         try:
-            if size:
-                try:
-                    os.posix_fallocate(fd, 0, size)  # fail early on a full disk
-                except OSError:
-                    os.ftruncate(fd, size)
-            part = self.settings.part_size
-            ranges = [(o, min(part, size - o)) for o in range(0, size, part)]
-            stop = threading.Event()
-            lock = threading.Lock()
-            done = [0]
-
-            def fetch(off: int, length: int) -> None:
-                if stop.is_set():
-                    return
-                buf = memoryview(bytearray(min(length, _WINDOW)))
-
-                def flush(pos: int, mv: memoryview) -> None:
-                    if stop.is_set():
-                        raise _Cancelled()
-                    _pwrite_all(fd, mv, off + pos)
-                    if on_progress is not None:
-                        with lock:
-                            done[0] += len(mv)
-                            now = done[0]
-                        on_progress(now, size)
-
-                try:
-                    self._get_range(key_suffix, off, length, lambda pos, m: buf[:m], flush, etag)
-                except _Cancelled:
-                    return
-
-            workers = max(1, min(self.settings.max_concurrency, len(ranges)))
-            with ThreadPoolExecutor(workers, thread_name_prefix="s3-download") as pool:
-                futures = [pool.submit(fetch, o, n) for o, n in ranges]
-                wait(futures, return_when=FIRST_EXCEPTION)
-                failed = next((f for f in futures if f.done() and f.exception()), None)
-                if failed is not None:
-                    stop.set()
-                    for f in futures:
-                        f.cancel()
-                    raise failed.exception()  # type: ignore[misc]
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
+            s = self.settings
+            config = TransferConfig(multipart_threshold=s.part_size, multipart_chunksize=s.part_size,
+                                    max_request_concurrency=s.max_concurrency, num_download_attempts=s.max_attempts)
+            self._count(requests=1, gets=1)
+            try:
+                with TransferManager(self._client, config) as manager:
+                    manager.download(self.bucket, self.prefix, tmp, subscribers=[_Known()]).result()
+            except Exception as e:
+                raise self._map_error(e, "", "GET", key=self.prefix) from e
+            sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
+            got = 0
+            with open(tmp, "rb") as f:
+                while block := f.read(1 << 20):
+                    sha.update(block)
+                    md5.update(block)
+                    got += len(block)
+            plain_md5 = etag.strip('"')
+            if got != size or (re.fullmatch(r"[0-9a-f]{32}", plain_md5) and md5.hexdigest() != plain_md5):
+                raise OriginError(f"GET {self.uri}: downloaded {got} bytes that do not match the object "
+                                  f"(HEAD said {size} bytes, ETag {etag}); try again")
             os.replace(tmp, dest)
             tmp = ""
-            _fsync_dir(dest.parent)
         finally:
-            if fd >= 0:
-                os.close(fd)
             if tmp:
                 try:
                     os.unlink(tmp)
                 except FileNotFoundError:
                     pass
-        return dest
+        self._count(bytes=size)
+        return ObjectInfo(self.uri, size, etag, sha.hexdigest())
 
     def close(self) -> None:
         self._client.close()
@@ -493,32 +491,9 @@ class _ShortBody(Exception):
     """The connection delivered fewer body bytes than Content-Length promised."""
 
 
-class _Cancelled(Exception):
-    """Another part failed; this one stops writing."""
-
-
 def _total_from_content_range(value: str | None, offset: int, n: int) -> int:
     """`bytes a-b/total` -> total, checking that the server returned the range we asked for."""
     m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", value or "")
     if not m or int(m.group(1)) != offset or int(m.group(2)) != offset + n - 1:
         raise OriginError(f"server ignored or changed the requested range (Content-Range {value!r})")
     return -1 if m.group(3) == "*" else int(m.group(3))
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        w = os.pwrite(fd, data, offset)
-        data, offset = data[w:], offset + w
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        dfd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)

@@ -21,20 +21,19 @@ EXIT_PROBLEMS = 1
 
 
 def _default_id(path: Path) -> str:
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem if path.is_file() else path.name).strip("-.")
-    return stem or "cartridge"
+    from lmcache_cartridge.store.registration import default_id
+
+    return default_id(path.stem if path.is_file() else path.name)
 
 
 def _vocab_from_args(args):
     from lmcache_cartridge.cartridge.packed import VocabInfo
+    from lmcache_cartridge.store.registration import load_vocab
 
     if args.vocab_size:
         return VocabInfo(args.vocab_size, tuple(args.special_id or ()))
     if args.model_dir:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.model_dir)
-        return VocabInfo(len(tok), tuple(tok.all_special_ids))
+        return load_vocab(args.model_dir)
     return None
 
 
@@ -260,6 +259,7 @@ def cmd_register(args) -> int:
     
     settings = _plugin_settings(args)
     if args.path.startswith("s3://"):
+        from lmcache_cartridge.cartridge.compat import EngineShape
         from lmcache_cartridge.store.registration import register_s3
         from lmcache_cartridge.store.s3 import S3Settings
 
@@ -271,7 +271,7 @@ def cmd_register(args) -> int:
         cache_dir = settings.cache_dir if settings else default_cache_dir()
         entry = register_s3(_registry(args), args.path, cache_dir, S3Settings.from_mapping(s3),
                             labels=args.label or [], force_redownload=args.force_redownload,
-                            chunk_size=args.chunk_size)
+                            engine=EngineShape.partial(chunk_size=args.chunk_size))
         print(f"registered {entry.id} ({entry.kind}, {entry.num_tokens} tokens, model {entry.model}) "
               f"from {entry.source_uri}{' (servers will download it again)' if args.force_redownload else ''}")
         return 0
@@ -324,8 +324,11 @@ def cmd_label(args) -> int:
 
 def cmd_doctor(args) -> int:
     """Check a config the way LMCache will load it, then every registered cartridge against it."""
+    from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
     from lmcache_cartridge.cartridge.keys import hash_config_problem
+    from lmcache_cartridge.cartridge.manifest import Manifest
     from lmcache_cartridge.cartridge.packed import PackedCartridge
+    from lmcache_cartridge.store.origins import has_payload
     from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
     from lmcache_cartridge.store.registry import Registry
     from lmcache_cartridge.lmcache.settings import PluginSettings
@@ -361,19 +364,22 @@ def cmd_doctor(args) -> int:
     except CartridgeError as e:
         check("FAIL", str(e))
         entries = []
+    engine = EngineShape.partial(model_names=(args.model, *settings.accept_models) if args.model else None,
+                                 chunk_size=int(config.chunk_size))
     for e in entries:
         try:
-            with PackedCartridge(e.path) as p:
-                m = p.manifest
-                report = p.verify() if args.verify else None
+            if has_payload(e.source_uri):
+                with PackedCartridge(e.path) as p:
+                    m = p.manifest
+                    report = p.verify() if args.verify else None
+            else:  # S3 or composite: the manifest is here, the bytes are read where they live
+                m, report = Manifest.load(e.path), None
         except CartridgeError as err:
             check("FAIL", f"{e.id}: {err}")
             continue
-        if m.chunk_size != config.chunk_size:
-            check("FAIL", f"{e.id}: packed with chunk_size {m.chunk_size}, config uses {config.chunk_size}; "
-                          f"re-register with --chunk-size {config.chunk_size}")
-        elif args.model and m.model != args.model and m.model not in settings.accept_models:
-            check("FAIL", f"{e.id}: made for model {m.model!r}, not {args.model!r}")
+        why = mismatch(m, engine)
+        if why:
+            check("FAIL", f"{e.id}: {why}")
         elif report is not None and not report.ok:
             check("FAIL", f"{e.id}: " + "; ".join(report.problems))
         else:

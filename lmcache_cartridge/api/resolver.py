@@ -1,0 +1,291 @@
+"""From a request's `cartridges` to the tokens to put first and the registered cartridges to wait for.
+
+Sources (seed 000): `s3://bucket/key.pt` (one object in any input format: downloaded once,
+converted once), `s3://bucket/prefix` (a packed cartridge: chunks stay in S3), an absolute local
+path (`source: "local"`; a `.pt`, an input directory or a packed directory), or a registered id
+or label. Clients may only name S3 buckets/prefixes and local directories the deployment allows.
+
+Resolution is cached in memory: a repeated request for the same cartridge makes no S3 request,
+hashes no file and writes nothing to the registry. A cached registration is re-checked only when
+another process changed the registry (`PRAGMA data_version`, a read).
+
+Composition ("loaded in order"): trained cartridges come first and compose as in the Cartridges
+paper (`store.composite`); then token-only and first-k cartridges' ids follow in order, a first-k
+cartridge's own KV being used where it is exact (it extends what precedes it), otherwise its
+tokens are simply computed after what precedes them.
+
+Runs in the gateway process, on worker threads (blocking I/O); owns its cache, shares the registry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from lmcache_cartridge.api.requests import CartridgeSpec
+from lmcache_cartridge.api.settings import GatewaySettings, RequestError
+from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.store.registry import Entry, Registry, RegistryError
+
+OBJECT_SUFFIXES = (".pt", ".pth")  # an s3:// id ending so is one object; otherwise a packed prefix
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """One cartridge of a request, ready to place: `kind` is tokens, first_k or trained."""
+
+    name: str
+    kind: str
+    token_ids: tuple[int, ...]
+    entry: Entry | None = None      # registered (first_k / trained): what the plugins serve
+    manifest: Manifest | None = None
+
+
+@dataclass
+class Plan:
+    """The token ids to put before the prompt, and the registered cartridges whose KV they use."""
+
+    prefix: list[int] = field(default_factory=list)
+    wanted: list[Entry] = field(default_factory=list)
+    trained: bool = False
+
+
+@dataclass
+class _Cached:
+    value: Resolved
+    version: int  # registry data_version when last checked
+
+
+class Resolver:
+    """Turns cartridge specs into `Resolved` cartridges and a request's list into a `Plan`."""
+
+    def __init__(self, settings: GatewaySettings, registry: Registry) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.engine = EngineShape.partial(model_names=(settings.model, *settings.accept_models),
+                                          chunk_size=settings.chunk_size)
+        self.stats: Counter[str] = Counter()  # s3_objects, s3_manifests, hashes, conversions, registrations
+        self._cache: dict[tuple, _Cached] = {}
+        self._locks: dict[tuple, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._vocab = None
+
+    # --- one cartridge ------------------------------------------------------------------------
+    def resolve(self, spec: CartridgeSpec) -> Resolved:
+        """Blocking (file reads, S3 downloads, conversion): the app calls it from a worker thread."""
+        try:
+            where = self._where(spec)
+            key = (where, spec.id, _signature(spec.id) if where == "local" else None)
+            with self._guard:
+                lock = self._locks.setdefault(key, threading.Lock())
+            with lock:
+                if not spec.force_redownload:
+                    hit = self._hit(key)
+                    if hit is not None:
+                        return hit
+                value = {"s3": self._s3, "local": self._local, "registry": self._registry}[where](spec)
+                self._check(value)
+                self._cache[key] = _Cached(value, self.registry.data_version())
+                return value
+        except (RequestError, CartridgeError):
+            raise
+        except (OSError, ValueError) as e:  # unreadable file, NUL byte, name too long, bad URI ...
+            raise RequestError(400, f"cannot use cartridge {spec.id[:200]!r}: {type(e).__name__}: {e}") from None
+
+    def _where(self, spec: CartridgeSpec) -> str:
+        explicit = "source" in spec.model_fields_set
+        cid = spec.id
+        if cid.startswith("s3://"):
+            if explicit and spec.source == "local":
+                raise RequestError(400, f"{cid[:200]!r} is an S3 URI but source is 'local'")
+            return "s3"
+        if cid.startswith("/"):
+            if explicit and spec.source == "s3":
+                raise RequestError(400, f"{cid[:200]!r} is a local path but source is 's3'; send source 'local'")
+            return "local"
+        if "://" in cid:
+            raise RequestError(400, f"{cid[:200]!r}: only s3:// URIs, absolute local paths and registered ids are understood")
+        if explicit and spec.source == "local":
+            raise RequestError(400, f"local cartridge id must be an absolute path, got {cid[:200]!r}")
+        return "registry"
+
+    def _hit(self, key: tuple) -> Resolved | None:
+        cached = self._cache.get(key)
+        if cached is None:
+            return None
+        v = cached.value
+        if v.entry is None:
+            return v
+        version = self.registry.data_version()
+        if version == cached.version:
+            return v
+        current = self.registry.get(v.entry.id)  # someone else changed the registry: re-check (a read)
+        if current is None or current.path != v.entry.path or current.content_hash != v.entry.content_hash:
+            del self._cache[key]
+            return None
+        cached.value, cached.version = replace(v, entry=current), version
+        return cached.value
+
+    def _check(self, r: Resolved) -> None:
+        if r.manifest is not None:
+            why = mismatch(r.manifest, self.engine)
+            if why:
+                raise RequestError(400, f"cartridge {r.name!r} cannot be served here: {why}")
+        elif r.token_ids:
+            size = self.vocab().vocab_size
+            bad = [t for t in r.token_ids if not 0 <= t < size]
+            if bad:
+                raise RequestError(400, f"cartridge {r.name!r} has token ids outside the model's vocabulary "
+                                        f"of {size} (e.g. {bad[0]}): was it made with another tokenizer?")
+
+    def vocab(self):
+        if self._vocab is None:
+            from lmcache_cartridge.store.registration import load_vocab
+
+            self._vocab = load_vocab(self.settings.tokenizer)
+        return self._vocab
+
+    def _registered(self, name: str, directory: Path, source_uri: str, force: bool) -> Resolved:
+        try:
+            entry = self.registry.register(directory, source_uri=source_uri, force_redownload=force)
+        except CartridgeError as e:
+            raise RequestError(400, str(e)) from None
+        self.stats["registrations"] += 1
+        m = Manifest.load(entry.path)
+        return Resolved(name, m.kind, tuple(m.token_ids), entry, m)
+
+    def _registry(self, spec: CartridgeSpec) -> Resolved:
+        try:
+            entry = self.registry.resolve(spec.id)
+        except RegistryError as e:
+            raise RequestError(404, str(e)) from None
+        if spec.force_redownload:  # servers drop their cached copies and read the origin again
+            entry = self.registry.register(entry.path, source_uri=entry.source_uri, force_redownload=True)
+            self.stats["registrations"] += 1
+        m = Manifest.load(entry.path)
+        return Resolved(entry.id, m.kind, tuple(m.token_ids), entry, m)
+
+    def _local(self, spec: CartridgeSpec) -> Resolved:
+        path = Path(spec.id)
+        resolved = path.resolve()
+        if not any(resolved.is_relative_to(root.resolve()) for root in self.settings.local_roots):
+            raise RequestError(403, f"{spec.id} is outside the directories this gateway may read")
+        if resolved.is_dir() and (resolved / MANIFEST_NAME).is_file():
+            return self._registered(spec.id, resolved, str(resolved), spec.force_redownload)
+        if not resolved.exists():
+            raise RequestError(404, f"no cartridge at {spec.id}")
+        from lmcache_cartridge.store.registration import content_digest
+
+        self.stats["hashes"] += 1
+        return self._converted(spec, resolved, content_digest(resolved), resolved.name)
+
+    def _converted(self, spec: CartridgeSpec, path: Path, digest: str, name: str) -> Resolved:
+        from lmcache_cartridge.store.registration import convert_input
+
+        self.stats["conversions"] += 1
+        try:
+            out = convert_input(path, digest, self.settings.cache_dir, model=self.settings.model,
+                                chunk_size=self.settings.chunk_size, vocab=self.vocab,
+                                name=Path(name).stem if path.is_file() else name)
+        except CartridgeError as e:
+            raise RequestError(400, str(e)) from None
+        if out.packed_dir is None:
+            return Resolved(spec.id, "tokens", tuple(out.token_ids))
+        return self._registered(spec.id, out.packed_dir, str(out.packed_dir), spec.force_redownload)
+
+    def _s3(self, spec: CartridgeSpec) -> Resolved:
+        from lmcache_cartridge.store.registration import fetch_s3_object, register_s3
+        from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, S3Settings, parse_s3_uri
+
+        try:
+            bucket, key = parse_s3_uri(spec.id)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+        if not any(_s3_allowed(root, bucket, key) for root in self.settings.s3_roots):
+            raise RequestError(403, f"{spec.id[:200]} is outside the S3 buckets/prefixes this gateway may read")
+        try:
+            settings = S3Settings.from_mapping(self.settings.s3)
+            if key.endswith(OBJECT_SUFFIXES):
+                obj = fetch_s3_object(spec.id, settings, self.settings.cache_dir, force=spec.force_redownload)
+                self.stats["s3_objects"] += obj.downloaded
+                return self._converted(spec, obj.path, obj.sha256, obj.path.name)
+            self.stats["s3_manifests"] += 1
+            entry = register_s3(self.registry, spec.id, self.settings.cache_dir, settings,
+                                force_redownload=spec.force_redownload, engine=self.engine)
+            self.stats["registrations"] += 1
+        except NotFound as e:
+            raise RequestError(404, str(e)) from None
+        except AccessDenied as e:
+            raise RequestError(403, str(e)) from None
+        except OriginError as e:
+            raise RequestError(502, f"cannot fetch {spec.id}: {e}") from None
+        except CartridgeError as e:
+            raise RequestError(400, str(e)) from None
+        m = Manifest.load(entry.path)
+        return Resolved(spec.id, m.kind, tuple(m.token_ids), entry, m)
+
+    # --- a request's list ----------------------------------------------------------------------
+    def plan(self, parts: list[Resolved]) -> Plan:
+        """Place `parts` in request order (the rules in this module's docstring)."""
+        n = 0
+        while n < len(parts) and parts[n].kind == "trained":
+            n += 1
+        late = next((p for p in parts[n:] if p.kind == "trained"), None)
+        if late is not None:
+            raise RequestError(400, f"trained cartridge {late.name!r} must come before token and first-k "
+                                    "cartridges: its KV was trained at positions from 0 and is served "
+                                    "only at the start of the prompt (list trained cartridges first)")
+        plan = Plan()
+        if n == 1:
+            plan = Plan(list(parts[0].token_ids), [parts[0].entry], trained=True)
+        elif n > 1:
+            entry, m = self._composite(parts[:n])
+            plan = Plan(list(m.token_ids), [entry], trained=True)
+        for p in parts[n:]:
+            ids = list(p.token_ids)
+            if p.kind == "first_k" and ids[:len(plan.prefix)] == plan.prefix:
+                plan.prefix = ids  # it extends what precedes it: its own KV is exact here
+                plan.wanted.append(p.entry)
+            else:
+                plan.prefix += ids  # plain tokens after what precedes them: vLLM computes them
+        return plan
+
+    def _composite(self, parts: list[Resolved]) -> tuple[Entry, Manifest]:
+        from lmcache_cartridge.store.composite import register_composite
+
+        key = ("composite", tuple((p.entry.id, p.entry.content_hash, p.entry.source_uri) for p in parts))
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            hit = self._hit(key)
+            if hit is not None:
+                return hit.entry, hit.manifest
+            try:
+                entry, m = register_composite(self.registry, [(p.entry, p.manifest) for p in parts],
+                                              self.settings.cache_dir)
+            except CartridgeError as e:
+                raise RequestError(400, str(e)) from None
+            self.stats["registrations"] += 1
+            self._cache[key] = _Cached(Resolved(entry.id, "trained", tuple(m.token_ids), entry, m),
+                                       self.registry.data_version())
+            return entry, m
+
+
+def _signature(path: str) -> tuple:
+    """What changes when a local input changes (stat only: no reading, no hashing)."""
+    p = Path(path)
+    try:
+        files = [p] if not p.is_dir() else sorted(q for q in p.rglob("*") if q.is_file())
+        return tuple((str(q), st.st_ino, st.st_size, st.st_mtime_ns) for q in files for st in [q.stat()])
+    except (OSError, ValueError):
+        return ()  # missing or unreadable: resolution says why
+
+
+def _s3_allowed(root: str, bucket: str, key: str) -> bool:
+    """Is `s3://bucket/key` under `root` ("bucket" or "bucket/prefix", as given to --allow-s3)?"""
+    rb, _, rp = root.removeprefix("s3://").strip("/").partition("/")
+    return rb == bucket and (not rp or key == rp or key.startswith(rp + "/"))

@@ -1,0 +1,88 @@
+"""Several trained cartridges served as one, as the Cartridges paper composes them.
+
+Composition rule (arXiv 2506.06266, "composing cartridges"): the parts' KV tensors are
+concatenated in request order, each part keeping the positions it was trained at (its keys are
+already rotated), and the user's tokens start after the total length. For LMCache the composite
+is one more trained cartridge: its token ids are the parts' placeholder ids in order, so its
+chained chunk keys differ from the parts' own keys after the first part, and each of its chunks
+is a part's chunk (every trained part is whole chunks). No KV byte is copied: the composite's
+directory holds a manifest and `parts.json`, and `store.origins.CompositeOrigin` reads each
+chunk from its part's origin.
+
+Runs in the gateway (or any registering process); the composite directory under
+`cache_dir/composites/` is owned by whoever made it, the plugin only reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, ChunkInfo, Manifest
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.store.origins import COMPOSITE, COMPOSITE_S3, PARTS_NAME, is_s3
+from lmcache_cartridge.store.registry import Entry
+
+_SAME = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_size")
+
+
+def composite_manifest(parts: list[Manifest]) -> Manifest:
+    """The manifest of `parts` served in this order; an error names the first disagreement."""
+    if len(parts) < 2:
+        raise CartridgeError("a composite needs at least two trained cartridges")
+    first = parts[0]
+    for p in parts:
+        if p.kind != "trained":
+            raise CartridgeError(f"{p.cartridge_id!r} is {p.kind}: only trained cartridges compose by KV")
+        for f in _SAME:
+            if getattr(p, f) != getattr(first, f):
+                raise CartridgeError(
+                    f"cartridges {first.cartridge_id!r} and {p.cartridge_id!r} cannot be served together: "
+                    f"{f} {getattr(first, f)!r} vs {getattr(p, f)!r}")
+    chunks: list[ChunkInfo] = []
+    offset = 0
+    for p in parts:
+        for c in p.chunks:
+            chunks.append(ChunkInfo(len(chunks), offset, c.nbytes, c.num_tokens, c.sha256))
+            offset += c.nbytes
+    digest = hashlib.sha256(("composite:" + ",".join(p.content_hash for p in parts)).encode()).hexdigest()
+    m = replace(
+        first, cartridge_id=f"composite-{digest[:24]}", num_tokens=sum(p.num_tokens for p in parts),
+        token_ids=[t for p in parts for t in p.token_ids], chunks=chunks, content_hash=digest,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        provenance={"composite_of": [p.cartridge_id for p in parts],
+                    "content_hashes": [p.content_hash for p in parts]},
+        labels=[])
+    m.validate()
+    return m
+
+
+def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir: Path) -> tuple[Entry, Manifest]:
+    """Write (once) and register the composite of `parts`, in this order."""
+    manifest = composite_manifest([m for _, m in parts])
+    listing = [{"id": e.id, "source_uri": e.source_uri, "path": e.path} for e, _ in parts]
+    # named by the parts' bytes AND where they are read from: a part moved elsewhere gets a new one
+    where = hashlib.sha256(json.dumps([manifest.content_hash, listing]).encode()).hexdigest()
+    directory = Path(cache_dir) / "composites" / where[:32]
+    scheme = COMPOSITE_S3 if any(is_s3(e.source_uri) for e, _ in parts) else COMPOSITE
+    uri = scheme + str(directory)
+    existing = registry.get(manifest.cartridge_id)
+    if existing is not None and existing.source_uri == uri and (directory / MANIFEST_NAME).is_file():
+        return existing, Manifest.load(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    (tmp / PARTS_NAME).write_text(json.dumps(listing, indent=1), encoding="utf-8")
+    (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+    os.chmod(tmp, 0o755)
+    try:
+        os.rename(tmp, directory)
+    except OSError:  # made meanwhile by another request: same content by construction
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return registry.register(directory, source_uri=uri), Manifest.load(directory)
