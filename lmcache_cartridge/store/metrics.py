@@ -41,6 +41,10 @@ logger = logging.getLogger("lmcache_cartridge.metrics")
 
 ENV_INSTANCE = "LMCACHE_CARTRIDGE_INSTANCE"
 LABELS = ["tier", "instance"]
+# Tiers `residency` counts under. Their series are created at zero when an instance starts: a
+# labelled counter is otherwise absent from /metrics until its first event, and dashboards show
+# "no data" (not 0) for errors and evictions, and rate() misses the first increment.
+KNOWN_TIERS = ("cpu", "disk", "local", "s3")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -88,6 +92,11 @@ class Metrics:
         self._lock = threading.Lock()
         self.tiers: dict[str, TierStats] = {}
         self.instance = instance or default_instance()
+        prom = _prometheus()
+        if prom is not None:
+            for collector in prom.values():
+                for tier in KNOWN_TIERS:
+                    collector.labels(tier=tier, instance=self.instance)
 
     def _tier(self, tier: str) -> TierStats:
         return self.tiers.setdefault(tier, TierStats())
