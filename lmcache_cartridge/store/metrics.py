@@ -1,5 +1,21 @@
 """Per-tier counters: kept per plugin instance (for `lmcache-cartridge stats`) and mirrored to
-prometheus_client, as LMCache does, under `lmcache_cartridge_*` names with a `tier` label.
+prometheus_client, as LMCache does, under `lmcache_cartridge_*` names with `tier` and `instance`
+labels.
+
+How they reach vLLM's own `/metrics`: the plugin runs in vLLM's engine-core (worker) process, the
+API server serving `/metrics` is another process. vLLM's API server reads every process's values
+through prometheus_client's `MultiProcessCollector` when `PROMETHEUS_MULTIPROC_DIR` is set in its
+environment (`vllm/v1/metrics/prometheus.py: get_prometheus_registry`); the engine core inherits
+the variable, so prometheus_client there writes our counters to mmap files in that directory.
+Without it (the default for one API server: `vllm serve` sets it only for `--api-server-count` > 1)
+the API server serves its in-process registry and these counters never appear: set it, one empty
+directory per server (several servers sharing one would merge). A warning says so once when the
+collectors are created inside a vLLM process without it.
+
+`instance` tells servers apart across a fleet: `$LMCACHE_CARTRIDGE_INSTANCE`, else the host name
+(a Kubernetes pod's name). Prometheus attaches its own `instance` (the scrape target) and, unless
+the scrape config has `honor_labels: true`, renames ours `exported_instance`; both identify one
+server, so dashboards that group `by (instance)` work either way.
 
 Where it runs: inside each plugin instance; the tiers (`residency`) count into it from whatever
 thread served the read. It lives with the tiers because they are what it counts. Each instance
@@ -12,12 +28,23 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import logging
 import os
+import socket
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+logger = logging.getLogger("lmcache_cartridge.metrics")
+
+ENV_INSTANCE = "LMCACHE_CARTRIDGE_INSTANCE"
+LABELS = ["tier", "instance"]
+# Tiers `residency` counts under. Their series are created at zero when an instance starts: a
+# labelled counter is otherwise absent from /metrics until its first event, and dashboards show
+# "no data" (not 0) for errors and evictions, and rate() misses the first increment.
+KNOWN_TIERS = ("cpu", "disk", "local", "s3")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -28,15 +55,24 @@ def _prometheus():
         from prometheus_client import Counter, Histogram
     except ImportError:  # metrics are optional
         return None
+    if "vllm" in sys.modules and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        logger.warning("lmcache_cartridge: PROMETHEUS_MULTIPROC_DIR is not set, so the lmcache_cartridge_* "
+                       "counters stay in this process and do not reach vLLM's /metrics; start the server "
+                       "with PROMETHEUS_MULTIPROC_DIR set to an empty directory of its own")
     return {
-        "hits": Counter("lmcache_cartridge_hits", "chunk reads served by a tier", ["tier"]),
-        "misses": Counter("lmcache_cartridge_misses", "chunk reads a tier could not serve", ["tier"]),
-        "bytes": Counter("lmcache_cartridge_bytes", "bytes served by a tier", ["tier"]),
-        "evictions": Counter("lmcache_cartridge_evictions", "chunks evicted from a tier", ["tier"]),
-        "errors": Counter("lmcache_cartridge_errors", "failed chunk reads (served as misses)", ["tier"]),
-        "latency": Histogram("lmcache_cartridge_read_seconds", "chunk read latency", ["tier"],
+        "hits": Counter("lmcache_cartridge_hits", "chunk reads served by a tier", LABELS),
+        "misses": Counter("lmcache_cartridge_misses", "chunk reads a tier could not serve", LABELS),
+        "bytes": Counter("lmcache_cartridge_bytes", "bytes served by a tier", LABELS),
+        "evictions": Counter("lmcache_cartridge_evictions", "chunks evicted from a tier", LABELS),
+        "errors": Counter("lmcache_cartridge_errors", "failed chunk reads (served as misses)", LABELS),
+        "latency": Histogram("lmcache_cartridge_read_seconds", "chunk read latency", LABELS,
                              buckets=LATENCY_BUCKETS),
     }
+
+
+def default_instance() -> str:
+    """This server's name in a fleet: `$LMCACHE_CARTRIDGE_INSTANCE`, else the host (pod) name."""
+    return os.environ.get(ENV_INSTANCE) or socket.gethostname()
 
 
 @dataclass
@@ -52,9 +88,15 @@ class TierStats:
 class Metrics:
     """Counters for one plugin instance. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, instance: str | None = None) -> None:
         self._lock = threading.Lock()
         self.tiers: dict[str, TierStats] = {}
+        self.instance = instance or default_instance()
+        prom = _prometheus()
+        if prom is not None:
+            for collector in prom.values():
+                for tier in KNOWN_TIERS:
+                    collector.labels(tier=tier, instance=self.instance)
 
     def _tier(self, tier: str) -> TierStats:
         return self.tiers.setdefault(tier, TierStats())
@@ -65,7 +107,7 @@ class Metrics:
             setattr(s, what, getattr(s, what) + n)
         prom = _prometheus()
         if prom is not None:
-            prom[what].labels(tier=tier).inc(n)
+            prom[what].labels(tier=tier, instance=self.instance).inc(n)
 
     def hit(self, tier: str, nbytes: int, seconds: float) -> None:
         self._inc("hits", tier)
@@ -74,7 +116,7 @@ class Metrics:
             self._tier(tier).latency_buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         prom = _prometheus()
         if prom is not None:
-            prom["latency"].labels(tier=tier).observe(seconds)
+            prom["latency"].labels(tier=tier, instance=self.instance).observe(seconds)
 
     def miss(self, tier: str) -> None:
         self._inc("misses", tier)
@@ -88,7 +130,8 @@ class Metrics:
     def snapshot(self) -> dict:
         with self._lock:
             return {"tiers": {t: asdict(s) for t, s in self.tiers.items()},
-                    "latency_bucket_bounds": list(LATENCY_BUCKETS), "time": time.time()}
+                    "latency_bucket_bounds": list(LATENCY_BUCKETS), "time": time.time(),
+                    "instance": self.instance}
 
     def dump(self, directory: Path, name: str, extra: dict | None = None) -> None:
         """Write the snapshot (plus `extra`) where `lmcache-cartridge stats` and the gateway find

