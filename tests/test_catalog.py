@@ -203,3 +203,22 @@ def test_publish_refuses_a_cartridge_that_fails_verification(tmp_path, s3):
     with pytest.raises(CatalogError, match="fails verification"):
         publish(d, CATALOG, settings)
     assert read_catalog(CATALOG, settings) is None
+
+
+def test_publish_and_unpublish_from_the_command_line(tmp_path, s3, hosts):
+    """What an operator types: `lmcache-cartridge publish DIR CATALOG`, then `unpublish ID CATALOG`;
+    a host's sync follows both."""
+    from test_cli import cli
+
+    settings, _ = s3
+    a = _pack(tmp_path, "doc-cli", 3)
+    r = cli("publish", a, CATALOG, "--label", "ops", "--s3-endpoint", settings.endpoint_url, home=tmp_path / "home")
+    assert "published " in r.stdout and "/doc-cli/" in r.stdout
+    hosts[0].sync.sync_once()
+    assert hosts[0].view()["doc-cli"][2] == ("ops",)
+    r = cli("unpublish", "doc-cli", CATALOG, "--s3-endpoint", settings.endpoint_url, home=tmp_path / "home")
+    assert "removed doc-cli" in r.stdout
+    hosts[0].sync.sync_once()
+    assert "doc-cli" not in hosts[0].view()
+    r = cli("unpublish", "doc-cli", CATALOG, "--s3-endpoint", settings.endpoint_url, home=tmp_path / "home", check=False)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not in catalog" in r.stderr

@@ -34,8 +34,8 @@ def test_values_env_loads_through_lmcache_into_a_config_the_plugin_accepts(monke
     config = LMCacheEngineConfig.from_env()
     settings = PluginSettings.from_config(config, CartridgeStoragePlugin)
     assert settings.name == "cartridge" and hash_config_problem(config.pre_caching_hash_algorithm) is None
-    parse_s3_uri(settings.extra["catalog_uri"])
-    assert float(settings.extra["catalog_period"]) > 0
+    parse_s3_uri(settings.catalog_uri)
+    assert settings.catalog_period > 0
     S3Settings.from_mapping(settings.s3)
     reference = LMCacheEngineConfig.from_file(str(ROOT / "configs" / "lmcache-cartridge.yaml"))
     for field in ("chunk_size", "local_cpu", "storage_plugins", "store_location", "pre_caching_hash_algorithm"):

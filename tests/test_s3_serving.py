@@ -48,8 +48,8 @@ def test_s3_cartridge_served_then_from_disk_after_restart_then_force_redownload(
     with eng:
         assert cli.main(["register", f"s3://{BUCKET}/cartridges/s3-doc", "--config", str(cfg_path)]) == 0
         assert kv_gets() == 0  # registration reads the manifest only
-        deadline = time.time() + 5
-        while eng.engine.lookup(m.token_ids + [1]) == 0 and time.time() < deadline:
+        deadline = time.time() + 30  # the first lookup misses and starts the download
+        while eng.engine.lookup(m.token_ids + [1]) != 3 * CHUNK and time.time() < deadline:
             time.sleep(0.05)
         eng.clear_local_cpu()
         n, got = eng.retrieve(m.token_ids + [1])
@@ -75,13 +75,19 @@ def test_s3_cartridge_served_then_from_disk_after_restart_then_force_redownload(
         assert plugin2._state.served["s3-doc"].entry.epoch == 1, plugin2.summary()
         eng2.clear_local_cpu()
         key0 = plugin2.mapper.keys(m.token_ids)[0]
+        assert plugin2.get_blocking(key0) is None  # cache dropped: not local, never fetched in a request
+        deadline = time.time() + 30  # a lookup misses and starts the download
+        while eng2.engine.lookup(m.token_ids + [1]) != 3 * CHUNK and time.time() < deadline:
+            time.sleep(0.05)
         obj = plugin2.get_blocking(key0)
         assert torch.equal(obj.tensor, flat(kv)[:, :, :CHUNK])
         obj.ref_count_down()
-        assert kv_gets() == 4
+        assert kv_gets() == 6  # exactly one new download per chunk
 
 
 def test_concurrent_misses_make_one_download(tmp_path, s3_cart, s3_proxy):
+    """Lookups never wait on S3: concurrent lookups of a remote cartridge all miss, and together
+    start one background download (one GET per chunk)."""
     import threading
 
     m, kv = s3_cart
@@ -91,21 +97,27 @@ def test_concurrent_misses_make_one_download(tmp_path, s3_cart, s3_proxy):
         assert cli.main(["register", f"s3://{BUCKET}/cartridges/s3-doc", "--config", str(cfg_path)]) == 0
         plugin = eng.backend("cartridge")
         plugin.refresh()
-        key1 = plugin.mapper.keys(m.token_ids)[1]
-        objs = [None] * 6
+        keys = plugin.mapper.keys(m.token_ids)
+        hits = [None] * 6
 
         def worker(i):
-            objs[i] = plugin.get_blocking(key1)
+            hits[i] = plugin.batched_contains(keys)
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert all(o is not None and torch.equal(o.tensor, flat(kv)[:, :, CHUNK:2 * CHUNK]) for o in objs)
+        assert hits == [0] * 6
+        deadline = time.time() + 30
+        while plugin.batched_contains(keys) != 3 and time.time() < deadline:
+            time.sleep(0.05)
+        objs = plugin.batched_get_blocking(keys)
+        assert all(o is not None for o in objs)
+        assert torch.equal(objs[1].tensor, flat(kv)[:, :, CHUNK:2 * CHUNK])
         for o in objs:
             o.ref_count_down()
-        assert s3_proxy.count("GET", r"/kv\.bin$") == 1
+        assert s3_proxy.count("GET", r"/kv\.bin$") == 3
 
 
 @pytest.mark.parametrize("status", [403, 404, 503])
@@ -119,10 +131,18 @@ def test_origin_failure_is_a_miss_and_nothing_is_cached(tmp_path, s3_cart, s3_pr
         fault = s3_proxy.inject(method="GET", path=r"/kv\.bin$", status=status, times=None)
         eng.clear_local_cpu()
         n, _ = eng.retrieve(m.token_ids + [1])
-        assert n == 0 and fault.hits >= 1  # a miss: the request would recompute
+        assert n == 0  # a miss: the request would recompute; the download starts and fails
+        handle = plugin._state.served["s3-doc"].handle
+        deadline = time.time() + 30
+        while (fault.hits == 0 or plugin.residency.downloading(handle)) and time.time() < deadline:
+            time.sleep(0.05)
+        assert fault.hits >= 1
         assert not plugin.residency.cpu.keys() and not list((tmp_path / "cache" / "chunks").rglob("*.chunk"))
         s3_proxy.clear_faults()
-        n, got = eng.retrieve(m.token_ids + [1])  # the origin is back: served correctly
+        deadline = time.time() + 30  # the origin is back: the next lookup fetches it
+        while eng.engine.lookup(m.token_ids + [1]) != 3 * CHUNK and time.time() < deadline:
+            time.sleep(0.05)
+        n, got = eng.retrieve(m.token_ids + [1])
         assert n == 3 * CHUNK and torch.equal(got[:, :, :n], flat(kv))
 
 

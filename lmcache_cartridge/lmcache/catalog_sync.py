@@ -24,17 +24,14 @@ from lmcache_cartridge.store.s3 import S3Settings
 
 logger = logging.getLogger("lmcache_cartridge.plugin")
 
-DEFAULT_PERIOD = 30.0
-
-
 def start_catalog_sync(settings: PluginSettings, chunk_size: int | None = None) -> CatalogSync | None:
     """A started `CatalogSync` when `catalog_uri` is set, else None. Bad settings raise
     `CartridgeError` (the plugin logs it); S3 trouble later is logged by the sync, never raised."""
-    uri = settings.extra.get("catalog_uri")
+    uri = settings.catalog_uri
     if not uri:
         return None
     try:
-        period = float(settings.extra.get("catalog_period", DEFAULT_PERIOD))
+        period = float(settings.catalog_period)
         if not period > 0:
             raise ValueError(f"catalog_period must be positive, got {period}")
         sync = CatalogSync(Registry(settings.registry), str(uri), S3Settings.from_mapping(settings.s3), period,

@@ -50,6 +50,7 @@ from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
+from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
 from lmcache_cartridge.lmcache.settings import PluginSettings
 
 logger = logging.getLogger("lmcache_cartridge.plugin")
@@ -162,6 +163,9 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                                              daemon=True)
             self._watcher.start()
             self._preload()
+            # A fleet's catalog in S3 (storage_plugin.<name>.catalog_uri), synced into the same
+            # registry this plugin watches: published cartridges arrive by the ordinary refresh.
+            self._catalog_sync = start_catalog_sync(self.settings, self.shape.chunk_size)
             logger.info("lmcache_cartridge: %s", self.summary())
         except Exception as e:
             logger.error("lmcache_cartridge plugin failed to start: %s: %s", type(e).__name__, e)
@@ -194,7 +198,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         version = self.registry.data_version()
         if version == self._version:
             return False
-        entries = {e.id: e for e in self.registry.list() if e.state == "ready"}
+        entries = {e.id: e for e in self.registry.list()}
         with self._lock:
             current = dict(self._state.served)
             quarantined = dict(self._state.quarantined)
@@ -600,6 +604,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
 
     def close(self) -> None:
         self._closed.set()
+        if getattr(self, "_catalog_sync", None) is not None:
+            self._catalog_sync.stop()
         if getattr(self, "_watcher", None) is not None:
             self._watcher.join(timeout=5)
         with self._lock:

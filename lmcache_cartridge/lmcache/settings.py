@@ -46,6 +46,9 @@ class PluginSettings:
     # A lookup pin LMCache never releases (its async path, a request lost in between) expires
     # after this long: it only protects a CPU-tier copy and a retired cartridge's drain.
     pin_lease_seconds: float = 120.0
+    # A host syncs this S3 catalog into its registry (see lmcache/catalog_sync.py); None: no catalog.
+    catalog_uri: str | None = None
+    catalog_period: float = 30.0
 
     @classmethod
     def from_config(cls, config, plugin_cls: type) -> "PluginSettings":
@@ -70,6 +73,8 @@ class PluginSettings:
                 prefetch=_as_bool(get("prefetch", True)),
                 s3={k[len(p) + 3:]: v for k, v in extra.items() if k.startswith(p + "s3.")},
                 pin_lease_seconds=float(get("pin_lease_seconds", 120.0)),
+                catalog_uri=str(get("catalog_uri")) if get("catalog_uri") else None,
+                catalog_period=float(get("catalog_period", 30.0)),
             )
         except (TypeError, ValueError) as e:
             raise CartridgeError(f"bad setting under extra_config {p}*: {e}") from e

@@ -26,10 +26,12 @@ snapshot under `<cache_dir>/stats/` is the instance's to write and other process
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import json
 import logging
 import os
+import tempfile
 import socket
 import sys
 import threading
@@ -137,6 +139,14 @@ class Metrics:
         """Write the snapshot (plus `extra`) where `lmcache-cartridge stats` and the gateway find
         it (atomic replace)."""
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{name}.tmp"
-        tmp.write_text(json.dumps(self.snapshot() | (extra or {})))
-        os.replace(tmp, directory / f"{name}.json")
+        # A temp file of its own per call: the watcher thread and a refresh may dump at once,
+        # and a shared temp name let one rename the other's half-written file away.
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.snapshot() | (extra or {})))
+            os.replace(tmp, directory / f"{name}.json")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise

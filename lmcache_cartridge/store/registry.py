@@ -68,11 +68,6 @@ class Entry:
     added_at: float = 0.0
     epoch: int = 0  # bumped by force_redownload: servers drop cached copies of the old bytes
 
-    @property
-    def state(self) -> str:
-        """Every registered cartridge is servable. Only until plugin.py stops filtering on it."""
-        return "ready"
-
 
 _COLUMNS = [f for f in Entry.__dataclass_fields__]
 

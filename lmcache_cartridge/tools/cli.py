@@ -254,6 +254,38 @@ def _plugin_settings(args):
     return PluginSettings.from_config(_load_lmcache_config(args.config), CartridgeStoragePlugin)
 
 
+def _s3_from_args(args) -> dict:
+    """S3 settings for a command: the --config plugin's, else --s3-endpoint / --s3-region."""
+    settings = _plugin_settings(args) if getattr(args, "config", None) else None
+    s3 = dict(settings.s3) if settings else {}
+    if getattr(args, "s3_endpoint", None):
+        s3["endpoint_url"] = args.s3_endpoint
+    if getattr(args, "s3_region", None):
+        s3["region"] = args.s3_region
+    return s3
+
+
+def cmd_publish(args) -> int:
+    """Upload a packed cartridge into a fleet's S3 catalog; every host syncing it serves it."""
+    from lmcache_cartridge.store.catalog import publish
+    from lmcache_cartridge.store.s3 import S3Settings
+
+    e = publish(args.path, args.catalog, S3Settings.from_mapping(_s3_from_args(args)),
+                labels=args.label or [], force_redownload=args.force_redownload)
+    print(f"published {e.uri} ({e.kind}, {e.num_tokens} tokens, model {e.model}) to {args.catalog}"
+          f"{' (hosts will download it again)' if args.force_redownload else ''}")
+    return 0
+
+
+def cmd_unpublish(args) -> int:
+    from lmcache_cartridge.store.catalog import unpublish
+    from lmcache_cartridge.store.s3 import S3Settings
+
+    version = unpublish(args.id, args.catalog, S3Settings.from_mapping(_s3_from_args(args)))
+    print(f"removed {args.id} from {args.catalog} (index version {version}; its bytes stay)")
+    return 0
+
+
 def cmd_register(args) -> int:
     from lmcache_cartridge.cartridge.packed import PackedCartridge, rechunk
     
@@ -412,7 +444,7 @@ def cmd_gateway(args) -> int:
     import uvicorn
 
     from lmcache_cartridge.api.gateway import GatewaySettings, create_app
-    
+
     settings = _plugin_settings(args)
     config = _load_lmcache_config(args.config) if args.config else None
     gs = GatewaySettings(
@@ -423,7 +455,11 @@ def cmd_gateway(args) -> int:
         cache_dir=settings.cache_dir if settings else default_cache_dir(),
         chunk_size=int(config.chunk_size) if config else args.chunk_size,
         local_roots=tuple(Path(r) for r in (args.allow_local or [])),
+        s3_roots=tuple(args.allow_s3 or ()),
         s3=dict(settings.s3) if settings else ({"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {}),
+        accept_models=tuple(settings.accept_models) if settings else (),
+        trained_chat_template=(args.trained_chat_template if args.trained_chat_template in (None, "model")
+                               else Path(args.trained_chat_template).read_text()),
         max_cartridges=args.max_cartridges,
         max_body_bytes=args.max_body_bytes,
         serve_timeout=args.serve_timeout,
@@ -572,6 +608,28 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--s3-region", help="S3 region (s3:// paths)")
     reg_opts(sp)
 
+    sp = add("publish", cmd_publish, "upload a packed cartridge into a fleet's S3 catalog",
+             "Verifies the cartridge, uploads it under the catalog, then adds it to the catalog's\n"
+             "versioned index. Every host whose plugin sets storage_plugin.<name>.catalog_uri to this\n"
+             "catalog registers it at its next sync (catalog_period) and serves it without a restart.",
+             "lmcache-cartridge publish carts/doc s3://bucket/catalog/ --config configs/lmcache-cartridge.yaml")
+    sp.add_argument("path", help="packed cartridge directory")
+    sp.add_argument("catalog", help="s3://bucket/prefix of the catalog")
+    sp.add_argument("--label", action="append", help="label (repeatable)")
+    sp.add_argument("--force-redownload", action="store_true", help="every host drops its cached copies and fetches again")
+    sp.add_argument("--config", help="LMCache YAML: use its plugin's S3 settings")
+    sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL")
+    sp.add_argument("--s3-region", help="S3 region")
+
+    sp = add("unpublish", cmd_unpublish, "remove a cartridge from a fleet's S3 catalog (its bytes stay)",
+             "Hosts syncing the catalog stop serving it at their next sync.",
+             "lmcache-cartridge unpublish doc s3://bucket/catalog/")
+    sp.add_argument("id", help="cartridge id")
+    sp.add_argument("catalog", help="s3://bucket/prefix of the catalog")
+    sp.add_argument("--config", help="LMCache YAML: use its plugin's S3 settings")
+    sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL")
+    sp.add_argument("--s3-region", help="S3 region")
+
     sp = add("list", cmd_list, "list registered cartridges", example="lmcache-cartridge list --json")
     sp.add_argument("--json", action="store_true", help="one JSON list")
     reg_opts(sp)
@@ -613,6 +671,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk_size, without --config (default 256)")
     sp.add_argument("--allow-local", action="append", metavar="DIR",
                     help="directory local cartridge paths may come from (repeatable)")
+    sp.add_argument("--allow-s3", action="append", metavar="BUCKET[/PREFIX]",
+                    help="S3 bucket or prefix clients may name in s3:// ids (repeatable; none by default)")
+    sp.add_argument("--trained-chat-template", metavar="FILE|model",
+                    help="chat prompts after a trained cartridge: a Jinja template file, or 'model' for the "
+                         "model's own (default: the user turn right after the cartridge, no BOS, no system block)")
     sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL, without --config")
     sp.add_argument("--max-cartridges", type=int, default=4, help="most cartridges per request (default 4)")
     sp.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
