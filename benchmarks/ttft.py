@@ -399,7 +399,7 @@ def compute_kv_chunked(model, token_ids: list[int], step: int = 2048):
     from lmcache_cartridge.cartridge.model_kv import cache_to_kv, compute_prefix_kv
 
     if len(token_ids) <= step:
-        return compute_prefix_kv(model, token_ids)
+        return compute_prefix_kv(model, token_ids).cpu()  # a CUDA model (--device) computes on the GPU
     device = next(model.parameters()).device
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
