@@ -354,3 +354,64 @@ def test_bad_chat_and_unreachable_upstream(settings):
     schema = _call(app, "GET", "/openapi.json").json()["components"]["schemas"]
     assert schema["CartridgeSpec"]["properties"]["source"]["default"] == "s3"
     assert set(schema["CartridgeSpec"]["properties"]) == {"id", "source", "force_redownload"}
+
+
+@pytest.fixture
+def recording_upstream():
+    """A loopback HTTP server standing in for the router/vLLM hop: records each forwarded request's
+    headers and answers like vLLM's /v1/completions (what it answers is not under test here)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _json(self, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._json({"data": [{"id": "m", "max_model_len": 4096}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((dict(self.headers), body))
+            self._json({"id": "cmpl-1", "object": "text_completion", "model": body["model"],
+                        "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+
+
+def test_router_session_key_follows_the_cartridges(tmp_path, settings, model_dir, recording_upstream):
+    """vllm-router's consistent_hash keys on X-Session-ID: the same cartridges always give the same
+    key (one warm instance), requests without cartridges each get their own (spread)."""
+    import dataclasses
+
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    reg = Registry(settings.registry)
+    for cid, seed in (("doc-a", 1), ("doc-b", 2)):
+        _cart(tmp_path / cid, cid, list(range(10 + seed, 10 + seed + CHUNK)), model_dir, seed=seed)
+        reg.register(tmp_path / cid)
+    for ids in (["doc-a"], ["doc-a"], ["doc-b"], []):
+        body = {"prompt": "hi", "max_tokens": 1}
+        if ids:
+            body["cartridges"] = [{"id": i} for i in ids]
+        r = _call(app, "POST", "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+    keys = [h.get("X-Session-ID") for h, _ in seen]
+    assert keys[0] == keys[1] == "cart:doc-a" and keys[2] == "cart:doc-b"
+    assert keys[3].startswith("req:")
+    r = _call(app, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert seen[-1][0]["X-Session-ID"].startswith("req:") and seen[-1][0]["X-Session-ID"] != keys[3]
+    assert all("cartridges" not in b for _, b in seen)  # the field is the gateway's, not vLLM's

@@ -22,6 +22,7 @@ import uuid
 from lmcache_cartridge.api.prompts import PromptBuilder
 from lmcache_cartridge.api.requests import ChatRequest, CompletionRequest, describe
 from lmcache_cartridge.api.resolver import Resolver
+from lmcache_cartridge.api.routing import SESSION_HEADER, session_key
 from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
@@ -179,6 +180,7 @@ def create_app(settings: GatewaySettings):
                     upstream["logprobs"] = max(1, body.top_logprobs or 1)
                 else:
                     upstream.pop("logprobs", None)
+            route = {SESSION_HEADER: session_key([e.id for e in plan.wanted])}
             if plan.trained:
                 # If a trained cartridge's chunk ever fails to load, vLLM recomputes its
                 # placeholder tokens: that KV must never be stored where LMCache would serve it.
@@ -195,7 +197,7 @@ def create_app(settings: GatewaySettings):
         stream = bool(upstream.get("stream"))
         try:
             if not stream:
-                r = await client.post("/v1/completions", json=upstream)
+                r = await client.post("/v1/completions", json=upstream, headers=route)
                 try:
                     data = r.json()
                 except ValueError:
@@ -203,7 +205,7 @@ def create_app(settings: GatewaySettings):
                 if r.status_code != 200:
                     return JSONResponse(data, status_code=r.status_code)
                 return JSONResponse(completion_to_chat(data) if chat else data)
-            req = client.build_request("POST", "/v1/completions", json=upstream)
+            req = client.build_request("POST", "/v1/completions", json=upstream, headers=route)
             r = await client.send(req, stream=True)
         except httpx.HTTPError as e:
             return error(502, f"upstream {shown_upstream} unreachable: {type(e).__name__}")
