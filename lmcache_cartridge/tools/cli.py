@@ -608,6 +608,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--s3-region", help="S3 region (s3:// paths)")
     reg_opts(sp)
 
+    def catalog_s3_opts(sp):
+        sp.add_argument("--config", help="LMCache YAML: use its plugin's S3 settings")
+        sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL")
+        sp.add_argument("--s3-region", help="S3 region")
+
     sp = add("publish", cmd_publish, "upload a packed cartridge into a fleet's S3 catalog",
              "Verifies the cartridge, uploads it under the catalog, then adds it to the catalog's\n"
              "versioned index. Every host whose plugin sets storage_plugin.<name>.catalog_uri to this\n"
@@ -617,18 +622,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("catalog", help="s3://bucket/prefix of the catalog")
     sp.add_argument("--label", action="append", help="label (repeatable)")
     sp.add_argument("--force-redownload", action="store_true", help="every host drops its cached copies and fetches again")
-    sp.add_argument("--config", help="LMCache YAML: use its plugin's S3 settings")
-    sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL")
-    sp.add_argument("--s3-region", help="S3 region")
+    catalog_s3_opts(sp)
 
     sp = add("unpublish", cmd_unpublish, "remove a cartridge from a fleet's S3 catalog (its bytes stay)",
              "Hosts syncing the catalog stop serving it at their next sync.",
              "lmcache-cartridge unpublish doc s3://bucket/catalog/")
     sp.add_argument("id", help="cartridge id")
     sp.add_argument("catalog", help="s3://bucket/prefix of the catalog")
-    sp.add_argument("--config", help="LMCache YAML: use its plugin's S3 settings")
-    sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL")
-    sp.add_argument("--s3-region", help="S3 region")
+    catalog_s3_opts(sp)
 
     sp = add("list", cmd_list, "list registered cartridges", example="lmcache-cartridge list --json")
     sp.add_argument("--json", action="store_true", help="one JSON list")
