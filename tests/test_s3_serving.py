@@ -85,6 +85,34 @@ def test_s3_cartridge_served_then_from_disk_after_restart_then_force_redownload(
         assert kv_gets() == 6  # exactly one new download per chunk
 
 
+def test_force_redownload_never_serves_old_copies_under_the_new_epoch(tmp_path, s3_cart, s3_proxy, monkeypatch):
+    """The moment the new epoch is visible to lookups, the local copies are already gone (CI once
+    saw the old bytes served between the state swap and the disk-cache drop)."""
+    m, kv = s3_cart
+    cfg_path, eng = _engine(tmp_path, s3_proxy.endpoint_url)
+    with eng:
+        assert cli.main(["register", f"s3://{BUCKET}/cartridges/s3-doc", "--config", str(cfg_path)]) == 0
+        deadline = time.time() + 30
+        while eng.engine.lookup(m.token_ids + [1]) != 3 * CHUNK and time.time() < deadline:
+            time.sleep(0.05)
+        plugin = eng.backend("cartridge")
+        key0 = plugin.mapper.keys(m.token_ids)[0]
+        eng.clear_local_cpu()
+        seen = []
+        real = plugin._after_retire
+
+        def at_swap(s, *a, **kw):  # runs right after the new epoch became visible
+            seen.append(plugin.get_blocking(key0))
+            return real(s, *a, **kw)
+
+        monkeypatch.setattr(plugin, "_after_retire", at_swap)
+        assert cli.main(["register", f"s3://{BUCKET}/cartridges/s3-doc", "--config", str(cfg_path),
+                         "--force-redownload"]) == 0
+        plugin.refresh()
+        assert plugin._state.served["s3-doc"].entry.epoch == 1
+        assert seen == [None]
+
+
 def test_concurrent_misses_make_one_download(tmp_path, s3_cart, s3_proxy):
     """Lookups never wait on S3: concurrent lookups of a remote cartridge all miss, and together
     start one background download (one GET per chunk)."""

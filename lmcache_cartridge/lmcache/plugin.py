@@ -214,6 +214,13 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 except Exception as e:  # one bad entry (unreadable manifest, bad S3 settings) never blocks the rest
                     skipped[cid] = str(e) if isinstance(e, CartridgeError) else f"{type(e).__name__}: {e}"
                     logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, skipped[cid])
+        # force_redownload (same bytes, new epoch): drop the local copies *before* the new epoch is
+        # visible, so no lookup under the new epoch is answered from the copies it asked to drop.
+        redownload = {s.handle.content_hash for cid, s in current.items()
+                      if cid in added and added[cid].handle.content_hash == s.handle.content_hash
+                      and added[cid].entry.epoch != s.entry.epoch}
+        for content_hash in redownload:
+            self.residency.forget(content_hash, disk=True)
         with self._lock:
             st = self._state
             # Against the state as it is now: a reader may have quarantined a cartridge meanwhile.
@@ -230,8 +237,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         for s in dropped:
             s.handle.origin.close()
         for s in retired:
-            new = entries.get(s.entry.id)
-            self._after_retire(s, forget_disk=new is not None and new.epoch != s.entry.epoch)  # force_redownload
+            self._after_retire(s, forget=s.handle.content_hash not in redownload)
         fresh = [s for s in added.values() if s not in dropped]
         # KV that LMCache stored under these keys before we served them was recomputed from the
         # cartridge's token ids (for a trained cartridge: from placeholders): it must never be
@@ -277,10 +283,12 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                         break
         st.tombstones.append(_Tombstone(s))
 
-    def _after_retire(self, s: Served, forget_disk: bool = False) -> None:
-        """The side effects of retiring `s`, outside the plugin lock."""
+    def _after_retire(self, s: Served, forget: bool = True) -> None:
+        """The side effects of retiring `s`, outside the plugin lock (`forget=False`: its local
+        copies were already dropped for a force_redownload)."""
         self._purge(s.keys)
-        self.residency.forget(s.handle.content_hash, disk=forget_disk)
+        if forget:
+            self.residency.forget(s.handle.content_hash)
         self._close_if_unused(s)
         logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
 
