@@ -130,6 +130,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             self.settings = PluginSettings.from_config(config, type(self))
             self.shape = EngineShape.from_lmcache(config, metadata, self.settings.accept_models)
             self._lock = threading.RLock()
+            self._refresh_lock = threading.Lock()  # one refresh at a time (poller thread vs. callers)
             self._state = _State()
             self._closed = threading.Event()
             self.healthy = True
@@ -192,7 +193,13 @@ class CartridgeStoragePlugin(StoragePluginInterface):
 
         The new state is built completely, then swapped in under the lock in one step (an
         exception while opening leaves the old state whole); side effects on LMCache's cache and
-        the tiers run after, outside the lock."""
+        the tiers run after, outside the lock. Refreshes are serialized: two concurrent ones (the
+        poller and a caller) would both open and swap in the same change, and the second would
+        retire the first's fresh state."""
+        with self._refresh_lock:
+            return self._refresh()
+
+    def _refresh(self) -> bool:
         if self.registry is None:
             self.registry = Registry(self.settings.registry)
         version = self.registry.data_version()
