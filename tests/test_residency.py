@@ -61,7 +61,7 @@ def test_disk_tier_survives_restart_verifies_and_evicts(tmp_path):
     # a stray temp file from a crashed write is cleaned up at start; the index is rebuilt
     (tmp_path / "cache" / p.manifest.content_hash / ".2.chunk.999.1").write_bytes(b"partial")
     disk2 = DiskTier(tmp_path / "cache", budget_bytes=3 * size)
-    assert sorted(c[1] for c in disk2._files) == [1, 2, 3] and disk2.used == 3 * size
+    assert sorted(c[1] for c in disk2.keys()) == [1, 2, 3] and disk2.used == 3 * size
     assert not list((tmp_path / "cache" / p.manifest.content_hash).glob(".*"))
     buf = torch.empty(size, dtype=torch.uint8)
     assert disk2.get_into((p.manifest.content_hash, 1), memoryview(buf.numpy()), h)
