@@ -180,6 +180,16 @@ def test_memory_tier_on_cuda():
     assert tier.get_into(("h", 2), out) and int(out[0]) == 3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_tier_holds_pageable_memory_on_a_cuda_host():
+    """The CPU tier only memcpys into LMCache's own (pinned) buffers: pinning our copies bought
+    nothing, and the caching host allocator's rounding made the budget wrong (2 GiB per rank)."""
+    tier = MemoryTier("cpu", budget_bytes=1 << 20)
+    assert tier.put(("h", 0), chunk_bytes(1000, 1))
+    assert not tier._chunks[("h", 0)].is_pinned() and tier.used == 1000
+
+
 def test_streaming_check_overlaps_arrival_restarts_on_retry_and_refuses_bad_bytes():
     """The check S3 reads run while bytes arrive: uneven pieces, a retry that starts again at 0
     after half of a corrupted attempt, a flipped byte, NaNs with a matching checksum, a cancel."""

@@ -10,7 +10,8 @@ starting process deleted the temp files of live writers. Now:
 
 - `index.sqlite` (WAL) next to the chunk files holds one row per chunk file, published or being
   written: `(hash, idx, size, used, owner)`. The host's budget is `SUM(size)` over that table;
-  every reservation and eviction runs in one `BEGIN IMMEDIATE` transaction, so N processes
+  every reservation and eviction runs in one `BEGIN IMMEDIATE` transaction (writers queue on
+  `flock(index.lock)` before it, which wakes them at once), so N processes
   evict against one budget and two writers never reserve the same chunk. `used` is the shared
   LRU clock (reads are batched into it about once a second). SQLite rather than a lock file plus
   directory scans: the budget check is one indexed query instead of a walk of every file, and
@@ -59,6 +60,7 @@ logger = logging.getLogger("lmcache_cartridge.store.disk_cache")
 ChunkId = tuple[str, int]  # (content_hash, chunk index)
 
 INDEX_NAME = "index.sqlite"
+MUTEX_NAME = "index.lock"
 OWNERS_DIR = ".owners"
 _TMP = re.compile(r"^\.(\d+)\.chunk\.([0-9a-f]+-[0-9a-f]+)\.[0-9a-z]+\.tmp$")
 _LEGACY_TMP = re.compile(r"^\.(\d+)\.chunk\.(\d+)\.(\d+)$")  # `.<i>.chunk.<pid>.<tid>` (before the index)
@@ -106,7 +108,7 @@ class DiskTier:
     """Byte-budgeted LRU of chunk files under `root`, shared by every process on the host.
 
     Layout: `root/<content_hash>/<index>.chunk`, `root/index.sqlite` (the shared index and
-    budget), `root/.owners/` (one lock file per live process). `budget_bytes` is the host's
+    budget), `root/index.lock` (writers' queue), `root/.owners/` (one lock file per live process). `budget_bytes` is the host's
     budget: every process enforces it against the shared total (give all instances the same
     value; with different values each put is held to its own process's value).
     """
@@ -132,6 +134,7 @@ class DiskTier:
     # -- process state ------------------------------------------------------------------------
     def _open(self) -> None:
         self._owner = _Owner(self.root / OWNERS_DIR)
+        self._mutex = os.open(self.root / MUTEX_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         self._db = sqlite3.connect(self.root / INDEX_NAME, timeout=60, isolation_level=None,
                                    check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -147,21 +150,29 @@ class DiskTier:
             self._open()
 
     @contextmanager
-    def _txn(self):
-        """One write transaction on the shared index (caller holds `_lock`)."""
-        self._db.execute("BEGIN IMMEDIATE")
+    def _txn(self, *, blocking: bool = True):
+        """One write transaction on the shared index (caller holds `_lock`). Writers queue on
+        `flock(index.lock)` first: the kernel wakes the next one the moment the lock is free,
+        where SQLite's own busy handler sleeps and polls (tens of ms per put under contention).
+        Non-blocking raises BlockingIOError when another process is in a transaction."""
+        fcntl.flock(self._mutex, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        finally:
+            fcntl.flock(self._mutex, fcntl.LOCK_UN)
 
     def close(self) -> None:
         """Release the index and this process's token (exit does the same)."""
         with self._lock:
             self._flush_touches_locked()
             self._db.close()
+            os.close(self._mutex)
             self._owner.close()
 
     # -- paths --------------------------------------------------------------------------------
@@ -243,17 +254,13 @@ class DiskTier:
             return
         try:
             self._check_fork()
-            self._db.execute("PRAGMA busy_timeout=0")
-            try:
-                self._flush_touches_locked()
-            except sqlite3.OperationalError:  # another process holds the index: next time
-                pass
-            finally:
-                self._db.execute("PRAGMA busy_timeout=60000")
+            self._flush_touches_locked(blocking=False)
+        except BlockingIOError:  # another process is in a transaction: next time
+            pass
         finally:
             self._lock.release()
 
-    def _flush_touches_locked(self, db: sqlite3.Connection | None = None) -> None:
+    def _flush_touches_locked(self, db: sqlite3.Connection | None = None, *, blocking: bool = True) -> None:
         self._last_flush = time.monotonic()
         if not self._touched:
             return
@@ -263,7 +270,7 @@ class DiskTier:
             if db is not None:
                 db.executemany("UPDATE chunks SET used = MAX(used, ?) WHERE hash = ? AND idx = ?", rows)
             else:
-                with self._txn() as d:
+                with self._txn(blocking=blocking) as d:
                     d.executemany("UPDATE chunks SET used = MAX(used, ?) WHERE hash = ? AND idx = ?", rows)
         except BaseException:
             for cid, t in touched.items():  # keep them for the next flush
@@ -304,6 +311,7 @@ class DiskTier:
                         return False  # being written by someone (us on another thread, or another process)
                     if path.is_file():
                         self._present.add(cid)
+                        self._touched[cid] = time.time()
                         return True
                     db.execute("DELETE FROM chunks WHERE hash = ? AND idx = ?", cid)  # its file vanished
                 self._flush_touches_locked(db)
