@@ -71,6 +71,7 @@ CREATE TABLE IF NOT EXISTS chunks (
     owner TEXT,  -- NULL when published, else the token of the process writing it
     PRIMARY KEY (hash, idx));
 CREATE INDEX IF NOT EXISTS chunks_lru ON chunks (used);
+CREATE INDEX IF NOT EXISTS chunks_owner ON chunks (owner);
 """
 
 
@@ -255,7 +256,7 @@ class DiskTier:
         try:
             self._check_fork()
             self._flush_touches_locked(blocking=False)
-        except BlockingIOError:  # another process is in a transaction: next time
+        except (BlockingIOError, sqlite3.OperationalError):  # the index is busy: next time
             pass
         finally:
             self._lock.release()
