@@ -138,8 +138,12 @@ class DiskTier:
         self._mutex = os.open(self.root / MUTEX_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         self._db = sqlite3.connect(self.root / INDEX_NAME, timeout=60, isolation_level=None,
                                    check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        fcntl.flock(self._mutex, fcntl.LOCK_EX)  # N ranks starting at once: one switches to WAL
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+        finally:
+            fcntl.flock(self._mutex, fcntl.LOCK_UN)
         with self._txn() as db:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
