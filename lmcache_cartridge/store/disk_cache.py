@@ -342,10 +342,12 @@ class DiskTier:
                     done += f.write(view[done:])
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as e:  # disk full, permissions: keep serving from memory/origin
+        except BaseException as e:  # disk full, permissions: keep serving from memory/origin
             tmp.unlink(missing_ok=True)
-            with self._lock, self._txn() as db:
+            with self._lock, self._txn() as db:  # a live owner's reservation would never be reclaimed
                 db.execute("DELETE FROM chunks WHERE hash = ? AND idx = ? AND owner = ?", (*cid, self._owner.token))
+            if not isinstance(e, OSError):
+                raise
             logger.warning("lmcache_cartridge: could not write disk cache %s: %s", path, e)
             self.metrics.error("disk")
             return False
