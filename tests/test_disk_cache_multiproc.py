@@ -29,7 +29,8 @@ from conftest import random_kv
 from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv
 from lmcache_cartridge.store.disk_cache import INDEX_NAME, MUTEX_NAME, OWNERS_DIR, DiskTier
 from lmcache_cartridge.store.origins import LocalOrigin
-from lmcache_cartridge.store.residency import Handle
+from lmcache_cartridge.store.metrics import Metrics
+from lmcache_cartridge.store.residency import Handle, MemoryTier, NotLocal, Residency
 
 CHUNK = 16
 N_CHUNKS = 24  # working set: 24 chunks of 64 KiB
@@ -285,6 +286,21 @@ def test_reader_of_a_file_another_process_evicted_gets_a_clean_miss(tmp_path, ca
     buf = torch.empty(size, dtype=torch.uint8)
     assert not a.get_into(cid0, memoryview(buf.numpy()), handle)
     assert "disk" not in a.metrics.tiers and cid0 not in a  # no error counted
+    # through the tiers: the hot path says NotLocal (a miss), a download fetches it again
+    res = Residency(MemoryTier("cpu", 0), a, Metrics(), prefetch=False)
+    remote = Handle(cart.manifest, _RemoteOrigin(cart.directory))
+    out = torch.empty(cart.chunk_shape(0), dtype=torch.bfloat16)
+    with pytest.raises(NotLocal):
+        res.read_into(remote, 0, out, network=False)
+    assert res.read_into(remote, 0, out) == "s3" and torch.equal(out, cart.read_chunk(0))
+    assert "disk" not in res.metrics.tiers or res.metrics.tiers["disk"].errors == 0
+    res.close()
+
+
+class _RemoteOrigin(LocalOrigin):
+    """A real local origin that residency treats as remote (as an S3 one), so the disk tier is used."""
+
+    local = False
 
 
 def _fill(root: str, cart: str, budget: int, indices: list[int], results) -> None:
