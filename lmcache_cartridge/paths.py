@@ -27,7 +27,12 @@ def default_registry_path() -> Path:
 
 
 def default_cache_dir() -> Path:
-    """The plugin's cache dir (disk tier, S3 manifests, published serving state) by default."""
+    """The plugin's cache dir (disk tier, S3 manifests, published serving state) by default.
+
+    One per host (per user): every plugin instance on the host, each TP rank and each server,
+    resolves the same directory and shares its disk tier (`store.disk_cache`: one index, one
+    budget). It must be on a local filesystem; set `cache_dir` (or `$LMCACHE_CARTRIDGE_HOME`)
+    to the same path for instances running under different users or containers."""
     return cache_root() / "cache"
 
 

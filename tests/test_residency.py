@@ -61,7 +61,7 @@ def test_disk_tier_survives_restart_verifies_and_evicts(tmp_path):
     # a stray temp file from a crashed write is cleaned up at start; the index is rebuilt
     (tmp_path / "cache" / p.manifest.content_hash / ".2.chunk.999.1").write_bytes(b"partial")
     disk2 = DiskTier(tmp_path / "cache", budget_bytes=3 * size)
-    assert sorted(c[1] for c in disk2._files) == [1, 2, 3] and disk2.used == 3 * size
+    assert sorted(c[1] for c in disk2.keys()) == [1, 2, 3] and disk2.used == 3 * size
     assert not list((tmp_path / "cache" / p.manifest.content_hash).glob(".*"))
     buf = torch.empty(size, dtype=torch.uint8)
     assert disk2.get_into((p.manifest.content_hash, 1), memoryview(buf.numpy()), h)
@@ -178,6 +178,16 @@ def test_memory_tier_on_cuda():
     assert tier.put(("h", 2), chunk_bytes(100, 3)) and ("h", 0) not in tier
     out = torch.empty(100, dtype=torch.uint8)
     assert tier.get_into(("h", 2), out) and int(out[0]) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_tier_holds_pageable_memory_on_a_cuda_host():
+    """The CPU tier only memcpys into LMCache's own (pinned) buffers: pinning our copies bought
+    nothing, and the caching host allocator's rounding made the budget wrong (2 GiB per rank)."""
+    tier = MemoryTier("cpu", budget_bytes=1 << 20)
+    assert tier.put(("h", 0), chunk_bytes(1000, 1))
+    assert not tier._chunks[("h", 0)].is_pinned() and tier.used == 1000
 
 
 def test_streaming_check_overlaps_arrival_restarts_on_retry_and_refuses_bad_bytes():

@@ -19,18 +19,17 @@ manifest's sha256 before use; disk-cache files are checked on their first read i
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from lmcache_cartridge.errors import CartridgeError, ChecksumError
+from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.store.disk_cache import ChunkId, DiskTier
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import Origin
 from lmcache_cartridge.cartridge.integrity import StreamingCheck, check_chunk
@@ -41,8 +40,6 @@ logger = logging.getLogger("lmcache_cartridge.store.residency")
 
 class NotLocal(CartridgeError):
     """The chunk is not readable without the network (hot-path reads never wait on an origin)."""
-
-ChunkId = tuple[str, int]  # (content_hash, chunk index)
 
 
 @dataclass
@@ -70,7 +67,6 @@ class MemoryTier:
     def __init__(self, name: str, budget_bytes: int, device: str = "cpu", metrics: Metrics | None = None) -> None:
         self.name, self.budget, self.device = name, int(budget_bytes), torch.device(device)
         self.metrics = metrics or Metrics()
-        self._pin_host = self.device.type == "cpu" and torch.cuda.is_available()
         self._lock = threading.Lock()
         self._chunks: OrderedDict[ChunkId, torch.Tensor] = OrderedDict()
         self._pins: dict[ChunkId, int] = {}
@@ -108,7 +104,7 @@ class MemoryTier:
             if cid in self._chunks:
                 self._chunks.move_to_end(cid)
                 return True
-        copy = torch.empty(n, dtype=torch.uint8, device=self.device, pin_memory=self._pin_host)
+        copy = torch.empty(n, dtype=torch.uint8, device=self.device)
         copy_into(copy, data)
         with self._lock:
             if cid in self._chunks:  # another thread stored it meanwhile: keep theirs
@@ -159,154 +155,6 @@ class MemoryTier:
             victims = [c for c in self._chunks if c[0] == content_hash]
             for c in victims:
                 self.used -= self._chunks.pop(c).numel()
-        return len(victims)
-
-
-# --- disk tier --------------------------------------------------------------------------------
-class DiskTier:
-    """Local disk cache of chunks fetched from remote origins; survives restarts.
-
-    Layout: `root/<content_hash>/<index>.chunk`, each written to a temp file and renamed, so a
-    crash leaves either nothing or a whole file; the checksum is still verified on the first
-    read in each process, which catches bit rot and files changed behind our back. The index is
-    rebuilt from the directory at start; LRU order starts from file mtimes.
-    """
-
-    def __init__(self, root: str | Path, budget_bytes: int, metrics: Metrics | None = None) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.budget = int(budget_bytes)
-        self.metrics = metrics or Metrics()
-        self._lock = threading.Lock()
-        self._files: OrderedDict[ChunkId, int] = OrderedDict()
-        self._verified: set[ChunkId] = set()
-        self.used = 0
-        self._rebuild()
-
-    def _path(self, cid: ChunkId) -> Path:
-        return self.root / cid[0] / f"{cid[1]}.chunk"
-
-    def _rebuild(self) -> None:
-        found = []
-        for d in self.root.iterdir():
-            if not d.is_dir() or len(d.name) != 64:
-                continue
-            for f in d.iterdir():
-                if f.name.startswith("."):  # a temp file from an interrupted write
-                    f.unlink(missing_ok=True)
-                    continue
-                if f.suffix == ".chunk" and f.stem.isdigit():
-                    st = f.stat()
-                    found.append((st.st_mtime, (d.name, int(f.stem)), st.st_size))
-        for _, cid, size in sorted(found):
-            self._files[cid] = size
-            self.used += size
-
-    def __contains__(self, cid: ChunkId) -> bool:
-        with self._lock:
-            if cid in self._files:
-                return True
-        return self._adopt(cid)
-
-    def _adopt(self, cid: ChunkId) -> bool:
-        """Index a chunk file another process (another rank on this host) wrote since our start;
-        it is verified on its first read here like any other."""
-        path = self._path(cid)
-        try:
-            if not path.is_file():
-                return False
-            size = path.stat().st_size
-        except OSError:
-            return False
-        with self._lock:
-            if cid not in self._files:
-                self._files[cid] = size
-                self.used += size
-        return True
-
-    def get_into(self, cid: ChunkId, buf: memoryview, handle: Handle) -> bool:
-        """Read a cached chunk into `buf`; a corrupt file is deleted and reported as a miss."""
-        if cid not in self:
-            return False
-        with self._lock:
-            if cid not in self._files:
-                return False
-            self._files.move_to_end(cid)
-            verify = cid not in self._verified
-        path = self._path(cid)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                n = f.readinto(buf)
-            if n != buf.nbytes:
-                raise ChecksumError(f"{path}: {n} bytes, expected {buf.nbytes}")
-            if verify:
-                check_chunk(handle.manifest.chunks[cid[1]], buf, str(path), handle.manifest.torch_dtype)
-        except (OSError, ChecksumError) as e:
-            logger.error("lmcache_cartridge: disk cache chunk dropped (%s); fetching it again", e)
-            self.metrics.error("disk")
-            self._drop(cid)
-            return False
-        if verify:
-            with self._lock:
-                self._verified.add(cid)
-        return True
-
-    def put(self, cid: ChunkId, buf: memoryview) -> bool:
-        """Store verified bytes atomically; False (nothing kept) if it does not fit or I/O fails."""
-        n = buf.nbytes
-        with self._lock:
-            if cid in self._files:
-                return True
-            if n > self.budget:
-                return False
-            evicted = []
-            while self.used + n > self.budget and self._files:
-                victim, size = self._files.popitem(last=False)
-                self.used -= size
-                evicted.append(victim)
-            self._files[cid] = n  # reserve
-            self.used += n
-        for victim in evicted:
-            try:
-                self._path(victim).unlink(missing_ok=True)
-            except OSError as e:
-                logger.warning("lmcache_cartridge: could not evict %s: %s", self._path(victim), e)
-        if evicted:
-            self.metrics.eviction("disk", len(evicted))
-        path = self._path(cid)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb", buffering=0) as f:
-                f.write(buf)
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError as e:  # disk full, permissions: keep serving from memory/origin
-            tmp.unlink(missing_ok=True)
-            self._drop(cid)
-            logger.warning("lmcache_cartridge: could not write disk cache %s: %s", path, e)
-            self.metrics.error("disk")
-            return False
-        with self._lock:
-            self._verified.add(cid)
-        return True
-
-    def _drop(self, cid: ChunkId) -> None:
-        with self._lock:
-            size = self._files.pop(cid, None)
-            if size is not None:
-                self.used -= size
-            self._verified.discard(cid)
-        try:
-            self._path(cid).unlink(missing_ok=True)
-        except OSError as e:
-            logger.warning("lmcache_cartridge: could not delete %s: %s", self._path(cid), e)
-
-    def discard(self, content_hash: str) -> int:
-        with self._lock:
-            victims = [c for c in self._files if c[0] == content_hash]
-        for c in victims:
-            self._drop(c)
         return len(victims)
 
 
