@@ -30,7 +30,7 @@ from lmcache_cartridge.tools import cli
 BUCKET = "hot"
 
 
-def _until(cond, timeout=10.0, step=0.05):
+def _until(cond, timeout=30.0, step=0.05):
     deadline = time.time() + timeout
     while not cond() and time.time() < deadline:
         time.sleep(step)
