@@ -151,13 +151,13 @@ def test_unknown_vllm_is_refused_and_the_connector_stays_on_fail(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     assert "0.99.0" in load_failure._structure_problem(Scheduler)
 
-    class KTC:
-        kv_load_failure_policy = "fail"
+    from vllm.config import KVTransferConfig
 
     monkeypatch.setattr(load_failure, "install_scheduler_policy", lambda: "vLLM 0.99.0")
-    ktc = KTC()
-    CartridgeConnector._set_load_failure_policy(ktc)
-    assert ktc.kv_load_failure_policy == "fail"
+    for configured in ("fail", "recompute"):  # even a configured "recompute" becomes "fail"
+        ktc = KVTransferConfig(kv_connector="CartridgeConnector", kv_role="kv_both", kv_load_failure_policy=configured)
+        CartridgeConnector._set_load_failure_policy(ktc)
+        assert ktc.kv_load_failure_policy == "fail"
     monkeypatch.setattr(load_failure, "install_scheduler_policy", lambda: None)
     CartridgeConnector._set_load_failure_policy(ktc)
     assert ktc.kv_load_failure_policy == "recompute"

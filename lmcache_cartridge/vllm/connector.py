@@ -25,11 +25,12 @@ Failure handling (a connector exception in a vLLM worker would otherwise kill th
   (the gateway marks it, `load_failure.NO_RECOMPUTE_PARAM`) is failed with an error and its
   failed blocks are evicted from vLLM's prefix cache (recomputing placeholder tokens would be a
   wrong answer); every other request recomputes the blocks (for first-k cartridges exactly
-  prefill). So the scheduler-role connector installs that per-request policy and then switches
-  vLLM's default `kv_load_failure_policy` "fail" to "recompute". If the policy cannot be
-  installed (a vLLM it was not read against) the default "fail" stays: every failed load fails
-  its request, first-k ones too. `kv_connector_extra_config.cartridge.keep_load_failure_policy:
-  true` keeps vLLM's policy as configured;
+  prefill). So the scheduler-role connector installs that per-request policy and then sets
+  vLLM's `kv_load_failure_policy` (default "fail") to "recompute". If the policy cannot be
+  installed (a vLLM it was not read against) it sets "fail": every failed load fails its
+  request, first-k ones too, rather than a trained one being recomputed.
+  `kv_connector_extra_config.cartridge.keep_load_failure_policy: true` leaves vLLM's policy as
+  configured (and no per-request policy);
 * save paths raising -> logged, nothing stored for that step.
 """
 
@@ -125,7 +126,7 @@ class CartridgeConnector(LMCacheConnectorV1):
         self._block_size = int(vllm_config.cache_config.block_size or 0)
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-        if role == KVConnectorRole.SCHEDULER and getattr(ktc, "kv_load_failure_policy", None) == "fail" \
+        if role == KVConnectorRole.SCHEDULER and ktc is not None \
                 and not extra.get("cartridge.keep_load_failure_policy", False):
             self._set_load_failure_policy(ktc)
         if _on_cpu_backend(vllm_config):
@@ -148,18 +149,22 @@ class CartridgeConnector(LMCacheConnectorV1):
             why = install_scheduler_policy()
         except Exception as e:  # noqa: BLE001 - never stop the engine over it: stay on "fail"
             why = f"{type(e).__name__}: {e}"
+        before = getattr(ktc, "kv_load_failure_policy", None)
+        policy = "fail" if why is not None else "recompute"
+        try:
+            ktc.kv_load_failure_policy = policy
+        except Exception as e:  # frozen config: vLLM's policy stays as it is, say so
+            logger.warning("lmcache_cartridge: could not set kv_load_failure_policy=%s (%s); it stays %r%s",
+                           policy, e, before, "" if why is None or before == "fail" else
+                           ": a trained cartridge's failed KV load would be recomputed from placeholder tokens")
+            return
         if why is not None:
             logger.warning("lmcache_cartridge: per-request KV load failure policy not installed (%s); "
-                           "keeping kv_load_failure_policy 'fail': every failed KV load fails its request", why)
-            return
-        try:
-            ktc.kv_load_failure_policy = "recompute"
-            logger.info("lmcache_cartridge: kv_load_failure_policy 'fail' -> 'recompute' except for trained "
+                           "kv_load_failure_policy %r -> 'fail': every failed KV load fails its request", why, before)
+        else:
+            logger.info("lmcache_cartridge: kv_load_failure_policy %r -> 'recompute' except for trained "
                         "cartridges: a failed KV load is recomputed, or fails its request if it carries a "
-                        "trained cartridge")
-        except Exception as e:  # frozen config: keep vLLM's behaviour, say so
-            logger.warning("lmcache_cartridge: could not set kv_load_failure_policy=recompute (%s); "
-                           "a failed KV load will fail its request", e)
+                        "trained cartridge", before)
 
     def must_not_recompute(self, request) -> bool:
         """Scheduler side, asked by the per-request policy (`load_failure`) for each request with a
