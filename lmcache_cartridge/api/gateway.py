@@ -27,6 +27,7 @@ from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 from lmcache_cartridge.store.registry import Registry
+from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
 
 __all__ = ["GatewaySettings", "RequestError", "create_app"]
 
@@ -134,6 +135,17 @@ def create_app(settings: GatewaySettings):
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
                                        else "upstream_error", "code": status}}, status_code=status)
 
+    def trained_failed(data) -> JSONResponse:
+        """vLLM failed a request with trained cartridges (HTTP 500): the engine fails such a request
+        when a cartridge chunk could not be loaded after its lookup, instead of recomputing its
+        placeholder tokens. Nothing wrong was answered and the engine is alive: retryable."""
+        upstream_msg = str((data.get("error") or {}).get("message", "")) if isinstance(data, dict) else ""
+        resp = error(503, "the engine could not load this request's trained cartridge KV (answering from its "
+                          "placeholder tokens would be wrong, so nothing was generated); retry the request"
+                          + (f" (upstream: {upstream_msg[:200]})" if upstream_msg else ""))
+        resp.headers["Retry-After"] = "1"
+        return resp
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         return error(400, describe(list(exc.errors())))
@@ -182,9 +194,11 @@ def create_app(settings: GatewaySettings):
                     upstream.pop("logprobs", None)
             route = {SESSION_HEADER: session_key([e.id for e in plan.wanted])}
             if plan.trained:
-                # If a trained cartridge's chunk ever fails to load, vLLM recomputes its
-                # placeholder tokens: that KV must never be stored where LMCache would serve it.
-                upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), "lmcache.skip_save": True}
+                # Placeholder tokens' KV must never be stored where LMCache would serve it, and a
+                # failed load of the cartridge must fail the request, never recompute them
+                # (vllm.load_failure): vLLM answers 500, mapped to a retryable 503 below.
+                upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), "lmcache.skip_save": True,
+                                                  NO_RECOMPUTE_PARAM: True}
         except RequestError as e:
             return error(e.status, str(e))
         except NotServed as e:
@@ -202,6 +216,8 @@ def create_app(settings: GatewaySettings):
                     data = r.json()
                 except ValueError:
                     return error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {r.text[:200]!r}")
+                if r.status_code == 500 and plan.trained:
+                    return trained_failed(data)
                 if r.status_code != 200:
                     return JSONResponse(data, status_code=r.status_code)
                 return JSONResponse(completion_to_chat(data) if chat else data)

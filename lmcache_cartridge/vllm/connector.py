@@ -18,11 +18,19 @@ LMCache or vLLM is replaced.
 
 Failure handling (a connector exception in a vLLM worker would otherwise kill the engine):
 * scheduler `get_num_new_matched_tokens` raising -> 0 external tokens (recompute), logged;
-* worker `start_load_kv` raising, or the CPU connector refusing/failing a load -> the request's
-  blocks that were to be loaded are reported by `get_block_ids_with_load_errors`, and vLLM
-  recomputes them. That needs `kv_load_failure_policy: "recompute"`; vLLM's default is "fail"
-  (fail the request), so this connector switches the default to "recompute" unless
-  `kv_connector_extra_config.cartridge.keep_load_failure_policy` is true;
+* worker `start_load_kv` raising, the CPU connector refusing/failing a load, or a chunk that
+  cannot be read after its lookup hit (LMCache then retrieves fewer tokens than it promised) ->
+  the request's blocks that were to be loaded are reported by `get_block_ids_with_load_errors`,
+  and the scheduler decides per request (`load_failure`): a request carrying a trained cartridge
+  (the gateway marks it, `load_failure.NO_RECOMPUTE_PARAM`) is failed with an error and its
+  failed blocks are evicted from vLLM's prefix cache (recomputing placeholder tokens would be a
+  wrong answer); every other request recomputes the blocks (for first-k cartridges exactly
+  prefill). So the scheduler-role connector installs that per-request policy and then sets
+  vLLM's `kv_load_failure_policy` (default "fail") to "recompute". If the policy cannot be
+  installed (a vLLM it was not read against) it sets "fail": every failed load fails its
+  request, first-k ones too, rather than a trained one being recomputed.
+  `kv_connector_extra_config.cartridge.keep_load_failure_policy: true` leaves vLLM's policy as
+  configured (and no per-request policy);
 * save paths raising -> logged, nothing stored for that step.
 """
 
@@ -118,15 +126,9 @@ class CartridgeConnector(LMCacheConnectorV1):
         self._block_size = int(vllm_config.cache_config.block_size or 0)
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-        if role == KVConnectorRole.SCHEDULER and getattr(ktc, "kv_load_failure_policy", None) == "fail" \
+        if role == KVConnectorRole.SCHEDULER and ktc is not None \
                 and not extra.get("cartridge.keep_load_failure_policy", False):
-            try:
-                ktc.kv_load_failure_policy = "recompute"
-                logger.info("lmcache_cartridge: kv_load_failure_policy 'fail' -> 'recompute': a KV load "
-                            "that fails is recomputed instead of failing the request")
-            except Exception as e:  # frozen config: keep vLLM's behaviour, say so
-                logger.warning("lmcache_cartridge: could not set kv_load_failure_policy=recompute (%s); "
-                               "a failed KV load will fail its request", e)
+            self._set_load_failure_policy(ktc)
         if _on_cpu_backend(vllm_config):
             try:
                 self._cpu_backend = install_cpu_connector_hook(str(vllm_config.cache_config.cache_dtype))
@@ -136,6 +138,40 @@ class CartridgeConnector(LMCacheConnectorV1):
         super().__init__(vllm_config, role, kv_cache_config)
         logger.info("lmcache_cartridge: CartridgeConnector ready (role %s, cpu backend %s)",
                     role.name, self._cpu_backend)
+
+    @staticmethod
+    def _set_load_failure_policy(ktc) -> None:
+        """Scheduler role, inside vLLM's `Scheduler.__init__` (before it reads the policy):
+        per-request policy first, then "recompute" for the requests it does not fail."""
+        from lmcache_cartridge.vllm.load_failure import install_scheduler_policy
+
+        try:
+            why = install_scheduler_policy()
+        except Exception as e:  # noqa: BLE001 - never stop the engine over it: stay on "fail"
+            why = f"{type(e).__name__}: {e}"
+        before = getattr(ktc, "kv_load_failure_policy", None)
+        policy = "fail" if why is not None else "recompute"
+        try:
+            ktc.kv_load_failure_policy = policy
+        except Exception as e:  # frozen config: vLLM's policy stays as it is, say so
+            logger.warning("lmcache_cartridge: could not set kv_load_failure_policy=%s (%s); it stays %r%s",
+                           policy, e, before, "" if why is None or before == "fail" else
+                           ": a trained cartridge's failed KV load would be recomputed from placeholder tokens")
+            return
+        if why is not None:
+            logger.warning("lmcache_cartridge: per-request KV load failure policy not installed (%s); "
+                           "kv_load_failure_policy %r -> 'fail': every failed KV load fails its request", why, before)
+        else:
+            logger.info("lmcache_cartridge: kv_load_failure_policy %r -> 'recompute' except for trained "
+                        "cartridges: a failed KV load is recomputed, or fails its request if it carries a "
+                        "trained cartridge", before)
+
+    def must_not_recompute(self, request) -> bool:
+        """Scheduler side, asked by the per-request policy (`load_failure`) for each request with a
+        failed KV load: True fails the request instead of recomputing it."""
+        from lmcache_cartridge.vllm.load_failure import must_not_recompute
+
+        return must_not_recompute(request)
 
     # --- helpers --------------------------------------------------------------------------
     def _impl(self):
@@ -189,8 +225,9 @@ class CartridgeConnector(LMCacheConnectorV1):
         if blocks:
             with self._failed_lock:
                 self._failed_blocks |= blocks
-            logger.error("lmcache_cartridge: KV load failed for requests %s (%s): %d blocks will be "
-                         "recomputed", names, why, len(blocks))
+            logger.error("lmcache_cartridge: KV load failed for requests %s (%s): %d blocks reported to "
+                         "the scheduler (recomputed, or the request failed if it carries a trained "
+                         "cartridge)", names, why, len(blocks))
 
     # --- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]):

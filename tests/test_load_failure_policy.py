@@ -1,0 +1,177 @@
+"""The per-request KV load failure policy (`lmcache_cartridge.vllm.load_failure`) inside vLLM's
+REAL `Scheduler` (no engine, no model run): two requests whose external KV was scheduled in one
+step, one carrying a trained cartridge (the gateway's `NO_RECOMPUTE_PARAM`) and one not, both
+with a block reported as failed to load, as a worker's connector reports it
+(`KVConnectorOutput.invalid_block_ids`). The trained one must be finished with an error and its
+failed blocks must leave vLLM's prefix cache; the other must be rescheduled (recomputed).
+
+The connector below is the smallest scheduler-side connector that makes vLLM schedule external
+tokens (a lookup that hits the first `EXTERNAL` tokens); the end-to-end path with LMCache and a
+load failure caused for real is tests/test_load_failure_e2e.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+from lmcache_cartridge.vllm import load_failure
+from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM, must_not_recompute
+
+BS = 16
+EXTERNAL = 4 * BS  # tokens the lookup hits
+PROMPT = 6 * BS
+
+
+class HitConnector(KVConnectorBase_V1):
+    """Scheduler side only: every request's first EXTERNAL tokens are an external hit."""
+
+    must_not_recompute = staticmethod(must_not_recompute)  # as CartridgeConnector answers it
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return max(0, EXTERNAL - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return KVConnectorMetadata()
+
+    def start_load_kv(self, forward_context, **kwargs):
+        pass
+
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass
+
+    def wait_for_save(self):
+        pass
+
+
+def _scheduler():
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    assert load_failure.install_scheduler_policy() is None  # what CartridgeConnector does first
+    model = ModelConfig(model=str(ensure_test_model()), dtype="bfloat16", seed=0, max_model_len=1024)
+    config = VllmConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
+                                         is_encoder_decoder=False),
+        model_config=model, device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(kv_connector="HitConnector", kv_connector_module_path=__name__,
+                                            kv_role="kv_both", kv_load_failure_policy="recompute"))
+    config.cache_config.num_gpu_blocks = 64
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    return Scheduler(config, kv_config, StructuredOutputManager(config), block_size=BS, log_stats=False)
+
+
+def _request(name: str, first: int, trained: bool):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    extra = {"kv_transfer_params": {NO_RECOMPUTE_PARAM: True, "lmcache.skip_save": True}} if trained else None
+    return Request(name, list(range(first, first + PROMPT)), SamplingParams(max_tokens=4, extra_args=extra), None,
+                   block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def test_trained_load_failure_fails_its_request_and_leaves_the_prefix_cache_others_recompute():
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import FinishReason, RequestStatus
+
+    sched = _scheduler()
+    first_k, trained = _request("first-k", 10, False), _request("trained", 300, True)
+    for r in (first_k, trained):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"first-k": PROMPT - EXTERNAL, "trained": PROMPT - EXTERNAL}
+    blocks = {r.request_id: sched.kv_cache_manager.get_block_ids(r.request_id)[0] for r in (first_k, trained)}
+    # the second block of each request's external KV failed to load (the first loaded fine)
+    invalid = {blocks["first-k"][1], blocks["trained"][1]}
+    runner = ModelRunnerOutput(req_ids=["first-k", "trained"], req_id_to_index={"first-k": 0, "trained": 1},
+                               sampled_token_ids=[[7], [7]],
+                               kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
+    outputs = [o for group in sched.update_from_output(out, runner).values() for o in group.outputs]
+
+    # trained: finished with an error in this very step, nothing generated
+    assert trained.status == RequestStatus.FINISHED_ERROR
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs] == [("trained", FinishReason.ERROR, [])]
+    # first-k: rescheduled from its first failed block (vLLM's recompute), its sample discarded
+    assert first_k.status == RequestStatus.RUNNING and first_k.num_computed_tokens == BS
+    assert list(first_k.output_token_ids) == []
+
+    # vLLM's prefix cache kept the trained request's block that loaded, nothing from the failed one on
+    again = _request("trained-again", 300, True)
+    hit = sched.kv_cache_manager.get_computed_blocks(again)[1]
+    assert hit == BS
+
+
+def test_without_a_marker_every_request_recomputes():
+    """A request the gateway did not mark (first-k, plain prompts) keeps vLLM's recompute."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    sched = _scheduler()
+    req = _request("plain", 600, False)
+    sched.add_request(req)
+    out = sched.schedule()
+    bad = sched.kv_cache_manager.get_block_ids("plain")[0][0]
+    runner = ModelRunnerOutput(req_ids=["plain"], req_id_to_index={"plain": 0}, sampled_token_ids=[[7]],
+                               kv_connector_output=KVConnectorOutput(invalid_block_ids={bad}))
+    assert not any(g.outputs for g in sched.update_from_output(out, runner).values())
+    assert req.status == RequestStatus.RUNNING and req.num_computed_tokens == 0
+
+
+def test_unknown_vllm_is_refused_and_the_connector_stays_on_fail(monkeypatch):
+    """Fail safe: on a vLLM the policy was not read against nothing is replaced, and the connector
+    leaves vLLM's default "fail" (every failed load fails its request) instead of "recompute"."""
+    import vllm
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from lmcache_cartridge.vllm.connector import CartridgeConnector
+
+    assert load_failure._structure_problem(Scheduler) is None
+
+    class Rewritten(Scheduler):
+        def update_from_output(self, scheduler_output, model_runner_output):
+            return {}
+
+    assert "no longer drains" in load_failure._structure_problem(Rewritten)
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    assert "0.99.0" in load_failure._structure_problem(Scheduler)
+
+    from vllm.config import KVTransferConfig
+
+    monkeypatch.setattr(load_failure, "install_scheduler_policy", lambda: "vLLM 0.99.0")
+    for configured in ("fail", "recompute"):  # even a configured "recompute" becomes "fail"
+        ktc = KVTransferConfig(kv_connector="CartridgeConnector", kv_role="kv_both", kv_load_failure_policy=configured)
+        CartridgeConnector._set_load_failure_policy(ktc)
+        assert ktc.kv_load_failure_policy == "fail"
+    monkeypatch.setattr(load_failure, "install_scheduler_policy", lambda: None)
+    CartridgeConnector._set_load_failure_policy(ktc)
+    assert ktc.kv_load_failure_policy == "recompute"
+
+
+@pytest.mark.parametrize("params, expected", [
+    ({NO_RECOMPUTE_PARAM: True, "lmcache.skip_save": True}, True),
+    ({"lmcache.skip_save": True}, False),
+    (None, False),
+])
+def test_marker_is_read_from_vllms_request(params, expected):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1, extra_args=extra), None)
+    assert must_not_recompute(req) is expected
