@@ -242,6 +242,11 @@ class Fleet:
         log(f"{len(self.instances)} instances healthy after {time.time() - t:.0f}s "
             f"({[round(s.startup_s) for s in self.instances]} s from launch)")
         self.startup_s = [s.startup_s for s in self.instances]
+        # Warm-up: an engine's first requests are slow (lazy initialisation); not what an arm measures.
+        rng = random.Random(1)
+        for s in self.instances:
+            for _ in range(args.warmup):
+                reference(s, self.model, [rng.randrange(10, 1000) for _ in range(args.cart_tokens + 12)], args.max_tokens)
         # The gateway's own registry, synced from the same catalog (no shared disk with the instances).
         from lmcache_cartridge.store.catalog import CatalogSync
         from lmcache_cartridge.store.registry import Registry
@@ -339,7 +344,7 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
                 now = fleet.scrape_all()
                 victim = max(now, key=lambda i: now[i]["requests"] - before.get(i, {"requests": 0})["requests"])
                 os.killpg(fleet.instances[victim].proc.pid, signal.SIGKILL)
-                kill.update(at=time.time(), instance=victim)
+                kill.update(at=time.time(), instance=victim, counters=now[victim])
                 fleet.dead.add(victim)
                 log(f"arm {name}: SIGKILLed inst{victim} after {k} requests")
             c, q = seq[k]
@@ -353,6 +358,8 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
         wall = time.time() - t0
         time.sleep(1.5)  # metrics files of the engine core are written asynchronously
         after = fleet.scrape_all()
+        if kill.get("counters"):  # the killed instance's counters as they were when it died
+            after[kill["instance"]] = kill["counters"]
         router_log = router.log_path.read_text(errors="replace")
     finally:
         gw.stop()
@@ -389,16 +396,132 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
     if kill_at is not None and kill["at"]:
         t_k = kill["at"]
         failed_after = [r for r in errors if r["done"] >= t_k]
+        # recovery: for each cartridge whose requests failed, the first answer to a request sent after
+        # its last failure; the fleet has recovered when every such cartridge is answered again
+        back = []
+        for cid in {r["cart"] for r in failed_after}:
+            last_fail = max(r["sent"] for r in failed_after if r["cart"] == cid)
+            nxt = [r["done"] for r in ok if r["cart"] == cid and r["sent"] > last_fail]
+            back.append(min(nxt) - t_k if nxt else None)
         out["failover"] = {
             "killed": f"inst{kill['instance']}", "killed_after_s": round(t_k - t0, 2),
             "errors_after_kill": len(failed_after),
             "last_error_sent_after_kill_s": round(max(r["sent"] for r in failed_after) - t_k, 2) if failed_after else 0.0,
             "last_error_done_after_kill_s": round(max(r["done"] for r in failed_after) - t_k, 2) if failed_after else 0.0,
             "ok_after_kill": sum(1 for r in ok if r["sent"] >= t_k),
+            "failed_cartridges": len(back),
+            "recovery_s": (None if None in back else round(max(back), 2)) if back else 0.0,
             "router_log_unhealthy_lines": [ln[-300:] for ln in router_log.splitlines()
                                            if "unhealthy" in ln.lower() or "circuit" in ln.lower()][:5],
         }
     log(f"arm {name}: {json.dumps({k: v for k, v in out.items() if k not in ('router_command', 'answers_differing')})}")
+    return out
+
+
+# --- kv_aware -----------------------------------------------------------------------------------------
+def kv_aware_probe(args, root: Path) -> dict:
+    """Two instances with prefix caching and ZMQ KV events, vllm-router `--policy kv_aware` reading
+    them. A cartridge request (token ids) is sent once straight to instance 1, so its blocks sit in
+    instance 1's block pool (loaded through the connector); then the same request, and a text
+    request warmed the same way, go through the router: kv_aware works if they land on instance 1.
+    Records the events instance 1 published (captured by our own ZMQ subscriber)."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    model_dir = ensure_test_model()
+    model = str(model_dir)
+    carts = make_cartridges(model_dir, root / "kv-carts", 9, 1, args.cart_tokens)
+    ports = [free_port() for _ in range(2)]
+    servers = []
+    for i in range(2):
+        d = root / f"kv{i}"
+        Registry(d / "registry.db").register(carts[0]["dir"])
+        ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ports[i]}",
+              "topic": f"kv@inst{i}@{model}"}
+        servers.append(VllmServer(d, model, lmcache=lmcache_config(d / "registry.db", cache_dir=d / "cache"),
+                                  prefix_caching=True,
+                                  extra_args=("--enforce-eager", "--kv-events-config", json.dumps(ev))))
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{ports[1]}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+    out: dict = {"events_inst1": [], "ports": ports}
+    router = None
+    try:
+        for s in servers:
+            s.wait_healthy(timeout=args.startup_timeout)
+            s.wait_serving(1, timeout=60)
+        _, tok = _model(model_dir)
+        q = tok(QUESTIONS[0], add_special_tokens=False)["input_ids"]
+        prompt_ids = carts[0]["token_ids"] + q
+        text = "The keeper climbed the tower every night. " * 60
+        ext0 = servers[1].external_tokens()
+        for p in (prompt_ids, text):
+            body = {"model": model, "prompt": p, "max_tokens": 2, "temperature": 0}
+            req = urllib.request.Request(servers[1].url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=120).read()
+        out["inst1_connector_tokens"] = servers[1].external_tokens() - ext0
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            if sub.poll(500):
+                frames = sub.recv_multipart()
+                batch = dec.decode(frames[-1])
+                for e in batch.events:
+                    d = {"type": type(e).__name__}
+                    for f in ("block_size", "medium", "parent_block_hash"):
+                        if hasattr(e, f):
+                            d[f] = getattr(e, f) if f != "parent_block_hash" else (getattr(e, f) is not None)
+                    if hasattr(e, "block_hashes"):
+                        d["blocks"] = len(e.block_hashes)
+                    if hasattr(e, "token_ids"):
+                        d["tokens"] = len(e.token_ids)
+                        d["starts_with_cartridge"] = list(e.token_ids[:8]) == prompt_ids[:8]
+                    out["events_inst1"].append(d)
+        block = next((e["block_size"] for e in out["events_inst1"] if e.get("block_size")), 128)
+        extra = []
+        for s, port in zip(servers, ports):
+            extra += ["--kv-event-source", f"{s.url}=tcp://127.0.0.1:{port}"]
+        prom = free_port()
+        extra += ["--kv-event-block-size", str(block), "--kv-event-model", model,
+                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+        router = RouterProcess(args.router, [s.url for s in servers], "kv_aware", root, extra=tuple(extra))
+        time.sleep(2)
+        for label, p in (("cartridge token ids", prompt_ids), ("text", text)):
+            before = [instance_counters(s.url) for s in servers]
+            for _ in range(4):
+                body = {"model": model, "prompt": p, "max_tokens": 2, "temperature": 0}
+                req = urllib.request.Request(router.url + "/v1/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    urllib.request.urlopen(req, timeout=120).read()
+                except OSError as e:
+                    out.setdefault("errors", []).append(f"{label}: {e}")
+            time.sleep(1.5)
+            out[f"routed {label} (requests per instance, warm one is inst1)"] = [
+                counters_delta(instance_counters(s.url), b)["requests"] for s, b in zip(servers, before)]
+        out["router_command"] = router.command
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{prom}/metrics", timeout=10) as r:
+                out["router_kv_metrics"] = [ln for ln in r.read().decode().splitlines()
+                                            if ln.startswith(("vllm_router_kv", "vllm_router_policy_decisions"))]
+        except OSError as e:
+            out["router_kv_metrics"] = f"unavailable: {e}"
+        out["router_log_kv_lines"] = [ln[-300:] for ln in router.log_path.read_text(errors="replace").splitlines()
+                                      if "kv" in ln.lower() or "tokenizer" in ln.lower()][:20]
+    finally:
+        if router is not None:
+            router.stop()
+        sub.close(0)
+        ctx.term()
+        for s in servers:
+            s.stop()
+    log("kv_aware probe:", json.dumps(out, default=str)[:3000])
     return out
 
 
@@ -414,9 +537,10 @@ def markdown(res: dict) -> str:
         if "failover" in a:
             f = a["failover"]
             text += (f"\nFailover ({a['arm']}): {f['killed']} SIGKILLed {f['killed_after_s']} s into the arm; "
-                     f"{f['errors_after_kill']} failed requests after the kill, the last sent "
-                     f"{f['last_error_sent_after_kill_s']} s after it (finished {f['last_error_done_after_kill_s']} s "
-                     f"after); {f['ok_after_kill']} requests answered after the kill.\n")
+                     f"{f['errors_after_kill']} failed requests after the kill (the last sent "
+                     f"{f['last_error_sent_after_kill_s']} s after it, finished {f['last_error_done_after_kill_s']} s "
+                     f"after); recovery (every cartridge that failed answered again): {f['recovery_s']} s; "
+                     f"{f['ok_after_kill']} requests answered after the kill.\n")
     return text
 
 
@@ -427,7 +551,7 @@ def main() -> None:
     ap.add_argument("--cartridges", type=int, default=20)
     ap.add_argument("--cart-tokens", type=int, default=512)
     ap.add_argument("--questions", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=200, help="per arm")
+    ap.add_argument("--requests", type=int, default=150, help="per arm")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--zipf", type=float, default=1.1)
@@ -436,10 +560,12 @@ def main() -> None:
     ap.add_argument("--failover", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--kill-at", type=float, default=0.4, help="fraction of the failover arm's requests sent before the kill")
     ap.add_argument("--catalog-period", type=float, default=1.0)
+    ap.add_argument("--warmup", type=int, default=3, help="plain requests per instance before the arms")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                     help="--enforce-eager: no torch.compile at start-up (every arm alike)")
     ap.add_argument("--startup-timeout", type=float, default=400)
     ap.add_argument("--deadline", type=float, default=1200, help="seconds for the whole run")
+    ap.add_argument("--kv-aware-probe", action="store_true", help="only the kv_aware probe (2 instances)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet"))
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
@@ -450,6 +576,15 @@ def main() -> None:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="fleet-"))
     root.mkdir(parents=True, exist_ok=True)
     log("workdir", root)
+    if args.kv_aware_probe:
+        try:
+            res = {"machine": _common.machine_info(), "kv_aware_probe": kv_aware_probe(args, root)}
+        finally:
+            signal.alarm(0)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kv_aware_probe.json").write_text(json.dumps(res, indent=1, default=str))
+        return
     seq = zipf_sequence(args.requests, args.cartridges, args.questions, args.zipf, args.seed)
     res = {"machine": _common.machine_info(), "args": vars(args),
            "zipf_top_share": round(sum(1 for c, _ in seq if c == 0) / len(seq), 3), "arms": []}
