@@ -147,21 +147,22 @@ def parse_answer_tokens(tokens: list[str]) -> list[int]:
 
 def reference(srv: VllmServer, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One single-instance, unbatched, plain recompute (nothing cached, nothing saved)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2,
             "return_tokens_as_token_ids": True, "kv_transfer_params": {"lmcache.skip_save": True}}
     req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         c = json.load(r)["choices"][0]
-    return {"tokens": parse_answer_tokens(c["logprobs"]["tokens"]), "logprobs": c["logprobs"]["token_logprobs"]}
+    return {"tokens": parse_answer_tokens(c["logprobs"]["tokens"]), "logprobs": c["logprobs"]["token_logprobs"],
+            "top": c["logprobs"]["top_logprobs"]}
 
 
 def send(client, gateway: str, model: str, cart_id: str, q_ids: list[int], max_tokens: int) -> dict:
     """One streamed request through the gateway: TTFT, answer token ids and logprobs, or an error."""
     body = {"model": model, "prompt": q_ids, "cartridges": [{"id": cart_id}], "max_tokens": max_tokens,
-            "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True, "stream": True}
+            "temperature": 0, "logprobs": 2, "return_tokens_as_token_ids": True, "stream": True}
     t0 = time.time()
-    out = {"sent": t0, "cart": cart_id, "tokens": [], "logprobs": [], "ttft": None, "error": None}
+    out = {"sent": t0, "cart": cart_id, "tokens": [], "logprobs": [], "top": [], "ttft": None, "error": None}
     try:
         with client.stream("POST", gateway + "/v1/completions", json=body, timeout=120) as r:
             if r.status_code != 200:
@@ -185,6 +186,7 @@ def send(client, gateway: str, model: str, cart_id: str, q_ids: list[int], max_t
                             out["ttft"] = time.time() - t0
                         out["tokens"] += parse_answer_tokens(lp["tokens"])
                         out["logprobs"] += lp["token_logprobs"]
+                        out["top"] += lp.get("top_logprobs") or [{}] * len(lp["tokens"])
             if not done:
                 out["error"] = "stream ended without [DONE]"
     except Exception as e:  # noqa: BLE001  (connection reset, timeout: an error of the fleet, counted)
@@ -206,8 +208,16 @@ def compare(got: dict, ref: dict) -> dict:
     if got["tokens"] == ref["tokens"]:
         return {"equal": True, "max_dlogprob": max((abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])), default=0.0)}
     i = next((k for k, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])) if a != b), min(len(got["tokens"]), len(ref["tokens"])))
-    return {"equal": False, "diverges_at": i, "max_dlogprob_before": max(
+    out = {"equal": False, "diverges_at": i, "max_dlogprob_before": max(
         (abs(a - b) for a, b in zip(got["logprobs"][:i], ref["logprobs"][:i])), default=0.0)}
+    if i < min(len(got["tokens"]), len(ref["tokens"])):
+        # how close the reference's own top-2 were there: a near tie that bf16 batching noise can flip,
+        # or a real difference (a wrong KV moves logprobs by several nats, see tests/test_vllm_e2e.py)
+        top = (ref.get("top") or [{}] * (i + 1))[i] or {}
+        alt = top.get(f"token_id:{got['tokens'][i]}")
+        out["ref_top2_margin_at_divergence"] = None if alt is None else round(ref["logprobs"][i] - alt, 4)
+        out["got_vs_ref_logprob_of_chosen"] = [round(got["logprobs"][i], 4), round(ref["logprobs"][i], 4)]
+    return out
 
 
 # --- the fleet ----------------------------------------------------------------------------------------
