@@ -450,7 +450,10 @@ def kv_aware_probe(args, root: Path) -> dict:
     for i in range(2):
         d = root / f"kv{i}"
         Registry(d / "registry.db").register(carts[0]["dir"])
-        ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ports[i]}",
+        # vLLM binds its PUB socket only for a wildcard endpoint ("tcp://*:P"); "tcp://127.0.0.1:P"
+        # makes it *connect* there (vllm/distributed/kv_events.py: _is_bind_endpoint), and then no
+        # subscriber (ours, the router's) ever receives an event.
+        ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[i]}",
               "topic": f"kv@inst{i}@{model}"}
         servers.append(VllmServer(d, model, lmcache=lmcache_config(d / "registry.db", cache_dir=d / "cache"),
                                   prefix_caching=True,
