@@ -471,16 +471,33 @@ def kv_aware_probe(args, root: Path) -> dict:
             s.wait_serving(1, timeout=60)
         _, tok = _model(model_dir)
         q = tok(QUESTIONS[0], add_special_tokens=False)["input_ids"]
-        prompt_ids = carts[0]["token_ids"] + q
-        text = "The keeper climbed the tower every night. " * 60
-        ext0 = servers[1].external_tokens()
-        for p in (prompt_ids, text):
+        prompt_ids = carts[0]["token_ids"] + q          # warmed on inst1, its 512 tokens through the connector
+        rng = random.Random(7)
+        plain_ids = [rng.randrange(10, 1000) for _ in range(600)]  # warmed on inst0, computed there
+        text = "The keeper climbed the tower every night. " * 60    # warmed on inst1, as text
+        # The router subscribes first: ZMQ PUB drops what is published before a subscriber joins
+        # (no replay endpoint here), so blocks warmed before the router starts are never indexed.
+        extra = []
+        for s, port in zip(servers, ports):
+            extra += ["--kv-event-source", f"{s.url}=tcp://127.0.0.1:{port}"]
+        prom = free_port()
+        extra += ["--kv-event-block-size", "128", "--kv-event-model", model,
+                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+        router = RouterProcess(args.router, [s.url for s in servers], "kv_aware", root, extra=tuple(extra))
+        time.sleep(3)
+
+        def complete(url, p):
             body = {"model": model, "prompt": p, "max_tokens": 2, "temperature": 0}
-            req = urllib.request.Request(servers[1].url + "/v1/completions", data=json.dumps(body).encode(),
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
             urllib.request.urlopen(req, timeout=120).read()
+
+        ext0 = servers[1].external_tokens()
+        complete(servers[1].url, prompt_ids)
+        complete(servers[1].url, text)
+        complete(servers[0].url, plain_ids)
         out["inst1_connector_tokens"] = servers[1].external_tokens() - ext0
-        deadline = time.time() + 5
+        deadline = time.time() + 4
         while time.time() < deadline:
             if sub.poll(500):
                 frames = sub.recv_multipart()
@@ -496,27 +513,16 @@ def kv_aware_probe(args, root: Path) -> dict:
                         d["tokens"] = len(e.token_ids)
                         d["starts_with_cartridge"] = list(e.token_ids[:8]) == prompt_ids[:8]
                     out["events_inst1"].append(d)
-        block = next((e["block_size"] for e in out["events_inst1"] if e.get("block_size")), 128)
-        extra = []
-        for s, port in zip(servers, ports):
-            extra += ["--kv-event-source", f"{s.url}=tcp://127.0.0.1:{port}"]
-        prom = free_port()
-        extra += ["--kv-event-block-size", str(block), "--kv-event-model", model,
-                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
-        router = RouterProcess(args.router, [s.url for s in servers], "kv_aware", root, extra=tuple(extra))
-        time.sleep(2)
-        for label, p in (("cartridge token ids", prompt_ids), ("text", text)):
+        for label, p in (("cartridge token ids (warm on inst1)", prompt_ids), ("text (warm on inst1)", text),
+                         ("plain token ids (warm on inst0)", plain_ids)):
             before = [instance_counters(s.url) for s in servers]
             for _ in range(4):
-                body = {"model": model, "prompt": p, "max_tokens": 2, "temperature": 0}
-                req = urllib.request.Request(router.url + "/v1/completions", data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})
                 try:
-                    urllib.request.urlopen(req, timeout=120).read()
+                    complete(router.url, p)
                 except OSError as e:
                     out.setdefault("errors", []).append(f"{label}: {e}")
             time.sleep(1.5)
-            out[f"routed {label} (requests per instance, warm one is inst1)"] = [
+            out[f"routed {label}: requests per instance"] = [
                 counters_delta(instance_counters(s.url), b)["requests"] for s, b in zip(servers, before)]
         out["router_command"] = router.command
         try:
