@@ -483,6 +483,8 @@ def kv_aware_probe(args, root: Path) -> dict:
         prom = free_port()
         extra += ["--kv-event-block-size", "128", "--kv-event-model", model,
                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+        if args.router_debug:
+            extra += ["--log-level", "debug"]
         router = RouterProcess(args.router, [s.url for s in servers], "kv_aware", root, extra=tuple(extra))
         time.sleep(3)
 
@@ -528,11 +530,12 @@ def kv_aware_probe(args, root: Path) -> dict:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{prom}/metrics", timeout=10) as r:
                 out["router_kv_metrics"] = [ln for ln in r.read().decode().splitlines()
-                                            if ln.startswith(("vllm_router_kv", "vllm_router_policy_decisions"))]
+                                            if "kv" in ln.split("{")[0] and not ln.startswith("#")
+                                            or ln.startswith("vllm_router_policy_decisions")]
         except OSError as e:
             out["router_kv_metrics"] = f"unavailable: {e}"
-        out["router_log_kv_lines"] = [ln[-300:] for ln in router.log_path.read_text(errors="replace").splitlines()
-                                      if "kv" in ln.lower() or "tokenizer" in ln.lower()][:20]
+        out["router_log_kv_lines"] = [ln[-400:] for ln in router.log_path.read_text(errors="replace").splitlines()
+                                      if ("kv" in ln.lower() or "tokenizer" in ln.lower()) and "spawned" not in ln][-60:]
     finally:
         if router is not None:
             router.stop()
@@ -585,6 +588,7 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=400)
     ap.add_argument("--deadline", type=float, default=1200, help="seconds for the whole run")
     ap.add_argument("--kv-aware-probe", action="store_true", help="only the kv_aware probe (2 instances)")
+    ap.add_argument("--router-debug", action="store_true", help="kv_aware probe: the router logs at debug level")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet"))
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
