@@ -24,12 +24,14 @@ the plugins' hits per tier, requests per instance, GETs of cartridge bytes (`kv.
 proxy, TTFT p50/p95, errors, answers equal to their references (token ids), and for failover the
 errors and the recovery time (last failed request's send time minus the kill time).
 
-`--kv-aware-probe`: start one more instance with prefix caching and `--kv-events-config`, subscribe
-to its ZMQ events, send a cartridge request, and record what it publishes (see the results' md).
+`--kv-aware-probe` (instead of the arms): two instances with prefix caching and ZMQ KV events,
+vllm-router `--policy kv_aware` subscribed to them, prompts warmed on one instance or the other,
+then routed; records the events (our own subscriber), where the router sent each prompt and its
+kv counters (findings: benchmarks/results/fleet/kv_aware.md).
 
 Bounded: every wait has a timeout, the whole run has `--deadline`. Run under `flock /tmp/heavy.lock`.
 
-    flock /tmp/heavy.lock .venv/bin/python benchmarks/fleet.py --requests 200
+    flock /tmp/heavy.lock .venv/bin/python benchmarks/fleet.py      # ~9 min on 2 cores
 """
 
 from __future__ import annotations
