@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv test demo bench bench-ttft soak clean-venv
+.PHONY: venv router test demo bench bench-ttft fleet soak clean-venv
 
 venv: $(STAMP)
 
@@ -31,7 +31,16 @@ $(STAMP): setup.cfg pyproject.toml
 native: $(STAMP)
 	$(PY) -m lmcache_cartridge.vllm.native --force
 
-test: $(STAMP)
+# vllm-router (the vLLM project's router, from PyPI) for tests/test_fleet.py and
+# benchmarks/fleet.py: a side venv, as a deployment piece with its own pins, not a dependency.
+ROUTER_VENV ?= .venv-router
+router: $(ROUTER_VENV)/.installed
+$(ROUTER_VENV)/.installed:
+	test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/pip install -q vllm-router==0.1.17
+	touch $@
+
+test: $(STAMP) $(ROUTER_VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # `make demo MODEL_DIR=/path/to/local/hf-model` runs it on your own model; `make demo FAMILY=qwen2`
@@ -46,8 +55,11 @@ bench-ttft: $(STAMP)
 	$(PY) benchmarks/ttft.py --lengths 256,1024,2048,4096,8192,16384 --concurrency 1,4,16 \
 		--samples 8 --max-burst-s 120 --cell-budget-s 60
 
+fleet: $(STAMP) $(ROUTER_VENV)/.installed
+	$(PY) benchmarks/fleet.py
+
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py --cartridges 20 --clients 16 --requests 6000 --max-seconds 300
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(ROUTER_VENV)
