@@ -6,6 +6,7 @@ exits), the real gateway app in front of a loopback upstream."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -173,7 +174,7 @@ def _gateway(url, model, tmp_path, model_dir, **kw):
                                       cache_dir=tmp_path / "cache", chunk_size=CHUNK, **kw))
 
 
-def test_gateway_judges_each_model_only_against_its_own_instances(tmp_path, model_dir, recording_upstream):
+def test_gateway_judges_each_model_only_against_its_own_instances(tmp_path, model_dir, recording_upstream, capsys):
     """Two servers of different models share one registry and cache dir. Each plugin refuses the
     other model's cartridge ("made for model ..."). A request for model A's cartridge must wait
     only on model A's instances: old code counted model B's refusal and answered 400."""
@@ -199,6 +200,16 @@ def test_gateway_judges_each_model_only_against_its_own_instances(tmp_path, mode
                           json={"prompt": "hi", "max_tokens": 1, "cartridges": [{"id": cid}]})
                 assert r.status_code == 200, r.text
                 assert seen[-1][1]["model"] == model
+            # doctor names the running instances of the model it is asked about, and what they refuse
+            from lmcache_cartridge.tools import cli
+
+            capsys.readouterr()
+            cli.main(["doctor", "--config", str(tmp_path / "lmcache.yaml"), "--model", "model-a"])
+            out = capsys.readouterr().out
+            assert "1 running plugin instance(s) of model 'model-a' on this registry" in out, out
+            assert re.search(rf"OK +cartridge-rank0-pid{os.getpid()}-\w+ \(model model-a, rank 0/1, pid \d+\): "
+                             r"serves 1 cartridge", out), out
+            assert re.search(r"WARN +cartridge-rank0-\S+ does not serve cart-b: made for model 'model-b'", out), out
             # the other model's cartridge is refused by the gateway itself, as the plugin would
             r = _call(gw_a, "POST", "/v1/completions", json={"prompt": "hi", "cartridges": [{"id": "cart-b"}]})
             assert r.status_code == 400 and "made for model 'model-b'" in r.json()["error"]["message"]

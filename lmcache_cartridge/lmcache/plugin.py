@@ -389,7 +389,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         carts = {}
         for s in served:
             n = len(s.keys)
-            local = tuple(i for i in range(n) if self.residency.is_local(s.handle, i))
+            local = range(n) if s.handle.origin.local else \
+                tuple(i for i in range(n) if self.residency.is_local(s.handle, i))
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.entry.kind, n,
                                                ALL if len(local) == n else local)
         return ServingState(
