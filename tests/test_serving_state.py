@@ -22,7 +22,7 @@ from lmcache_cartridge.store.registry import Registry
 from lmcache_cartridge.store.serving_state import (ALL, VERSION, CartridgeState, ServingState, process_start, prune,
                                                    publish, read_states, state_dir)
 from test_gateway import _call, recording_upstream  # noqa: F401  (the loopback upstream fixture)
-from test_plugin import CHUNK, D, H, L, MODEL, engine_for, flat, load_config, write_yaml
+from test_plugin import CHUNK, D, H, L, MODEL, engine_for, flat, write_yaml
 
 TESTS = Path(__file__).parent
 
