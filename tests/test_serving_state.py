@@ -57,7 +57,7 @@ def test_record_round_trips_atomically_and_only_in_its_version(tmp_path):
     path = publish(tmp_path, s)
     assert path == state_dir(tmp_path) / f"{s.instance}.json"
     assert [p.name for p in state_dir(tmp_path).iterdir()] == [path.name]  # no temp file left behind
-    assert json.loads(path.read_text())["version"] == VERSION
+    assert json.loads(path.read_text())["version"] == VERSION and path.stat().st_mode & 0o777 == 0o644
     got = read_states(tmp_path)
     assert got == [s]
     assert got[0].cartridges["a"].all_resident and not got[0].cartridges["b"].all_resident

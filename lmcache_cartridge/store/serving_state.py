@@ -180,6 +180,7 @@ def publish(cache_dir: str | Path, state: ServingState) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{state.instance}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it 0600: a gateway or CLI of another user reads it
         with os.fdopen(fd, "w") as f:
             json.dump(state.to_json(), f)
         path = directory / f"{state.instance}.json"
