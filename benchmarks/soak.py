@@ -30,7 +30,7 @@ What runs (all on 127.0.0.1, stops by itself):
 Recorded: requests, errors (non-200 or transport errors), contamination (text != the
 cartridge's reference), latency p50/p95, requests/s, vLLM's count of prompt tokens that came from
 the KV connector vs the cartridge tokens sent (a shortfall = chunks that were recomputed), plugin
-tier stats (the JSON snapshots the plugin writes under <cache_dir>/stats/, deltas over the soak),
+tier stats (the serving-state records the plugins publish under <cache_dir>/serving/, deltas over the soak),
 LMCache's own eviction counters from vLLM's /metrics, and the RSS of the vLLM server process tree
 (psutil, sampled every second; sum over processes, shared pages counted in each): the median
 after warm-up vs the median of the last samples. JSON + markdown go to --out. Exit status 1 on
@@ -366,7 +366,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
             c = r.json()["choices"][0]
             return 200, dt, c["text"], c["logprobs"]["token_logprobs"], ""
 
-        stats_dir = cache_dir / "stats"
+        stats_dir = cache_dir  # sum_tier_stats reads the live serving-state records under it
         m0 = vllm_metrics(server.url)
         st0 = sum_tier_stats(stats_dir)
 

@@ -296,35 +296,16 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
     return cell
 
 
-def _log_count(server, needle: str) -> int:
-    return server.log_text().count(needle)
-
-
-def _wait_count(server, needle: str, above: int, timeout: float = 60) -> None:
-    """Wait until the server log holds `needle` more than `above` times. (The plugin logs
-    "registry changed: ... ready: N" when a cartridge is added, but a pure removal only logs
-    "stopped serving 'ID'": its `len(keep) != len(current)` test compares against the dict it has
-    just emptied, so waiting for "ready: 0" would time out.)"""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if _log_count(server, needle) > above:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"{needle!r} not logged by the server within {timeout}s:\n{server.log_tail()}")
-
-
 def _register(server, registry, path: Path) -> str:
-    n = _log_count(server, "registry changed:")
-    cid = registry.register(path).id
-    _wait_count(server, "registry changed:", n)
-    return cid
+    """Register and wait until the server's plugins serve it (their serving-state records)."""
+    e = registry.register(path)
+    server.wait_served([e], timeout=60)
+    return e.id
 
 
 def _remove(server, registry, cid: str) -> None:
-    needle = f"stopped serving {cid!r}"
-    n = _log_count(server, needle)
     if registry.remove(cid):
-        _wait_count(server, needle, n)
+        server.wait_not_served(cid, timeout=60)
 
 
 def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_save: bool = False,

@@ -201,9 +201,14 @@ def test_text_that_is_not_utf8_is_one_line(tmp_path):
     assert r.returncode == 2 and "utf-8" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def _snapshots(stats_dir, per_instance):
-    """Write what running plugin instances write: `Metrics.dump` snapshots."""
+def _snapshots(cache_dir, per_instance):
+    """Publish what running plugin instances publish: serving-state records with their counters
+    (this test process stands in for their processes: alive)."""
+    import socket
+    import time
+
     from lmcache_cartridge.store.metrics import Metrics
+    from lmcache_cartridge.store.serving_state import ServingState, process_start, publish
 
     for name, events in per_instance.items():
         m = Metrics()
@@ -213,7 +218,10 @@ def _snapshots(stats_dir, per_instance):
                     m.hit(tier, 1 << 20, 0.001)
                 else:
                     getattr(m, what)(tier)
-        m.dump(stats_dir, name, extra={"served": {}})
+        publish(cache_dir, ServingState(
+            instance=name, host=socket.gethostname(), pid=os.getpid(), pid_start=process_start(os.getpid()),
+            started=time.time(), updated=time.time(), refresh_seconds=60, role="worker", model="m",
+            models=("m",), rank=0, world_size=1, registry="reg.db", tiers=m.snapshot()["tiers"]))
 
 
 def test_stats_sums_every_instance_without_lmcache_log_lines(tmp_path):
@@ -223,10 +231,10 @@ def test_stats_sums_every_instance_without_lmcache_log_lines(tmp_path):
     cfg["extra_config"]["storage_plugin.cartridge.cache_dir"] = str(tmp_path / "cachedir")
     cfg["extra_config"]["storage_plugin.cartridge.registry"] = str(tmp_path / "reg.db")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    stats_dir = tmp_path / "cachedir" / "stats"
+    stats_dir = tmp_path / "cachedir"
     _snapshots(stats_dir, {"worker0": [("cpu", "hit", 3), ("cpu", "miss", 1), ("s3", "hit", 2)],
                            "worker1": [("cpu", "hit", 1), ("cpu", "eviction", 2), ("disk", "error", 1)]})
-    (stats_dir / "notes.json").write_text("not json")  # the folder is shared: skipped
+    (stats_dir / "serving" / "notes.json").write_text("not json")  # the folder is shared: skipped
     env_level = os.environ.pop("LMCACHE_LOG_LEVEL", None)
     try:
         r = cli("stats", "--config", tmp_path / "c.yaml", home=tmp_path)
@@ -236,7 +244,7 @@ def test_stats_sums_every_instance_without_lmcache_log_lines(tmp_path):
             os.environ["LMCACHE_LOG_LEVEL"] = env_level
     assert "LMCache" not in r.stderr + r.stdout, r.stderr  # no INFO lines from importing LMCache
     assert "2 plugin instance(s)" in r.stdout
-    assert j["sources"] == ["worker0.json", "worker1.json"]
+    assert j["sources"] == ["worker0", "worker1"]
     assert j["tiers"]["cpu"] == {"hits": 4, "misses": 1, "bytes": 4 << 20, "evictions": 2, "errors": 0}
     assert j["tiers"]["s3"]["hits"] == 2 and j["tiers"]["disk"]["errors"] == 1
     # the benchmark (soak) reads through the same function: the CLI prints what it returns

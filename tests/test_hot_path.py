@@ -129,7 +129,7 @@ def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_resi
     first = _upload(tmp_path, moto_server, "firstk-remote", seed=52)[0]
     cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url)
     stall = s3_proxy.inject(method="GET", path=r"trained-remote/kv\.bin$", delay=2.0, times=None)
-    stats, reg = tmp_path / "cache" / "stats", tmp_path / "reg.db"
+    stats, reg = tmp_path / "cache", tmp_path / "reg.db"  # the plugin cache dir: records under serving/
     with eng:
         plugin = eng.backend("cartridge")
         assert cli.main(["register", f"s3://{BUCKET}/c/trained-remote", "--config", str(cfg_path)]) == 0
@@ -148,8 +148,8 @@ def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_resi
         assert s3_proxy.count("GET", r"firstk-remote/kv\.bin$") == 0  # and nothing fetched it eagerly
         s3_proxy.clear_faults()
         assert wait_served(stats, reg, [want], timeout=30) is True
-        snap = live_instances(stats, reg)[0]
-        assert "trained-remote" in snap["resident"]
+        state = live_instances(stats, reg)[0]
+        assert state.cartridges["trained-remote"].all_resident
         eng.clear_local_cpu()
         n, got = eng.retrieve(m.token_ids + [1])
         assert n == 3 * CHUNK and torch.equal(got[:, :, :n], flat(kv))

@@ -432,7 +432,7 @@ def test_published_serving_state_and_wait_served(carts):
     from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 
     reg, tmp = carts["reg"], carts["dir"]
-    stats = tmp / "cache" / "stats"
+    stats = tmp / "cache"  # the plugin's cache dir: its serving-state record is under it
     a = reg.resolve("doc-a")
     want_a = Wanted(a.id, a.content_hash, a.epoch)
     assert wait_served(stats, reg.path, [want_a], timeout=1) is False  # no engine is running

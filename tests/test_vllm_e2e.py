@@ -26,7 +26,6 @@ The noise floor (vLLM vs HF on a plain prompt) is measured in the run and printe
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 from pathlib import Path
@@ -75,16 +74,11 @@ class Server(VllmServer):
                 "seconds": time.time() - t}
 
     def register(self, directory: Path, expect_served: int) -> None:
-        """Register and wait until the plugin in the server reports `expect_served` cartridges."""
-        self.registry.register(directory)
-        pat = re.compile(r"registry changed: plugin '\w+' ready: (\d+) cartridges")
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            found = [int(m) for m in pat.findall(self.log_text())]
-            if found and found[-1] == expect_served:
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"plugin did not pick up {directory}:\n{self.log_tail()}")
+        """Register and wait until every plugin instance in the server serves it (its serving-state
+        record, what the gateway waits on) and `expect_served` cartridges in all."""
+        e = self.registry.register(directory)
+        self.wait_served([e], timeout=20)
+        self.wait_serving(expect_served, timeout=20)
 
 
 @pytest.fixture(scope="module")

@@ -171,8 +171,9 @@ def create_app(settings: GatewaySettings):
             plan = await asyncio.to_thread(resolver.plan, resolved)
             if plan.wanted:
                 await asyncio.to_thread(
-                    wait_served, settings.cache_dir / "stats", settings.registry,
-                    [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout)
+                    wait_served, settings.cache_dir, settings.registry,
+                    [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
+                    models=(settings.model, *settings.accept_models))  # another model's instances never serve it
             if chat:
                 messages = [m.model_dump() for m in body.messages]
                 ids = prompts.chat_ids(messages, plan.prefix, after_trained=plan.trained)

@@ -31,11 +31,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -49,6 +52,7 @@ from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
+from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
 from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
 from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
 from lmcache_cartridge.lmcache.settings import PluginSettings
@@ -380,26 +384,58 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         with self._lock:
             return {cid: [s.entry.content_hash, s.entry.epoch] for cid, s in self._state.served.items()}
 
-    def resident_now(self) -> list[str]:
-        """Ids of served cartridges whose every chunk is readable here without the network."""
+    def serving_state(self) -> ServingState:
+        """This instance's serving-state record as of now (see `store.serving_state`): who it is,
+        what it serves with which bytes and residency, what it refused and why, its counters.
+        Residency is per chunk (a lookup promises only local chunks), "all" when every servable
+        chunk is local. Any thread; the plugin lock is not held while a tier is asked."""
+        ident = self._state_identity()
         with self._lock:
             served = list(self._state.served.values())
-        return sorted(s.entry.id for s in served if self.residency.resident(s.handle))
+            skipped = dict(self._state.skipped)
+        carts = {}
+        for s in served:
+            n = len(s.keys)
+            local = range(n) if s.handle.origin.local else \
+                tuple(i for i in range(n) if self.residency.is_local(s.handle, i))
+            carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.entry.kind, n,
+                                               ALL if len(local) == n else local)
+        return ServingState(
+            **ident, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
+            role="scheduler" if self.local_cpu_backend is None else "worker",
+            model=self.shape.model_names[0], models=tuple(self.shape.model_names),
+            rank=self.shape.rank, world_size=self.shape.world_size,
+            registry=str(Path(self.settings.registry).resolve()), healthy=self.healthy, problem=self.problem,
+            cartridges=carts, skipped=skipped, tiers=self.metrics.snapshot()["tiers"],
+            metrics_instance=self.metrics.instance)
+
+    def _state_identity(self) -> dict:
+        """Instance id, host, pid and start time: fixed at the first publication (made here, not
+        in the constructor, so that publishing stays in these methods). The first one also prunes
+        the records of this host's dead processes."""
+        with self._lock:
+            ident = getattr(self, "_identity", None)
+            first = ident is None
+            if first:
+                pid = os.getpid()
+                ident = self._identity = {
+                    "instance": f"{self.settings.name}-rank{self.shape.rank}-pid{pid}-{uuid.uuid4().hex[:8]}",
+                    "host": socket.gethostname(), "pid": pid, "pid_start": process_start(pid),
+                    "started": time.time()}
+        if first:
+            prune(self.settings.cache_dir)
+        return ident
 
     def dump_stats(self) -> None:
-        """Publish this instance's tier counters (for `lmcache-cartridge stats`), what it serves
-        and what is resident (the gateway forwards a request only once every live instance
-        serves its cartridges, and for a trained one has it resident: see `serving.wait_served`)."""
+        """Publish this instance's serving-state record (`store.serving_state.publish`: atomic):
+        what it serves and what is resident (the gateway forwards a request only once every live
+        instance of its model serves its cartridges, and for a trained one has it resident: see
+        `serving.wait_served`), and its tier counters (for `lmcache-cartridge stats`). Called on
+        every registry change, refresh tick and finished download."""
         try:
-            with self._lock:
-                skipped = dict(self._state.skipped)
-            self.metrics.dump(self.settings.cache_dir / "stats",
-                              f"{self.settings.name}-rank{self.shape.rank}-pid{os.getpid()}",
-                              {"registry": str(self.settings.registry), "served": self.served_now(),
-                               "resident": self.resident_now(), "skipped": skipped,
-                               "refresh_seconds": self.settings.refresh_seconds, "pid": os.getpid()})
+            publish(self.settings.cache_dir, self.serving_state())
         except OSError as e:
-            logger.debug("lmcache_cartridge: cannot write stats: %s", e)
+            logger.debug("lmcache_cartridge: cannot publish serving state: %s", e)
 
     # --- lookup ---------------------------------------------------------------------------------
     def contains(self, key, pin: bool = False) -> bool:

@@ -4,23 +4,32 @@ Why: the gateway registers a cartridge and the plugins inside vLLM pick it up on
 registry poll (`refresh_seconds`). A request forwarded before that misses in LMCache, so vLLM
 recomputes the cartridge's tokens: harmless for a first-k cartridge, a wrong answer for a trained
 one (its placeholder ids mean nothing to the model). So the gateway waits until every live plugin
-instance serves the exact bytes (content hash and epoch) it resolved, and answers 503 otherwise.
-Lookups hit only on chunks readable without the network (a remote chunk not yet downloaded is a
-miss), so for a trained cartridge "serves" also means "resident": every chunk in a local tier.
-Nobody has to ask for the download: the plugins start it as soon as a trained cartridge is
-registered and keep it resident; the gateway only waits (bounded) and answers 503 Retry-After.
+instance of its model serves the exact bytes (content hash and epoch) it resolved, and answers
+503 otherwise. Lookups hit only on chunks readable without the network (a remote chunk not yet
+downloaded is a miss), so for a trained cartridge "serves" also means "resident": every chunk in
+a local tier. Nobody has to ask for the download: the plugins start it as soon as a trained
+cartridge is registered and keep it resident; the gateway only waits (bounded) and answers 503
+Retry-After.
 
-Where it runs: the gateway process (in a worker thread). Data: the JSON snapshots each plugin
-instance writes under `<cache_dir>/stats/` (see `CartridgeStoragePlugin.dump_stats`); this
-module only reads them.
+Which instances count: those publishing for the same registry, alive (see
+`store.serving_state`), and, when the caller names its model, serving that model. Several
+servers of different models may share one registry: an instance of another model refuses the
+cartridge ("made for model ...") and never serves it, and must not turn a request for this
+model into a 400 or a 503.
+
+Where it runs: the gateway process (in a worker thread), the test harness and the benchmarks
+(`testing.launch`). Data: the serving-state records of `store.serving_state`; this module only
+reads them.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+from lmcache_cartridge.store.serving_state import ServingState, read_states, same_path
 
 
 @dataclass(frozen=True)
@@ -42,63 +51,70 @@ class NotServed(Exception):
         self.retry_after = retry_after  # seconds, sent as HTTP Retry-After with a 503
 
 
-def live_instances(stats_dir: Path, registry: Path, now: float | None = None) -> list[dict]:
-    """Snapshots of plugin instances that use `registry` and wrote recently (a stopped server's
-    file goes stale after a few of its refresh periods)."""
-    now = time.time() if now is None else now
-    want = str(Path(registry).resolve())
+def live_instances(cache_dir: Path, registry: Path | None = None, models=None,
+                   select: Callable[[ServingState], bool] | None = None) -> list[ServingState]:
+    """Records of the live plugin instances under `cache_dir` that serve `registry` (any, if None),
+    one of `models` (any, if None) and pass `select`."""
     out = []
-    for f in Path(stats_dir).glob("*.json"):
-        try:
-            snap = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced, or not ours
-        if not isinstance(snap, dict) or "served" not in snap:
+    for s in read_states(cache_dir):
+        if registry is not None and not same_path(s.registry, registry):
             continue
-        try:
-            same = str(Path(snap.get("registry", "")).resolve()) == want
-        except (OSError, ValueError):
-            same = False
-        stale_after = 3 * float(snap.get("refresh_seconds") or 1.0) + 2.0
-        if same and now - float(snap.get("time") or 0) <= stale_after:
-            out.append(snap)
+        if models is not None and not s.serves_model(models):
+            continue
+        if select is not None and not select(s):
+            continue
+        out.append(s)
     return out
 
 
-def _missing(snaps: list[dict], wanted: list[Wanted]) -> list[tuple[Wanted, int, str | None, bool]]:
+def _missing(states: list[ServingState], wanted: list[Wanted]) -> list[tuple[Wanted, int, str | None, bool]]:
     """(cartridge, instances not ready for it, a reason one of them gave, whether every such
     instance serves it and only residency is lacking) for each one lacking.
 
     Ready: the instance serves the exact bytes; for a trained cartridge also has every chunk
     resident (readable without the network), since a lookup miss would recompute placeholders.
-    A snapshot without a "resident" list (an older plugin) never counts a trained one resident.
     """
     out = []
     for w in wanted:
         lacking, why, only_residency = 0, None, True
-        for snap in snaps:
-            got = snap["served"].get(w.id)
-            if got is None or list(got) != [w.content_hash, w.epoch]:
+        for s in states:
+            got = s.cartridges.get(w.id)
+            if got is None or (got.content_hash, got.epoch) != (w.content_hash, w.epoch):
                 lacking += 1
                 only_residency = False
-                why = why or (snap.get("skipped") or {}).get(w.id)
-            elif w.kind == "trained" and w.id not in (snap.get("resident") or ()):
+                why = why or s.skipped.get(w.id)
+            elif w.kind == "trained" and not got.all_resident:
                 lacking += 1
         if lacking:
             out.append((w, lacking, why, only_residency))
     return out
 
 
-def wait_served(stats_dir: Path, registry: Path, wanted: list[Wanted], timeout: float) -> bool:
-    """Return once every live plugin instance serves every wanted cartridge. Returns False when no
-    live instance publishes anything (no plugin on this registry: nothing to wait for). Raises
-    `NotServed` when an instance refused a cartridge (400, its reason) or on timeout (503)."""
+def wait_served(cache_dir: Path, registry: Path | None, wanted: list[Wanted], timeout: float, *,
+                models=None, select: Callable[[ServingState], bool] | None = None) -> bool:
+    """Return once every live plugin instance (of `registry`, serving one of `models`, passing
+    `select`: see `live_instances`) serves every wanted cartridge. Returns False when no instance
+    publishes anything (no plugin: nothing to wait for). Raises `NotServed` when an instance
+    refused a cartridge (400, its reason), or on timeout (503), also when instances of other
+    models publish but none of `models` does.
+    `models` is matched against each instance's names (`ServingState.models`)."""
     deadline = time.monotonic() + timeout
     while True:
-        snaps = live_instances(stats_dir, registry)
-        if not snaps:
-            return False
-        missing = _missing(snaps, wanted)
+        states = live_instances(cache_dir, registry, models, select)
+        if not states:
+            others = live_instances(cache_dir, registry, None, select) if models is not None else []
+            if not others:
+                return False
+            # Engines of other models serve this registry, none of ours does (yet): forwarding
+            # now could recompute a trained cartridge's placeholders.
+            if time.monotonic() >= deadline:
+                raise NotServed(503, f"no live engine instance of model {next(iter(models))!r} publishes its "
+                                     f"serving state (instances on this registry serve "
+                                     f"{sorted({s.model for s in others})}; waited {timeout:.0f}s); retry shortly",
+                                retry_after=max(1.0, 3 * others[0].refresh_seconds))
+            time.sleep(0.05)
+            continue
+        missing = _missing(states, wanted)
         if not missing:
             return True
         for w, _, why, _ in missing:
@@ -108,7 +124,7 @@ def wait_served(stats_dir: Path, registry: Path, wanted: list[Wanted], timeout: 
             w, lacking, _, only_residency = missing[0]
             what = ("do not have its chunks local yet (downloading)" if only_residency
                     else "do not serve it yet")
-            raise NotServed(503, f"cartridge {w.id!r} is registered but {lacking} of {len(snaps)} engine "
+            raise NotServed(503, f"cartridge {w.id!r} is registered but {lacking} of {len(states)} engine "
                                  f"instance(s) {what} (waited {timeout:.0f}s); retry shortly",
-                            retry_after=max(1.0, 3 * float(snaps[0].get("refresh_seconds") or 1.0)))
+                            retry_after=max(1.0, 3 * states[0].refresh_seconds))
         time.sleep(0.05)

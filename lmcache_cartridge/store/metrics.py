@@ -19,25 +19,22 @@ server, so dashboards that group `by (instance)` work either way.
 
 Where it runs: inside each plugin instance; the tiers (`residency`) count into it from whatever
 thread served the read. It lives with the tiers because they are what it counts. Each instance
-owns its counters; the prometheus collectors are process-wide (prometheus' design), and the JSON
-snapshot under `<cache_dir>/stats/` is the instance's to write and other processes' to read.
+owns its counters; the prometheus collectors are process-wide (prometheus' design), and its
+`snapshot` travels in the instance's serving-state record (`store.serving_state`), which other
+processes (`lmcache-cartridge stats`, benchmarks) read.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import functools
-import json
 import logging
 import os
-import tempfile
 import socket
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 logger = logging.getLogger("lmcache_cartridge.metrics")
 
@@ -134,19 +131,3 @@ class Metrics:
             return {"tiers": {t: asdict(s) for t, s in self.tiers.items()},
                     "latency_bucket_bounds": list(LATENCY_BUCKETS), "time": time.time(),
                     "instance": self.instance}
-
-    def dump(self, directory: Path, name: str, extra: dict | None = None) -> None:
-        """Write the snapshot (plus `extra`) where `lmcache-cartridge stats` and the gateway find
-        it (atomic replace)."""
-        directory.mkdir(parents=True, exist_ok=True)
-        # A temp file of its own per call: the watcher thread and a refresh may dump at once,
-        # and a shared temp name let one rename the other's half-written file away.
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.snapshot() | (extra or {})))
-            os.replace(tmp, directory / f"{name}.json")
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise

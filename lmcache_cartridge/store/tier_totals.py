@@ -1,18 +1,19 @@
-"""The one reader that sums the per-tier counters plugin instances publish.
+"""The one reader that sums the per-tier counters of the plugin instances that are running.
 
-Each plugin instance writes a JSON snapshot of its `Metrics` under `<cache_dir>/stats/` (see
-`metrics.Metrics.dump`); `lmcache-cartridge stats` and the soak benchmark read them all and add
-them up here, so both count the same way. Runs in whatever process reads (the CLI, a benchmark);
-the files belong to the plugin instances that write them, this module only reads.
+Each plugin instance publishes its `Metrics` snapshot in its serving-state record (see
+`store.serving_state`); `lmcache-cartridge stats` and the soak benchmark add up the records of
+live instances here, so both count the same way and neither counts a server that has stopped
+(its record stays on disk until the next instance prunes it, but its process is gone). Runs in
+whatever process reads (the CLI, a benchmark); this module only reads.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from lmcache_cartridge.store.metrics import TierStats
+from lmcache_cartridge.store.serving_state import ServingState, read_states, state_dir
 
 # The summable counters of a tier: TierStats' integer fields (its latency histogram is not summed).
 COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(TierStats) if f.name != "latency_buckets")
@@ -20,10 +21,11 @@ COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(TierStats) if f.name !=
 
 @dataclass
 class TierTotals:
-    """Counters summed over every readable snapshot in one stats directory."""
+    """Counters summed over the live instances publishing under one cache dir."""
 
-    stats_dir: Path
-    instances: list[str] = field(default_factory=list)  # snapshot file names that were summed
+    stats_dir: Path                                     # where the records are (for messages)
+    instances: list[str] = field(default_factory=list)  # ids of the instances summed
+    states: list[ServingState] = field(default_factory=list)
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def minus(self, before: "TierTotals") -> dict[str, dict[str, int]]:
@@ -35,22 +37,16 @@ class TierTotals:
         return {"sources": list(self.instances), "tiers": self.tiers}
 
 
-def sum_tier_stats(stats_dir: str | Path) -> TierTotals:
-    """Sum every instance's tier counters under `stats_dir`. A file that is not a snapshot (or
-    cannot be read) is skipped: snapshots are replaced atomically, but the folder is shared."""
-    totals = TierTotals(Path(stats_dir))
-    files = sorted(totals.stats_dir.glob("*.json")) if totals.stats_dir.is_dir() else []
-    for f in files:
-        try:
-            snap = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        tiers = snap.get("tiers") if isinstance(snap, dict) else None
-        if not isinstance(tiers, dict):
-            continue
-        totals.instances.append(f.name)
-        for tier, s in tiers.items():
+def sum_tier_stats(cache_dir: str | Path) -> TierTotals:
+    """Sum the tier counters of every live instance publishing under `cache_dir`."""
+    totals = TierTotals(state_dir(cache_dir))
+    for s in read_states(cache_dir):
+        totals.instances.append(s.instance)
+        totals.states.append(s)
+        for tier, counts in s.tiers.items():
+            if not isinstance(counts, dict):
+                continue
             t = totals.tiers.setdefault(tier, dict.fromkeys(COUNTERS, 0))
             for k in COUNTERS:
-                t[k] += int(s.get(k, 0))
+                t[k] += int(counts.get(k, 0))
     return totals

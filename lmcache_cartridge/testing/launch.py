@@ -2,6 +2,11 @@
 cartridge plugin, and the gateway in front of it. Used by the demo, the end-to-end tests and the
 TTFT benchmark, so they all run the same command line.
 
+What the plugins inside the server serve is read from their serving-state records
+(`store.serving_state`, the same records the gateway waits on), never from the server's log:
+`wait_served` after a registration, `wait_serving` for a count, `wait_not_served` after a removal.
+A record is the server's when its process is in the server's process group.
+
 Runs in the caller's process; the vLLM server is a child process group it owns and kills.
 """
 
@@ -9,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -21,9 +25,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
+
+from lmcache_cartridge.lmcache.serving import NotServed, Wanted, live_instances, wait_served
+from lmcache_cartridge.paths import default_cache_dir
+from lmcache_cartridge.store.serving_state import ServingState
 
 IPC_DIR_MAX = 60  # longest TMPDIR for vLLM's IPC sockets: 107 bytes minus "/" + a uuid4 + slack
 
@@ -108,6 +116,7 @@ class VllmServer:
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
                "--max-model-len", str(max_model_len),
                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *extra_args]
+        self.cache_dir = _plugin_cache_dir(lmcache)  # where its plugins publish their serving state
         if lmcache is not None:
             (self.root / "lmcache.yaml").write_text(yaml.safe_dump(lmcache))
             env["LMCACHE_CONFIG_FILE"] = str(self.root / "lmcache.yaml")
@@ -186,16 +195,80 @@ class VllmServer:
                    if line.startswith("vllm:prompt_tokens_by_source_total")
                    and 'source="external_kv_transfer"' in line)
 
-    def wait_serving(self, n: int, timeout: float = 30) -> None:
-        """Wait until the plugin in the server reports serving `n` cartridges."""
-        pat = re.compile(r"plugin '\w+' ready: (\d+) cartridges")
+    # --- what the plugins inside serve (their serving-state records) ---------------------------
+    def _ours(self, state: ServingState) -> bool:
+        """Whether a record is of a process of this server (its process group)."""
+        if state.host != socket.gethostname():
+            return False
+        try:
+            return os.getpgid(state.pid) == self.proc.pid  # start_new_session: the group is the server's
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def plugin_states(self) -> list[ServingState]:
+        """Live serving-state records of the plugin instances inside this server."""
+        if self.cache_dir is None:
+            return []
+        return live_instances(self.cache_dir, select=self._ours)
+
+    def _wait(self, what: str, done, timeout: float) -> None:
         deadline = time.time() + timeout
-        while time.time() < deadline:
-            found = [int(m) for m in pat.findall(self.log_text())]
-            if found and found[-1] == n:
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode} while waiting until "
+                                   f"{what}:\n{self.log_tail()}")
+            states = self.plugin_states()
+            if states and done(states):
                 return
-            time.sleep(0.2)
-        raise TimeoutError(f"plugin does not serve {n} cartridges:\n{self.log_tail()}")
+            if time.time() >= deadline:
+                seen = "; ".join(f"{s.instance}: {sorted(s.cartridges)} not served {s.skipped}" for s in states)
+                raise TimeoutError(f"not {what} after {timeout:.0f}s (plugin instances: {seen or 'none'}):\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.05)
+
+    def wait_serving(self, n: int, timeout: float = 30) -> None:
+        """Wait until every plugin instance in the server serves `n` cartridges."""
+        self._wait(f"every plugin instance serves {n} cartridges",
+                   lambda states: all(len(s.cartridges) == n for s in states), timeout)
+
+    def wait_served(self, entries: Iterable, timeout: float = 30) -> None:
+        """Wait until every plugin instance in the server serves these registry entries' exact
+        bytes (content hash, epoch), a trained one resident: what the gateway waits for. A
+        cartridge an instance refused raises `NotServed` (400) with its reason at once."""
+        wanted = [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in entries]
+        deadline = time.time() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            left = deadline - time.time()
+            try:
+                if self.cache_dir is not None and wait_served(self.cache_dir, None, wanted, max(0.0, min(left, 1.0)),
+                                                              select=self._ours):
+                    return
+            except NotServed as e:
+                if e.status != 503:
+                    raise
+            if left <= 0:
+                raise TimeoutError(f"plugin does not serve {[w.id for w in wanted]} after {timeout:.0f}s "
+                                   f"(instances: {[s.instance for s in self.plugin_states()]}):\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def wait_not_served(self, cartridge_id: str, timeout: float = 30) -> None:
+        """Wait until no plugin instance in the server serves `cartridge_id` (after a removal)."""
+        self._wait(f"{cartridge_id!r} is no longer served",
+                   lambda states: all(cartridge_id not in s.cartridges for s in states), timeout)
+
+
+def _plugin_cache_dir(lmcache: dict[str, Any] | None) -> Path | None:
+    """The cache dir the server's cartridge plugin publishes under (None: no LMCache, no plugin)."""
+    if lmcache is None:
+        return None
+    extra = lmcache.get("extra_config") or {}
+    for name in lmcache.get("storage_plugins") or []:
+        if extra.get(f"storage_plugin.{name}.class_name") == "CartridgeStoragePlugin":
+            d = extra.get(f"storage_plugin.{name}.cache_dir")
+            return Path(d).expanduser() if d else default_cache_dir()
+    return None
 
 
 class GatewayThread:

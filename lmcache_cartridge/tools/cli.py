@@ -416,23 +416,39 @@ def cmd_doctor(args) -> int:
             check("FAIL", f"{e.id}: " + "; ".join(report.problems))
         else:
             check("OK", f"{e.id}: {m.kind}, {m.num_full_chunks} servable chunks, model {m.model}")
+    # What running servers serve from this registry (their serving-state records): a cartridge a
+    # running instance of this model refuses is a request the gateway would answer 400.
+    from lmcache_cartridge.lmcache.serving import live_instances
+
+    running = live_instances(settings.cache_dir, settings.registry, models=engine.model_names)
+    check("OK", f"{len(running)} running plugin instance(s) of "
+                f"{'model ' + repr(args.model) if args.model else 'any model'} on this registry")
+    for st in running:
+        check("OK", f"{st.instance} (model {st.model}, rank {st.rank}/{st.world_size}, pid {st.pid}): "
+                    f"serves {len(st.cartridges)} cartridge(s)")
+        for cid, why in sorted(st.skipped.items()):
+            check("WARN", f"{st.instance} does not serve {cid}: {why}")
     return EXIT_PROBLEMS if any(level == "FAIL" for level, _ in results) else 0
 
 
 def cmd_stats(args) -> int:
-    """Sum the tier counters that running plugins publish under their cache dir."""
+    """Sum the tier counters of the plugin instances running with this cache dir (their
+    serving-state records; a stopped server's is not counted)."""
     from lmcache_cartridge.store.tier_totals import sum_tier_stats
 
     settings = _plugin_settings(args)
     cache_dir = settings.cache_dir if settings else Path(args.cache_dir or default_cache_dir())
-    totals = sum_tier_stats(cache_dir / "stats")
+    totals = sum_tier_stats(cache_dir)
     if args.json:
         print(json.dumps(totals.to_json(), indent=1))
         return 0
     if not totals.instances:
-        print(f"no statistics under {totals.stats_dir} (no plugin has run with this cache dir)")
+        print(f"no running plugin instance publishes under {totals.stats_dir}")
         return 0
-    print(f"{len(totals.instances)} plugin instance(s) reporting from {totals.stats_dir}")
+    print(f"{len(totals.instances)} plugin instance(s) running, from {totals.stats_dir}:")
+    for st in totals.states:
+        print(f"  {st.instance}: model {st.model}, rank {st.rank}/{st.world_size}, pid {st.pid}, "
+              f"{len(st.cartridges)} cartridges served")
     print(f"{'tier':<8}{'hits':>10}{'misses':>10}{'MiB':>12}{'evictions':>11}{'errors':>8}")
     for tier, t in sorted(totals.tiers.items()):
         print(f"{tier:<8}{t['hits']:>10}{t['misses']:>10}{t['bytes'] / 2**20:>12.1f}{t['evictions']:>11}{t['errors']:>8}")
@@ -686,7 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
 
     sp = add("stats", cmd_stats, "per-tier hits, misses, bytes and evictions of running plugins",
-             "Every plugin instance publishes its counters under <cache_dir>/stats/; this sums them.",
+             "Every plugin instance publishes its counters in its serving-state record under "
+             "<cache_dir>/serving/; this sums those of running instances.",
              "lmcache-cartridge stats --config configs/lmcache-cartridge.yaml")
     sp.add_argument("--config", help="LMCache YAML: use its plugin's cache dir")
     sp.add_argument("--cache-dir", help="the plugin's cache dir, without --config (default: $LMCACHE_CARTRIDGE_HOME/cache)")

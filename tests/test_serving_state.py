@@ -1,0 +1,225 @@
+"""The serving-state record each plugin instance publishes (`store.serving_state`), and its readers:
+`lmcache-cartridge stats` counts only running instances, the gateway judges a request only
+against the instances of its own model, a record is written atomically and read only in its
+version. Real LMCache engines with the plugin (in this process and in a child process that
+exits), the real gateway app in front of a loopback upstream."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import random_kv
+from lmc_helpers import make_metadata
+from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+from lmcache_cartridge.store.registry import Registry
+from lmcache_cartridge.store.serving_state import (ALL, VERSION, CartridgeState, ServingState, process_start, prune,
+                                                   publish, read_states, state_dir)
+from test_gateway import _call, recording_upstream  # noqa: F401  (the loopback upstream fixture)
+from test_plugin import CHUNK, D, H, L, MODEL, engine_for, flat, write_yaml
+
+TESTS = Path(__file__).parent
+
+
+def _state(**kw) -> ServingState:
+    now = time.time()
+    base = dict(instance="cartridge-rank0-pid1-abc", host=socket.gethostname(), pid=os.getpid(),
+                pid_start=process_start(os.getpid()), started=now, updated=now, refresh_seconds=1.0,
+                role="worker", model="m", models=("m", "alias"), rank=0, world_size=1, registry="/r.db")
+    return ServingState(**(base | kw))
+
+
+def _dead_pid() -> int:
+    """The pid of a real process that has exited (and been reaped)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)
+
+
+def _until(cond, timeout=10.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_record_round_trips_atomically_and_only_in_its_version(tmp_path):
+    s = _state(cartridges={"a": CartridgeState("h" * 64, 3, "trained", 4, ALL),
+                           "b": CartridgeState("g" * 64, 1, "first_k", 4, (0, 2))},
+               skipped={"c": "made for model 'x'"}, tiers={"cpu": {"hits": 2}})
+    path = publish(tmp_path, s)
+    assert path == state_dir(tmp_path) / f"{s.instance}.json"
+    assert [p.name for p in state_dir(tmp_path).iterdir()] == [path.name]  # no temp file left behind
+    assert json.loads(path.read_text())["version"] == VERSION and path.stat().st_mode & 0o777 == 0o644
+    got = read_states(tmp_path)
+    assert got == [s]
+    assert got[0].cartridges["a"].all_resident and not got[0].cartridges["b"].all_resident
+    assert got[0].cartridges["b"].resident == (0, 2)
+    # another version's record, an old metrics snapshot and junk are not records: skipped
+    (state_dir(tmp_path) / "old.json").write_text(json.dumps(s.to_json() | {"version": VERSION + 1}))
+    (state_dir(tmp_path) / "snapshot.json").write_text(json.dumps({"tiers": {}, "served": {}, "time": time.time()}))
+    (state_dir(tmp_path) / "junk.json").write_text("{not json")
+    assert read_states(tmp_path) == [s]
+
+
+def test_a_record_counts_only_while_its_process_runs_and_writes(tmp_path):
+    dead = _dead_pid()
+    publish(tmp_path, _state(instance="dead", pid=dead, pid_start=None))
+    publish(tmp_path, _state(instance="reused", pid_start=(process_start(os.getpid()) or 0) + 1))  # pid reused
+    publish(tmp_path, _state(instance="stale", updated=time.time() - 60, refresh_seconds=1.0))
+    publish(tmp_path, _state(instance="other-host", host="not-" + socket.gethostname(), pid=dead))
+    publish(tmp_path, _state(instance="live"))
+    assert [s.instance for s in read_states(tmp_path)] == ["live", "other-host"]  # another host: freshness only
+    assert len(read_states(tmp_path, include_dead=True)) == 5
+    # a starting instance prunes this host's dead processes' records, nothing else
+    (state_dir(tmp_path) / ".x.tmp").write_text("half")
+    os.utime(state_dir(tmp_path) / ".x.tmp", (time.time() - 3600,) * 2)
+    assert prune(tmp_path) == 3  # dead, reused, the old temp file
+    assert sorted(p.name for p in state_dir(tmp_path).iterdir()) == ["live.json", "other-host.json", "stale.json"]
+
+
+CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from lmc_helpers import Engine, make_metadata
+from test_plugin import CHUNK, D, H, L, MODEL, load_config, write_yaml
+
+tmp = Path(sys.argv[2])
+cfg = load_config(write_yaml(tmp, tmp / "reg.db"))
+cfg.extra_config["storage_plugin.cartridge.refresh_seconds"] = 30  # fresh for long: only its pid can retire it
+with Engine(cfg, make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)) as eng:
+    eng.retrieve(list(range(10, 10 + 3 * CHUNK)) + [1])
+    eng.backend("cartridge").dump_stats()
+print("published", flush=True)
+"""
+
+
+@pytest.fixture
+def doc(tmp_path):
+    reg = Registry(tmp_path / "reg.db")
+    kv = random_kv(L, 3 * CHUNK, H, D, seed=1)
+    pack_kv(kv, tmp_path / "a", cartridge_id="doc-a", model=MODEL, kind="first_k",
+            token_ids=list(range(10, 10 + 3 * CHUNK)), chunk_size=CHUNK)
+    reg.register(tmp_path / "a")
+    return reg, kv
+
+
+def test_stats_does_not_sum_an_instance_whose_process_is_gone(tmp_path, doc, capsys):
+    """A server that served requests and exited: its record stays on disk, fresh by its own clock
+    (refresh 30 s), but its process is gone, so `stats` no longer counts it; a running instance
+    is counted. Old code summed every snapshot file it found."""
+    from lmcache_cartridge.tools import cli
+
+    r = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "published" in r.stdout, r.stderr[-3000:]
+    cfg_path = write_yaml(tmp_path, tmp_path / "reg.db")
+    capsys.readouterr()
+    assert cli.main(["stats", "--config", str(cfg_path), "--json"]) == 0
+    dead = json.loads(capsys.readouterr().out)
+    assert dead["tiers"] == {} and dead["sources"] == []
+    with engine_for(tmp_path, tmp_path / "reg.db") as eng:  # a live instance, 3 local hits
+        n, _ = eng.retrieve(list(range(10, 10 + 3 * CHUNK)) + [1])
+        assert n == 3 * CHUNK
+        eng.backend("cartridge").dump_stats()
+        capsys.readouterr()
+        assert cli.main(["stats", "--config", str(cfg_path), "--json"]) == 0
+        live = json.loads(capsys.readouterr().out)
+    assert len(live["sources"]) == 1 and live["tiers"]["local"]["hits"] == 3
+
+
+def test_plugin_publishes_who_it_is_and_what_it_serves(tmp_path, doc):
+    reg, kv = doc
+    e = reg.resolve("doc-a")
+    publish(tmp_path / "cache", _state(instance="gone", pid=_dead_pid()))  # pruned by the next start
+    t0 = time.time()
+    with engine_for(tmp_path, reg.path) as eng:
+        plugin = eng.backend("cartridge")
+        assert _until(lambda: len(read_states(tmp_path / "cache")) == 1)
+        s = read_states(tmp_path / "cache")[0]
+        assert not (state_dir(tmp_path / "cache") / "gone.json").exists()
+        assert s.pid == os.getpid() and s.host == socket.gethostname() and s.role == "worker"
+        assert s.model == MODEL and s.models == (MODEL,) and (s.rank, s.world_size) == (0, 1)
+        assert t0 <= s.started <= s.updated and s.registry == str(reg.path.resolve())
+        assert s.cartridges == {"doc-a": CartridgeState(e.content_hash, e.epoch, "first_k", 3, ALL)}
+        assert s.instance.startswith(f"cartridge-rank0-pid{os.getpid()}-")
+        n, got = eng.retrieve(list(range(10, 10 + 3 * CHUNK)) + [1])
+        assert n == 3 * CHUNK and got[:, :, :n].equal(flat(kv))
+        plugin.dump_stats()
+        again = read_states(tmp_path / "cache")[0]
+        assert again.instance == s.instance and again.started == s.started  # one record per instance
+        assert again.tiers["local"]["hits"] == 3
+
+
+# --- the gateway with two models on one registry --------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    return str(ensure_test_model(tmp_path_factory.mktemp("models")))
+
+
+def _gateway(url, model, tmp_path, model_dir, **kw):
+    from lmcache_cartridge.api.gateway import GatewaySettings, create_app
+
+    return create_app(GatewaySettings(upstream=url, model=model, tokenizer=model_dir, registry=tmp_path / "reg.db",
+                                      cache_dir=tmp_path / "cache", chunk_size=CHUNK, **kw))
+
+
+def test_gateway_judges_each_model_only_against_its_own_instances(tmp_path, model_dir, recording_upstream, capsys):
+    """Two servers of different models share one registry and cache dir. Each plugin refuses the
+    other model's cartridge ("made for model ..."). A request for model A's cartridge must wait
+    only on model A's instances: old code counted model B's refusal and answered 400."""
+    url, seen = recording_upstream
+    reg = Registry(tmp_path / "reg.db")
+    pack_kv(random_kv(L, 2 * CHUNK, H, D, seed=3), tmp_path / "ca", cartridge_id="cart-a", model="model-a",
+            kind="first_k", token_ids=list(range(20, 20 + 2 * CHUNK)), chunk_size=CHUNK)
+    pack_kv(random_kv(L, 2 * CHUNK, H, D, seed=4), tmp_path / "cb", cartridge_id="cart-b", model="model-b",
+            kind="trained", vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+    reg.register(tmp_path / "ca")
+    reg.register(tmp_path / "cb")
+    md = {m: make_metadata(model_name=m, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)
+          for m in ("model-a", "model-b")}
+    gw_a = _gateway(url, "model-a", tmp_path, model_dir, serve_timeout=5)
+    gw_b = _gateway(url, "model-b", tmp_path, model_dir, serve_timeout=5)
+    with engine_for(tmp_path, reg.path, metadata=md["model-b"]):
+        with engine_for(tmp_path, reg.path, metadata=md["model-a"]):
+            assert _until(lambda: {s.model: (sorted(s.cartridges), sorted(s.skipped))
+                                   for s in read_states(tmp_path / "cache")}
+                          == {"model-a": (["cart-a"], ["cart-b"]), "model-b": (["cart-b"], ["cart-a"])})
+            for gw, cid, model in ((gw_a, "cart-a", "model-a"), (gw_b, "cart-b", "model-b")):
+                r = _call(gw, "POST", "/v1/completions",
+                          json={"prompt": "hi", "max_tokens": 1, "cartridges": [{"id": cid}]})
+                assert r.status_code == 200, r.text
+                assert seen[-1][1]["model"] == model
+            # doctor names the running instances of the model it is asked about, and what they refuse
+            from lmcache_cartridge.tools import cli
+
+            capsys.readouterr()
+            cli.main(["doctor", "--config", str(tmp_path / "lmcache.yaml"), "--model", "model-a"])
+            out = capsys.readouterr().out
+            assert "1 running plugin instance(s) of model 'model-a' on this registry" in out, out
+            assert re.search(rf"OK +cartridge-rank0-pid{os.getpid()}-\w+ \(model model-a, rank 0/1, pid \d+\): "
+                             r"serves 1 cartridge", out), out
+            assert re.search(r"WARN +cartridge-rank0-\S+ does not serve cart-b: made for model 'model-b'", out), out
+            # the other model's cartridge is refused by the gateway itself, as the plugin would
+            r = _call(gw_a, "POST", "/v1/completions", json={"prompt": "hi", "cartridges": [{"id": "cart-b"}]})
+            assert r.status_code == 400 and "made for model 'model-b'" in r.json()["error"]["message"]
+        # Model A's server is gone, model B's runs (A's instance closed in this process, whose
+        # pid lives on: its record retires once stale, a few refresh periods). A request for A's
+        # cartridge is not forwarded on B's word: 503, A's engine may be restarting.
+        assert _until(lambda: [s.model for s in read_states(tmp_path / "cache")] == ["model-b"], timeout=10)
+        forwarded = len(seen)
+        gw_a = _gateway(url, "model-a", tmp_path, model_dir, serve_timeout=0.5)
+        r = _call(gw_a, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1,
+                                                         "cartridges": [{"id": "cart-a"}]})
+        assert r.status_code == 503 and "no live engine instance of model 'model-a'" in r.json()["error"]["message"]
+        assert r.headers["Retry-After"] == "1" and len(seen) == forwarded  # never forwarded
