@@ -1,7 +1,9 @@
 """From a request's `cartridges` to the tokens to put first and the registered cartridges to wait for.
 
 Sources (seed 000): `s3://bucket/key.pt` (one object in any input format: downloaded once,
-converted once), `s3://bucket/prefix` (a packed cartridge: chunks stay in S3), an absolute local
+converted once), `s3://bucket/prefix/` (listed once: a packed cartridge, whose chunks stay in S3,
+or an input directory such as a PEFT adapter or a Tokasaurus directory, downloaded and converted
+once), an absolute local
 path (`source: "local"`; a `.pt`, an input directory or a packed directory), or a registered id
 or label. Clients may only name S3 buckets/prefixes and local directories the deployment allows.
 
@@ -68,7 +70,7 @@ class Resolver:
         self.registry = registry
         self.engine = EngineShape.partial(model_names=(settings.model, *settings.accept_models),
                                           chunk_size=settings.chunk_size)
-        self.stats: Counter[str] = Counter()  # s3_objects, s3_manifests, hashes, conversions, registrations
+        self.stats: Counter[str] = Counter()  # s3_objects, s3_lists, s3_manifests, hashes, conversions, registrations
         self._cache: dict[tuple, _Cached] = {}
         self._locks: dict[tuple, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -79,7 +81,9 @@ class Resolver:
         """Blocking (file reads, S3 downloads, conversion): the app calls it from a worker thread."""
         try:
             where = self._where(spec)
-            key = (where, spec.id, _signature(spec.id) if where == "local" else None)
+            # s3://b/p and s3://b/p/ name the same prefix: one cache entry
+            key = (where, spec.id.rstrip("/") if where == "s3" else spec.id,
+                   _signature(spec.id) if where == "local" else None)
             with self._guard:
                 lock = self._locks.setdefault(key, threading.Lock())
             with lock:
@@ -198,7 +202,7 @@ class Resolver:
         return self._registered(spec.id, out.packed_dir, str(out.packed_dir), spec.force_redownload)
 
     def _s3(self, spec: CartridgeSpec) -> Resolved:
-        from lmcache_cartridge.store.registration import fetch_s3_object, register_s3
+        from lmcache_cartridge.store.registration import fetch_s3_dir, fetch_s3_object, register_s3
         from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, S3Settings, parse_s3_uri
 
         try:
@@ -213,6 +217,11 @@ class Resolver:
                 obj = fetch_s3_object(spec.id, settings, self.settings.cache_dir, force=spec.force_redownload)
                 self.stats["s3_objects"] += obj.downloaded
                 return self._converted(spec, obj.path, obj.sha256, obj.path.name)
+            listed = fetch_s3_dir(spec.id, settings, self.settings.cache_dir, force=spec.force_redownload)
+            self.stats["s3_lists"] += 1
+            if not listed.packed:  # an input directory (PEFT adapter, Tokasaurus, ...): converted once
+                self.stats["s3_objects"] += listed.downloaded
+                return self._converted(spec, listed.path, listed.digest, listed.uri.rsplit("/", 1)[-1])
             self.stats["s3_manifests"] += 1
             entry = register_s3(self.registry, spec.id, self.settings.cache_dir, settings,
                                 force_redownload=spec.force_redownload, engine=self.engine)

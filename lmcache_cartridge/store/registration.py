@@ -1,10 +1,11 @@
 """Turning what a user points at into a registered cartridge: an S3 packed prefix (its manifest is
 fetched; chunks stay in S3), a whole S3 object (a `.pt` in any input format, downloaded once into
-the cache) and any input file or directory (converted once into a content-addressed packed
-cartridge). Also the one id sanitiser and the one vocabulary loader the CLI and gateway share.
+the cache), an S3 prefix holding an input directory (a PEFT adapter, a Tokasaurus directory, ...:
+listed once, its files downloaded once) and any input file or directory (converted once into a
+content-addressed packed cartridge). Also the one id sanitiser and the one vocabulary loader the CLI and gateway share.
 
 Runs in the CLI (`register`, `pack`) and the gateway. Owns, under the cache dir: `manifests/`
-(S3 manifests), `objects/` (downloaded objects) and `packed/` (converted inputs); serving
+(S3 manifests), `objects/` (downloaded objects and input directories) and `packed/` (converted inputs); serving
 processes only read them.
 """
 
@@ -123,6 +124,80 @@ def fetch_s3_object(uri: str, settings, cache_dir: Path, *, force: bool = False)
         info = origin.download_object(data)
     _atomic_write(meta, json.dumps(asdict(info)).encode())
     return CachedObject(data, uri, info.size, info.etag, info.sha256, downloaded=True)
+
+
+# --- S3 prefixes holding an input directory ---------------------------------------------------
+DIR_META = "dir.json"
+DIR_FILES = "files"
+
+
+@dataclass(frozen=True)
+class CachedDir:
+    """An S3 prefix as listed once: `packed` (it holds a manifest.json: chunks stay in S3), or an
+    input directory downloaded into `path` (`digest` as `content_digest` of that directory)."""
+
+    uri: str
+    packed: bool
+    path: Path | None = None
+    digest: str | None = None
+    downloaded: int = 0  # files fetched by this call (0: all current in the cache dir)
+
+
+def fetch_s3_dir(uri: str, settings, cache_dir: Path, *, force: bool = False) -> CachedDir:
+    """List `s3://bucket/prefix/` once and say what it holds: a packed cartridge (manifest.json),
+    or an input directory of a maker's format (`cartridge.inputs.dir_files`: a PEFT CARTRIDGE
+    adapter, a Tokasaurus directory, ...), whose files are downloaded into
+    `cache_dir/objects/<uri hash>/files/` unless the cache already has them at the listed size and
+    ETag (`force`: download them again). An empty prefix is `NotFound`; anything else a
+    `CartridgeError` naming what was found."""
+    from lmcache_cartridge.cartridge.inputs import dir_files
+    from lmcache_cartridge.store.s3 import NotFound, OriginError, S3Origin, parse_s3_uri
+
+    bucket, prefix = parse_s3_uri(uri)
+    uri = f"s3://{bucket}/{prefix}".rstrip("/")
+    with S3Origin(uri, settings) as origin:
+        listing = origin.list_names()
+    if not listing:
+        raise NotFound(f"LIST {uri}/: nothing there (no cartridge at this prefix)")
+    if MANIFEST_NAME in listing:
+        return CachedDir(uri, packed=True)
+    names = dir_files(listing)
+    if names is None:
+        raise CartridgeError(
+            f"{uri}/ is not a cartridge: expected manifest.json (packed), adapter_config.json + "
+            "adapter_model.safetensors (PEFT CARTRIDGE adapter), cartridge.pt + config.yaml (Tokasaurus), "
+            f"cartridge.pt + prefix_token_ids.json or cache_last.pt; found {sorted(listing)[:8]}")
+    d = Path(cache_dir) / "objects" / hashlib.sha256((uri + "/").encode()).hexdigest()[:24]
+    files, meta_path = d / DIR_FILES, d / DIR_META
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if meta.get("uri") != uri or not isinstance(meta.get("files"), dict):
+            meta = {}
+    except (OSError, ValueError):
+        meta = {}
+    known = {} if force else dict(meta.get("files") or {})
+    record, fetched = {}, 0
+    for name in names:
+        size, etag = listing[name]
+        had, path = known.get(name), files / name
+        if had and had.get("size") == size and had.get("etag") == etag and path.is_file() \
+                and path.stat().st_size == size:
+            record[name] = had
+            continue
+        with S3Origin(f"{uri}/{name}", settings) as obj:
+            info = obj.download_object(path)
+        if info.etag != etag:  # replaced between the LIST and the download: the listing is stale
+            raise OriginError(f"{uri}/{name} changed while it was being read; try again")
+        record[name] = {"size": info.size, "etag": info.etag, "sha256": info.sha256}
+        fetched += 1
+    for stale in files.glob("*") if files.is_dir() else ():
+        if stale.name not in record:  # a file the prefix no longer holds must not change the input
+            stale.unlink()
+    _atomic_write(meta_path, json.dumps({"uri": uri, "files": record}).encode())
+    h = hashlib.sha256()  # content_digest of the directory, from the sha256s already computed
+    for name in sorted(record):
+        h.update(name.encode() + b"\0" + record[name]["sha256"].encode())
+    return CachedDir(uri, packed=False, path=files, digest=h.hexdigest(), downloaded=fetched)
 
 
 # --- input files and directories --------------------------------------------------------------
