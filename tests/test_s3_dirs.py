@@ -64,10 +64,12 @@ def test_peft_adapter_prefix_is_listed_once_downloaded_once_and_converted_bit_fo
     r = Resolver(settings, reg)
     got = r.resolve(CartridgeSpec(id=f"s3://{BUCKET}/ok/peft/"))
     assert got.kind == "trained" and got.entry is not None
-    want = load_input(local).kv
+    want = load_input(local).kv                  # PEFT stores fp32; the engine serves the model's bf16
     packed = PackedCartridge(got.entry.path)
-    assert torch.equal(packed.load_kv(), want)                       # the adapter's bytes, converted
+    assert want.dtype == torch.float32 and packed.manifest.dtype == "bfloat16"
+    assert torch.equal(packed.load_kv(), want.to(torch.bfloat16))   # the adapter's values, cast as PEFT does
     assert packed.manifest.provenance["format"] == "peft"
+    assert packed.manifest.provenance["converted_from_dtype"] == "float32"
     # one LIST, then HEAD + GET for the two files the adapter form reads (not the README)
     assert s3_proxy.count("GET", r"list-type=2") == 1
     assert s3_proxy.count("HEAD") == 2 and s3_proxy.count("GET", r"/adapter_") == 2
@@ -92,7 +94,7 @@ def test_peft_adapter_prefix_is_listed_once_downloaded_once_and_converted_bit_fo
     new = Resolver(settings, Registry(settings.registry)).resolve(CartridgeSpec(id=f"s3://{BUCKET}/ok/peft/"))
     assert s3_proxy.count("GET", r"/adapter_model") == 1
     assert new.entry.id != got.entry.id and torch.equal(PackedCartridge(new.entry.path).load_kv(),
-                                                        load_input(other).kv)
+                                                        load_input(other).kv.to(torch.bfloat16))
 
 
 def test_tokasaurus_dir_and_packed_prefix_and_junk(tmp_path, setup, model_dir, s3_proxy):

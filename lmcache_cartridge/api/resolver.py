@@ -204,7 +204,9 @@ class Resolver:
         try:
             out = convert_input(path, digest, self.settings.cache_dir, model=self.settings.model,
                                 chunk_size=self.settings.chunk_size, vocab=self.vocab,
-                                name=Path(name).stem if path.is_file() else name)
+                                name=Path(name).stem if path.is_file() else name,
+                                model_dir=self.settings.model if Path(self.settings.model).is_dir()
+                                else self.settings.tokenizer)
         except CartridgeError as e:
             raise RequestError(400, str(e)) from None
         if out.packed_dir is None:

@@ -220,12 +220,30 @@ class Converted:
     token_ids: list[int] | None
 
 
+def model_dtype_for(kv, model_dir) -> "torch.dtype | None":
+    """float32 KV (PEFT adapters store fp32) packed for a local model: the model's dtype (its
+    config.json), as PEFT itself casts the prefix at load; the engine serves only KV of its own
+    dtype. Anything else keeps its dtype (None)."""
+    import torch
+
+    if kv is None or kv.dtype != torch.float32 or not model_dir:
+        return None
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 def convert_input(path: Path, digest: str, cache_dir: Path, *, model: str, chunk_size: int, vocab,
-                  name: str | None = None) -> Converted:
+                  name: str | None = None, model_dir: str | None = None) -> Converted:
     """Read any input `cartridge.formats.load_input` accepts and pack it once into
     `cache_dir/packed/<digest>` (content-addressed: the same bytes are converted once). A
     token-only input is not packed: its ids are a plain prompt prefix that vLLM computes itself.
-    `vocab` is called only when a trained cartridge needs placeholder ids."""
+    `vocab` is called only when a trained cartridge needs placeholder ids; `model_dir` (a local
+    model directory) gives fp32 KV the model's dtype (`model_dtype_for`)."""
     from lmcache_cartridge.cartridge.formats import load_input
     from lmcache_cartridge.cartridge.packed import pack_kv
 
@@ -236,7 +254,11 @@ def convert_input(path: Path, digest: str, cache_dir: Path, *, model: str, chunk
     if loaded.kv is None:
         return Converted(None, list(loaded.token_ids))
     kind = "first_k" if loaded.token_ids is not None else "trained"
-    pack_kv(loaded.kv, out, cartridge_id=default_id(name or path.stem, digest), model=model, kind=kind,
+    provenance = {"source": str(path), "sha256": digest, "format": loaded.source_format}
+    dtype = model_dtype_for(loaded.kv, model_dir)
+    if dtype is not None and dtype != loaded.kv.dtype:
+        provenance["converted_from_dtype"] = str(loaded.kv.dtype).removeprefix("torch.")
+    pack_kv(loaded.kv, out, dtype=dtype, cartridge_id=default_id(name or path.stem, digest), model=model, kind=kind,
             token_ids=loaded.token_ids, vocab=vocab() if kind == "trained" else None, chunk_size=chunk_size,
-            provenance={"source": str(path), "sha256": digest, "format": loaded.source_format}, overwrite=True)
+            provenance=provenance, overwrite=True)
     return Converted(out, None)
