@@ -1,7 +1,9 @@
 """From a request's `cartridges` to the tokens to put first and the registered cartridges to wait for.
 
 Sources (seed 000): `s3://bucket/key.pt` (one object in any input format: downloaded once,
-converted once), `s3://bucket/prefix` (a packed cartridge: chunks stay in S3), an absolute local
+converted once), `s3://bucket/prefix/` (listed once: a packed cartridge, whose chunks stay in S3,
+or an input directory such as a PEFT adapter or a Tokasaurus directory, downloaded and converted
+once), an absolute local
 path (`source: "local"`; a `.pt`, an input directory or a packed directory), or a registered id
 or label. Clients may only name S3 buckets/prefixes and local directories the deployment allows.
 
@@ -9,10 +11,20 @@ Resolution is cached in memory: a repeated request for the same cartridge makes 
 hashes no file and writes nothing to the registry. A cached registration is re-checked only when
 another process changed the registry (`PRAGMA data_version`, a read).
 
-Composition ("loaded in order"): trained cartridges come first and compose as in the Cartridges
-paper (`store.composite`); then token-only and first-k cartridges' ids follow in order, a first-k
-cartridge's own KV being used where it is exact (it extends what precedes it), otherwise its
-tokens are simply computed after what precedes them.
+Composition ("loaded in order"), every part in request order:
+- Token-only and first-k cartridges' ids are placed in order; a first-k cartridge's own KV is used
+  where it is exact (it is first, or it extends what precedes it), otherwise its tokens are
+  computed after what precedes them (ordinary prefill).
+- Trained cartridges compose as in the Cartridges paper: KVs concatenated in request order, each
+  keeping the positions it was trained at, the user's tokens after the total length.
+- vLLM loads external KV only as one prefix from token 0, before computing any token, and LMCache
+  serves it in whole chunks. So everything up to the last trained cartridge (the "KV head") must
+  be cartridge KV starting on chunk boundaries: trained parts, and first-k parts where their KV
+  is exact (first, or extending the ids before them). The head is served as one composite
+  (`store.composite`: chained chunk keys over the parts' ids, each chunk a part's chunk). A
+  trained cartridge after tokens vLLM must compute (a token-only cartridge, a first-k one that
+  is not exact where it sits, anything after an earlier trained one), or not on a chunk boundary,
+  answers 400 with the rule: it cannot be exact.
 
 Runs in the gateway process, on worker threads (blocking I/O); owns its cache, shares the registry.
 """
@@ -68,7 +80,7 @@ class Resolver:
         self.registry = registry
         self.engine = EngineShape.partial(model_names=(settings.model, *settings.accept_models),
                                           chunk_size=settings.chunk_size)
-        self.stats: Counter[str] = Counter()  # s3_objects, s3_manifests, hashes, conversions, registrations
+        self.stats: Counter[str] = Counter()  # s3_objects, s3_lists, s3_manifests, hashes, conversions, registrations
         self._cache: dict[tuple, _Cached] = {}
         self._locks: dict[tuple, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -79,7 +91,9 @@ class Resolver:
         """Blocking (file reads, S3 downloads, conversion): the app calls it from a worker thread."""
         try:
             where = self._where(spec)
-            key = (where, spec.id, _signature(spec.id) if where == "local" else None)
+            # s3://b/p and s3://b/p/ name the same prefix: one cache entry
+            key = (where, spec.id.rstrip("/") if where == "s3" else spec.id,
+                   _signature(spec.id) if where == "local" else None)
             with self._guard:
                 lock = self._locks.setdefault(key, threading.Lock())
             with lock:
@@ -190,7 +204,9 @@ class Resolver:
         try:
             out = convert_input(path, digest, self.settings.cache_dir, model=self.settings.model,
                                 chunk_size=self.settings.chunk_size, vocab=self.vocab,
-                                name=Path(name).stem if path.is_file() else name)
+                                name=Path(name).stem if path.is_file() else name,
+                                model_dir=self.settings.model if Path(self.settings.model).is_dir()
+                                else self.settings.tokenizer)
         except CartridgeError as e:
             raise RequestError(400, str(e)) from None
         if out.packed_dir is None:
@@ -198,7 +214,7 @@ class Resolver:
         return self._registered(spec.id, out.packed_dir, str(out.packed_dir), spec.force_redownload)
 
     def _s3(self, spec: CartridgeSpec) -> Resolved:
-        from lmcache_cartridge.store.registration import fetch_s3_object, register_s3
+        from lmcache_cartridge.store.registration import fetch_s3_dir, fetch_s3_object, register_s3
         from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, S3Settings, parse_s3_uri
 
         try:
@@ -213,6 +229,11 @@ class Resolver:
                 obj = fetch_s3_object(spec.id, settings, self.settings.cache_dir, force=spec.force_redownload)
                 self.stats["s3_objects"] += obj.downloaded
                 return self._converted(spec, obj.path, obj.sha256, obj.path.name)
+            listed = fetch_s3_dir(spec.id, settings, self.settings.cache_dir, force=spec.force_redownload)
+            self.stats["s3_lists"] += 1
+            if not listed.packed:  # an input directory (PEFT adapter, Tokasaurus, ...): converted once
+                self.stats["s3_objects"] += listed.downloaded
+                return self._converted(spec, listed.path, listed.digest, listed.uri.rsplit("/", 1)[-1])
             self.stats["s3_manifests"] += 1
             entry = register_s3(self.registry, spec.id, self.settings.cache_dir, settings,
                                 force_redownload=spec.force_redownload, engine=self.engine)
@@ -230,22 +251,27 @@ class Resolver:
 
     # --- a request's list ----------------------------------------------------------------------
     def plan(self, parts: list[Resolved]) -> Plan:
-        """Place `parts` in request order (the rules in this module's docstring)."""
-        n = 0
-        while n < len(parts) and parts[n].kind == "trained":
-            n += 1
-        late = next((p for p in parts[n:] if p.kind == "trained"), None)
-        if late is not None:
-            raise RequestError(400, f"trained cartridge {late.name!r} must come before token and first-k "
-                                    "cartridges: its KV was trained at positions from 0 and is served "
-                                    "only at the start of the prompt (list trained cartridges first)")
+        """Place `parts` in request order (the rules in this module's docstring).
+
+        The "KV head" is every part up to and including the last trained one: vLLM loads external
+        KV only as one prefix from token 0, before it computes anything, so all of it must come
+        from cartridge KV (`_kv_head`). The parts after it are placed as tokens (`_tail`)."""
+        last = max((i for i, p in enumerate(parts) if p.kind == "trained"), default=-1)
         plan = Plan()
-        if n == 1:
-            plan = Plan(list(parts[0].token_ids), [parts[0].entry], trained=True)
-        elif n > 1:
-            entry, m = self._composite(parts[:n])
-            plan = Plan(list(m.token_ids), [entry], trained=True)
-        for p in parts[n:]:
+        if last >= 0:
+            kv_parts = self._kv_head(parts[:last + 1])
+            if len(kv_parts) == 1:
+                plan = Plan(list(kv_parts[0].token_ids), [kv_parts[0].entry], trained=True)
+            else:
+                entry, m = self._composite(kv_parts)
+                plan = Plan(list(m.token_ids), [entry], trained=True)
+        return self._tail(plan, parts[last + 1:])
+
+    @staticmethod
+    def _tail(plan: Plan, parts: list[Resolved]) -> Plan:
+        """Token-only and first-k parts after the KV head: their ids in order; a first-k
+        cartridge's own KV where it is exact (it extends what precedes it), else prefilled."""
+        for p in parts:
             ids = list(p.token_ids)
             if p.kind == "first_k" and ids[:len(plan.prefix)] == plan.prefix:
                 plan.prefix = ids  # it extends what precedes it: its own KV is exact here
@@ -253,6 +279,46 @@ class Resolver:
             else:
                 plan.prefix += ids  # plain tokens after what precedes them: vLLM computes them
         return plan
+
+    def _kv_head(self, parts: list[Resolved]) -> list[Resolved]:
+        """The cartridges whose KV, concatenated in order, is the head ending at the last trained
+        part: trained parts keep their trained positions (the Cartridges paper's composition);
+        a first-k part is used where its KV is exact, i.e. it is first or extends the token ids
+        placed before it (then its KV covers them and replaces the earlier parts). Every part
+        must start on a chunk boundary. Anything else answers 400 saying why (see the README's
+        composition rules): it would need tokens computed by vLLM *before* KV loaded after them."""
+        chunk = self.settings.chunk_size
+        kv: list[Resolved] = []
+        placed: list[int] = []   # token ids placed so far, all covered by `kv`
+        for i, p in enumerate(parts):
+            ids = list(p.token_ids)
+            if not ids:
+                continue  # an empty token-only cartridge places nothing
+            if p.kind == "first_k" and not any(q.kind == "trained" for q in kv) and ids[:len(placed)] == placed:
+                kv, placed = [p], ids  # first, or extends what precedes it: exact, covers it all
+                continue
+            if p.kind != "trained":
+                nxt = next(q for q in parts[i + 1:] if q.kind == "trained")
+                why = ("a token-only cartridge has no KV (vLLM computes its tokens)" if p.kind == "tokens" else
+                       "a first-k cartridge's KV is exact only first or extending what precedes it, so its "
+                       "tokens are computed here")
+                raise RequestError(400, f"trained cartridge {nxt.name!r} cannot follow {p.kind} cartridge "
+                                        f"{p.name!r}: {why}, and vLLM loads cartridge KV only as one prefix "
+                                        "from the prompt's first token, before it computes any token; the "
+                                        "trained cartridge would be computed from placeholder ids. Trained "
+                                        "cartridges must come before tokens that vLLM computes: list them "
+                                        "first, or put a first-k cartridge of these tokens (lmcache-cartridge "
+                                        "pack --model-dir) first")
+            if len(placed) % chunk:
+                raise RequestError(400, f"trained cartridge {p.name!r} would start at token {len(placed)}, not "
+                                        f"a multiple of the chunk size {chunk}: LMCache serves KV in whole "
+                                        f"chunks keyed by the prompt's tokens, so the chunk holding its last "
+                                        "tokens would also hold the tokens after it (unknown in advance) and "
+                                        "be computed from placeholder ids. Use a first-k cartridge of a "
+                                        f"multiple of {chunk} tokens before it, or list the trained cartridge first")
+            kv.append(p)
+            placed += ids
+        return kv
 
     def _composite(self, parts: list[Resolved]) -> tuple[Entry, Manifest]:
         from lmcache_cartridge.store.composite import register_composite

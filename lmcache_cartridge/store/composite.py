@@ -1,13 +1,15 @@
-"""Several trained cartridges served as one, as the Cartridges paper composes them.
+"""Several cartridges' KV served as one, as the Cartridges paper composes trained cartridges.
 
 Composition rule (arXiv 2506.06266, "composing cartridges"): the parts' KV tensors are
 concatenated in request order, each part keeping the positions it was trained at (its keys are
-already rotated), and the user's tokens start after the total length. For LMCache the composite
-is one more trained cartridge: its token ids are the parts' placeholder ids in order, so its
-chained chunk keys differ from the parts' own keys after the first part, and each of its chunks
-is a part's chunk (every trained part is whole chunks). No KV byte is copied: the composite's
-directory holds a manifest and `parts.json`, and `store.origins.CompositeOrigin` reads each
-chunk from its part's origin.
+already rotated), and the user's tokens start after the total length. A first-k part may lead
+the composite (the gateway puts one only where its KV is exact: at position 0), so its KV too is
+at the positions it was computed at. For LMCache the composite is one more trained cartridge:
+its token ids are the parts' ids in order (real ids, then placeholder ids), so its chained chunk
+keys differ from the parts' own keys after the first part, and each of its chunks is a part's
+chunk (every part is whole chunks: trained ones always, first-k ones are required to be). No KV
+byte is copied: the composite's directory holds a manifest and `parts.json`, and
+`store.origins.CompositeOrigin` reads each chunk from its part's origin.
 
 Runs in the gateway (or any registering process); the composite directory under
 `cache_dir/composites/` is owned by whoever made it, the plugin only reads it.
@@ -31,14 +33,25 @@ from lmcache_cartridge.store.registry import Entry
 _SAME = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_size")
 
 
+def _identity(m: Manifest) -> str:
+    """What makes a part this part: its bytes, and for a first-k part also its token ids (its
+    content hash covers the KV only; a trained part's ids are derived from its content hash)."""
+    if m.kind == "trained":
+        return m.content_hash
+    return m.content_hash + ":" + hashlib.sha256(json.dumps(m.token_ids).encode()).hexdigest()
+
+
 def composite_manifest(parts: list[Manifest]) -> Manifest:
     """The manifest of `parts` served in this order; an error names the first disagreement."""
-    if len(parts) < 2:
-        raise CartridgeError("a composite needs at least two trained cartridges")
+    if len(parts) < 2 or not any(p.kind == "trained" for p in parts):
+        raise CartridgeError("a composite needs at least two cartridges, one of them trained")
     first = parts[0]
     for p in parts:
-        if p.kind != "trained":
-            raise CartridgeError(f"{p.cartridge_id!r} is {p.kind}: only trained cartridges compose by KV")
+        if p.kind not in ("trained", "first_k"):
+            raise CartridgeError(f"{p.cartridge_id!r} is {p.kind}: it has no KV to compose")
+        if p.num_tokens % p.chunk_size:
+            raise CartridgeError(f"{p.cartridge_id!r} has {p.num_tokens} tokens, not whole chunks of "
+                                 f"{p.chunk_size}: a composite's parts must be whole chunks")
         for f in _SAME:
             if getattr(p, f) != getattr(first, f):
                 raise CartridgeError(
@@ -50,9 +63,9 @@ def composite_manifest(parts: list[Manifest]) -> Manifest:
         for c in p.chunks:
             chunks.append(ChunkInfo(len(chunks), offset, c.nbytes, c.num_tokens, c.sha256))
             offset += c.nbytes
-    digest = hashlib.sha256(("composite:" + ",".join(p.content_hash for p in parts)).encode()).hexdigest()
+    digest = hashlib.sha256(("composite:" + ",".join(_identity(p) for p in parts)).encode()).hexdigest()
     m = replace(
-        first, cartridge_id=f"composite-{digest[:24]}", num_tokens=sum(p.num_tokens for p in parts),
+        first, cartridge_id=f"composite-{digest[:24]}", kind="trained", num_tokens=sum(p.num_tokens for p in parts),
         token_ids=[t for p in parts for t in p.token_ids], chunks=chunks, content_hash=digest,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         provenance={"composite_of": [p.cartridge_id for p in parts],

@@ -1,5 +1,6 @@
 """Where a cartridge's bytes originally live: a local packed directory, an S3 prefix, or (for
-trained cartridges served together) a composite whose chunks are its parts' chunks.
+cartridges served together as one KV head: trained ones, after a first-k one at position 0) a
+composite whose chunks are its parts' chunks.
 
 An origin only moves raw chunk bytes; verifying them and caching them is `residency`'s job.
 Owned by the plugin (one per served cartridge); reads are thread-safe. Which origin a registry
@@ -81,8 +82,8 @@ class S3ChunkOrigin:
 
 
 class CompositeOrigin:
-    """Chunks of several trained cartridges in request order (`store.composite` writes the
-    directory: a manifest whose chunks are the parts' chunks renumbered, and `parts.json`).
+    """Chunks of several cartridges in request order, every part whole chunks (`store.composite`
+    writes the directory: a manifest whose chunks are the parts' chunks renumbered, and `parts.json`).
     Reading chunk i reads the part's own chunk: no byte is copied on disk."""
 
     def __init__(self, uri: str, directory: str | Path, s3_settings=None) -> None:

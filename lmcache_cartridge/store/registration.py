@@ -1,10 +1,11 @@
 """Turning what a user points at into a registered cartridge: an S3 packed prefix (its manifest is
 fetched; chunks stay in S3), a whole S3 object (a `.pt` in any input format, downloaded once into
-the cache) and any input file or directory (converted once into a content-addressed packed
-cartridge). Also the one id sanitiser and the one vocabulary loader the CLI and gateway share.
+the cache), an S3 prefix holding an input directory (a PEFT adapter, a Tokasaurus directory, ...:
+listed once, its files downloaded once) and any input file or directory (converted once into a
+content-addressed packed cartridge). Also the one id sanitiser and the one vocabulary loader the CLI and gateway share.
 
 Runs in the CLI (`register`, `pack`) and the gateway. Owns, under the cache dir: `manifests/`
-(S3 manifests), `objects/` (downloaded objects) and `packed/` (converted inputs); serving
+(S3 manifests), `objects/` (downloaded objects and input directories) and `packed/` (converted inputs); serving
 processes only read them.
 """
 
@@ -125,6 +126,80 @@ def fetch_s3_object(uri: str, settings, cache_dir: Path, *, force: bool = False)
     return CachedObject(data, uri, info.size, info.etag, info.sha256, downloaded=True)
 
 
+# --- S3 prefixes holding an input directory ---------------------------------------------------
+DIR_META = "dir.json"
+DIR_FILES = "files"
+
+
+@dataclass(frozen=True)
+class CachedDir:
+    """An S3 prefix as listed once: `packed` (it holds a manifest.json: chunks stay in S3), or an
+    input directory downloaded into `path` (`digest` as `content_digest` of that directory)."""
+
+    uri: str
+    packed: bool
+    path: Path | None = None
+    digest: str | None = None
+    downloaded: int = 0  # files fetched by this call (0: all current in the cache dir)
+
+
+def fetch_s3_dir(uri: str, settings, cache_dir: Path, *, force: bool = False) -> CachedDir:
+    """List `s3://bucket/prefix/` once and say what it holds: a packed cartridge (manifest.json),
+    or an input directory of a maker's format (`cartridge.inputs.dir_files`: a PEFT CARTRIDGE
+    adapter, a Tokasaurus directory, ...), whose files are downloaded into
+    `cache_dir/objects/<uri hash>/files/` unless the cache already has them at the listed size and
+    ETag (`force`: download them again). An empty prefix is `NotFound`; anything else a
+    `CartridgeError` naming what was found."""
+    from lmcache_cartridge.cartridge.inputs import dir_files
+    from lmcache_cartridge.store.s3 import NotFound, OriginError, S3Origin, parse_s3_uri
+
+    bucket, prefix = parse_s3_uri(uri)
+    uri = f"s3://{bucket}/{prefix}".rstrip("/")
+    with S3Origin(uri, settings) as origin:
+        listing = origin.list_names()
+    if not listing:
+        raise NotFound(f"LIST {uri}/: nothing there (no cartridge at this prefix)")
+    if MANIFEST_NAME in listing:
+        return CachedDir(uri, packed=True)
+    names = dir_files(listing)
+    if names is None:
+        raise CartridgeError(
+            f"{uri}/ is not a cartridge: expected manifest.json (packed), adapter_config.json + "
+            "adapter_model.safetensors (PEFT CARTRIDGE adapter), cartridge.pt + config.yaml (Tokasaurus), "
+            f"cartridge.pt + prefix_token_ids.json or cache_last.pt; found {sorted(listing)[:8]}")
+    d = Path(cache_dir) / "objects" / hashlib.sha256((uri + "/").encode()).hexdigest()[:24]
+    files, meta_path = d / DIR_FILES, d / DIR_META
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if meta.get("uri") != uri or not isinstance(meta.get("files"), dict):
+            meta = {}
+    except (OSError, ValueError):
+        meta = {}
+    known = {} if force else dict(meta.get("files") or {})
+    record, fetched = {}, 0
+    for name in names:
+        size, etag = listing[name]
+        had, path = known.get(name), files / name
+        if had and had.get("size") == size and had.get("etag") == etag and path.is_file() \
+                and path.stat().st_size == size:
+            record[name] = had
+            continue
+        with S3Origin(f"{uri}/{name}", settings) as obj:
+            info = obj.download_object(path)
+        if info.etag != etag:  # replaced between the LIST and the download: the listing is stale
+            raise OriginError(f"{uri}/{name} changed while it was being read; try again")
+        record[name] = {"size": info.size, "etag": info.etag, "sha256": info.sha256}
+        fetched += 1
+    for stale in files.glob("*") if files.is_dir() else ():
+        if stale.name not in record:  # a file the prefix no longer holds must not change the input
+            stale.unlink()
+    _atomic_write(meta_path, json.dumps({"uri": uri, "files": record}).encode())
+    h = hashlib.sha256()  # content_digest of the directory, from the sha256s already computed
+    for name in sorted(record):
+        h.update(name.encode() + b"\0" + record[name]["sha256"].encode())
+    return CachedDir(uri, packed=False, path=files, digest=h.hexdigest(), downloaded=fetched)
+
+
 # --- input files and directories --------------------------------------------------------------
 def content_digest(path: Path) -> str:
     """sha256 of a file, or of a directory's files (names and contents, sorted)."""
@@ -145,12 +220,30 @@ class Converted:
     token_ids: list[int] | None
 
 
+def model_dtype_for(kv, model_dir) -> "torch.dtype | None":
+    """float32 KV (PEFT adapters store fp32) packed for a local model: the model's dtype (its
+    config.json), as PEFT itself casts the prefix at load; the engine serves only KV of its own
+    dtype. Anything else keeps its dtype (None)."""
+    import torch
+
+    if kv is None or kv.dtype != torch.float32 or not model_dir:
+        return None
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 def convert_input(path: Path, digest: str, cache_dir: Path, *, model: str, chunk_size: int, vocab,
-                  name: str | None = None) -> Converted:
+                  name: str | None = None, model_dir: str | None = None) -> Converted:
     """Read any input `cartridge.formats.load_input` accepts and pack it once into
     `cache_dir/packed/<digest>` (content-addressed: the same bytes are converted once). A
     token-only input is not packed: its ids are a plain prompt prefix that vLLM computes itself.
-    `vocab` is called only when a trained cartridge needs placeholder ids."""
+    `vocab` is called only when a trained cartridge needs placeholder ids; `model_dir` (a local
+    model directory) gives fp32 KV the model's dtype (`model_dtype_for`)."""
     from lmcache_cartridge.cartridge.formats import load_input
     from lmcache_cartridge.cartridge.packed import pack_kv
 
@@ -161,7 +254,11 @@ def convert_input(path: Path, digest: str, cache_dir: Path, *, model: str, chunk
     if loaded.kv is None:
         return Converted(None, list(loaded.token_ids))
     kind = "first_k" if loaded.token_ids is not None else "trained"
-    pack_kv(loaded.kv, out, cartridge_id=default_id(name or path.stem, digest), model=model, kind=kind,
+    provenance = {"source": str(path), "sha256": digest, "format": loaded.source_format}
+    dtype = model_dtype_for(loaded.kv, model_dir)
+    if dtype is not None and dtype != loaded.kv.dtype:
+        provenance["converted_from_dtype"] = str(loaded.kv.dtype).removeprefix("torch.")
+    pack_kv(loaded.kv, out, dtype=dtype, cartridge_id=default_id(name or path.stem, digest), model=model, kind=kind,
             token_ids=loaded.token_ids, vocab=vocab() if kind == "trained" else None, chunk_size=chunk_size,
-            provenance={"source": str(path), "sha256": digest, "format": loaded.source_format}, overwrite=True)
+            provenance=provenance, overwrite=True)
     return Converted(out, None)

@@ -342,6 +342,28 @@ class S3Origin:
         self._count(bytes=len(data))
         return data
 
+    def list_names(self, limit: int = 1000) -> dict[str, tuple[int, str]]:
+        """The objects directly under this prefix (`prefix/<name>`, no deeper): name -> (size,
+        ETag). One LIST request per 1000 objects; more than `limit` objects is refused."""
+        out: dict[str, tuple[int, str]] = {}
+        base = f"{self.prefix}/" if self.prefix else ""
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"}
+        while True:
+            self._count(requests=1)
+            try:
+                r = self._client.list_objects_v2(**kw)
+            except Exception as e:
+                raise self._map_error(e, "", "LIST", key=base) from e
+            for o in r.get("Contents") or ():
+                name = o["Key"][len(base):]
+                if name:
+                    out[name] = (int(o["Size"]), str(o.get("ETag") or ""))
+            if len(out) > limit:
+                raise OriginError(f"s3://{self.bucket}/{base} holds more than {limit} objects: not a cartridge")
+            if not r.get("IsTruncated"):
+                return out
+            kw["ContinuationToken"] = r["NextContinuationToken"]
+
     def read_range_into(self, key_suffix: str, offset: int, out: memoryview | Any,
                         *, if_match: str | None = None,
                         on_data: Callable[[int, int], None] | None = None) -> int:

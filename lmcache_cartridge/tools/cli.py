@@ -47,18 +47,7 @@ def cmd_pack(args) -> int:
     from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
     from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv, rechunk
 
-    def _model_dtype_for(kv, model_dir):
-        """float32 KV (PEFT adapters store fp32) packed for a local model: the model's dtype, as PEFT
-        itself casts the prefix at load. Anything else keeps its dtype."""
-        if kv is None or kv.dtype != torch.float32 or not model_dir:
-            return None
-        try:
-            cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        except (OSError, ValueError):
-            return None
-        name = cfg.get("dtype") or cfg.get("torch_dtype")
-        dtype = getattr(torch, name, None) if isinstance(name, str) else None
-        return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+    from lmcache_cartridge.store.registration import model_dtype_for as _model_dtype_for  # one rule, shared with the gateway
 
     src = Path(args.input)
     out = Path(args.output)

@@ -27,7 +27,7 @@ from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge, check_mod
 from lmcache_cartridge.cartridge.inputs.torchfile import safe_torch_load
 from lmcache_cartridge.errors import CartridgeFormatError
 
-__all__ = ["LoadedCartridge", "load_input", "parse_object", "safe_torch_load", "same_model", "FORMATS", "describe"]
+__all__ = ["LoadedCartridge", "load_input", "dir_files", "parse_object", "safe_torch_load", "same_model", "FORMATS", "describe"]
 
 FORMATS: dict[str, str] = {
     trainable_cache.FORMAT: "HazyResearch/cartridges TrainableCache.save() checkpoint",
@@ -103,6 +103,20 @@ def _load_dir(path: Path) -> LoadedCartridge:
         f"{path}: not a cartridge directory: expected adapter_config.json (PEFT CARTRIDGE adapter), "
         "cartridge.pt + config.yaml (Tokasaurus), cartridge.pt + prefix_token_ids.json, or "
         "cache_last.pt (a Cartridges training run)")
+
+
+def dir_files(names: set[str] | dict[str, object]) -> tuple[str, ...] | None:
+    """Which of `names` (a listing of one directory level, e.g. an S3 prefix) `_load_dir` would
+    read, by the same rules in the same order; None when they are no input directory."""
+    if peft_adapter.CONFIG_NAME in names:
+        return (peft_adapter.CONFIG_NAME, *(n for n in peft_adapter.WEIGHTS_NAMES if n in names))
+    if tokasaurus.PT_NAME in names and tokasaurus.CONFIG_NAME in names:
+        return tokasaurus.PT_NAME, tokasaurus.CONFIG_NAME
+    if kv_list.IDS_NAME in names and tokasaurus.PT_NAME in names:
+        return (tokasaurus.PT_NAME, kv_list.IDS_NAME, *((kv_list.META_NAME,) if kv_list.META_NAME in names else ()))
+    if _RUN_CHECKPOINT in names:
+        return (_RUN_CHECKPOINT,)
+    return None
 
 
 def describe(loaded: LoadedCartridge) -> dict[str, Any]:

@@ -1,0 +1,110 @@
+"""Several cartridges "loaded in order", trained ones among them: what the gateway's plan places,
+and that LMCache's own lookup serves it. A first-k cartridge that is exact at position 0 (whole
+chunks) followed by trained cartridges is one composite: its chained chunk keys run over the
+first-k ids then the trained placeholder ids, and a REAL LMCacheEngine with the plugin (built by
+LMCache's loader from YAML) retrieves, bit for bit, the concatenated KV. Combinations that cannot
+be exact answer 400 with the rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_kv
+from test_plugin import CHUNK, D, H, L, MODEL, engine_for, flat
+from lmcache_cartridge.api.gateway import GatewaySettings, RequestError
+from lmcache_cartridge.api.requests import CartridgeSpec
+from lmcache_cartridge.api.resolver import Resolver
+from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+from lmcache_cartridge.store.registry import Registry
+from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+
+@pytest.fixture
+def parts(tmp_path):
+    """Resolved cartridges: first-k `sys` (1 chunk), `doc` (2 chunks, extends sys), `other` (1
+    chunk, does not), `odd` (40 tokens); trained `ta` (1 chunk) and `tb` (2 chunks); token-only `t`."""
+    tok_dir = str(ensure_test_model())
+    allowed = tmp_path / "allowed"
+    settings = GatewaySettings(upstream="http://127.0.0.1:9", model=MODEL, tokenizer=tok_dir,
+                               registry=tmp_path / "reg.db", cache_dir=tmp_path / "cache", chunk_size=CHUNK,
+                               local_roots=(allowed,))
+    reg = Registry(settings.registry)
+    kv, ids = {}, {}
+    doc_ids = list(range(10, 10 + 2 * CHUNK))
+    for name, n, seed, tokens in (("sys", CHUNK, 1, doc_ids[:CHUNK]), ("doc", 2 * CHUNK, 2, doc_ids),
+                                  ("other", CHUNK, 3, list(range(300, 300 + CHUNK))),
+                                  ("odd", 40, 4, list(range(400, 440)))):
+        kv[name] = random_kv(L, n, H, D, seed=seed)
+        pack_kv(kv[name], allowed / name, cartridge_id=name, model=MODEL, kind="first_k", token_ids=tokens,
+                chunk_size=CHUNK)
+    if True:  # doc extends sys: its first chunk's KV is sys's (a first-k KV depends only on its prefix)
+        kv["doc"][:, :, :CHUNK] = kv["sys"]
+        pack_kv(kv["doc"], allowed / "doc", cartridge_id="doc", model=MODEL, kind="first_k", token_ids=doc_ids,
+                chunk_size=CHUNK, overwrite=True)
+    for name, n, seed in (("ta", CHUNK, 5), ("tb", 2 * CHUNK, 6)):
+        kv[name] = random_kv(L, n, H, D, seed=seed)
+        pack_kv(kv[name], allowed / name, cartridge_id=name, model=MODEL, kind="trained",
+                vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+    torch.save({"token_ids": [7, 8, 9]}, allowed / "t.pt")
+    r = Resolver(settings, reg)
+    res = {n: r.resolve(CartridgeSpec(id=str(allowed / n), source="local"))
+           for n in ("sys", "doc", "other", "odd", "ta", "tb", "t.pt")}
+    return {"r": r, "reg": reg, "kv": kv, "res": res, "dir": tmp_path}
+
+
+def test_first_k_then_trained_is_one_composite_served_by_lmcache_bit_for_bit(parts):
+    r, res, kv, reg = parts["r"], parts["res"], parts["kv"], parts["reg"]
+    order = ["sys", "doc", "ta", "tb"]  # doc extends sys: doc's KV covers both, then ta, tb
+    plan = r.plan([res[n] for n in order])
+    assert plan.trained and len(plan.wanted) == 1
+    comp = plan.wanted[0]
+    m = Manifest.load(comp.path)
+    assert m.kind == "trained" and m.provenance["composite_of"] == ["doc", "ta", "tb"]
+    assert plan.prefix == m.token_ids == list(res["doc"].token_ids) + list(res["ta"].token_ids) + list(res["tb"].token_ids)
+    writes = reg.writes
+    assert r.plan([res[n] for n in order]).wanted == [comp] and reg.writes == writes  # cached: no write
+    # a later token-only part and a first-k one are placed after, as tokens
+    tail = r.plan([res["doc"], res["ta"], res["t.pt"], res["other"]])
+    assert tail.prefix == list(res["doc"].token_ids) + list(res["ta"].token_ids) + [7, 8, 9] + list(res["other"].token_ids)
+    assert len(tail.wanted) == 1 and tail.wanted[0].id != comp.id
+
+    # LMCache's own lookup and retrieve, the plugin serving the composite from the parts' chunks
+    want = torch.cat([kv["doc"], kv["ta"], kv["tb"]], dim=2)
+    user = [900, 901, 902]
+    with engine_for(parts["dir"], reg.path) as eng:
+        assert eng.engine.lookup(plan.prefix + user) == 5 * CHUNK
+        n, got = eng.retrieve(plan.prefix + user)
+        assert n == 5 * CHUNK
+        assert torch.equal(got[:, :, :n].view(torch.uint8), flat(want).view(torch.uint8))
+        # the trained parts' own keys differ after a first-k head: alone, ta is served at 0 only
+        assert eng.engine.lookup(list(res["ta"].token_ids) + list(res["tb"].token_ids) + user) == CHUNK
+
+
+@pytest.mark.parametrize("order, needle", [
+    (["t.pt", "ta"], "cannot follow tokens cartridge"),              # token-only: no KV
+    (["sys", "other", "ta"], "cannot follow first_k cartridge '/*/other'"),  # other is prefilled after sys
+    (["ta", "sys", "tb"], "cannot follow first_k cartridge '/*/sys'"),  # sys is computed after ta
+    (["ta", "t.pt", "tb"], "cannot follow tokens cartridge"),
+    (["odd", "ta"], "would start at token 40, not a multiple of the chunk size 64"),
+])
+def test_combinations_that_cannot_be_exact_answer_400_with_the_rule(parts, order, needle):
+    r, res = parts["r"], parts["res"]
+    with pytest.raises(RequestError) as e:
+        r.plan([res[n] for n in order])
+    import fnmatch
+
+    assert e.value.status == 400 and fnmatch.fnmatch(str(e.value), f"*{needle}*"), str(e.value)
+    assert "must come before" in str(e.value) or "multiple" in str(e.value)
+
+
+def test_trained_first_then_anything_still_served(parts):
+    """Unchanged rules: trained first compose; token and first-k parts after them are tokens."""
+    r, res = parts["r"], parts["res"]
+    plan = r.plan([res["ta"], res["tb"], res["odd"], res["t.pt"]])
+    assert plan.trained and len(plan.wanted) == 1
+    assert plan.prefix == (list(res["ta"].token_ids) + list(res["tb"].token_ids) + list(res["odd"].token_ids)
+                           + [7, 8, 9])
+    single = r.plan([res["sys"], res["ta"]])
+    assert Manifest.load(single.wanted[0].path).provenance["composite_of"] == ["sys", "ta"]
