@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "first_hit")
     ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench-first-hit")
     a = ap.parse_args(argv)
+    a.out, a.work = a.out.resolve(), a.work.resolve()  # the server runs in its own directory
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
