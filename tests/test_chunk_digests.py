@@ -94,7 +94,7 @@ def test_a_cartridge_packed_before_blake3_still_serves_verified_by_sha256(tmp_pa
     hb = Handle(pb.manifest, LocalOrigin(bad))
     res = _residency()
     assert _serve(res, hb, 1) == _raw(p, 1)
-    with pytest.raises(ChecksumError, match="chunk 2 sha256 checksum mismatch"):
+    with pytest.raises(ChecksumError, match=r"chunk 2 checksum mismatch \(sha256"):
         _serve(res, hb, 2)
     with pytest.raises(ChecksumError):
         pb.read_chunk(2)
@@ -113,12 +113,12 @@ def test_a_flipped_byte_in_one_chunk_is_refused_on_every_read_path(tmp_path):
     res = _residency()
     handle = Handle(bad.manifest, LocalOrigin(bad_dir))
     assert _serve(res, handle, 0) == good[0] and _serve(res, handle, 2) == good[2]
-    with pytest.raises(ChecksumError, match="chunk 1 blake3 checksum mismatch"):
+    with pytest.raises(ChecksumError, match=r"chunk 1 checksum mismatch \(blake3"):
         _serve(res, handle, 1)
     assert (bad.manifest.content_hash, 1) not in res.cpu  # nothing unverified was cached
 
     # PackedCartridge readers and `verify`
-    with pytest.raises(ChecksumError, match="blake3"):
+    with pytest.raises(ChecksumError, match=r"\(blake3"):
         bad.read_chunk(1)
     report = bad.verify()
     assert not report.ok and len(report.problems) == 1 and "chunk 1" in report.problems[0]
@@ -148,7 +148,7 @@ def test_a_flipped_byte_in_one_chunk_is_refused_on_every_read_path(tmp_path):
         if ok:
             check.result()
         else:
-            with pytest.raises(ChecksumError, match="blake3"):
+            with pytest.raises(ChecksumError, match=r"\(blake3"):
                 check.result()
 
 
@@ -164,9 +164,9 @@ def test_reads_check_blake3_and_verify_checks_both_digests(tmp_path):
     res = _residency()
     handle = Handle(q.manifest, LocalOrigin(p.directory))
     assert _serve(res, handle, 0) == _raw(q, 0)
-    with pytest.raises(ChecksumError, match="chunk 1 blake3"):
+    with pytest.raises(ChecksumError, match=r"chunk 1 checksum mismatch \(blake3"):
         _serve(res, handle, 1)
-    with pytest.raises(ChecksumError, match="chunk 0 sha256"):
+    with pytest.raises(ChecksumError, match=r"chunk 0 checksum mismatch \(sha256"):
         check_chunk(q.manifest.chunks[0], memoryview(bytearray(_raw(q, 0))), "x", every_digest=True)
     report = q.verify()
     assert [("chunk 0" in s, "chunk 1" in s) for s in report.problems] == [(True, False), (False, True)]

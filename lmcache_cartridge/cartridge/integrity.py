@@ -54,9 +54,8 @@ def _every_digest(info: ChunkInfo) -> list[Digest]:
     return out
 
 
-def _checksum_error(info: ChunkInfo, where: str, digest: str = "") -> ChecksumError:
-    what = f"{digest} " if digest else ""
-    return ChecksumError(f"{where}: chunk {info.index} {what}checksum mismatch (corrupted or replaced "
+def _checksum_error(info: ChunkInfo, where: str, digest: str) -> ChecksumError:
+    return ChecksumError(f"{where}: chunk {info.index} checksum mismatch ({digest}: corrupted or replaced "
                          "bytes); re-pack or re-download the cartridge")
 
 
