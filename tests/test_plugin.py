@@ -313,6 +313,8 @@ def test_nan_chunk_with_matching_checksum_is_never_served(carts, caplog):
     import hashlib
     import json as _json
 
+    import blake3
+
     (a, kv_a) = carts["a"]
     d = carts["dir"] / "a"
     payload = bytearray((d / "kv.bin").read_bytes())
@@ -322,6 +324,7 @@ def test_nan_chunk_with_matching_checksum_is_never_served(carts, caplog):
     (d / "kv.bin").write_bytes(bytes(payload))
     m = _json.loads((d / "manifest.json").read_text())
     m["chunks"][1]["sha256"] = hashlib.sha256(payload[info.offset:info.offset + info.nbytes]).hexdigest()
+    m["chunks"][1]["blake3"] = blake3.blake3(payload[info.offset:info.offset + info.nbytes]).hexdigest()
     (d / "manifest.json").write_text(_json.dumps(m))
     caplog.set_level(logging.ERROR, logger="lmcache_cartridge")
     with engine_for(carts["dir"], carts["reg"].path) as eng:

@@ -26,6 +26,8 @@ def corrupt_chunk_with_nan(directory, manifest, index):
     import hashlib
     import json
 
+    import blake3
+
     payload = bytearray((directory / "kv.bin").read_bytes())
     info = manifest.chunks[index]
     chunk = torch.frombuffer(payload, dtype=torch.bfloat16, offset=info.offset, count=info.nbytes // 2)
@@ -33,6 +35,7 @@ def corrupt_chunk_with_nan(directory, manifest, index):
     (directory / "kv.bin").write_bytes(bytes(payload))
     m = json.loads((directory / "manifest.json").read_text())
     m["chunks"][index]["sha256"] = hashlib.sha256(payload[info.offset:info.offset + info.nbytes]).hexdigest()
+    m["chunks"][index]["blake3"] = blake3.blake3(payload[info.offset:info.offset + info.nbytes]).hexdigest()
     (directory / "manifest.json").write_text(json.dumps(m))
 
 

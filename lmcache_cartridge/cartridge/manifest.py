@@ -70,13 +70,21 @@ def validate_id(cartridge_id: str) -> str:
 
 @dataclass(frozen=True)
 class ChunkInfo:
-    """Where one chunk lives in the payload and what its bytes must hash to."""
+    """Where one chunk lives in the payload and what its bytes must hash to.
+
+    `sha256` is the chunk's identity (the cartridge's `content_hash` is made from them).
+    `blake3` is the digest a reader verifies the bytes against: the same guarantee at ~3x
+    sha256's speed here (`benchmarks/integrity.py`), so a first hit is not bound by hashing.
+    Cartridges packed before it existed have `None`: their bytes are verified by `sha256`
+    (`integrity.chunk_digest` is the one place that decides).
+    """
 
     index: int
     offset: int
     nbytes: int
     num_tokens: int
     sha256: str
+    blake3: str | None = None
 
 
 @dataclass
@@ -127,6 +135,9 @@ class Manifest:
     # --- (de)serialisation ------------------------------------------------------------------
     def to_json(self) -> str:
         d = asdict(self)
+        for c in d["chunks"]:  # a cartridge packed without per-chunk blake3 keeps its old manifest
+            if c["blake3"] is None:
+                del c["blake3"]
         return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod
@@ -198,7 +209,8 @@ class Manifest:
         offset, tokens = 0, 0
         for i, c in enumerate(self.chunks):
             if not all(isinstance(v, int) and not isinstance(v, bool)
-                       for v in (c.index, c.offset, c.nbytes, c.num_tokens)) or not isinstance(c.sha256, str):
+                       for v in (c.index, c.offset, c.nbytes, c.num_tokens)) or not isinstance(c.sha256, str) \
+                    or not (c.blake3 is None or isinstance(c.blake3, str)):
                 raise ManifestError(f"manifest chunk {i} has fields of the wrong type")
             expect_tokens = min(self.chunk_size, self.num_tokens - tokens)
             if (
@@ -207,11 +219,12 @@ class Manifest:
                 or c.num_tokens != expect_tokens
                 or c.nbytes != self.chunk_nbytes(c.num_tokens)
                 or not re.fullmatch(r"[0-9a-f]{64}", c.sha256 or "")
+                or (c.blake3 is not None and not re.fullmatch(r"[0-9a-f]{64}", c.blake3))
             ):
                 raise ManifestError(
                     f"manifest chunk {i} is inconsistent (offset {c.offset} vs {offset}, tokens "
                     f"{c.num_tokens} vs {expect_tokens}, bytes {c.nbytes} vs "
-                    f"{self.chunk_nbytes(expect_tokens)}, or a malformed sha256)"
+                    f"{self.chunk_nbytes(expect_tokens)}, or a malformed sha256 or blake3)"
                 )
             offset += c.nbytes
             tokens += c.num_tokens

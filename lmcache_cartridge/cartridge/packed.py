@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from lmcache_cartridge.cartridge.buffers import as_bytes
-from lmcache_cartridge.cartridge.integrity import check_chunk
+from lmcache_cartridge.cartridge.integrity import blake3_hex, check_chunk
 from lmcache_cartridge.errors import CartridgeFormatError, ChecksumError, ManifestError
 from lmcache_cartridge.cartridge.keys import placeholder_token_ids
 from lmcache_cartridge.cartridge.manifest import KINDS, MANIFEST_NAME, PAYLOAD_NAME, ChunkInfo, Manifest, dtype_name, validate_id
@@ -113,7 +113,8 @@ def pack_kv(
                 chunk = to_chunk_layout(kv, start, end)
                 data = as_bytes(chunk)
                 f.write(data)
-                chunks.append(ChunkInfo(i, offset, len(data), end - start, hashlib.sha256(data).hexdigest()))
+                chunks.append(ChunkInfo(i, offset, len(data), end - start, hashlib.sha256(data).hexdigest(),
+                                        blake3_hex(data)))
                 offset += len(data)
             f.flush()
             os.fsync(f.fileno())
@@ -155,6 +156,8 @@ def pack_kv(
 
 
 def _content_hash(kv: torch.Tensor, chunks: list[ChunkInfo], chunk_size: int) -> str:
+    """The cartridge's identity: shape, dtype, chunking and every chunk's sha256 (not its BLAKE3,
+    which only speeds up reading: the same KV has the same id whichever version packed it)."""
     h = hashlib.sha256()
     h.update(json.dumps([list(kv.shape), str(kv.dtype), chunk_size]).encode())
     for c in chunks:
@@ -221,16 +224,18 @@ class PackedCartridge:
                 raise ManifestError(f"{self.payload_path}: unexpected end of payload in chunk {index}")
             done += n
 
-    def read_chunk_into(self, index: int, out: torch.Tensor, *, verify: bool = True) -> None:
-        """Read chunk `index` straight into `out` (contiguous, exactly the chunk's bytes)."""
+    def read_chunk_into(self, index: int, out: torch.Tensor, *, verify: bool = True,
+                        every_digest: bool = False) -> None:
+        """Read chunk `index` straight into `out` (contiguous, exactly the chunk's bytes), checked
+        against its reading digest (`integrity.chunk_digest`), or every digest it records."""
         buf = as_bytes(out)
         self.read_raw_into(index, buf)
         if verify:
-            check_chunk(self.manifest.chunks[index], buf, str(self.payload_path))
+            check_chunk(self.manifest.chunks[index], buf, str(self.payload_path), every_digest=every_digest)
 
-    def read_chunk(self, index: int, *, verify: bool = True) -> torch.Tensor:
+    def read_chunk(self, index: int, *, verify: bool = True, every_digest: bool = False) -> torch.Tensor:
         out = torch.empty(self.chunk_shape(index), dtype=self.manifest.torch_dtype)
-        self.read_chunk_into(index, out, verify=verify)
+        self.read_chunk_into(index, out, verify=verify, every_digest=every_digest)
         return out
 
     def load_kv(self, *, verify: bool = True) -> torch.Tensor:
@@ -241,11 +246,12 @@ class PackedCartridge:
         return kv.reshape(2, m.num_layers, m.num_tokens, m.num_kv_heads, m.head_dim)
 
     def verify(self) -> VerifyReport:
-        """Recompute every checksum and look for NaN/Inf; never raises for bad content."""
+        """Recompute every checksum (sha256 and, where recorded, BLAKE3) and look for NaN/Inf;
+        never raises for bad content."""
         report = VerifyReport(ok=True)
         for i in range(len(self.manifest.chunks)):
             try:
-                chunk = self.read_chunk(i, verify=True)
+                chunk = self.read_chunk(i, verify=True, every_digest=True)
             except (ChecksumError, ManifestError) as e:
                 report.problems.append(str(e))
                 continue

@@ -61,7 +61,7 @@ def composite_manifest(parts: list[Manifest]) -> Manifest:
     offset = 0
     for p in parts:
         for c in p.chunks:
-            chunks.append(ChunkInfo(len(chunks), offset, c.nbytes, c.num_tokens, c.sha256))
+            chunks.append(ChunkInfo(len(chunks), offset, c.nbytes, c.num_tokens, c.sha256, c.blake3))
             offset += c.nbytes
     digest = hashlib.sha256(("composite:" + ",".join(_identity(p) for p in parts)).encode()).hexdigest()
     m = replace(
