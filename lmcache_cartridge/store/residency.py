@@ -13,7 +13,8 @@ process has verified. A chunk is identified by `(content_hash, index)`, so two c
 share bytes and a re-packed cartridge never reuses stale ones.
 
 Invariant: nothing unverified is served or cached. Origin bytes are checked against the
-manifest's sha256 before use; disk-cache files are checked on their first read in a process.
+manifest's chunk digest (`integrity.chunk_digest`: BLAKE3, or sha256 for
+cartridges packed before it) before use; disk-cache files are checked on their first read in a process.
 """
 
 from __future__ import annotations
