@@ -277,8 +277,23 @@ def create_app(settings: GatewaySettings):
         except httpx.HTTPError as e:
             return JSONResponse({"gateway": "ok", "upstream": type(e).__name__}, status_code=503)
 
+    sync = None
+    if settings.catalog_uri:  # started with the app, not at import: a TestClient or uvicorn owns it
+        from lmcache_cartridge.store.catalog import CatalogSync
+        from lmcache_cartridge.store.s3 import S3Settings
+
+        sync = CatalogSync(Registry(settings.registry), settings.catalog_uri, S3Settings.from_mapping(settings.s3),
+                           settings.catalog_period, cache_dir=settings.cache_dir, chunk_size=settings.chunk_size)
+        app.state.catalog_sync = sync
+
+        @app.on_event("startup")
+        async def _sync():
+            sync.start()
+
     @app.on_event("shutdown")
     async def _close():
+        if sync is not None:
+            sync.stop()
         await client.aclose()
         registry.close()
 

@@ -35,3 +35,7 @@ class GatewaySettings:
     max_body_bytes: int = 4 << 20
     upstream_timeout: float = 600.0
     serve_timeout: float = 15.0     # wait this long for the engine's plugins to serve a cartridge
+    # The S3 catalog the plugins sync (`storage_plugin.<name>.catalog_uri`): the gateway syncs it
+    # into its own registry too, so gateways need no disk shared with the servers.
+    catalog_uri: str | None = None
+    catalog_period: float = 30.0

@@ -468,6 +468,8 @@ def cmd_gateway(args) -> int:
         max_cartridges=args.max_cartridges,
         max_body_bytes=args.max_body_bytes,
         serve_timeout=args.serve_timeout,
+        catalog_uri=settings.catalog_uri if settings else None,
+        catalog_period=float(settings.catalog_period) if settings else 30.0,
     )
     uvicorn.run(create_app(gs), host=args.host, port=args.port, log_level="warning")
     return 0
