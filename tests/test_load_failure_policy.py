@@ -51,7 +51,7 @@ class HitConnector(KVConnectorBase_V1):
         pass
 
 
-def _scheduler():
+def _scheduler(connector: str = "HitConnector"):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -66,7 +66,7 @@ def _scheduler():
                                          is_encoder_decoder=False),
         model_config=model, device_config=DeviceConfig("cpu"),
         cache_config=CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(kv_connector="HitConnector", kv_connector_module_path=__name__,
+        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_connector_module_path=__name__,
                                             kv_role="kv_both", kv_load_failure_policy="recompute"))
     config.cache_config.num_gpu_blocks = 64
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
@@ -175,3 +175,52 @@ def test_marker_is_read_from_vllms_request(params, expected):
     extra = {"kv_transfer_params": params} if params is not None else None
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1, extra_args=extra), None)
     assert must_not_recompute(req) is expected
+
+
+class GateConnector(HitConnector):
+    """Like `HitConnector` while `resident`, else a miss; marked requests go through the readiness
+    gate as `CartridgeConnector` does (WAIT -> None)."""
+
+    resident = False
+    gate = None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        from lmcache_cartridge.vllm.readiness import WAIT
+
+        ext = max(0, EXTERNAL - num_computed_tokens) if GateConnector.resident else 0
+        verdict, _ = GateConnector.gate.decide(request, num_computed_tokens, ext)
+        return (None, False) if verdict == WAIT else (ext, False)
+
+
+def test_a_waiting_trained_request_is_skipped_by_vllms_scheduler_and_blocks_no_other():
+    """vLLM 0.32's contract for None ("ask again later"), in its real Scheduler: the trained
+    request (gateway's TRAINED_TOKENS_PARAM = EXTERNAL) is not scheduled while its cartridge is
+    not here, the unmarked one is; once resident it is scheduled with its KV as external hit;
+    past the deadline the gate says FAIL."""
+    from vllm.v1.request import RequestStatus
+
+    from lmcache_cartridge.vllm.readiness import FAIL, TRAINED_TOKENS_PARAM, WAIT, ReadinessGate
+
+    now = [0.0]
+    GateConnector.gate, GateConnector.resident = ReadinessGate(5.0, clock=lambda: now[0]), False
+    sched = _scheduler(connector="GateConnector")
+    plain, trained = _request("plain", 10, False), _request("trained", 300, True)
+    trained.kv_transfer_params[TRAINED_TOKENS_PARAM] = EXTERNAL
+    for r in (trained, plain):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"plain": PROMPT}                # the trained one waits
+    assert trained.status == RequestStatus.WAITING and GateConnector.gate.waiting() == 1
+    now[0] = 2.0
+    assert sched.schedule().num_scheduled_tokens.get("trained") is None  # asked again: still waiting
+    GateConnector.resident = True
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["trained"] == PROMPT - EXTERNAL      # its first EXTERNAL tokens loaded
+    assert GateConnector.gate.waiting() == 0
+
+    late = _request("late", 600, True)
+    late.kv_transfer_params[TRAINED_TOKENS_PARAM] = EXTERNAL
+    assert GateConnector.gate.decide(late, 0, 0)[0] == WAIT
+    now[0] = 7.1
+    assert GateConnector.gate.decide(late, 0, 0) == (FAIL, EXTERNAL)
+    assert GateConnector.gate.decide(late, EXTERNAL, 0)[0] == "ready"    # vLLM's own prefix cache counts
