@@ -311,31 +311,21 @@ class CartridgeConnector(LMCacheConnectorV1):
         a trained cartridge (`readiness`): wait (None: vLLM asks again next step and schedules the
         others meanwhile) until the cartridge's KV can be loaded, bounded; then fail, never
         schedule it to be recomputed."""
-        from lmcache_cartridge.vllm.readiness import FAIL, READY, required_tokens
-
+        rid = getattr(request, "request_id", "?")
         try:
-            ext, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+            return self._gate.match(
+                request, num_computed_tokens,
+                lookup=lambda: super(CartridgeConnector, self).get_num_new_matched_tokens(request, num_computed_tokens),
+                relookup=lambda: self._impl().lookup_client.clear_lookup_status(rid),
+                promise=lambda need: self._promise_trained(request, num_computed_tokens, need))
         except Exception:
-            marked = bool(required_tokens(request))
-            logger.exception("lmcache_cartridge: lookup for request %s raised; %s",
-                             getattr(request, "request_id", "?"),
-                             "it waits for its trained cartridge" if marked else "recomputing it")
-            if not marked:
-                return 0, False
-            ext, load_async = None, False
-        try:
-            verdict, need = self._gate.decide(request, num_computed_tokens, ext)
-            if verdict == READY:
-                return ext, load_async
-            if verdict == FAIL:
-                return self._promise_trained(request, num_computed_tokens, need)
-            if self._gate.relookup_due(request.request_id):  # WAIT: look up afresh next time
-                self._impl().lookup_client.clear_lookup_status(request.request_id)
-            return None, False
-        except Exception:  # never stop the engine; never recompute a trained cartridge
-            logger.exception("lmcache_cartridge: readiness check for request %s raised; it waits",
-                             getattr(request, "request_id", "?"))
-            return None, False
+            from lmcache_cartridge.vllm.readiness import required_tokens
+
+            if required_tokens(request):  # never stop the engine; never recompute a trained cartridge
+                logger.exception("lmcache_cartridge: readiness check for request %s raised; it waits", rid)
+                return None, False
+            logger.exception("lmcache_cartridge: lookup for request %s raised; recomputing it", rid)
+            return 0, False
 
     def _promise_trained(self, request, num_computed_tokens: int, need: int):
         """The wait is over and the trained cartridge is still not (all) here: schedule its
@@ -354,9 +344,6 @@ class CartridgeConnector(LMCacheConnectorV1):
         promised = total if need == total - 1 and trained_length(request) >= total else need
         self._impl().load_specs[request.request_id] = LoadSpec(
             vllm_cached_tokens=num_computed_tokens, lmcache_cached_tokens=promised, can_load=False)
-        logger.error("lmcache_cartridge: request %s waited %.1f s and its trained cartridge's KV is still not "
-                     "here (%d of %d tokens); failing it (never recomputed from placeholder tokens)",
-                     request.request_id, self._gate.timeout_s, num_computed_tokens, need)
         return need - num_computed_tokens, False
 
     def request_finished(self, request, block_ids):

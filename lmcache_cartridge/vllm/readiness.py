@@ -14,7 +14,7 @@ prompt's first N tokens are placeholders whose KV must come from the cartridge.
 
 Where it runs: the scheduler-role `CartridgeConnector.get_num_new_matched_tokens` (the
 EngineCore process, inside vLLM's `Scheduler.schedule`, once per step for each waiting request
-it reaches) asks `ReadinessGate.decide` after LMCache's lookup:
+it reaches) answers through `ReadinessGate.match`, after LMCache's lookup:
 * covered (vLLM's own prefix-cache hit + LMCache's hit) reaches the first N tokens (N - 1 when
   the prompt is exactly the cartridge: vLLM computes the last token itself) -> "ready": LMCache's
   answer as is;
@@ -35,11 +35,14 @@ Unmarked requests (no trained cartridge, first-k cartridges) are not looked at.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable
 
 from lmcache_cartridge.vllm.load_failure import must_not_recompute
+
+logger = logging.getLogger("lmcache_cartridge.readiness")
 
 # kv_transfer_params key (int): how many leading prompt tokens are a trained cartridge's
 # placeholders, whose KV must be loaded, never computed. Set by the gateway with NO_RECOMPUTE_PARAM.
@@ -48,9 +51,10 @@ TRAINED_TOKENS_PARAM = "lmcache_cartridge.trained_tokens"
 # trained cartridge's KV before it fails.
 READY_TIMEOUT_KEY = "cartridge.ready_timeout_s"
 DEFAULT_READY_TIMEOUT_S = 30.0
-# While a request waits, LMCache's lookup is repeated at most this often (vLLM re-asks every
-# engine step; in between the connector answers from LMCache's cached lookup result).
-RELOOKUP_INTERVAL_S = 0.05
+# While a request waits, LMCache's lookup (which also restarts a failed download in the plugin)
+# is repeated at most this often. vLLM re-asks every engine step, and while only waiting requests
+# are left its engine loop steps without pause: in between, the connector answers None at once.
+RELOOKUP_INTERVAL_S = 0.25
 
 READY, WAIT, FAIL = "ready", "wait", "fail"
 
@@ -89,6 +93,34 @@ class ReadinessGate:
         self._looked: dict[str, float] = {}
         self._lock = threading.Lock()
 
+    def match(self, request: Any, num_computed_tokens: int, lookup: Callable[[], tuple[int | None, bool]],
+              relookup: Callable[[], None], promise: Callable[[int], tuple[int, bool]]) -> tuple[int | None, bool]:
+        """The answer to vLLM's `get_num_new_matched_tokens` for `request`, given LMCache's
+        `lookup` (its answer), `relookup` (forget LMCache's cached lookup result so the next
+        `lookup` asks again) and `promise` (report `need` tokens as an external hit whose load
+        must happen; returns the answer). Unmarked requests: `lookup()` as is."""
+        if not required_tokens(request):
+            return lookup()
+        if self.hold(request):
+            return None, False
+        try:
+            ext, load_async = lookup()
+        except Exception:  # noqa: BLE001 - a marked request is never recomputed: it waits
+            logger.exception("lmcache_cartridge: lookup for request %s raised; it waits for its trained "
+                             "cartridge", getattr(request, "request_id", "?"))
+            ext, load_async = None, False
+        verdict, need = self.decide(request, num_computed_tokens, ext)
+        if verdict == READY:
+            return ext, load_async
+        if verdict == FAIL:
+            logger.error("lmcache_cartridge: request %s waited %.1f s and its trained cartridge's KV is still "
+                         "not here (%d + %s of %d tokens); failing it (never recomputed from placeholder tokens)",
+                         request.request_id, self.timeout_s, num_computed_tokens, ext, need)
+            return promise(need)
+        if self.relookup_due(request.request_id):
+            relookup()
+        return None, False
+
     def decide(self, request: Any, num_computed_tokens: int, num_external_tokens: int | None) -> tuple[str, int]:
         """(verdict, required tokens) for `request` after a lookup: READY, WAIT or FAIL."""
         need = required_tokens(request)
@@ -103,6 +135,16 @@ class ReadinessGate:
             return WAIT, need
         self.forget(rid)
         return FAIL, need
+
+    def hold(self, request: Any) -> bool:
+        """True: `request` already waits, its deadline has not passed and its next lookup is not
+        due yet, so the answer is None again without asking LMCache."""
+        rid = str(request.request_id)
+        now = self._clock()
+        with self._lock:
+            since, looked = self._since.get(rid), self._looked.get(rid)
+        return since is not None and looked is not None and now - since < self.timeout_s \
+            and now - looked < RELOOKUP_INTERVAL_S
 
     def relookup_due(self, request_id: str) -> bool:
         """Whether a waiting request's lookup should be asked again (True at most every
