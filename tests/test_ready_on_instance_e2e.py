@@ -5,9 +5,11 @@ cartridge registered from a real moto S3 origin behind the fault proxy of `s3_se
 The request is sent DIRECTLY to vLLM with the body the gateway builds (as vllm-router forwards
 it: no gateway-side wait on this host). While the origin is down the cartridge is not resident:
 * the marked request waits on the instance (`cartridge.ready_timeout_s`), an unmarked request
-  is served meanwhile, then the marked one fails cleanly (HTTP 500; the gateway maps it to a
-  503 + Retry-After), the engine stays alive. Old code: 200 with an answer computed from the
-  placeholder token ids;
+  is served meanwhile, then the marked one fails cleanly (HTTP 500), the engine stays alive. Old
+  code: 200 with an answer computed from the placeholder token ids;
+* the same request through a gateway that cannot see the instance's state (as on another host,
+  vllm-router between them: its own residency wait has nothing to wait for) carries the trained
+  length (`TRAINED_TOKENS_PARAM`), so the instance applies the same rule: 503 + Retry-After;
 * the origin comes back while a marked request waits: it is answered once the cartridge is
   resident, from the cartridge's KV (loaded from LMCache), equal to HF given that KV.
 """
@@ -21,11 +23,12 @@ import httpx
 import pytest
 import torch
 
-from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+from lmcache_cartridge.api.gateway import GatewaySettings
+from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
 from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
 from lmcache_cartridge.vllm.readiness import READY_TIMEOUT_KEY, TRAINED_TOKENS_PARAM
 from s3_server import S3Proxy, s3_client, upload_dir
-from test_load_failure_e2e import result
+from test_load_failure_e2e import gateway_complete, result
 from test_vllm_e2e import HF_MAX_TOL, HF_MEAN_TOL, _trained_kv, hf_teacher_forced, max_diff, mean_diff, token_ids_of, user_ids
 
 pytestmark = pytest.mark.slow
@@ -56,8 +59,14 @@ def stack(tmp_path_factory, moto_server):
                             kv_extra={READY_TIMEOUT_KEY: READY_TIMEOUT_S})
         try:
             server.wait_healthy()
-            yield {"server": server, "proxy": proxy, "root": root, "model": str(model_dir), "hf": (model, tok),
-                   "ids": list(m.token_ids), "kv": kv}
+            # A gateway as on another host (vllm-router between them): it sees no instance's state
+            # files (its own cache dir), so its own wait has nothing to wait for and it forwards.
+            settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
+                                       registry=root / "registry.db", cache_dir=root / "gateway-cache",
+                                       chunk_size=CHUNK)
+            with GatewayThread(settings) as gw:
+                yield {"server": server, "proxy": proxy, "root": root, "model": str(model_dir), "hf": (model, tok),
+                       "ids": list(m.token_ids), "kv": kv, "gw": gw}
         finally:
             server.stop()
 
@@ -103,6 +112,15 @@ def test_trained_request_waits_on_the_instance_then_fails_or_is_served(stack):
     assert "its trained cartridge's KV is still not here" in log, server.log_tail()
     assert "whose trained-cartridge KV failed to load" in log, server.log_tail()
     assert health == 200 and server.alive()
+
+    # 1b. The same through the gateway on another host: the instance's failure is a retryable 503.
+    at = len(server.log_text())
+    via_gw = gateway_complete(stack, "tr", user)
+    print(f"[ready on instance] origin down, via a gateway that cannot see the instance: HTTP {via_gw.status_code} "
+          f"Retry-After {via_gw.headers.get('Retry-After')}")
+    assert via_gw.status_code == 503 and via_gw.headers.get("Retry-After") == "1", via_gw.text
+    assert "trained cartridge" in via_gw.json()["error"]["message"]
+    assert "its trained cartridge's KV is still not here" in server.log_text()[at:], server.log_tail()
 
     # 2. The origin comes back while a marked request waits: served once resident, from the cartridge.
     ext0 = server.external_tokens()
