@@ -32,6 +32,14 @@ Failure handling (a connector exception in a vLLM worker would otherwise kill th
   `kv_connector_extra_config.cartridge.keep_load_failure_policy: true` leaves vLLM's policy as
   configured (and no per-request policy);
 * save paths raising -> logged, nothing stored for that step.
+
+Readiness (scheduler side, `readiness`): a request the gateway marked as carrying a trained
+cartridge (`NO_RECOMPUTE_PARAM` + `readiness.TRAINED_TOKENS_PARAM`) is scheduled only once this
+instance can load the cartridge's tokens: until then `get_num_new_matched_tokens` answers None
+(vLLM skips it this step and asks again; other requests are scheduled), at most
+`cartridge.ready_timeout_s` (kv_connector_extra_config, default 30 s), then its tokens are
+promised as an external hit whose load fails, and the per-request policy above fails it. A lookup
+that raises for such a request also makes it wait (never 0 tokens, which would recompute it).
 """
 
 from __future__ import annotations
