@@ -51,7 +51,7 @@ class HitConnector(KVConnectorBase_V1):
         pass
 
 
-def _scheduler():
+def _scheduler(connector: str = "HitConnector"):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -66,7 +66,7 @@ def _scheduler():
                                          is_encoder_decoder=False),
         model_config=model, device_config=DeviceConfig("cpu"),
         cache_config=CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(kv_connector="HitConnector", kv_connector_module_path=__name__,
+        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_connector_module_path=__name__,
                                             kv_role="kv_both", kv_load_failure_policy="recompute"))
     config.cache_config.num_gpu_blocks = 64
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
@@ -175,3 +175,93 @@ def test_marker_is_read_from_vllms_request(params, expected):
     extra = {"kv_transfer_params": params} if params is not None else None
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1, extra_args=extra), None)
     assert must_not_recompute(req) is expected
+
+
+class GateConnector(HitConnector):
+    """`HitConnector`'s hit while `resident`, else a miss, answered through the readiness gate
+    exactly as `CartridgeConnector` does (`ReadinessGate.match`; the promise reports the needed
+    tokens as an external hit, as `CartridgeConnector._promise_trained` does for LMCache)."""
+
+    resident = False
+    gate = None
+    lookups = 0
+    relookups = 0
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        def lookup():
+            GateConnector.lookups += 1
+            return (max(0, EXTERNAL - num_computed_tokens) if GateConnector.resident else 0), False
+
+        def relookup():
+            GateConnector.relookups += 1
+
+        return GateConnector.gate.match(request, num_computed_tokens, lookup, relookup,
+                                        promise=lambda need: (need - num_computed_tokens, False))
+
+
+def test_a_waiting_trained_request_is_skipped_by_vllms_scheduler_then_served_or_failed():
+    """vLLM 0.32's contract for None ("ask again later"), in its real Scheduler, with the gate
+    `CartridgeConnector` answers through: a trained request (the gateway's TRAINED_TOKENS_PARAM =
+    EXTERNAL) is not scheduled while its cartridge is not here and the unmarked one is meanwhile;
+    LMCache is asked again at most every RELOOKUP_INTERVAL_S; once resident it is scheduled with
+    its KV as external hit. Another one whose cartridge never comes is scheduled, past the
+    deadline, with the cartridge's tokens as an external hit; their load fails (as LMCache reports
+    it) and the per-request policy finishes it with an error: never recomputed."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import FinishReason, RequestStatus
+
+    from lmcache_cartridge.vllm.readiness import RELOOKUP_INTERVAL_S, TRAINED_TOKENS_PARAM, ReadinessGate
+
+    now = [0.0]
+    GateConnector.gate, GateConnector.resident = ReadinessGate(5.0, clock=lambda: now[0]), False
+    GateConnector.lookups = GateConnector.relookups = 0
+    sched = _scheduler(connector="GateConnector")
+    plain, trained = _request("plain", 10, False), _request("trained", 300, True)
+    trained.kv_transfer_params[TRAINED_TOKENS_PARAM] = EXTERNAL
+    for r in (trained, plain):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"plain": PROMPT}                # the trained one waits
+    assert trained.status == RequestStatus.WAITING and GateConnector.gate.waiting() == 1
+    assert (GateConnector.lookups, GateConnector.relookups) == (2, 1)
+    for _ in range(3):                                                   # re-asked each step...
+        assert "trained" not in sched.schedule().num_scheduled_tokens
+    assert GateConnector.lookups == 2                                    # ...LMCache not asked again yet
+    now[0] += RELOOKUP_INTERVAL_S
+    GateConnector.resident = True
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["trained"] == PROMPT - EXTERNAL      # its first EXTERNAL tokens loaded
+    assert GateConnector.gate.waiting() == 0
+
+    late = _request("late", 600, True)
+    late.kv_transfer_params[TRAINED_TOKENS_PARAM] = EXTERNAL
+    GateConnector.resident = False
+    sched.add_request(late)
+    assert "late" not in sched.schedule().num_scheduled_tokens
+    now[0] += 5.0                                                        # the deadline passed
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["late"] == PROMPT - EXTERNAL         # promised: its load must happen
+    bad = sched.kv_cache_manager.get_block_ids("late")[0][0]
+    ids = list(out.num_scheduled_tokens)
+    runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                               sampled_token_ids=[[7] for _ in ids],
+                               kv_connector_output=KVConnectorOutput(invalid_block_ids={bad}))
+    outputs = [o for g in sched.update_from_output(out, runner).values() for o in g.outputs]
+    assert late.status == RequestStatus.FINISHED_ERROR
+    assert [(o.request_id, o.finish_reason) for o in outputs if o.request_id == "late"] == [("late", FinishReason.ERROR)]
+    assert GateConnector.gate.waiting() == 0
+
+
+@pytest.mark.parametrize("trained, prompt, need", [(64, 96, 64), (96, 96, 95), (128, 96, 95), (0, 96, 0)])
+def test_required_tokens_leave_vllm_the_last_prompt_token(trained, prompt, need):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM, required_tokens
+
+    params = {NO_RECOMPUTE_PARAM: True, TRAINED_TOKENS_PARAM: trained}
+    req = Request("r", list(range(prompt)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None)
+    assert required_tokens(req) == need
+    unmarked = Request("u", list(range(prompt)), SamplingParams(
+        max_tokens=1, extra_args={"kv_transfer_params": {TRAINED_TOKENS_PARAM: trained}}), None)
+    assert required_tokens(unmarked) == 0

@@ -28,6 +28,7 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 from lmcache_cartridge.store.registry import Registry
 from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
+from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM
 
 __all__ = ["GatewaySettings", "RequestError", "create_app"]
 
@@ -197,9 +198,12 @@ def create_app(settings: GatewaySettings):
             if plan.trained:
                 # Placeholder tokens' KV must never be stored where LMCache would serve it, and a
                 # failed load of the cartridge must fail the request, never recompute them
-                # (vllm.load_failure): vLLM answers 500, mapped to a retryable 503 below.
+                # (vllm.load_failure): vLLM answers 500, mapped to a retryable 503 below. The
+                # instance schedules it only once its first TRAINED_TOKENS_PARAM tokens can be
+                # loaded there (vllm.readiness: waits, bounded, else fails), whichever instance.
                 upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), "lmcache.skip_save": True,
-                                                  NO_RECOMPUTE_PARAM: True}
+                                                  NO_RECOMPUTE_PARAM: True,
+                                                  TRAINED_TOKENS_PARAM: plan.wanted[0].num_tokens}
         except RequestError as e:
             return error(e.status, str(e))
         except NotServed as e:

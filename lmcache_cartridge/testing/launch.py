@@ -87,7 +87,8 @@ class VllmServer:
 
     def __init__(self, root: Path, model: str, *, lmcache: dict[str, Any] | None = None,
                  prefix_caching: bool = False, max_model_len: int = 2048, threads_bind: str = "0-1",
-                 kv_cache_gb: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None) -> None:
+                 kv_cache_gb: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
+                 kv_extra: dict[str, Any] | None = None) -> None:
         self.root, self.model = Path(root), str(model)
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -120,7 +121,8 @@ class VllmServer:
         if lmcache is not None:
             (self.root / "lmcache.yaml").write_text(yaml.safe_dump(lmcache))
             env["LMCACHE_CONFIG_FILE"] = str(self.root / "lmcache.yaml")
-            cmd += ["--kv-transfer-config", json.dumps(CONNECTOR)]
+            connector = {**CONNECTOR, "kv_connector_extra_config": dict(kv_extra)} if kv_extra else CONNECTOR
+            cmd += ["--kv-transfer-config", json.dumps(connector)]
         self.command = cmd
         self._log = open(self.log_path, "wb")
         self.t0 = time.time()

@@ -32,6 +32,14 @@ Failure handling (a connector exception in a vLLM worker would otherwise kill th
   `kv_connector_extra_config.cartridge.keep_load_failure_policy: true` leaves vLLM's policy as
   configured (and no per-request policy);
 * save paths raising -> logged, nothing stored for that step.
+
+Readiness (scheduler side, `readiness`): a request the gateway marked as carrying a trained
+cartridge (`NO_RECOMPUTE_PARAM` + `readiness.TRAINED_TOKENS_PARAM`) is scheduled only once this
+instance can load the cartridge's tokens: until then `get_num_new_matched_tokens` answers None
+(vLLM skips it this step and asks again; other requests are scheduled), at most
+`cartridge.ready_timeout_s` (kv_connector_extra_config, default 30 s), then its tokens are
+promised as an external hit whose load fails, and the per-request policy above fails it. A lookup
+that raises for such a request also makes it wait (never 0 tokens, which would recompute it).
 """
 
 from __future__ import annotations
@@ -126,6 +134,9 @@ class CartridgeConnector(LMCacheConnectorV1):
         self._block_size = int(vllm_config.cache_config.block_size or 0)
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+        from lmcache_cartridge.vllm.readiness import DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_KEY, ReadinessGate
+
+        self._gate = ReadinessGate(float(extra.get(READY_TIMEOUT_KEY, DEFAULT_READY_TIMEOUT_S)))
         if role == KVConnectorRole.SCHEDULER and ktc is not None \
                 and not extra.get("cartridge.keep_load_failure_policy", False):
             self._set_load_failure_policy(ktc)
@@ -303,9 +314,47 @@ class CartridgeConnector(LMCacheConnectorV1):
 
     # --- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        """Scheduler side (EngineCore process, inside `Scheduler.schedule`, each step for each
+        waiting request it reaches). LMCache's lookup, then the readiness rule for requests with
+        a trained cartridge (`readiness`): wait (None: vLLM asks again next step and schedules the
+        others meanwhile) until the cartridge's KV can be loaded, bounded; then fail, never
+        schedule it to be recomputed."""
+        rid = getattr(request, "request_id", "?")
         try:
-            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+            return self._gate.match(
+                request, num_computed_tokens,
+                lookup=lambda: super(CartridgeConnector, self).get_num_new_matched_tokens(request, num_computed_tokens),
+                relookup=lambda: self._impl().lookup_client.clear_lookup_status(rid),
+                promise=lambda need: self._promise_trained(request, num_computed_tokens, need))
         except Exception:
-            logger.exception("lmcache_cartridge: lookup for request %s raised; recomputing it",
-                             getattr(request, "request_id", "?"))
+            from lmcache_cartridge.vllm.readiness import required_tokens
+
+            if required_tokens(request):  # never stop the engine; never recompute a trained cartridge
+                logger.exception("lmcache_cartridge: readiness check for request %s raised; it waits", rid)
+                return None, False
+            logger.exception("lmcache_cartridge: lookup for request %s raised; recomputing it", rid)
             return 0, False
+
+    def _promise_trained(self, request, num_computed_tokens: int, need: int):
+        """The wait is over and the trained cartridge is still not (all) here: schedule its
+        `need` tokens as an external hit whose load LMCache must perform. Its retrieve gets fewer
+        tokens than promised, LMCache reports the blocks failed and `load_failure` fails the
+        request (if the chunks arrived meanwhile, the load just succeeds). LMCache's load spec is
+        set as its own lookup would have set it for a hit of that length
+        (`update_state_after_alloc` checks that arithmetic)."""
+        from lmcache.integration.vllm.vllm_v1_adapter import LoadSpec
+
+        from lmcache_cartridge.vllm.readiness import trained_length
+
+        # `need` is the cartridge's length, or the prompt's less its last token when the prompt is
+        # exactly the cartridge: LMCache's full-prompt hit, whose last token vLLM computes.
+        total = int(request.num_tokens)
+        promised = total if need == total - 1 and trained_length(request) >= total else need
+        self._impl().load_specs[request.request_id] = LoadSpec(
+            vllm_cached_tokens=num_computed_tokens, lmcache_cached_tokens=promised, can_load=False)
+        return need - num_computed_tokens, False
+
+    def request_finished(self, request, block_ids):
+        """Scheduler side: a request ended (also one aborted while it waited): drop its deadline."""
+        self._gate.forget(request.request_id)
+        return super().request_finished(request, block_ids)

@@ -1,0 +1,167 @@
+"""Readiness on the instance: a request carrying a trained cartridge is scheduled only once this
+instance can load the cartridge's KV; it waits (bounded), else it fails. Never recomputed.
+
+Why here: behind vllm-router the gateway cannot see which instance serves a request, so its own
+wait (`lmcache.serving.wait_served`, per-instance state files on the gateway's host) cannot
+promise the chosen instance holds the cartridge. A trained request whose LMCache lookup MISSES
+on that instance would be scheduled as ordinary prefill of its placeholder token ids: a wrong
+answer with HTTP 200. Only the instance's own scheduler knows, at lookup time, what it holds.
+
+What the gateway sends (`api.gateway`, in `kv_transfer_params`; vLLM keeps them on its
+`Request`): `load_failure.NO_RECOMPUTE_PARAM` (the request carries a trained cartridge) and
+`TRAINED_TOKENS_PARAM` = N, the trained cartridge's (or composite's) length in tokens: the
+prompt's first N tokens are placeholders whose KV must come from the cartridge.
+
+Where it runs: the scheduler-role `CartridgeConnector.get_num_new_matched_tokens` (the
+EngineCore process, inside vLLM's `Scheduler.schedule`, once per step for each waiting request
+it reaches) answers through `ReadinessGate.match`, after LMCache's lookup:
+* covered (vLLM's own prefix-cache hit + LMCache's hit) reaches the first N tokens (N - 1 when
+  the prompt is exactly the cartridge: vLLM computes the last token itself) -> "ready": LMCache's
+  answer as is;
+* else, before the deadline (`cartridge.ready_timeout_s` in kv_connector_extra_config, default
+  `DEFAULT_READY_TIMEOUT_S`, counted from the first lookup) -> "wait": the connector answers
+  None, which vLLM 0.32 defines as "not determined yet, ask again later": the scheduler skips
+  this request for this step (`skip_request`) and goes on with the others, and asks again next
+  step. The plugin already fetches what a lookup missed (trained cartridges are fetched at
+  registration and kept resident), so a later lookup hits;
+* else -> "fail": the connector reports the N tokens as external hits and makes LMCache's load
+  spec promise them; the worker's retrieve then gets fewer tokens than promised (the chunks are
+  not here), LMCache reports the blocks as failed (`get_block_ids_with_load_errors`) and the
+  per-request policy (`load_failure`) finishes the request with an error (vLLM's HTTP 500, the
+  gateway's 503 + Retry-After). Were the chunks resident by then, the load simply succeeds. So
+  a marked request is never scheduled with its placeholder tokens to compute.
+Unmarked requests (no trained cartridge, first-k cartridges) are not looked at.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from lmcache_cartridge.vllm.load_failure import must_not_recompute
+
+logger = logging.getLogger("lmcache_cartridge.readiness")
+
+# kv_transfer_params key (int): how many leading prompt tokens are a trained cartridge's
+# placeholders, whose KV must be loaded, never computed. Set by the gateway with NO_RECOMPUTE_PARAM.
+TRAINED_TOKENS_PARAM = "lmcache_cartridge.trained_tokens"
+# kv_connector_extra_config key: seconds a marked request may wait on this instance for its
+# trained cartridge's KV before it fails.
+READY_TIMEOUT_KEY = "cartridge.ready_timeout_s"
+DEFAULT_READY_TIMEOUT_S = 30.0
+# While a request waits, LMCache's lookup (which also restarts a failed download in the plugin)
+# is repeated at most this often. vLLM re-asks every engine step, and while only waiting requests
+# are left its engine loop steps without pause: in between, the connector answers None at once.
+RELOOKUP_INTERVAL_S = 0.25
+
+READY, WAIT, FAIL = "ready", "wait", "fail"
+
+
+def trained_length(request: Any) -> int:
+    """`TRAINED_TOKENS_PARAM` of a request marked `NO_RECOMPUTE_PARAM` (0: unmarked or absent)."""
+    if not must_not_recompute(request):
+        return 0
+    try:
+        return max(0, int(request.kv_transfer_params.get(TRAINED_TOKENS_PARAM) or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def required_tokens(request: Any) -> int:
+    """How many leading tokens of `request` must be loaded before it may be scheduled (0: no rule).
+
+    The prompt may be exactly the cartridge: vLLM always computes the last prompt token itself."""
+    n = trained_length(request)
+    total = int(getattr(request, "num_tokens", 0) or 0)
+    if n <= 0 or total <= 0:
+        return 0
+    return min(n, total - 1)
+
+
+class ReadinessGate:
+    """Per-request wait deadlines for marked requests (scheduler side, one per connector).
+
+    Thread-safe; the scheduler calls it from its own thread only, but the cost is nil."""
+
+    def __init__(self, timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s = max(0.0, float(timeout_s))
+        self._clock = clock
+        self._since: dict[str, float] = {}
+        self._looked: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def match(self, request: Any, num_computed_tokens: int, lookup: Callable[[], tuple[int | None, bool]],
+              relookup: Callable[[], None], promise: Callable[[int], tuple[int, bool]]) -> tuple[int | None, bool]:
+        """The answer to vLLM's `get_num_new_matched_tokens` for `request`, given LMCache's
+        `lookup` (its answer), `relookup` (forget LMCache's cached lookup result so the next
+        `lookup` asks again) and `promise` (report `need` tokens as an external hit whose load
+        must happen; returns the answer). Unmarked requests: `lookup()` as is."""
+        if not required_tokens(request):
+            return lookup()
+        if self.hold(request):
+            return None, False
+        try:
+            ext, load_async = lookup()
+        except Exception:  # noqa: BLE001 - a marked request is never recomputed: it waits
+            logger.exception("lmcache_cartridge: lookup for request %s raised; it waits for its trained "
+                             "cartridge", getattr(request, "request_id", "?"))
+            ext, load_async = None, False
+        verdict, need = self.decide(request, num_computed_tokens, ext)
+        if verdict == READY:
+            return ext, load_async
+        if verdict == FAIL:
+            logger.error("lmcache_cartridge: request %s waited %.1f s and its trained cartridge's KV is still "
+                         "not here (%d + %s of %d tokens); failing it (never recomputed from placeholder tokens)",
+                         request.request_id, self.timeout_s, num_computed_tokens, ext, need)
+            return promise(need)
+        if self.relookup_due(request.request_id):
+            relookup()
+        return None, False
+
+    def decide(self, request: Any, num_computed_tokens: int, num_external_tokens: int | None) -> tuple[str, int]:
+        """(verdict, required tokens) for `request` after a lookup: READY, WAIT or FAIL."""
+        need = required_tokens(request)
+        rid = str(request.request_id)
+        if not need or (num_external_tokens is not None and num_computed_tokens + num_external_tokens >= need):
+            self.forget(rid)
+            return READY, need
+        now = self._clock()
+        with self._lock:
+            since = self._since.setdefault(rid, now)
+        if now - since < self.timeout_s:
+            return WAIT, need
+        self.forget(rid)
+        return FAIL, need
+
+    def hold(self, request: Any) -> bool:
+        """True: `request` already waits, its deadline has not passed and its next lookup is not
+        due yet, so the answer is None again without asking LMCache."""
+        rid = str(request.request_id)
+        now = self._clock()
+        with self._lock:
+            since, looked = self._since.get(rid), self._looked.get(rid)
+        return since is not None and looked is not None and now - since < self.timeout_s \
+            and now - looked < RELOOKUP_INTERVAL_S
+
+    def relookup_due(self, request_id: str) -> bool:
+        """Whether a waiting request's lookup should be asked again (True at most every
+        `RELOOKUP_INTERVAL_S`); else the cached result answers."""
+        now = self._clock()
+        with self._lock:
+            if now - self._looked.get(str(request_id), float("-inf")) < RELOOKUP_INTERVAL_S:
+                return False
+            self._looked[str(request_id)] = now
+            return True
+
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._since)
+
+    def forget(self, request_id: str) -> None:
+        """The request was scheduled, failed or finished: drop its deadline."""
+        with self._lock:
+            self._since.pop(str(request_id), None)
+            self._looked.pop(str(request_id), None)
