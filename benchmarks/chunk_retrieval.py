@@ -128,16 +128,27 @@ class Dataset:
     def chunk_offset(self, i: int) -> int:
         return i * self.shape.chunk_bytes
 
-    def expected(self, i: int) -> torch.Tensor:
-        """The packed chunk's bytes, read straight from kv.bin (uint8, flat)."""
+    def raw(self, i: int) -> torch.Tensor:
+        """The packed chunk's payload bytes, read straight from kv.bin (uint8, flat): what the raw
+        limits copy (`by_head` layout: heads outermost)."""
         out = torch.empty(self.shape.chunk_bytes, dtype=torch.uint8)
         with open(self.payload, "rb", buffering=0) as f:
             f.seek(self.chunk_offset(i))
             assert f.readinto(memoryview(out.numpy())) == out.numel()
         return out
 
+    def raw_s3(self, i: int) -> torch.Tensor:
+        return self.raw(i)  # the one-chunk cartridges hold chunk i of the same KV
+
+    def expected(self, i: int) -> torch.Tensor:
+        """Chunk `i` as LMCache's `KV_2LTD` (uint8, flat): what a retrieve must deliver."""
+        from lmcache_cartridge.cartridge.packed import PackedCartridge
+
+        with PackedCartridge(self.local_dir) as p:
+            return p.read_chunk(i).reshape(-1).view(torch.uint8)
+
     def expected_s3(self, i: int) -> torch.Tensor:
-        return self.expected(i)  # the one-chunk cartridges hold chunk i of the same KV
+        return self.expected(i)
 
 
 def random_kv(shape: Shape, n_chunks: int, seed: int) -> torch.Tensor:
@@ -370,7 +381,7 @@ class MemcpyLimit(Arm):
     def __init__(self, ds: Dataset, allocator) -> None:
         self.ds, self.allocator, self.n = ds, allocator, ds.n
         self.expected = ds.expected
-        self.src = [ds.expected(i) for i in range(ds.n)]  # resident bytes, like the CPU tier
+        self.src = [ds.expected(i) for i in range(ds.n)]  # resident bytes, like the CPU tier (engine layout)
 
     def fetch(self, indices):
         out = []
@@ -407,7 +418,7 @@ class ReadLimit(Arm):
         self.ds, self.allocator, self.cold, self.n = ds, allocator, cold, ds.n
         self.tier = "disk-cold" if cold else "disk-warm"
         self.name = f"limit-read-{'cold' if cold else 'warm'}"
-        self.expected = ds.expected
+        self.expected = ds.raw  # the payload's bytes as they lie: no layout conversion
         self.fd = os.open(ds.payload, os.O_RDONLY)
 
     def before_batch(self, indices):
@@ -440,7 +451,7 @@ class Boto3Limit(Arm):
         from s3_server import s3_client
 
         self.ds, self.allocator, self.n = ds, allocator, ds.n_s3
-        self.expected = ds.expected_s3
+        self.expected = ds.raw_s3  # the payload's bytes as they lie: no layout conversion
         self.client = s3_client(endpoint)
 
     def fetch(self, indices):

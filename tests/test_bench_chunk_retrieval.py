@@ -43,9 +43,11 @@ def test_expected_bytes_are_the_packed_chunks(ds):
     with PackedCartridge(ds.local_dir) as p:
         for i in range(N):
             assert torch.equal(p.read_chunk(i).reshape(-1).view(torch.uint8), ds.expected(i))
+            assert torch.equal(p.read_raw(i), ds.raw(i))
     for i in range(N_S3):
         with PackedCartridge(ds.s3_dirs[i]) as p:
             assert torch.equal(p.read_chunk(0).reshape(-1).view(torch.uint8), ds.expected_s3(i))
+            assert torch.equal(p.read_raw(0), ds.raw_s3(i))
 
 
 def test_our_tiers_and_the_limits(ds, tmp_path, moto_server):

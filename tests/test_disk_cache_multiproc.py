@@ -46,7 +46,7 @@ def _pack(root: Path) -> PackedCartridge:
 
 
 def _chunk(p: PackedCartridge, i: int) -> torch.Tensor:
-    return p.read_chunk(i).reshape(-1).view(torch.uint8).clone()
+    return p.read_raw(i).clone()  # payload bytes, as the disk tier holds them
 
 
 def _cache_bytes(root: Path) -> tuple[int, int]:

@@ -11,6 +11,7 @@ from conftest import random_kv
 from lmcache_cartridge.errors import CartridgeFormatError, ChecksumError, ManifestError
 from lmcache_cartridge.cartridge.formats import load_input
 from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.manifest import LAYOUT_2LTD
 from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv, rechunk, to_chunk_layout
 
 L, T, H, D = 3, 40, 2, 8
@@ -25,7 +26,7 @@ def _assert_chunks_equal(packed: PackedCartridge, kv: torch.Tensor):
     m = packed.manifest
     for c in m.chunks:
         start = c.index * m.chunk_size
-        expected = to_chunk_layout(kv, start, start + c.num_tokens)
+        expected = to_chunk_layout(kv, start, start + c.num_tokens, LAYOUT_2LTD)  # LMCache's KV_2LTD
         got = packed.read_chunk(c.index)
         assert got.dtype == kv.dtype
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), f"chunk {c.index}"
@@ -206,7 +207,8 @@ def test_manifest_rejects_inconsistency(tmp_path):
     path = tmp_path / "c" / "manifest.json"
     good = path.read_text()
     for old, new in [('"num_layers": 3', '"num_layers": 4'), ('"chunk_size": 16', '"chunk_size": 32'),
-                     ('"cartridge_id": "c"', '"cartridge_id": "../x"'), ('"format_version": 1', '"format_version": 9')]:
+                     ('"cartridge_id": "c"', '"cartridge_id": "../x"'), ('"format_version": 2', '"format_version": 9'),
+                     ('"layout": "by_head"', '"layout": "2ltd"'), ('"format_version": 2', '"format_version": 1')]:
         assert old in good
         path.write_text(good.replace(old, new))
         with pytest.raises(ManifestError):

@@ -53,7 +53,7 @@ def test_disk_tier_survives_restart_verifies_and_evicts(tmp_path):
     size = p.manifest.chunks[0].nbytes
     disk = DiskTier(tmp_path / "cache", budget_bytes=3 * size)
     for i in range(4):
-        data = p.read_chunk(i).reshape(-1).view(torch.uint8)
+        data = p.read_raw(i)  # payload bytes, as the disk tier holds them
         assert disk.put((p.manifest.content_hash, i), memoryview(data.numpy()))
     # budget of three: chunk 0 (LRU) was evicted, its file deleted
     assert (p.manifest.content_hash, 0) not in disk
@@ -65,7 +65,7 @@ def test_disk_tier_survives_restart_verifies_and_evicts(tmp_path):
     assert not list((tmp_path / "cache" / p.manifest.content_hash).glob(".*"))
     buf = torch.empty(size, dtype=torch.uint8)
     assert disk2.get_into((p.manifest.content_hash, 1), memoryview(buf.numpy()), h)
-    assert torch.equal(buf, p.read_chunk(1).reshape(-1).view(torch.uint8))
+    assert torch.equal(buf, p.read_raw(1))
     # corruption on disk is detected on the first read after a restart: dropped, reported as a miss
     f = tmp_path / "cache" / p.manifest.content_hash / "2.chunk"
     raw = bytearray(f.read_bytes()); raw[5] ^= 1; f.write_bytes(bytes(raw))

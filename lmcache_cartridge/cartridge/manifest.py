@@ -3,9 +3,17 @@
 A packed cartridge is a directory with two files:
 
 - `manifest.json`: this record (small, scanned cheaply by the registry and the plugin);
-- `kv.bin`: the payload, chunk after chunk, each chunk contiguous in LMCache's `KV_2LTD`
-  layout `[2, num_layers, chunk_tokens, num_kv_heads * head_dim]` (head-major hidden dim), so
-  serving a chunk is one `pread` (or one ranged GET) straight into an allocator buffer.
+- `kv.bin`: the payload, chunk after chunk. Its layout is one of `LAYOUTS` (the manifest's
+  `layout`, tied to its `format_version`):
+  - `by_head` (format 2, what `pack_kv` writes): each chunk is `[num_kv_heads, 2, num_layers,
+    chunk_tokens, head_dim]`, so the KV heads a tensor-parallel rank holds (`cartridge.tp`) are
+    one contiguous byte range of the chunk: a rank reads exactly its bytes with one `pread` or
+    one ranged GET. Each head's bytes have their own BLAKE3 (`ChunkInfo.heads`), so a rank
+    verifies what it read without the other ranks' heads.
+  - `2ltd` (format 1, cartridges packed before): each chunk in LMCache's `KV_2LTD` layout
+    `[2, num_layers, chunk_tokens, num_kv_heads * head_dim]`; still served as it is (a rank reads
+    the whole chunk and keeps its columns).
+  `packed.payload_to_engine` is the one place that turns payload bytes into LMCache's layout.
 
 Files are immutable once written (packing renames a finished temp directory into place), so
 any number of processes (vLLM's scheduler and workers) may read them at the same time.
@@ -23,7 +31,10 @@ import torch
 
 from lmcache_cartridge.errors import ManifestError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+LAYOUT_BY_HEAD = "by_head"
+LAYOUT_2LTD = "2ltd"
+LAYOUTS = {1: LAYOUT_2LTD, 2: LAYOUT_BY_HEAD}  # format_version -> payload layout
 MANIFEST_NAME = "manifest.json"
 PAYLOAD_NAME = "kv.bin"
 KINDS = ("first_k", "trained")
@@ -85,6 +96,23 @@ class ChunkInfo:
     num_tokens: int
     sha256: str
     blake3: str | None = None
+    heads: list[str] | None = None  # `by_head` payloads: BLAKE3 of each KV head's bytes, in order
+
+
+@dataclass(frozen=True)
+class Span:
+    """The bytes of one chunk that one reader needs (a rank's KV heads, or the whole chunk) and
+    how to check them: `parts` are consecutive `(nbytes, digest name, expected hex)` pieces that
+    cover the span exactly (one piece per head, or one for the whole chunk).
+
+    Made by `Manifest.span`; read by origins (`offset`/`nbytes` in the payload), checked by
+    `integrity.check_span` / `StreamingCheck`."""
+
+    index: int
+    offset: int
+    nbytes: int
+    num_tokens: int
+    parts: tuple[tuple[int, str, str], ...]
 
 
 @dataclass
@@ -106,6 +134,7 @@ class Manifest:
     labels: list[str] = field(default_factory=list)
     payload: str = PAYLOAD_NAME
     format_version: int = FORMAT_VERSION
+    layout: str = LAYOUT_BY_HEAD
 
     # --- derived facts (one place computes each) -------------------------------------------
     @property
@@ -124,6 +153,26 @@ class Manifest:
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
         return 2 * self.num_layers * num_tokens * self.hidden_dim * itemsize
 
+    def head_nbytes(self, num_tokens: int) -> int:
+        """Bytes of one KV head in a chunk of `num_tokens` (its K and V, every layer)."""
+        return self.chunk_nbytes(num_tokens) // self.num_kv_heads
+
+    def span(self, index: int, heads: tuple[int, int] | None = None) -> Span:
+        """What to read of chunk `index` for KV heads `[start, end)` (all of them by default).
+
+        A `by_head` chunk gives exactly those heads' bytes; a `2ltd` chunk (format 1) interleaves
+        heads in every row, so any head range reads the whole chunk."""
+        from lmcache_cartridge.cartridge.integrity import whole_chunk_digest
+
+        c = self.chunks[index]
+        start, end = heads if heads is not None else (0, self.num_kv_heads)
+        if self.layout == LAYOUT_2LTD or (start, end) == (0, self.num_kv_heads):
+            name, expected = whole_chunk_digest(c)
+            return Span(c.index, c.offset, c.nbytes, c.num_tokens, ((c.nbytes, name, expected),))
+        hb = self.head_nbytes(c.num_tokens)
+        return Span(c.index, c.offset + start * hb, (end - start) * hb, c.num_tokens,
+                    tuple((hb, "blake3", c.heads[h]) for h in range(start, end)))
+
     @property
     def num_full_chunks(self) -> int:
         return self.num_tokens // self.chunk_size
@@ -135,9 +184,12 @@ class Manifest:
     # --- (de)serialisation ------------------------------------------------------------------
     def to_json(self) -> str:
         d = asdict(self)
-        for c in d["chunks"]:  # a cartridge packed without per-chunk blake3 keeps its old manifest
-            if c["blake3"] is None:
-                del c["blake3"]
+        for c in d["chunks"]:  # a cartridge packed without them keeps its old manifest
+            for optional in ("blake3", "heads"):
+                if c[optional] is None:
+                    del c[optional]
+        if self.format_version == 1:
+            del d["layout"]  # format 1 had no such field: it is always `2ltd`
         return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod
@@ -145,11 +197,15 @@ class Manifest:
         if not isinstance(d, dict):
             raise ManifestError("manifest must be a JSON object")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool) or version not in LAYOUTS:
             raise ManifestError(
                 f"manifest format_version {version!r} is not supported (this build reads "
-                f"{FORMAT_VERSION}); re-pack the cartridge with this version's `lmcache-cartridge pack`"
+                f"{sorted(LAYOUTS)}); re-pack the cartridge with this version's `lmcache-cartridge pack`"
             )
+        if not isinstance(d.get("layout", ""), str) or d.get("layout", LAYOUTS[version]) != LAYOUTS[version]:
+            raise ManifestError(f"manifest format_version {version} has layout {LAYOUTS[version]!r}, "
+                                f"not {d.get('layout')!r}")
+        d = {**d, "layout": LAYOUTS[version]}
         try:
             if not isinstance(d["chunks"], list) or not all(isinstance(c, dict) for c in d["chunks"]):
                 raise TypeError("chunks must be a list of objects")
@@ -192,6 +248,9 @@ class Manifest:
             raise ManifestError(f"manifest kind {self.kind!r} must be one of {KINDS}")
         if not isinstance(self.model, str) or not self.model:
             raise ManifestError("manifest field model must name the model the KV was made with")
+        if LAYOUTS.get(self.format_version) != self.layout:
+            raise ManifestError(f"manifest format_version {self.format_version!r} does not go with "
+                                f"layout {self.layout!r}")
         if self.payload != PAYLOAD_NAME:
             raise ManifestError(f"manifest payload must be {PAYLOAD_NAME!r}, got {self.payload!r}")
         if len(self.token_ids) != self.num_tokens or not all(
@@ -220,11 +279,16 @@ class Manifest:
                 or c.nbytes != self.chunk_nbytes(c.num_tokens)
                 or not re.fullmatch(r"[0-9a-f]{64}", c.sha256 or "")
                 or (c.blake3 is not None and not re.fullmatch(r"[0-9a-f]{64}", c.blake3))
+                or (c.heads is not None) != (self.layout == LAYOUT_BY_HEAD)
+                or (c.heads is not None and (not isinstance(c.heads, list) or len(c.heads) != self.num_kv_heads
+                                             or not all(isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h)
+                                                        for h in c.heads)))
             ):
                 raise ManifestError(
                     f"manifest chunk {i} is inconsistent (offset {c.offset} vs {offset}, tokens "
                     f"{c.num_tokens} vs {expect_tokens}, bytes {c.nbytes} vs "
-                    f"{self.chunk_nbytes(expect_tokens)}, or a malformed sha256 or blake3)"
+                    f"{self.chunk_nbytes(expect_tokens)}, or a malformed sha256, blake3 or per-head "
+                    f"digests for layout {self.layout!r})"
                 )
             offset += c.nbytes
             tokens += c.num_tokens

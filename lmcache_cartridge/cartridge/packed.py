@@ -23,7 +23,8 @@ from lmcache_cartridge.cartridge.buffers import as_bytes
 from lmcache_cartridge.cartridge.integrity import blake3_hex, check_chunk
 from lmcache_cartridge.errors import CartridgeFormatError, ChecksumError, ManifestError
 from lmcache_cartridge.cartridge.keys import placeholder_token_ids
-from lmcache_cartridge.cartridge.manifest import KINDS, MANIFEST_NAME, PAYLOAD_NAME, ChunkInfo, Manifest, dtype_name, validate_id
+from lmcache_cartridge.cartridge.manifest import (KINDS, LAYOUT_2LTD, LAYOUT_BY_HEAD, LAYOUTS, MANIFEST_NAME,
+                                                  PAYLOAD_NAME, ChunkInfo, Manifest, Span, dtype_name, validate_id)
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -36,10 +37,31 @@ class VocabInfo:
     special_ids: tuple[int, ...] = ()
 
 
-def to_chunk_layout(kv: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Canonical `[2, L, T, H, D]` slice -> contiguous `KV_2LTD` chunk `[2, L, t, H*D]`."""
+# --- the payload layouts: the one place that knows how a chunk's bytes are ordered -------------
+def to_chunk_layout(kv: torch.Tensor, start: int, end: int, layout: str = LAYOUT_BY_HEAD) -> torch.Tensor:
+    """Canonical `[2, L, T, H, D]` tokens `[start, end)` -> one contiguous payload chunk:
+    `[H, 2, L, t, D]` (`by_head`) or LMCache's `KV_2LTD` `[2, L, t, H*D]` (`2ltd`)."""
     two, layers, _, heads, dim = kv.shape
-    return kv[:, :, start:end].reshape(two, layers, end - start, heads * dim).contiguous()
+    part = kv[:, :, start:end]
+    if layout == LAYOUT_BY_HEAD:
+        return part.permute(3, 0, 1, 2, 4).contiguous()
+    return part.reshape(two, layers, end - start, heads * dim).contiguous()
+
+
+def payload_to_engine(m: Manifest, num_tokens: int, heads: tuple[int, int], raw: torch.Tensor,
+                      out: torch.Tensor) -> None:
+    """Payload bytes of KV heads `[start, end)` of a chunk -> LMCache's `KV_2LTD` for those heads
+    (`out`: `[2, L, t, (end - start) * D]`, contiguous). `raw` holds exactly what
+    `Manifest.span(index, heads)` names: those heads (`by_head`) or the whole chunk (`2ltd`)."""
+    start, end = heads
+    n, dim, dtype = end - start, m.head_dim, m.torch_dtype
+    src = raw.reshape(-1).view(torch.uint8).view(dtype)
+    dst = out.reshape(-1).view(torch.uint8).view(dtype).view(2, m.num_layers, num_tokens, n, dim)
+    if m.layout == LAYOUT_BY_HEAD:
+        dst.copy_(src.view(n, 2, m.num_layers, num_tokens, dim).permute(1, 2, 3, 0, 4))
+    else:
+        full = src.view(2, m.num_layers, num_tokens, m.num_kv_heads, dim)
+        dst.copy_(full[:, :, :, start:end])
 
 
 def pack_kv(
@@ -57,8 +79,12 @@ def pack_kv(
     labels: Iterable[str] = (),
     overwrite: bool = False,
     progress: bool = False,
+    layout: str = LAYOUT_BY_HEAD,
 ) -> Manifest:
     """Write canonical KV `[2, L, T, H, D]` as a packed cartridge directory; return its manifest.
+
+    `layout` is `by_head` (format 2, the default) or `2ltd` (format 1: what versions before it
+    wrote, kept so that their cartridges can be made again for compatibility tests).
 
     First-k cartridges need their real `token_ids`. Trained ones get placeholder ids derived
     from the content hash (needs `vocab`) unless `token_ids` are given (re-chunking keeps them).
@@ -67,6 +93,8 @@ def pack_kv(
     validate_id(cartridge_id)
     if kind not in KINDS:
         raise CartridgeFormatError(f"kind must be one of {KINDS}, got {kind!r}")
+    if layout not in LAYOUTS.values():
+        raise CartridgeFormatError(f"layout must be one of {sorted(LAYOUTS.values())}, got {layout!r}")
     if kv.dim() != 5 or kv.shape[0] != 2:
         raise CartridgeFormatError(f"KV must be [2, L, T, H, D], got {tuple(kv.shape)}")
     if dtype is not None:
@@ -110,11 +138,13 @@ def pack_kv(
         with open(tmp / PAYLOAD_NAME, "wb") as f:
             for i, start in enumerate(starts):
                 end = min(start + chunk_size, num_tokens)
-                chunk = to_chunk_layout(kv, start, end)
+                chunk = to_chunk_layout(kv, start, end, layout)
                 data = as_bytes(chunk)
                 f.write(data)
+                heads = [blake3_hex(as_bytes(chunk[h])) for h in range(num_heads)] \
+                    if layout == LAYOUT_BY_HEAD else None
                 chunks.append(ChunkInfo(i, offset, len(data), end - start, hashlib.sha256(data).hexdigest(),
-                                        blake3_hex(data)))
+                                        blake3_hex(data), heads))
                 offset += len(data)
             f.flush()
             os.fsync(f.fileno())
@@ -138,6 +168,8 @@ def pack_kv(
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             provenance=dict(provenance or {}),
             labels=sorted(set(labels)),
+            format_version=next(v for v, lay in LAYOUTS.items() if lay == layout),
+            layout=layout,
         )
         manifest.validate()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
@@ -212,30 +244,41 @@ class PackedCartridge:
     def chunk_shape(self, index: int) -> tuple[int, int, int, int]:
         return self.manifest.chunk_shape(self.manifest.chunks[index].num_tokens)
 
-    def read_raw_into(self, index: int, buf: memoryview) -> None:
-        """Chunk `index`'s bytes into `buf` (exactly the chunk's size), unverified."""
-        info = self.manifest.chunks[index]
-        if buf.nbytes != info.nbytes:
-            raise ValueError(f"buffer of {buf.nbytes} bytes for a chunk of {info.nbytes}")
+    def read_span_into(self, span: ChunkInfo | Span, buf: memoryview) -> None:
+        """The payload bytes a span (or a whole chunk) names into `buf` (exactly that size),
+        unverified: one `pread` loop at the span's offset."""
+        if buf.nbytes != span.nbytes:
+            raise ValueError(f"buffer of {buf.nbytes} bytes for a read of {span.nbytes}")
         fd, done = self._fileno(), 0
-        while done < info.nbytes:
-            n = os.preadv(fd, [buf[done:]], info.offset + done)
+        while done < span.nbytes:
+            n = os.preadv(fd, [buf[done:]], span.offset + done)
             if n <= 0:
-                raise ManifestError(f"{self.payload_path}: unexpected end of payload in chunk {index}")
+                raise ManifestError(f"{self.payload_path}: unexpected end of payload in chunk {span.index}")
             done += n
 
-    def read_chunk_into(self, index: int, out: torch.Tensor, *, verify: bool = True,
-                        every_digest: bool = False) -> None:
-        """Read chunk `index` straight into `out` (contiguous, exactly the chunk's bytes), checked
-        against its reading digest (`integrity.chunk_digest`), or every digest it records."""
-        buf = as_bytes(out)
+    def read_raw_into(self, index: int, buf: memoryview) -> None:
+        """Chunk `index`'s payload bytes (in the payload's layout) into `buf`, unverified."""
+        self.read_span_into(self.manifest.chunks[index], buf)
+
+    def read_raw(self, index: int, *, verify: bool = True, every_digest: bool = False) -> torch.Tensor:
+        """Chunk `index`'s payload bytes (flat uint8, the payload's layout), checked against its
+        reading digest (`integrity.chunk_digest`), or every digest it records."""
+        info = self.manifest.chunks[index]
+        raw = torch.empty(info.nbytes, dtype=torch.uint8)
+        buf = as_bytes(raw)
         self.read_raw_into(index, buf)
         if verify:
-            check_chunk(self.manifest.chunks[index], buf, str(self.payload_path), every_digest=every_digest)
+            check_chunk(info, buf, str(self.payload_path), every_digest=every_digest)
+        return raw
 
     def read_chunk(self, index: int, *, verify: bool = True, every_digest: bool = False) -> torch.Tensor:
-        out = torch.empty(self.chunk_shape(index), dtype=self.manifest.torch_dtype)
-        self.read_chunk_into(index, out, verify=verify, every_digest=every_digest)
+        """Chunk `index` in LMCache's `KV_2LTD` `[2, L, t, H*D]`, whatever the payload's layout."""
+        m = self.manifest
+        raw = self.read_raw(index, verify=verify, every_digest=every_digest)
+        if m.layout == LAYOUT_2LTD:
+            return raw.view(m.torch_dtype).view(self.chunk_shape(index))
+        out = torch.empty(self.chunk_shape(index), dtype=m.torch_dtype)
+        payload_to_engine(m, m.chunks[index].num_tokens, (0, m.num_kv_heads), raw, out)
         return out
 
     def load_kv(self, *, verify: bool = True) -> torch.Tensor:

@@ -45,7 +45,8 @@ import torch
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from lmcache_cartridge.cartridge.compat import EngineShape, mismatch, rank_slice
+from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
+from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import CartridgeError, ChecksumError
 from lmcache_cartridge.cartridge.keys import ChunkKeyMapper, hash_config_problem
 from lmcache_cartridge.cartridge.manifest import Manifest
@@ -62,13 +63,12 @@ logger = logging.getLogger("lmcache_cartridge.plugin")
 
 @dataclass(eq=False)
 class Served:
-    """One cartridge this process serves: its open payload, its keys and which columns to copy."""
+    """One cartridge this process serves: its open payload (with the heads this rank reads,
+    `handle.view`) and its keys."""
 
     entry: Entry
     handle: Handle
     keys: list[Any]
-    columns: slice
-    whole_rows: bool  # True when this rank serves every head: read straight into the buffer
     pins: int = 0     # lookup pins held on its chunks (plugin lock): closing waits for 0
     reads: int = 0    # retrieves reading it right now (plugin lock)
 
@@ -273,8 +273,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         s3 = self._s3_settings() if is_s3(entry.source_uri) else None
         origin = open_origin(entry.source_uri, entry.path, s3)
         keys = self.mapper.keys(m.token_ids)
-        cols = rank_slice(m, self.shape)
-        return Served(entry, Handle(m, origin, servable=len(keys)), keys, cols, whole_rows=(cols.stop - cols.start) == m.hidden_dim)
+        view = RankView.of(m, self.shape.world_size, self.shape.rank)
+        return Served(entry, Handle(m, origin, servable=len(keys), view=view), keys)
 
     def _s3_settings(self):
         from lmcache_cartridge.store.s3 import S3Settings
@@ -532,24 +532,18 @@ class CartridgeStoragePlugin(StoragePluginInterface):
 
     def _allocate(self, served: Served, index: int):
         m = served.handle.manifest
-        cols = served.columns
         obj = self.local_cpu_backend.allocate(
-            torch.Size([2, m.num_layers, m.chunks[index].num_tokens, cols.stop - cols.start]),
+            torch.Size(served.handle.view.engine_shape(index)),
             self.shape.dtype, MemoryFormat.KV_2LTD, eviction=True, busy_loop=False)
         if obj is None:  # allocator full: a miss, the request recomputes
             logger.warning("lmcache_cartridge: allocator full, chunk %d of %r not served", index, m.cartridge_id)
         return obj
 
     def _fill(self, served: Served, index: int, obj) -> bool:
-        """Put verified chunk bytes (this rank's columns) into `obj`; False on any failure."""
+        """Put verified chunk bytes (this rank's heads) into `obj`; False on any failure."""
         m = served.handle.manifest
         try:
-            if served.whole_rows:
-                self.residency.read_into(served.handle, index, obj.tensor, network=False)
-            else:
-                full = torch.empty(m.chunk_shape(m.chunks[index].num_tokens), dtype=m.torch_dtype)
-                self.residency.read_into(served.handle, index, full, network=False)
-                obj.tensor.copy_(full[..., served.columns])
+            self.residency.read_into(served.handle, index, obj.tensor, network=False)
             return True
         except NotLocal as e:  # evicted from every local tier since the lookup: fetch, miss now
             logger.warning("lmcache_cartridge: %s (request recomputes; downloading)", e)

@@ -30,7 +30,7 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.store.origins import COMPOSITE, COMPOSITE_S3, PARTS_NAME, is_s3
 from lmcache_cartridge.store.registry import Entry
 
-_SAME = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_size")
+_SAME = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_size", "layout")
 
 
 def _identity(m: Manifest) -> str:
@@ -61,7 +61,7 @@ def composite_manifest(parts: list[Manifest]) -> Manifest:
     offset = 0
     for p in parts:
         for c in p.chunks:
-            chunks.append(ChunkInfo(len(chunks), offset, c.nbytes, c.num_tokens, c.sha256, c.blake3))
+            chunks.append(replace(c, index=len(chunks), offset=offset))
             offset += c.nbytes
     digest = hashlib.sha256(("composite:" + ",".join(_identity(p) for p in parts)).encode()).hexdigest()
     m = replace(

@@ -57,7 +57,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_cartridge.store.disk_cache")
 
-ChunkId = tuple[str, int]  # (content_hash, chunk index)
+# (key, chunk index). The key is the cartridge's content hash for whole chunks, or
+# `<content_hash>.h<start>-<end>` for the heads one tensor-parallel rank reads of a `by_head`
+# payload (`RankView.disk_key`): ranks holding the same heads share one file.
+ChunkId = tuple[str, int]
+_KEY = re.compile(r"^[0-9a-f]{64}(\.h\d+-\d+)?$")
+
+
+def _of(key: str, content_hash: str) -> bool:
+    """Is `key` (a directory, a ChunkId's first part) one of this cartridge's?"""
+    return key == content_hash or key.startswith(content_hash + ".h")
 
 INDEX_NAME = "index.sqlite"
 MUTEX_NAME = "index.lock"
@@ -108,7 +117,7 @@ class _Owner:
 class DiskTier:
     """Byte-budgeted LRU of chunk files under `root`, shared by every process on the host.
 
-    Layout: `root/<content_hash>/<index>.chunk`, `root/index.sqlite` (the shared index and
+    Layout: `root/<key>/<index>.chunk` (`ChunkId`), `root/index.sqlite` (the shared index and
     budget), `root/index.lock` (writers' queue), `root/.owners/` (one lock file per live process). `budget_bytes` is the host's
     budget: every process enforces it against the shared total (give all instances the same
     value; with different values each put is held to its own process's value).
@@ -237,7 +246,7 @@ class DiskTier:
                 if n != buf.nbytes:
                     raise ChecksumError(f"{path}: {n} bytes, expected {buf.nbytes}")
                 if verify:
-                    check_chunk(handle.manifest.chunks[cid[1]], buf, str(path), handle.manifest.torch_dtype)
+                    check_chunk(handle.view.span(cid[1]), buf, str(path), handle.manifest.torch_dtype)
             except (OSError, ChecksumError) as e:
                 logger.error("lmcache_cartridge: disk cache chunk dropped (%s); fetching it again", e)
                 self.metrics.error("disk")
@@ -414,26 +423,29 @@ class DiskTier:
     def discard(self, content_hash: str) -> int:
         """Delete every published chunk of one cartridge (force_redownload), from every process's
         view; writes under way by others finish (their bytes are verified origin bytes)."""
+        mine = (content_hash, content_hash + ".h%")  # whole chunks and every rank's head slices
         with self._lock:
             self._check_fork()
             with self._txn() as db:
-                writing = {i for (i,) in db.execute(
-                    "SELECT idx FROM chunks WHERE hash = ? AND owner IS NOT NULL", (content_hash,))}
-                db.execute("DELETE FROM chunks WHERE hash = ? AND owner IS NULL", (content_hash,))
+                writing = set(db.execute(
+                    "SELECT hash, idx FROM chunks WHERE (hash = ? OR hash LIKE ?) AND owner IS NOT NULL", mine))
+                db.execute("DELETE FROM chunks WHERE (hash = ? OR hash LIKE ?) AND owner IS NULL", mine)
                 removed = 0
-                d = self.root / content_hash
-                for f in (d.iterdir() if d.is_dir() else ()):
-                    if f.suffix == ".chunk" and f.stem.isdigit() and int(f.stem) not in writing:
-                        try:
-                            f.unlink()
-                            removed += 1
-                        except FileNotFoundError:
-                            pass
-                        except OSError as e:
-                            logger.warning("lmcache_cartridge: could not delete %s: %s", f, e)
-            self._present = {c for c in self._present if c[0] != content_hash}
-            self._verified = {c for c in self._verified if c[0] != content_hash}
-            self._touched = {c: t for c, t in self._touched.items() if c[0] != content_hash}
+                for d in self.root.glob(content_hash + "*"):
+                    if not d.is_dir() or not _of(d.name, content_hash):
+                        continue
+                    for f in d.iterdir():
+                        if f.suffix == ".chunk" and f.stem.isdigit() and (d.name, int(f.stem)) not in writing:
+                            try:
+                                f.unlink()
+                                removed += 1
+                            except FileNotFoundError:
+                                pass
+                            except OSError as e:
+                                logger.warning("lmcache_cartridge: could not delete %s: %s", f, e)
+            self._present = {c for c in self._present if not _of(c[0], content_hash)}
+            self._verified = {c for c in self._verified if not _of(c[0], content_hash)}
+            self._touched = {c: t for c, t in self._touched.items() if not _of(c[0], content_hash)}
         return removed
 
     # -- housekeeping (inside a transaction) -----------------------------------------------------
@@ -496,7 +508,7 @@ class DiskTier:
         rows = {(h, int(i)): owner for h, i, owner in db.execute("SELECT hash, idx, owner FROM chunks")}
         seen: set[ChunkId] = set()
         for d in self.root.iterdir():
-            if not d.is_dir() or len(d.name) != 64:
+            if not d.is_dir() or not _KEY.match(d.name):
                 continue
             for f in d.iterdir():
                 name = f.name

@@ -9,21 +9,24 @@ entry gets is decided here alone, from its `source_uri` (`open_origin`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Protocol
 
-from lmcache_cartridge.cartridge.manifest import PAYLOAD_NAME, ChunkInfo
+from lmcache_cartridge.cartridge.manifest import PAYLOAD_NAME, ChunkInfo, Span
 from lmcache_cartridge.cartridge.packed import PackedCartridge
 
 
 class Origin(Protocol):
     uri: str
     local: bool  # local origins are their own disk tier: nothing is copied to the disk cache
+    bytes_read: int  # payload bytes this origin has returned (what a rank really reads)
 
-    def read_into(self, info: ChunkInfo, buf: memoryview,
+    def read_into(self, info: ChunkInfo | Span, buf: memoryview,
                   on_data: Callable[[int, int], None] | None = None) -> None:
-        """Fill `buf` with the chunk's payload bytes; tell `on_data(pos, n)` in order as bytes
-        land (a retry starts again at 0), so a check can run while they arrive."""
+        """Fill `buf` with the payload bytes a span (a rank's heads of a chunk, or a whole chunk)
+        names: one `pread` or one ranged GET at its offset. Tell `on_data(pos, n)` in order as
+        bytes land (a retry starts again at 0), so a check can run while they arrive."""
         ...
 
     def close(self) -> None: ...
@@ -53,10 +56,12 @@ class LocalOrigin:
     def __init__(self, directory: str | Path) -> None:
         self.packed = PackedCartridge(directory)
         self.uri = str(self.packed.directory)
+        self.bytes_read = 0
 
-    def read_into(self, info: ChunkInfo, buf: memoryview,
+    def read_into(self, info: ChunkInfo | Span, buf: memoryview,
                   on_data: Callable[[int, int], None] | None = None) -> None:
-        self.packed.read_raw_into(info.index, buf)
+        self.packed.read_span_into(info, buf)
+        self.bytes_read += info.nbytes
         if on_data is not None:
             on_data(0, info.nbytes)
 
@@ -72,10 +77,12 @@ class S3ChunkOrigin:
 
         self.uri = uri
         self.s3 = S3Origin(uri, settings)
+        self.bytes_read = 0
 
-    def read_into(self, info: ChunkInfo, buf: memoryview,
+    def read_into(self, info: ChunkInfo | Span, buf: memoryview,
                   on_data: Callable[[int, int], None] | None = None) -> None:
         self.s3.read_range_into(PAYLOAD_NAME, info.offset, buf, on_data=on_data)
+        self.bytes_read += info.nbytes
 
     def close(self) -> None:
         self.s3.close()  # its connection pool; a re-opened cartridge builds a new client
@@ -94,21 +101,30 @@ class CompositeOrigin:
         self.uri = uri
         parts = json.loads((Path(directory) / PARTS_NAME).read_text(encoding="utf-8"))
         self._origins: list[Origin] = []
-        self._chunks: list[tuple[Origin, ChunkInfo]] = []
+        self._chunks: list[tuple[Origin, ChunkInfo, int]] = []  # (part origin, part chunk, our offset)
+        offset = 0
         try:
             for p in parts:
                 origin = open_origin(p["source_uri"], p["path"], s3_settings)
                 self._origins.append(origin)
-                self._chunks += [(origin, c) for c in Manifest.load(p["path"]).chunks]
+                for c in Manifest.load(p["path"]).chunks:
+                    self._chunks.append((origin, c, offset))
+                    offset += c.nbytes
         except BaseException:
             self.close()
             raise
         self.local = all(o.local for o in self._origins)
 
-    def read_into(self, info: ChunkInfo, buf: memoryview,
+    @property
+    def bytes_read(self) -> int:
+        return sum(o.bytes_read for o in self._origins)
+
+    def read_into(self, info: ChunkInfo | Span, buf: memoryview,
                   on_data: Callable[[int, int], None] | None = None) -> None:
-        origin, part_info = self._chunks[info.index]
-        origin.read_into(part_info, buf, on_data)
+        origin, part_info, ours = self._chunks[info.index]
+        # the same bytes of the part's chunk as of ours (a composite's chunk is its part's chunk)
+        origin.read_into(replace(info, index=part_info.index, offset=part_info.offset + info.offset - ours),
+                         buf, on_data)
 
     def close(self) -> None:
         for o in self._origins:

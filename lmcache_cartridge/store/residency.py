@@ -12,6 +12,12 @@ Who owns what: each tier owns its bytes and its LRU order; `Residency` owns the 
 process has verified. A chunk is identified by `(content_hash, index)`, so two cartridges never
 share bytes and a re-packed cartridge never reuses stale ones.
 
+Per rank: a handle's `RankView` says which KV heads this process serves. Only those heads' bytes
+are read (one contiguous range of a `by_head` chunk) and cached on disk (under the view's
+`disk_key`, shared by the host's processes that read the same heads); the CPU tier keeps them
+already in LMCache's layout for this rank (`RankView.to_engine`, once, when they enter it), so
+budgets count what a rank holds and a repeat hit is one plain copy.
+
 Invariant: nothing unverified is served or cached. Origin bytes are checked against the
 manifest's chunk digest (`integrity.chunk_digest`: BLAKE3, or sha256 for
 cartridges packed before it) before use; disk-cache files are checked on their first read in a process.
@@ -30,6 +36,7 @@ import torch
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.store.disk_cache import ChunkId, DiskTier
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import Origin
@@ -51,10 +58,18 @@ class Handle:
     origin: Origin
     servable: int | None = None  # chunks LMCache can look up (keyed); None = all
     retired: bool = False  # set by the plugin when it stops serving it: downloads stop
+    view: RankView | None = None  # the heads this process serves; None = all of them
+
+    def __post_init__(self) -> None:
+        if self.view is None:
+            self.view = RankView.of(self.manifest)
 
     @property
     def content_hash(self) -> str:
         return self.manifest.content_hash
+
+    def disk_id(self, index: int) -> ChunkId:
+        return (self.view.disk_key, index)
 
 
 # --- memory tier ------------------------------------------------------------------------------
@@ -205,8 +220,7 @@ class Residency:
         """Whether chunk `index` can be read without the network (what a lookup may promise)."""
         if handle.origin.local:
             return True
-        cid = (handle.content_hash, index)
-        return cid in self.cpu or (self.disk is not None and cid in self.disk)
+        return (handle.content_hash, index) in self.cpu or (self.disk is not None and handle.disk_id(index) in self.disk)
 
     def local_prefix(self, handle: Handle, indices) -> int:
         """How many of `indices` (in order) are local before the first that is not."""
@@ -263,11 +277,11 @@ class Residency:
                 break
             if self.is_local(handle, info.index):
                 continue
-            scratch = torch.empty(info.nbytes, dtype=torch.uint8)
+            scratch = torch.empty(handle.view.engine_nbytes(info.index), dtype=torch.uint8)
             t0 = time.perf_counter()
             try:
                 tier = self._fetch(handle, info.index, scratch, background=True)
-                self.metrics.hit(tier, info.nbytes, time.perf_counter() - t0)  # bytes the origin gave
+                self.metrics.hit(tier, handle.view.span(info.index).nbytes, time.perf_counter() - t0)  # bytes the origin gave
                 fetched += 1
             except Exception as e:  # the next lookup (or the plugin's watcher) asks again
                 logger.warning("lmcache_cartridge: download of chunk %d of %r failed: %s",
@@ -277,7 +291,8 @@ class Residency:
 
     # -- hot path ---------------------------------------------------------------------------------
     def read_into(self, handle: Handle, index: int, out: torch.Tensor, *, network: bool = True) -> str:
-        """Fill `out` (contiguous, the chunk's exact size) with verified bytes; return the tier.
+        """Fill `out` (contiguous: this rank's chunk in LMCache's `KV_2LTD`, `handle.view.engine_shape`)
+        with verified bytes; return the tier.
 
         With `network=False` (LMCache's retrieve) only local tiers are read: a remote chunk that
         is not cached raises `NotLocal` at once instead of waiting on the origin.
@@ -299,9 +314,11 @@ class Residency:
     def _read_local(self, handle: Handle, index: int, flat: torch.Tensor) -> str:
         if handle.origin.local:  # single flight among local readers only: no network involved
             return self._fetch(handle, index, flat)
-        cid = (handle.content_hash, index)
-        if self.disk is not None and self.disk.get_into(cid, as_bytes(flat), handle):
-            self.cpu.put(cid, flat)
+        raw = self._raw_buffer(handle, index, flat)
+        if self.disk is not None and self.disk.get_into(handle.disk_id(index), as_bytes(raw), handle):
+            if raw is not flat:
+                handle.view.to_engine(index, raw, flat)
+            self.cpu.put((handle.content_hash, index), flat)
             return "disk"
         if self.disk is not None:
             self.metrics.miss("disk")
@@ -347,15 +364,32 @@ class Residency:
         flight.done.set()
         return tier
 
+    @staticmethod
+    def _raw_buffer(handle: Handle, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """Where this rank's raw bytes of a chunk land: straight in the output when they are
+        already its layout, else a scratch buffer of exactly their size."""
+        if handle.view.identity:
+            return flat
+        return torch.empty(handle.view.span(index).nbytes, dtype=torch.uint8)
+
     def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False) -> str:
-        cid = (handle.content_hash, index)
-        buf = as_bytes(flat)
+        raw = self._raw_buffer(handle, index, flat)
+        tier = self._read_raw(handle, index, raw, background=background)
+        if raw is not flat:
+            handle.view.to_engine(index, raw, flat)
+        return tier
+
+    def _read_raw(self, handle: Handle, index: int, raw: torch.Tensor, *, background: bool = False) -> str:
+        """This rank's verified payload bytes of chunk `index` (`view.span`) from the disk cache or
+        the origin into `raw`; remote bytes are also written to the disk cache."""
+        cid, dcid = (handle.content_hash, index), handle.disk_id(index)
+        buf = as_bytes(raw)
         if self.disk is not None and not handle.origin.local:
-            if self.disk.get_into(cid, buf, handle):
+            if self.disk.get_into(dcid, buf, handle):
                 return "disk"  # counted by read_into, with the whole read's latency
             self.metrics.miss("disk")
         tier = "local" if handle.origin.local else "s3"
-        info, dtype = handle.manifest.chunks[index], handle.manifest.torch_dtype
+        info, dtype = handle.view.span(index), handle.manifest.torch_dtype
         try:
             if handle.origin.local:
                 handle.origin.read_into(info, buf)
@@ -381,9 +415,9 @@ class Residency:
             raise
         if self.disk is not None and not handle.origin.local and buf.nbytes <= self.disk.budget:
             if background:  # a download: write it here, the chunk is then local for good
-                self.disk.put(cid, buf)
+                self.disk.put(dcid, buf)
             else:
-                self._write_behind(cid, flat)
+                self._write_behind(dcid, raw)
         return tier
 
     def _write_behind(self, cid: ChunkId, flat: torch.Tensor) -> None:
@@ -430,11 +464,12 @@ class Residency:
         """Bring every chunk of a cartridge as close as the budgets allow (prefetch, preload)."""
         warmed = 0
         for info in handle.manifest.chunks[: handle.servable]:
-            cid = (handle.content_hash, info.index)
-            if cid in self.cpu or (self.disk is not None and not handle.origin.local and cid in self.disk
-                                   and self.cpu.used + info.nbytes > self.cpu.budget):
+            cid, nbytes = (handle.content_hash, info.index), handle.view.engine_nbytes(info.index)
+            if cid in self.cpu or (self.disk is not None and not handle.origin.local
+                                   and handle.disk_id(info.index) in self.disk
+                                   and self.cpu.used + nbytes > self.cpu.budget):
                 continue
-            scratch = torch.empty(info.nbytes, dtype=torch.uint8)
+            scratch = torch.empty(nbytes, dtype=torch.uint8)
             try:
                 self._fetch(handle, info.index, scratch, background=True)
                 warmed += 1

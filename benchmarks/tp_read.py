@@ -1,0 +1,158 @@
+"""What one tensor-parallel rank reads of a cartridge, per chunk (issue 12), on Llama-3.1-8B's chunk
+shape (32 layers, 8 KV heads, head_dim 128, 256 tokens, bf16: 32 MiB per chunk).
+
+    .venv/bin/python benchmarks/tp_read.py [--chunks 4] [--out benchmarks/results]
+
+For tp in 1, 2, 4, 8 and each payload layout, rank 0 (every rank reads the same amount) reads
+every chunk through the plugin's residency path (`Residency.read_into` with the rank's
+`RankView`, CPU tier off so each read goes to the origin), from a local packed cartridge
+(page cache warm) and from S3 (a moto server in its own process on loopback). Reported per rank
+and chunk: the bytes the origin returned (counted by the origin itself, `bytes_read`; for S3
+also the ranged GETs' bytes), their share of the chunk, and the time per chunk including
+verification and the conversion to LMCache's layout. `by_head` is format 2 (what `pack` writes);
+`2ltd` is format 1, where a rank must read the whole chunk and keep its columns.
+
+Runs in its own process; `make bench` runs it after the chunk-retrieval benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+
+ROOT = _common.setup()
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, CHUNK = 32, 8, 128, 256
+BUCKET = "tp-read"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server in its own process (not competing with this one's GIL)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto server did not start")
+
+
+def measure(handle, n_chunks: int, reps: int) -> dict:
+    from lmcache_cartridge.store.metrics import Metrics
+    from lmcache_cartridge.store.residency import MemoryTier, Residency
+
+    res = Residency(MemoryTier("cpu", 0), None, Metrics(), prefetch=False)  # every read: the origin
+    try:
+        times = []
+        before = handle.origin.bytes_read
+        for _ in range(reps):
+            for i in range(n_chunks):
+                out = torch.empty(handle.view.engine_shape(i), dtype=torch.bfloat16)
+                t0 = time.perf_counter()
+                res.read_into(handle, i, out)
+                times.append(time.perf_counter() - t0)
+        per_chunk = (handle.origin.bytes_read - before) / (reps * n_chunks)
+    finally:
+        res.close()
+    times.sort()
+    return {"bytes_per_chunk": int(per_chunk), "ms_per_chunk_p50": 1e3 * times[len(times) // 2]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+
+    from s3_server import DUMMY_ENV, s3_client, upload_dir
+    from lmcache_cartridge.cartridge.manifest import LAYOUT_2LTD, LAYOUT_BY_HEAD
+    from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv
+    from lmcache_cartridge.cartridge.tp import RankView
+    from lmcache_cartridge.store.origins import LocalOrigin, S3ChunkOrigin
+    from lmcache_cartridge.store.residency import Handle
+    from lmcache_cartridge.store.s3 import S3Settings
+
+    os.environ.update(DUMMY_ENV)
+    work = Path(tempfile.mkdtemp(prefix="tp-read-", dir=os.environ.get("TMPDIR", "/tmp")))
+    moto, url = start_moto()
+    rows = []
+    try:
+        g = torch.Generator().manual_seed(0)
+        kv = torch.empty(2, LAYERS, args.chunks * CHUNK, HEADS, HEAD_DIM, dtype=torch.bfloat16).uniform_(-2, 2, generator=g)
+        client = s3_client(url)
+        client.create_bucket(Bucket=BUCKET)
+        for layout in (LAYOUT_BY_HEAD, LAYOUT_2LTD):
+            d = work / layout
+            pack_kv(kv, d, cartridge_id=f"tp-{layout}", model="llama3.1-8b-shape", kind="first_k",
+                    token_ids=list(range(args.chunks * CHUNK)), chunk_size=CHUNK, layout=layout)
+            upload_dir(client, BUCKET, layout, d)
+        del kv
+        for layout in (LAYOUT_BY_HEAD, LAYOUT_2LTD):
+            m = PackedCartridge(work / layout).manifest
+            chunk_bytes = m.chunks[0].nbytes
+            for tp in (1, 2, 4, 8):
+                view = RankView.of(m, tp, 0)
+                row = {"layout": layout, "tp": tp, "heads_per_rank": view.heads[1] - view.heads[0],
+                       "chunk_bytes": chunk_bytes}
+                local = LocalOrigin(work / layout)
+                row["local"] = measure(Handle(m, local, view=view), args.chunks, args.reps)
+                local.close()
+                s3 = S3ChunkOrigin(f"s3://{BUCKET}/{layout}", S3Settings(endpoint_url=url))
+                row["s3"] = measure(Handle(m, s3, view=view), args.chunks, 1)
+                s3.close()
+                row["share"] = row["local"]["bytes_per_chunk"] / chunk_bytes
+                rows.append(row)
+                print(f"{layout:8s} tp={tp}: {row['local']['bytes_per_chunk'] / 2**20:6.1f} MiB/chunk per rank "
+                      f"({row['share']:.3f} of the chunk); local {row['local']['ms_per_chunk_p50']:.1f} ms, "
+                      f"S3 {row['s3']['ms_per_chunk_p50']:.1f} ms per chunk", flush=True)
+    finally:
+        moto.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"shape": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "chunk_tokens": CHUNK},
+              "chunks": args.chunks, "reps": args.reps, "machine": _common.machine_info(), "rows": rows}
+    (out / "tp_read.json").write_text(json.dumps(report, indent=1))
+    lines = ["# Per-rank read volume (Llama-3.1-8B chunk shape, 32 MiB per chunk)", "",
+             "`benchmarks/tp_read.py`: rank 0's reads through `Residency.read_into` (CPU tier off), bytes "
+             "counted by the origin; time per chunk includes verification and the conversion to LMCache's "
+             "layout. S3: moto in its own process on loopback.", "",
+             "| layout | tp | heads/rank | MiB read per rank per chunk | share of chunk | local ms/chunk | "
+             "S3 MiB per rank per chunk | S3 ms/chunk |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {r['tp']} | {r['heads_per_rank']} | {r['local']['bytes_per_chunk'] / 2**20:.1f} | "
+                     f"{r['share']:.3f} | {r['local']['ms_per_chunk_p50']:.1f} | {r['s3']['bytes_per_chunk'] / 2**20:.1f} | "
+                     f"{r['s3']['ms_per_chunk_p50']:.1f} |")
+    (out / "tp_read.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
