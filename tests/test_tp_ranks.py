@@ -171,3 +171,14 @@ def test_a_rank_verifies_its_heads_and_refuses_a_corrupt_one(tmp_path):
         assert got_n == 0
     report = PackedCartridge(tmp_path / "doc").verify()
     assert not report.ok and "chunk 0" in report.problems[0]
+
+
+def test_pack_converts_a_format_1_cartridge_to_format_2_with_the_same_kv(tmp_path, capsys):
+    m, kv = _pack(tmp_path, 4, layout=LAYOUT_2LTD, name="old")
+    assert cli.main(["pack", str(tmp_path / "old"), "-o", str(tmp_path / "new"), "--chunk-size", str(CHUNK)]) == 0
+    new = PackedCartridge(tmp_path / "new")
+    assert new.manifest.format_version == 2 and new.manifest.layout == "by_head"
+    assert new.manifest.token_ids == m.token_ids and new.verify().ok
+    assert torch.equal(new.load_kv(), kv) and torch.equal(PackedCartridge(tmp_path / "old").load_kv(), kv)
+    assert cli.main(["inspect", str(tmp_path / "new")]) == 0
+    assert "format 2, by_head" in capsys.readouterr().out

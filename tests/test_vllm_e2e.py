@@ -49,13 +49,14 @@ USER_TEXT = "Question: what does the document say about the harbor and the old k
 class Server(VllmServer):
     """The module's server: LMCache + plugin + CartridgeConnector, prefix caching off."""
 
-    def __init__(self, root: Path, model_dir: Path) -> None:
+    def __init__(self, root: Path, model_dir: Path, **server_args) -> None:
         from lmcache_cartridge.store.registry import Registry
 
         self.model_dir = model_dir
         self.registry_path = root / "registry.db"
         self.registry = Registry(self.registry_path)
-        super().__init__(root, str(model_dir), lmcache=lmcache_config(self.registry_path, chunk_size=CHUNK))
+        super().__init__(root, str(model_dir), lmcache=lmcache_config(self.registry_path, chunk_size=CHUNK),
+                         **server_args)
 
     # --- API ---------------------------------------------------------------------------------
     def complete(self, prompt_ids: list[int], *, skip_save: bool = True, max_tokens: int = MAX_TOKENS) -> dict:

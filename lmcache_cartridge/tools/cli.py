@@ -156,6 +156,9 @@ def cmd_inspect(args) -> int:
         ("dtype", m.dtype),
         ("tokens", f"{m.num_tokens} ({m.num_full_chunks} full chunks of {m.chunk_size})"),
         ("payload", f"{m.payload_nbytes} bytes ({m.payload_nbytes / 2**20:.2f} MiB)"),
+        ("layout", f"format {m.format_version}, {m.layout}" + (
+            " (each TP rank reads only its KV heads)" if m.layout == "by_head" else
+            " (every TP rank reads whole chunks; re-pack to read per rank)")),
         ("token ids", f"[{preview}]"),
         ("content hash", m.content_hash),
         ("labels", ", ".join(m.labels) or "-"),
