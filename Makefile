@@ -50,6 +50,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/chunk_retrieval.py
+	$(PY) benchmarks/tp_read.py
 
 bench-ttft: $(STAMP)
 	$(PY) benchmarks/ttft.py --lengths 256,1024,2048,4096,8192,16384 --concurrency 1,4,16 \

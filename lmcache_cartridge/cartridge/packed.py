@@ -58,7 +58,9 @@ def payload_to_engine(m: Manifest, num_tokens: int, heads: tuple[int, int], raw:
     src = raw.reshape(-1).view(torch.uint8).view(dtype)
     dst = out.reshape(-1).view(torch.uint8).view(dtype).view(2, m.num_layers, num_tokens, n, dim)
     if m.layout == LAYOUT_BY_HEAD:
-        dst.copy_(src.view(n, 2, m.num_layers, num_tokens, dim).permute(1, 2, 3, 0, 4))
+        heads_first = src.view(n, 2, m.num_layers, num_tokens, dim)
+        for h in range(n):  # one head at a time: ~memcpy speed here, a 5-d permuted copy ~0.8x
+            dst[:, :, :, h].copy_(heads_first[h])
     else:
         full = src.view(2, m.num_layers, num_tokens, m.num_kv_heads, dim)
         dst.copy_(full[:, :, :, start:end])
