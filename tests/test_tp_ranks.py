@@ -182,3 +182,33 @@ def test_pack_converts_a_format_1_cartridge_to_format_2_with_the_same_kv(tmp_pat
     assert torch.equal(new.load_kv(), kv) and torch.equal(PackedCartridge(tmp_path / "old").load_kv(), kv)
     assert cli.main(["inspect", str(tmp_path / "new")]) == 0
     assert "format 2, by_head" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cpu_budget", [0, 1 << 24], ids=["cpu-tier-off", "cpu-tier-on"])
+def test_residency_converts_each_rank_once_and_repeats_from_its_cpu_tier(tmp_path, cpu_budget):
+    """The raw heads become the rank's KV_2LTD once (straight into the CPU tier's copy, or through
+    a temporary when the tier keeps nothing); a repeat read is a copy of that, not a re-read."""
+    from lmcache_cartridge.cartridge.tp import RankView
+    from lmcache_cartridge.store.metrics import Metrics
+    from lmcache_cartridge.store.origins import LocalOrigin
+    from lmcache_cartridge.store.residency import Handle, MemoryTier, Residency
+
+    m, kv = _pack(tmp_path, 4)
+    p = PackedCartridge(tmp_path / "doc")
+    for tp in (1, 2, 4):
+        for rank in range(tp):
+            view = RankView.of(p.manifest, tp, rank)
+            origin = LocalOrigin(p.directory)
+            res = Residency(MemoryTier("cpu", cpu_budget), None, Metrics(), prefetch=False)
+            h = Handle(p.manifest, origin, view=view)
+            for _ in range(2):
+                for i, c in enumerate(p.manifest.chunks):
+                    out = torch.zeros(view.engine_shape(i), dtype=torch.bfloat16)
+                    res.read_into(h, i, out, network=False)
+                    a, b = view.heads
+                    want = kv[:, :, i * CHUNK:i * CHUNK + c.num_tokens, a:b].reshape(2, L, c.num_tokens, -1)
+                    assert torch.equal(out, want), (tp, rank, i)
+            reads = 2 if cpu_budget == 0 else 1
+            assert origin.bytes_read == reads * m.payload_nbytes // tp
+            assert res.cpu.used == (m.payload_nbytes // tp if cpu_budget else 0)
+            res.close()

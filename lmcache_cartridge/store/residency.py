@@ -111,26 +111,31 @@ class MemoryTier:
         return True
 
     def put(self, cid: ChunkId, data: torch.Tensor) -> bool:
-        """Keep a copy of `data` (flat uint8) if the budget allows after evicting unpinned LRU.
-        The copy is made before taking the lock; the lock only guards the bookkeeping."""
-        n = data.numel()
+        """Keep a copy of `data` (flat uint8) if the budget allows after evicting unpinned LRU."""
+        return self.put_with(cid, data.numel(), lambda t: copy_into(t, data)) is not None
+
+    def put_with(self, cid: ChunkId, n: int, fill) -> torch.Tensor | None:
+        """Keep `n` bytes that `fill(tensor)` writes (a copy, or a layout conversion: no extra
+        pass) if the budget allows after evicting unpinned LRU; return the kept tensor (never
+        written again), or None. `fill` runs before taking the lock; the lock only guards the
+        bookkeeping."""
         if n > self.budget:
-            return False
+            return None
         with self._lock:
             if cid in self._chunks:
                 self._chunks.move_to_end(cid)
-                return True
+                return self._chunks[cid]
         copy = torch.empty(n, dtype=torch.uint8, device=self.device)
-        copy_into(copy, data)
+        fill(copy)
         with self._lock:
             if cid in self._chunks:  # another thread stored it meanwhile: keep theirs
                 self._chunks.move_to_end(cid)
-                return True
+                return self._chunks[cid]
             if not self._make_room(n):
-                return False
+                return None
             self._chunks[cid] = copy
             self.used += n
-        return True
+        return copy
 
     def _make_room(self, n: int) -> bool:
         evicted = 0
@@ -316,9 +321,7 @@ class Residency:
             return self._fetch(handle, index, flat)
         raw = self._raw_buffer(handle, index, flat)
         if self.disk is not None and self.disk.get_into(handle.disk_id(index), as_bytes(raw), handle):
-            if raw is not flat:
-                handle.view.to_engine(index, raw, flat)
-            self.cpu.put((handle.content_hash, index), flat)
+            self._keep(handle, index, raw, flat)
             return "disk"
         if self.disk is not None:
             self.metrics.miss("disk")
@@ -346,7 +349,6 @@ class Residency:
                 tier = "cpu"
             else:
                 tier = self._read_below_cpu(handle, index, flat, background=background)
-                self.cpu.put(cid, flat)
         except BaseException as e:
             with self._lock:
                 flight.error = e if isinstance(e, Exception) else CartridgeError(f"read interrupted: {e!r}")
@@ -366,17 +368,33 @@ class Residency:
 
     @staticmethod
     def _raw_buffer(handle: Handle, index: int, flat: torch.Tensor) -> torch.Tensor:
-        """Where this rank's raw bytes of a chunk land: straight in the output when they are
-        already its layout, else a scratch buffer of exactly their size."""
-        if handle.view.identity:
+        """Where this rank's raw bytes of a chunk land: straight in the output when they have its
+        size (its own layout, or `by_head` heads, converted by `_keep`), else (a format-1 chunk
+        of which the rank keeps some heads) a scratch buffer of exactly their size."""
+        if handle.view.span(index).nbytes == flat.numel():
             return flat
         return torch.empty(handle.view.span(index).nbytes, dtype=torch.uint8)
+
+    def _keep(self, handle: Handle, index: int, raw: torch.Tensor, flat: torch.Tensor) -> None:
+        """Verified payload bytes `raw` -> `flat` in this rank's `KV_2LTD`, and into the CPU tier.
+        Raw bytes that fill `flat` in another layout are converted straight into the CPU tier's
+        new copy and copied back: the same passes as an identity read, no scratch buffer."""
+        cid, view = (handle.content_hash, index), handle.view
+        if view.identity or raw is not flat:
+            if raw is not flat:
+                view.to_engine(index, raw, flat)
+            self.cpu.put(cid, flat)
+            return
+        kept = self.cpu.put_with(cid, flat.numel(), lambda t: view.to_engine(index, flat, t))
+        if kept is None:  # not kept (budget): convert through a temporary
+            kept = torch.empty(flat.numel(), dtype=torch.uint8)
+            view.to_engine(index, flat, kept)
+        copy_into(flat, kept)
 
     def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False) -> str:
         raw = self._raw_buffer(handle, index, flat)
         tier = self._read_raw(handle, index, raw, background=background)
-        if raw is not flat:
-            handle.view.to_engine(index, raw, flat)
+        self._keep(handle, index, raw, flat)
         return tier
 
     def _read_raw(self, handle: Handle, index: int, raw: torch.Tensor, *, background: bool = False) -> str:
