@@ -455,8 +455,12 @@ def kv_aware_probe(args, root: Path) -> dict:
         # vLLM binds its PUB socket only for a wildcard endpoint ("tcp://*:P"); "tcp://127.0.0.1:P"
         # makes it *connect* there (vllm/distributed/kv_events.py: _is_bind_endpoint), and then no
         # subscriber (ours, the router's) ever receives an event.
-        ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[i]}",
-              "topic": f"kv@inst{i}@{model}"}
+        # No topic: vllm-router's static `--kv-event-source` subscribes with the empty topic and
+        # drops every message whose topic frame is not exactly "" (vllm-router 0.1.17
+        # src/config/mod.rs `parse_static_kv_event_sources`: `topic: String::new()`;
+        # src/kv_index/subscriber.rs: `frames[0] != topic` -> continue, unlogged). A topic here
+        # kept the router's index empty in the first probes.
+        ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[i]}"}
         servers.append(VllmServer(d, model, lmcache=lmcache_config(d / "registry.db", cache_dir=d / "cache"),
                                   prefix_caching=True,
                                   extra_args=("--enforce-eager", "--kv-events-config", json.dumps(ev))))
