@@ -250,3 +250,33 @@ def test_cli_trains_and_reports(model_dir, doc, data_file, tmp_path, capsys):
     assert (work / DATA_NAME).read_bytes() == data_file.read_bytes()
     assert main(argv) == 2  # the output exists: one-line error, no traceback
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_student_is_trained_on_the_prompt_the_gateway_serves_after_a_trained_cartridge(family, doc):
+    """The student's prompt after its cartridge is the gateway's chat prompt after a trained
+    cartridge, token for token: the user turn right after the sink, no BOS and no default system
+    block (the tiny Qwen2's ChatML template, like Qwen2-Instruct's, inserts one by default)."""
+    from lmcache_cartridge.api.prompts import PromptBuilder
+    from lmcache_cartridge.tools.selfstudy.synth import synthesize
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    model_dir = ensure_test_model(family=family)
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    (conv,) = synthesize(model, tok, doc.read_text(), SYNTH, count=1, seed=0, tag="t", progress=False)
+    sink = [5]  # any cartridge prefix: the gateway puts the trained cartridge's ids first
+    served = PromptBuilder(str(model_dir)).chat_ids([{"role": "user", "content": conv.question}], sink,
+                                                   after_trained=True)
+    assert served == sink + conv.student_prefix
+    text = tok.decode(conv.student_prefix)
+    assert "system" not in text and "helpful assistant" not in text, text
+    assert conv.student_prefix[0] != tok.bos_token_id
+
+
+def test_cli_without_peft_says_what_to_install(model_dir, doc, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ModuleNotFoundError
+    rc = main(["--model-dir", str(model_dir), "--text", str(doc), "-o", str(tmp_path / "c"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "lmcache-cartridge[train]" in err and "Traceback" not in err, err

@@ -10,7 +10,8 @@ Rules:
   Llama-3-style and ChatML templates; `GatewaySettings.trained_chat_template` overrides it per
   deployment ("model": the model's own template minus BOS, or any Jinja chat template).
 
-Runs in the gateway process; owns the tokenizer, loaded once.
+Runs in the gateway process (owns the tokenizer, loaded once), and in `lmcache-cartridge train`,
+whose student sees exactly the prompt the gateway will build after the trained cartridge.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ CHATML_AFTER_TRAINED = (
 class PromptBuilder:
     """Tokenizer-side work. Owned by the app; the tokenizer is loaded once."""
 
-    def __init__(self, tokenizer_dir: str, trained_chat_template: str | None = None) -> None:
-        from transformers import AutoTokenizer
+    def __init__(self, tokenizer, trained_chat_template: str | None = None) -> None:
+        """`tokenizer`: a model directory (loaded here) or an already loaded tokenizer."""
+        if isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
+            from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tok = tokenizer
         self.bos = self.tok.bos_token_id
         self.after_trained = self._after_trained_template(trained_chat_template)
 
@@ -74,6 +78,6 @@ class PromptBuilder:
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         ids = list(ids)
-        if prefix and ids and ids[0] == self.bos:  # the cartridge owns the BOS slot
+        if (prefix or after_trained) and ids and ids[0] == self.bos:  # the cartridge owns the BOS slot
             ids = ids[1:]
         return list(prefix) + ids

@@ -75,7 +75,13 @@ def run_train(args: argparse.Namespace) -> int:
     from lmcache_cartridge.tools.selfstudy.run import train_cartridge
 
     cfg = config_from_args(args)
-    res = train_cartridge(cfg)
+    try:
+        res = train_cartridge(cfg)
+    except ModuleNotFoundError as e:
+        if e.name != "peft":
+            raise
+        raise CartridgeError("training needs PEFT >= 0.21 (its CARTRIDGE adapter): "
+                             "pip install 'lmcache-cartridge[train]'") from None
     m, kl = res.manifest, res.provenance["heldout_kl"]
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     print(f"trained {m.cartridge_id}: {m.num_tokens} tokens, {cfg.loop.steps} steps, "

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.tools.selfstudy.config import SynthConfig
 
 SYSTEM_TEMPLATE = (
@@ -156,7 +157,16 @@ def synthesize_one(model, tokenizer, body: list[int], cfg: SynthConfig, seed: in
                                seed=0, tokenizer=tokenizer, want_logits=True)
     topk_ids, topk_lp = teacher_topk(logits, cfg.top_k, cfg.cover)
     return Conversation(seed_type, (start, start + length), question,
-                        chat_ids(tokenizer, [user], strip_bos=True), teacher_prefix, answer, topk_ids, topk_lp)
+                        student_prompt_ids(tokenizer, user), teacher_prefix, answer, topk_ids, topk_lp)
+
+
+def student_prompt_ids(tokenizer, user: dict[str, str]) -> list[int]:
+    """The student's prompt after its cartridge: exactly what the gateway sends after a trained
+    cartridge (`api.prompts`: the user turn right after the sink token, no BOS, no default system
+    block), so the cartridge is trained on the prompt it will be served with."""
+    from lmcache_cartridge.api.prompts import PromptBuilder
+
+    return PromptBuilder(tokenizer).chat_ids([user], (), after_trained=True)
 
 
 def synthesize(model, tokenizer, text: str, cfg: SynthConfig, *, count: int, seed: int, tag: str,
@@ -173,7 +183,7 @@ def synthesize(model, tokenizer, text: str, cfg: SynthConfig, *, count: int, see
     with tqdm(total=count, desc=f"self-study {tag}", unit="conv", disable=not progress) as bar:
         while len(out) < count:
             if attempts >= 4 * count + 16:
-                raise RuntimeError(
+                raise CartridgeError(
                     f"could not synthesise {count} usable {tag} conversations in {attempts} attempts "
                     "(empty or repeated questions): the model does not follow the seed prompts"
                 )
