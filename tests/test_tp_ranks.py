@@ -169,6 +169,9 @@ def test_a_rank_verifies_its_heads_and_refuses_a_corrupt_one(tmp_path):
     with _rank_engine(tmp_path, 4, 2, 1) as eng:  # heads 2-3: chunk 0 is refused, nothing served
         got_n, _ = eng.retrieve(m.token_ids + [1])
         assert got_n == 0
+        plugin = eng.backend("cartridge")
+        assert "checksum mismatch" in plugin._state.quarantined["doc"].why  # not served again
+        assert eng.engine.lookup(m.token_ids + [1]) == 0
     report = PackedCartridge(tmp_path / "doc").verify()
     assert not report.ok and "chunk 0" in report.problems[0]
 
