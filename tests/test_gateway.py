@@ -414,4 +414,16 @@ def test_router_session_key_follows_the_cartridges(tmp_path, settings, model_dir
     assert keys[3].startswith("req:")
     r = _call(app, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
     assert seen[-1][0]["X-Session-ID"].startswith("req:") and seen[-1][0]["X-Session-ID"] != keys[3]
+    # token-only cartridges (nothing registered) keep an instance too: the key follows their ids
+    tok_keys = []
+    for name, toks in (("sys1", [11, 12, 13]), ("sys1-again", [11, 12, 13]), ("sys2", [14, 15])):
+        pt = tmp_path / "allowed" / f"{name}.pt"
+        torch.save({"token_ids": toks}, pt)
+        body = {"prompt": "hi", "max_tokens": 1,
+                "cartridges": [{"id": str(pt), "source": "local"}, {"id": "doc-a"}]}
+        r = _call(app, "POST", "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        tok_keys.append(seen[-1][0]["X-Session-ID"])
+    assert tok_keys[0] == tok_keys[1] != tok_keys[2]
+    assert tok_keys[0].startswith("cart:tok-") and tok_keys[0].endswith(",doc-a")
     assert all("cartridges" not in b for _, b in seen)  # the field is the gateway's, not vLLM's

@@ -22,7 +22,7 @@ import uuid
 from lmcache_cartridge.api.prompts import PromptBuilder
 from lmcache_cartridge.api.requests import ChatRequest, CompletionRequest, describe
 from lmcache_cartridge.api.resolver import Resolver
-from lmcache_cartridge.api.routing import SESSION_HEADER, session_key
+from lmcache_cartridge.api.routing import SESSION_HEADER, route_id, session_key
 from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
@@ -194,7 +194,8 @@ def create_app(settings: GatewaySettings):
                     upstream["logprobs"] = max(1, body.top_logprobs or 1)
                 else:
                     upstream.pop("logprobs", None)
-            route = {SESSION_HEADER: session_key([e.id for e in plan.wanted])}
+            route = {SESSION_HEADER: session_key([route_id(r.entry.id if r.entry else None, r.token_ids)
+                                                  for r in resolved if r.entry is not None or r.token_ids])}
             if plan.trained:
                 # Placeholder tokens' KV must never be stored where LMCache would serve it, and a
                 # failed load of the cartridge must fail the request, never recompute them

@@ -11,6 +11,8 @@ Runs in the gateway process, once per request; owns nothing.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from collections.abc import Sequence
 
@@ -23,3 +25,12 @@ def session_key(cartridge_ids: Sequence[str]) -> str:
     if cartridge_ids:
         return "cart:" + ",".join(cartridge_ids)
     return "req:" + uuid.uuid4().hex
+
+
+def route_id(registered_id: str | None, token_ids: Sequence[int]) -> str:
+    """A cartridge's part of the session key: its registry id, or for a token-only cartridge
+    (nothing registered) `tok-<digest of its ids>`, so the instance that computed and cached its
+    tokens (vLLM's and LMCache's prefix caches) gets its next request too."""
+    if registered_id is not None:
+        return registered_id
+    return "tok-" + hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:24]
