@@ -200,6 +200,23 @@ def test_lookup_pins_expire_after_their_lease(carts):
         assert not plugin.unpin(keys[0])  # a late unpin finds nothing: harmless
 
 
+def test_a_late_unpin_of_an_expired_pin_leaves_a_newer_lookups_pin(carts):
+    """LMCache unpins a pin after its lease expired, while a newer lookup holds a pin on the same
+    key: the newer pin must stay. Old code: the late unpin released the newer lookup's pin."""
+    a = carts["a"][0]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        plugin = eng.backend("cartridge")
+        object.__setattr__(plugin.settings, "pin_lease_seconds", 0.3)
+        keys = plugin.mapper.keys(a.token_ids)
+        assert plugin.batched_contains(keys[:1], pin=True) == 1          # lookup 1
+        assert _until(lambda: plugin.pin_count(keys[0]) == 0, timeout=5)  # its lease ran out
+        assert plugin.batched_contains(keys[:1], pin=True) == 1          # lookup 2
+        assert not plugin.unpin(keys[0])                                  # LMCache, late, for lookup 1
+        assert plugin.pin_count(keys[0]) == 1 and plugin.residency.cpu._pins
+        assert plugin.unpin(keys[0])                                      # lookup 2's own unpin
+        assert plugin.pin_count(keys[0]) == 0 and not plugin.residency.cpu._pins
+
+
 def test_scheduler_side_instance_records_no_pins(carts):
     """The scheduler-side instance (`local_cpu_backend=None`) answers lookups but never
     retrieves or unpins. Old code recorded its pins, which then lived forever."""

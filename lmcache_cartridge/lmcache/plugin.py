@@ -113,6 +113,10 @@ class _State:
     # key -> what each pin was taken on, oldest first: after a re-registration under the same
     # keys, an unpin must release the chunk its lookup pinned, not whatever the key maps to now.
     pins: dict[Any, deque] = field(default_factory=dict)
+    # key -> when each pin expired by its lease, oldest first: LMCache's late unpin of such a pin
+    # pays this debt instead of releasing a newer lookup's pin on the same key. Kept one more
+    # lease, so a pin LMCache never releases cannot absorb unpins for ever.
+    expired: dict[Any, deque] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)            # id -> why not served
     quarantined: dict[str, _Quarantine] = field(default_factory=dict)
     tombstones: list[_Tombstone] = field(default_factory=list)
@@ -361,10 +365,17 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                     st.tombstones.remove(t)
                 else:
                     t.idle_seen = True
+            for key in list(st.expired):
+                debt = st.expired[key]
+                while debt and now - debt[0] > lease:
+                    debt.popleft()
+                if not debt:
+                    del st.expired[key]
             for key in list(st.pins):
                 taken = st.pins[key]
                 while taken and now - taken[0].taken > lease:
                     expired.append(self._release_locked(key, taken.popleft()))
+                    st.expired.setdefault(key, deque()).append(now)
                 if not taken:
                     del st.pins[key]
             trained = [s for s in st.served.values() if s.entry.kind == "trained"]
@@ -507,9 +518,16 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         return p
 
     def unpin(self, key) -> bool:
-        """Release the oldest pin on `key`: O(1) (a deque per key, a pin count per cartridge)."""
+        """Release the oldest pin on `key`: O(1) (a deque per key, a pin count per cartridge). An
+        unpin of a pin that already expired by its lease releases nothing (returns False)."""
         with self._lock:
             st = self._state
+            debt = st.expired.get(key)
+            if debt:  # LMCache releasing a pin we expired: not the newer lookup's pin
+                debt.popleft()
+                if not debt:
+                    del st.expired[key]
+                return False
             taken = st.pins.get(key)
             if not taken:
                 return False
