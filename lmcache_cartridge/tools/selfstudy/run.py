@@ -99,7 +99,8 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     import peft
     import transformers
 
-    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.registration import load_vocab
 
     check_length(cfg.tokens, cfg.chunk_size, cfg.frozen_tokens)
     cartridge_id = run_id(cfg)  # refused now, not after training
@@ -150,7 +151,7 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
         export_kv(student), cfg.output,
         cartridge_id=cartridge_id,
         model=cfg.model_name or str(cfg.model_dir), kind="trained",
-        vocab=VocabInfo(len(tokenizer), tuple(tokenizer.all_special_ids)),
+        vocab=load_vocab(tokenizer),
         chunk_size=cfg.chunk_size, dtype=kv_dtype, provenance=provenance, labels=cfg.labels,
         overwrite=cfg.overwrite, progress=cfg.progress,
     )
