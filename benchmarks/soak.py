@@ -250,7 +250,8 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
     from lmcache_cartridge.cartridge.model_kv import kv_geometry, load_model
     from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
-    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.registration import load_vocab
     from lmcache_cartridge.store.registry import Registry
     from lmcache_cartridge.store.tier_totals import sum_tier_stats
     from lmcache_cartridge.tools.testmodel import ensure_test_model
@@ -274,7 +275,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         L, H, D = geo.num_layers, geo.num_kv_heads, geo.head_dim
         chunk_bytes = 2 * L * CHUNK * H * D * 2  # bf16
         del model
-        vocab = VocabInfo(len(tok), tuple(tok.all_special_ids))
+        vocab = load_vocab(tok)
         g = torch.Generator().manual_seed(1000 + p.seed)
         carts_dir = work / "carts"
         carts_dir.mkdir()

@@ -34,12 +34,9 @@ ENGINE_MODULES = {"lmcache_cartridge.connector", "lmcache_cartridge.vllm.connect
 ENGINE_STAGE = ENGINE_MODULES | {"lmcache_cartridge.vllm"}  # and every module under it (vLLM's side)
 # Optional features: modules under a prefix may also use their extra's distributions.
 FEATURE_EXTRAS = {"lmcache_cartridge.tools.selfstudy": "train"}
-# Declared although no module of the package names them in an import statement, with why.
-DECLARED_NOT_IMPORTED = {
-    "safetensors": "model weights are read and written as .safetensors by transformers "
-                   "(testmodel, create) and cartridge input formats read safetensors files",
-    "pydantic": "the gateway's request bodies are pydantic models (FastAPI's own way)",
-}
+# Declared although no module of the package names them in an import statement, with why
+# (none today: safetensors and pydantic are imported by cartridge/inputs, api and store).
+DECLARED_NOT_IMPORTED: dict[str, str] = {}
 
 
 def _norm(name: str) -> str:

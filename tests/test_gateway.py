@@ -15,10 +15,9 @@ from lmcache_cartridge.api.gateway import GatewaySettings, RequestError, create_
 from lmcache_cartridge.api.prompts import PromptBuilder
 from lmcache_cartridge.api.requests import CartridgeSpec
 from lmcache_cartridge.api.resolver import Resolver
-from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.manifest import Manifest, id_from_name
 from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv
 from lmcache_cartridge.store.origins import open_origin
-from lmcache_cartridge.store.registration import default_id
 from lmcache_cartridge.store.registry import Registry
 from lmcache_cartridge.tools.testmodel import ensure_test_model
 from s3_server import s3_client
@@ -244,11 +243,11 @@ def test_local_resolution_cached_until_the_registry_changes(tmp_path, settings, 
     assert r.stats["hashes"] == 2 and changed.entry.content_hash != first.entry.content_hash
 
 
-def test_default_id_is_one_rule():
-    assert default_id("my cartridge.v2") == "my-cartridge.v2"
-    assert default_id("..__--x") == "x" and default_id("///") == "cartridge"
-    assert default_id("cache-step100", "ab" * 32) == "cache-step100-abababababab"
-    assert default_id("a..b") == "a.b"
+def test_id_from_name_is_one_rule():
+    assert id_from_name("my cartridge.v2") == "my-cartridge.v2"
+    assert id_from_name("..__--x") == "x" and id_from_name("///") == "cartridge"
+    assert id_from_name("cache-step100", "ab" * 32) == "cache-step100-abababababab"
+    assert id_from_name("a..b") == "a.b"
 
 
 LLAMA31_LIKE = (

@@ -1,4 +1,9 @@
-"""A small Python client for the gateway: OpenAI requests plus the `cartridges` field."""
+"""A small Python client for the gateway: OpenAI requests plus the `cartridges` field.
+
+Runs in the user's own process (an application, a notebook, a benchmark), never in the gateway or
+vLLM. It owns only its HTTP connection pool (`close()` or a `with` block releases it); cartridges,
+the registry and the KV stay with the gateway and the servers behind it.
+"""
 
 from __future__ import annotations
 

@@ -22,13 +22,8 @@ from typing import Any, Callable
 import blake3 as _blake3
 import torch
 
-from lmcache_cartridge.cartridge.buffers import as_bytes
 from lmcache_cartridge.cartridge.manifest import ChunkInfo, Span
 from lmcache_cartridge.errors import ChecksumError
-
-
-def sha256_of(t: torch.Tensor) -> str:
-    return hashlib.sha256(as_bytes(t)).hexdigest()
 
 
 def blake3_hex(data) -> str:

@@ -79,6 +79,20 @@ def validate_id(cartridge_id: str) -> str:
     return cartridge_id
 
 
+def id_from_name(name: str, digest: str | None = None, fallback: str | None = "cartridge") -> str | None:
+    """The one rule that turns a file or directory name into a cartridge id `validate_id` accepts:
+    runs of other characters become '-', '..' becomes '.', leading '-._' and trailing '-.' go, at
+    most 80 characters. With `digest`, its first 12 characters are appended (two different files
+    called `cartridge.pt` never share an id). A name with nothing left gives `fallback`."""
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+    clean = re.sub(r"\.{2,}", ".", clean).lstrip("-._").rstrip("-.")[:80].rstrip("-.")
+    if not clean:
+        if fallback is None:
+            return None
+        clean = fallback
+    return validate_id(f"{clean}-{digest[:12]}" if digest else clean)
+
+
 @dataclass(frozen=True)
 class ChunkInfo:
     """Where one chunk lives in the payload and what its bytes must hash to.

@@ -1,4 +1,9 @@
-"""Plugin settings: read once, here, from LMCache's `extra_config` (`storage_plugin.<name>.*`)."""
+"""Plugin settings: read once, here, from LMCache's `extra_config` (`storage_plugin.<name>.*`).
+
+Runs wherever a `CartridgeStoragePlugin` is built (each vLLM process LMCache starts it in) and
+in the CLI, which reads the same YAML for `--config` (`doctor`, S3 settings). Owns nothing: the
+YAML is the operator's; `PluginSettings` is a frozen copy each reader makes for itself.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 fetched; chunks stay in S3), a whole S3 object (a `.pt` in any input format, downloaded once into
 the cache), an S3 prefix holding an input directory (a PEFT adapter, a Tokasaurus directory, ...:
 listed once, its files downloaded once) and any input file or directory (converted once into a
-content-addressed packed cartridge). Also the one id sanitiser and the one vocabulary loader the CLI and gateway share.
+content-addressed packed cartridge). Also the one vocabulary loader the CLI, gateway, `train` and
+benchmarks share (ids come from `cartridge.manifest.id_from_name`).
 
 Runs in the CLI (`register`, `pack`) and the gateway. Owns, under the cache dir: `manifests/`
 (S3 manifests), `objects/` (downloaded objects and input directories) and `packed/` (converted inputs); serving
@@ -14,25 +15,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
-from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest, validate_id
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest, id_from_name
 from lmcache_cartridge.errors import CartridgeError
 
 
-# --- names and vocabularies -------------------------------------------------------------------
-def default_id(name: str, digest: str | None = None) -> str:
-    """A valid cartridge id from a file or directory name (and, when given, a content digest, so
-    two different files called `cartridge.pt` never share an id)."""
-    clean = re.sub(r"[^A-Za-z0-9._-]+", "-", name)
-    clean = re.sub(r"\.{2,}", ".", clean).lstrip("-._").rstrip("-.")[:80].rstrip("-.") or "cartridge"
-    return validate_id(f"{clean}-{digest[:12]}" if digest else clean)
-
-
+# --- vocabularies -----------------------------------------------------------------------------
 def load_vocab(tokenizer):
     """`VocabInfo` (size and special ids, what placeholder ids avoid) of a tokenizer or its directory."""
     from lmcache_cartridge.cartridge.packed import VocabInfo
@@ -258,7 +250,7 @@ def convert_input(path: Path, digest: str, cache_dir: Path, *, model: str, chunk
     dtype = model_dtype_for(loaded.kv, model_dir)
     if dtype is not None and dtype != loaded.kv.dtype:
         provenance["converted_from_dtype"] = str(loaded.kv.dtype).removeprefix("torch.")
-    pack_kv(loaded.kv, out, dtype=dtype, cartridge_id=default_id(name or path.stem, digest), model=model, kind=kind,
+    pack_kv(loaded.kv, out, dtype=dtype, cartridge_id=id_from_name(name or path.stem, digest), model=model, kind=kind,
             token_ids=loaded.token_ids, vocab=vocab() if kind == "trained" else None, chunk_size=chunk_size,
             provenance=provenance, overwrite=True)
     return Converted(out, None)

@@ -1,5 +1,11 @@
 """SQLite index of packed cartridges, shared by the CLI, the gateway and every serving process.
 
+Who owns it: one database per host (`registry.db` under the cache root unless configured), owned
+by that host's operator. Its writers are the CLI (`register`, `remove`, `label`), the gateway
+(registering what a request names) and the catalog syncer (`store.catalog`, a thread of the
+serving process); the plugins only read it. It indexes cartridge directories it does not own:
+`remove` forgets a row and never deletes files.
+
 WAL mode lets one writer and many readers work at once across processes. Readers notice other
 processes' commits cheaply with `PRAGMA data_version`, which is how a running plugin picks up
 `register`/`remove` without a restart. Every statement is parameterised.

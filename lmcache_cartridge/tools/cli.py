@@ -21,9 +21,9 @@ EXIT_PROBLEMS = 1
 
 
 def _default_id(path: Path) -> str:
-    from lmcache_cartridge.store.registration import default_id
+    from lmcache_cartridge.cartridge.manifest import id_from_name
 
-    return default_id(path.stem if path.is_file() else path.name)
+    return id_from_name(path.stem if path.is_file() else path.name)
 
 
 def _vocab_from_args(args):

@@ -3,6 +3,10 @@
 Canonical KV layout across the project: one tensor `[2, num_layers, num_tokens, num_kv_heads,
 head_dim]` (0 = K, 1 = V), K after RoPE exactly as HF caches it, in the model's dtype. A
 cartridge is only valid as the prefix it was computed for, so the token ids travel with it.
+
+Runs offline in the `create` command's process (and in tests that make cartridges), on CPU,
+never on the serving path. It reads the model directory and owns nothing on disk: it returns a
+`CreatedCartridge` in memory, and its caller packs it (`pack_kv`) where it chooses.
 """
 
 from __future__ import annotations

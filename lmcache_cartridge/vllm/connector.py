@@ -7,6 +7,16 @@ Load it with:
                            "kv_role":"kv_both"}'
 and LMCache's config as usual (`LMCACHE_CONFIG_FILE`, with the cartridge storage plugin).
 
+Where it runs / who owns what: vLLM builds one instance per role, the scheduler role in the
+EngineCore process (inside `Scheduler.__init__`) and the worker role with each worker (one per TP
+rank; with a single rank vLLM may run it in the EngineCore process too). The scheduler instance
+owns the readiness deadlines of waiting requests and sets vLLM's `kv_load_failure_policy`; a
+worker instance owns the block ids of its failed loads until vLLM collects them
+(`get_block_ids_with_load_errors`). The CPU hook patches LMCache's connector factory once per
+process. vLLM owns the paged KV cache, LMCache (the superclass and the engine it builds) the KV it
+stores and loads; the connector holds neither, nor any cartridge file (the storage plugin reads
+those).
+
 On CUDA (or any non-CPU platform) it is exactly `LMCacheConnectorV1`: LMCache builds its own
 GPU connector. On vLLM's CPU backend LMCache has no connector ("No supported cpu connector
 found") and would run degraded (every request recomputed after a lookup timeout). The hook:

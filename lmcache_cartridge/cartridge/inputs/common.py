@@ -10,7 +10,6 @@ the converted KV equals the maker's tensors bit for bit).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,12 +127,6 @@ def token_list(tokens: Any, what: str = "'token_ids'") -> list[int] | None:
     if not tokens:
         raise CartridgeFormatError(f"{what} is empty")
     return list(tokens)
-
-
-def clean_id(text: str) -> str | None:
-    """A cartridge-id-safe form of a name (letters, digits, '.', '_', '-')."""
-    s = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")
-    return s[:120] or None
 
 
 def require_file(path: Path, what: str) -> Path:

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge, clean_id
+from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge
 from lmcache_cartridge.cartridge.inputs.torchfile import safe_torch_load
+from lmcache_cartridge.cartridge.manifest import id_from_name
 from lmcache_cartridge.errors import CartridgeFormatError
 
 FORMAT = "peft"
@@ -103,5 +104,5 @@ def load(directory: Path) -> LoadedCartridge:
         kv=kv, token_ids=None, source_format=FORMAT, num_frozen_tokens=frozen,
         base_model=base if isinstance(base, str) and base else None,
         metadata={k: cfg[k] for k in ("peft_version", "task_type", "revision") if isinstance(cfg.get(k), str)},
-        suggested_id=clean_id(directory.resolve().name),
+        suggested_id=id_from_name(directory.resolve().name, fallback=None),
     )

@@ -18,8 +18,9 @@ from typing import Any
 import yaml
 
 from lmcache_cartridge.cartridge.inputs import trainable_cache
-from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge, clean_id, require_file
+from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge, require_file
 from lmcache_cartridge.cartridge.inputs.torchfile import safe_torch_load
+from lmcache_cartridge.cartridge.manifest import id_from_name
 from lmcache_cartridge.errors import CartridgeFormatError
 
 FORMAT = "tokasaurus"
@@ -85,5 +86,5 @@ def load(directory: Path) -> LoadedCartridge:
     loaded.metadata = {"max_tokens": max_tokens}
     if isinstance(init.get("num_frozen_tokens"), int):
         loaded.metadata["config_num_frozen_tokens"] = init["num_frozen_tokens"]
-    loaded.suggested_id = clean_id(directory.resolve().name)
+    loaded.suggested_id = id_from_name(directory.resolve().name, fallback=None)
     return loaded

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge, clean_id, htd, stack_layers
+from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge, htd, stack_layers
+from lmcache_cartridge.cartridge.manifest import id_from_name
 from lmcache_cartridge.errors import CartridgeFormatError
 
 FORMAT = "cartridges"
@@ -93,5 +94,5 @@ def suggested_id(path: Path) -> str | None:
     real = path.resolve()
     m = _STEP_RE.match(real.stem)
     if m:
-        return clean_id(f"{real.parent.name}-step{m.group(1)}")
+        return id_from_name(f"{real.parent.name}-step{m.group(1)}", fallback=None)
     return None

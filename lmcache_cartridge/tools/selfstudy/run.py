@@ -99,9 +99,11 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     import peft
     import transformers
 
-    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.registration import load_vocab
 
     check_length(cfg.tokens, cfg.chunk_size, cfg.frozen_tokens)
+    cartridge_id = run_id(cfg)  # refused now, not after training
     if cfg.output.exists() and not cfg.overwrite:
         raise CartridgeError(f"{cfg.output} already exists (use --overwrite to replace it)")
     if cfg.conversations < 1 or cfg.loop.batch_size < 1 or cfg.loop.steps < 1:
@@ -147,9 +149,9 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     }
     manifest = pack_kv(
         export_kv(student), cfg.output,
-        cartridge_id=cfg.cartridge_id or _default_id(cfg.output),
+        cartridge_id=cartridge_id,
         model=cfg.model_name or str(cfg.model_dir), kind="trained",
-        vocab=VocabInfo(len(tokenizer), tuple(tokenizer.all_special_ids)),
+        vocab=load_vocab(tokenizer),
         chunk_size=cfg.chunk_size, dtype=kv_dtype, provenance=provenance, labels=cfg.labels,
         overwrite=cfg.overwrite, progress=cfg.progress,
     )
@@ -158,7 +160,8 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     return TrainResult(manifest, result, cfg.adapter_dir, provenance)
 
 
-def _default_id(path: Path) -> str:
-    import re
+def run_id(cfg: TrainConfig) -> str:
+    """The id the run's cartridge gets: `--id` (checked) or one made from the output's name."""
+    from lmcache_cartridge.cartridge.manifest import id_from_name, validate_id
 
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", path.name).strip("-.") or "cartridge"
+    return validate_id(cfg.cartridge_id) if cfg.cartridge_id else id_from_name(cfg.output.name)
