@@ -184,6 +184,51 @@ def test_quarantine_is_sticky_until_the_bytes_change(carts):
         assert n == 3 * CHUNK and torch.equal(got[:, :, :n], flat(kv_a)[:, :, :n])
 
 
+def test_a_quarantine_during_a_refresh_survives_its_swap_and_the_next(carts):
+    """A reader quarantines a bad cartridge while a refresh is building its new state (between
+    its copy of the state and its swap): the swap must keep the quarantine, and so must the next
+    refresh. The interleaving is made exact by reading the bad cartridge from inside the
+    refresh's opening of an unrelated cartridge (a real retrieve through the engine)."""
+    (a, _), tmp, reg = carts["a"], carts["dir"], carts["reg"]
+    bad = pack_kv(random_kv(L, 2 * CHUNK, H, D, seed=91), tmp / "bad", cartridge_id="bad", model=MODEL,
+                  kind="first_k", token_ids=list(range(20000, 20000 + 2 * CHUNK)), chunk_size=CHUNK)
+    corrupt_chunk_with_nan(tmp / "bad", bad, 1)
+    for j in range(2):
+        pack_kv(random_kv(L, CHUNK, H, D, seed=80 + j), tmp / f"u{j}", cartridge_id=f"unrelated-{j}",
+                model=MODEL, kind="first_k", token_ids=list(range(8000 + 500 * j, 8000 + 500 * j + CHUNK)),
+                chunk_size=CHUNK)
+    with engine_for(tmp, reg.path) as eng:
+        plugin = eng.backend("cartridge")
+        object.__setattr__(plugin.settings, "refresh_seconds", 3600.0)  # only our refreshes run
+        other = Registry(reg.path)
+        other.register(tmp / "bad")
+        plugin.refresh()
+        assert "bad" in plugin.served_now()
+        opened, real_open = [], plugin._open
+
+        def open_while_a_reader_quarantines(entry):
+            if entry.id == "unrelated-0" and not opened:
+                opened.append(entry.id)
+                assert eng.retrieve(bad.token_ids + [1])[0] == 0  # refused: quarantined now
+                assert "bad" in plugin._state.quarantined
+            return real_open(entry)
+
+        plugin._open = open_while_a_reader_quarantines
+        other.register(tmp / "u0")
+        assert plugin.refresh() and opened == ["unrelated-0"]
+        assert "bad" not in plugin.served_now() and "bad" in plugin._state.quarantined
+        other.register(tmp / "u1")  # one more unrelated change: the quarantine still holds
+        assert plugin.refresh()
+        served = plugin.served_now()
+        assert "bad" not in served and {"unrelated-0", "unrelated-1", "doc-a"} <= set(served)
+        assert eng.engine.lookup(bad.token_ids + [1]) == 0
+        assert eng.engine.lookup(a.token_ids + [1]) == 3 * CHUNK
+        with plugin._lock:
+            st = plugin._state
+            assert all(st.served.get(sv.entry.id) is sv for sv, _ in st.index.values())
+            assert set(st.index) == {k for sv in st.served.values() for k in sv.keys}
+
+
 def test_lookup_pins_expire_after_their_lease(carts):
     """A pin LMCache never releases must not hold the CPU-tier copy (and a retired cartridge's
     origin) forever. Old code: pins without a lease."""
