@@ -156,9 +156,10 @@ def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_resi
 
 
 def test_async_pair_leaves_the_storage_event_loop_free(carts):
-    """`batched_get_non_blocking` runs on LMCache's storage event loop. Here its read is held up
-    for real (another thread holds the memory tier's lock, as a large copy would have): other
-    coroutines on the loop must keep running meanwhile. Old code ran the read on the loop."""
+    """`batched_get_non_blocking` runs on LMCache's storage event loop (the StorageManager's own
+    loop thread, which the plugin was built with). Here its read is held up for real (another
+    thread holds the memory tier's lock, as a large copy would have): other coroutines on that
+    loop must keep running meanwhile. Old code ran the read on the loop."""
     a, kv_a = carts["a"]
     with engine_for(carts["dir"], carts["reg"].path) as eng:
         plugin = eng.backend("cartridge")
@@ -186,13 +187,16 @@ def test_async_pair_leaves_the_storage_event_loop_free(carts):
             release.set()
             return ticks_while_blocked, await get
 
-        ticks, objs = asyncio.run(go())
+        sm_loop = eng.storage_manager.loop  # LMCache's storage event loop, running in its thread
+        assert sm_loop.is_running() and plugin.loop is sm_loop
+        ticks, objs = asyncio.run_coroutine_threadsafe(go(), sm_loop).result(timeout=30)
         holder.join()
         assert ticks == 20  # the loop ran other work while the read waited
         assert len(objs) == 1 and torch.equal(objs[0].tensor, flat(kv_a)[:, :, :CHUNK])
         for o in objs:
             o.ref_count_down()
-        hits = asyncio.run(plugin.batched_async_contains("l2", keys, pin=True))
+        hits = asyncio.run_coroutine_threadsafe(plugin.batched_async_contains("l2", keys, pin=True),
+                                                sm_loop).result(timeout=30)
         assert hits == 3 and plugin.pin_count(keys[0]) == 0
 
 
