@@ -132,3 +132,30 @@ def test_s3_dir_form_matches_local_dir_form(tmp_path, setup, model_dir):
     via_s3 = r.resolve(CartridgeSpec(id=f"s3://{BUCKET}/ok/toka2"))
     via_local = r.resolve(CartridgeSpec(id=str(local), source="local"))
     assert via_s3.entry.path == via_local.entry.path and via_s3.token_ids == via_local.token_ids
+
+
+def test_cli_register_of_an_s3_peft_adapter_prefix_converts_it_once(tmp_path, setup, model_dir, s3_proxy, capsys,
+                                                                     monkeypatch):
+    """`lmcache-cartridge register s3://bucket/prefix` of a PEFT adapter directory (not a packed
+    cartridge): downloaded and converted as the gateway does, the packed KV equal to the local
+    directory's, registered; a second register downloads nothing. Without --model-dir: one clear
+    error."""
+    from lmcache_cartridge.tools import cli
+
+    settings, client = setup
+    monkeypatch.setenv("LMCACHE_CARTRIDGE_HOME", str(tmp_path / "home"))  # the CLI's default cache dir
+    local = _peft(tmp_path, model_dir, seed=5)
+    upload_dir(client, BUCKET, "ok/cli-peft", local)
+    base = ["register", f"s3://{BUCKET}/ok/cli-peft", "--registry", str(tmp_path / "cli-reg.db"),
+            "--s3-endpoint", s3_proxy.endpoint_url, "--chunk-size", str(CHUNK)]
+    assert cli.main(base) == 2 and "--model-dir" in capsys.readouterr().err
+    gets = lambda: s3_proxy.count("GET", r"/ok/cli-peft/[^?]+$")  # noqa: E731
+    assert cli.main(base + ["--model-dir", model_dir]) == 0
+    assert "converted" in capsys.readouterr().out and gets() >= 2
+    (entry,) = Registry(tmp_path / "cli-reg.db").list()
+    assert entry.kind == "trained" and entry.model == model_dir and entry.num_tokens == 2 * CHUNK
+    expected = load_input(local).kv.to(PackedCartridge(entry.path).manifest.torch_dtype)
+    assert torch.equal(PackedCartridge(entry.path).load_kv(), expected)
+    before = gets()
+    assert cli.main(base + ["--model-dir", model_dir]) == 0  # listed again, nothing downloaded
+    assert gets() == before and len(Registry(tmp_path / "cli-reg.db").list()) == 1

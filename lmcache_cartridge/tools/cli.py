@@ -278,6 +278,40 @@ def cmd_unpublish(args) -> int:
     return 0
 
 
+def _config_chunk_size(args) -> int:
+    """The serving chunk size: the --config LMCache YAML's `chunk_size`, else LMCache's 256."""
+    if getattr(args, "config", None):
+        return int(_load_lmcache_config(args.config).chunk_size)
+    return 256
+
+
+def _register_s3_input_dir(args, settings, s3_settings, cache_dir) -> int | None:
+    """`s3://bucket/prefix` holding a maker's input directory (PEFT CARTRIDGE adapter, Tokasaurus
+    directory, ...): its files are downloaded and converted once, as the gateway does
+    (`registration.fetch_s3_dir` + `convert_input`), and the packed result is registered. None when
+    the prefix holds a packed cartridge (registered as an S3 origin by the caller)."""
+    from lmcache_cartridge.store.registration import convert_input, fetch_s3_dir, load_vocab
+
+    listed = fetch_s3_dir(args.path, s3_settings, cache_dir, force=args.force_redownload)
+    if listed.packed:
+        return None
+    if not args.model_dir:
+        raise CartridgeError(f"{args.path} is an input directory, not a packed cartridge: it is converted on "
+                             "registration, which needs the serving model: pass --model-dir DIR (its vocabulary "
+                             "and dtype; --model NAME if vLLM serves it under another name)")
+    out = convert_input(listed.path, listed.digest, cache_dir, model=args.model or args.model_dir,
+                        chunk_size=args.chunk_size or _config_chunk_size(args),
+                        vocab=lambda: load_vocab(args.model_dir), name=listed.uri.rsplit("/", 1)[-1],
+                        model_dir=args.model_dir)
+    if out.packed_dir is None:
+        raise CartridgeError(f"{args.path} holds token ids only: there is no KV to register "
+                             "(send it in a request's cartridges; vLLM computes and caches it)")
+    entry = _registry(args).register(out.packed_dir, labels=args.label or [], force_redownload=args.force_redownload)
+    print(f"registered {entry.id} ({entry.kind}, {entry.num_tokens} tokens, model {entry.model}) "
+          f"from {args.path} (converted: {listed.downloaded} files downloaded -> {entry.path})")
+    return 0
+
+
 def cmd_register(args) -> int:
     from lmcache_cartridge.cartridge.packed import PackedCartridge, rechunk
     
@@ -293,7 +327,12 @@ def cmd_register(args) -> int:
         if args.s3_region:
             s3["region"] = args.s3_region
         cache_dir = settings.cache_dir if settings else default_cache_dir()
-        entry = register_s3(_registry(args), args.path, cache_dir, S3Settings.from_mapping(s3),
+        s3_settings = S3Settings.from_mapping(s3)
+        if not args.path.endswith(".pt"):
+            converted = _register_s3_input_dir(args, settings, s3_settings, cache_dir)
+            if converted is not None:
+                return converted
+        entry = register_s3(_registry(args), args.path, cache_dir, s3_settings,
                             labels=args.label or [], force_redownload=args.force_redownload,
                             engine=EngineShape.partial(chunk_size=args.chunk_size))
         print(f"registered {entry.id} ({entry.kind}, {entry.num_tokens} tokens, model {entry.model}) "
@@ -609,7 +648,10 @@ def build_parser() -> argparse.ArgumentParser:
              "Servers whose plugin reads this registry serve it within a refresh period, without a\n"
              "restart. Registering the same id again replaces it.",
              "lmcache-cartridge register carts/doc --config configs/lmcache-cartridge.yaml")
-    sp.add_argument("path", help="packed cartridge directory, or s3://bucket/prefix of one")
+    sp.add_argument("path", help="packed cartridge directory, or s3://bucket/prefix of one or of a maker's "
+                                 "input directory (PEFT CARTRIDGE adapter, Tokasaurus; needs --model-dir)")
+    sp.add_argument("--model-dir", help="s3:// input directories: the serving model (vocabulary, dtype)")
+    sp.add_argument("--model", help="s3:// input directories: the model name vLLM serves (default: --model-dir)")
     sp.add_argument("--label", action="append", help="label (repeatable)")
     sp.add_argument("--chunk-size", type=int, help="serving chunk_size: re-chunk a copy if the cartridge differs")
     sp.add_argument("--packed-dir", help="where re-chunked copies go (default: $LMCACHE_CARTRIDGE_HOME/packed)")
