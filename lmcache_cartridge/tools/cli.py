@@ -289,10 +289,16 @@ def _register_s3_input_dir(args, settings, s3_settings, cache_dir) -> int | None
     """`s3://bucket/prefix` holding a maker's input directory (PEFT CARTRIDGE adapter, Tokasaurus
     directory, ...): its files are downloaded and converted once, as the gateway does
     (`registration.fetch_s3_dir` + `convert_input`), and the packed result is registered. None when
-    the prefix holds a packed cartridge (registered as an S3 origin by the caller)."""
+    the prefix holds a packed cartridge, or nothing (the caller registers it as an S3 origin, or
+    says which manifest is missing)."""
     from lmcache_cartridge.store.registration import convert_input, fetch_s3_dir, load_vocab
 
-    listed = fetch_s3_dir(args.path, s3_settings, cache_dir, force=args.force_redownload)
+    from lmcache_cartridge.store.s3 import NotFound
+
+    try:
+        listed = fetch_s3_dir(args.path, s3_settings, cache_dir, force=args.force_redownload)
+    except NotFound:  # nothing at the prefix: the packed-cartridge path names the manifest it wanted
+        return None
     if listed.packed:
         return None
     if not args.model_dir:
