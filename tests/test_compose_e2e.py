@@ -10,8 +10,12 @@ keeps its KV; the trained parts keep the positions they were trained at; the use
 after the total. With one trained part, vLLM's answer must match HF transformers given the
 concatenated KV as `past_key_values` with positions offset by its length (tolerances of
 tests/test_vllm_e2e.py); with two, it must equal the same concatenated KV packed as one trained
-cartridge. Every cartridge token comes from LMCache (vLLM's counter). Combinations that cannot be
-exact answer 400 with the rule. One server for the module (~75 s here, start-up included).
+cartridge. Every cartridge token comes from LMCache (vLLM's counter). A trained cartridge after
+tokens vLLM computes (a token-only cartridge; tokens between trained ones) is served after the
+gateway's priming request: vLLM computes those tokens once, LMCache stores their chunks, and the
+request loads them with the trained KV; it must match HF given the same tokens computed before
+the trained KV. A trained cartridge off a chunk boundary answers 400 with the rule. One server
+for the module (~75 s here, start-up included).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ CHUNK = 256
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, moto_server):
     from lmcache_cartridge.api.gateway import GatewaySettings
-    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
     from lmcache_cartridge.cartridge.packed import pack_kv
     from lmcache_cartridge.tools.create import create_first_k
     from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
@@ -62,6 +66,10 @@ def stack(tmp_path_factory, moto_server):
     with saved_as_if_on_cuda():
         torch.save(trainable_cache_state(up_kv, 1), carts / "cache-step64.pt")
     torch.save({"token_ids": made.token_ids}, carts / "tokens.pt")  # token-only, the same ids as sys
+    # token-only, whole chunks, a text no other cartridge here holds (vLLM computes it; HF's KV is the reference)
+    other_ids = tok("Minutes of the lighthouse board. " + document_text(), add_special_tokens=False)["input_ids"][:CHUNK]
+    torch.save({"token_ids": other_ids}, carts / "minutes.pt")
+    torch.save({"token_ids": other_ids[:100]}, carts / "short.pt")
 
     registry = root / "registry.db"
     cfg = lmcache_config(registry, chunk_size=CHUNK, cache_dir=root / "cache",
@@ -80,9 +88,13 @@ def stack(tmp_path_factory, moto_server):
                    "ids": {"sys": {"id": str(carts / "sys"), "source": "local"},
                            "peft": {"id": "s3://compose/peft/"},
                            "up": {"id": str(carts / "cache-step64.pt"), "source": "local"},
-                           "tokens": {"id": str(carts / "tokens.pt"), "source": "local"}},
+                           "tokens": {"id": str(carts / "tokens.pt"), "source": "local"},
+                           "minutes": {"id": str(carts / "minutes.pt"), "source": "local"},
+                           "short": {"id": str(carts / "short.pt"), "source": "local"}},
+                   "minutes_ids": other_ids,
                    "kv": {"sys": made.kv.to(torch.bfloat16),
-                          "peft": load_input(root / "peft").kv.to(torch.bfloat16), "up": up_kv}}
+                          "peft": load_input(root / "peft").kv.to(torch.bfloat16), "up": up_kv,
+                          "minutes": compute_prefix_kv(model, other_ids).to(torch.bfloat16)}}
     finally:
         proxy.stop()
         server.stop()
@@ -165,11 +177,70 @@ def test_first_k_then_two_trained_is_the_concatenated_kv_and_repeats_without_s3_
     assert (proxy.count(), app.state.registry.writes, dict(app.state.resolver.stats)) == before
 
 
+def test_trained_after_token_only_is_primed_and_matches_hf(stack):
+    """[token-only minutes (256 tokens), PEFT dir]: one prime (vLLM computes the 256 tokens, LMCache
+    stores them), then the request loads all 512 tokens from LMCache, and matches HF given the
+    tokens' KV then the adapter's KV. A repeat primes again (cheap: LMCache already holds the
+    chunk) and answers the same."""
+    app = stack["app"]
+    primes = app.state.primes
+    check_against_hf(stack, ["minutes", "peft"], "token-only + PEFT dir, primed")
+    assert app.state.primes == primes + 1
+
+
+def hf_after(model, past: torch.Tensor, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """HF's KV of `past` followed by `ids` computed after it (positions offset), canonical layout."""
+    from lmcache_cartridge.cartridge.model_kv import cache_to_kv, kv_to_cache
+
+    m = model.to(dtype)
+    n = past.shape[2]
+    with torch.inference_mode():
+        out = m(input_ids=torch.tensor([ids]), past_key_values=kv_to_cache(past.to(dtype), m.config),
+                position_ids=torch.arange(n, n + len(ids)).unsqueeze(0), use_cache=True)
+    return cache_to_kv(out.past_key_values).to(torch.bfloat16)
+
+
+def test_tokens_between_trained_are_computed_after_the_first(stack):
+    """[PEFT dir, token-only minutes, TrainableCache .pt]: the prime loads the adapter's KV (the
+    readiness rule holds it until it can) and computes the 256 tokens after it; the request then
+    loads all 768 tokens from LMCache (adapter and `up` from the plugin, the computed chunk from
+    LMCache's CPU tier). Reference: HF computes the tokens after the adapter's KV, then `up`."""
+    server, model, tok, app = stack["server"], stack["model"], stack["tok"], stack["app"]
+    names = ["peft", "minutes", "up"]
+    user = list(tok(USER_TEXT, add_special_tokens=False)["input_ids"])
+    ext0, primes = server.external_tokens(), app.state.primes
+    r = served(stack, names, user)
+    assert r.status_code == 200, r.text
+    assert app.state.primes == primes + 1
+    # the prime loaded the adapter (256), the request all three (768): nothing trained was computed
+    assert server.external_tokens() - ext0 == 4 * CHUNK, server.log_tail()
+    lp_obj = r.json()["choices"][0]["logprobs"]
+    gen = [int(t.split(":", 1)[1]) for t in lp_obj["tokens"]]
+    lp = lp_obj["token_logprobs"]
+    peft, up, ids = stack["kv"]["peft"], stack["kv"]["up"], stack["minutes_ids"]
+    res = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        kv = torch.cat([hf_after(model, peft, ids, dtype), up], dim=2)
+        _, res[dtype], best = hf_teacher_forced(model, kv, user, gen, dtype)
+        if dtype == torch.bfloat16:
+            best_bf16 = best
+    wrong = torch.cat([hf_after(model, peft, ids, torch.bfloat16), up.flip(0)], dim=2)  # up's K and V exchanged
+    _, lp_wrong, _ = hf_teacher_forced(model, wrong, user, gen, torch.bfloat16)
+    model.to(torch.bfloat16)
+    bf, fp = res[torch.bfloat16], res[torch.float32]
+    print(f"\n[compose e2e PEFT + tokens + TrainableCache, primed] vLLM vs HF bf16 max {max_diff(lp, bf):.4f} "
+          f"mean {mean_diff(lp, bf):.4f}; vs HF fp32 mean {mean_diff(lp, fp):.4f}; with up's K/V exchanged "
+          f"mean {mean_diff(lp, lp_wrong):.4f}")
+    assert min(mean_diff(lp, bf), mean_diff(lp, fp)) <= HF_MEAN_TOL
+    assert min(max_diff(lp, bf), max_diff(lp, fp)) <= HF_MAX_TOL
+    assert mean_diff(lp, lp_wrong) >= NEG_MIN_MEAN
+
+
 @pytest.mark.parametrize("names, needle", [
-    (["tokens", "peft"], "cannot follow tokens cartridge"),
-    (["peft", "sys", "up"], "cannot follow first_k cartridge"),
+    (["short", "peft"], "would start at token 100, not a multiple of the chunk size 256"),
+    (["peft", "short", "up"], "would start at token 356, not a multiple of the chunk size 256"),
 ])
-def test_combinations_that_cannot_be_exact_answer_400(stack, names, needle):
+def test_trained_off_a_chunk_boundary_answers_400(stack, names, needle):
     r = served(stack, names, [1, 2, 3])
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]

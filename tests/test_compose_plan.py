@@ -2,8 +2,11 @@
 and that LMCache's own lookup serves it. A first-k cartridge that is exact at position 0 (whole
 chunks) followed by trained cartridges is one composite: its chained chunk keys run over the
 first-k ids then the trained placeholder ids, and a REAL LMCacheEngine with the plugin (built by
-LMCache's loader from YAML) retrieves, bit for bit, the concatenated KV. Combinations that cannot
-be exact answer 400 with the rule."""
+LMCache's loader from YAML) retrieves, bit for bit, the concatenated KV. A trained cartridge after
+tokens vLLM computes is a composite keyed after them plus a priming request: once the computed
+tokens' chunks are stored (what the prime makes vLLM do), LMCache's lookup chains them (its CPU
+tier) with the trained chunks (the plugin). A trained cartridge off a chunk boundary answers 400
+with the rule."""
 
 from __future__ import annotations
 
@@ -83,10 +86,8 @@ def test_first_k_then_trained_is_one_composite_served_by_lmcache_bit_for_bit(par
 
 
 @pytest.mark.parametrize("order, needle", [
-    (["t.pt", "ta"], "cannot follow tokens cartridge"),              # token-only: no KV
-    (["sys", "other", "ta"], "cannot follow first_k cartridge '/*/other'"),  # other is prefilled after sys
-    (["ta", "sys", "tb"], "cannot follow first_k cartridge '/*/sys'"),  # sys is computed after ta
-    (["ta", "t.pt", "tb"], "cannot follow tokens cartridge"),
+    (["t.pt", "ta"], "would start at token 3, not a multiple of the chunk size 64"),  # 3 token ids
+    (["ta", "t.pt", "tb"], "would start at token 67, not a multiple of the chunk size 64"),
     (["odd", "ta"], "would start at token 40, not a multiple of the chunk size 64"),
 ])
 def test_combinations_that_cannot_be_exact_answer_400_with_the_rule(parts, order, needle):
@@ -96,7 +97,55 @@ def test_combinations_that_cannot_be_exact_answer_400_with_the_rule(parts, order
     import fnmatch
 
     assert e.value.status == 400 and fnmatch.fnmatch(str(e.value), f"*{needle}*"), str(e.value)
-    assert "must come before" in str(e.value) or "multiple" in str(e.value)
+    assert "placeholder ids" in str(e.value)
+
+
+def test_trained_after_computed_tokens_is_primed_then_served_by_lmcache_bit_for_bit(parts):
+    """[first-k sys, first-k other, trained ta]: `other` does not extend `sys`, so both are
+    computed by vLLM; ta is a one-part composite keyed after their ids, with one prime of their
+    128 tokens. [ta, sys, tb]: sys is computed after ta, tb keyed after both, one prime that loads
+    ta (need 64) and computes sys. LMCache's lookup finds nothing of the run before the primed
+    chunks are stored, and all of it, bit for bit, after."""
+    r, res, kv, reg = parts["r"], parts["res"], parts["kv"], parts["reg"]
+    ids = {n: list(res[n].token_ids) for n in ("sys", "other", "ta", "tb")}
+    user = [900, 901, 902]
+
+    one = r.plan([res["sys"], res["other"], res["ta"]])
+    assert one.prefix == ids["sys"] + ids["other"] + ids["ta"] and one.kv_end == 3 * CHUNK
+    assert [(p.length, p.need) for p in one.primes] == [(2 * CHUNK, 0)]
+    m1 = Manifest.load(one.wanted[0].path)
+    assert len(one.wanted) == 1 and m1.context_ids == ids["sys"] + ids["other"] and m1.token_ids == ids["ta"]
+    assert m1.provenance["composite_of"] == ["ta"] and one.wanted[0].id not in ("ta",)
+
+    two = r.plan([res["ta"], res["sys"], res["tb"]])
+    assert two.prefix == ids["ta"] + ids["sys"] + ids["tb"] and two.kv_end == 4 * CHUNK
+    assert [(p.length, p.need) for p in two.primes] == [(2 * CHUNK, CHUNK)]
+    assert two.wanted[0] == res["ta"].entry
+    m2 = Manifest.load(two.wanted[1].path)
+    assert m2.context_ids == ids["ta"] + ids["sys"] and m2.token_ids == ids["tb"]
+    writes = reg.writes
+    assert r.plan([res["ta"], res["sys"], res["tb"]]).wanted == two.wanted and reg.writes == writes  # cached
+
+    # what the prime leaves: sys's chunk is its own first-k KV (the plugin serves it), other's is computed
+    computed = torch.cat([kv["sys"], random_kv(L, CHUNK, H, D, seed=21)], dim=2)
+    with engine_for(parts["dir"], reg.path) as eng:
+        assert eng.engine.lookup(one.prefix + user) == CHUNK  # unprimed: sys only, other is not computed
+        eng.store(one.prefix[:2 * CHUNK], flat(computed))  # the prime: LMCache stores their chunks
+        assert eng.engine.lookup(one.prefix + user) == 3 * CHUNK
+        n, got = eng.retrieve(one.prefix + user)
+        want = torch.cat([computed, kv["ta"]], dim=2)
+        assert n == 3 * CHUNK and torch.equal(got[:, :, :n].view(torch.uint8), flat(want).view(torch.uint8))
+
+        eng.clear_local_cpu()
+        assert eng.engine.lookup(two.prefix + user) == CHUNK  # ta only: sys after it is not computed yet
+        gap = computed[:, :, CHUNK:]
+        n, _ = eng.retrieve(two.prefix[:2 * CHUNK])  # the prime loads ta (LMCache keeps a copy) ...
+        assert n == CHUNK
+        eng.store(two.prefix[:2 * CHUNK], flat(torch.cat([kv["ta"], gap], dim=2)))  # ... and stores sys
+        assert eng.engine.lookup(two.prefix + user) == 4 * CHUNK
+        n, got = eng.retrieve(two.prefix + user)
+        want = torch.cat([kv["ta"], gap, kv["tb"]], dim=2)
+        assert n == 4 * CHUNK and torch.equal(got[:, :, :n].view(torch.uint8), flat(want).view(torch.uint8))
 
 
 def test_trained_first_then_anything_still_served(parts):
@@ -108,3 +157,22 @@ def test_trained_first_then_anything_still_served(parts):
                            + [7, 8, 9])
     single = r.plan([res["sys"], res["ta"]])
     assert Manifest.load(single.wanted[0].path).provenance["composite_of"] == ["sys", "ta"]
+
+
+def test_context_ids_are_whole_chunks_and_only_composites_write_them(parts):
+    """A packed cartridge's manifest has no `context_ids` (files written before it stay byte-equal);
+    a composite after computed tokens round-trips them; a context that is not whole chunks, or
+    holds non-ids, is refused (its keys could not start a chunk)."""
+    import dataclasses
+    import json
+
+    from lmcache_cartridge.cartridge.manifest import ManifestError
+
+    r, res = parts["r"], parts["res"]
+    assert "context_ids" not in json.loads(res["ta"].manifest.to_json())
+    m = Manifest.load(r.plan([res["sys"], res["other"], res["ta"]]).wanted[0].path)
+    assert Manifest.from_dict(json.loads(m.to_json())) == m and m.context_chunks == 2
+    assert m.key_token_ids == m.context_ids + m.token_ids
+    for bad in (m.context_ids[:-1], m.context_ids[:-1] + [-1], m.context_ids[:-1] + [True]):
+        with pytest.raises(ManifestError, match="context_ids"):
+            dataclasses.replace(m, context_ids=bad).validate()

@@ -4,8 +4,8 @@ Why a gateway: vLLM fixes a request's tokens before any connector sees it, so th
 token ids must be placed first by whoever builds the prompt. The gateway resolves each cartridge
 (`api.resolver`: registry id or label, local path, S3 object or prefix; fetched, converted and
 registered once so the plugin serves it), places them in order (`Resolver.plan`), builds the
-prompt after them (`api.prompts`), forwards a token-id prompt to the upstream `/v1/completions`,
-and answers with ordinary OpenAI responses (chat ones rebuilt from the completion, streaming
+prompt after them (`api.prompts`), sends the plan's priming requests where tokens vLLM computes
+precede a trained cartridge, forwards a token-id prompt to the upstream `/v1/completions`, and answers with ordinary OpenAI responses (chat ones rebuilt from the completion, streaming
 included). Request bodies are the pydantic models of `api.requests`.
 
 Runs as its own process (`lmcache-cartridge gateway`). It owns a registry connection, a
@@ -131,6 +131,7 @@ def create_app(settings: GatewaySettings):
     app = FastAPI(title="lmcache_cartridge gateway")
     app.state.resolver, app.state.registry = resolver, registry  # for operators' and tests' eyes
     limits = {"max_model_len": settings.max_model_len}
+    app.state.primes = 0  # priming requests sent (Resolver.plan's `primes`)
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
@@ -146,6 +147,34 @@ def create_app(settings: GatewaySettings):
                           + (f" (upstream: {upstream_msg[:200]})" if upstream_msg else ""))
         resp.headers["Retry-After"] = "1"
         return resp
+
+    async def prime(plan, route: dict) -> JSONResponse | None:
+        """Send `plan.primes` in order, before the request itself: each asks vLLM for one token
+        after the tokens just before a trained run, so vLLM computes them and LMCache stores their
+        chunks, which the run's chunk keys are chained after (`api.resolver`). Sent to the same
+        instance as the request (the router's session key); trained KV in a prime is loaded under
+        the instance's readiness rule like any trained request's. None: all primed; else the error
+        to answer (nothing is generated for the request without its whole head)."""
+        for p in plan.primes:
+            body = {"model": settings.model, "prompt": plan.prefix[:p.length], "max_tokens": 1, "temperature": 0}
+            if p.need:
+                body["kv_transfer_params"] = {NO_RECOMPUTE_PARAM: True, TRAINED_TOKENS_PARAM: p.need}
+            try:
+                r = await client.post("/v1/completions", json=body, headers=route)
+            except httpx.HTTPError as e:
+                return error(502, f"upstream {shown_upstream} unreachable: {type(e).__name__}")
+            app.state.primes += 1
+            if r.status_code == 200:
+                continue
+            try:
+                data = r.json()
+            except ValueError:
+                data = None
+            if r.status_code == 500 and p.need:
+                return trained_failed(data)
+            return error(502, f"upstream answered HTTP {r.status_code} to the priming request for the "
+                              f"{p.length} tokens before a trained cartridge: {r.text[:200]!r}")
+        return None
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -204,7 +233,7 @@ def create_app(settings: GatewaySettings):
                 # loaded there (vllm.readiness: waits, bounded, else fails), whichever instance.
                 upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), "lmcache.skip_save": True,
                                                   NO_RECOMPUTE_PARAM: True,
-                                                  TRAINED_TOKENS_PARAM: plan.wanted[0].num_tokens}
+                                                  TRAINED_TOKENS_PARAM: plan.kv_end}
         except RequestError as e:
             return error(e.status, str(e))
         except NotServed as e:
@@ -214,6 +243,10 @@ def create_app(settings: GatewaySettings):
             return resp
         except CartridgeError as e:
             return error(400, str(e))
+        if plan.primes:
+            failed = await prime(plan, route)
+            if failed is not None:
+                return failed
         stream = bool(upstream.get("stream"))
         try:
             if not stream:

@@ -17,14 +17,16 @@ Composition ("loaded in order"), every part in request order:
   computed after what precedes them (ordinary prefill).
 - Trained cartridges compose as in the Cartridges paper: KVs concatenated in request order, each
   keeping the positions it was trained at, the user's tokens after the total length.
-- vLLM loads external KV only as one prefix from token 0, before computing any token, and LMCache
-  serves it in whole chunks. So everything up to the last trained cartridge (the "KV head") must
-  be cartridge KV starting on chunk boundaries: trained parts, and first-k parts where their KV
-  is exact (first, or extending the ids before them). The head is served as one composite
-  (`store.composite`: chained chunk keys over the parts' ids, each chunk a part's chunk). A
-  trained cartridge after tokens vLLM must compute (a token-only cartridge, a first-k one that
-  is not exact where it sits, anything after an earlier trained one), or not on a chunk boundary,
-  answers 400 with the rule: it cannot be exact.
+- vLLM loads external KV only as a prefix through LMCache's lookup, which serves whole chunks
+  keyed by every token before them. So each run of trained KV (with a leading first-k part where
+  its KV is exact) starts on a chunk boundary and is registered as one cartridge whose keys are
+  chained over the ids before it (`store.composite`, `context_ids`). Tokens vLLM must compute
+  before a run (a token-only cartridge, a first-k one that is not exact where it sits, anything
+  between trained ones) are computed by a priming request that the gateway sends first
+  (`Plan.primes`), which makes LMCache store their chunks; the request itself then finds the
+  whole head in LMCache (computed chunks from its CPU tier, trained chunks from the plugin) and
+  the instance's readiness rule holds it until all of it is there, never recomputing trained KV.
+  A trained cartridge not on a chunk boundary answers 400 with the rule: it cannot be exact.
 
 Runs in the gateway process, on worker threads (blocking I/O); owns its cache, shares the registry.
 """
@@ -57,13 +59,27 @@ class Resolved:
     manifest: Manifest | None = None
 
 
+@dataclass(frozen=True)
+class Prime:
+    """A priming request the gateway sends before the request itself: the first `length` ids of
+    the prefix, so that vLLM computes the tokens just before a trained run and LMCache stores
+    their chunks (the run's chunk keys are chained after them). `need` leading tokens of it are
+    trained KV that must be loaded, never computed (0: none)."""
+
+    length: int
+    need: int
+
+
 @dataclass
 class Plan:
-    """The token ids to put before the prompt, and the registered cartridges whose KV they use."""
+    """The token ids to put before the prompt, the registered cartridges whose KV they use, and
+    the priming requests that must precede the request (in order)."""
 
     prefix: list[int] = field(default_factory=list)
     wanted: list[Entry] = field(default_factory=list)
     trained: bool = False
+    kv_end: int = 0  # the first kv_end tokens end with trained KV: loaded, never computed
+    primes: list[Prime] = field(default_factory=list)
 
 
 @dataclass
@@ -253,18 +269,23 @@ class Resolver:
     def plan(self, parts: list[Resolved]) -> Plan:
         """Place `parts` in request order (the rules in this module's docstring).
 
-        The "KV head" is every part up to and including the last trained one: vLLM loads external
-        KV only as one prefix from token 0, before it computes anything, so all of it must come
-        from cartridge KV (`_kv_head`). The parts after it are placed as tokens (`_tail`)."""
+        The "KV head" is every part up to and including the last trained one (`_kv_runs`): its
+        trained KV is loaded, never computed; tokens between are computed by priming requests.
+        The parts after it are placed as tokens (`_tail`)."""
         last = max((i for i, p in enumerate(parts) if p.kind == "trained"), default=-1)
         plan = Plan()
         if last >= 0:
-            kv_parts = self._kv_head(parts[:last + 1])
-            if len(kv_parts) == 1:
-                plan = Plan(list(kv_parts[0].token_ids), [kv_parts[0].entry], trained=True)
-            else:
-                entry, m = self._composite(kv_parts)
-                plan = Plan(list(m.token_ids), [entry], trained=True)
+            placed, runs = self._kv_runs(parts[:last + 1])
+            plan = Plan(placed, [], trained=True, kv_end=len(placed))
+            previous_end = 0  # where the KV the previous run loads ends (0: no run before)
+            for start, run in runs:
+                if len(run) == 1 and not start:
+                    plan.wanted.append(run[0].entry)
+                else:
+                    plan.wanted.append(self._composite(run, placed[:start])[0])
+                if start:  # tokens before it are computed: a priming request stores their chunks
+                    plan.primes.append(Prime(start, previous_end))
+                previous_end = start + sum(len(p.token_ids) for p in run)
         return self._tail(plan, parts[last + 1:])
 
     @staticmethod
@@ -280,50 +301,53 @@ class Resolver:
                 plan.prefix += ids  # plain tokens after what precedes them: vLLM computes them
         return plan
 
-    def _kv_head(self, parts: list[Resolved]) -> list[Resolved]:
-        """The cartridges whose KV, concatenated in order, is the head ending at the last trained
-        part: trained parts keep their trained positions (the Cartridges paper's composition);
-        a first-k part is used where its KV is exact, i.e. it is first or extends the token ids
-        placed before it (then its KV covers them and replaces the earlier parts). Every part
-        must start on a chunk boundary. Anything else answers 400 saying why (see the README's
-        composition rules): it would need tokens computed by vLLM *before* KV loaded after them."""
+    def _kv_runs(self, parts: list[Resolved]) -> tuple[list[int], list[tuple[int, list[Resolved]]]]:
+        """The head's token ids and its KV runs `(start, parts)`: maximal runs of cartridges whose
+        KV, concatenated, is loaded at `start`; between runs, tokens vLLM computes.
+
+        Trained parts keep the positions they were trained at (the Cartridges paper's
+        composition). A first-k part is used where its KV is exact: it is first or extends the
+        ids placed before it, with no trained part before (its KV then covers them all);
+        otherwise its ids are computed like a token-only cartridge's. A run without a trained
+        part before computed tokens is computed too (its chunks would share LMCache keys with
+        them). Every run starts on a chunk boundary; else 400 saying why (README's rules)."""
         chunk = self.settings.chunk_size
-        kv: list[Resolved] = []
-        placed: list[int] = []   # token ids placed so far, all covered by `kv`
-        for i, p in enumerate(parts):
+        runs: list[tuple[int, list[Resolved]]] = []
+        placed: list[int] = []   # token ids placed so far
+        kv_end = -1              # where the last run's KV ends (-1: no run yet)
+        for p in parts:
             ids = list(p.token_ids)
             if not ids:
                 continue  # an empty token-only cartridge places nothing
-            if p.kind == "first_k" and not any(q.kind == "trained" for q in kv) and ids[:len(placed)] == placed:
-                kv, placed = [p], ids  # first, or extends what precedes it: exact, covers it all
+            if p.kind == "first_k" and not any(q.kind == "trained" for _, r in runs for q in r) \
+                    and ids[:len(placed)] == placed:
+                runs, placed, kv_end = [(0, [p])], ids, len(ids)  # exact: covers all before it
                 continue
             if p.kind != "trained":
-                nxt = next(q for q in parts[i + 1:] if q.kind == "trained")
-                why = ("a token-only cartridge has no KV (vLLM computes its tokens)" if p.kind == "tokens" else
-                       "a first-k cartridge's KV is exact only first or extending what precedes it, so its "
-                       "tokens are computed here")
-                raise RequestError(400, f"trained cartridge {nxt.name!r} cannot follow {p.kind} cartridge "
-                                        f"{p.name!r}: {why}, and vLLM loads cartridge KV only as one prefix "
-                                        "from the prompt's first token, before it computes any token; the "
-                                        "trained cartridge would be computed from placeholder ids. Trained "
-                                        "cartridges must come before tokens that vLLM computes: list them "
-                                        "first, or put a first-k cartridge of these tokens (lmcache-cartridge "
-                                        "pack --model-dir) first")
+                placed += ids  # computed by vLLM after what precedes it (priming, if before a run)
+                continue
             if len(placed) % chunk:
                 raise RequestError(400, f"trained cartridge {p.name!r} would start at token {len(placed)}, not "
                                         f"a multiple of the chunk size {chunk}: LMCache serves KV in whole "
-                                        f"chunks keyed by the prompt's tokens, so the chunk holding its last "
-                                        "tokens would also hold the tokens after it (unknown in advance) and "
-                                        "be computed from placeholder ids. Use a first-k cartridge of a "
-                                        f"multiple of {chunk} tokens before it, or list the trained cartridge first")
-            kv.append(p)
+                                        f"chunks keyed by the prompt's tokens, so the chunk holding its first "
+                                        "tokens would also hold the tokens before it and be computed from "
+                                        "placeholder ids. Make the tokens before it a multiple of "
+                                        f"{chunk} (e.g. a first-k cartridge of whole chunks), or list the "
+                                        "trained cartridge first")
+            if kv_end == len(placed):
+                runs[-1][1].append(p)  # extends the run before it
+            else:
+                runs = [(s, r) for s, r in runs if any(q.kind == "trained" for q in r)]  # else computed
+                runs.append((len(placed), [p]))
             placed += ids
-        return kv
+            kv_end = len(placed)
+        return placed, runs
 
-    def _composite(self, parts: list[Resolved]) -> tuple[Entry, Manifest]:
+    def _composite(self, parts: list[Resolved], context_ids: list[int]) -> tuple[Entry, Manifest]:
         from lmcache_cartridge.store.composite import register_composite
 
-        key = ("composite", tuple((p.entry.id, p.entry.content_hash, p.entry.source_uri) for p in parts))
+        key = ("composite", tuple((p.entry.id, p.entry.content_hash, p.entry.source_uri) for p in parts),
+               tuple(context_ids))
         with self._guard:
             lock = self._locks.setdefault(key, threading.Lock())
         with lock:
@@ -332,7 +356,7 @@ class Resolver:
                 return hit.entry, hit.manifest
             try:
                 entry, m = register_composite(self.registry, [(p.entry, p.manifest) for p in parts],
-                                              self.settings.cache_dir)
+                                              self.settings.cache_dir, context_ids)
             except CartridgeError as e:
                 raise RequestError(400, str(e)) from None
             self.stats["registrations"] += 1

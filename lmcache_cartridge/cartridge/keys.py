@@ -73,6 +73,11 @@ class ChunkKeyMapper:
     def keys(self, token_ids: Sequence[int]) -> list[object]:
         return [key for _, _, key in self.chunk_ranges(token_ids)]
 
+    def cartridge_keys(self, manifest) -> list[object]:
+        """The keys of `manifest`'s own chunks, in order: chained over its context ids (tokens the
+        engine computes before it, whose chunks LMCache holds, not us) and then its own ids."""
+        return self.keys(manifest.key_token_ids)[manifest.context_chunks:]
+
 
 def placeholder_token_ids(
     content_hash: str, num_tokens: int, vocab_size: int, special_ids: Iterable[int] = ()

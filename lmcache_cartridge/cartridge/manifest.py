@@ -149,6 +149,12 @@ class Manifest:
     payload: str = PAYLOAD_NAME
     format_version: int = FORMAT_VERSION
     layout: str = LAYOUT_BY_HEAD
+    # Token ids that precede this cartridge's KV in every prompt it serves (whole chunks; empty
+    # for every packed cartridge). Only a composite made by the gateway has them: a trained part
+    # placed after tokens vLLM computes (`store.composite`). The plugin holds no KV for them (the
+    # engine computes it and LMCache keeps it); they chain this cartridge's chunk keys, because
+    # LMCache keys a chunk by every token before it (`key_token_ids`).
+    context_ids: list[int] = field(default_factory=list)
 
     # --- derived facts (one place computes each) -------------------------------------------
     @property
@@ -188,6 +194,17 @@ class Manifest:
                     tuple((hb, "blake3", c.heads[h]) for h in range(start, end)))
 
     @property
+    def key_token_ids(self) -> list[int]:
+        """The ids LMCache's chunk keys are computed over: the context, then the cartridge's own.
+        The cartridge's chunk i is key `len(context_ids) // chunk_size + i` of them."""
+        return self.context_ids + self.token_ids
+
+    @property
+    def context_chunks(self) -> int:
+        """How many leading chunk keys of `key_token_ids` belong to the context, not to us."""
+        return len(self.context_ids) // self.chunk_size
+
+    @property
     def num_full_chunks(self) -> int:
         return self.num_tokens // self.chunk_size
 
@@ -202,6 +219,8 @@ class Manifest:
             for optional in ("blake3", "heads"):
                 if c[optional] is None:
                     del c[optional]
+        if not d["context_ids"]:
+            del d["context_ids"]  # only composites after computed tokens carry it
         if self.format_version == 1:
             del d["layout"]  # format 1 had no such field: it is always `2ltd`
         return json.dumps(d, indent=1, sort_keys=False)
@@ -274,6 +293,12 @@ class Manifest:
                 f"manifest has {len(self.token_ids)} token ids for num_tokens={self.num_tokens}, "
                 "or ids that are not non-negative integers"
             )
+        if not isinstance(self.context_ids, list) or len(self.context_ids) % self.chunk_size or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.context_ids
+        ):
+            raise ManifestError(
+                f"manifest context_ids must be whole chunks of {self.chunk_size} non-negative token ids, "
+                f"got {len(self.context_ids) if isinstance(self.context_ids, list) else self.context_ids!r}")
         if self.kind == "trained" and self.num_tokens % self.chunk_size:
             raise ManifestError(
                 f"trained cartridge has {self.num_tokens} tokens, not a multiple of chunk_size "

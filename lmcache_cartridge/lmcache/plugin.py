@@ -276,7 +276,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             raise CartridgeError(why)
         s3 = self._s3_settings() if is_s3(entry.source_uri) else None
         origin = open_origin(entry.source_uri, entry.path, s3)
-        keys = self.mapper.keys(m.token_ids)
+        keys = self.mapper.cartridge_keys(m)
         view = RankView.of(m, self.shape.world_size, self.shape.rank)
         return Served(entry, Handle(m, origin, servable=len(keys), view=view), keys)
 

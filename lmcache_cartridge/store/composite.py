@@ -11,6 +11,13 @@ chunk (every part is whole chunks: trained ones always, first-k ones are require
 byte is copied: the composite's directory holds a manifest and `parts.json`, and
 `store.origins.CompositeOrigin` reads each chunk from its part's origin.
 
+After tokens the engine computes (a token-only cartridge, a first-k one that is not exact where
+it sits, tokens between trained ones), a run of parts is a composite with `context_ids`: the ids
+before it, whole chunks. Its chunk keys are chained over them (LMCache keys a chunk by every
+token before it), its KV is only the parts'; the context's chunks are computed by the engine
+and kept by LMCache (the gateway's priming request stores them). Such a composite may have one
+part: the same trained cartridge after other tokens has other keys.
+
 Runs in the gateway (or any registering process); the composite directory under
 `cache_dir/composites/` is owned by whoever made it, the plugin only reads it.
 """
@@ -41,10 +48,12 @@ def _identity(m: Manifest) -> str:
     return m.content_hash + ":" + hashlib.sha256(json.dumps(m.token_ids).encode()).hexdigest()
 
 
-def composite_manifest(parts: list[Manifest]) -> Manifest:
-    """The manifest of `parts` served in this order; an error names the first disagreement."""
-    if len(parts) < 2 or not any(p.kind == "trained" for p in parts):
-        raise CartridgeError("a composite needs at least two cartridges, one of them trained")
+def composite_manifest(parts: list[Manifest], context_ids: list[int] | tuple[int, ...] = ()) -> Manifest:
+    """The manifest of `parts` served in this order after `context_ids`; an error names the first
+    disagreement."""
+    context_ids = [int(t) for t in context_ids]
+    if len(parts) < (1 if context_ids else 2) or not any(p.kind == "trained" for p in parts):
+        raise CartridgeError("a composite needs a trained cartridge and another cartridge or context tokens")
     first = parts[0]
     for p in parts:
         if p.kind not in ("trained", "first_k"):
@@ -63,21 +72,25 @@ def composite_manifest(parts: list[Manifest]) -> Manifest:
         for c in p.chunks:
             chunks.append(replace(c, index=len(chunks), offset=offset))
             offset += c.nbytes
-    digest = hashlib.sha256(("composite:" + ",".join(_identity(p) for p in parts)).encode()).hexdigest()
+    identity = "composite:" + ",".join(_identity(p) for p in parts)
+    if context_ids:  # the same parts after other tokens are another composite (other keys)
+        identity += ";after:" + hashlib.sha256(json.dumps(context_ids).encode()).hexdigest()
+    digest = hashlib.sha256(identity.encode()).hexdigest()
     m = replace(
         first, cartridge_id=f"composite-{digest[:24]}", kind="trained", num_tokens=sum(p.num_tokens for p in parts),
         token_ids=[t for p in parts for t in p.token_ids], chunks=chunks, content_hash=digest,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         provenance={"composite_of": [p.cartridge_id for p in parts],
                     "content_hashes": [p.content_hash for p in parts]},
-        labels=[])
+        labels=[], context_ids=context_ids)
     m.validate()
     return m
 
 
-def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir: Path) -> tuple[Entry, Manifest]:
-    """Write (once) and register the composite of `parts`, in this order."""
-    manifest = composite_manifest([m for _, m in parts])
+def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir: Path,
+                       context_ids: list[int] | tuple[int, ...] = ()) -> tuple[Entry, Manifest]:
+    """Write (once) and register the composite of `parts`, in this order, after `context_ids`."""
+    manifest = composite_manifest([m for _, m in parts], context_ids)
     listing = [{"id": e.id, "source_uri": e.source_uri, "path": e.path} for e, _ in parts]
     # named by the parts' bytes AND where they are read from: a part moved elsewhere gets a new one
     where = hashlib.sha256(json.dumps([manifest.content_hash, listing]).encode()).hexdigest()
