@@ -176,3 +176,15 @@ def test_context_ids_are_whole_chunks_and_only_composites_write_them(parts):
     for bad in (m.context_ids[:-1], m.context_ids[:-1] + [-1], m.context_ids[:-1] + [True]):
         with pytest.raises(ManifestError, match="context_ids"):
             dataclasses.replace(m, context_ids=bad).validate()
+
+
+def test_inspect_shows_the_tokens_a_composite_comes_after(parts, capsys):
+    from lmcache_cartridge.tools.cli import main
+
+    r, res = parts["r"], parts["res"]
+    path = r.plan([res["sys"], res["other"], res["ta"]]).wanted[0].path
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "128 computed tokens (2 chunks LMCache holds, not this cartridge)" in out, out
+    assert main(["inspect", str(res["ta"].entry.path)]) == 0
+    assert "computed tokens" not in capsys.readouterr().out

@@ -390,3 +390,43 @@ def test_new_trained_cartridge_is_served_from_its_kv_on_the_first_request(stack)
     first = complete(stack, [{"id": str(path)}])
     assert stack["server"].external_tokens() - before >= CHUNK, stack["server"].log_tail()
     assert same(complete(stack, [{"id": "gamma"}]), first)
+
+
+def test_trained_after_token_only_system_prompt_with_prefix_caching(stack):
+    """The guide's token-only system prompt (256 tokens, from S3) BEFORE a trained cartridge, on
+    this server with vLLM's prefix cache ON: the gateway primes the system prompt (vLLM computes
+    it or finds it in its prefix cache; LMCache stores its chunk), then the request loads the
+    trained KV keyed after it; the answer matches HF given the system prompt's KV then the trained
+    KV. The same request again primes again and answers the same."""
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv
+
+    model, tok = stack["hf"]
+    app = stack["app"]
+    user = list(tok(" Question: what does the document say?", add_special_tokens=False)["input_ids"])
+    body = {"prompt": user, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+            "cartridges": [{"id": "s3://my-bucket/system-prompt.pt"}, {"id": "s3://my-bucket/ta.pt"}]}
+    primes = app.state.primes
+    r = post(stack["gw"], "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert app.state.primes == primes + 1
+    c = r.json()["choices"][0]
+    res = {"tokens": c["logprobs"]["tokens"], "logprobs": c["logprobs"]["token_logprobs"]}
+    gen = token_ids_of(None, tok, res)
+    lps = {}
+    for dtype in (torch.bfloat16, torch.float32):  # HF computes the system prompt, then is given ta's KV
+        system_kv = compute_prefix_kv(model.to(dtype), list(stack["ids"]["system"]))
+        kv = torch.cat([system_kv, stack["trained"]["ta"].to(dtype)], dim=2)
+        _, lps[dtype], _ = hf_teacher_forced(model, kv, user, gen, dtype)
+    model.to(torch.bfloat16)
+    lp = res["logprobs"]
+    mean = min(mean_diff(lp, lps[torch.bfloat16]), mean_diff(lp, lps[torch.float32]))
+    mx = min(max_diff(lp, lps[torch.bfloat16]), max_diff(lp, lps[torch.float32]))
+    print(f"\n[gateway token-only system prompt + trained, primed, prefix caching on] vLLM vs HF: "
+          f"mean |dlogprob| {mean:.4f}, max {mx:.4f}")
+    assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
+    again = post(stack["gw"], "/v1/completions", body)
+    assert again.status_code == 200, again.text
+    assert app.state.primes == primes + 2
+    c2 = again.json()["choices"][0]["logprobs"]
+    assert c2["tokens"] == res["tokens"] and max_diff(c2["token_logprobs"], lp) <= LOGPROB_TOL
+    assert stack["server"].alive()

@@ -160,6 +160,8 @@ def cmd_inspect(args) -> int:
             " (each TP rank reads only its KV heads)" if m.layout == "by_head" else
             " (every TP rank reads whole chunks; re-pack to read per rank)")),
         ("token ids", f"[{preview}]"),
+        *([("after", f"{len(m.context_ids)} computed tokens ({m.context_chunks} chunks LMCache holds, not "
+                     "this cartridge): its chunk keys are chained after them")] if m.context_ids else []),
         ("content hash", m.content_hash),
         ("labels", ", ".join(m.labels) or "-"),
         ("created", m.created_at),
