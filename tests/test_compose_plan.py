@@ -188,3 +188,49 @@ def test_inspect_shows_the_tokens_a_composite_comes_after(parts, capsys):
     assert "128 computed tokens (2 chunks LMCache holds, not this cartridge)" in out, out
     assert main(["inspect", str(res["ta"].entry.path)]) == 0
     assert "computed tokens" not in capsys.readouterr().out
+
+
+def test_an_instance_on_another_host_builds_the_same_composite_from_the_recipe(parts, tmp_path):
+    """The gateway's registry is not the instance's (another host, both synced from the catalog):
+    the recipe the gateway sends lets the instance's scheduler (`vllm.composites.HostComposer`)
+    register the same composite (same id and bytes, keyed after the same context) in its own
+    registry, once; a part this host lacks is an error there, not a guess. Then a real LMCache
+    engine on that host's registry serves it."""
+    import time
+    from types import SimpleNamespace
+
+    from lmcache_cartridge.errors import CartridgeError
+    from lmcache_cartridge.store.composite import ensure_composite
+    from lmcache_cartridge.vllm.composites import COMPOSE_PARAM, HostComposer
+
+    r, res, kv = parts["r"], parts["res"], parts["kv"]
+    plan = r.plan([res["sys"], res["other"], res["ta"], res["tb"]])
+    assert len(plan.recipes()) == 1 and plan.recipes(2 * CHUNK) == []  # the run ends after the prime
+    prompt = plan.prefix + [900, 901]
+    other_host = Registry(tmp_path / "host2.db")
+    with pytest.raises(CartridgeError, match="is not registered on this host"):
+        ensure_composite(other_host, plan.recipes()[0], prompt, tmp_path / "cache2")
+    for n in ("ta", "tb"):  # as the catalog sync registers them there: same ids, same bytes
+        other_host.register(res[n].entry.path)
+    settings = SimpleNamespace(registry=other_host.path, cache_dir=tmp_path / "cache2")
+    composer = HostComposer(lambda: settings)
+    request = SimpleNamespace(request_id="r1", prompt_token_ids=prompt,
+                              kv_transfer_params={COMPOSE_PARAM: plan.recipes()})
+    for _ in range(3):
+        composer.submit(request)  # vLLM asks each step: built once
+    deadline = time.time() + 10
+    while other_host.get(plan.wanted[0].id) is None and time.time() < deadline:
+        time.sleep(0.05)
+    built = other_host.get(plan.wanted[0].id)
+    assert built is not None and built.content_hash == plan.wanted[0].content_hash and composer.built == 1
+    assert Manifest.load(built.path) .context_ids == plan.prefix[:2 * CHUNK]
+    writes = other_host.writes
+    assert ensure_composite(other_host, plan.recipes()[0], prompt, tmp_path / "cache2").id == built.id
+    assert other_host.writes == writes  # already there: no write
+
+    computed = random_kv(L, 2 * CHUNK, H, D, seed=22)
+    with engine_for(tmp_path, other_host.path) as eng:
+        eng.store(plan.prefix[:2 * CHUNK], flat(computed))  # what the prime leaves on that host
+        n, got = eng.retrieve(prompt)
+        want = torch.cat([computed, kv["ta"], kv["tb"]], dim=2)
+        assert n == 5 * CHUNK and torch.equal(got[:, :, :n].view(torch.uint8), flat(want).view(torch.uint8))

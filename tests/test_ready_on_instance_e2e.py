@@ -149,6 +149,58 @@ def test_trained_request_waits_on_the_instance_then_fails_or_is_served(stack):
     assert all(b - c <= HF_MAX_TOL for b, c in zip(best_bf16, lp_bf16)), (gen, lp_bf16)
 
 
+def test_composites_a_gateway_made_on_another_host_are_built_by_the_instance(stack, tmp_path):
+    """A gateway with its OWN registry and cache dir (another host: it shares nothing with the
+    instance but S3) composes [tr, tr] and [token-only 256 tokens, tr]. The composites exist only in
+    the gateway's registry; the instance builds them in its own from the recipe in
+    kv_transfer_params (`vllm.composites`), and serves them: 200, answers from the cartridge's KV
+    (the primed one equal to HF given the computed tokens' KV then the cartridge's). Old code: the
+    instance's lookup missed the composite's keys, the request waited, then 503."""
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.tools import cli
+    from lmcache_cartridge.tools.testmodel import document_text
+
+    server, proxy, (model, tok) = stack["server"], stack["proxy"], stack["hf"]
+    proxy.clear_faults()
+    if Registry(stack["root"] / "registry.db").get("tr") is None:  # run alone: register it as the first test does
+        assert cli.main(["register", f"s3://{BUCKET}/c/tr", "--config", str(server.root / "lmcache.yaml")]) == 0
+    sys_ids = tok("Rules of the harbor office. " + document_text(), add_special_tokens=False)["input_ids"][:CHUNK]
+    torch.save({"token_ids": sys_ids}, tmp_path / "sys.pt")
+    settings = GatewaySettings(upstream=server.url, model=stack["model"], tokenizer=stack["model"],
+                               registry=tmp_path / "gateway.db", cache_dir=tmp_path / "gateway-cache",
+                               chunk_size=CHUNK, local_roots=(tmp_path,), s3_roots=(BUCKET,),
+                               s3={"endpoint_url": proxy.endpoint_url})
+    user = user_ids(tok)
+    tr = {"id": f"s3://{BUCKET}/c/tr"}
+    with GatewayThread(settings) as gw:
+        def ask(cartridges):
+            body = {"prompt": user, "max_tokens": 8, "temperature": 0, "logprobs": 1,
+                    "return_tokens_as_token_ids": True, "cartridges": cartridges}
+            return httpx.post(gw.url + "/v1/completions", json=body, timeout=300)
+
+        at, ext0 = len(server.log_text()), server.external_tokens()
+        two = ask([tr, tr])
+        print(f"\n[ready on instance] [tr, tr] via a gateway with its own registry: HTTP {two.status_code}")
+        assert two.status_code == 200, two.text
+        assert server.external_tokens() - ext0 >= CHUNK, server.log_tail()  # the second tr chunk, at least
+        assert "is registered on this host" in server.log_text()[at:], server.log_tail()
+
+        primed = result(ask([{"id": str(tmp_path / "sys.pt"), "source": "local"}, tr]))
+    gen = token_ids_of(None, tok, primed)
+    lps = {}
+    for dtype in (torch.bfloat16, torch.float32):  # HF computes the 256 tokens, then is given tr's KV
+        kv = torch.cat([compute_prefix_kv(model.to(dtype), sys_ids), stack["kv"].to(dtype)], dim=2)
+        _, lps[dtype], _ = hf_teacher_forced(model, kv, user, gen, dtype)
+    model.to(torch.bfloat16)
+    lp = primed["logprobs"]
+    mean = min(mean_diff(lp, lps[torch.bfloat16]), mean_diff(lp, lps[torch.float32]))
+    mx = min(max_diff(lp, lps[torch.bfloat16]), max_diff(lp, lps[torch.float32]))
+    print(f"[ready on instance] [token-only 256, tr] primed via that gateway: vs HF mean |dlogprob| {mean:.4f}, "
+          f"max {mx:.4f}")
+    assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
+
+
 def test_engine_alive_and_clean_log(stack):
     server = stack["server"]
     assert server.alive()

@@ -27,6 +27,7 @@ from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 from lmcache_cartridge.store.registry import Registry
+from lmcache_cartridge.vllm.composites import COMPOSE_PARAM
 from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
 from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM
 
@@ -158,7 +159,8 @@ def create_app(settings: GatewaySettings):
         for p in plan.primes:
             body = {"model": settings.model, "prompt": plan.prefix[:p.length], "max_tokens": 1, "temperature": 0}
             if p.need:
-                body["kv_transfer_params"] = {NO_RECOMPUTE_PARAM: True, TRAINED_TOKENS_PARAM: p.need}
+                body["kv_transfer_params"] = {NO_RECOMPUTE_PARAM: True, TRAINED_TOKENS_PARAM: p.need,
+                                              COMPOSE_PARAM: plan.recipes(p.length)}
             try:
                 r = await client.post("/v1/completions", json=body, headers=route)
             except httpx.HTTPError as e:
@@ -233,7 +235,8 @@ def create_app(settings: GatewaySettings):
                 # loaded there (vllm.readiness: waits, bounded, else fails), whichever instance.
                 upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), "lmcache.skip_save": True,
                                                   NO_RECOMPUTE_PARAM: True,
-                                                  TRAINED_TOKENS_PARAM: plan.kv_end}
+                                                  TRAINED_TOKENS_PARAM: plan.kv_end,
+                                                  COMPOSE_PARAM: plan.recipes()}
         except RequestError as e:
             return error(e.status, str(e))
         except NotServed as e:

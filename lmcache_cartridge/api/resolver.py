@@ -80,6 +80,13 @@ class Plan:
     trained: bool = False
     kv_end: int = 0  # the first kv_end tokens end with trained KV: loaded, never computed
     primes: list[Prime] = field(default_factory=list)
+    # (end, recipe) of each composite in the prefix: sent along so an instance on another host
+    # builds it in its own registry (`store.composite.recipe`, `vllm.composites`)
+    composites: list[tuple[int, dict]] = field(default_factory=list)
+
+    def recipes(self, upto: int | None = None) -> list[dict]:
+        """The recipes of the composites ending by token `upto` (None: all)."""
+        return [w for end, w in self.composites if upto is None or end <= upto]
 
 
 @dataclass
@@ -278,14 +285,18 @@ class Resolver:
             placed, runs = self._kv_runs(parts[:last + 1])
             plan = Plan(placed, [], trained=True, kv_end=len(placed))
             previous_end = 0  # where the KV the previous run loads ends (0: no run before)
+            from lmcache_cartridge.store.composite import recipe
+
             for start, run in runs:
+                end = start + sum(len(p.token_ids) for p in run)
                 if len(run) == 1 and not start:
                     plan.wanted.append(run[0].entry)
                 else:
                     plan.wanted.append(self._composite(run, placed[:start])[0])
+                    plan.composites.append((end, recipe([p.entry for p in run], start)))
                 if start:  # tokens before it are computed: a priming request stores their chunks
                     plan.primes.append(Prime(start, previous_end))
-                previous_end = start + sum(len(p.token_ids) for p in run)
+                previous_end = end
         return self._tail(plan, parts[last + 1:])
 
     @staticmethod

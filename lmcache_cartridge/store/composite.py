@@ -112,3 +112,42 @@ def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return registry.register(directory, source_uri=uri), Manifest.load(directory)
+
+
+# --- the same composite on another host --------------------------------------------------------
+# In a fleet the gateway's registry is not the instances': each host has its own, synced from the
+# S3 catalog. So the gateway sends each composite's recipe with the request (kv_transfer_params
+# `vllm.composites.COMPOSE_PARAM`), and the instance's scheduler builds the same composite in its
+# own host's registry from its own entries of the parts (`ensure_composite`). The id is a function
+# of the parts' bytes and the context ids, so both hosts name it alike.
+
+def recipe(parts: list[Entry], start: int) -> dict:
+    """The wire form of one composite: its parts (id and content hash, in order) and where it
+    starts in the prompt (its context ids are the prompt's first `start` ids)."""
+    return {"parts": [[e.id, e.content_hash] for e in parts], "start": int(start)}
+
+
+def ensure_composite(registry, wire: dict, prompt_ids: list[int], cache_dir: Path) -> Entry:
+    """The composite `wire` describes, registered in `registry` if this host lacks it; parts are
+    this host's entries of the same ids with the same bytes. Raises `CartridgeError` saying what
+    is missing (the request then waits on the instance and fails cleanly, never recomputed)."""
+    try:
+        start = int(wire["start"])
+        named = [(str(i), str(h)) for i, h in wire["parts"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CartridgeError(f"malformed composite recipe {wire!r}: {e}") from None
+    if not 0 <= start <= len(prompt_ids) or not named:
+        raise CartridgeError(f"composite recipe {wire!r} does not fit a prompt of {len(prompt_ids)} tokens")
+    parts: list[tuple[Entry, Manifest]] = []
+    for cid, content_hash in named:
+        e = registry.get(cid)
+        if e is None or e.content_hash != content_hash:
+            raise CartridgeError(f"composite part {cid!r} ({content_hash[:12]}) is not registered on this host"
+                                 + ("" if e is None else f" (this host has {e.content_hash[:12]})"))
+        parts.append((e, Manifest.load(e.path)))
+    context = [int(t) for t in prompt_ids[:start]]
+    want = composite_manifest([m for _, m in parts], context)
+    have = registry.get(want.cartridge_id)
+    if have is not None and have.content_hash == want.content_hash:
+        return have  # made on this host already (by this instance, or a gateway sharing the registry)
+    return register_composite(registry, parts, cache_dir, context)[0]

@@ -50,6 +50,10 @@ instance can load the cartridge's tokens: until then `get_num_new_matched_tokens
 `cartridge.ready_timeout_s` (kv_connector_extra_config, default 30 s), then its tokens are
 promised as an external hit whose load fails, and the per-request policy above fails it. A lookup
 that raises for such a request also makes it wait (never 0 tokens, which would recompute it).
+
+Composites (scheduler side, `composites`): a request naming composites the gateway registered on
+its own host (`composites.COMPOSE_PARAM`) gets them built in this host's registry, off the
+scheduler's thread; the readiness rule holds the request until the plugin serves them.
 """
 
 from __future__ import annotations
@@ -147,6 +151,9 @@ class CartridgeConnector(LMCacheConnectorV1):
         from lmcache_cartridge.vllm.readiness import DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_KEY, ReadinessGate
 
         self._gate = ReadinessGate(float(extra.get(READY_TIMEOUT_KEY, DEFAULT_READY_TIMEOUT_S)))
+        from lmcache_cartridge.vllm.composites import HostComposer
+
+        self._composer = HostComposer(self._plugin_settings)
         if role == KVConnectorRole.SCHEDULER and ktc is not None \
                 and not extra.get("cartridge.keep_load_failure_policy", False):
             self._set_load_failure_policy(ktc)
@@ -195,6 +202,18 @@ class CartridgeConnector(LMCacheConnectorV1):
         return must_not_recompute(request)
 
     # --- helpers --------------------------------------------------------------------------
+    def _plugin_settings(self):
+        """The cartridge plugin's settings from LMCache's config (None: no cartridge plugin)."""
+        from lmcache_cartridge.errors import CartridgeError
+        from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+        from lmcache_cartridge.lmcache.settings import PluginSettings
+
+        try:
+            return PluginSettings.from_config(self._impl().config, CartridgeStoragePlugin)
+        except CartridgeError as e:
+            logger.warning("lmcache_cartridge: composites are not built on this host: %s", e)
+            return None
+
     def _impl(self):
         return self._lmcache_engine  # LMCacheConnectorV1Impl
 
@@ -331,6 +350,7 @@ class CartridgeConnector(LMCacheConnectorV1):
         schedule it to be recomputed."""
         rid = getattr(request, "request_id", "?")
         try:
+            self._composer.submit(request)  # a composite the gateway made elsewhere: build it here
             return self._gate.match(
                 request, num_computed_tokens,
                 lookup=lambda: super(CartridgeConnector, self).get_num_new_matched_tokens(request, num_computed_tokens),
