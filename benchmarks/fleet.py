@@ -13,13 +13,21 @@ prepends a cartridge's token ids, so it is what knows which cartridges a request
 that header only. A router in front of gateways would need every client to set the header.
 
 Arms (each on a fresh set of cartridges, so each starts cold; the same Zipf request sequence):
-`--policies` (default consistent_hash, round_robin), then a failover arm (consistent_hash; the
-instance that served most requests so far is SIGKILLed after `--kill-at` of the requests).
-Per arm: the single-instance reference of every distinct request (sent straight to instance 0
-before the arm's cartridges are published: plain vLLM recompute, `lmcache.skip_save`, so it
-caches nothing), then the cartridges are published to the catalog, then the load goes through the
-gateway (streaming, greedy). Recorded: the share of cartridge tokens vLLM took from the KV
-connector (its own counter, `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`),
+`--policies` (default consistent_hash, kv_aware, round_robin), then a failover arm
+(consistent_hash; the instance that served most requests so far is SIGKILLed after `--kill-at` of
+the requests). Instances run with vLLM's prefix cache and ZMQ KV events (no topic), which
+`kv_aware` reads (`--kv-event-source` per instance); the other policies ignore them.
+`--trained` of the cartridges (every 4th from the second most popular) are trained cartridges of
+one chunk (random KV, as tests/test_vllm_e2e.py): the gateway marks their requests, each
+instance holds them until their KV is resident (readiness rule), never recomputing placeholders.
+Per arm: the single-instance reference of every distinct first-k request (sent straight to
+instance 0 before the arm's cartridges are published: plain vLLM recompute, `lmcache.skip_save`,
+so it caches nothing); a trained answer's reference is HF transformers given the cartridge's KV
+as past_key_values, teacher-forced on the answer (the tolerances of tests/test_vllm_e2e.py), with
+another trained cartridge's KV as the control that a wrong KV is seen. Then the cartridges are
+published to the catalog, then the load goes through the gateway (streaming, greedy). Recorded:
+the share of cartridge tokens vLLM did not compute (its own counter,
+`vllm:prompt_tokens_by_source_total`, sources `external_kv_transfer` and `local_cache_hit`),
 the plugins' hits per tier, requests per instance, GETs of cartridge bytes (`kv.bin`) at the
 proxy, TTFT p50/p95, errors, answers equal to their references (token ids), and for failover the
 errors and the recovery time (last failed request's send time minus the kill time).
@@ -105,18 +113,35 @@ class Moto:
 
 
 # --- cartridges and requests ------------------------------------------------------------------------
-def make_cartridges(model_dir: Path, out: Path, arm: int, n: int, tokens: int) -> list[dict]:
-    """`n` first-k cartridges of `tokens` tokens: BOS + a window of the sample document at an offset
-    unique to (arm, cartridge), so no two share a chunk key (each arm starts cold)."""
-    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
-    from lmcache_cartridge.cartridge.packed import pack_kv
+def trained_indices(n: int, trained: int) -> set[int]:
+    """Which of `n` cartridges (0 most popular) are trained: every 4th from the second."""
+    return set(list(range(1, n, 4))[:trained])
+
+
+def make_cartridges(model_dir: Path, out: Path, arm: int, n: int, tokens: int, trained: int = 0) -> list[dict]:
+    """`n` cartridges: first-k ones of `tokens` tokens (BOS + a window of the sample document at an
+    offset unique to (arm, cartridge), so no two share a chunk key: each arm starts cold), and
+    `trained` trained ones of one chunk (random KV seeded by (arm, cartridge); placeholder ids)."""
+    import torch
+
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv
+    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
     from lmcache_cartridge.tools.testmodel import document_text
 
     model, tok = _model(model_dir)
     doc = tok(document_text() * 8, add_special_tokens=False)["input_ids"]
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    cfg = model.config
+    shape = (2, cfg.num_hidden_layers, 256, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
     carts = []
     for j in range(n):
+        if j in trained_indices(n, trained):
+            cid = f"fleet-a{arm}-t{j:02d}"
+            kv = torch.randn(*shape, generator=torch.Generator().manual_seed(1000 * arm + j)).to(torch.bfloat16)
+            m = pack_kv(kv, out / cid, cartridge_id=cid, model=str(model_dir), kind="trained",
+                        vocab=VocabInfo(len(tok), tuple(tok.all_special_ids)), chunk_size=256)
+            carts.append({"id": cid, "dir": out / cid, "token_ids": list(m.token_ids), "kv": kv})
+            continue
         cid = f"fleet-a{arm}-c{j:02d}"
         off = (arm * n + j) * 5
         ids = bos + doc[off: off + tokens - len(bos)]
@@ -124,6 +149,25 @@ def make_cartridges(model_dir: Path, out: Path, arm: int, n: int, tokens: int) -
         pack_kv(kv, out / cid, cartridge_id=cid, model=str(model_dir), kind="first_k", token_ids=ids, chunk_size=256)
         carts.append({"id": cid, "dir": out / cid, "token_ids": ids})
     return carts
+
+
+def check_trained(model, kv, wrong_kv, user: list[int], got: dict) -> dict:
+    """A trained answer against HF given the cartridge's KV (teacher-forced on the answer's tokens;
+    the better of bf16 and fp32, as tests/test_vllm_e2e.py) and against another cartridge's KV."""
+    import torch
+    from test_vllm_e2e import HF_MAX_TOL, HF_MEAN_TOL, hf_teacher_forced, max_diff, mean_diff
+
+    lp = got["logprobs"]
+    dtype0 = next(model.parameters()).dtype
+    means, maxes = [], []
+    for dtype in (torch.bfloat16, torch.float32):
+        _, ref, _ = hf_teacher_forced(model, kv, user, got["tokens"], dtype)
+        means.append(mean_diff(lp, ref))
+        maxes.append(max_diff(lp, ref))
+    _, other, _ = hf_teacher_forced(model, wrong_kv, user, got["tokens"], torch.bfloat16)
+    model.to(dtype0)  # as make_cartridges computes first-k KV
+    return {"mean": min(means), "max": min(maxes), "ok": min(means) <= HF_MEAN_TOL and min(maxes) <= HF_MAX_TOL,
+            "wrong_kv_mean": mean_diff(lp, other)}
 
 
 _MODEL = {}
@@ -238,6 +282,8 @@ class Fleet:
         s3_client(self.proxy.endpoint_url).create_bucket(Bucket=BUCKET)
         self.instances: list[VllmServer] = []
         self.dead: set[int] = set()
+        self.event_ports: list[int] = []
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache after the references
         for i in range(args.instances):
             d = root / f"inst{i}"
             cfg = lmcache_config(d / "registry.db", cache_dir=d / "cache", extra={
@@ -245,9 +291,14 @@ class Fleet:
                 "storage_plugin.cartridge.catalog_period": args.catalog_period,
                 "storage_plugin.cartridge.s3.endpoint_url": self.proxy.endpoint_url})
             os.environ["LMCACHE_CARTRIDGE_INSTANCE"] = f"inst{i}"
-            self.instances.append(VllmServer(d, self.model, lmcache=cfg,
-                                             extra_args=("--enforce-eager",) if args.eager else ()))
+            # KV events for kv_aware: a wildcard endpoint (vLLM binds only then) and no topic
+            # (vllm-router's static sources drop any other; see kv_aware_probe)
+            self.event_ports.append(free_port())
+            ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.event_ports[-1]}"}
+            self.instances.append(VllmServer(d, self.model, lmcache=cfg, prefix_caching=True, extra_args=(
+                *(("--enforce-eager",) if args.eager else ()), "--kv-events-config", json.dumps(ev))))
         os.environ.pop("LMCACHE_CARTRIDGE_INSTANCE", None)
+        os.environ.pop("VLLM_SERVER_DEV_MODE", None)
         t = time.time()
         for s in self.instances:
             s.wait_healthy(timeout=args.startup_timeout)
@@ -318,21 +369,31 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
     from lmcache_cartridge.api.gateway import GatewaySettings
 
     log(f"arm {name}: making {args.cartridges} cartridges")
-    carts = make_cartridges(fleet.model_dir, fleet.root / "carts", arm, args.cartridges, args.cart_tokens)
-    _, tok = _model(fleet.model_dir)
+    carts = make_cartridges(fleet.model_dir, fleet.root / "carts", arm, args.cartridges, args.cart_tokens, args.trained)
+    model, tok = _model(fleet.model_dir)
     q_ids = [tok(q, add_special_tokens=False)["input_ids"] for q in QUESTIONS[: args.questions]]
     ref_inst = fleet.live()[0][1]
     t = time.time()
     refs = {}
     for c, q in sorted(set(seq)):
-        refs[(c, q)] = reference(ref_inst, fleet.model, carts[c]["token_ids"] + q_ids[q], args.max_tokens)
+        if "kv" not in carts[c]:  # trained: HF given its KV, after the arm
+            refs[(c, q)] = reference(ref_inst, fleet.model, carts[c]["token_ids"] + q_ids[q], args.max_tokens)
     ref_s = time.time() - t
+    # the references left their blocks in the reference instance's prefix cache: the arm starts cold
+    urllib.request.urlopen(urllib.request.Request(ref_inst.url + "/reset_prefix_cache", method="POST"), timeout=60).read()
     log(f"arm {name}: {len(refs)} references in {ref_s:.1f}s; publishing")
     fleet.proxy.reset()
     publish_s = fleet.publish(carts)
     kv_gets_publish = fleet.proxy.count("GET", r"/kv\.bin")
     fleet.proxy.reset()
-    router = RouterProcess(args.router, [s.url for _, s in fleet.live()], policy, fleet.root)
+    extra: tuple[str, ...] = ()
+    if policy == "kv_aware":  # subscribed before the arm's blocks exist (ZMQ PUB keeps no history)
+        for i, s in fleet.live():
+            extra += ("--kv-event-source", f"{s.url}=tcp://127.0.0.1:{fleet.event_ports[i]}")
+        extra += ("--kv-event-block-size", "128", "--kv-event-model", fleet.model)
+    router = RouterProcess(args.router, [s.url for _, s in fleet.live()], policy, fleet.root, extra=extra)
+    if policy == "kv_aware":
+        time.sleep(3)  # the router's subscribers connect
     settings = GatewaySettings(upstream=router.url, model=fleet.model, tokenizer=fleet.model,
                                registry=fleet.gw_registry_path, cache_dir=fleet.gw_cache, upstream_timeout=120)
     gw = GatewayThread(settings)
@@ -379,9 +440,22 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
     per_inst = {f"inst{i}": counters_delta(after[i], before[i]) for i in after if i in before}
     ok = [r for r in results if r and not r["error"]]
     errors = [r for r in results if r and r["error"]]
-    cmp = [(r, compare(r, refs[seq[k]])) for k, r in enumerate(results) if r and not r["error"]]
+    cmp = [(r, compare(r, refs[seq[k]])) for k, r in enumerate(results)
+           if r and not r["error"] and seq[k] in refs]
+    trained_ids = sorted(c for c in range(len(carts)) if "kv" in carts[c])
+    checks, seen = [], {}
+    for k, r in enumerate(results):
+        if not r or r["error"] or seq[k] in refs:
+            continue
+        c, q = seq[k]
+        key = (c, q, tuple(r["tokens"]), tuple(round(x, 3) for x in r["logprobs"]))
+        if key not in seen:
+            other = trained_ids[(trained_ids.index(c) + 1) % len(trained_ids)]
+            seen[key] = check_trained(model, carts[c]["kv"], carts[other]["kv"], q_ids[q], r)
+        checks.append(seen[key])
     cart_tokens = sum(len(carts[seq[k][0]]["token_ids"]) for k, r in enumerate(results) if r and not r["error"])
     external = sum(d["external_tokens"] for d in per_inst.values())
+    cached = sum(d["cached_tokens"] for d in per_inst.values())
     hits: dict[str, float] = {}
     for d in per_inst.values():
         for tier, v in d["hits"].items():
@@ -393,14 +467,17 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
         "wall_s": round(wall, 2), "references_s": round(ref_s, 2), "publish_to_served_s": round(publish_s, 2),
         "ttft_p50_ms": round(1000 * pct(ttfts, 50), 1) if ttfts else None,
         "ttft_p95_ms": round(1000 * pct(ttfts, 95), 1) if ttfts else None,
-        "cartridge_tokens_ok": cart_tokens, "external_tokens": external,
-        "local_share": round(external / cart_tokens, 4) if cart_tokens else None,
+        "cartridge_tokens_ok": cart_tokens, "external_tokens": external, "prefix_cache_tokens": cached,
+        "local_share": round((external + cached) / cart_tokens, 4) if cart_tokens else None,
         "plugin_chunk_hits_by_tier": hits,
         "requests_per_instance": {k: d["requests"] for k, d in per_inst.items()},
         "external_tokens_per_instance": {k: d["external_tokens"] for k, d in per_inst.items()},
         "s3_kv_gets": fleet.proxy.count("GET", r"/kv\.bin"), "s3_kv_gets_during_publish": kv_gets_publish,
         "s3_manifest_gets": fleet.proxy.count("GET", r"/manifest\.json"),
-        "answers_equal_reference": sum(1 for _, c in cmp if c["equal"]),
+        "first_k_ok": len(cmp), "answers_equal_reference": sum(1 for _, c in cmp if c["equal"]),
+        "trained_ok": len(checks), "trained_within_hf_tolerance": sum(1 for c in checks if c["ok"]),
+        "trained_vs_hf_mean_max": round(max((c["mean"] for c in checks), default=0.0), 4),
+        "trained_vs_wrong_kv_mean_min": round(min((c["wrong_kv_mean"] for c in checks), default=0.0), 4),
         "answers_differing": [dict(c, cart=r["cart"]) for r, c in cmp if not c["equal"]][:10],
         "max_dlogprob_equal": round(max((c["max_dlogprob"] for _, c in cmp if c["equal"]), default=0.0), 4),
         "router_command": router.command,
@@ -555,11 +632,14 @@ def kv_aware_probe(args, root: Path) -> dict:
 
 def markdown(res: dict) -> str:
     rows = ["| arm | policy | requests | errors | local share | S3 kv.bin GETs | TTFT p50 / p95 (ms) | "
-            "answers = reference | requests per instance |", "|---|---|---|---|---|---|---|---|---|"]
+            "first-k answers = reference | trained answers = HF (worst mean; wrong KV's best) | "
+            "requests per instance |", "|---|---|---|---|---|---|---|---|---|---|"]
     for a in res["arms"]:
         rows.append(f"| {a['arm']} | {a['policy']} | {a['requests']} | {a['errors']} | {a['local_share']} | "
                     f"{a['s3_kv_gets']} | {a['ttft_p50_ms']} / {a['ttft_p95_ms']} | "
-                    f"{a['answers_equal_reference']}/{a['ok']} | {a['requests_per_instance']} |")
+                    f"{a['answers_equal_reference']}/{a['first_k_ok']} | {a['trained_within_hf_tolerance']}/"
+                    f"{a['trained_ok']} ({a['trained_vs_hf_mean_max']}; {a['trained_vs_wrong_kv_mean_min']}) | "
+                    f"{a['requests_per_instance']} |")
     text = "\n".join(rows) + "\n"
     for a in res["arms"]:
         if "failover" in a:
@@ -584,7 +664,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policies", nargs="*", default=["consistent_hash", "round_robin"])
+    ap.add_argument("--policies", nargs="*", default=["consistent_hash", "kv_aware", "round_robin"])
+    ap.add_argument("--trained", type=int, default=5, help="how many of the cartridges are trained (one chunk)")
     ap.add_argument("--failover", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--kill-at", type=float, default=0.4, help="fraction of the failover arm's requests sent before the kill")
     ap.add_argument("--catalog-period", type=float, default=1.0)
