@@ -207,8 +207,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if fault and fault.delay:
             time.sleep(fault.delay)
         if fault and fault.status:
-            self._send_error(fault.status, fault.code or _ERROR_CODES.get(fault.status, "InternalError"))
+            # recorded before the answer: a client that gives up on it may count at once
             self.owner._record(Record(method, target, self.headers.get("Range"), fault.status, True))
+            self._send_error(fault.status, fault.code or _ERROR_CODES.get(fault.status, "InternalError"))
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         if body or "content-length" in {k.lower() for k in headers}:
