@@ -22,7 +22,8 @@ from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_
 from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
 from lmcache_cartridge.store.registry import Registry
 from s3_server import S3Proxy, s3_client, upload_dir
-from test_vllm_e2e import HF_MAX_TOL, HF_MEAN_TOL, hf_teacher_forced, max_diff, mean_diff, token_ids_of
+from test_vllm_e2e import (HF_MAX_TOL, HF_MEAN_TOL, hf_teacher_forced, hf_tokens_then_kv, max_diff, mean_diff,
+                           token_ids_of)
 
 pytestmark = pytest.mark.slow
 CHUNK = 256
@@ -398,8 +399,6 @@ def test_trained_after_token_only_system_prompt_with_prefix_caching(stack):
     it or finds it in its prefix cache; LMCache stores its chunk), then the request loads the
     trained KV keyed after it; the answer matches HF given the system prompt's KV then the trained
     KV. The same request again primes again and answers the same."""
-    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv
-
     model, tok = stack["hf"]
     app = stack["app"]
     user = list(tok(" Question: what does the document say?", add_special_tokens=False)["input_ids"])
@@ -412,15 +411,8 @@ def test_trained_after_token_only_system_prompt_with_prefix_caching(stack):
     c = r.json()["choices"][0]
     res = {"tokens": c["logprobs"]["tokens"], "logprobs": c["logprobs"]["token_logprobs"]}
     gen = token_ids_of(None, tok, res)
-    lps = {}
-    for dtype in (torch.bfloat16, torch.float32):  # HF computes the system prompt, then is given ta's KV
-        system_kv = compute_prefix_kv(model.to(dtype), list(stack["ids"]["system"]))
-        kv = torch.cat([system_kv, stack["trained"]["ta"].to(dtype)], dim=2)
-        _, lps[dtype], _ = hf_teacher_forced(model, kv, user, gen, dtype)
-    model.to(torch.bfloat16)
-    lp = res["logprobs"]
-    mean = min(mean_diff(lp, lps[torch.bfloat16]), mean_diff(lp, lps[torch.float32]))
-    mx = min(max_diff(lp, lps[torch.bfloat16]), max_diff(lp, lps[torch.float32]))
+    lp = res["logprobs"]  # HF computes the system prompt, then is given ta's KV
+    mean, mx = hf_tokens_then_kv(model, stack["ids"]["system"], stack["trained"]["ta"], user, gen, lp)
     print(f"\n[gateway token-only system prompt + trained, primed, prefix caching on] vLLM vs HF: "
           f"mean |dlogprob| {mean:.4f}, max {mx:.4f}")
     assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL

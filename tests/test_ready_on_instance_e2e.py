@@ -29,7 +29,8 @@ from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
 from lmcache_cartridge.vllm.readiness import READY_TIMEOUT_KEY, TRAINED_TOKENS_PARAM
 from s3_server import S3Proxy, s3_client, upload_dir
 from test_load_failure_e2e import gateway_complete, result
-from test_vllm_e2e import HF_MAX_TOL, HF_MEAN_TOL, _trained_kv, hf_teacher_forced, max_diff, mean_diff, token_ids_of, user_ids
+from test_vllm_e2e import (HF_MAX_TOL, HF_MEAN_TOL, _trained_kv, hf_teacher_forced, hf_tokens_then_kv, max_diff,
+                           mean_diff, token_ids_of, user_ids)
 
 pytestmark = pytest.mark.slow
 CHUNK = 256
@@ -156,7 +157,6 @@ def test_composites_a_gateway_made_on_another_host_are_built_by_the_instance(sta
     kv_transfer_params (`vllm.composites`), and serves them: 200, answers from the cartridge's KV
     (the primed one equal to HF given the computed tokens' KV then the cartridge's). Old code: the
     instance's lookup missed the composite's keys, the request waited, then 503."""
-    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv
     from lmcache_cartridge.store.registry import Registry
     from lmcache_cartridge.tools import cli
     from lmcache_cartridge.tools.testmodel import document_text
@@ -188,14 +188,8 @@ def test_composites_a_gateway_made_on_another_host_are_built_by_the_instance(sta
 
         primed = result(ask([{"id": str(tmp_path / "sys.pt"), "source": "local"}, tr]))
     gen = token_ids_of(None, tok, primed)
-    lps = {}
-    for dtype in (torch.bfloat16, torch.float32):  # HF computes the 256 tokens, then is given tr's KV
-        kv = torch.cat([compute_prefix_kv(model.to(dtype), sys_ids), stack["kv"].to(dtype)], dim=2)
-        _, lps[dtype], _ = hf_teacher_forced(model, kv, user, gen, dtype)
-    model.to(torch.bfloat16)
-    lp = primed["logprobs"]
-    mean = min(mean_diff(lp, lps[torch.bfloat16]), mean_diff(lp, lps[torch.float32]))
-    mx = min(max_diff(lp, lps[torch.bfloat16]), max_diff(lp, lps[torch.float32]))
+    # HF computes the 256 tokens, then is given tr's KV
+    mean, mx = hf_tokens_then_kv(model, sys_ids, stack["kv"], user, gen, primed["logprobs"])
     print(f"[ready on instance] [token-only 256, tr] primed via that gateway: vs HF mean |dlogprob| {mean:.4f}, "
           f"max {mx:.4f}")
     assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL

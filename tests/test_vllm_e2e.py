@@ -141,6 +141,23 @@ def hf_teacher_forced(model, kv: torch.Tensor, user: list[int], gen_ids: list[in
     return greedy, chosen, best
 
 
+def hf_tokens_then_kv(model, token_ids: list[int], kv: torch.Tensor, user: list[int], gen_ids: list[int],
+                      logprobs: list[float]) -> tuple[float, float]:
+    """vLLM's `logprobs` for `gen_ids` against HF computing `token_ids` at positions 0.. and then
+    given `kv` after them (a trained cartridge after computed tokens): (mean, max) |dlogprob|, the
+    better of bf16 and fp32. Leaves the model in bf16."""
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv
+
+    means, maxes = [], []
+    for dtype in (torch.bfloat16, torch.float32):
+        both = torch.cat([compute_prefix_kv(model.to(dtype), list(token_ids)), kv.to(dtype)], dim=2)
+        _, ref, _ = hf_teacher_forced(model, both, user, gen_ids, dtype)
+        means.append(mean_diff(logprobs, ref))
+        maxes.append(max_diff(logprobs, ref))
+    model.to(torch.bfloat16)
+    return min(means), min(maxes)
+
+
 def token_ids_of(server: Server, tokenizer, res: dict) -> list[int]:
     """vLLM's generated token ids (the completions API returns token strings)."""
     ids = []

@@ -5,8 +5,8 @@ token ids must be placed first by whoever builds the prompt. The gateway resolve
 (`api.resolver`: registry id or label, local path, S3 object or prefix; fetched, converted and
 registered once so the plugin serves it), places them in order (`Resolver.plan`), builds the
 prompt after them (`api.prompts`), sends the plan's priming requests where tokens vLLM computes
-precede a trained cartridge, forwards a token-id prompt to the upstream `/v1/completions`, and answers with ordinary OpenAI responses (chat ones rebuilt from the completion, streaming
-included). Request bodies are the pydantic models of `api.requests`.
+precede a trained cartridge, forwards a token-id prompt to the upstream `/v1/completions`, and
+answers with ordinary OpenAI responses (chat ones rebuilt from the completion, streaming included). Request bodies are the pydantic models of `api.requests`.
 
 Runs as its own process (`lmcache-cartridge gateway`). It owns a registry connection, a
 resolution cache and a tokenizer; the vLLM server and its plugins are reached only over HTTP and
