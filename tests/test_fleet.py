@@ -7,6 +7,11 @@ vllm-router (`--policy consistent_hash`) in front of them, the gateway in front 
   LMCache there;
 - answers equal their single-instance reference (the same token ids recomputed by instance 0
   before anything was published: no cartridge, nothing cached), token for token;
+- with `--policy kv_aware` first: the instances publish KV events (prefix caching off, so vLLM's
+  block pool announces nothing) and each cartridge is made resident on one instance only (one
+  request straight to it: the plugin downloads it to its disk cache). The connector announces it
+  (`vllm.kv_events`), and every request for it through the router lands on that instance (with
+  nothing announced, the router has no reason to tell the instances apart);
 - after that instance is SIGKILLed, the router stops sending to it: requests fail at most until
   its health check notices (bounded wait), then every request is answered, by the survivor, with
   the reference answer.
@@ -27,7 +32,7 @@ import httpx
 import pytest
 
 from lmcache_cartridge.testing.fleet import RouterProcess, counters_delta, find_router, instance_counters
-from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, free_port, lmcache_config
 from s3_server import s3_client
 
 pytestmark = pytest.mark.slow
@@ -39,22 +44,42 @@ MAX_TOKENS = 6
 RECOVERY_BOUND_S = 45  # the router checks health every 1 s and drops a worker after 2 failures
 
 
-def _reference(srv: VllmServer, prompt: list[int]) -> list[int]:
+def _reference(srv: VllmServer, prompt: list[int], *, text: bool = False) -> list[int] | str:
     body = {"model": srv.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
             "return_tokens_as_token_ids": True, "kv_transfer_params": {"lmcache.skip_save": True}}
     req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
-        toks = json.load(r)["choices"][0]["logprobs"]["tokens"]
-    return [int(t.split(":", 1)[1]) for t in toks]
+        choice = json.load(r)["choices"][0]
+    return choice["text"] if text else [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
 
 
-def _ask(client: httpx.Client, gateway: str, model: str, cart: str, question: list[int]) -> list[int]:
-    r = client.post(gateway + "/v1/completions", timeout=120, json={
-        "model": model, "prompt": question, "cartridges": [{"id": cart}], "max_tokens": MAX_TOKENS,
-        "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True})
+def _ask(client: httpx.Client, gateway: str, model: str, cart: str, question: list[int], *,
+         text: bool = False) -> list[int] | str:
+    """The answer's token ids, or (`text`) its text from a request without
+    `return_tokens_as_token_ids`: vllm-router 0.1.17's kv_aware policy credits no cached KV to a
+    request carrying that field (measured: 409 credited tokens without it, 0 with it)."""
+    body = {"model": model, "prompt": question, "cartridges": [{"id": cart}], "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    if not text:
+        body.update(logprobs=1, return_tokens_as_token_ids=True)
+    r = client.post(gateway + "/v1/completions", timeout=120, json=body)
     r.raise_for_status()
-    return [int(t.split(":", 1)[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+    choice = r.json()["choices"][0]
+    return choice["text"] if text else [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
+
+
+def _wait_resident(srv: VllmServer, name: str, timeout: float = 60) -> None:
+    """Until every plugin instance of `srv` holds all of cartridge `name` locally."""
+    from lmcache_cartridge.store.serving_state import read_states
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        states = [st for st in read_states(srv.cache_dir) if st.role == "worker"]
+        if states and all(name in st.cartridges and st.cartridges[name].all_resident for st in states):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{name} not resident on {srv.url}: {srv.log_tail()}")
 
 
 def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_path, moto_server):
@@ -73,15 +98,19 @@ def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_pa
     model = str(model_dir)
     s3_client(moto_server).create_bucket(Bucket=BUCKET)
     s3 = S3Settings(endpoint_url=moto_server)
-    servers = []
+    servers, ev_ports = [], []
     for i in range(2):
         d = tmp_path / f"inst{i}"
+        ev_ports.append(free_port())
+        # tcp://*: vLLM binds only a wildcard endpoint; no topic: the router subscribes to ""
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_ports[i]}"}
         cfg = lmcache_config(d / "registry.db", chunk_size=CHUNK, cache_dir=d / "cache", extra={
             "storage_plugin.cartridge.catalog_uri": CATALOG, "storage_plugin.cartridge.catalog_period": 0.5,
             "storage_plugin.cartridge.s3.endpoint_url": moto_server})
         os.environ["LMCACHE_CARTRIDGE_INSTANCE"] = f"inst{i}"
         try:
-            servers.append(VllmServer(d, model, lmcache=cfg, extra_args=("--enforce-eager",)))
+            servers.append(VllmServer(d, model, lmcache=cfg, extra_args=(
+                "--enforce-eager", "--kv-events-config", json.dumps(events))))
         finally:
             os.environ.pop("LMCACHE_CARTRIDGE_INSTANCE", None)
     gw_sync = None
@@ -113,10 +142,36 @@ def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_pa
 
         from lmcache_cartridge.api.gateway import GatewaySettings
 
+        def gateway_settings(router):
+            return GatewaySettings(upstream=router.url, model=model, tokenizer=model, registry=gw_registry,
+                                   cache_dir=tmp_path / "gateway" / "cache", upstream_timeout=60)
+
+        # kv_aware: each cartridge resident on one instance only, announced by its connector
+        sources = []
+        for s, port in zip(servers, ev_ports):
+            sources += ["--kv-event-source", f"{s.url}=tcp://127.0.0.1:{port}"]
+        with RouterProcess(router_bin, [s.url for s in servers], "kv_aware", tmp_path, extra=(
+                *sources, "--kv-event-block-size", "128", "--kv-event-model", model)) as router, \
+                GatewayThread(gateway_settings(router)) as gw, httpx.Client() as client:
+            home = {"fleet-a": 1, "fleet-b": 0}
+            ref_text = {}
+            for name, i in home.items():  # one direct request: that instance downloads it
+                ref_text[name] = _reference(servers[i], carts[name] + question, text=True)
+            for name, i in home.items():
+                servers[i].wait_served([Registry(servers[i].root / "registry.db").get(name)], timeout=60)
+                _wait_resident(servers[i], name)
+            time.sleep(3.0)  # the announcer's period (1 s) and the router's index update
+            for name, i in home.items():
+                before = [instance_counters(s.url) for s in servers]
+                answers = [_ask(client, gw.url, model, name, question, text=True) for _ in range(3)]
+                time.sleep(1.0)
+                served = [counters_delta(instance_counters(s.url), b)["requests"] for s, b in zip(servers, before)]
+                print(f"\n[fleet kv_aware] {name} resident on inst{i}: requests per instance {served}")
+                assert served[i] == 3, served
+                assert answers == [ref_text[name]] * 3
+
         with RouterProcess(router_bin, [s.url for s in servers], "consistent_hash", tmp_path) as router, \
-                GatewayThread(GatewaySettings(upstream=router.url, model=model, tokenizer=model,
-                                              registry=gw_registry, cache_dir=tmp_path / "gateway" / "cache",
-                                              upstream_timeout=60)) as gw, httpx.Client() as client:
+                GatewayThread(gateway_settings(router)) as gw, httpx.Client() as client:
             owner = {}
             for name in carts:
                 before = [instance_counters(s.url) for s in servers]

@@ -409,8 +409,9 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             n = len(s.keys)
             local = range(n) if s.handle.origin.local else \
                 tuple(i for i in range(n) if self.residency.is_local(s.handle, i))
+            mem = tuple(i for i in range(n) if (s.handle.content_hash, i) in self.residency.cpu)
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.entry.kind, n,
-                                               ALL if len(local) == n else local)
+                                               ALL if len(local) == n else local, mem)
         return ServingState(
             **ident, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
             role="scheduler" if self.local_cpu_backend is None else "worker",

@@ -57,6 +57,7 @@ class CartridgeState:
     kind: str          # first_k / trained
     chunks: int        # servable chunks (what LMCache can look up)
     resident: Residency = ()  # ALL, or indices of chunks readable here without the network
+    in_memory: tuple[int, ...] = ()  # indices of chunks in the plugin's CPU tier (vs the disk)
 
     @property
     def all_resident(self) -> bool:
@@ -111,6 +112,7 @@ class ServingState:
         for c in d["cartridges"].values():
             if c["resident"] != ALL:
                 c["resident"] = list(c["resident"])
+            c["in_memory"] = list(c["in_memory"])
         return d
 
     @classmethod
@@ -123,7 +125,8 @@ class ServingState:
             for cid, c in dict(d.get("cartridges") or {}).items():
                 res = c.get("resident", ())
                 carts[str(cid)] = CartridgeState(str(c["content_hash"]), int(c["epoch"]), str(c["kind"]),
-                                                 int(c["chunks"]), ALL if res == ALL else tuple(int(i) for i in res))
+                                                 int(c["chunks"]), ALL if res == ALL else tuple(int(i) for i in res),
+                                                 tuple(int(i) for i in c.get("in_memory", ())))
             return cls(
                 instance=str(d["instance"]), host=str(d["host"]), pid=int(d["pid"]),
                 pid_start=None if d.get("pid_start") is None else int(d["pid_start"]),

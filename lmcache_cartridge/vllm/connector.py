@@ -51,6 +51,10 @@ instance can load the cartridge's tokens: until then `get_num_new_matched_tokens
 promised as an external hit whose load fails, and the per-request policy above fails it. A lookup
 that raises for such a request also makes it wait (never 0 tokens, which would recompute it).
 
+KV events (scheduler side, `kv_events`): with vLLM's `--kv-events-config`, cartridges resident
+in the plugin's memory tier or disk cache are announced like vLLM's own blocks ("CPU" / "DISK"),
+so a KV-aware router sends their requests here before vLLM has ever loaded them.
+
 Composites (scheduler side, `composites`): a request naming composites the gateway registered on
 its own host (`composites.COMPOSE_PARAM`) gets them built in this host's registry, off the
 scheduler's thread; the readiness rule holds the request until the plugin serves them.
@@ -154,6 +158,18 @@ class CartridgeConnector(LMCacheConnectorV1):
         from lmcache_cartridge.vllm.composites import HostComposer
 
         self._composer = HostComposer(self._plugin_settings)
+        self._announcer = None
+        kec = getattr(vllm_config, "kv_events_config", None)
+        if role == KVConnectorRole.SCHEDULER and kec is not None and kec.enable_kv_cache_events:
+            from lmcache_cartridge.vllm import kv_events
+
+            self._announcer = kv_events.ResidencyAnnouncer(
+                self._plugin_settings, self._block_size, str(vllm_config.cache_config.prefix_caching_hash_algo),
+                period_s=float(extra.get(kv_events.PERIOD_KEY, kv_events.DEFAULT_PERIOD_S)),
+                reannounce_s=float(extra.get(kv_events.REANNOUNCE_KEY, kv_events.DEFAULT_REANNOUNCE_S)))
+            # vLLM creates its publisher right after this constructor returns: publish through it
+            # from our thread, so an idle instance announces too (see kv_events).
+            kv_events.capture_publisher(self._announcer.use_publisher)
         if role == KVConnectorRole.SCHEDULER and ktc is not None \
                 and not extra.get("cartridge.keep_load_failure_policy", False):
             self._set_load_failure_policy(ktc)
@@ -211,7 +227,8 @@ class CartridgeConnector(LMCacheConnectorV1):
         try:
             return PluginSettings.from_config(self._impl().config, CartridgeStoragePlugin)
         except CartridgeError as e:
-            logger.warning("lmcache_cartridge: composites are not built on this host: %s", e)
+            logger.warning("lmcache_cartridge: no cartridge plugin settings here (composites are not "
+                           "built, resident cartridges not announced): %s", e)
             return None
 
     def _impl(self):
@@ -383,6 +400,19 @@ class CartridgeConnector(LMCacheConnectorV1):
         self._impl().load_specs[request.request_id] = LoadSpec(
             vllm_cached_tokens=num_computed_tokens, lmcache_cached_tokens=promised, can_load=False)
         return need - num_computed_tokens, False
+
+    def take_events(self):
+        """Scheduler side (EngineCore process, once per scheduler step when vLLM publishes KV
+        events; vLLM publishes what this yields with its block pool's events): LMCache's events,
+        then the cartridges resident in the plugin's tiers (`kv_events`), computed off this thread."""
+        yield from super().take_events()
+        if self._announcer is not None:
+            try:
+                events = self._announcer.take()
+            except Exception:  # noqa: BLE001 - never stop the engine over an announcement
+                logger.exception("lmcache_cartridge: taking resident-cartridge KV events failed")
+                events = []
+            yield from events
 
     def request_finished(self, request, block_ids):
         """Scheduler side: a request ended (also one aborted while it waited): drop its deadline."""

@@ -1,0 +1,343 @@
+"""Cartridges held in the plugin's local tiers, announced as vLLM KV events.
+
+Why: a KV-aware router (vllm-router `--policy kv_aware`, llm-d's indexer) learns where a prefix is
+cached from the `BlockStored` / `BlockRemoved` events vLLM publishes (`--kv-events-config`). vLLM
+announces only its own block pool: a cartridge in the plugin's CPU tier or disk cache, which
+this instance would load at copy speed, attracts nothing until vLLM has loaded it once, and
+nothing at all with prefix caching off. This announces those cartridges too, as vLLM would have
+announced the same tokens: `BlockStored(token_ids=<the cartridge's key ids>, block_size=<vLLM's>,
+parent_block_hash=None, block_hashes=<vLLM's own chained block hashes>)` with `medium` "CPU" for
+blocks whose chunks sit in the plugin's memory tier and "DISK" for the rest of the local prefix,
+and `BlockRemoved` when they leave. Routers credit those tiers below vLLM's own ("GPU") blocks
+(vllm-router: `--kv-penalty-host`, `--kv-penalty-disk`).
+
+What is announced: per cartridge, the longest prefix of its chunks that every worker rank of
+this vLLM server can read without the network (from the ranks' serving-state records,
+`store.serving_state`, the one place residency is published), cut to whole vLLM blocks. Cartridges
+keyed after computed context (`Manifest.context_ids`) are not announced: their context is not in
+the plugin. Block hashes are `kv_cache_utils.hash_block_tokens` chained from this process's
+`NONE_HASH` with vLLM's configured `prefix_caching_hash_algo` and no extra keys, so when vLLM
+later loads the blocks and announces them itself ("GPU"), the router sees the same blocks.
+Everything is announced again every `cartridge.kv_events_reannounce_s` (a ZMQ subscriber that
+joins late misses what was published before it).
+
+Where it runs: in the EngineCore process, on one background thread every
+`cartridge.kv_events_period_s` (reading records, the registry and manifests, hashing), never in
+the scheduler's step. vLLM publishes events only from scheduler steps (`Scheduler.update_from_output`
+calls the connector's `take_events`), so an idle instance would never announce what it holds,
+and a router would send a cartridge's first request elsewhere. So the scheduler-role connector,
+built inside `Scheduler.__init__` just before vLLM creates its publisher there, hands
+`capture_publisher` a callback that receives that publisher (one call of
+`EventPublisherFactory.create` is wrapped, then the original restored), and the thread publishes
+through it (`ZmqEventPublisher.publish` only puts the batch on the publisher's queue: thread-safe,
+the publisher numbers and sends it). If the publisher cannot be captured, the events are queued
+and `take_events` yields them at the next step. It owns that thread, the set of blocks it has
+announced and a cache of token ids per cartridge version; vLLM owns the publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+logger = logging.getLogger("lmcache_cartridge.kv_events")
+
+# kv_connector_extra_config keys
+PERIOD_KEY = "cartridge.kv_events_period_s"
+REANNOUNCE_KEY = "cartridge.kv_events_reannounce_s"
+DEFAULT_PERIOD_S = 1.0
+DEFAULT_REANNOUNCE_S = 30.0
+
+CPU, DISK = "CPU", "DISK"  # vLLM's medium names for host memory and storage tiers
+MAX_QUEUED = 100_000       # events waiting for take_events; older ones are dropped beyond this
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class ResidentPrefix:
+    """What this server can load locally for one cartridge: its key ids and how many of them."""
+
+    cartridge_id: str
+    token_ids: tuple[int, ...]   # the cartridge's key ids (what a prompt starts with)
+    local_chunks: int            # leading chunks every rank holds locally (memory or disk)
+    memory_chunks: int           # leading chunks every rank holds in the plugin's CPU tier
+    chunk_size: int
+
+
+def leading(indices, total: int) -> int:
+    """How many chunks from 0 on are in `indices` (a serving-state residency: "all" or indices)."""
+    from lmcache_cartridge.store.serving_state import ALL
+
+    if indices == ALL:
+        return total
+    have, n = set(indices), 0
+    while n < total and n in have:
+        n += 1
+    return n
+
+
+def server_pids() -> set[int]:
+    """This process and its descendants: the worker ranks of this vLLM server (with one rank
+    vLLM runs the worker in the EngineCore process, with several in its children)."""
+    pids = {os.getpid()}
+    try:
+        import psutil
+
+        pids |= {p.pid for p in psutil.Process().children(recursive=True)}
+    except Exception:  # noqa: BLE001 - psutil missing or a child gone: this process only
+        pass
+    return pids
+
+
+def resident_prefixes(cache_dir, tokens_of: Callable[[str, str, int, str], Optional[tuple[list[int], int, int]]],
+                      pids: Optional[set[int]] = None) -> list[ResidentPrefix]:
+    """Per cartridge, what every worker rank of this server holds locally (see module doc).
+    `tokens_of(registry, id, epoch, content_hash)` gives (key ids, context chunks, chunk size) or
+    None when the cartridge cannot be read here."""
+    from lmcache_cartridge.store.serving_state import read_states
+
+    pids = server_pids() if pids is None else pids
+    ranks = [s for s in read_states(cache_dir) if s.role == "worker" and s.pid in pids and s.healthy]
+    if not ranks:
+        return []
+    world = max(s.world_size for s in ranks)
+    latest = {}
+    for s in ranks:  # one record per rank: the newest
+        if s.rank not in latest or s.updated > latest[s.rank].updated:
+            latest[s.rank] = s
+    if len(latest) < world:
+        return []  # a rank has not published yet: nothing is local on every rank
+    out = []
+    for cid, first in latest[0].cartridges.items():
+        states = [r.cartridges.get(cid) for r in latest.values()]
+        if any(c is None or (c.content_hash, c.epoch) != (first.content_hash, first.epoch) for c in states):
+            continue
+        local = min(leading(c.resident, c.chunks) for c in states)
+        if local == 0:
+            continue
+        got = tokens_of(latest[0].registry, cid, first.epoch, first.content_hash)
+        if got is None:
+            continue
+        ids, context_chunks, chunk = got
+        if context_chunks:
+            continue
+        memory = min(min(leading(c.in_memory, c.chunks) for c in states), local)
+        out.append(ResidentPrefix(cid, tuple(ids), local, memory, chunk))
+    return out
+
+
+def capture_publisher(callback: Callable[[Any], None]) -> bool:
+    """Hand the next KV event publisher this process creates (vLLM's `EventPublisherFactory.create`,
+    which `Scheduler.__init__` calls right after building the connector) to `callback`, once.
+    False when vLLM has no such factory (then nothing is wrapped)."""
+    try:
+        from vllm.distributed.kv_events import EventPublisherFactory
+    except Exception:  # noqa: BLE001 - a vLLM without it: take_events path only
+        return False
+    original = EventPublisherFactory.__dict__.get("create")
+    if not isinstance(original, classmethod):
+        return False
+    create = original.__get__(None, EventPublisherFactory)
+
+    def create_and_hand_over(*args, **kwargs):
+        setattr(EventPublisherFactory, "create", original)  # once: later publishers are not ours
+        publisher = create(*args, **kwargs)
+        try:
+            callback(publisher)
+        except Exception:  # noqa: BLE001 - vLLM's publisher stays vLLM's either way
+            logger.exception("lmcache_cartridge: handing over the KV event publisher failed")
+        return publisher
+
+    setattr(EventPublisherFactory, "create", staticmethod(create_and_hand_over))
+    return True
+
+
+class ResidencyAnnouncer:
+    """Scheduler side: the plugin's local residency as vLLM KV events (see module doc).
+
+    `settings` returns the plugin's settings (cache dir) when first needed (None: no cartridge
+    plugin, nothing is announced); `block_size` and `hash_algo` are vLLM's cache config."""
+
+    def __init__(self, settings: Callable[[], Any], block_size: int, hash_algo: str, *,
+                 period_s: float = DEFAULT_PERIOD_S, reannounce_s: float = DEFAULT_REANNOUNCE_S,
+                 pids: Optional[Callable[[], set[int]]] = None) -> None:
+        self._settings = settings
+        self._settings_value: Any = _UNSET
+        self.block_size = int(block_size)
+        self.hash_algo = hash_algo
+        self.period_s = float(period_s)
+        self.reannounce_s = float(reannounce_s)
+        self._pids = pids or server_pids
+        self._lock = threading.Lock()
+        self._queue: deque = deque(maxlen=MAX_QUEUED)
+        self._announced: dict[bytes, str] = {}   # block hash -> medium, as the router knows it
+        self._tokens: dict[tuple, Optional[tuple[list[int], int, int]]] = {}
+        self._hash_fn = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._last_full = 0.0
+        self._publisher = None
+        self.rounds = 0
+        self.published = 0  # events handed to vLLM's publisher by the background thread
+
+    # --- scheduler thread ---------------------------------------------------------------------
+    def take(self) -> list:
+        """Scheduler side, each step: the events computed since the last call (starts the
+        background thread on first use)."""
+        if self._thread is None:
+            self.start()
+        with self._lock:
+            out = list(self._queue)
+            self._queue.clear()
+        return out
+
+    def use_publisher(self, publisher) -> None:
+        """vLLM's publisher (from `capture_publisher`): from now on the background thread
+        publishes through it, idle engine or not. A null publisher (events off) changes nothing."""
+        if type(publisher).__name__ == "NullEventPublisher":
+            return
+        self._publisher = publisher
+        self.start()
+
+    def start(self) -> "ResidencyAnnouncer":
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cartridge-kv-events", daemon=True)
+                self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --- background thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - never in the engine's way; try again next period
+                logger.exception("lmcache_cartridge: announcing resident cartridges failed")
+            self._stop.wait(self.period_s)
+
+    def step(self, now: Optional[float] = None) -> list:
+        """One round: compare what is local now with what was announced; queue and return the
+        events (everything again once per `reannounce_s`)."""
+        if self._settings_value is _UNSET:
+            self._settings_value = self._settings()
+        s = self._settings_value
+        if s is None:
+            return []
+        now = time.monotonic() if now is None else now
+        full = now - self._last_full >= self.reannounce_s
+        if full:
+            self._last_full = now
+        wanted = self._wanted(resident_prefixes(s.cache_dir, self._tokens_of, self._pids()))
+        events = self._diff(wanted, full)
+        self.rounds += 1
+        if events:
+            pub = self._publisher
+            if pub is not None:
+                from vllm.distributed.kv_events import KVEventBatch
+
+                pub.publish(KVEventBatch(ts=time.time(), events=events))
+                self.published += len(events)
+            else:
+                with self._lock:
+                    self._queue.extend(events)
+        return events
+
+    def _tokens_of(self, registry: str, cid: str, epoch: int, content_hash: str):
+        key = (registry, cid, epoch, content_hash)
+        if key not in self._tokens:
+            from lmcache_cartridge.cartridge.manifest import Manifest
+            from lmcache_cartridge.store.registry import Registry
+
+            got = None
+            try:
+                reg = Registry(registry)
+                try:
+                    e = reg.get(cid)
+                finally:
+                    reg.close()
+                if e is not None and e.content_hash == content_hash:
+                    m = Manifest.load(e.path)
+                    got = (m.key_token_ids, m.context_chunks, m.chunk_size)
+            except Exception as ex:  # noqa: BLE001 - unreadable here: not announced, retried later
+                logger.debug("lmcache_cartridge: cannot read cartridge %s for KV events: %s", cid, ex)
+                return None
+            if len(self._tokens) > 4096:
+                self._tokens.clear()
+            self._tokens[key] = got
+        return self._tokens[key]
+
+    def _block_hashes(self, ids: tuple[int, ...], n_blocks: int) -> list[bytes]:
+        """vLLM's prefix-cache hashes of the first `n_blocks` blocks of `ids`."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils as kcu
+
+        if self._hash_fn is None:
+            self._hash_fn = get_hash_fn_by_name(self.hash_algo)
+        parent = kcu.NONE_HASH
+        if parent is None:  # vLLM initialises it in the EngineCore when a connector is configured
+            kcu.init_none_hash(self._hash_fn)
+            parent = kcu.NONE_HASH
+        out, bs = [], self.block_size
+        for b in range(n_blocks):
+            parent = kcu.hash_block_tokens(self._hash_fn, parent, ids[b * bs:(b + 1) * bs], None)
+            out.append(parent)
+        return out
+
+    def _wanted(self, prefixes: Iterable[ResidentPrefix]) -> tuple[dict[bytes, tuple[str, tuple[int, ...]]], list[list[bytes]]]:
+        """(block hash -> (medium, its token ids), the chains of hashes, one per cartridge): the
+        union over cartridges, "CPU" winning over "DISK" for a block two cartridges share."""
+        wanted: dict = {}
+        chains = []
+        bs = self.block_size
+        for p in prefixes:
+            n_blocks = min(p.local_chunks * p.chunk_size, len(p.token_ids)) // bs
+            in_memory = p.memory_chunks * p.chunk_size // bs
+            hashes = self._block_hashes(p.token_ids, n_blocks)
+            for b, h in enumerate(hashes):
+                medium = CPU if b < in_memory else DISK
+                if h not in wanted or (medium == CPU and wanted[h][0] == DISK):
+                    wanted[h] = (medium, p.token_ids[b * bs:(b + 1) * bs])
+            chains.append(hashes)
+        return wanted, chains
+
+    def _diff(self, wanted_chains, full: bool) -> list:
+        """BlockRemoved for blocks no longer local (or in another medium), then BlockStored for
+        new ones: one event per run of consecutive new blocks of one chain in one medium,
+        parented on the block before it (vLLM's own shape)."""
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
+
+        wanted, chains = wanted_chains
+        events: list = []
+        gone: dict[str, list[bytes]] = {}
+        for h, medium in self._announced.items():
+            if h not in wanted or wanted[h][0] != medium:
+                gone.setdefault(medium, []).append(h)
+        for medium, hashes in gone.items():
+            events.append(BlockRemoved(block_hashes=[ext(h) for h in hashes], medium=medium))
+        emitted: set[bytes] = set()
+        for chain in chains:
+            run: list[bytes] = []
+            for b, h in enumerate(chain + [None]):
+                new = h is not None and h not in emitted and (full or self._announced.get(h) != wanted[h][0])
+                if run and (not new or wanted[h][0] != wanted[run[0]][0]):
+                    first = chain.index(run[0])
+                    events.append(BlockStored(
+                        block_hashes=[ext(x) for x in run],
+                        parent_block_hash=ext(chain[first - 1]) if first else None,
+                        token_ids=[t for x in run for t in wanted[x][1]], block_size=self.block_size,
+                        lora_id=None, medium=wanted[run[0]][0], lora_name=None))
+                    emitted.update(run)
+                    run = []
+                if new:
+                    run.append(h)
+        self._announced = {h: w[0] for h, w in wanted.items()}
+        return events

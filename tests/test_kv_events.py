@@ -1,0 +1,136 @@
+"""Resident cartridges announced as vLLM KV events (`vllm.kv_events`), from a REAL LMCacheEngine
+with the plugin (its serving-state records are the input), checked against vLLM's own code:
+the block hashes equal what vLLM's request block hasher computes for the same prompt, the batch
+encodes with vLLM's publisher encoding, and the media follow the plugin's tiers ("DISK" for a
+file on this host, "CPU" once the plugin holds the chunks in memory). Changes only are announced,
+everything again after the re-announce period, removals as `BlockRemoved`; another process's
+records are not this server's."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256_cbor  # noqa: E402
+from vllm.v1.core import kv_cache_utils as kcu  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from test_plugin import CHUNK, carts, engine_for  # noqa: F401,E402  (fixture)
+from lmcache_cartridge.vllm.kv_events import ResidencyAnnouncer  # noqa: E402
+
+BS = 16  # vLLM's block size here: 4 blocks per LMCache chunk
+
+
+def vllm_block_hashes(ids: list[int]) -> list:
+    """What vLLM's scheduler computes for a request with these prompt ids (its own hasher)."""
+    kcu.init_none_hash(sha256_cbor)  # what the EngineCore does at start
+    req = Request("r", list(ids), SamplingParams(max_tokens=1), None,
+                  block_hasher=kcu.get_request_block_hasher(BS, sha256_cbor))
+    return [kcu.maybe_convert_block_hash(h) for h in req.block_hashes]
+
+
+def stored(events, first_ids) -> BlockStored:
+    got = [e for e in events if isinstance(e, BlockStored) and list(e.token_ids[:BS]) == list(first_ids[:BS])]
+    assert len(got) == 1, events
+    return got[0]
+
+
+def test_resident_cartridges_are_announced_as_vllm_would_announce_them(carts):
+    (a, _), (b, _) = carts["a"], carts["b"]
+    user = [900, 901, 902]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        plugin = eng.backend("cartridge")
+        plugin.dump_stats()
+        ann = ResidencyAnnouncer(lambda: plugin.settings, BS, "sha256_cbor", reannounce_s=1000)
+        events = ann.step(now=0.0)
+        assert len(events) == 2 and all(isinstance(e, BlockStored) for e in events), events
+        for m in (a, b):  # both local files: every full chunk, on disk, as vLLM hashes the prompt
+            e = stored(events, m.token_ids)
+            n = m.num_full_chunks * CHUNK
+            assert list(e.token_ids) == m.token_ids[:n]
+            assert e.block_size == BS and e.parent_block_hash is None and e.medium == "DISK"
+            assert e.block_hashes == vllm_block_hashes(m.token_ids + user)[: n // BS]
+        raw = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events))  # vLLM's ZMQ payload
+        assert msgspec.msgpack.decode(raw, type=KVEventBatch).events == events
+
+        assert ann.step(now=1.0) == []  # nothing changed, nothing said
+
+        # LMCache retrieves A through the plugin: its chunks are now in the plugin's memory tier
+        eng.clear_local_cpu()
+        assert eng.retrieve(a.token_ids + user)[0] == a.num_full_chunks * CHUNK
+        plugin.dump_stats()
+        events = ann.step(now=2.0)
+        a_hashes = vllm_block_hashes(a.token_ids)[: a.num_full_chunks * CHUNK // BS]
+        assert [type(e) for e in events] == [BlockRemoved, BlockStored], events
+        assert events[0].medium == "DISK" and events[0].block_hashes == a_hashes
+        assert events[1].medium == "CPU" and events[1].block_hashes == a_hashes
+
+        # B is removed from the registry: once the plugin stops serving it, its blocks are removed
+        carts["reg"].remove(b.cartridge_id)
+        deadline = time.time() + 10
+        while b.cartridge_id in plugin.serving_state().cartridges and time.time() < deadline:
+            time.sleep(0.05)
+        plugin.dump_stats()
+        events = ann.step(now=3.0)
+        b_hashes = vllm_block_hashes(b.token_ids)[: b.num_full_chunks * CHUNK // BS]
+        assert events == [BlockRemoved(block_hashes=b_hashes, medium="DISK")], events
+
+        # a subscriber that joined late hears everything again after the re-announce period
+        events = ann.step(now=2000.0)
+        assert [(e.medium, e.block_hashes) for e in events] == [("CPU", a_hashes)]
+
+        # records of another process (another vLLM server on this host) are not this server's
+        other = ResidencyAnnouncer(lambda: plugin.settings, BS, "sha256_cbor", pids=lambda: {1})
+        assert other.step(now=0.0) == []
+
+
+def test_the_announcer_publishes_through_vllms_publisher_without_a_scheduler_step(carts):
+    """vLLM publishes only from scheduler steps; an idle instance must announce what it holds.
+    The publisher vLLM creates next (as `Scheduler.__init__` does after building the connector) is
+    handed over once, the factory is restored, and a ZMQ subscriber receives the announcement."""
+    import zmq
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import EventPublisherFactory
+
+    from lmcache_cartridge.testing.launch import free_port
+    from lmcache_cartridge.vllm.kv_events import capture_publisher
+
+    (a, _), (b, _) = carts["a"], carts["b"]
+    original = EventPublisherFactory.__dict__["create"]
+    port = free_port()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    pub = None
+    try:
+        with engine_for(carts["dir"], carts["reg"].path) as eng:
+            plugin = eng.backend("cartridge")
+            plugin.dump_stats()
+            ann = ResidencyAnnouncer(lambda: plugin.settings, BS, "sha256_cbor", period_s=0.2)
+            assert capture_publisher(ann.use_publisher)
+            pub = EventPublisherFactory.create(KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}"), 0)
+            assert EventPublisherFactory.__dict__["create"] is original  # restored: only this one is ours
+            sub.connect(f"tcp://127.0.0.1:{port}")
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            ann.reannounce_s = 0.5  # the subscriber joined after the first round: hear it again
+            got = []
+            deadline = time.time() + 20
+            while len(got) < 2 and time.time() < deadline:
+                if sub.poll(200):
+                    got += msgspec.msgpack.decode(sub.recv_multipart()[-1], type=KVEventBatch).events
+            ann.stop()
+            assert {tuple(e.token_ids[:BS]) for e in got} >= {tuple(a.token_ids[:BS]), tuple(b.token_ids[:BS])}
+            assert all(isinstance(e, BlockStored) and e.medium == "DISK" for e in got)
+            assert ann.take() == [] and ann.published >= 2  # published directly, nothing left for take_events
+    finally:
+        EventPublisherFactory.create = original
+        if pub is not None:
+            pub.shutdown()
+        sub.close(0)
+        ctx.term()
