@@ -1,5 +1,5 @@
-"""What every benchmark script does before it imports the package, and what it records about
-the machine: one preamble for `ttft.py` and `soak.py`.
+"""What every benchmark script does before it imports the package, what it records about the
+machine, and the S3 server the S3 arms read from: one preamble for the scripts.
 
 Import it first (`import _common`): it puts the repository on `sys.path` (the scripts run from a
 checkout, `python benchmarks/x.py`) and sets the environment the Makefile sets (caches inside the
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +76,23 @@ def machine_info(device: bool = False) -> dict[str, Any]:
 
 
 setup()
+
+
+def moto_process(timeout: float = 30) -> tuple[subprocess.Popen, str]:
+    """moto's S3 server in its own process on loopback (`python -m moto.server`), so it does not
+    share the benchmark's GIL (its threads in the benchmark's process would compete with the
+    client it measures). Returns (process, endpoint URL); the caller kills the process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto server did not start")

@@ -23,9 +23,11 @@ What is measured (one 256-token chunk of synthetic random bf16 KV per chunk, rea
 Timing: each sample is one `fetch(batch)` call (allocation included, release excluded). Per-chunk
 latency = call time / batch size (amortised); p50/p99 over samples; throughput = bytes / call
 time, reported at the median call (GB = 1e9 bytes). The first batch of every arm is checked
-byte-for-byte against the packed chunk. moto runs in this process's threads and shares the 2
-cores with the client: S3 numbers measure moto as much as the client; compare ours with
-`limit-boto3` taken against the same server in the same run.
+byte-for-byte against the packed chunk. moto runs in its own process (`_common.moto_process`;
+`--moto-thread` puts it in this process's threads, as runs before 2026-11-23 did, where it took
+the GIL from the client it served). On 2 cores it still competes for CPU: S3 numbers measure moto
+as much as the client; compare ours with `limit-boto3` taken against the same server in the same
+run.
 
 S3 layout note: moto answers a ranged GET by copying the whole object and slicing it, so one
 ranged GET from a many-chunk kv.bin costs O(object) on moto (not on real S3). The S3 arms
@@ -716,7 +718,14 @@ def run_lmc_s3(ds: Dataset, workdir: Path, moto_port: int, batches, reps: dict[i
 
 
 # --- moto ---------------------------------------------------------------------------------------
-def start_moto():
+def start_moto(in_process: bool = False):
+    """(stop, endpoint URL, port): moto in its own process (default), or in this one's threads."""
+    if not in_process:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import _common
+
+        proc, url = _common.moto_process()
+        return proc.kill, url, int(url.rsplit(":", 1)[1])
     import logging
 
     from moto.server import ThreadedMotoServer
@@ -725,7 +734,7 @@ def start_moto():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    return server, f"http://{host}:{port}", int(port)
+    return server.stop, f"http://{host}:{port}", int(port)
 
 
 def upload_s3(ds: Dataset, endpoint: str) -> None:
@@ -903,7 +912,8 @@ def markdown(report: dict) -> str:
              f"elapsed {report['elapsed_s']:.0f}s", "",
              "Per-chunk latency = batch call time / batch (amortised), p50 (p99) over samples; GB/s at the "
              "median call. x-limit = ours/limit throughput, x-LMCache = ours/LMCache built-in. "
-             "S3 is a moto server in this process sharing the 2 cores; S3 arms use one object per chunk.", ""]
+             f"S3 is a moto server on loopback ({next((n for n in report['notes'] if n.startswith('moto runs')), '?')}); "
+             "S3 arms use one object per chunk.", ""]
     lines += ["| shape | tier | batch | ours ms/chunk p50 (p99) | ours GB/s | limit | limit GB/s | x-limit | "
               "LMCache | LMCache GB/s | x-LMCache |",
               "|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|"]
@@ -994,6 +1004,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help=f"comma list of {','.join(SHAPES)}")
     ap.add_argument("--workdir", default=None, help="scratch dir for packed data (default: a temp dir)")
     ap.add_argument("--child-lmc-s3", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--moto-thread", action="store_true",
+                    help="run moto in this process's threads (the old setup) instead of its own process")
     args = ap.parse_args(argv)
     if args.child_lmc_s3:
         lmc_s3_child_main(args.child_lmc_s3)
@@ -1013,7 +1025,7 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
 
-    server, moto_url, moto_port = start_moto()
+    stop_moto, moto_url, moto_port = start_moto(in_process=args.moto_thread)
     from s3_server import s3_client
 
     s3_client(moto_url).create_bucket(Bucket=S3_BUCKET)
@@ -1024,7 +1036,8 @@ def main(argv=None) -> int:
                                   "GB = 1e9 bytes; throughput at the median call",
                                   "local arms: batch capped so a batch is <= local_cap_bytes; "
                                   "S3 arms: <= s3_cap_bytes (moto speed and memory)",
-                                  "moto runs in-process and shares the 2 cores with the client",
+                                  ("moto runs in this process's threads (GIL shared with the client)" if args.moto_thread
+                                   else "moto runs in its own process (shares the 2 cores, not the GIL)"),
                                   "S3 arms use one object per chunk (moto copies the whole object per ranged GET)",
                                   "ours-s3 runs with cpu_budget_gb 0 and disk_budget_gb 0 (every read is a GET)",
                               ], "shapes": []}
@@ -1043,7 +1056,7 @@ def main(argv=None) -> int:
                 plot(report, out / "chunk_retrieval.png")
             except Exception as e:
                 log(f"plot failed: {e}")
-        server.stop()
+        stop_moto()
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     log(f"wrote {out / 'chunk_retrieval.json'}, .md, .png")

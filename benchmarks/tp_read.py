@@ -22,8 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,29 +36,6 @@ import torch  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 32, 8, 128, 256
 BUCKET = "tp-read"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """moto's S3 server in its own process (not competing with this one's GIL)."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc, url
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto server did not start")
 
 
 def measure(handle, n_chunks: int, reps: int) -> dict:
@@ -104,7 +79,7 @@ def main(argv=None) -> int:
 
     os.environ.update(DUMMY_ENV)
     work = Path(tempfile.mkdtemp(prefix="tp-read-", dir=os.environ.get("TMPDIR", "/tmp")))
-    moto, url = start_moto()
+    moto, url = _common.moto_process()
     rows = []
     try:
         g = torch.Generator().manual_seed(0)
