@@ -912,7 +912,7 @@ def markdown(report: dict) -> str:
              f"elapsed {report['elapsed_s']:.0f}s", "",
              "Per-chunk latency = batch call time / batch (amortised), p50 (p99) over samples; GB/s at the "
              "median call. x-limit = ours/limit throughput, x-LMCache = ours/LMCache built-in. "
-             f"S3 is a moto server on loopback ({next((n for n in report['notes'] if n.startswith('moto runs')), '?')}); "
+             f"S3 is a moto server on loopback ({next((n for n in report.get('notes', []) if n.startswith('moto runs')), 'moto')}); "
              "S3 arms use one object per chunk.", ""]
     lines += ["| shape | tier | batch | ours ms/chunk p50 (p99) | ours GB/s | limit | limit GB/s | x-limit | "
               "LMCache | LMCache GB/s | x-LMCache |",
