@@ -223,3 +223,19 @@ def test_gateway_judges_each_model_only_against_its_own_instances(tmp_path, mode
                                                          "cartridges": [{"id": "cart-a"}]})
         assert r.status_code == 503 and "no live engine instance of model 'model-a'" in r.json()["error"]["message"]
         assert r.headers["Retry-After"] == "1" and len(seen) == forwarded  # never forwarded
+
+
+def test_descendants_finds_children_and_grandchildren():
+    """How a vLLM server's EngineCore finds its worker ranks' records (`vllm.kv_events`)."""
+    from lmcache_cartridge.store.serving_state import descendants
+
+    child = subprocess.Popen(["bash", "-c", "sleep 30 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(child.stdout.readline())
+        time.sleep(0.1)
+        found = descendants(os.getpid())
+        assert {child.pid, grandchild} <= found
+        assert os.getpid() not in found and grandchild not in descendants(grandchild)
+    finally:
+        child.kill()
+        os.system(f"kill {grandchild} 2>/dev/null")

@@ -175,6 +175,31 @@ def process_alive(pid: int, start: int | None = None) -> bool:
     return state not in ("Z", "X") and (start is None or started == start)
 
 
+def descendants(pid: int) -> set[int]:
+    """The processes below `pid` on this host (children, their children, ...), from /proc;
+    empty where there is no /proc."""
+    parents: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return set()
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            ppid = int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
 # --- the one writer ---------------------------------------------------------------------------------
 def publish(cache_dir: str | Path, state: ServingState) -> Path:
     """Write `state` as `<state_dir>/<instance>.json`, atomically. Concurrent calls (the plugin's

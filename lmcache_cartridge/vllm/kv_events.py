@@ -84,14 +84,9 @@ def leading(indices, total: int) -> int:
 def server_pids() -> set[int]:
     """This process and its descendants: the worker ranks of this vLLM server (with one rank
     vLLM runs the worker in the EngineCore process, with several in its children)."""
-    pids = {os.getpid()}
-    try:
-        import psutil
+    from lmcache_cartridge.store.serving_state import descendants
 
-        pids |= {p.pid for p in psutil.Process().children(recursive=True)}
-    except Exception:  # noqa: BLE001 - psutil missing or a child gone: this process only
-        pass
-    return pids
+    return {os.getpid()} | descendants(os.getpid())
 
 
 def resident_prefixes(cache_dir, tokens_of: Callable[[str, str, int, str], Optional[tuple[list[int], int, int]]],
