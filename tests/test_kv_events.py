@@ -1,8 +1,8 @@
 """Resident cartridges announced as vLLM KV events (`vllm.kv_events`), from a REAL LMCacheEngine
 with the plugin (its serving-state records are the input), checked against vLLM's own code:
 the block hashes equal what vLLM's request block hasher computes for the same prompt, the batch
-encodes with vLLM's publisher encoding, and the media follow the plugin's tiers ("DISK" for a
-file on this host, "CPU" once the plugin holds the chunks in memory). Changes only are announced,
+encodes with vLLM's publisher encoding, and the media follow the plugin's tiers ("STORAGE" for a
+file on this host, vLLM's "STORAGE" medium; "CPU" once the plugin holds the chunks in memory). Changes only are announced,
 everything again after the re-announce period, removals as `BlockRemoved`; another process's
 records are not this server's."""
 
@@ -27,11 +27,11 @@ from lmcache_cartridge.vllm.kv_events import ResidencyAnnouncer  # noqa: E402
 BS = 16  # vLLM's block size here: 4 blocks per LMCache chunk
 
 
-def vllm_block_hashes(ids: list[int]) -> list:
+def vllm_block_hashes(ids: list[int], fn=sha256_cbor) -> list:
     """What vLLM's scheduler computes for a request with these prompt ids (its own hasher)."""
-    kcu.init_none_hash(sha256_cbor)  # what the EngineCore does at start
+    kcu.init_none_hash(fn)  # what the EngineCore does at start
     req = Request("r", list(ids), SamplingParams(max_tokens=1), None,
-                  block_hasher=kcu.get_request_block_hasher(BS, sha256_cbor))
+                  block_hasher=kcu.get_request_block_hasher(BS, fn))
     return [kcu.maybe_convert_block_hash(h) for h in req.block_hashes]
 
 
@@ -54,7 +54,7 @@ def test_resident_cartridges_are_announced_as_vllm_would_announce_them(carts):
             e = stored(events, m.token_ids)
             n = m.num_full_chunks * CHUNK
             assert list(e.token_ids) == m.token_ids[:n]
-            assert e.block_size == BS and e.parent_block_hash is None and e.medium == "DISK"
+            assert e.block_size == BS and e.parent_block_hash is None and e.medium == "STORAGE"
             assert e.block_hashes == vllm_block_hashes(m.token_ids + user)[: n // BS]
         raw = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events))  # vLLM's ZMQ payload
         assert msgspec.msgpack.decode(raw, type=KVEventBatch).events == events
@@ -68,7 +68,7 @@ def test_resident_cartridges_are_announced_as_vllm_would_announce_them(carts):
         events = ann.step(now=2.0)
         a_hashes = vllm_block_hashes(a.token_ids)[: a.num_full_chunks * CHUNK // BS]
         assert [type(e) for e in events] == [BlockRemoved, BlockStored], events
-        assert events[0].medium == "DISK" and events[0].block_hashes == a_hashes
+        assert events[0].medium == "STORAGE" and events[0].block_hashes == a_hashes
         assert events[1].medium == "CPU" and events[1].block_hashes == a_hashes
 
         # B is removed from the registry: once the plugin stops serving it, its blocks are removed
@@ -79,7 +79,7 @@ def test_resident_cartridges_are_announced_as_vllm_would_announce_them(carts):
         plugin.dump_stats()
         events = ann.step(now=3.0)
         b_hashes = vllm_block_hashes(b.token_ids)[: b.num_full_chunks * CHUNK // BS]
-        assert events == [BlockRemoved(block_hashes=b_hashes, medium="DISK")], events
+        assert events == [BlockRemoved(block_hashes=b_hashes, medium="STORAGE", group_idx=0)], events
 
         # a subscriber that joined late hears everything again after the re-announce period
         events = ann.step(now=2000.0)
@@ -126,7 +126,7 @@ def test_the_announcer_publishes_through_vllms_publisher_without_a_scheduler_ste
                     got += msgspec.msgpack.decode(sub.recv_multipart()[-1], type=KVEventBatch).events
             ann.stop()
             assert {tuple(e.token_ids[:BS]) for e in got} >= {tuple(a.token_ids[:BS]), tuple(b.token_ids[:BS])}
-            assert all(isinstance(e, BlockStored) and e.medium == "DISK" for e in got)
+            assert all(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in got)
             assert ann.take() == [] and ann.published >= 2  # published directly, nothing left for take_events
     finally:
         EventPublisherFactory.create = original
@@ -134,3 +134,20 @@ def test_the_announcer_publishes_through_vllms_publisher_without_a_scheduler_ste
             pub.shutdown()
         sub.close(0)
         ctx.term()
+
+
+def test_hashes_follow_vllms_algorithm_whatever_set_none_hash_first(carts):
+    """The announcer starts inside `Scheduler.__init__`, before vLLM's EngineCore runs
+    `init_none_hash`, and LMCache may have run it with its own function (sha256_cbor here) while
+    vLLM hashes with its default sha256: the hashes must still be vLLM's."""
+    from vllm.utils.hashing import sha256
+
+    (a, _), _ = carts["a"], carts["b"]
+    kcu.init_none_hash(sha256_cbor)  # as LMCache's token database leaves it
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        plugin = eng.backend("cartridge")
+        plugin.dump_stats()
+        ann = ResidencyAnnouncer(lambda: plugin.settings, BS, "sha256", reannounce_s=1000)
+        e = stored(ann.step(now=0.0), a.token_ids)
+    assert e.block_hashes == vllm_block_hashes(a.token_ids, sha256)[: a.num_full_chunks * CHUNK // BS]
+    assert e.block_hashes != vllm_block_hashes(a.token_ids, sha256_cbor)[: a.num_full_chunks * CHUNK // BS]

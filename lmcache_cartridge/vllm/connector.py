@@ -52,7 +52,7 @@ promised as an external hit whose load fails, and the per-request policy above f
 that raises for such a request also makes it wait (never 0 tokens, which would recompute it).
 
 KV events (scheduler side, `kv_events`): with vLLM's `--kv-events-config`, cartridges resident
-in the plugin's memory tier or disk cache are announced like vLLM's own blocks ("CPU" / "DISK"),
+in the plugin's memory tier or disk cache are announced like vLLM's own blocks ("CPU" / "STORAGE"),
 so a KV-aware router sends their requests here before vLLM has ever loaded them.
 
 Composites (scheduler side, `composites`): a request naming composites the gateway registered on
@@ -160,7 +160,10 @@ class CartridgeConnector(LMCacheConnectorV1):
         self._composer = HostComposer(self._plugin_settings)
         self._announcer = None
         kec = getattr(vllm_config, "kv_events_config", None)
-        if role == KVConnectorRole.SCHEDULER and kec is not None and kec.enable_kv_cache_events:
+        why_not = self._why_no_announcements(vllm_config, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER and kec is not None and kec.enable_kv_cache_events and why_not:
+            logger.info("lmcache_cartridge: resident cartridges are not announced as KV events: %s", why_not)
+        elif role == KVConnectorRole.SCHEDULER and kec is not None and kec.enable_kv_cache_events:
             from lmcache_cartridge.vllm import kv_events
 
             self._announcer = kv_events.ResidencyAnnouncer(
@@ -182,6 +185,25 @@ class CartridgeConnector(LMCacheConnectorV1):
         super().__init__(vllm_config, role, kv_cache_config)
         logger.info("lmcache_cartridge: CartridgeConnector ready (role %s, cpu backend %s)",
                     role.name, self._cpu_backend)
+
+    @staticmethod
+    def _why_no_announcements(vllm_config: "VllmConfig", kv_cache_config) -> str | None:
+        """Announced blocks must hash as vLLM's prefix cache hashes them, which `kv_events` does
+        for one full-attention KV cache group at the cache block size: not with decode context
+        parallelism (vLLM then hashes at a multiple of it) or several groups (hybrid models)."""
+        if int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1) > 1:
+            return "decode context parallelism changes vLLM's hash block size"
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            return f"{len(groups)} KV cache groups (a hybrid model)"
+        return None
+
+    def shutdown(self):
+        """Both sides, when vLLM shuts the connector down (the scheduler after closing its event
+        publisher): stop announcing, then LMCache's shutdown."""
+        if self._announcer is not None:
+            self._announcer.stop()
+        return super().shutdown()
 
     @staticmethod
     def _set_load_failure_policy(ktc) -> None:

@@ -7,7 +7,8 @@ this instance would load at copy speed, attracts nothing until vLLM has loaded i
 nothing at all with prefix caching off. This announces those cartridges too, as vLLM would have
 announced the same tokens: `BlockStored(token_ids=<the cartridge's key ids>, block_size=<vLLM's>,
 parent_block_hash=None, block_hashes=<vLLM's own chained block hashes>)` with `medium` "CPU" for
-blocks whose chunks sit in the plugin's memory tier and "DISK" for the rest of the local prefix,
+blocks whose chunks sit in the plugin's memory tier and "STORAGE" for the rest of the local prefix
+(vLLM's medium names; vllm-router reads "STORAGE" as its disk tier),
 and `BlockRemoved` when they leave. Routers credit those tiers below vLLM's own ("GPU") blocks
 (vllm-router: `--kv-penalty-host`, `--kv-penalty-disk`).
 
@@ -53,7 +54,7 @@ REANNOUNCE_KEY = "cartridge.kv_events_reannounce_s"
 DEFAULT_PERIOD_S = 1.0
 DEFAULT_REANNOUNCE_S = 30.0
 
-CPU, DISK = "CPU", "DISK"  # vLLM's medium names for host memory and storage tiers
+CPU, DISK = "CPU", "STORAGE"  # vLLM's medium names (kv_events.MEDIUM_CPU, MEDIUM_STORAGE)
 MAX_QUEUED = 100_000       # events waiting for take_events; older ones are dropped beyond this
 _UNSET = object()
 
@@ -169,9 +170,10 @@ class ResidencyAnnouncer:
         self.reannounce_s = float(reannounce_s)
         self._pids = pids or server_pids
         self._lock = threading.Lock()
-        self._queue: deque = deque(maxlen=MAX_QUEUED)
+        self._queue: deque = deque()
         self._announced: dict[bytes, str] = {}   # block hash -> medium, as the router knows it
         self._tokens: dict[tuple, Optional[tuple[list[int], int, int]]] = {}
+        self._chains: dict[tuple, list[bytes]] = {}
         self._hash_fn = None
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -228,21 +230,33 @@ class ResidencyAnnouncer:
             return []
         now = time.monotonic() if now is None else now
         full = now - self._last_full >= self.reannounce_s
-        if full:
-            self._last_full = now
-        wanted = self._wanted(resident_prefixes(s.cache_dir, self._tokens_of, self._pids()))
-        events = self._diff(wanted, full)
+        prefixes = resident_prefixes(s.cache_dir, self._tokens_of, self._pids())
+        wanted = self._wanted(prefixes)
+        if wanted is None:  # vLLM's hashing is not set up yet: next period
+            return []
+        events, announced = self._diff(wanted, full)
         self.rounds += 1
         if events:
             pub = self._publisher
             if pub is not None:
                 from vllm.distributed.kv_events import KVEventBatch
 
-                pub.publish(KVEventBatch(ts=time.time(), events=events))
+                try:
+                    pub.publish(KVEventBatch(ts=time.time(), events=events))
+                except RuntimeError as e:  # "Publisher is closed": the engine is shutting down
+                    logger.info("lmcache_cartridge: KV event publisher closed (%s); announcements stop", e)
+                    self.stop()
+                    return []
                 self.published += len(events)
             else:
                 with self._lock:
+                    if len(self._queue) + len(events) > MAX_QUEUED:  # nobody takes them: start over
+                        self._queue.clear()
+                        announced = {}
                     self._queue.extend(events)
+        self._announced = announced  # only once the events are on their way
+        if full:
+            self._last_full = now
         return events
 
     def _tokens_of(self, registry: str, cid: str, epoch: int, content_hash: str):
@@ -269,26 +283,59 @@ class ResidencyAnnouncer:
             self._tokens[key] = got
         return self._tokens[key]
 
-    def _block_hashes(self, ids: tuple[int, ...], n_blocks: int) -> list[bytes]:
-        """vLLM's prefix-cache hashes of the first `n_blocks` blocks of `ids`."""
+    def _none_hash(self) -> Optional[bytes]:
+        """The root of vLLM's hash chains for this engine's hash function, or None while it
+        cannot be known yet. Never `kcu.NONE_HASH` as found: this thread starts inside
+        `Scheduler.__init__`, before the EngineCore sets it (`init_none_hash`), and LMCache may
+        have set it meanwhile with its own hash function. vLLM derives it from a seed that is
+        fixed for cryptographic functions (or PYTHONHASHSEED) and random per process otherwise:
+        the latter is read from vLLM once it has chosen it."""
+        import os as _os
+
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core import kv_cache_utils as kcu
 
         if self._hash_fn is None:
             self._hash_fn = get_hash_fn_by_name(self.hash_algo)
-        parent = kcu.NONE_HASH
-        if parent is None:  # vLLM initialises it in the EngineCore when a connector is configured
-            kcu.init_none_hash(self._hash_fn)
-            parent = kcu.NONE_HASH
-        out, bs = [], self.block_size
-        for b in range(n_blocks):
-            parent = kcu.hash_block_tokens(self._hash_fn, parent, ids[b * bs:(b + 1) * bs], None)
-            out.append(parent)
-        return out
+        fn = self._hash_fn
+        if fn in getattr(kcu, "_NON_CRYPTO_HASH_FUNCTIONS", ()) and _os.getenv("PYTHONHASHSEED") is None:
+            if getattr(kcu, "NONE_HASH", None) is None or not self._engine_started():
+                return None
+            return kcu.NONE_HASH
+        return kcu.BlockHash(fn(kcu.resolve_none_hash_seed(fn)))
 
-    def _wanted(self, prefixes: Iterable[ResidentPrefix]) -> tuple[dict[bytes, tuple[str, tuple[int, ...]]], list[list[bytes]]]:
-        """(block hash -> (medium, its token ids), the chains of hashes, one per cartridge): the
-        union over cartridges, "CPU" winning over "DISK" for a block two cartridges share."""
+    @staticmethod
+    def _engine_started() -> bool:
+        """Whether vLLM's EngineCore has initialised its hashing (after the scheduler exists)."""
+        from vllm.v1.core import kv_cache_utils as kcu
+
+        return getattr(kcu, "_NONE_HASH_SEED", None) is not None
+
+    def _block_hashes(self, ids: tuple[int, ...], n_blocks: int) -> Optional[list[bytes]]:
+        """vLLM's prefix-cache hashes of the first `n_blocks` blocks of `ids` (None: not
+        computable yet). Chains are cached per token sequence: a resident cartridge is hashed
+        once, not every period."""
+        from vllm.v1.core import kv_cache_utils as kcu
+
+        root = self._none_hash()
+        if root is None:
+            return None
+        key = (root, ids)
+        chain = self._chains.get(key)
+        if chain is None or len(chain) < n_blocks:
+            chain, parent, bs = [], root, self.block_size
+            for b in range(len(ids) // bs):
+                parent = kcu.hash_block_tokens(self._hash_fn, parent, ids[b * bs:(b + 1) * bs], None)
+                chain.append(parent)
+            if len(self._chains) > 4096:
+                self._chains.clear()
+            self._chains[key] = chain
+        return chain[:n_blocks]
+
+    def _wanted(self, prefixes: Iterable[ResidentPrefix]) -> Optional[tuple[dict[bytes, tuple[str, tuple[int, ...]]], list[list[bytes]]]]:
+        """(block hash -> (medium, its token ids), the chains of hashes, one per cartridge), or
+        None while vLLM's hashing is not set up: the
+        union over cartridges, "CPU" winning over "STORAGE" for a block two cartridges share."""
         wanted: dict = {}
         chains = []
         bs = self.block_size
@@ -296,6 +343,8 @@ class ResidencyAnnouncer:
             n_blocks = min(p.local_chunks * p.chunk_size, len(p.token_ids)) // bs
             in_memory = p.memory_chunks * p.chunk_size // bs
             hashes = self._block_hashes(p.token_ids, n_blocks)
+            if hashes is None:
+                return None
             for b, h in enumerate(hashes):
                 medium = CPU if b < in_memory else DISK
                 if h not in wanted or (medium == CPU and wanted[h][0] == DISK):
@@ -303,8 +352,8 @@ class ResidencyAnnouncer:
             chains.append(hashes)
         return wanted, chains
 
-    def _diff(self, wanted_chains, full: bool) -> list:
-        """BlockRemoved for blocks no longer local (or in another medium), then BlockStored for
+    def _diff(self, wanted_chains, full: bool) -> tuple[list, dict[bytes, str]]:
+        """(events, what is announced once they are out). BlockRemoved for blocks no longer local (or in another medium), then BlockStored for
         new ones: one event per run of consecutive new blocks of one chain in one medium,
         parented on the block before it (vLLM's own shape)."""
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
@@ -317,7 +366,7 @@ class ResidencyAnnouncer:
             if h not in wanted or wanted[h][0] != medium:
                 gone.setdefault(medium, []).append(h)
         for medium, hashes in gone.items():
-            events.append(BlockRemoved(block_hashes=[ext(h) for h in hashes], medium=medium))
+            events.append(BlockRemoved(block_hashes=[ext(h) for h in hashes], medium=medium, group_idx=0))
         emitted: set[bytes] = set()
         for chain in chains:
             run: list[bytes] = []
@@ -329,10 +378,9 @@ class ResidencyAnnouncer:
                         block_hashes=[ext(x) for x in run],
                         parent_block_hash=ext(chain[first - 1]) if first else None,
                         token_ids=[t for x in run for t in wanted[x][1]], block_size=self.block_size,
-                        lora_id=None, medium=wanted[run[0]][0], lora_name=None))
+                        lora_id=None, medium=wanted[run[0]][0], lora_name=None, group_idx=0))
                     emitted.update(run)
                     run = []
                 if new:
                     run.append(h)
-        self._announced = {h: w[0] for h, w in wanted.items()}
-        return events
+        return events, {h: w[0] for h, w in wanted.items()}
