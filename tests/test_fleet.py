@@ -69,19 +69,6 @@ def _ask(client: httpx.Client, gateway: str, model: str, cart: str, question: li
     return choice["text"] if text else [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
 
 
-def _wait_resident(srv: VllmServer, name: str, timeout: float = 60) -> None:
-    """Until every plugin instance of `srv` holds all of cartridge `name` locally."""
-    from lmcache_cartridge.store.serving_state import read_states
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        states = [st for st in read_states(srv.cache_dir) if st.role == "worker"]
-        if states and all(name in st.cartridges and st.cartridges[name].all_resident for st in states):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{name} not resident on {srv.url}: {srv.log_tail()}")
-
-
 def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_path, moto_server):
     router_bin = find_router()
     if router_bin is None:
@@ -159,7 +146,7 @@ def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_pa
                 ref_text[name] = _reference(servers[i], carts[name] + question, text=True)
             for name, i in home.items():
                 servers[i].wait_served([Registry(servers[i].root / "registry.db").get(name)], timeout=60)
-                _wait_resident(servers[i], name)
+                servers[i].wait_resident(name)
             time.sleep(3.0)  # the announcer's period (1 s) and the router's index update
             for name, i in home.items():
                 before = [instance_counters(s.url) for s in servers]

@@ -233,6 +233,13 @@ class VllmServer:
         self._wait(f"every plugin instance serves {n} cartridges",
                    lambda states: all(len(s.cartridges) == n for s in states), timeout)
 
+    def wait_resident(self, cartridge_id: str, timeout: float = 60) -> None:
+        """Wait until every plugin instance in the server holds all of `cartridge_id` locally
+        (memory or disk: readable without the network)."""
+        self._wait(f"every plugin instance holds {cartridge_id} locally",
+                   lambda states: all(cartridge_id in s.cartridges and s.cartridges[cartridge_id].all_resident
+                                      for s in states), timeout)
+
     def wait_served(self, entries: Iterable, timeout: float = 30) -> None:
         """Wait until every plugin instance in the server serves these registry entries' exact
         bytes (content hash, epoch), a trained one resident: what the gateway waits for. A

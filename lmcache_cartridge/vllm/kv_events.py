@@ -90,7 +90,7 @@ def server_pids() -> set[int]:
     return {os.getpid()} | descendants(os.getpid())
 
 
-def resident_prefixes(cache_dir, tokens_of: Callable[[str, str, int, str], Optional[tuple[list[int], int, int]]],
+def resident_prefixes(cache_dir, tokens_of: Callable[[str, str, int, str], Optional[tuple[tuple[int, ...], int, int]]],
                       pids: Optional[set[int]] = None) -> list[ResidentPrefix]:
     """Per cartridge, what every worker rank of this server holds locally (see module doc).
     `tokens_of(registry, id, epoch, content_hash)` gives (key ids, context chunks, chunk size) or
@@ -123,7 +123,7 @@ def resident_prefixes(cache_dir, tokens_of: Callable[[str, str, int, str], Optio
         if context_chunks:
             continue
         memory = min(min(leading(c.in_memory, c.chunks) for c in states), local)
-        out.append(ResidentPrefix(cid, tuple(ids), local, memory, chunk))
+        out.append(ResidentPrefix(cid, ids, local, memory, chunk))
     return out
 
 
@@ -172,7 +172,7 @@ class ResidencyAnnouncer:
         self._lock = threading.Lock()
         self._queue: deque = deque()
         self._announced: dict[bytes, str] = {}   # block hash -> medium, as the router knows it
-        self._tokens: dict[tuple, Optional[tuple[list[int], int, int]]] = {}
+        self._tokens: dict[tuple, Optional[tuple[tuple[int, ...], int, int]]] = {}
         self._chains: dict[tuple, list[bytes]] = {}
         self._hash_fn = None
         self._thread: Optional[threading.Thread] = None
@@ -274,7 +274,7 @@ class ResidencyAnnouncer:
                     reg.close()
                 if e is not None and e.content_hash == content_hash:
                     m = Manifest.load(e.path)
-                    got = (m.key_token_ids, m.context_chunks, m.chunk_size)
+                    got = (tuple(m.key_token_ids), m.context_chunks, m.chunk_size)
             except Exception as ex:  # noqa: BLE001 - unreadable here: not announced, retried later
                 logger.debug("lmcache_cartridge: cannot read cartridge %s for KV events: %s", cid, ex)
                 return None
@@ -290,15 +290,13 @@ class ResidencyAnnouncer:
         have set it meanwhile with its own hash function. vLLM derives it from a seed that is
         fixed for cryptographic functions (or PYTHONHASHSEED) and random per process otherwise:
         the latter is read from vLLM once it has chosen it."""
-        import os as _os
-
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core import kv_cache_utils as kcu
 
         if self._hash_fn is None:
             self._hash_fn = get_hash_fn_by_name(self.hash_algo)
         fn = self._hash_fn
-        if fn in getattr(kcu, "_NON_CRYPTO_HASH_FUNCTIONS", ()) and _os.getenv("PYTHONHASHSEED") is None:
+        if fn in getattr(kcu, "_NON_CRYPTO_HASH_FUNCTIONS", ()) and os.getenv("PYTHONHASHSEED") is None:
             if getattr(kcu, "NONE_HASH", None) is None or not self._engine_started():
                 return None
             return kcu.NONE_HASH
