@@ -1,4 +1,4 @@
-"""vLLM end to end: time to first token (TTFT) with a document prefix, three ways.
+"""vLLM end to end: time to first token (TTFT) with a document prefix, four ways.
 
     .venv/bin/python benchmarks/ttft.py [--quick] [--out DIR] [--lengths 256,1024,...]
                                         [--concurrency 1,4,16] [--device]
@@ -8,7 +8,7 @@ the prompt's first token and the suffix is always computed), `max_tokens 1`, gre
 TTFT = seconds from sending the request to the first streamed token (as `demo.stream_ttft`).
 `c` requests of a burst are sent at once, each with its own suffix; p50/p95 over all TTFTs.
 
-Arms, each on its own vLLM server started with the SAME `VLLM_CPU_OMP_THREADS_BIND`:
+Arms on three vLLM servers, all started with the SAME `VLLM_CPU_OMP_THREADS_BIND`:
 
 (a) `full_prefill`: plain vLLM, no KV connector, `--no-enable-prefix-caching`: every document
     token is prefilled on every request. This is the honest baseline (what one runs without
@@ -16,9 +16,11 @@ Arms, each on its own vLLM server started with the SAME `VLLM_CPU_OMP_THREADS_BI
     registered, with `kv_transfer_params: {"lmcache.skip_save": true}` (same process and
     connector as (b); adds LMCache's miss lookup to the baseline; saves one server start).
 (b) `cartridge`: vLLM + LMCache 0.5.6 + `CartridgeConnector` + the cartridge storage plugin,
-    `--no-enable-prefix-caching` (so the KV can only come from LMCache). A first-k cartridge of
-    the same document (KV computed once by HF transformers, packed, registered). Requests carry
-    `lmcache.skip_save` (vLLM's own KV is never stored). Two variants:
+    prefix caching on (vLLM's default), every request with its own `cache_salt`, so vLLM's prefix
+    cache can never serve it and the KV can only come from LMCache (LMCache 0.5.6's in-process
+    connector keys chunks by tokens alone; the counter below proves every token came from it).
+    A first-k cartridge of the same document (KV computed once by HF transformers, packed,
+    registered). Requests carry `lmcache.skip_save` (vLLM's own KV is never stored). Two variants:
     - `first`: before every burst the cartridge is removed from the registry (the plugin drops its
       chunks from its CPU tier and from LMCache's LocalCPUBackend) and registered again: the burst
       is the first use, the plugin reads the packed file (page cache warm) and verifies checksums;
@@ -28,6 +30,13 @@ Arms, each on its own vLLM server started with the SAME `VLLM_CPU_OMP_THREADS_BI
     cell and must equal requests x document tokens (document lengths are whole 256-token chunks).
 (c) `prefix_cache`: plain vLLM, `--enable-prefix-caching`, the document sent once to warm, then
     only the suffix is computed: the limit for any KV injection.
+(d) `cartridge_cached`: the arm-(b) server, requests without a salt, as a deployment sends them:
+    the warm-up loads the cartridge through LMCache once, vLLM keeps those blocks in its prefix
+    cache like any computed ones, and the measured repeats are served from there. Its cells
+    expect no external-KV tokens and vLLM's `prefix_cache_hits` counter to grow by the document
+    per request (whole blocks: document lengths are multiples of 256). While vLLM's block pool
+    holds the cartridge this is the cartridge's steady state; (b) is what a hit costs after vLLM
+    evicted it (or with prefix caching off).
 
 Model: a locally made Llama (`ensure_test_model`, random weights, peaked attention) with realistic
 layer shapes, see BENCH_MODEL; `--model-dir` uses any local HF Llama instead (e.g. on a GPU).
@@ -61,13 +70,18 @@ from _common import GiB, ROOT, machine_info  # noqa: E402  (the benchmarks' prea
 
 CHUNK = 256
 SUFFIX_LEN = 8
-ARMS = ("full_prefill", "cartridge", "prefix_cache")
-VARIANTS = {"full_prefill": ("cold",), "cartridge": ("first", "repeat"), "prefix_cache": ("warm",)}
+ARMS = ("full_prefill", "cartridge", "prefix_cache", "cartridge_cached")
+VARIANTS = {"full_prefill": ("cold",), "cartridge": ("first", "repeat"), "prefix_cache": ("warm",),
+            "cartridge_cached": ("repeat",)}
+# Arms whose requests each carry a fresh `cache_salt`: vLLM's prefix cache never serves them
+# (their server may have prefix caching on); the others rely on it.
+SALTED_ARMS = frozenset({"full_prefill", "cartridge"})
 LABELS = {
     ("full_prefill", "cold"): "(a) full prefill",
     ("cartridge", "first"): "(b) cartridge, first hit (plugin)",
     ("cartridge", "repeat"): "(b) cartridge, repeat hit (LMCache CPU copy)",
     ("prefix_cache", "warm"): "(c) vLLM prefix-cache hit",
+    ("cartridge_cached", "repeat"): "(d) cartridge, repeat hit from vLLM's prefix cache",
 }
 
 
@@ -181,23 +195,27 @@ async def _one(client, url: str, body: dict) -> tuple[float, Optional[int]]:
     return (first if first is not None else float("nan")), token
 
 
-def request_body(model: str, prompt: list[int], skip_save: bool) -> dict:
+def request_body(model: str, prompt: list[int], skip_save: bool, salted: bool = False) -> dict:
+    """`salted`: a fresh random `cache_salt` (vLLM's per-request prefix-cache isolation), so
+    vLLM's prefix cache cannot serve this request whatever the server's setting."""
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
             "logprobs": 1, "return_tokens_as_token_ids": True}
     if skip_save:
         body["kv_transfer_params"] = {"lmcache.skip_save": True}
+    if salted:
+        body["cache_salt"] = os.urandom(8).hex()
     return body
 
 
 def measure_burst(url: str, model: str, prompts: Sequence[list[int]], *, skip_save: bool,
-                  timeout: float = 1800) -> list[tuple[float, Optional[int]]]:
+                  timeout: float = 1800, salted: bool = False) -> list[tuple[float, Optional[int]]]:
     """Send all prompts at once; (TTFT seconds, first token id) per prompt, in order."""
     import httpx
 
     async def main():
         limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            return await asyncio.gather(*[_one(client, url, request_body(model, p, skip_save))
+            return await asyncio.gather(*[_one(client, url, request_body(model, p, skip_save, salted))
                                           for p in prompts])
 
     return list(asyncio.run(main()))
@@ -225,6 +243,8 @@ class Cell:
     shots: list[Shot] = field(default_factory=list)
     ext_tokens: float = 0.0          # vLLM external-KV counter delta over the cell
     expected_ext: Optional[float] = None
+    pc_hit_tokens: float = 0.0       # vLLM prefix-cache hit counter delta (checked for arm (d))
+    expected_pc_hits: Optional[float] = None
     skipped: Optional[str] = None
     wall_s: float = 0.0
 
@@ -239,6 +259,7 @@ class Cell:
              "length": self.length, "concurrency": self.concurrency, "n": len(self.shots),
              "skipped": self.skipped, "wall_s": round(self.wall_s, 3),
              "ext_tokens": self.ext_tokens, "expected_ext_tokens": self.expected_ext,
+             "pc_hit_tokens": self.pc_hit_tokens, "expected_pc_hit_tokens": self.expected_pc_hits,
              "ttft_s": [round(t, 6) for t in self.ttfts],
              "first_tokens": [s.token for s in self.shots],
              "keys": [list(s.key) for s in self.shots]}
@@ -246,7 +267,8 @@ class Cell:
             a = np.asarray(self.ttfts)
             d.update(p50_s=float(np.percentile(a, 50)), p95_s=float(np.percentile(a, 95)),
                      mean_s=float(a.mean()), min_s=float(a.min()), max_s=float(a.max()))
-        d["ext_ok"] = self.expected_ext is None or self.ext_tokens == self.expected_ext
+        d["ext_ok"] = ((self.expected_ext is None or self.ext_tokens == self.expected_ext)
+                       and (self.expected_pc_hits is None or self.pc_hit_tokens == self.expected_pc_hits))
         return d
 
 
@@ -257,8 +279,16 @@ def _ext(server) -> float:
         return float("nan")
 
 
+def _pc_hits(server) -> float:
+    try:
+        return server.prefix_cache_hit_tokens()
+    except Exception:
+        return float("nan")
+
+
 def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, plan: Plan, *,
              skip_save: bool, t_ref: Optional[float] = None, expect_ext_per_request: Optional[int] = None,
+             expect_pc_hits_per_request: Optional[int] = None,
              before_burst: Optional[Callable[[], None]] = None, log: Callable[[str], None] = print) -> Cell:
     """ceil(samples / c) bursts of `concurrency` requests `doc + own suffix` (fewer if the cell's
     time budget runs out; none, with the reason, if one burst is estimated over max_burst_s)."""
@@ -270,7 +300,7 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
         log(f"  {arm}/{variant} L={L} c={concurrency}: skipped, {cell.skipped}")
         return cell
     n_bursts = max(1, math.ceil(plan.samples / concurrency))
-    ext0, t0 = _ext(server), time.perf_counter()
+    ext0, pc0, t0 = _ext(server), _pc_hits(server), time.perf_counter()
     burst_s = 0.0
     for b in range(n_bursts):
         if b and (time.perf_counter() - t0) + burst_s > plan.cell_budget_s:
@@ -282,17 +312,21 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
         prompts = [doc + suffix_ids(k, plan.vocab_size, plan.avoid) for k in keys]
         tb = time.perf_counter()
         for k, (ttft, tok) in zip(keys, measure_burst(server.url, server.model, prompts,
-                                                      skip_save=skip_save, timeout=plan.timeout_s)):
+                                                      skip_save=skip_save, timeout=plan.timeout_s,
+                                                      salted=arm in SALTED_ARMS)):
             cell.shots.append(Shot(ttft, tok, k))
         burst_s = time.perf_counter() - tb
     cell.wall_s = time.perf_counter() - t0
     cell.ext_tokens = _ext(server) - ext0
+    cell.pc_hit_tokens = _pc_hits(server) - pc0
     if expect_ext_per_request is not None:
         cell.expected_ext = float(expect_ext_per_request * len(cell.shots))
+    if expect_pc_hits_per_request is not None:
+        cell.expected_pc_hits = float(expect_pc_hits_per_request * len(cell.shots))
     s = cell.summary()
     log(f"  {arm}/{variant} L={L} c={concurrency}: n={s['n']} p50 {s['p50_s'] * 1e3:.1f} ms "
-        f"p95 {s['p95_s'] * 1e3:.1f} ms ext {cell.ext_tokens:.0f}"
-        + ("" if s["ext_ok"] else f" (EXPECTED {cell.expected_ext:.0f})"))
+        f"p95 {s['p95_s'] * 1e3:.1f} ms ext {cell.ext_tokens:.0f} prefix-cache hits {cell.pc_hit_tokens:.0f}"
+        + ("" if s["ext_ok"] else f" (EXPECTED ext {cell.expected_ext}, hits {cell.expected_pc_hits})"))
     return cell
 
 
@@ -316,8 +350,11 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
     full_prefill / prefix_cache: `server` is plain vLLM (or, for full_prefill with
     `skip_save=True`, the LMCache server with nothing registered); their cells expect no external
     KV tokens at all.
-    cartridge: `registry` is the server's Registry, `cartridges` maps each length to its packed
-    cartridge directory; each is registered for its length only and removed afterwards.
+    cartridge / cartridge_cached: `registry` is the server's Registry, `cartridges` maps each
+    length to its packed cartridge directory; each is registered for its length only and removed
+    afterwards. cartridge's cells expect the document from external KV on every request;
+    cartridge_cached's (server with prefix caching on) none, and the document from vLLM's
+    prefix cache, which the unsalted warm-up (loaded through the connector) filled.
     """
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
@@ -326,14 +363,14 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
     for li, L in enumerate(lengths):
         doc = docs[L]
         cid = None
-        if arm == "cartridge":
+        if arm in ("cartridge", "cartridge_cached"):
             cid = _register(server, registry, cartridges[L])
         try:
             # Warm-up at this length (not measured): the prefix-cache arm's "sent once to warm",
             # the cartridge's first use, one-time allocations; its TTFT sizes the cells.
             warm = measure_burst(server.url, server.model,
                                  [doc + suffix_ids(("warm", L), plan.vocab_size, plan.avoid)],
-                                 skip_save=skip_save, timeout=plan.timeout_s)
+                                 skip_save=skip_save, timeout=plan.timeout_s, salted=arm in SALTED_ARMS)
             t_ref = warm[0][0]
             log(f"  {arm} L={L}: warm-up TTFT {t_ref * 1e3:.1f} ms")
             too_long = arm == "full_prefill" and t_ref > plan.max_burst_s
@@ -344,6 +381,7 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
                         _remove(server, registry, cid)
                         _register(server, registry, path)
                 expect = (L // CHUNK) * CHUNK if arm == "cartridge" else 0
+                expect_hits = (L // CHUNK) * CHUNK if arm == "cartridge_cached" else None
                 ref = t_ref
                 for c in plan.concurrencies:
                     if too_long:
@@ -352,7 +390,8 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
                         continue
                     cell = run_cell(server, arm, variant, doc, c, plan, skip_save=skip_save,
                                     t_ref=ref if arm == "full_prefill" else None,
-                                    expect_ext_per_request=expect, before_burst=before, log=log)
+                                    expect_ext_per_request=expect,
+                                    expect_pc_hits_per_request=expect_hits, before_burst=before, log=log)
                     if c == 1 and cell.shots:
                         ref = cell.summary()["p50_s"]
                     cells.append(cell)
@@ -460,7 +499,8 @@ class ServerConfig:
 
 def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
     """Start (not wait for) one server. kind: `plain` (prefix caching off), `prefix` (plain, prefix
-    caching on) or `lmcache` (LMCache + plugin + CartridgeConnector, prefix caching off).
+    caching on) or `lmcache` (LMCache + plugin + CartridgeConnector, prefix caching on: arms that
+    must not be served by it salt their requests, see SALTED_ARMS).
     Returns (server, registry or None)."""
     from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
     from lmcache_cartridge.store.registry import Registry
@@ -479,7 +519,7 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
     if cfg.device:
         threads = "auto"  # VLLM_CPU_* variables are ignored on CUDA
         extra = ("--gpu-memory-utilization", "0.85")
-    server = VllmServer(root, str(model_dir), lmcache=lmc, prefix_caching=(kind == "prefix"),
+    server = VllmServer(root, str(model_dir), lmcache=lmc, prefix_caching=(kind in ("prefix", "lmcache")),
                         max_model_len=cfg.max_model_len, threads_bind=threads,
                         kv_cache_gb=cfg.kv_cache_gb, extra_args=extra)
     return server, registry
@@ -557,30 +597,36 @@ def markdown(result: dict) -> str:
            "greedy, streamed; TTFT = send to first streamed token, client on the same machine. "
            "Cells: p50 / p95 in ms over all requests of the cell (n in the JSON). Arms:", "",
            f"- (a) full prefill: {result['arms_used']['full_prefill']};",
-           "- (b) cartridge: vLLM + LMCache 0.5.6 + CartridgeConnector + the cartridge plugin, prefix "
-           "caching off, `lmcache.skip_save`; *first hit* = burst right after (re-)registration "
+           "- (b) cartridge: vLLM + LMCache 0.5.6 + CartridgeConnector + the cartridge plugin, "
+           "`lmcache.skip_save`, every request with its own `cache_salt` (vLLM's prefix cache cannot "
+           "serve it); *first hit* = burst right after (re-)registration "
            "(plugin reads the packed file, page cache warm); *repeat* = LMCache's LocalCPUBackend "
            "copy written back by the first hit;",
            "- (c) plain vLLM with prefix caching, the document sent once before: only the suffix is "
-           "computed (the limit for any KV injection).", "",
-           "`(!ext)`: vLLM's external-KV token counter did not equal requests x document tokens.", ""]
+           "computed (the limit for any KV injection);",
+           "- (d) the (b) server, requests without a salt: the cartridge loaded through LMCache once, "
+           "then served from vLLM's prefix cache (the steady state while vLLM's block pool holds it).", "",
+           "`(!ext)`: vLLM's external-KV token counter (or, for (d), its prefix-cache hit counter) did "
+           "not equal requests x document tokens.", ""]
     for c in cfg["concurrency"]:
         out += [f"## Concurrency {c}", "",
                 "| doc tokens | (a) full prefill | (b) cartridge first hit | (b) cartridge repeat hit "
-                "| (c) prefix-cache hit | a / b-repeat (p50) | a / c (p50) |",
-                "|---:|---:|---:|---:|---:|---:|---:|"]
+                "| (c) prefix-cache hit | (d) cartridge via prefix cache | a / b-repeat | b-repeat / c "
+                "| b-first / b-repeat | d / c |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for L in cfg["lengths"]:
             a = by.get(("full_prefill", "cold", L, c))
             bf = by.get(("cartridge", "first", L, c))
             br = by.get(("cartridge", "repeat", L, c))
             pc = by.get(("prefix_cache", "warm", L, c))
+            d = by.get(("cartridge_cached", "repeat", L, c))
 
-            def ratio(x, y):
+            def ratio(x, y, digits=1):
                 if x and y and x.get("n") and y.get("n"):
-                    return f"{x['p50_s'] / y['p50_s']:.1f}x"
+                    return f"{x['p50_s'] / y['p50_s']:.{digits}f}x"
                 return "-"
-            out.append(f"| {L:,} | {_fmt(a)} | {_fmt(bf)} | {_fmt(br)} | {_fmt(pc)} | "
-                       f"{ratio(a, br)} | {ratio(a, pc)} |")
+            out.append(f"| {L:,} | {_fmt(a)} | {_fmt(bf)} | {_fmt(br)} | {_fmt(pc)} | {_fmt(d)} | "
+                       f"{ratio(a, br)} | {ratio(br, pc, 2)} | {ratio(bf, br, 2)} | {ratio(d, pc, 2)} |")
         out.append("")
     agree = {}
     for (arm, variant, L, c), x in by.items():
@@ -626,7 +672,8 @@ def plot(result: dict, path: Path) -> None:
     concs = cfg["concurrency"]
     fig, axes = plt.subplots(1, len(concs), figsize=(5.2 * len(concs), 4.4), squeeze=False)
     styles = {("full_prefill", "cold"): ("tab:red", "o"), ("cartridge", "first"): ("tab:orange", "s"),
-              ("cartridge", "repeat"): ("tab:blue", "D"), ("prefix_cache", "warm"): ("tab:green", "^")}
+              ("cartridge", "repeat"): ("tab:blue", "D"), ("prefix_cache", "warm"): ("tab:green", "^"),
+              ("cartridge_cached", "repeat"): ("tab:cyan", "v")}
     for ax, c in zip(axes[0], concs):
         for (arm, variant), (color, marker) in styles.items():
             pts = [x for x in result["cells"] if x["arm"] == arm and x["variant"] == variant
@@ -777,7 +824,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         (out / "ttft.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     cartridges: dict[int, Path] = {}
-    if "cartridge" in arms:
+    if {"cartridge", "cartridge_cached"} & set(arms):
         t = time.perf_counter()
         cartridges = make_cartridges(model_dir, docs, work / "cartridges", model_name=str(model_dir),
                                      device="cuda" if args.device else "cpu", log=log)
@@ -825,7 +872,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 record("full_prefill", server, run_arm("full_prefill", server, docs, plan, log=log))
             finally:
                 server.stop()
-        if "cartridge" in arms or ("full_prefill" in arms and baseline == "lmcache"):
+        if ({"cartridge", "cartridge_cached"} & set(arms)
+                or ("full_prefill" in arms and baseline == "lmcache")):
             server, registry = serve("lmcache", "cartridge")
             try:
                 if "full_prefill" in arms and baseline == "lmcache":
@@ -834,6 +882,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if "cartridge" in arms:
                     record("cartridge", server, run_arm("cartridge", server, docs, plan, skip_save=True,
                                                         registry=registry, cartridges=cartridges, log=log))
+                if "cartridge_cached" in arms:
+                    record("cartridge", server, run_arm("cartridge_cached", server, docs, plan,
+                                                        skip_save=True, registry=registry,
+                                                        cartridges=cartridges, log=log))
             finally:
                 server.stop()
         if "prefix_cache" in arms:

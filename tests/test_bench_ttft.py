@@ -1,14 +1,15 @@
 """The TTFT benchmark's measured code path (`benchmarks/ttft.py: run_arm`) against real vLLM
 servers, at the smallest size: correctness only, no timing is asserted.
 
-Three servers (the default tiny test model), one per arm, started at once to save wall time
-(nothing here is timed): (a) plain vLLM, prefix caching off; (b) vLLM + LMCache + plugin +
-CartridgeConnector, prefix caching off; (c) plain vLLM, prefix caching on. One 512-token
-document (two full LMCache chunks), concurrency 1 and 2. Checks: every arm returns the right
-number of finite positive TTFTs; the cartridge arm's requests each took the cartridge's 512
-tokens from external KV (vLLM's own counter), in both its variants; the full-prefill arm took none
-(on plain vLLM and on the LMCache server before registration); the greedy first token of every
-request is the same in all arms.
+Three servers (the default tiny test model), started at once to save wall time (nothing here is
+timed): (a) plain vLLM, prefix caching off; (b, d) vLLM + LMCache + plugin + CartridgeConnector,
+prefix caching on; (c) plain vLLM, prefix caching on. One 512-token document (two full LMCache
+chunks), concurrency 1 and 2. Checks: every arm returns the right number of finite positive TTFTs;
+the cartridge arm's salted requests each took the cartridge's 512 tokens from external KV (vLLM's
+own counter) and none from vLLM's prefix cache, in both its variants; arm (d)'s unsalted requests
+took all 512 from vLLM's prefix cache (filled by a load through the connector) and none from the
+connector; the full-prefill arm took none from either (on plain vLLM and on the LMCache server
+before registration); the greedy first token of every request is the same in all arms.
 """
 
 import math
@@ -63,6 +64,8 @@ def bench(tmp_path_factory):
             "b": bt.run_arm("cartridge", lmc, docs, plan, skip_save=True, registry=registry,
                             cartridges=carts),
             "c": bt.run_arm("prefix_cache", servers["prefix"][0], docs, plan),
+            "d": bt.run_arm("cartridge_cached", lmc, docs, plan, skip_save=True, registry=registry,
+                            cartridges=carts),
         }
         yield SimpleNamespace(cells=cells, servers=servers, docs=docs, carts=carts, plan=plan)
     finally:
@@ -71,7 +74,7 @@ def bench(tmp_path_factory):
 
 
 def test_each_arm_returns_finite_positive_ttfts(bench):
-    wanted = {"a": {"cold"}, "a_lmc": {"cold"}, "b": {"first", "repeat"}, "c": {"warm"}}
+    wanted = {"a": {"cold"}, "a_lmc": {"cold"}, "b": {"first", "repeat"}, "c": {"warm"}, "d": {"repeat"}}
     for name, cells in bench.cells.items():
         assert {c.variant for c in cells} == wanted[name]
         assert sorted((c.variant, c.concurrency) for c in cells) == sorted(
@@ -88,6 +91,8 @@ def test_cartridge_arm_is_served_by_the_plugin(bench):
     for cell in bench.cells["b"]:
         # every request took the cartridge's two full chunks from LMCache (vLLM's own counter)
         assert cell.ext_tokens == LENGTH * len(cell.shots), (cell.variant, cell.concurrency, cell.ext_tokens)
+        # the salt kept vLLM's prefix cache (on in this server) out of it
+        assert cell.pc_hit_tokens == 0, (cell.variant, cell.concurrency, cell.pc_hit_tokens)
         assert cell.summary()["ext_ok"]
     lmc = bench.servers["lmcache"][0]
     log = lmc.log_text()
@@ -99,6 +104,18 @@ def test_full_prefill_arm_takes_no_external_kv(bench):
     for name in ("a", "a_lmc", "c"):
         for cell in bench.cells[name]:
             assert cell.ext_tokens == 0, (name, cell.variant, cell.concurrency, cell.ext_tokens)
+    for cell in bench.cells["a"] + bench.cells["a_lmc"]:
+        assert cell.pc_hit_tokens == 0, (cell.arm, cell.concurrency, cell.pc_hit_tokens)
+
+
+def test_prefix_cache_arms_are_served_by_vllms_prefix_cache(bench):
+    """(c) plain vLLM and (d) the cartridge loaded once through the connector: every measured
+    request found the whole document in vLLM's prefix cache and took nothing from the connector."""
+    for name in ("c", "d"):
+        for cell in bench.cells[name]:
+            assert cell.pc_hit_tokens == LENGTH * len(cell.shots), (name, cell.concurrency, cell.pc_hit_tokens)
+            assert cell.ext_tokens == 0, (name, cell.concurrency, cell.ext_tokens)
+            assert cell.summary()["ext_ok"]
 
 
 def hf_last_logits(model, prompt: list[int]):
@@ -130,7 +147,7 @@ def test_greedy_first_token_is_the_same_in_every_arm(bench):
     cart_ref = bt.hf_reference_tokens(ensure_test_model(), bench.carts, {LENGTH: set(by_key)}, bench.plan)
     decisive = 0
     for key, tokens in by_key.items():
-        assert len(tokens) == 5, (key, tokens)  # a, a_lmc, b/first, b/repeat, c
+        assert len(tokens) == 6, (key, tokens)  # a, a_lmc, b/first, b/repeat, c, d
         logits = hf_last_logits(model, bench.docs[LENGTH] + bt.suffix_ids(key, tok.vocab_size, avoid))
         top2 = logits.topk(2)
         if float(top2.values[0] - top2.values[1]) > TIE_TOL:
