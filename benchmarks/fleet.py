@@ -187,26 +187,41 @@ def zipf_sequence(n_requests: int, n_carts: int, n_questions: int, s: float, see
     return [(rng.choices(range(n_carts), weights)[0], rng.randrange(n_questions)) for _ in range(n_requests)]
 
 
-def parse_answer_tokens(tokens: list[str]) -> list[int]:
-    return [int(t.split(":", 1)[1]) for t in tokens]
+# Answers compared by token strings (not ids) must also agree in every logprob within this: batching
+# noise between equal answers is <= ~0.07 here, a wrong KV moves them by nats (>= 7.8 measured).
+STRING_MATCH_LOGPROB_TOL = 0.5
 
 
-def reference(srv: VllmServer, model: str, prompt: list[int], max_tokens: int) -> dict:
+def parse_answer_tokens(tokens: list[str], token_ids: bool = True) -> list:
+    """Token ids from vLLM's `token_id:N` strings, or the token strings as they are."""
+    return [int(t.split(":", 1)[1]) for t in tokens] if token_ids else list(tokens)
+
+
+def reference(srv: VllmServer, model: str, prompt: list[int], max_tokens: int, token_ids: bool = True) -> dict:
     """One single-instance, unbatched, plain recompute (nothing cached, nothing saved)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2,
-            "return_tokens_as_token_ids": True, "kv_transfer_params": {"lmcache.skip_save": True}}
+            "kv_transfer_params": {"lmcache.skip_save": True}}
+    if token_ids:
+        body["return_tokens_as_token_ids"] = True
     req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         c = json.load(r)["choices"][0]
-    return {"tokens": parse_answer_tokens(c["logprobs"]["tokens"]), "logprobs": c["logprobs"]["token_logprobs"],
-            "top": c["logprobs"]["top_logprobs"]}
+    return {"tokens": parse_answer_tokens(c["logprobs"]["tokens"], token_ids),
+            "logprobs": c["logprobs"]["token_logprobs"], "top": c["logprobs"]["top_logprobs"]}
 
 
-def send(client, gateway: str, model: str, cart_id: str, q_ids: list[int], max_tokens: int) -> dict:
-    """One streamed request through the gateway: TTFT, answer token ids and logprobs, or an error."""
+def send(client, gateway: str, model: str, cart_id: str, q_ids: list[int], max_tokens: int,
+         token_ids: bool = True) -> dict:
+    """One streamed request through the gateway: TTFT, answer tokens and logprobs, or an error.
+
+    `token_ids=False` leaves out `return_tokens_as_token_ids`: vllm-router 0.1.17's kv_aware
+    credits no cached KV to a request carrying it (`kv_aware_fields.py`), so the kv_aware arm's
+    first-k requests are sent as a client would and compared by token strings and logprobs."""
     body = {"model": model, "prompt": q_ids, "cartridges": [{"id": cart_id}], "max_tokens": max_tokens,
-            "temperature": 0, "logprobs": 2, "return_tokens_as_token_ids": True, "stream": True}
+            "temperature": 0, "logprobs": 2, "stream": True}
+    if token_ids:
+        body["return_tokens_as_token_ids"] = True
     t0 = time.time()
     out = {"sent": t0, "cart": cart_id, "tokens": [], "logprobs": [], "top": [], "ttft": None, "error": None}
     try:
@@ -230,7 +245,7 @@ def send(client, gateway: str, model: str, cart_id: str, q_ids: list[int], max_t
                     if lp.get("tokens"):
                         if out["ttft"] is None:
                             out["ttft"] = time.time() - t0
-                        out["tokens"] += parse_answer_tokens(lp["tokens"])
+                        out["tokens"] += parse_answer_tokens(lp["tokens"], token_ids)
                         out["logprobs"] += lp["token_logprobs"]
                         out["top"] += lp.get("top_logprobs") or [{}] * len(lp["tokens"])
             if not done:
@@ -250,9 +265,16 @@ def pct(xs: list[float], p: float) -> float | None:
 
 
 def compare(got: dict, ref: dict) -> dict:
-    """Equal token ids, or where they part: the reference's and the answer's logprob gap there."""
+    """Equal tokens, or where they part: the reference's and the answer's logprob gap there.
+
+    Tokens are ids, or strings (different ids can decode alike): strings count as equal only
+    with every logprob within STRING_MATCH_LOGPROB_TOL of the reference's."""
     if got["tokens"] == ref["tokens"]:
-        return {"equal": True, "max_dlogprob": max((abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])), default=0.0)}
+        d = max((abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])), default=0.0)
+        by_strings = any(isinstance(t, str) for t in got["tokens"])
+        if not by_strings or d <= STRING_MATCH_LOGPROB_TOL:
+            return {"equal": True, "max_dlogprob": d, "by_strings": by_strings}
+        return {"equal": False, "same_strings_max_dlogprob": round(d, 4)}
     i = next((k for k, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])) if a != b), min(len(got["tokens"]), len(ref["tokens"])))
     out = {"equal": False, "diverges_at": i, "max_dlogprob_before": max(
         (abs(a - b) for a, b in zip(got["logprobs"][:i], ref["logprobs"][:i])), default=0.0)}
@@ -260,7 +282,8 @@ def compare(got: dict, ref: dict) -> dict:
         # how close the reference's own top-2 were there: a near tie that bf16 batching noise can flip,
         # or a real difference (a wrong KV moves logprobs by several nats, see tests/test_vllm_e2e.py)
         top = (ref.get("top") or [{}] * (i + 1))[i] or {}
-        alt = top.get(f"token_id:{got['tokens'][i]}")
+        t = got["tokens"][i]
+        alt = top.get(t if isinstance(t, str) else f"token_id:{t}")
         out["ref_top2_margin_at_divergence"] = None if alt is None else round(ref["logprobs"][i] - alt, 4)
         out["got_vs_ref_logprob_of_chosen"] = [round(got["logprobs"][i], 4), round(ref["logprobs"][i], 4)]
     return out
@@ -374,10 +397,14 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
     q_ids = [tok(q, add_special_tokens=False)["input_ids"] for q in QUESTIONS[: args.questions]]
     ref_inst = fleet.live()[0][1]
     t = time.time()
+    # kv_aware: first-k requests without token ids (else the router credits nothing); trained ones
+    # keep them (HF checks need ids; they carry kv_transfer_params, which it never credits either)
+    first_k_ids = policy != "kv_aware"
     refs = {}
     for c, q in sorted(set(seq)):
         if "kv" not in carts[c]:  # trained: HF given its KV, after the arm
-            refs[(c, q)] = reference(ref_inst, fleet.model, carts[c]["token_ids"] + q_ids[q], args.max_tokens)
+            refs[(c, q)] = reference(ref_inst, fleet.model, carts[c]["token_ids"] + q_ids[q], args.max_tokens,
+                                     token_ids=first_k_ids)
     ref_s = time.time() - t
     # the references left their blocks in the reference instance's prefix cache: the arm starts cold
     urllib.request.urlopen(urllib.request.Request(ref_inst.url + "/reset_prefix_cache", method="POST"), timeout=60).read()
@@ -421,7 +448,8 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
                 fleet.dead.add(victim)
                 log(f"arm {name}: SIGKILLed inst{victim} after {k} requests")
             c, q = seq[k]
-            results[k] = send(client, gw.url, fleet.model, carts[c]["id"], q_ids[q], args.max_tokens)
+            results[k] = send(client, gw.url, fleet.model, carts[c]["id"], q_ids[q], args.max_tokens,
+                              token_ids=first_k_ids or "kv" in carts[c])
 
     t0 = time.time()
     try:
@@ -475,6 +503,8 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
         "s3_kv_gets": fleet.proxy.count("GET", r"/kv\.bin"), "s3_kv_gets_during_publish": kv_gets_publish,
         "s3_manifest_gets": fleet.proxy.count("GET", r"/manifest\.json"),
         "first_k_ok": len(cmp), "answers_equal_reference": sum(1 for _, c in cmp if c["equal"]),
+        "first_k_compared_by": "token ids" if first_k_ids else (
+            f"token strings, every logprob within {STRING_MATCH_LOGPROB_TOL} (no token ids: kv_aware)"),
         "trained_ok": len(checks), "trained_within_hf_tolerance": sum(1 for c in checks if c["ok"]),
         "trained_vs_hf_mean_max": round(max((c["mean"] for c in checks), default=0.0), 4),
         "trained_vs_wrong_kv_mean_min": round(min((c["wrong_kv_mean"] for c in checks), default=0.0), 4),
@@ -642,6 +672,8 @@ def markdown(res: dict) -> str:
                     f"{a['requests_per_instance']} |")
     text = "\n".join(rows) + "\n"
     for a in res["arms"]:
+        if a.get("first_k_compared_by", "token ids") != "token ids":
+            text += f"\n{a['arm']}: first-k answers compared by {a['first_k_compared_by']}.\n"
         if "failover" in a:
             f = a["failover"]
             text += (f"\nFailover ({a['arm']}): {f['killed']} SIGKILLed {f['killed_after_s']} s into the arm; "
