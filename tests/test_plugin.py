@@ -290,6 +290,31 @@ def test_preload_warms_cartridges_at_start(carts):
         assert plugin.metrics.tiers["cpu"].hits == a.num_full_chunks  # all served from the warm tier
 
 
+def test_preload_star_warms_cartridges_registered_later(carts):
+    """`preload: ["*"]` warms every cartridge when the plugin starts serving it, not only those
+    registered before start-up: its first request is then served from the verified memory tier."""
+    tmp = carts["dir"]
+    kv_c = random_kv(L, 2 * CHUNK, H, D, seed=5)
+    c = pack_kv(kv_c, tmp / "c", cartridge_id="doc-c", model=MODEL, kind="first_k",
+                token_ids=list(range(400, 400 + 2 * CHUNK)), chunk_size=CHUNK)
+    cfg = load_config(write_yaml(tmp, carts["reg"].path))
+    cfg.extra_config["storage_plugin.cartridge.preload"] = "*"
+    md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)
+    with Engine(cfg, md) as eng:
+        plugin = eng.backend("cartridge")
+        Registry(carts["reg"].path).register(tmp / "c")
+        deadline = time.time() + 5
+        while (sum(1 for h, _ in plugin.residency.cpu.keys() if h == c.content_hash) < c.num_full_chunks
+               and time.time() < deadline):
+            time.sleep(0.05)
+        assert sorted(i for h, i in plugin.residency.cpu.keys() if h == c.content_hash) == [0, 1]
+        cpu_hits = plugin.metrics.tiers["cpu"].hits if "cpu" in plugin.metrics.tiers else 0
+        n, got = eng.retrieve(c.token_ids + [1])
+        assert n == 2 * CHUNK
+        assert torch.equal(got[:, :, :n].view(torch.uint8), flat(kv_c)[:, :, :n].view(torch.uint8))
+        assert plugin.metrics.tiers["cpu"].hits - cpu_hits == c.num_full_chunks  # nothing read on the request
+
+
 def test_corrupt_registry_serves_nothing_then_recovers(carts, caplog):
     a = carts["a"][0]
     bad = carts["dir"] / "bad.db"

@@ -261,6 +261,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         for s in fresh:
             if s.entry.kind == "trained":  # the gateway waits for these to be resident: fetch now
                 self._want_download(s)
+            elif self._preloaded(s):  # read and verify before its first request needs it
+                self.residency.prefetch_async(s.handle)
         self._version = version  # only once the index reflects it: a failed refresh is retried
         if added or len(keep) != len(current):
             logger.info("lmcache_cartridge: registry changed: %s", self.summary())
@@ -325,16 +327,23 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         publish the new state when it ends so the gateway sees it resident promptly."""
         self.residency.download_async(s.handle, on_done=lambda _h: self.dump_stats())
 
+    @staticmethod
+    def _names(name: str, s: Served) -> bool:
+        """A `preload` name: a cartridge id, a label, or "*" (every cartridge)."""
+        return name == "*" or name == s.entry.id or name in s.entry.labels
+
+    def _preloaded(self, s: Served) -> bool:
+        return any(self._names(name, s) for name in self.settings.preload)
+
     def _preload(self) -> None:
-        """Warm the configured cartridges in the background (ids or labels)."""
+        """At start-up: say which `preload` names match nothing. (Refresh warms every cartridge
+        `preload` names, in the background, when it starts serving it: the first refresh did
+        so for the ones registered before this process started.)"""
         with self._lock:
-            served = dict(self._state.served)
+            served = list(self._state.served.values())
         for name in self.settings.preload:
-            s = served.get(name) or next((v for v in served.values() if name in v.entry.labels), None)
-            if s is None:
-                logger.warning("lmcache_cartridge: preload %r: no such served cartridge", name)
-                continue
-            self.residency.prefetch_async(s.handle)
+            if name != "*" and not any(self._names(name, s) for s in served):
+                logger.warning("lmcache_cartridge: preload %r: no such served cartridge (yet)", name)
 
     def _watch(self) -> None:
         while not self._closed.wait(self.settings.refresh_seconds):
