@@ -261,7 +261,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         for s in fresh:
             if s.entry.kind == "trained":  # the gateway waits for these to be resident: fetch now
                 self._want_download(s)
-            elif self._preloaded(s):  # read and verify before its first request needs it
+            if self._preloaded(s):  # read and verify before its first request needs it
                 self.residency.prefetch_async(s.handle)
         self._version = version  # only once the index reflects it: a failed refresh is retried
         if added or len(keep) != len(current):
