@@ -33,10 +33,11 @@ Arms on three vLLM servers, all started with the SAME `VLLM_CPU_OMP_THREADS_BIND
 (d) `cartridge_cached`: the arm-(b) server, requests without a salt, as a deployment sends them:
     the warm-up loads the cartridge through LMCache once, vLLM keeps those blocks in its prefix
     cache like any computed ones, and the measured repeats are served from there. Its cells
-    expect no external-KV tokens and vLLM's `prefix_cache_hits` counter to grow by the document
-    per request (whole blocks: document lengths are multiples of 256). While vLLM's block pool
-    holds the cartridge this is the cartridge's steady state; (b) is what a hit costs after vLLM
-    evicted it (or with prefix caching off).
+    expect no external-KV tokens and vLLM's `prompt_tokens_by_source{source="local_cache_hit"}`
+    (prompt tokens from its own prefix cache) to grow by the document per request (whole blocks:
+    document lengths are multiples of 256). While vLLM's block pool holds the cartridge this is
+    the cartridge's steady state; (b) is what a hit costs after vLLM evicted it (or with prefix
+    caching off).
 
 Model: a locally made Llama (`ensure_test_model`, random weights, peaked attention) with realistic
 layer shapes, see BENCH_MODEL; `--model-dir` uses any local HF Llama instead (e.g. on a GPU).
@@ -243,7 +244,7 @@ class Cell:
     shots: list[Shot] = field(default_factory=list)
     ext_tokens: float = 0.0          # vLLM external-KV counter delta over the cell
     expected_ext: Optional[float] = None
-    pc_hit_tokens: float = 0.0       # vLLM prefix-cache hit counter delta (checked for arm (d))
+    pc_hit_tokens: float = 0.0       # tokens from vLLM's prefix cache, delta (checked for arm (d))
     expected_pc_hits: Optional[float] = None
     skipped: Optional[str] = None
     wall_s: float = 0.0
@@ -272,18 +273,14 @@ class Cell:
         return d
 
 
-def _ext(server) -> float:
+def _kv_sources(server) -> tuple[float, float]:
+    """(prompt tokens from the KV connector, from vLLM's own prefix cache) so far: vLLM's
+    counters, one `/metrics` read; NaN if it cannot be read."""
     try:
-        return server.external_tokens()
+        c = server.counters()
+        return c["external_tokens"], c["cached_tokens"]
     except Exception:
-        return float("nan")
-
-
-def _pc_hits(server) -> float:
-    try:
-        return server.prefix_cache_hit_tokens()
-    except Exception:
-        return float("nan")
+        return float("nan"), float("nan")
 
 
 def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, plan: Plan, *,
@@ -300,7 +297,7 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
         log(f"  {arm}/{variant} L={L} c={concurrency}: skipped, {cell.skipped}")
         return cell
     n_bursts = max(1, math.ceil(plan.samples / concurrency))
-    ext0, pc0, t0 = _ext(server), _pc_hits(server), time.perf_counter()
+    (ext0, pc0), t0 = _kv_sources(server), time.perf_counter()
     burst_s = 0.0
     for b in range(n_bursts):
         if b and (time.perf_counter() - t0) + burst_s > plan.cell_budget_s:
@@ -317,8 +314,8 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
             cell.shots.append(Shot(ttft, tok, k))
         burst_s = time.perf_counter() - tb
     cell.wall_s = time.perf_counter() - t0
-    cell.ext_tokens = _ext(server) - ext0
-    cell.pc_hit_tokens = _pc_hits(server) - pc0
+    ext1, pc1 = _kv_sources(server)
+    cell.ext_tokens, cell.pc_hit_tokens = ext1 - ext0, pc1 - pc0
     if expect_ext_per_request is not None:
         cell.expected_ext = float(expect_ext_per_request * len(cell.shots))
     if expect_pc_hits_per_request is not None:

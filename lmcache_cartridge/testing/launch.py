@@ -189,20 +189,17 @@ class VllmServer:
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-n:])
 
-    def _metric_sum(self, name: str, label: str = "") -> float:
-        """Sum of one of vLLM's Prometheus series (lines starting with `name`, containing `label`)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name) and label in line)
+    def counters(self) -> dict:
+        """This server's `/metrics` as `fleet.instance_counters` reduces them (one reader of
+        vLLM's and the plugin's counters): `external_tokens` (from the KV connector),
+        `cached_tokens` (from vLLM's own prefix cache), requests, per-tier hits."""
+        from lmcache_cartridge.testing.fleet import instance_counters
+
+        return instance_counters(self.url)
 
     def external_tokens(self) -> float:
         """Prompt tokens vLLM took from the KV connector so far (its own metric)."""
-        return self._metric_sum("vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
-
-    def prefix_cache_hit_tokens(self) -> float:
-        """Prompt tokens vLLM found in its own prefix cache so far (its own metric)."""
-        return self._metric_sum("vllm:prefix_cache_hits_total")
+        return self.counters()["external_tokens"]
 
     # --- what the plugins inside serve (their serving-state records) ---------------------------
     def _ours(self, state: ServingState) -> bool:

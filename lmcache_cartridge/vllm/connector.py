@@ -160,10 +160,11 @@ class CartridgeConnector(LMCacheConnectorV1):
         self._composer = HostComposer(self._plugin_settings)
         self._announcer = None
         kec = getattr(vllm_config, "kv_events_config", None)
-        why_not = self._why_no_announcements(vllm_config, kv_cache_config)
-        if role == KVConnectorRole.SCHEDULER and kec is not None and kec.enable_kv_cache_events and why_not:
+        events_on = role == KVConnectorRole.SCHEDULER and kec is not None and kec.enable_kv_cache_events
+        why_not = self._why_no_announcements(vllm_config, kv_cache_config) if events_on else None
+        if why_not:
             logger.info("lmcache_cartridge: resident cartridges are not announced as KV events: %s", why_not)
-        elif role == KVConnectorRole.SCHEDULER and kec is not None and kec.enable_kv_cache_events:
+        elif events_on:
             from lmcache_cartridge.vllm import kv_events
 
             self._announcer = kv_events.ResidencyAnnouncer(

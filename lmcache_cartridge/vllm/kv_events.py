@@ -320,7 +320,7 @@ class ResidencyAnnouncer:
             return None
         key = (root, ids)
         chain = self._chains.get(key)
-        if chain is None or len(chain) < n_blocks:
+        if chain is None:  # every whole block of the cartridge, once
             chain, parent, bs = [], root, self.block_size
             for b in range(len(ids) // bs):
                 parent = kcu.hash_block_tokens(self._hash_fn, parent, ids[b * bs:(b + 1) * bs], None)
@@ -331,9 +331,9 @@ class ResidencyAnnouncer:
         return chain[:n_blocks]
 
     def _wanted(self, prefixes: Iterable[ResidentPrefix]) -> Optional[tuple[dict[bytes, tuple[str, tuple[int, ...]]], list[list[bytes]]]]:
-        """(block hash -> (medium, its token ids), the chains of hashes, one per cartridge), or
-        None while vLLM's hashing is not set up: the
-        union over cartridges, "CPU" winning over "STORAGE" for a block two cartridges share."""
+        """(block hash -> (medium, its token ids), the chains of hashes, one per cartridge): the
+        union over cartridges, "CPU" winning over "STORAGE" for a block two cartridges share.
+        None while vLLM's hashing is not set up."""
         wanted: dict = {}
         chains = []
         bs = self.block_size
@@ -351,9 +351,9 @@ class ResidencyAnnouncer:
         return wanted, chains
 
     def _diff(self, wanted_chains, full: bool) -> tuple[list, dict[bytes, str]]:
-        """(events, what is announced once they are out). BlockRemoved for blocks no longer local (or in another medium), then BlockStored for
-        new ones: one event per run of consecutive new blocks of one chain in one medium,
-        parented on the block before it (vLLM's own shape)."""
+        """(events, what is announced once they are out). BlockRemoved for blocks no longer local
+        (or in another medium), then BlockStored for new ones: one event per run of consecutive
+        new blocks of one chain in one medium, parented on the block before it (vLLM's own shape)."""
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
 
