@@ -18,7 +18,7 @@ import blake3
 import pytest
 import torch
 
-from lmcache_cartridge.cartridge.integrity import StreamingCheck, check_chunk, chunk_digest
+from lmcache_cartridge.cartridge.integrity import check_chunk, chunk_digest
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest
 from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv
 from lmcache_cartridge.errors import ChecksumError, ManifestError
@@ -136,20 +136,6 @@ def test_a_flipped_byte_in_one_chunk_is_refused_on_every_read_path(tmp_path):
     buf = bytearray(info.nbytes)
     assert not fresh.get_into(cid, memoryview(buf), Handle(p.manifest, LocalOrigin(p.directory)))
     assert not f.exists()
-
-    # bytes arriving from S3 in pieces (StreamingCheck), checked by BLAKE3 as they land
-    for src, ok in ((good[1], True), (_raw(bad, 1), False)):
-        buf = bytearray(info.nbytes)
-        check = StreamingCheck(info, memoryview(buf), "s3://b/x", torch.bfloat16)
-        for pos in range(0, info.nbytes, 1000):
-            n = min(1000, info.nbytes - pos)
-            buf[pos:pos + n] = src[pos:pos + n]
-            check.arrived(pos, n)
-        if ok:
-            check.result()
-        else:
-            with pytest.raises(ChecksumError, match=r"\(blake3"):
-                check.result()
 
 
 def test_reads_check_blake3_and_verify_checks_both_digests(tmp_path):

@@ -94,11 +94,11 @@ class CountingOrigin:
         self.uri, self.local, self.delay, self.reads = str(directory), local, delay, 0
         self._lock = threading.Lock()
 
-    def read_into(self, info, buf, on_data=None):
+    def read_into(self, info, buf):
         with self._lock:
             self.reads += 1
         time.sleep(self.delay)
-        self.inner.read_into(info, buf, on_data)
+        self.inner.read_into(info, buf)
 
     def close(self):
         self.inner.close()
@@ -190,53 +190,82 @@ def test_cpu_tier_holds_pageable_memory_on_a_cuda_host():
     assert not tier._chunks[("h", 0)].is_pinned() and tier.used == 1000
 
 
-def test_streaming_check_overlaps_arrival_restarts_on_retry_and_refuses_bad_bytes():
-    """The check S3 reads run while bytes arrive: uneven pieces, a retry that starts again at 0
-    after half of a corrupted attempt, a flipped byte, NaNs with a matching checksum, a cancel."""
+def test_s3_chunks_are_verified_on_the_reading_thread_after_every_attempt(tmp_path, moto_server, s3_proxy):
+    """Remote bytes are checked once they have all landed, on the thread that read them (no helper
+    thread per chunk: starting one cost ~2 ms a chunk in a process with LMCache's threads): a
+    body cut short is re-fetched from 0 and its bytes pass; a flipped byte and NaNs whose
+    checksum matches are refused and cached nowhere; the other chunks still serve."""
     import hashlib
+    import json
+    import shutil
 
-    from lmcache_cartridge.errors import ChecksumError
-    from lmcache_cartridge.cartridge.manifest import ChunkInfo
-    from lmcache_cartridge.cartridge.integrity import StreamingCheck
+    import blake3
 
-    good = torch.randn(4099, dtype=torch.float32).to(torch.bfloat16)
-    raw = bytearray(good.view(torch.uint8).numpy().tobytes())
-    info = ChunkInfo(index=3, offset=0, nbytes=len(raw), num_tokens=1, sha256=hashlib.sha256(raw).hexdigest())
+    from s3_server import s3_client, upload_dir
+    from lmcache_cartridge.store.origins import S3ChunkOrigin
+    from lmcache_cartridge.store.s3 import S3Settings
 
-    def feed(check, buf, src, pieces):
-        pos = 0
-        for n in pieces:
-            n = min(n, len(src) - pos)
-            buf[pos:pos + n] = src[pos:pos + n]
-            check.arrived(pos, n)
-            pos += n
+    good = _packed(tmp_path, "good")
+    shutil.copytree(tmp_path / "good", tmp_path / "nan")  # chunk 1: a NaN its packer hashed
+    payload = bytearray((tmp_path / "nan" / "kv.bin").read_bytes())
+    info = good.manifest.chunks[1]
+    torch.frombuffer(payload, dtype=torch.bfloat16, offset=info.offset, count=info.nbytes // 2)[3] = float("nan")
+    (tmp_path / "nan" / "kv.bin").write_bytes(bytes(payload))
+    m = json.loads((tmp_path / "nan" / "manifest.json").read_text())
+    m["chunks"][1]["sha256"] = hashlib.sha256(payload[info.offset:info.offset + info.nbytes]).hexdigest()
+    m["chunks"][1]["blake3"] = blake3.blake3(payload[info.offset:info.offset + info.nbytes]).hexdigest()
+    (tmp_path / "nan" / "manifest.json").write_text(json.dumps(m))
+    nan = PackedCartridge(tmp_path / "nan")
+    client = s3_client(moto_server)
+    for name in ("good", "nan"):
+        upload_dir(client, "carts", name, tmp_path / name)
+    flipped = bytearray((tmp_path / "good" / "kv.bin").read_bytes())
+    flipped[good.manifest.chunks[2].offset + 5] ^= 0x01  # "flip": chunk 2 is not what its manifest says
+    client.put_object(Bucket="carts", Key="flip/kv.bin", Body=bytes(flipped))
+    client.put_object(Bucket="carts", Key="flip/manifest.json", Body=(tmp_path / "good" / "manifest.json").read_bytes())
 
-    buf = bytearray(len(raw))
-    check = StreamingCheck(info, memoryview(buf), "s3://b/x", torch.bfloat16)
-    feed(check, buf, raw, [1, 7, 1000, 3, 5000, 10 ** 6])  # odd sizes: finiteness on aligned parts
-    check.result()
+    settings = S3Settings(endpoint_url=s3_proxy.endpoint_url, max_attempts=2)
+    res = Residency(MemoryTier("cpu", 0), DiskTier(tmp_path / "cache", 1 << 30), Metrics(), prefetch=False)
+    handles = {n: Handle(m.manifest, S3ChunkOrigin(f"s3://carts/{n}", settings))
+               for n, m in (("good", good), ("flip", good), ("nan", nan))}
+    started = []
+    real_start = threading.Thread.start
 
-    bad = bytearray(raw)
-    bad[100] ^= 0xFF
-    buf = bytearray(len(raw))
-    check = StreamingCheck(info, memoryview(buf), "s3://b/x", torch.bfloat16)
-    feed(check, buf, bad, [len(raw) // 2])   # the first attempt is cut half way...
-    feed(check, buf, raw, [333] * 100)       # ...and the retry delivers good bytes from 0
-    check.result()
+    reader = threading.current_thread()
 
-    for src, needle in ((bad, "checksum mismatch"), (None, "NaN or Inf")):
-        if src is None:  # NaNs whose checksum matches (a packer elsewhere hashed them)
-            nan = good.clone()
-            nan[7] = float("nan")
-            src = bytearray(nan.view(torch.uint8).numpy().tobytes())
-            info = ChunkInfo(index=3, offset=0, nbytes=len(src), num_tokens=1, sha256=hashlib.sha256(src).hexdigest())
-        buf = bytearray(len(src))
-        check = StreamingCheck(info, memoryview(buf), "s3://b/x", torch.bfloat16)
-        feed(check, buf, src, [4096] * 10)
+    def counting_start(self, *a, **k):  # the real start, counted when the reading thread starts one
+        if threading.current_thread() is reader:  # (the proxy's server starts its own per request)
+            started.append(self.name)
+        return real_start(self, *a, **k)
+
+    out = torch.empty(good.manifest.chunks[0].nbytes, dtype=torch.uint8)
+
+    def expected(i):  # the payload's bytes in the engine's layout
+        e = torch.empty_like(out)
+        handles["good"].view.to_engine(i, good.read_raw(i), e)
+        return e
+
+    cut = s3_proxy.inject(method="GET", path=r"/good/kv\.bin", cut_after=100, times=1)
+    threading.Thread.start = counting_start
+    try:
+        for i in range(4):  # chunk 0's first body ends after 100 bytes: fetched again, whole
+            assert res.read_into(handles["good"], i, out, network=True) == "s3"
+            assert torch.equal(out, expected(i)), i
+    finally:
+        threading.Thread.start = real_start
+    assert cut.hits == 1 and s3_proxy.count("GET", r"/good/kv\.bin$") == 5
+    res.close()
+    # verification ran on this thread (the pool that writes the disk cache behind starts its worker)
+    assert [t for t in started if not t.startswith("cartridge-prefetch")] == []
+    # "flip" has good's content hash: a residency of its own, or good's disk copies would serve it
+    res = Residency(MemoryTier("cpu", 0), DiskTier(tmp_path / "cache2", 1 << 30), Metrics(), prefetch=False)
+    for name, i, needle in (("flip", 2, r"chunk 2 checksum mismatch \(blake3"), ("nan", 1, "NaN or Inf")):
         with pytest.raises(ChecksumError, match=needle):
-            check.result()
-
-    check = StreamingCheck(info, memoryview(bytearray(len(raw))), "s3://b/x", torch.bfloat16)
-    check.arrived(0, 10)
-    check.cancel()  # the download failed: the helper stops, nothing hangs
-    assert not check._thread.is_alive()
+            res.read_into(handles[name], i, out, network=True)
+        cid = (handles[name].content_hash, i)
+        assert cid not in res.disk and cid not in res.cpu
+    assert res.read_into(handles["flip"], 1, out, network=True) == "s3"
+    assert torch.equal(out, expected(1))
+    res.close()
+    for h in handles.values():
+        h.origin.close()

@@ -189,8 +189,8 @@ def test_pack_converts_a_format_1_cartridge_to_format_2_with_the_same_kv(tmp_pat
 
 @pytest.mark.parametrize("cpu_budget", [0, 1 << 24], ids=["cpu-tier-off", "cpu-tier-on"])
 def test_residency_converts_each_rank_once_and_repeats_from_its_cpu_tier(tmp_path, cpu_budget):
-    """The raw heads become the rank's KV_2LTD once (straight into the CPU tier's copy, or through
-    a temporary when the tier keeps nothing); a repeat read is a copy of that, not a re-read."""
+    """The raw heads become the rank's KV_2LTD once (converted into the output, then copied into
+    the CPU tier if it keeps them); a repeat read is a copy of that, not a re-read."""
     from lmcache_cartridge.cartridge.tp import RankView
     from lmcache_cartridge.store.metrics import Metrics
     from lmcache_cartridge.store.origins import LocalOrigin

@@ -1,7 +1,7 @@
 """Is a chunk's payload exactly what its manifest promised? A digest per chunk, plus a NaN/Inf scan.
 
 Runs wherever bytes enter from outside (the plugin's first read of a chunk in a process, S3
-downloads, disk-cache files, `verify`). It owns nothing but the helper thread of a `StreamingCheck`.
+downloads, disk-cache files, `verify`), on the thread that read the bytes. It owns nothing.
 
 Which digest: the chunk's BLAKE3 when its manifest has one (`pack_kv` writes it since issue 17),
 else its sha256 (cartridges packed before). `chunk_digest` is the one place that decides; a read
@@ -16,7 +16,6 @@ where BLAKE3's own threads would only compete with it (and, in production, with 
 from __future__ import annotations
 
 import hashlib
-import threading
 from typing import Any, Callable
 
 import blake3 as _blake3
@@ -129,97 +128,3 @@ def check_chunk(info: ChunkInfo | Span, buf: memoryview, where: str, dtype: torc
             pos += n
     if not _all_finite(buf, dtype):
         raise _nonfinite_error(info, where)
-
-
-class StreamingCheck:
-    """`check_chunk` run on a helper thread while the chunk's bytes are still arriving in `buf`,
-    so verifying a download overlaps the download instead of following it (sha256 runs at ~1.8 GB/s
-    here, BLAKE3 at ~5: after a 0.6 GB/s GET either would add to it). Same digest as
-    `check_chunk` (`chunk_digest`).
-
-    Where it runs: the downloading thread calls `arrived(pos, n)` in order as bytes land (a retry
-    that starts again at 0 restarts the check) and then `result()`; the helper thread only reads
-    bytes already reported, so it never races the writer of the attempt it is checking.
-    """
-
-    def __init__(self, info: ChunkInfo | Span, buf: memoryview, where: str, dtype: torch.dtype | None = None) -> None:
-        self.info, self.where, self.dtype = info, where, dtype
-        self.span = _span_of(info)
-        self.buf = memoryview(buf).cast("B")
-        self._align = torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
-        self._cv = threading.Condition()
-        self._avail = 0        # bytes of the current attempt that have landed
-        self._attempt = 0      # bumped when a retry starts again at 0
-        self._closed = False
-        self._outcome: tuple[int, str | None] | None = None  # (attempt, problem or None)
-        self._thread = threading.Thread(target=self._run, name="chunk-verify", daemon=True)
-        self._thread.start()
-
-    def arrived(self, pos: int, n: int) -> None:
-        with self._cv:
-            if pos == 0 and self._avail:
-                self._attempt += 1
-            self._avail = pos + n
-            self._cv.notify_all()
-
-    def _run(self) -> None:
-        total = len(self.buf)
-        while True:
-            with self._cv:
-                attempt = self._attempt
-            parts = list(self.span.parts)  # consecutive pieces, each with its own digest
-            part_end, (_, name, expected) = parts[0][0], parts[0]
-            h, done, finite_done, problem = _HASHERS[name](), 0, 0, None
-            while done < total and problem is None:
-                with self._cv:
-                    while self._avail <= done and self._attempt == attempt and not self._closed:
-                        self._cv.wait()
-                    if self._closed or self._attempt != attempt:
-                        break
-                    upto = self._avail
-                while done < upto and problem is None:  # hash up to the landed bytes, part by part
-                    step = min(upto, part_end)
-                    h.update(self.buf[done:step])
-                    done = step
-                    if done == part_end:
-                        if h.hexdigest() != expected:
-                            problem = "checksum"
-                        elif len(parts) > 1:
-                            parts.pop(0)
-                            (n, name, expected) = parts[0]
-                            part_end, h = part_end + n, _HASHERS[name]()
-                aligned = done - done % self._align
-                if problem is None and not _all_finite(self.buf[finite_done:aligned], self.dtype):
-                    problem = "nonfinite"
-                finite_done = aligned
-            with self._cv:
-                if self._closed:
-                    return
-                if self._attempt != attempt:
-                    continue  # a retry restarted the range: check its bytes instead
-                if problem is None and done < total:
-                    problem = "checksum"
-                self._outcome = (attempt, problem)
-                self._cv.notify_all()
-                return
-
-    def result(self) -> None:
-        """Wait for the check of the complete attempt; raise `ChecksumError` as `check_chunk`."""
-        with self._cv:
-            while self._outcome is None and not self._closed:
-                self._cv.wait()
-            outcome = self._outcome
-        self._thread.join()
-        if outcome is None:
-            raise ChecksumError(f"{self.where}: chunk {self.info.index} check was cancelled")
-        if outcome[1] == "checksum":
-            raise _checksum_error(self.info, self.where, self.span.parts[0][1])
-        if outcome[1] == "nonfinite":
-            raise _nonfinite_error(self.info, self.where)
-
-    def cancel(self) -> None:
-        """The download failed: stop the helper (its bytes will never all arrive)."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join()

@@ -120,7 +120,7 @@ class Span:
     cover the span exactly (one piece per head, or one for the whole chunk).
 
     Made by `Manifest.span`; read by origins (`offset`/`nbytes` in the payload), checked by
-    `integrity.check_span` / `StreamingCheck`."""
+    `integrity.check_chunk`."""
 
     index: int
     offset: int

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from lmcache_cartridge.cartridge.manifest import PAYLOAD_NAME, ChunkInfo, Span
 from lmcache_cartridge.cartridge.packed import PackedCartridge
@@ -22,11 +22,9 @@ class Origin(Protocol):
     local: bool  # local origins are their own disk tier: nothing is copied to the disk cache
     bytes_read: int  # payload bytes this origin has returned (what a rank really reads)
 
-    def read_into(self, info: ChunkInfo | Span, buf: memoryview,
-                  on_data: Callable[[int, int], None] | None = None) -> None:
+    def read_into(self, info: ChunkInfo | Span, buf: memoryview) -> None:
         """Fill `buf` with the payload bytes a span (a rank's heads of a chunk, or a whole chunk)
-        names: one `pread` or one ranged GET at its offset. Tell `on_data(pos, n)` in order as
-        bytes land (a retry starts again at 0), so a check can run while they arrive."""
+        names: one `pread` or one ranged GET at its offset. Unverified: the caller checks them."""
         ...
 
     def close(self) -> None: ...
@@ -58,12 +56,9 @@ class LocalOrigin:
         self.uri = str(self.packed.directory)
         self.bytes_read = 0
 
-    def read_into(self, info: ChunkInfo | Span, buf: memoryview,
-                  on_data: Callable[[int, int], None] | None = None) -> None:
+    def read_into(self, info: ChunkInfo | Span, buf: memoryview) -> None:
         self.packed.read_span_into(info, buf)
         self.bytes_read += info.nbytes
-        if on_data is not None:
-            on_data(0, info.nbytes)
 
     def close(self) -> None:
         self.packed.close()
@@ -79,9 +74,8 @@ class S3ChunkOrigin:
         self.s3 = S3Origin(uri, settings)
         self.bytes_read = 0
 
-    def read_into(self, info: ChunkInfo | Span, buf: memoryview,
-                  on_data: Callable[[int, int], None] | None = None) -> None:
-        self.s3.read_range_into(PAYLOAD_NAME, info.offset, buf, on_data=on_data)
+    def read_into(self, info: ChunkInfo | Span, buf: memoryview) -> None:
+        self.s3.read_range_into(PAYLOAD_NAME, info.offset, buf)
         self.bytes_read += info.nbytes
 
     def close(self) -> None:
@@ -119,12 +113,11 @@ class CompositeOrigin:
     def bytes_read(self) -> int:
         return sum(o.bytes_read for o in self._origins)
 
-    def read_into(self, info: ChunkInfo | Span, buf: memoryview,
-                  on_data: Callable[[int, int], None] | None = None) -> None:
+    def read_into(self, info: ChunkInfo | Span, buf: memoryview) -> None:
         origin, part_info, ours = self._chunks[info.index]
         # the same bytes of the part's chunk as of ours (a composite's chunk is its part's chunk)
         origin.read_into(replace(info, index=part_info.index, offset=part_info.offset + info.offset - ours),
-                         buf, on_data)
+                         buf)
 
     def close(self) -> None:
         for o in self._origins:

@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -40,10 +41,12 @@ from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.store.disk_cache import ChunkId, DiskTier
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import Origin
-from lmcache_cartridge.cartridge.integrity import StreamingCheck, check_chunk
+from lmcache_cartridge.cartridge.integrity import check_chunk
 from lmcache_cartridge.cartridge.buffers import as_bytes, clone_bytes, copy_into
 
 logger = logging.getLogger("lmcache_cartridge.store.residency")
+
+_SPARE_SCRATCH = 2  # scratch buffers kept for layout conversion: reads running at once, not threads
 
 
 class NotLocal(CartridgeError):
@@ -111,31 +114,26 @@ class MemoryTier:
         return True
 
     def put(self, cid: ChunkId, data: torch.Tensor) -> bool:
-        """Keep a copy of `data` (flat uint8) if the budget allows after evicting unpinned LRU."""
-        return self.put_with(cid, data.numel(), lambda t: copy_into(t, data)) is not None
-
-    def put_with(self, cid: ChunkId, n: int, fill) -> torch.Tensor | None:
-        """Keep `n` bytes that `fill(tensor)` writes (a copy, or a layout conversion: no extra
-        pass) if the budget allows after evicting unpinned LRU; return the kept tensor (never
-        written again), or None. `fill` runs before taking the lock; the lock only guards the
-        bookkeeping."""
+        """Keep a copy of `data` (flat uint8) if the budget allows after evicting unpinned LRU.
+        The copy is made before taking the lock; the lock only guards the bookkeeping."""
+        n = data.numel()
         if n > self.budget:
-            return None
+            return False
         with self._lock:
             if cid in self._chunks:
                 self._chunks.move_to_end(cid)
-                return self._chunks[cid]
+                return True
         copy = torch.empty(n, dtype=torch.uint8, device=self.device)
-        fill(copy)
+        copy_into(copy, data)
         with self._lock:
             if cid in self._chunks:  # another thread stored it meanwhile: keep theirs
                 self._chunks.move_to_end(cid)
-                return self._chunks[cid]
+                return True
             if not self._make_room(n):
-                return None
+                return False
             self._chunks[cid] = copy
             self.used += n
-        return copy
+        return True
 
     def _make_room(self, n: int) -> bool:
         evicted = 0
@@ -205,6 +203,7 @@ class Residency:
         self._verified: set[ChunkId] = set()  # origin chunks verified in this process
         self._prefetched: set[str] = set()
         self._downloading: set[str] = set()  # content hashes with a download under way
+        self._spare: list[torch.Tensor] = []  # scratch buffers for layout conversion (`_into_engine`)
         self._pool = ThreadPoolExecutor(max_workers=max(1, prefetch_workers),
                                         thread_name_prefix="cartridge-prefetch")
         # Downloads may hang on a stalled origin for minutes: their own threads, so prefetch and
@@ -319,9 +318,8 @@ class Residency:
     def _read_local(self, handle: Handle, index: int, flat: torch.Tensor) -> str:
         if handle.origin.local:  # single flight among local readers only: no network involved
             return self._fetch(handle, index, flat)
-        raw = self._raw_buffer(handle, index, flat)
-        if self.disk is not None and self.disk.get_into(handle.disk_id(index), as_bytes(raw), handle):
-            self._keep(handle, index, raw, flat)
+        if self.disk is not None and self._into_engine(
+                handle, index, flat, lambda raw: self.disk.get_into(handle.disk_id(index), as_bytes(raw), handle)):
             return "disk"
         if self.disk is not None:
             self.metrics.miss("disk")
@@ -366,36 +364,41 @@ class Residency:
         flight.done.set()
         return tier
 
-    @staticmethod
-    def _raw_buffer(handle: Handle, index: int, flat: torch.Tensor) -> torch.Tensor:
-        """Where this rank's raw bytes of a chunk land: straight in the output when they have its
-        size (its own layout, or `by_head` heads, converted by `_keep`), else (a format-1 chunk
-        of which the rank keeps some heads) a scratch buffer of exactly their size."""
-        if handle.view.span(index).nbytes == flat.numel():
-            return flat
-        return torch.empty(handle.view.span(index).nbytes, dtype=torch.uint8)
+    def _into_engine(self, handle: Handle, index: int, flat: torch.Tensor,
+                     read: Callable[[torch.Tensor], Any]) -> Any:
+        """`read(raw)` fills `raw` with this rank's verified payload bytes of chunk `index`
+        (`view.span`) and returns a tier name, or something false for a miss; on a hit the bytes
+        end up in `flat`, the rank's `KV_2LTD` chunk, and a copy in the CPU tier.
 
-    def _keep(self, handle: Handle, index: int, raw: torch.Tensor, flat: torch.Tensor) -> None:
-        """Verified payload bytes `raw` -> `flat` in this rank's `KV_2LTD`, and into the CPU tier.
-        Raw bytes that fill `flat` in another layout are converted straight into the CPU tier's
-        new copy and copied back: the same passes as an identity read, no scratch buffer."""
-        cid, view = (handle.content_hash, index), handle.view
-        if view.identity or raw is not flat:
-            if raw is not flat:
-                view.to_engine(index, raw, flat)
-            self.cpu.put(cid, flat)
-            return
-        kept = self.cpu.put_with(cid, flat.numel(), lambda t: view.to_engine(index, flat, t))
-        if kept is None:  # not kept (budget): convert through a temporary
-            kept = torch.empty(flat.numel(), dtype=torch.uint8)
-            view.to_engine(index, flat, kept)
-        copy_into(flat, kept)
+        Bytes already in the engine's layout (`view.identity`) are read straight into `flat`.
+        Others land in a scratch buffer and are converted into `flat` in one pass: scratch
+        buffers are reused (a fresh chunk-sized buffer costs its page faults on every read, as
+        much as the conversion itself), at most `_SPARE_SCRATCH` kept between reads."""
+        view = handle.view
+        if view.identity:
+            got = read(flat)
+        else:
+            n = view.span(index).nbytes
+            with self._lock:
+                spare = next((b for b in self._spare if b.numel() >= n), None)
+                if spare is not None:
+                    self._spare.remove(spare)
+            scratch = spare if spare is not None else torch.empty(n, dtype=torch.uint8)
+            try:
+                got = read(scratch[:n])
+                if got:
+                    view.to_engine(index, scratch[:n], flat)
+            finally:
+                with self._lock:
+                    if len(self._spare) < _SPARE_SCRATCH:
+                        self._spare.append(scratch)
+        if got:
+            self.cpu.put((handle.content_hash, index), flat)
+        return got
 
     def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False) -> str:
-        raw = self._raw_buffer(handle, index, flat)
-        tier = self._read_raw(handle, index, raw, background=background)
-        self._keep(handle, index, raw, flat)
-        return tier
+        return self._into_engine(handle, index, flat,
+                                 lambda raw: self._read_raw(handle, index, raw, background=background))
 
     def _read_raw(self, handle: Handle, index: int, raw: torch.Tensor, *, background: bool = False) -> str:
         """This rank's verified payload bytes of chunk `index` (`view.span`) from the disk cache or
@@ -409,25 +412,16 @@ class Residency:
         tier = "local" if handle.origin.local else "s3"
         info, dtype = handle.view.span(index), handle.manifest.torch_dtype
         try:
-            if handle.origin.local:
-                handle.origin.read_into(info, buf)
-                with self._lock:
-                    self.origin_reads += 1
-                    verify = cid not in self._verified
-                if verify:  # a local origin's chunk: once per process
-                    check_chunk(info, buf, handle.origin.uri, dtype)
+            handle.origin.read_into(info, buf)
+            with self._lock:
+                self.origin_reads += 1
+                # a local origin's chunk is verified once per process; remote bytes every time
+                verify = not handle.origin.local or cid not in self._verified
+            if verify:
+                check_chunk(info, buf, handle.origin.uri, dtype)
+                if handle.origin.local:
                     with self._lock:
                         self._verified.add(cid)
-            else:  # remote bytes: every time, checked while they arrive
-                check = StreamingCheck(info, buf, handle.origin.uri, dtype)
-                try:
-                    handle.origin.read_into(info, buf, on_data=check.arrived)
-                except BaseException:
-                    check.cancel()
-                    raise
-                with self._lock:
-                    self.origin_reads += 1
-                check.result()
         except Exception:
             self.metrics.error(tier)
             raise

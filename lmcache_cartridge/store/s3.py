@@ -365,32 +365,27 @@ class S3Origin:
             kw["ContinuationToken"] = r["NextContinuationToken"]
 
     def read_range_into(self, key_suffix: str, offset: int, out: memoryview | Any,
-                        *, if_match: str | None = None,
-                        on_data: Callable[[int, int], None] | None = None) -> int:
+                        *, if_match: str | None = None) -> int:
         """Ranged GET of exactly `len(out)` bytes at `offset` into `out`; returns the object size.
 
         `out` may be any writable contiguous buffer (bytearray, numpy array, a tensor's numpy view,
         LMCache's ctypes `<B` byte_array): it is recast to plain bytes because urllib3's readinto
         cannot assign into `<B` views. Bytes land in `out` through bounded windows, never via a
-        full-size temporary. `on_data(pos, n)` is told, in order, each time bytes `[pos, pos+n)`
-        have landed (a retry starts again at 0).
+        full-size temporary. The bytes are not verified here: the caller checks them once they have
+        all landed (`integrity.check_chunk`), on its own thread.
         """
         view = memoryview(out).cast("B")
         if view.readonly:
             raise ValueError("read_range_into needs a writable buffer")
         if view.nbytes == 0:
             return self.head(key_suffix)
-        flush = None if on_data is None else (lambda pos, mv: on_data(pos, len(mv)))
-        return self._get_range(key_suffix, offset, view.nbytes,
-                               lambda pos, m: view[pos:pos + m], flush, if_match)
+        return self._get_range(key_suffix, offset, view, if_match)
 
-    def _get_range(self, key_suffix: str, offset: int, n: int,
-                   window: Callable[[int, int], memoryview],
-                   flush: Callable[[int, memoryview], None] | None,
-                   if_match: str | None) -> int:
-        """One logical ranged GET: bytes for `[pos, pos+m)` go into `window(pos, m)`, then
-        `flush(pos, that view)`. botocore retries failures up to the response headers; a body
-        cut short or stalled afterwards is retried here by re-fetching the whole range."""
+    def _get_range(self, key_suffix: str, offset: int, view: memoryview, if_match: str | None) -> int:
+        """One logical ranged GET of `len(view)` bytes into `view`. botocore retries failures up
+        to the response headers; a body cut short or stalled afterwards is retried here by
+        re-fetching the whole range."""
+        n = view.nbytes
         self._count(requests=1, gets=1)
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(key_suffix),
                               "Range": f"bytes={offset}-{offset + n - 1}"}
@@ -411,12 +406,9 @@ class S3Origin:
                                       f"{offset}, got {r['ContentLength']}")
                 pos = 0
                 while pos < n:
-                    mv = window(pos, min(_WINDOW, n - pos))
-                    got = body.readinto(mv)
+                    got = body.readinto(view[pos:pos + min(_WINDOW, n - pos)])
                     if not got:
                         raise _ShortBody(f"body ended after {pos} of {n} bytes")
-                    if flush is not None:
-                        flush(pos, mv[:got])
                     pos += got
             except OriginError:
                 raise
