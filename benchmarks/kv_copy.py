@@ -16,8 +16,8 @@ Same bytes (a cartridge of `--tokens` tokens in 256-token `KV_2LTD` chunks), sam
 
 The arms take turns in every repetition (best of `--reps` each), so a load spike on a shared
 machine hits them alike. Torch runs with `--threads` intra-op threads (vLLM's worker in the TTFT benchmark has one core).
-`--isa` picks the layout (default: what vLLM picks here); "amx" has no fast path (loads go
-through vLLM's writer). `run(...)` is importable; `tests/test_bench_kv_copy.py` checks at tiny
+`--isa` picks the layout (default: what vLLM picks here; "amx" is copied by the same kernel,
+`ours-torch` loads it through vLLM's writer). `run(...)` is importable; `tests/test_bench_kv_copy.py` checks at tiny
 sizes that `ours`, `ours-torch` and `vllm-op` leave byte-identical caches.
 """
 

@@ -8,15 +8,17 @@ op (`cpu_attn_reshape_and_cache(..., isa)`) for the ISA vLLM picks (`_get_attn_i
 byte for byte, and refuses (`UnverifiedKVLayout`, callers recompute) when it cannot. Per layer
 the tensor is `[num_blocks, num_kv_heads, 2, block_size * head_dim]` (K region, V region per
 (block, head): cpu_attn.py's `.view(nb, H, 2 * bs, D).chunk(2, dim=2)`); a slot `s` lives at
-block `s // block_size`, offset `s % block_size`. Two kinds of region interior:
+block `s // block_size`, offset `s % block_size`. Three kinds of region interior:
 
 * `K_TRANSPOSED` ("vec", "vec16"; vLLM's `cpu_attn_vec*.hpp`: "Write Key as column-major"):
   K `[head_dim, block_size]`, V `[block_size, head_dim]`. Copied by the native tiled-transpose
   kernel (`native.py`, `csrc/kv_copy.c`) when it is built, else by pure torch: whole blocks in
   one copy per layer and K/V, partial blocks by runs of consecutive slots, a fragmented slot
   mapping by a per-slot scatter. Both are checked against vLLM's writer in the tests.
-* `PERMUTED` (e.g. "amx", whose writer packs AMX tiles): loads call vLLM's writer op itself
-  (exact by construction); stores gather through the proven position maps.
+* `AMX_TILES` ("amx", 16-bit caches): K in 16-token tiles of transposed element pairs, V with
+  token pairs interleaved. Copied by the same native kernel; without it, as `PERMUTED`.
+* `PERMUTED` (any other proven map): loads call vLLM's writer op itself (exact by
+  construction); stores gather through the proven position maps.
 
 Where it runs: inside each vLLM worker process, on the thread that runs the model, called by
 LMCache's engine (`batched_to_gpu` on retrieve, `batched_from_gpu` on store) between forward
@@ -38,9 +40,12 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_cartridge.vllm import native
-from lmcache_cartridge.vllm.cpu_layout import K_TRANSPOSED, PagedLayout, UnverifiedKVLayout, derive_layout
+from lmcache_cartridge.vllm.cpu_layout import (AMX_TILES, K_TRANSPOSED, NATIVE_KINDS, PagedLayout,
+                                               UnverifiedKVLayout, derive_layout)
 
 logger = logging.getLogger("lmcache_cartridge.vllm.cpu_kv")
+
+_NATIVE_LAYOUT = {K_TRANSPOSED: 0, AMX_TILES: 1}  # csrc/kv_copy.c's LAYOUT_* for each native kind
 
 __all__ = ["CpuPagedKVConnector", "UnverifiedKVLayout", "current_attn_isa", "probe_layout", "slot_runs"]
 
@@ -183,7 +188,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
                 lay = self._layouts[sig]
                 logger.info("lmcache_cartridge cpu_kv: vLLM CPU KV layout verified against vLLM's '%s' "
                             "writer (%s): %s; native copy kernel: %s", lay.isa, lay.kind, sig,
-                            "loaded" if lay.kind == K_TRANSPOSED and native.kernel() is not None
+                            "loaded" if lay.kind in NATIVE_KINDS and native.kernel() is not None
                             else (native.unavailable_reason() or "not used"))
         if problem:
             raise UnverifiedKVLayout(problem)
@@ -263,13 +268,13 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     def _copy(self, layout: PagedLayout, kvcaches, slots: torch.Tensor, obj: torch.Tensor, *,
               to_cache: bool) -> None:
         """obj: `[2, L, n, H, D]` view of the memory object."""
+        bs = kvcaches[0].shape[2]
+        lib = native.kernel() if self.use_native and layout.kind in NATIVE_KINDS else None
+        if lib is not None:
+            self._copy_native(lib, layout, kvcaches, [self._native_runs(obj, slots, bs)], to_cache=to_cache)
+            return
         if layout.kind != K_TRANSPOSED:
             self._copy_permuted(layout, kvcaches, slots, obj, to_cache=to_cache)
-            return
-        bs = kvcaches[0].shape[2]
-        lib = native.kernel() if self.use_native else None
-        if lib is not None:
-            self._copy_native(lib, kvcaches, [self._native_runs(obj, slots, bs)], to_cache=to_cache)
             return
         runs = slot_runs(slots, bs)
         n = slots.numel()
@@ -357,7 +362,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         rows[:, 4:] = runs
         return rows
 
-    def _copy_native(self, lib, kvcaches, run_rows: list[np.ndarray], *, to_cache: bool) -> None:
+    def _copy_native(self, lib, layout: PagedLayout, kvcaches, run_rows: list[np.ndarray], *,
+                     to_cache: bool) -> None:
         """All layers and runs (of one or several memory objects) in one kernel call."""
         rows = np.ascontiguousarray(np.concatenate(run_rows) if len(run_rows) > 1 else run_rows[0])
         if rows.shape[0] == 0:
@@ -367,8 +373,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             # torch indexing would raise here; C would write out of bounds
             raise ValueError(f"slot mapping points past vLLM's {nb} KV blocks")
         elem = kvcaches[0].element_size()
-        rc = lib.cart_kv_copy(1 if to_cache else 0, elem, self._layer_pointers(kvcaches), len(kvcaches),
-                              h, self.head_dim, bs, rows.ctypes.data, rows.shape[0])
+        rc = lib.cart_kv_copy(_NATIVE_LAYOUT[layout.kind], 1 if to_cache else 0, elem, self._layer_pointers(kvcaches),
+                              len(kvcaches), h, self.head_dim, bs, rows.ctypes.data, rows.shape[0])
         if rc != 0:
             raise RuntimeError(f"native KV copy failed (rc {rc}, element size {elem})")
         full = int(((rows[:, 7] == 0) & (rows[:, 5] - rows[:, 4] == bs)).sum())
@@ -385,7 +391,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
 
     def _copy_permuted(self, layout: PagedLayout, kvcaches, slots: torch.Tensor, obj: torch.Tensor, *,
                        to_cache: bool) -> None:
-        """A layout other than K_TRANSPOSED (e.g. "amx"): loads go through vLLM's own writer op
+        """A layout neither the native kernel nor the torch transpose copies (`PERMUTED`, or
+        `AMX_TILES` without the kernel): loads go through vLLM's own writer op
         (it skips slots < 0, like vLLM); stores gather through the layout's proven maps."""
         nb, h, bs, two_d = kvcaches[0].shape
         with torch.inference_mode():
@@ -440,12 +447,13 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         try:
             plans = [self._load_plan(m, s, e, kwargs) for m, s, e in zip(memory_objs, starts, ends, strict=True)]
             lib = native.kernel() if self.use_native else None
-            if plans and lib is not None and all(p[0].kind == K_TRANSPOSED for p in plans):
+            if plans and lib is not None and plans[0][0].kind in NATIVE_KINDS \
+                    and all(p[0] is plans[0][0] for p in plans):
                 # One retrieve, one kernel call: every chunk's runs together.
-                kvcaches = plans[0][1]
+                layout, kvcaches = plans[0][0], plans[0][1]
                 bs = kvcaches[0].shape[2]
-                self._copy_native(lib, kvcaches, [self._native_runs(src, slots, bs) for _, _, slots, src in plans],
-                                  to_cache=True)
+                self._copy_native(lib, layout, kvcaches,
+                                  [self._native_runs(src, slots, bs) for _, _, slots, src in plans], to_cache=True)
             else:
                 for layout, kvcaches, slots, src in plans:
                     self._copy(layout, kvcaches, slots, src, to_cache=True)

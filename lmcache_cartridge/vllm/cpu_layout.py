@@ -11,7 +11,9 @@ and reads back where each landed, giving, per region, the position of every (off
 element. It then proves the map: random K/V for several heads, starting and ending mid-block,
 scattered through the map into a zero cache, must equal the op's output byte for byte.
 A layout that fails any step (no writer for the ISA here, a writer that is not a pure
-permutation, a quantizing cache dtype) is refused: callers recompute instead.
+permutation, a quantizing cache dtype) is refused: callers recompute instead. A proven map that
+equals one of `closed_forms` exactly is copied by the native kernel, which implements those
+forms; any other proven map is loaded through the writer itself.
 
 Inside a (block, head) the cache is `[num_blocks, num_kv_heads, 2, block_size * head_dim]`
 (K region, then V region: `kv_cache.view(nb, H, 2 * bs, D).chunk(2, dim=2)` in cpu_attn.py);
@@ -40,7 +42,27 @@ class UnverifiedKVLayout(CartridgeError):
 _BASE = 255
 
 K_TRANSPOSED = "k-transposed"  # K region [head_dim, block_size], V region [block_size, head_dim]
+AMX_TILES = "amx-tiles"        # K: 16-token tiles of transposed element pairs; V: token pairs interleaved
 PERMUTED = "permuted"          # anything else the writer does that is a pure permutation
+NATIVE_KINDS = (K_TRANSPOSED, AMX_TILES)  # the maps the native kernel (csrc/kv_copy.c) implements
+
+
+def closed_forms(block_size: int, head_dim: int, element_size: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The `(k_pos, v_pos)` maps of the layouts the native kernel implements, for these
+    parameters. Not a source of truth: a learned map is given one of these kinds only when it is
+    exactly equal (then the kernel writes what vLLM's writer writes); otherwise `PERMUTED`.
+
+    `AMX_TILES` is what vLLM 0.32's "amx" writer produced here for 16-bit elements, block sizes
+    that are multiples of 32 and head dims that are multiples of 32: K in tiles of 16 tokens,
+    each `[head_dim / 2][16][2]` (element pairs transposed), V in groups of 16 columns, each
+    `[block_size / 2][16][2]` (two tokens' elements interleaved)."""
+    o = torch.arange(block_size)[:, None]
+    d = torch.arange(head_dim)[None, :]
+    forms = {K_TRANSPOSED: (d * block_size + o, o * head_dim + d)}
+    if element_size == 2 and block_size % 16 == 0 and head_dim % 16 == 0:
+        forms[AMX_TILES] = ((o // 16) * 16 * head_dim + (d // 2) * 32 + (o % 16) * 2 + d % 2,
+                            (d // 16) * block_size * 16 + (o // 2) * 32 + (d % 16) * 2 + o % 2)
+    return forms
 
 
 @dataclass(frozen=True)
@@ -48,8 +70,9 @@ class PagedLayout:
     """Where vLLM's writer for `isa` puts a token's K/V elements inside a (block, head) region.
 
     `k_pos[o, d]` / `v_pos[o, d]`: index, inside the region's `block_size * head_dim` elements,
-    of the element for block offset `o` and head dim `d`. `kind` is `K_TRANSPOSED` when the maps
-    are exactly vec's layout (then the fast copy applies), else `PERMUTED`.
+    of the element for block offset `o` and head dim `d`. `kind` names the `closed_forms` entry
+    the maps equal exactly (`K_TRANSPOSED`, `AMX_TILES`: the native kernel applies), else
+    `PERMUTED`.
     """
 
     isa: str
@@ -152,11 +175,10 @@ def derive_layout(isa: str, block_size: int, num_kv_heads: int, head_dim: int,
         if hit is None:
             try:
                 k_pos, v_pos = _learn_positions(isa, block_size, head_dim, dtype)
-                o = torch.arange(block_size)[:, None]
-                dd = torch.arange(head_dim)[None, :]
-                vec_like = torch.equal(k_pos, dd * block_size + o) and torch.equal(v_pos, o * head_dim + dd)
-                layout = PagedLayout(isa, block_size, head_dim, dtype, k_pos, v_pos,
-                                     K_TRANSPOSED if vec_like else PERMUTED)
+                forms = closed_forms(block_size, head_dim, torch.empty((), dtype=dtype).element_size())
+                kind = next((name for name, (k, v) in forms.items()
+                             if torch.equal(k_pos, k) and torch.equal(v_pos, v)), PERMUTED)
+                layout = PagedLayout(isa, block_size, head_dim, dtype, k_pos, v_pos, kind)
                 _prove(layout, num_kv_heads)
                 hit = layout
             except UnverifiedKVLayout as e:

