@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -282,6 +283,21 @@ def test_slot_runs_agree_with_a_per_slot_walk_on_random_mappings():
         bs, first, n = rng.choice([4, 16, 128]), rng.randint(0, 500), rng.randint(1, 300)
         s = list(range(first, first + n))
         assert slot_runs(torch.tensor(s), bs) == walk(s, bs), (first, n, bs)
+    for _ in range(1000):  # several memory objects end to end (one retrieve): runs end where each does
+        bs, pieces = rng.choice([4, 16, 128]), []
+        nxt = rng.randint(0, 300)
+        for _ in range(rng.randint(1, 5)):
+            n = rng.randint(1, 60)
+            if rng.random() < 0.3:  # a fragmented piece
+                pieces.append([rng.randint(0, 300) if rng.random() < 0.8 else -1 for _ in range(n)])
+            else:
+                pieces.append(list(range(nxt, nxt + n)))
+            nxt = (pieces[-1][-1] + 1) if pieces[-1][-1] >= 0 else rng.randint(0, 300)
+        bounds = np.cumsum([0] + [len(p) for p in pieces])
+        got = [tuple(int(x) for x in r) for r in
+               cpu_kv.run_array(torch.tensor(sum(pieces, [])), bs, breaks=bounds[1:-1])]
+        want = [(a + int(b0), e + int(b0), blk, off) for p, b0 in zip(pieces, bounds) for a, e, blk, off in walk(p, bs)]
+        assert got == want, (pieces, bs)
 
 
 def test_slots_past_the_cache_are_a_failed_load_not_a_wild_write(data, path):
