@@ -269,3 +269,35 @@ def test_s3_chunks_are_verified_on_the_reading_thread_after_every_attempt(tmp_pa
     res.close()
     for h in handles.values():
         h.origin.close()
+
+
+def test_layout_conversion_reuses_scratch_buffers_of_mixed_sizes(tmp_path):
+    """Chunks of two sizes (a short last chunk) read by threads at once: every read converts the
+    right bytes, whichever kept scratch buffer it takes (the larger one sitting behind a smaller)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    p = _packed(tmp_path, tokens=3 * CHUNK + 5)  # chunks of CHUNK, CHUNK, CHUNK and 5 tokens
+    h = Handle(p.manifest, LocalOrigin(p.directory))
+    assert not h.view.identity  # by_head with 2 heads: every read converts
+    res = Residency(MemoryTier("cpu", 0), None, Metrics(), prefetch=False)
+
+    def expected(i):
+        e = torch.empty(h.view.engine_nbytes(i), dtype=torch.uint8)
+        h.view.to_engine(i, p.read_raw(i), e)
+        return e
+
+    want = {i: expected(i) for i in range(4)}
+    res._spare[:] = [torch.empty(16, dtype=torch.uint8), torch.empty(1 << 20, dtype=torch.uint8)]
+    out = torch.empty(h.view.engine_nbytes(0), dtype=torch.uint8)
+    res.read_into(h, 0, out, network=False)  # takes the second, larger spare
+    assert torch.equal(out, want[0]) and len(res._spare) == 2
+
+    def read(i):
+        got = torch.empty(h.view.engine_nbytes(i), dtype=torch.uint8)
+        res.read_into(h, i, got, network=False)
+        return torch.equal(got, want[i])
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(read, [i % 4 for i in range(200)]))
+    assert len(res._spare) <= 2
+    res.close()

@@ -379,10 +379,9 @@ class Residency:
             got = read(flat)
         else:
             n = view.span(index).nbytes
-            with self._lock:
-                spare = next((b for b in self._spare if b.numel() >= n), None)
-                if spare is not None:
-                    self._spare.remove(spare)
+            with self._lock:  # by position: `list.remove` would compare tensors with ==
+                i = next((i for i, b in enumerate(self._spare) if b.numel() >= n), None)
+                spare = None if i is None else self._spare.pop(i)
             scratch = spare if spare is not None else torch.empty(n, dtype=torch.uint8)
             try:
                 got = read(scratch[:n])
