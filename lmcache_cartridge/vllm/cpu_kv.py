@@ -40,12 +40,13 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_cartridge.vllm import native
-from lmcache_cartridge.vllm.cpu_layout import (AMX_TILES, K_TRANSPOSED, NATIVE_KINDS, PagedLayout,
-                                               UnverifiedKVLayout, derive_layout)
+from lmcache_cartridge.vllm.cpu_layout import (AMX_TILES, K_TRANSPOSED, PagedLayout, UnverifiedKVLayout,
+                                               derive_layout)
 
 logger = logging.getLogger("lmcache_cartridge.vllm.cpu_kv")
 
-_NATIVE_LAYOUT = {K_TRANSPOSED: 0, AMX_TILES: 1}  # csrc/kv_copy.c's LAYOUT_* for each native kind
+# The layouts the native kernel implements, with csrc/kv_copy.c's LAYOUT_* code for each.
+_NATIVE_LAYOUT = {K_TRANSPOSED: 0, AMX_TILES: 1}
 
 __all__ = ["CpuPagedKVConnector", "UnverifiedKVLayout", "current_attn_isa", "probe_layout", "slot_runs"]
 
@@ -94,7 +95,7 @@ def run_array(slots: torch.Tensor, block_size: int, breaks: np.ndarray | None = 
         cuts = np.arange((-first) % block_size, n, block_size, dtype=np.int64)
         if breaks is not None and len(breaks):
             cuts = np.union1d(cuts, breaks)
-        starts = np.union1d([0], cuts) if not len(cuts) or cuts[0] != 0 else cuts
+        starts = np.union1d([0], cuts)
         ends = np.append(starts[1:], n)
         first_slots = first + starts
         return np.stack([starts, ends, first_slots // block_size, first_slots % block_size], axis=1)
@@ -191,7 +192,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
                 lay = self._layouts[sig]
                 logger.info("lmcache_cartridge cpu_kv: vLLM CPU KV layout verified against vLLM's '%s' "
                             "writer (%s): %s; native copy kernel: %s", lay.isa, lay.kind, sig,
-                            "loaded" if lay.kind in NATIVE_KINDS and native.kernel() is not None
+                            "loaded" if lay.kind in _NATIVE_LAYOUT and native.kernel() is not None
                             else (native.unavailable_reason() or "not used"))
         if problem:
             raise UnverifiedKVLayout(problem)
@@ -272,7 +273,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
               to_cache: bool) -> None:
         """obj: `[2, L, n, H, D]` view of the memory object."""
         bs = kvcaches[0].shape[2]
-        lib = native.kernel() if self.use_native and layout.kind in NATIVE_KINDS else None
+        lib = native.kernel() if self.use_native and layout.kind in _NATIVE_LAYOUT else None
         if lib is not None:
             self._copy_native(lib, layout, kvcaches, self._native_rows([(slots, obj)], bs), to_cache=to_cache)
             return
@@ -457,7 +458,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         try:
             plans = [self._load_plan(m, s, e, kwargs) for m, s, e in zip(memory_objs, starts, ends, strict=True)]
             lib = native.kernel() if self.use_native else None
-            if plans and lib is not None and plans[0][0].kind in NATIVE_KINDS \
+            if plans and lib is not None and plans[0][0].kind in _NATIVE_LAYOUT \
                     and all(p[0] is plans[0][0] for p in plans):
                 # One retrieve, one kernel call: every chunk's runs together.
                 layout, kvcaches = plans[0][0], plans[0][1]

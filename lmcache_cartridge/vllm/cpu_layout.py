@@ -44,7 +44,6 @@ _BASE = 255
 K_TRANSPOSED = "k-transposed"  # K region [head_dim, block_size], V region [block_size, head_dim]
 AMX_TILES = "amx-tiles"        # K: 16-token tiles of transposed element pairs; V: token pairs interleaved
 PERMUTED = "permuted"          # anything else the writer does that is a pure permutation
-NATIVE_KINDS = (K_TRANSPOSED, AMX_TILES)  # the maps the native kernel (csrc/kv_copy.c) implements
 
 
 def closed_forms(block_size: int, head_dim: int, element_size: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
