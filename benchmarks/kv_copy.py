@@ -136,7 +136,7 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
     nbytes = flat_src.numel() * flat_src.element_size()
     out: dict[str, Any] = {"tokens": tokens, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
                            "block_size": block_size, "isa": isa, "bytes": nbytes,
-                           "threads": torch.get_num_threads(), "native": native.kernel() is not None,
+                           "threads": torch.get_num_threads(), "native": native.kernel() is not None, "simd": native.simd(),
                            "native_unavailable": native.unavailable_reason(), "arms": {}}
     arms = [("ours", ours), ("ours-torch", ours_torch), ("vllm-op", vllm_op), ("transpose", transpose),
             ("memcpy", memcpy)]
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     r["ours_over_memcpy"] = r["arms"]["memcpy"]["seconds"] / r["arms"]["ours"]["seconds"]
     print(f"{a.tokens} tokens ({r['bytes'] / 2**20:.0f} MiB) into vLLM-CPU paged KV "
           f"(ISA {r['isa']}, {r['threads']} thread(s), native kernel: "
-          f"{r['native'] or r['native_unavailable']}); ours == ours-torch == vllm-op bytes: {same}")
+          f"{r['simd'] or r['native_unavailable']}); ours == ours-torch == vllm-op bytes: {same}")
     for name, x in r["arms"].items():
         print(f"  {name:10s} {x['seconds'] * 1e3:8.2f} ms  {x['gbps']:6.2f} GB/s  "
               f"({r['arms']['memcpy']['seconds'] / x['seconds']:.2f}x memcpy speed)")

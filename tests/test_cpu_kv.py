@@ -10,6 +10,7 @@ transposed-K layouts (the native kernel and the pure-torch fallback).
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,6 +22,7 @@ vllm_ops = pytest.importorskip("vllm._custom_ops")
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
 
 import functools
+import platform
 import shutil
 import subprocess
 import sys
@@ -62,17 +64,35 @@ def isa(request, monkeypatch):
     return name
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "native-sse2", "torch"])
 def path(request):
-    if request.param == "native" and native.kernel() is None:
+    """The native kernel at the best SIMD level this CPU has ("avx512" where it can), the same kernel
+    held to SSE2 (what CPUs without AVX-512 run), and the pure-torch fallback."""
+    if request.param.startswith("native") and native.kernel() is None:
         pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
-    return request.param
+    if request.param == "native-sse2":
+        native.simd("sse2")
+        yield "native"
+        native.simd("avx512")  # back to the CPU's best
+    else:
+        yield request.param
 
 
 def connector(path: str, *args) -> CpuPagedKVConnector:
     conn = CpuPagedKVConnector(*(args or (L, H, D, DT)))
     conn.use_native = path == "native"
     return conn
+
+
+def test_simd_level_follows_the_cpu_and_can_be_lowered():
+    if native.kernel() is None:
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    has_avx512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else None
+    best = native.simd()
+    if has_avx512 is not None and platform.machine() == "x86_64":
+        assert best == ("avx512" if has_avx512 else "sse2")
+    assert native.simd("sse2") == "sse2"
+    assert native.simd("avx512") == best  # never above what the CPU has
 
 
 class Obj:
@@ -195,6 +215,39 @@ def test_native_and_torch_paths_write_vllms_bytes_for_each_dtype_and_head_dim(pa
     conn.batched_from_gpu([out], [0], [t], kvcaches=ref, slot_mapping=slots)
     assert torch.equal(out.tensor.view(torch.uint8), obj.view(torch.uint8))
     assert (conn.stats["native_copies"] > 0) == (path == "native")
+
+
+@pytest.mark.parametrize("hd", [80, 128])
+def test_amx_tiles_at_other_head_dims_match_vllms_writer(path, hd, monkeypatch):
+    """"amx"'s K tiles go 16 pair columns at a time on AVX-512 and finish the rest on SSE2: head_dim
+    128 is whole 16-column blocks, 80 leaves 8 columns for SSE2; whole tiles and V pairs from block
+    starts, partial ones from the odd offset."""
+    rc, last = writer_in_subprocess("amx")
+    if rc != 0:
+        pytest.skip(f"vLLM's 'amx' writer does not run on this machine: rc {rc}: {last}")
+    monkeypatch.setattr(cpu_kv, "current_attn_isa", lambda *a, **kw: "amx")
+    g = torch.Generator().manual_seed(hd)
+    t, heads = 301, 2
+    k = torch.randn(L, t, heads, hd, generator=g).to(DT)
+    v = torch.randn(L, t, heads, hd, generator=g).to(DT)
+    for first in (0, 37):
+        slots = torch.tensor([[3, 1, 6, 4][(i + first) // 128] * 128 + (i + first) % 128 for i in range(t)])
+        ref = []
+        for layer in range(L):
+            c = torch.zeros(8, heads, 128, 2 * hd, dtype=DT)
+            kc, vc = c.view(8, heads, 256, hd).chunk(2, dim=2)
+            vllm_ops.cpu_attn_reshape_and_cache(k[layer].contiguous(), v[layer].contiguous(), kc, vc, slots, "amx")
+            ref.append(c)
+        conn = connector(path, L, heads, hd, DT)
+        mine = [torch.zeros_like(c) for c in ref]
+        obj = torch.stack([k, v]).flatten(-2).contiguous()
+        conn.batched_to_gpu([Obj(obj)], [0], [t], kvcaches=mine, slot_mapping=slots, req_id="r")
+        assert not conn.failed_loads
+        for r, m in zip(ref, mine):
+            assert torch.equal(r.view(torch.int16), m.view(torch.int16)), first
+        out = Obj(torch.empty_like(obj))
+        conn.batched_from_gpu([out], [0], [t], kvcaches=ref, slot_mapping=slots)
+        assert torch.equal(out.tensor.view(torch.int16), obj.view(torch.int16)), first
 
 
 @pytest.mark.parametrize("start", [0, 100, 37])  # chunk aligned to a block / mid-block / at an odd offset

@@ -36,7 +36,7 @@ from lmcache_cartridge.paths import cache_root
 logger = logging.getLogger("lmcache_cartridge.vllm.native")
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_copy.c"
-ABI_VERSION = 3
+ABI_VERSION = 4
 ENV_SWITCH = "LMCACHE_CARTRIDGE_NATIVE"  # "0" disables the kernel (pure-torch copy)
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-Wall")
 
@@ -81,6 +81,8 @@ def _load(path: Path) -> ctypes.CDLL:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.cart_kv_copy.restype = ctypes.c_int
     lib.cart_kv_copy.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, p, i64, i64, i64, i64, p, i64]
+    lib.cart_kv_simd.restype = ctypes.c_int
+    lib.cart_kv_simd.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -102,6 +104,19 @@ def kernel() -> Optional[ctypes.CDLL]:
                                "pure-torch copy", _why_not)
             _tried = True
     return _lib
+
+
+SIMD_LEVELS = ("sse2", "avx512")  # cart_kv_simd's levels, in order
+
+
+def simd(level: Optional[str] = None) -> Optional[str]:
+    """The instruction set the kernel copies with ("sse2" or "avx512", detected from the CPU when it
+    loads); `level` lowers it (tests run the SSE2 path on an AVX-512 machine) or restores it, never
+    above what the CPU has. None when the kernel is unavailable."""
+    lib = kernel()
+    if lib is None:
+        return None
+    return SIMD_LEVELS[lib.cart_kv_simd(-1 if level is None else SIMD_LEVELS.index(level))]
 
 
 def unavailable_reason() -> Optional[str]:

@@ -8,7 +8,10 @@
  * Why a kernel: the K transpose is the whole cost of injection on vLLM's CPU backend. torch's
  * strided copy (and vLLM's own per-token writer) move it at a fraction of memory speed; a tiled
  * transpose with 8x8 (16-bit) / 4x4 (32-bit) SSE2 register transposes and streaming stores
- * runs near a plain copy (benchmarks/kv_copy.py).
+ * runs near a plain copy (benchmarks/kv_copy.py). "amx"'s K tiles, whose destination lines are
+ * 16 tokens wide, go through a 16x16 32-bit AVX-512 transpose (full 64-byte lines, half the shuffles
+ * of SSE2 per byte) on CPUs that have AVX-512F, chosen at run time (cart_kv_simd); the file still
+ * builds with the plain `cc -O3` flags and runs its SSE2 path everywhere else.
  * The layout itself is not decided here: lmcache_cartridge/vllm/cpu_layout.py derives it from
  * vLLM's writer op and only calls this kernel for a layout whose learned map it proved equal to
  * one of these two.
@@ -24,6 +27,32 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__GNUC__)  /* gcc and clang: per-function target attributes */
+#include <immintrin.h>
+#define HAVE_AVX512_PATH 1
+#endif
+
+/* SIMD level the copies use: 0 = SSE2 (or scalar), 1 = AVX-512F where it helps. -1 = not yet
+ * detected. Set once per process from the CPU (or lowered by a test through cart_kv_simd). */
+static int simd_level = -1;
+
+static int simd_supported(void) {
+#if defined(HAVE_AVX512_PATH)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+/* want < 0: report the level in use; else use min(want, what this CPU supports). Returns the level. */
+int cart_kv_simd(int want) {
+  if (simd_level < 0 || want >= 0) {
+    int top = simd_supported();
+    simd_level = (want < 0 || want > top) ? top : want;
+  }
+  return simd_level;
+}
 
 /* Stores: streaming (non-temporal) when the destination is 16-byte aligned. A cartridge is
  * written once and read later by attention; streaming skips the read-for-ownership of every
@@ -124,6 +153,109 @@ static int transpose_any(int elem, const char *src, int64_t ss, char *dst, int64
   return 0;
 }
 
+
+#if defined(__SSE2__)
+/* "amx" K, to the cache: 16 whole tokens -> one tile [D2][16] of u32 pairs, D2 = head_dim / 2 a
+ * multiple of 4. Each destination line (one pair column, 16 tokens = 64 bytes) is written front to
+ * back in one go: interleaving partial lines cost ~15% here. */
+static void amx_k_tile16_sse2(const uint32_t *s, int64_t ss, uint32_t *d, int64_t c0, int64_t D2) {
+  for (; c0 < D2; c0 += 4) {
+    __m128i o[16];
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t *p = s + 4 * q * ss + c0;
+      __m128i a0 = _mm_loadu_si128((const __m128i *)(p + 0 * ss));
+      __m128i a1 = _mm_loadu_si128((const __m128i *)(p + 1 * ss));
+      __m128i a2 = _mm_loadu_si128((const __m128i *)(p + 2 * ss));
+      __m128i a3 = _mm_loadu_si128((const __m128i *)(p + 3 * ss));
+      __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);
+      __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
+      o[0 * 4 + q] = _mm_unpacklo_epi64(b0, b2);
+      o[1 * 4 + q] = _mm_unpackhi_epi64(b0, b2);
+      o[2 * 4 + q] = _mm_unpacklo_epi64(b1, b3);
+      o[3 * 4 + q] = _mm_unpackhi_epi64(b1, b3);
+    }
+    for (int i = 0; i < 16; ++i) _mm_stream_si128((__m128i *)(d + (c0 + i / 4) * 16 + (i % 4) * 4), o[i]);
+  }
+}
+#endif
+
+#if defined(HAVE_AVX512_PATH)
+/* The same tile, 16 pair columns at a time: a 16x16 u32 transpose in 64 shuffles (per-lane 4x4
+ * transposes, then two rounds of 128-bit lane shuffles), one 64-byte streaming store per line.
+ * Returns the first pair column it did not do (the SSE2 path finishes D2 % 16). */
+__attribute__((target("avx512f")))
+static int64_t amx_k_tile16_avx512(const uint32_t *s, int64_t ss, uint32_t *d, int64_t D2) {
+  int64_t c0 = 0;
+  for (; c0 + 16 <= D2; c0 += 16) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512((const void *)(s + i * ss + c0));
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4g + j], lane L: column 4L + j of rows 4g..4g+3 */
+    for (int g = 0; g < 4; ++g) {
+      r[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+      r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+      r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+      r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+      __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+      __m512i w0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88), w1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+      _mm512_stream_si512((void *)(d + (c0 + 0 + j) * 16), _mm512_shuffle_i32x4(v0, w0, 0x88));
+      _mm512_stream_si512((void *)(d + (c0 + 4 + j) * 16), _mm512_shuffle_i32x4(v1, w1, 0x88));
+      _mm512_stream_si512((void *)(d + (c0 + 8 + j) * 16), _mm512_shuffle_i32x4(v0, w0, 0xDD));
+      _mm512_stream_si512((void *)(d + (c0 + 12 + j) * 16), _mm512_shuffle_i32x4(v1, w1, 0xDD));
+    }
+  }
+  return c0;
+}
+#endif
+
+/* One whole 16-token "amx" K tile, to the cache; 0 if the destination is not 64-byte aligned (the
+ * caller then takes the generic transpose). */
+static int amx_k_tile16(const uint32_t *s, int64_t ss, uint32_t *d, int64_t D2) {
+#if defined(__SSE2__)
+  if ((uintptr_t)d % 64 || D2 % 4) return 0;
+  int64_t c0 = 0;
+#if defined(HAVE_AVX512_PATH)
+  if (cart_kv_simd(-1) >= 1) c0 = amx_k_tile16_avx512(s, ss, d, D2);
+#endif
+  amx_k_tile16_sse2(s, ss, d, c0, D2);
+  return 1;
+#else
+  (void)s; (void)ss; (void)d; (void)D2;
+  return 0;
+#endif
+}
+
+/* "amx" V, to the cache, a run starting at an even offset with an even length: group by group
+ * (16 columns), each token pair interleaved into one 64-byte line, so every group's region is
+ * written front to back (pair by pair across groups jumped 8 regions apart: ~1.5x slower). */
+static int amx_v_run(const uint16_t *rows, int64_t ts, uint16_t *v_reg, int64_t n, int64_t off, int64_t bs,
+                     int64_t D) {
+#if defined(__SSE2__)
+  if (off % 2 || n % 2 || (uintptr_t)v_reg % 16) return 0;
+  for (int64_t g = 0; g < D / 16; ++g) {
+    uint16_t *d = v_reg + g * bs * 16 + (off / 2) * 32;
+    for (int64_t t = 0; t < n; t += 2, d += 32) {
+      const uint16_t *x = rows + t * ts + g * 16, *y = x + ts;
+      __m128i x0 = _mm_loadu_si128((const __m128i *)x), y0 = _mm_loadu_si128((const __m128i *)y);
+      __m128i x1 = _mm_loadu_si128((const __m128i *)(x + 8)), y1 = _mm_loadu_si128((const __m128i *)(y + 8));
+      _mm_stream_si128((__m128i *)(d + 0), _mm_unpacklo_epi16(x0, y0));
+      _mm_stream_si128((__m128i *)(d + 8), _mm_unpackhi_epi16(x0, y0));
+      _mm_stream_si128((__m128i *)(d + 16), _mm_unpacklo_epi16(x1, y1));
+      _mm_stream_si128((__m128i *)(d + 24), _mm_unpackhi_epi16(x1, y1));
+    }
+  }
+  return 1;
+#else
+  (void)rows; (void)ts; (void)v_reg; (void)n; (void)off; (void)bs; (void)D;
+  return 0;
+#endif
+}
+
 /* "amx" V, to the cache: tokens o, o+1 (both present) interleaved per 16-column group. */
 static void amx_v_pair(const uint16_t *a, const uint16_t *b, uint16_t *v_reg, int64_t o, int64_t bs,
                        int64_t D) {
@@ -155,13 +287,16 @@ static void amx_run(int to_cache, uint16_t *k_reg, uint16_t *v_reg, uint16_t *k_
   for (int64_t t0 = 0; t0 < n;) {  /* K: a 16-token tile at a time */
     const int64_t o = off + t0, r0 = o % 16, cnt = (16 - r0 < n - t0) ? 16 - r0 : n - t0;
     uint32_t *tile = k_reg32 + (o / 16) * 8 * D + r0;  /* [D / 2][16] pairs */
-    if (to_cache)
+    if (to_cache && cnt == 16 && amx_k_tile16(k_rows32 + t0 * (ts / 2), ts / 2, tile, D / 2))
+      ;
+    else if (to_cache)
       transpose_u32(k_rows32 + t0 * (ts / 2), ts / 2, tile, 16, cnt, D / 2);
     else
       transpose_u32(tile, 16, k_rows32 + t0 * (ts / 2), ts / 2, D / 2, cnt);
     t0 += cnt;
   }
-  for (int64_t t = 0; t < n;) {  /* V */
+  if (to_cache && amx_v_run(v_rows, ts, v_reg, n, off, bs, D)) return;
+  for (int64_t t = 0; t < n;) {  /* V: odd starts and lengths, and from the cache */
     const int64_t o = off + t;
     if (to_cache && o % 2 == 0 && t + 1 < n) {
       amx_v_pair(v_rows + t * ts, v_rows + (t + 1) * ts, v_reg, o, bs, D);
@@ -180,7 +315,7 @@ static void amx_run(int to_cache, uint16_t *k_reg, uint16_t *v_reg, uint16_t *k_
   }
 }
 
-int cart_kv_abi_version(void) { return 3; }
+int cart_kv_abi_version(void) { return 4; }
 
 enum { LAYOUT_K_TRANSPOSED = 0, LAYOUT_AMX_TILES = 1 };
 
