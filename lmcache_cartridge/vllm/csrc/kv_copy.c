@@ -89,17 +89,24 @@ static inline void tile8x8_u16(const uint16_t *s, int64_t ss, uint16_t *d, int64
   TILE_STORE(nt, d + 7 * ds, _mm_unpackhi_epi64(c3, c7));
 }
 
-static inline void tile4x4_u32(const uint32_t *s, int64_t ss, uint32_t *d, int64_t ds, int nt) {
+/* Four rows of four 32-bit elements at s (stride ss) -> o[0..3], o[j] = column j. */
+static inline void load4x4_u32_t(const uint32_t *s, int64_t ss, __m128i o[4]) {
   __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * ss));
   __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * ss));
   __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * ss));
   __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * ss));
   __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);
   __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
-  TILE_STORE(nt, d + 0 * ds, _mm_unpacklo_epi64(b0, b2));
-  TILE_STORE(nt, d + 1 * ds, _mm_unpackhi_epi64(b0, b2));
-  TILE_STORE(nt, d + 2 * ds, _mm_unpacklo_epi64(b1, b3));
-  TILE_STORE(nt, d + 3 * ds, _mm_unpackhi_epi64(b1, b3));
+  o[0] = _mm_unpacklo_epi64(b0, b2);
+  o[1] = _mm_unpackhi_epi64(b0, b2);
+  o[2] = _mm_unpacklo_epi64(b1, b3);
+  o[3] = _mm_unpackhi_epi64(b1, b3);
+}
+
+static inline void tile4x4_u32(const uint32_t *s, int64_t ss, uint32_t *d, int64_t ds, int nt) {
+  __m128i o[4];
+  load4x4_u32_t(s, ss, o);
+  for (int j = 0; j < 4; ++j) TILE_STORE(nt, d + j * ds, o[j]);
 }
 #endif
 
@@ -160,21 +167,10 @@ static int transpose_any(int elem, const char *src, int64_t ss, char *dst, int64
  * back in one go: interleaving partial lines cost ~15% here. */
 static void amx_k_tile16_sse2(const uint32_t *s, int64_t ss, uint32_t *d, int64_t c0, int64_t D2) {
   for (; c0 < D2; c0 += 4) {
-    __m128i o[16];
-    for (int q = 0; q < 4; ++q) {
-      const uint32_t *p = s + 4 * q * ss + c0;
-      __m128i a0 = _mm_loadu_si128((const __m128i *)(p + 0 * ss));
-      __m128i a1 = _mm_loadu_si128((const __m128i *)(p + 1 * ss));
-      __m128i a2 = _mm_loadu_si128((const __m128i *)(p + 2 * ss));
-      __m128i a3 = _mm_loadu_si128((const __m128i *)(p + 3 * ss));
-      __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);
-      __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
-      o[0 * 4 + q] = _mm_unpacklo_epi64(b0, b2);
-      o[1 * 4 + q] = _mm_unpackhi_epi64(b0, b2);
-      o[2 * 4 + q] = _mm_unpacklo_epi64(b1, b3);
-      o[3 * 4 + q] = _mm_unpackhi_epi64(b1, b3);
-    }
-    for (int i = 0; i < 16; ++i) _mm_stream_si128((__m128i *)(d + (c0 + i / 4) * 16 + (i % 4) * 4), o[i]);
+    __m128i o[4][4];  /* o[q][j]: column c0 + j of tokens 4q..4q+3 */
+    for (int q = 0; q < 4; ++q) load4x4_u32_t(s + 4 * q * ss + c0, ss, o[q]);
+    for (int j = 0; j < 4; ++j)
+      for (int q = 0; q < 4; ++q) _mm_stream_si128((__m128i *)(d + (c0 + j) * 16 + q * 4), o[q][j]);
   }
 }
 #endif
