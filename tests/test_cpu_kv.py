@@ -279,6 +279,39 @@ def test_reads_what_vllm_wrote_and_writes_what_vllm_writes(data, start, isa, pat
         assert conn.stats["block_copies" if start == 0 else "partial_copies"] > 0
 
 
+@pytest.mark.parametrize("start", [0, 37])
+def test_native_copy_split_over_threads_writes_what_vllm_writes(data, isa, start, monkeypatch):
+    """Layers x runs split over 2 OpenMP threads (torch's runtime): runs that share a block (the
+    odd start, fragmented slots) are written by different threads; bytes must still be vLLM's."""
+    if native.kernel() is None:
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    if not native.openmp():
+        pytest.skip("the kernel was built without OpenMP here")
+    k, v, slots = data
+    slots = (slots + start)[: 512]
+    fragmented = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(2))[:88]
+    slots = torch.cat([slots, fragmented[~torch.isin(fragmented, slots)]])
+    k, v = k[:, :len(slots)], v[:, :len(slots)]
+    ref = vllm_written(k, v, slots, isa)
+    monkeypatch.setattr(CpuPagedKVConnector, "PARALLEL_MIN_BYTES", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        conn = connector("native")
+        mine = [torch.zeros_like(c) for c in ref]
+        obj = lmc(k, v, 0, len(slots))
+        conn.batched_to_gpu([Obj(obj)], [0], [len(slots)], kvcaches=mine, slot_mapping=slots, req_id="r")
+        out = Obj(torch.empty_like(obj))
+        conn.batched_from_gpu([out], [0], [len(slots)], kvcaches=ref, slot_mapping=slots)
+    finally:
+        torch.set_num_threads(threads)
+    assert not conn.failed_loads
+    assert conn.stats["native_threads_max"] == 2
+    for r, m in zip(ref, mine):
+        assert torch.equal(r.view(torch.int16), m.view(torch.int16))
+    assert torch.equal(out.tensor.view(torch.int16), obj.view(torch.int16))
+
+
 def test_never_overwrites_tokens_vllm_already_has(data, isa, path):
     k, v, slots = data
     caches = [torch.full((NB, H, BS, 2 * D), 7.0, dtype=DT) for _ in range(L)]

@@ -138,6 +138,10 @@ class CpuPagedKVConnector(GPUConnectorInterface):
 
     # A chunk split into more runs than this fraction of its tokens goes per-slot in one scatter.
     SCATTER_RUN_FRACTION = 0.125
+    # Native copies of at least this many bytes are split over torch's intra-op threads (in vLLM's
+    # worker: the cores VLLM_CPU_OMP_THREADS_BIND gave it); below it a thread team costs more than
+    # it saves.
+    PARALLEL_MIN_BYTES = 1 << 20
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto") -> None:
@@ -155,7 +159,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         self._copy_lock = threading.Lock()
         self.failed_loads: dict[str, str] = {}
         self.stats = {"block_copies": 0, "partial_copies": 0, "scatter_tokens": 0, "native_copies": 0,
-                      "writer_copies": 0, "gather_copies": 0, "load_failures": 0}
+                      "writer_copies": 0, "gather_copies": 0, "load_failures": 0, "native_threads_max": 0}
         # False: never use the native kernel (benchmarks and tests compare both paths).
         self.use_native = True
         self._ptr_cache: Optional[tuple] = None
@@ -384,12 +388,15 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             # torch indexing would raise here; C would write out of bounds
             raise ValueError(f"slot mapping points past vLLM's {nb} KV blocks")
         elem = kvcaches[0].element_size()
+        nbytes = int((rows[:, 5] - rows[:, 4]).sum()) * 2 * len(kvcaches) * h * self.head_dim * elem
+        threads = torch.get_num_threads() if nbytes >= self.PARALLEL_MIN_BYTES else 1
         rc = lib.cart_kv_copy(_NATIVE_LAYOUT[layout.kind], 1 if to_cache else 0, elem, self._layer_pointers(kvcaches),
-                              len(kvcaches), h, self.head_dim, bs, rows.ctypes.data, rows.shape[0])
+                              len(kvcaches), h, self.head_dim, bs, rows.ctypes.data, rows.shape[0], threads)
         if rc != 0:
             raise RuntimeError(f"native KV copy failed (rc {rc}, element size {elem})")
         full = int(((rows[:, 7] == 0) & (rows[:, 5] - rows[:, 4] == bs)).sum())
         self.stats["native_copies"] += rows.shape[0]
+        self.stats["native_threads_max"] = max(self.stats["native_threads_max"], threads)
         self.stats["block_copies"] += full
         self.stats["partial_copies"] += rows.shape[0] - full
 

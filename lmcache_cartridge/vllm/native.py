@@ -2,8 +2,11 @@
 
 Why: the K transpose of vLLM-CPU's "vec"/"vec16" layout (and "amx"'s tiles) is the whole cost of injecting a
 cartridge on the CPU backend, and torch's strided copy does it at a fraction of memory speed.
-The kernel is one small C file built with the system C compiler (`cc -O3 -shared -fPIC`, no
-torch headers, no Python headers) and called through ctypes, which releases the GIL. Nothing
+The kernel is one small C file built with the system C compiler (`cc -O3 -shared -fPIC -fopenmp`,
+no torch headers, no Python headers; without OpenMP it is built single-threaded) and called
+through ctypes, which releases the GIL. With OpenMP it runs on torch's OpenMP runtime (the same
+`libgomp.so.1`, loaded once per process), so a copy split over `torch.get_num_threads()` threads
+in vLLM's worker uses the worker's own cores. Nothing
 depends on it: `cpu_kv` falls back to its pure-torch copy, which is always correct, when the
 compiler or the library is missing, or when `LMCACHE_CARTRIDGE_NATIVE=0`.
 
@@ -36,9 +39,10 @@ from lmcache_cartridge.paths import cache_root
 logger = logging.getLogger("lmcache_cartridge.vllm.native")
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_copy.c"
-ABI_VERSION = 4
+ABI_VERSION = 5
 ENV_SWITCH = "LMCACHE_CARTRIDGE_NATIVE"  # "0" disables the kernel (pure-torch copy)
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-Wall")
+OPENMP = ("-fopenmp",)  # tried first; a compiler without OpenMP builds the single-threaded kernel
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -47,7 +51,7 @@ _why_not: Optional[str] = None
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + OPENMP).encode()).hexdigest()[:16]
     return cache_root() / "native" / f"kv_copy-{digest}-{platform.machine()}.so"
 
 
@@ -63,10 +67,15 @@ def build(force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=out.name, suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
+        for flags in (CFLAGS + OPENMP, CFLAGS):
+            p = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+            if p.returncode == 0:
+                break
+            logger.info("lmcache_cartridge: building %s with %s failed: %s", SOURCE.name, " ".join(flags),
+                        p.stderr.strip()[-500:])
+        else:
+            raise RuntimeError(f"building {SOURCE.name} failed: {p.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"building {SOURCE.name} failed: {e.stderr.strip()[-2000:]}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -80,7 +89,9 @@ def _load(path: Path) -> ctypes.CDLL:
         raise RuntimeError(f"{path} has ABI {lib.cart_kv_abi_version()}, expected {ABI_VERSION}")
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.cart_kv_copy.restype = ctypes.c_int
-    lib.cart_kv_copy.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, p, i64, i64, i64, i64, p, i64]
+    lib.cart_kv_copy.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, p, i64, i64, i64, i64, p, i64,
+                                 ctypes.c_int]
+    lib.cart_kv_openmp.restype = ctypes.c_int
     lib.cart_kv_simd.restype = ctypes.c_int
     lib.cart_kv_simd.argtypes = [ctypes.c_int]
     return lib
@@ -117,6 +128,12 @@ def simd(level: Optional[str] = None) -> Optional[str]:
     if lib is None:
         return None
     return SIMD_LEVELS[lib.cart_kv_simd(-1 if level is None else SIMD_LEVELS.index(level))]
+
+
+def openmp() -> bool:
+    """Whether the loaded kernel splits copies over OpenMP threads (False when unavailable)."""
+    lib = kernel()
+    return bool(lib is not None and lib.cart_kv_openmp())
 
 
 def unavailable_reason() -> Optional[str]:

@@ -311,9 +311,39 @@ static void amx_run(int to_cache, uint16_t *k_reg, uint16_t *v_reg, uint16_t *k_
   }
 }
 
-int cart_kv_abi_version(void) { return 4; }
+int cart_kv_abi_version(void) { return 5; }
 
 enum { LAYOUT_K_TRANSPOSED = 0, LAYOUT_AMX_TILES = 1 };
+
+/* One (layer, run) item: every head of one run of one layer. */
+static void copy_item(int layout, int to_cache, int elem, char *const *caches, int64_t l, int64_t H, int64_t D,
+                      int64_t bs, const int64_t *r) {
+  const int64_t region = bs * D;
+  char *obj = (char *)(intptr_t)r[0];
+  const int64_t kv_stride = r[1], layer_stride = r[2], tok_stride = r[3];
+  const int64_t a = r[4], e = r[5], blk = r[6], off = r[7];
+  const int64_t n = e - a;
+  char *k_obj = obj + (l * layer_stride) * elem;
+  char *v_obj = obj + (kv_stride + l * layer_stride) * elem;
+  for (int64_t h = 0; h < H; ++h) {
+    char *k_reg = caches[l] + ((blk * H + h) * 2) * region * elem;
+    char *v_reg = k_reg + region * elem;
+    char *k_rows = k_obj + (a * tok_stride + h * D) * elem;
+    char *v_rows = v_obj + (a * tok_stride + h * D) * elem;
+    if (layout == LAYOUT_AMX_TILES) {
+      amx_run(to_cache, (uint16_t *)k_reg, (uint16_t *)v_reg, (uint16_t *)k_rows, (uint16_t *)v_rows,
+              tok_stride, n, off, bs, D);
+    } else if (to_cache) {
+      transpose_any(elem, k_rows, tok_stride, k_reg + off * elem, bs, n, D);
+      for (int64_t t = 0; t < n; ++t)
+        copy_row(v_reg + (off + t) * D * elem, v_rows + t * tok_stride * elem, D * elem);
+    } else {
+      transpose_any(elem, k_reg + off * elem, bs, k_rows, tok_stride, D, n);
+      for (int64_t t = 0; t < n; ++t)
+        copy_row(v_rows + t * tok_stride * elem, v_reg + (off + t) * D * elem, D * elem);
+    }
+  }
+}
 
 /* Each run is 8 int64: (obj, kv_stride, layer_stride, tok_stride, token_start, token_end, block,
  * offset): a memory object's base address, its strides in elements, and a stretch of its tokens
@@ -324,9 +354,16 @@ enum { LAYOUT_K_TRANSPOSED = 0, LAYOUT_AMX_TILES = 1 };
  *   V region    = caches[l] + ((block * H + h) * 2 + 1) * bs * D * elem
  * (the regions' interior as `layout` says). to_cache != 0 copies objects -> caches, else
  * caches -> objects. Runs of several memory objects go in one call (one retrieve = one call).
- * Returns 0, -1 on a bad element size, -2 on shapes the layout does not cover. */
+ *
+ * threads > 1 splits the (layer, run) items over that many OpenMP threads. Built with -fopenmp in
+ * a process that has loaded torch, this is torch's own OpenMP runtime (same soname, loaded once),
+ * so a call from vLLM's worker thread runs on the worker's thread pool, bound to the cores vLLM
+ * gave it: vLLM's own writer runs there too, and a one-thread copy loses to it on a many-core
+ * worker. Items never write the same bytes (runs hold distinct slots), so any split is correct.
+ * Without OpenMP the call is single-threaded. Returns 0, -1 on a bad element size, -2 on shapes
+ * the layout does not cover. */
 int cart_kv_copy(int layout, int to_cache, int elem, char *const *caches, int64_t L, int64_t H,
-                 int64_t D, int64_t bs, const int64_t *runs, int64_t nruns) {
+                 int64_t D, int64_t bs, const int64_t *runs, int64_t nruns, int threads) {
   if (elem != 1 && elem != 2 && elem != 4 && elem != 8) return -1;
   if (layout == LAYOUT_AMX_TILES) {
     if (elem != 2 || D % 16 || bs % 16) return -2;
@@ -335,38 +372,31 @@ int cart_kv_copy(int layout, int to_cache, int elem, char *const *caches, int64_
   } else if (layout != LAYOUT_K_TRANSPOSED) {
     return -2;
   }
-  const int64_t region = bs * D;
-  for (int64_t l = 0; l < L; ++l) {
-    for (int64_t i = 0; i < nruns; ++i) {
-      const int64_t *r = runs + 8 * i;
-      char *obj = (char *)(intptr_t)r[0];
-      const int64_t kv_stride = r[1], layer_stride = r[2], tok_stride = r[3];
-      const int64_t a = r[4], e = r[5], blk = r[6], off = r[7];
-      const int64_t n = e - a;
-      char *k_obj = obj + (l * layer_stride) * elem;
-      char *v_obj = obj + (kv_stride + l * layer_stride) * elem;
-      for (int64_t h = 0; h < H; ++h) {
-        char *k_reg = caches[l] + ((blk * H + h) * 2) * region * elem;
-        char *v_reg = k_reg + region * elem;
-        char *k_rows = k_obj + (a * tok_stride + h * D) * elem;
-        char *v_rows = v_obj + (a * tok_stride + h * D) * elem;
-        if (layout == LAYOUT_AMX_TILES) {
-          amx_run(to_cache, (uint16_t *)k_reg, (uint16_t *)v_reg, (uint16_t *)k_rows, (uint16_t *)v_rows,
-                  tok_stride, n, off, bs, D);
-        } else if (to_cache) {
-          transpose_any(elem, k_rows, tok_stride, k_reg + off * elem, bs, n, D);
-          for (int64_t t = 0; t < n; ++t)
-            copy_row(v_reg + (off + t) * D * elem, v_rows + t * tok_stride * elem, D * elem);
-        } else {
-          transpose_any(elem, k_reg + off * elem, bs, k_rows, tok_stride, D, n);
-          for (int64_t t = 0; t < n; ++t)
-            copy_row(v_rows + t * tok_stride * elem, v_reg + (off + t) * D * elem, D * elem);
-        }
-      }
-    }
-  }
-#if defined(__SSE2__)
-  _mm_sfence(); /* streaming stores visible before the caller (and attention) reads */
+  const int64_t items = L * nruns;
+  (void)threads;
+  (void)cart_kv_simd(-1);  /* detected here, once, before any thread reads it */
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads > 1 ? threads : 1) if (threads > 1)
 #endif
+  {
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+    for (int64_t it = 0; it < items; ++it)
+      copy_item(layout, to_cache, elem, caches, it / nruns, H, D, bs, runs + 8 * (it % nruns));
+#if defined(__SSE2__)
+    _mm_sfence(); /* each thread's streaming stores visible before the caller (and attention) reads */
+#endif
+  }
   return 0;
 }
+
+/* 1 if this build splits copies over OpenMP threads, else 0. */
+int cart_kv_openmp(void) {
+#if defined(_OPENMP)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
