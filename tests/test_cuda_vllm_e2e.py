@@ -53,6 +53,8 @@ class CudaServer(e2e.Server):
     `register` (the CPU harness's) waits on the serving state the plugins publish, not on a log
     line: on vLLM 0.26 (CUDA, H100) no `lmcache_cartridge` log line reached the server log."""
 
+    cpu_kv_threads = 0  # LMCache's CUDA connector copies, not the CPU one
+
     def __init__(self, root, model_dir) -> None:
         from lmcache_cartridge.store.registry import Registry
         from lmcache_cartridge.testing.launch import VllmServer, lmcache_config

@@ -49,14 +49,22 @@ USER_TEXT = "Question: what does the document say about the harbor and the old k
 class Server(VllmServer):
     """The module's server: LMCache + plugin + CartridgeConnector, prefix caching off."""
 
+    cpu_kv_threads = 0  # threads the CPU connector's copies split over (set from the bind below)
+
     def __init__(self, root: Path, model_dir: Path, **server_args) -> None:
         from lmcache_cartridge.store.registry import Registry
 
         self.model_dir = model_dir
         self.registry_path = root / "registry.db"
         self.registry = Registry(self.registry_path)
+        # Every native copy split over the worker's OpenMP threads (2 with the default "0-1" bind),
+        # so the HF-reference checks cover the parallel copy inside vLLM's worker.
+        extra_env = {"LMCACHE_CARTRIDGE_PARALLEL_MIN_BYTES": "0", **server_args.pop("extra_env", {})}
         super().__init__(root, str(model_dir), lmcache=lmcache_config(self.registry_path, chunk_size=CHUNK),
-                         **server_args)
+                         extra_env=extra_env, **server_args)
+        # VLLM_CPU_OMP_THREADS_BIND: "0-1" = one worker on cores 0 and 1; "0|1" = a core per TP rank
+        first_rank = self.threads_bind.split("|")[0].split(",")
+        self.cpu_kv_threads = sum(int(b or a) - int(a) + 1 for a, _, b in (p.partition("-") for p in first_rank))
 
     # --- API ---------------------------------------------------------------------------------
     def complete(self, prompt_ids: list[int], *, skip_save: bool = True, max_tokens: int = MAX_TOKENS) -> dict:
@@ -198,6 +206,11 @@ def test_first_k_cartridge_matches_recompute_and_comes_from_lmcache(server, hf, 
     assert "KV load failed" not in server.log_text(), server.log_tail()
     assert got["text"] == base["text"]
     assert d <= FIRST_K_MAX_TOL, (base, got)
+    from lmcache_cartridge.vllm import native
+
+    if native.openmp() and server.cpu_kv_threads > 1:  # the worker's OpenMP threads copied it
+        assert f"native KV copy split over {server.cpu_kv_threads} threads (OpenMP: True)" in server.log_text(), \
+            server.log_tail()
 
 
 def _trained_kv(seed: int) -> torch.Tensor:

@@ -88,8 +88,9 @@ class VllmServer:
     def __init__(self, root: Path, model: str, *, lmcache: dict[str, Any] | None = None,
                  prefix_caching: bool = False, max_model_len: int = 2048, threads_bind: str = "0-1",
                  kv_cache_gb: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
-                 kv_extra: dict[str, Any] | None = None) -> None:
+                 kv_extra: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None) -> None:
         self.root, self.model = Path(root), str(model)
+        self.threads_bind = threads_bind
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -112,6 +113,7 @@ class VllmServer:
             "VLLM_CACHE_ROOT": str(self.root / "vcache"),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            **(extra_env or {}),
         })
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",

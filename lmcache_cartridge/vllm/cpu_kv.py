@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from typing import Any, Optional
 
@@ -140,8 +141,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     SCATTER_RUN_FRACTION = 0.125
     # Native copies of at least this many bytes are split over torch's intra-op threads (in vLLM's
     # worker: the cores VLLM_CPU_OMP_THREADS_BIND gave it); below it a thread team costs more than
-    # it saves.
-    PARALLEL_MIN_BYTES = 1 << 20
+    # it saves. The environment variable lowers it (the end-to-end tests split every copy).
+    PARALLEL_MIN_BYTES = int(os.environ.get("LMCACHE_CARTRIDGE_PARALLEL_MIN_BYTES", 1 << 20))
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto") -> None:
@@ -396,6 +397,9 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             raise RuntimeError(f"native KV copy failed (rc {rc}, element size {elem})")
         full = int(((rows[:, 7] == 0) & (rows[:, 5] - rows[:, 4] == bs)).sum())
         self.stats["native_copies"] += rows.shape[0]
+        if threads > max(self.stats["native_threads_max"], 1):  # logged once per new high
+            logger.info("lmcache_cartridge: native KV copy split over %d threads (OpenMP: %s)", threads,
+                        native.openmp())
         self.stats["native_threads_max"] = max(self.stats["native_threads_max"], threads)
         self.stats["block_copies"] += full
         self.stats["partial_copies"] += rows.shape[0] - full
