@@ -187,6 +187,30 @@ def test_native_kernel_builds_where_a_compiler_exists():
     assert native.kernel() is not None, native.unavailable_reason()
 
 
+def check_against_writer(path: str, isa: str, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    """Load `[L, t, heads, hd]` K/V at `slots` (8 blocks of 128) through the connector and compare
+    the caches with vLLM's `isa` writer's, byte for byte; store them back and compare the object."""
+    heads, hd, dt = k.shape[2], k.shape[3], k.dtype
+    ref = []
+    for layer in range(L):
+        c = torch.zeros(8, heads, 128, 2 * hd, dtype=dt)
+        kc, vc = c.view(8, heads, 256, hd).chunk(2, dim=2)
+        vllm_ops.cpu_attn_reshape_and_cache(k[layer].contiguous(), v[layer].contiguous(), kc, vc, slots, isa)
+        ref.append(c)
+    conn = connector(path, L, heads, hd, dt)
+    mine = [torch.zeros_like(c) for c in ref]
+    obj = torch.stack([k, v]).flatten(-2).contiguous()
+    t = slots.numel()
+    conn.batched_to_gpu([Obj(obj)], [0], [t], kvcaches=mine, slot_mapping=slots, req_id="r")
+    assert not conn.failed_loads
+    for r, m in zip(ref, mine):
+        assert torch.equal(r.view(torch.uint8), m.view(torch.uint8)), (isa, slots[0])
+    out = Obj(torch.empty_like(obj))
+    conn.batched_from_gpu([out], [0], [t], kvcaches=ref, slot_mapping=slots)
+    assert torch.equal(out.tensor.view(torch.uint8), obj.view(torch.uint8)), (isa, slots[0])
+    return conn
+
+
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("hd", [64, 80, 128])
 def test_native_and_torch_paths_write_vllms_bytes_for_each_dtype_and_head_dim(path, dt, hd):
@@ -197,23 +221,7 @@ def test_native_and_torch_paths_write_vllms_bytes_for_each_dtype_and_head_dim(pa
     v = torch.randn(L, t, heads, hd, generator=g).to(dt)
     blocks = [3, 1, 6, 4]
     slots = torch.tensor([blocks[(i + 37) // 128] * 128 + (i + 37) % 128 for i in range(t)])
-    isa = cpu_kv.current_attn_isa(dt, 128, hd)
-    ref = []
-    for layer in range(L):
-        c = torch.zeros(8, heads, 128, 2 * hd, dtype=dt)
-        kc, vc = c.view(8, heads, 256, hd).chunk(2, dim=2)
-        vllm_ops.cpu_attn_reshape_and_cache(k[layer].contiguous(), v[layer].contiguous(), kc, vc, slots, isa)
-        ref.append(c)
-    conn = connector(path, L, heads, hd, dt)
-    mine = [torch.zeros_like(c) for c in ref]
-    obj = torch.stack([k, v]).flatten(-2).contiguous()
-    conn.batched_to_gpu([Obj(obj)], [0], [t], kvcaches=mine, slot_mapping=slots, req_id="r")
-    assert not conn.failed_loads
-    for r, m in zip(ref, mine):
-        assert torch.equal(r.view(torch.uint8), m.view(torch.uint8))
-    out = Obj(torch.empty_like(obj))
-    conn.batched_from_gpu([out], [0], [t], kvcaches=ref, slot_mapping=slots)
-    assert torch.equal(out.tensor.view(torch.uint8), obj.view(torch.uint8))
+    conn = check_against_writer(path, cpu_kv.current_attn_isa(dt, 128, hd), k, v, slots)
     assert (conn.stats["native_copies"] > 0) == (path == "native")
 
 
@@ -232,22 +240,7 @@ def test_amx_tiles_at_other_head_dims_match_vllms_writer(path, hd, monkeypatch):
     v = torch.randn(L, t, heads, hd, generator=g).to(DT)
     for first in (0, 37):
         slots = torch.tensor([[3, 1, 6, 4][(i + first) // 128] * 128 + (i + first) % 128 for i in range(t)])
-        ref = []
-        for layer in range(L):
-            c = torch.zeros(8, heads, 128, 2 * hd, dtype=DT)
-            kc, vc = c.view(8, heads, 256, hd).chunk(2, dim=2)
-            vllm_ops.cpu_attn_reshape_and_cache(k[layer].contiguous(), v[layer].contiguous(), kc, vc, slots, "amx")
-            ref.append(c)
-        conn = connector(path, L, heads, hd, DT)
-        mine = [torch.zeros_like(c) for c in ref]
-        obj = torch.stack([k, v]).flatten(-2).contiguous()
-        conn.batched_to_gpu([Obj(obj)], [0], [t], kvcaches=mine, slot_mapping=slots, req_id="r")
-        assert not conn.failed_loads
-        for r, m in zip(ref, mine):
-            assert torch.equal(r.view(torch.int16), m.view(torch.int16)), first
-        out = Obj(torch.empty_like(obj))
-        conn.batched_from_gpu([out], [0], [t], kvcaches=ref, slot_mapping=slots)
-        assert torch.equal(out.tensor.view(torch.int16), obj.view(torch.int16)), first
+        check_against_writer(path, "amx", k, v, slots)
 
 
 @pytest.mark.parametrize("start", [0, 100, 37])  # chunk aligned to a block / mid-block / at an odd offset
