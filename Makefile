@@ -41,7 +41,7 @@ $(ROUTER_VENV)/.installed:
 	touch $@
 
 test: $(STAMP) $(ROUTER_VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 # `make demo MODEL_DIR=/path/to/local/hf-model` runs it on your own model; `make demo FAMILY=qwen2`
 # on the built-in tiny Qwen2 instead of the tiny Llama. The servers' logs go to files (printed).
