@@ -305,6 +305,40 @@ def test_native_copy_split_over_threads_writes_what_vllm_writes(data, isa, start
     assert torch.equal(out.tensor.view(torch.int16), obj.view(torch.int16))
 
 
+def test_the_kernel_runs_on_torchs_openmp_runtime_and_on_one_thread_beside_another(data, tmp_path, monkeypatch):
+    """Here the kernel's libgomp is torch's (one thread pool, the one vLLM binds). Where a torch
+    wheel bundles its runtime under another soname the kernel would get a second, unbound pool:
+    it copies on one thread there. A real second runtime stands in for that torch: a copy of the
+    system's libgomp, loaded from its own path."""
+    import ctypes.util
+
+    if native.kernel() is None or not native.kernel().cart_kv_openmp():
+        pytest.skip("the kernel was built without OpenMP here")
+    assert native.same_openmp_runtime(native.kernel(), native.torch_library()) and native.openmp()
+    gomp = ctypes.util.find_library("gomp")
+    found = [p for p in (Path("/usr/lib/x86_64-linux-gnu") / (gomp or ""), Path("/usr/lib64") / (gomp or ""))
+             if gomp and p.is_file()]
+    if not found:
+        pytest.skip("no system libgomp to load as a second runtime")
+    other = tmp_path / "libgomp-other.so.1"
+    other.write_bytes(found[0].read_bytes())
+    assert not native.same_openmp_runtime(native.kernel(), other)
+    monkeypatch.setattr(native, "torch_library", lambda: other)
+    monkeypatch.setattr(native, "_shared_runtime", None)
+    monkeypatch.setattr(CpuPagedKVConnector, "PARALLEL_MIN_BYTES", 0)
+    assert not native.openmp()
+    k, v, slots = data
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        conn = connector("native")
+        mine = [torch.zeros(NB, H, BS, 2 * D, dtype=DT) for _ in range(L)]
+        conn.batched_to_gpu([Obj(lmc(k, v, 0, 512))], [0], [512], kvcaches=mine, slot_mapping=slots[:512], req_id="r")
+    finally:
+        torch.set_num_threads(threads)
+    assert conn.stats["native_copies"] > 0 and conn.stats["native_threads_max"] == 1
+
+
 def test_never_overwrites_tokens_vllm_already_has(data, isa, path):
     k, v, slots = data
     caches = [torch.full((NB, H, BS, 2 * D), 7.0, dtype=DT) for _ in range(L)]

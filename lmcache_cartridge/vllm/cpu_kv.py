@@ -390,7 +390,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             raise ValueError(f"slot mapping points past vLLM's {nb} KV blocks")
         elem = kvcaches[0].element_size()
         nbytes = int((rows[:, 5] - rows[:, 4]).sum()) * 2 * len(kvcaches) * h * self.head_dim * elem
-        threads = torch.get_num_threads() if nbytes >= self.PARALLEL_MIN_BYTES else 1
+        threads = torch.get_num_threads() if nbytes >= self.PARALLEL_MIN_BYTES and native.openmp() else 1
         rc = lib.cart_kv_copy(_NATIVE_LAYOUT[layout.kind], 1 if to_cache else 0, elem, self._layer_pointers(kvcaches),
                               len(kvcaches), h, self.head_dim, bs, rows.ctypes.data, rows.shape[0], threads)
         if rc != 0:

@@ -48,6 +48,7 @@ _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
 _why_not: Optional[str] = None
+_shared_runtime: Optional[bool] = None  # set by openmp(): the kernel's OpenMP runtime is torch's
 
 
 def library_path() -> Path:
@@ -131,9 +132,39 @@ def simd(level: Optional[str] = None) -> Optional[str]:
 
 
 def openmp() -> bool:
-    """Whether the loaded kernel splits copies over OpenMP threads (False when unavailable)."""
+    """Whether the loaded kernel splits copies over OpenMP threads: built with OpenMP, on the same
+    runtime as torch. Some torch wheels bundle their runtime under another soname
+    (`libgomp-<hash>.so.1`); the kernel would then get a second runtime, whose threads vLLM never
+    bound and which would contend with the worker's own, so the copy stays on one thread (logged
+    once). Other libraries' bundled runtimes (sentencepiece ships one) do not matter."""
+    global _shared_runtime
     lib = kernel()
-    return bool(lib is not None and lib.cart_kv_openmp())
+    if lib is None or not lib.cart_kv_openmp():
+        return False
+    if _shared_runtime is None:
+        _shared_runtime = same_openmp_runtime(lib, torch_library())
+        if not _shared_runtime:
+            logger.warning("lmcache_cartridge: the native KV copy kernel's OpenMP runtime is not torch's "
+                           "(%s): it copies on one thread", torch_library())
+    return _shared_runtime
+
+
+def torch_library() -> Path:
+    """torch's CPU library, whose dependencies include the OpenMP runtime torch runs on."""
+    import torch
+
+    return Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+
+
+def same_openmp_runtime(lib: ctypes.CDLL, other: Path) -> bool:
+    """Whether `lib` and the library at `other` resolve `omp_get_max_threads` to the same function
+    (dlsym searches a library and then what it depends on): one runtime, one thread pool."""
+    try:
+        theirs = ctypes.CDLL(str(other)).omp_get_max_threads
+        return ctypes.cast(lib.omp_get_max_threads, ctypes.c_void_p).value == \
+            ctypes.cast(theirs, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return False
 
 
 def unavailable_reason() -> Optional[str]:
