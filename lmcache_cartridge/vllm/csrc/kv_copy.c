@@ -283,12 +283,11 @@ static void amx_run(int to_cache, uint16_t *k_reg, uint16_t *v_reg, uint16_t *k_
   for (int64_t t0 = 0; t0 < n;) {  /* K: a 16-token tile at a time */
     const int64_t o = off + t0, r0 = o % 16, cnt = (16 - r0 < n - t0) ? 16 - r0 : n - t0;
     uint32_t *tile = k_reg32 + (o / 16) * 8 * D + r0;  /* [D / 2][16] pairs */
-    if (to_cache && cnt == 16 && amx_k_tile16(k_rows32 + t0 * (ts / 2), ts / 2, tile, D / 2))
-      ;
-    else if (to_cache)
-      transpose_u32(k_rows32 + t0 * (ts / 2), ts / 2, tile, 16, cnt, D / 2);
-    else
-      transpose_u32(tile, 16, k_rows32 + t0 * (ts / 2), ts / 2, D / 2, cnt);
+    uint32_t *rows = k_rows32 + t0 * (ts / 2);
+    if (!to_cache)
+      transpose_u32(tile, 16, rows, ts / 2, D / 2, cnt);
+    else if (cnt < 16 || !amx_k_tile16(rows, ts / 2, tile, D / 2))  /* partial or unaligned tile */
+      transpose_u32(rows, ts / 2, tile, 16, cnt, D / 2);
     t0 += cnt;
   }
   if (to_cache && amx_v_run(v_rows, ts, v_reg, n, off, bs, D)) return;
