@@ -6,8 +6,14 @@
 Same bytes (a cartridge of `--tokens` tokens in 256-token `KV_2LTD` chunks), same destination
 (vLLM-CPU's per-layer `[blocks, kv_heads, block_size, 2*head_dim]` caches), one run, these arms:
 
-- `ours`: `CpuPagedKVConnector.batched_to_gpu`, what LMCache calls on retrieve, with the native
-  tiled-transpose kernel (`lmcache_cartridge/vllm/csrc/kv_copy.c`; absent if it cannot be built);
+- `ours-blocks`: `CpuPagedKVConnector.batched_to_gpu` on memory objects that hold vLLM's own
+  blocks (`cpu_kv.EngineBlocks`, what LMCache's CPU cache holds in vLLM's worker once a chunk
+  was served or stored): whole-block copies (`cart_kv_blocks`);
+- `encode`: the conversion of the same `KV_2LTD` chunks into such objects (what the plugin does
+  once per chunk on a first hit, on its reader threads), for the first hit's cost;
+- `ours`: the same connector on `KV_2LTD` objects (LMCache's layout, what it loads where engine
+  blocks are off), with the native tiled-transpose kernel (`lmcache_cartridge/vllm/csrc/kv_copy.c`;
+  absent if it cannot be built);
 - `ours-sse2`: the same kernel held to SSE2 (`native.simd("sse2")`), on CPUs where it picks
   AVX-512: what a CPU without AVX-512 runs, and what AVX-512 gains ("amx"'s K tiles use it);
 - `ours-torch`: the same connector on its pure-torch fallback (`LMCACHE_CARTRIDGE_NATIVE=0`);
@@ -91,6 +97,7 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
         return [torch.zeros(nb, kv_heads, block_size, 2 * head_dim, dtype=dt) for _ in range(layers)]
 
     ours_caches, sse2_caches, torch_caches, op_caches = caches(), caches(), caches(), caches()
+    blocks_caches = caches()
     real_isa = cpu_kv.current_attn_isa
     cpu_kv.current_attn_isa = lambda *a, **kw: isa  # the layout under test (vLLM's pick by default)
     try:
@@ -99,8 +106,14 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
         conn_torch = CpuPagedKVConnector(layers, kv_heads, head_dim, dt)
         conn_torch.use_native = False
         conn_torch.check_layout(torch_caches)
+        conn_blocks = CpuPagedKVConnector(layers, kv_heads, head_dim, dt)
+        conn_blocks.check_layout(blocks_caches)
+        engine_blocks = conn_blocks.declare_engine_blocks()
+        conn_blocks.withdraw_engine_blocks()  # keep the encoder, not the process-wide declaration
+        conn_blocks.engine_blocks = engine_blocks
     finally:
         cpu_kv.current_attn_isa = real_isa
+    block_objs = [_Obj(torch.empty_like(c)) for c in chunks]
 
     def load(c, dst):
         c.batched_to_gpu(objs, starts, ends, kvcaches=dst, slot_mapping=slots, req_id="bench")
@@ -109,6 +122,16 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
 
     def ours():
         load(conn, ours_caches)
+
+    def encode():
+        for o, c in zip(block_objs, chunks):
+            engine_blocks.encode(o.tensor, c)
+
+    def ours_blocks():
+        conn_blocks.batched_to_gpu(block_objs, starts, ends, kvcaches=blocks_caches, slot_mapping=slots,
+                                   req_id="bench")
+        if conn_blocks.failed_loads:
+            raise RuntimeError(f"connector refused the load: {conn_blocks.take_failed_loads()}")
 
     def ours_sse2():
         native.simd("sse2")
@@ -147,13 +170,16 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
                            "block_size": block_size, "isa": isa, "bytes": nbytes,
                            "threads": torch.get_num_threads(), "native": native.kernel() is not None, "simd": native.simd(),
                            "native_unavailable": native.unavailable_reason(), "arms": {}}
-    arms = [("ours", ours), ("ours-torch", ours_torch), ("vllm-op", vllm_op), ("transpose", transpose),
-            ("memcpy", memcpy)]
+    encode()  # the objects the block arm loads
+    arms = [("ours-blocks", ours_blocks), ("encode", encode), ("ours", ours), ("ours-torch", ours_torch),
+            ("vllm-op", vllm_op), ("transpose", transpose), ("memcpy", memcpy)]
     if native.simd() == "avx512":
         arms.insert(1, ("ours-sse2", ours_sse2))
     for name, s in _best_interleaved(arms, reps).items():
         out["arms"][name] = {"seconds": s, "gbps": nbytes / s / 1e9}
-    out["caches"] = {"ours": ours_caches, "ours-torch": torch_caches, "vllm-op": op_caches}
+    out["caches"] = {"ours-blocks": blocks_caches, "ours": ours_caches, "ours-torch": torch_caches,
+                     "vllm-op": op_caches}
+    out["engine_block_copies"] = conn_blocks.stats["engine_block_copies"]
     if "ours-sse2" in out["arms"]:
         out["caches"]["ours-sse2"] = sse2_caches
     return out
@@ -179,11 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     r.pop("caches")
     r["ours_equals_vllm_op"] = same
     r["ours_over_memcpy"] = r["arms"]["memcpy"]["seconds"] / r["arms"]["ours"]["seconds"]
+    r["ours_blocks_over_memcpy"] = r["arms"]["memcpy"]["seconds"] / r["arms"]["ours-blocks"]["seconds"]
     print(f"{a.tokens} tokens ({r['bytes'] / 2**20:.0f} MiB) into vLLM-CPU paged KV "
           f"(ISA {r['isa']}, {r['threads']} thread(s), native kernel: "
           f"{r['simd'] or r['native_unavailable']}); every arm's bytes == vllm-op's: {same}")
     for name, x in r["arms"].items():
-        print(f"  {name:10s} {x['seconds'] * 1e3:8.2f} ms  {x['gbps']:6.2f} GB/s  "
+        print(f"  {name:11s} {x['seconds'] * 1e3:8.2f} ms  {x['gbps']:6.2f} GB/s  "
               f"({r['arms']['memcpy']['seconds'] / x['seconds']:.2f}x memcpy speed)")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(r, indent=1) + "\n")

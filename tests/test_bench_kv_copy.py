@@ -17,14 +17,18 @@ from lmcache_cartridge.vllm import native  # noqa: E402
 def test_connector_writes_what_vllm_writes():
     r = kv_copy.run(tokens=512, layers=2, kv_heads=2, head_dim=128, block_size=128, reps=1)
     ours, fallback, theirs = r["caches"]["ours"], r["caches"]["ours-torch"], r["caches"]["vllm-op"]
+    blocks = r["caches"]["ours-blocks"]
     assert len(ours) == 2
-    for a, f, b in zip(ours, fallback, theirs):
+    for a, f, k, b in zip(ours, fallback, blocks, theirs):
         assert a[1:5].any()  # the four blocks the 512 tokens occupy were written
         assert torch.equal(a.view(torch.uint16), b.view(torch.uint16))
         assert torch.equal(f.view(torch.uint16), b.view(torch.uint16))
+        assert torch.equal(k.view(torch.uint16), b.view(torch.uint16))
         assert not a[0].any() and not a[5:].any()  # and nothing else
+    assert r["engine_block_copies"] > 0  # the block arm copied whole blocks
     extra = {"ours-sse2"} if native.simd() == "avx512" else set()  # AVX-512 CPUs: both levels
-    assert set(r["arms"]) == {"ours", "ours-torch", "vllm-op", "transpose", "memcpy"} | extra
+    assert set(r["arms"]) == {"ours-blocks", "encode", "ours", "ours-torch", "vllm-op", "transpose",
+                              "memcpy"} | extra
     for a, b in zip(r["caches"].get("ours-sse2", []), theirs):
         assert torch.equal(a.view(torch.uint16), b.view(torch.uint16))
     assert all(x["seconds"] > 0 for x in r["arms"].values())

@@ -11,6 +11,7 @@ from lmcache_cartridge.errors import ChecksumError
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import LocalOrigin
 from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv
+from lmcache_cartridge.store import residency
 from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, Residency
 
 CHUNK = 16
@@ -299,5 +300,32 @@ def test_layout_conversion_reuses_scratch_buffers_of_mixed_sizes(tmp_path):
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(read, [i % 4 for i in range(200)]))
-    assert len(res._spare) <= 2
+    assert len(res._spare) <= residency._SPARE_SCRATCH
+    res.close()
+
+
+def test_an_encoded_read_fills_the_engine_layout_and_the_tiers_keep_kv_2ltd(tmp_path):
+    """`encode` (a memory object holding an engine layout) replaces the last copy: from the CPU
+    tier's kept bytes directly, from below it through scratch; the CPU tier keeps `KV_2LTD`."""
+    p = _packed(tmp_path, tokens=2 * CHUNK)
+    h = Handle(p.manifest, LocalOrigin(p.directory))
+    res = Residency(MemoryTier("cpu", 1 << 24), None, Metrics(), prefetch=False)
+    seen = []
+
+    def encode(dst, src):  # an engine layout: the bytes reversed, and who gave them
+        seen.append(src.data_ptr())
+        dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8).flip(0))
+
+    plain = torch.empty(h.view.engine_nbytes(0), dtype=torch.uint8)
+    assert res.read_into(h, 0, plain, network=False) == "local"
+    for tier in ("local", "cpu"):
+        i = 1 if tier == "local" else 0
+        out = torch.empty(h.view.engine_shape(i), dtype=torch.bfloat16)
+        assert res.read_into(h, i, out, network=False, encode=encode) == tier
+        kept = res.cpu._chunks[(h.content_hash, i)]
+        want = kept.flip(0)
+        assert torch.equal(out.reshape(-1).view(torch.uint8), want)
+        assert seen[-1] != out.data_ptr()
+        if tier == "cpu":
+            assert seen[-1] == kept.data_ptr() and torch.equal(kept, plain)  # from the kept bytes
     res.close()

@@ -103,6 +103,9 @@ def server(tmp_path_factory):
         log = srv.log_text()
         assert "No supported cpu connector" not in log, srv.log_tail()
         assert "vLLM CPU KV layout verified" in log, srv.log_tail()
+        # LMCache's CPU cache and the plugin only: its memory objects hold vLLM's blocks, so every
+        # load below (first and repeat hits, stored KV reloaded) is a block copy (cpu_kv.EngineBlocks)
+        assert "LMCache memory objects of whole blocks hold vLLM-CPU" in log, srv.log_tail()
         yield srv
     finally:
         srv.stop()

@@ -55,6 +55,7 @@ from lmcache_cartridge.store.origins import is_s3, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
 from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
+from lmcache_cartridge.lmcache import memory_layout
 from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
 from lmcache_cartridge.lmcache.settings import PluginSettings
 
@@ -568,10 +569,13 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         return obj
 
     def _fill(self, served: Served, index: int, obj) -> bool:
-        """Put verified chunk bytes (this rank's heads) into `obj`; False on any failure."""
+        """Put verified chunk bytes (this rank's heads) into `obj`, in the layout this process's
+        memory objects hold (`memory_layout`); False on any failure."""
         m = served.handle.manifest
         try:
-            self.residency.read_into(served.handle, index, obj.tensor, network=False)
+            enc = memory_layout.encoder_for(m.chunks[index].num_tokens)
+            self.residency.read_into(served.handle, index, obj.tensor, network=False,
+                                     encode=None if enc is None else enc.encode)
             return True
         except NotLocal as e:  # evicted from every local tier since the lookup: fetch, miss now
             logger.warning("lmcache_cartridge: %s (request recomputes; downloading)", e)

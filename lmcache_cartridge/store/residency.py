@@ -25,13 +25,14 @@ cartridges packed before it) before use; disk-cache files are checked on their f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -46,7 +47,7 @@ from lmcache_cartridge.cartridge.buffers import as_bytes, clone_bytes, copy_into
 
 logger = logging.getLogger("lmcache_cartridge.store.residency")
 
-_SPARE_SCRATCH = 2  # scratch buffers kept for layout conversion: reads running at once, not threads
+_SPARE_SCRATCH = 4  # scratch buffers kept between reads (two per read when it is encoded): reads at once, not threads
 
 
 class NotLocal(CartridgeError):
@@ -99,8 +100,10 @@ class MemoryTier:
         with self._lock:
             return list(self._chunks)
 
-    def get_into(self, cid: ChunkId, out: torch.Tensor) -> bool:
-        """Copy a resident chunk into `out` (flat uint8); True on a hit. A hit refreshes LRU.
+    def get_into(self, cid: ChunkId, out: torch.Tensor,
+                 copy: Callable[[torch.Tensor, torch.Tensor], None] = copy_into) -> bool:
+        """Copy a resident chunk into `out` (flat uint8) with `copy(out, kept)`; True on a hit. A
+        hit refreshes LRU.
 
         The copy runs outside the lock: a stored tensor is never written again (eviction only
         drops the dict's reference; ours keeps the bytes alive), so lookups and other reads never
@@ -110,7 +113,7 @@ class MemoryTier:
             if data is None:
                 return False
             self._chunks.move_to_end(cid)
-        copy_into(out, data)
+        copy(out, data)
         return True
 
     def put(self, cid: ChunkId, data: torch.Tensor) -> bool:
@@ -294,26 +297,55 @@ class Residency:
         return fetched
 
     # -- hot path ---------------------------------------------------------------------------------
-    def read_into(self, handle: Handle, index: int, out: torch.Tensor, *, network: bool = True) -> str:
+    def read_into(self, handle: Handle, index: int, out: torch.Tensor, *, network: bool = True,
+                  encode: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> str:
         """Fill `out` (contiguous: this rank's chunk in LMCache's `KV_2LTD`, `handle.view.engine_shape`)
         with verified bytes; return the tier.
 
         With `network=False` (LMCache's retrieve) only local tiers are read: a remote chunk that
         is not cached raises `NotLocal` at once instead of waiting on the origin.
+        `encode(dst, src)`, when given, writes `out` from the chunk's `KV_2LTD` bytes instead of a
+        copy: the memory object holds an engine layout (`lmcache.memory_layout`). The tiers keep
+        `KV_2LTD` either way: a CPU-tier hit is encoded straight from the kept bytes, a read
+        below it goes through a reused scratch buffer.
         Raises `CartridgeError`/`OSError` when no tier can supply good bytes: the caller makes it
         a miss and the request recomputes.
         """
         flat = out.reshape(-1).view(torch.uint8)
         cid = (handle.content_hash, index)
         t0 = time.perf_counter()
-        if self.cpu.get_into(cid, flat):
+        if self.cpu.get_into(cid, flat if encode is None else out, copy=encode or copy_into):
             self.metrics.hit("cpu", flat.numel(), time.perf_counter() - t0)
             return "cpu"
         self.metrics.miss("cpu")
-        tier = self._fetch(handle, index, flat) if network else self._read_local(handle, index, flat)
+        if encode is None:
+            tier = self._read_below(handle, index, flat, network)
+        else:
+            with self._spare_buffer(flat.numel()) as scratch:
+                tier = self._read_below(handle, index, scratch, network)
+                encode(out, scratch)
         self.metrics.hit(tier, flat.numel(), time.perf_counter() - t0)
         self._maybe_prefetch(handle)
         return tier
+
+    def _read_below(self, handle: Handle, index: int, flat: torch.Tensor, network: bool) -> str:
+        return self._fetch(handle, index, flat) if network else self._read_local(handle, index, flat)
+
+    @contextlib.contextmanager
+    def _spare_buffer(self, n: int) -> Iterator[torch.Tensor]:
+        """A flat uint8 scratch buffer of `n` bytes. Buffers are reused (a fresh chunk-sized
+        buffer costs its page faults on every read, as much as a conversion itself); at most
+        `_SPARE_SCRATCH` are kept between reads."""
+        with self._lock:  # by position: `list.remove` would compare tensors with ==
+            i = next((i for i, b in enumerate(self._spare) if b.numel() >= n), None)
+            spare = None if i is None else self._spare.pop(i)
+        scratch = spare if spare is not None else torch.empty(n, dtype=torch.uint8)
+        try:
+            yield scratch[:n]
+        finally:
+            with self._lock:
+                if len(self._spare) < _SPARE_SCRATCH:
+                    self._spare.append(scratch)
 
     def _read_local(self, handle: Handle, index: int, flat: torch.Tensor) -> str:
         if handle.origin.local:  # single flight among local readers only: no network involved
@@ -370,27 +402,16 @@ class Residency:
         (`view.span`) and returns a tier name, or something false for a miss; on a hit the bytes
         end up in `flat`, the rank's `KV_2LTD` chunk, and a copy in the CPU tier.
 
-        Bytes already in the engine's layout (`view.identity`) are read straight into `flat`.
-        Others land in a scratch buffer and are converted into `flat` in one pass: scratch
-        buffers are reused (a fresh chunk-sized buffer costs its page faults on every read, as
-        much as the conversion itself), at most `_SPARE_SCRATCH` kept between reads."""
+        Bytes already in `KV_2LTD` (`view.identity`) are read straight into `flat`; others land
+        in a scratch buffer and are converted into `flat` in one pass."""
         view = handle.view
         if view.identity:
             got = read(flat)
         else:
-            n = view.span(index).nbytes
-            with self._lock:  # by position: `list.remove` would compare tensors with ==
-                i = next((i for i, b in enumerate(self._spare) if b.numel() >= n), None)
-                spare = None if i is None else self._spare.pop(i)
-            scratch = spare if spare is not None else torch.empty(n, dtype=torch.uint8)
-            try:
-                got = read(scratch[:n])
+            with self._spare_buffer(view.span(index).nbytes) as raw:
+                got = read(raw)
                 if got:
-                    view.to_engine(index, scratch[:n], flat)
-            finally:
-                with self._lock:
-                    if len(self._spare) < _SPARE_SCRATCH:
-                        self._spare.append(scratch)
+                    view.to_engine(index, raw, flat)
         if got:
             self.cpu.put((handle.content_hash, index), flat)
         return got

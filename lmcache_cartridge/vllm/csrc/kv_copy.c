@@ -310,7 +310,7 @@ static void amx_run(int to_cache, uint16_t *k_reg, uint16_t *v_reg, uint16_t *k_
   }
 }
 
-int cart_kv_abi_version(void) { return 5; }
+int cart_kv_abi_version(void) { return 6; }
 
 enum { LAYOUT_K_TRANSPOSED = 0, LAYOUT_AMX_TILES = 1 };
 
@@ -385,6 +385,42 @@ int cart_kv_copy(int layout, int to_cache, int elem, char *const *caches, int64_
       copy_item(layout, to_cache, elem, caches, it / nruns, H, D, bs, runs + 8 * (it % nruns));
 #if defined(__SSE2__)
     _mm_sfence(); /* each thread's streaming stores visible before the caller (and attention) reads */
+#endif
+  }
+  return 0;
+}
+
+/* Whole blocks between vLLM's paged caches and memory objects that already hold them in the
+ * cache's own layout (cpu_kv's "engine blocks"). Each row is 3 int64: (obj, layer_bytes, block):
+ * for every layer l, the block_bytes at obj + l * layer_bytes and at caches[l] + block *
+ * block_bytes are copied (to_cache != 0: object -> cache); block < 0 (tokens vLLM already holds)
+ * is skipped. A block is every head's K and V region, one contiguous range on both sides, so this
+ * is a scattered memcpy; streaming stores (the destination is not read again before attention)
+ * make it faster here than a plain memcpy of the same bytes. Rows of several objects go in one
+ * call; threads as in cart_kv_copy. Returns 0. */
+int cart_kv_blocks(int to_cache, char *const *caches, int64_t L, int64_t block_bytes, const int64_t *rows,
+                   int64_t nrows, int threads) {
+  const int64_t items = L * nrows;
+  (void)threads;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads > 1 ? threads : 1) if (threads > 1)
+#endif
+  {
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t l = it / nrows, *r = rows + 3 * (it % nrows);
+      if (r[2] < 0) continue;
+      char *c = caches[l] + r[2] * block_bytes;
+      char *o = (char *)(intptr_t)r[0] + l * r[1];
+      if (to_cache)
+        copy_row(c, o, block_bytes);
+      else
+        copy_row(o, c, block_bytes);
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
 #endif
   }
   return 0;
