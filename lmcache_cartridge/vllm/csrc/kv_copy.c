@@ -344,6 +344,39 @@ static void copy_item(int layout, int to_cache, int elem, char *const *caches, i
   }
 }
 
+/* items calls of fn(ctx, it), split over `threads` OpenMP threads when threads > 1 (torch's own
+ * runtime in a process that loaded torch: see cart_kv_copy); each thread fences its streaming
+ * stores, so they are visible before the caller (and attention) reads. */
+typedef void (*item_fn)(const void *ctx, int64_t it);
+static void run_items(int64_t items, int threads, item_fn fn, const void *ctx) {
+  (void)threads;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads > 1 ? threads : 1) if (threads > 1)
+#endif
+  {
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+    for (int64_t it = 0; it < items; ++it) fn(ctx, it);
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+  }
+}
+
+struct copy_ctx {
+  int layout, to_cache, elem;
+  char *const *caches;
+  int64_t H, D, bs;
+  const int64_t *runs;
+  int64_t nruns;
+};
+
+static void copy_one(const void *p, int64_t it) {
+  const struct copy_ctx *c = p;
+  copy_item(c->layout, c->to_cache, c->elem, c->caches, it / c->nruns, c->H, c->D, c->bs, c->runs + 8 * (it % c->nruns));
+}
+
 /* Each run is 8 int64: (obj, kv_stride, layer_stride, tok_stride, token_start, token_end, block,
  * offset): a memory object's base address, its strides in elements, and a stretch of its tokens
  * that sits at consecutive slots of one block. For every layer l and run:
@@ -371,22 +404,9 @@ int cart_kv_copy(int layout, int to_cache, int elem, char *const *caches, int64_
   } else if (layout != LAYOUT_K_TRANSPOSED) {
     return -2;
   }
-  const int64_t items = L * nruns;
-  (void)threads;
   (void)cart_kv_simd(-1);  /* detected here, once, before any thread reads it */
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads > 1 ? threads : 1) if (threads > 1)
-#endif
-  {
-#if defined(_OPENMP)
-#pragma omp for schedule(static)
-#endif
-    for (int64_t it = 0; it < items; ++it)
-      copy_item(layout, to_cache, elem, caches, it / nruns, H, D, bs, runs + 8 * (it % nruns));
-#if defined(__SSE2__)
-    _mm_sfence(); /* each thread's streaming stores visible before the caller (and attention) reads */
-#endif
-  }
+  const struct copy_ctx ctx = {layout, to_cache, elem, caches, H, D, bs, runs, nruns};
+  run_items(L * nruns, threads, copy_one, &ctx);
   return 0;
 }
 
@@ -398,31 +418,30 @@ int cart_kv_copy(int layout, int to_cache, int elem, char *const *caches, int64_
  * is a scattered memcpy; streaming stores (the destination is not read again before attention)
  * make it faster here than a plain memcpy of the same bytes. Rows of several objects go in one
  * call; threads as in cart_kv_copy. Returns 0. */
+struct blocks_ctx {
+  int to_cache;
+  char *const *caches;
+  int64_t block_bytes;
+  const int64_t *rows;
+  int64_t nrows;
+};
+
+static void blocks_one(const void *p, int64_t it) {
+  const struct blocks_ctx *b = p;
+  const int64_t l = it / b->nrows, *r = b->rows + 3 * (it % b->nrows);
+  if (r[2] < 0) return;
+  char *c = b->caches[l] + r[2] * b->block_bytes;
+  char *o = (char *)(intptr_t)r[0] + l * r[1];
+  if (b->to_cache)
+    copy_row(c, o, b->block_bytes);
+  else
+    copy_row(o, c, b->block_bytes);
+}
+
 int cart_kv_blocks(int to_cache, char *const *caches, int64_t L, int64_t block_bytes, const int64_t *rows,
                    int64_t nrows, int threads) {
-  const int64_t items = L * nrows;
-  (void)threads;
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads > 1 ? threads : 1) if (threads > 1)
-#endif
-  {
-#if defined(_OPENMP)
-#pragma omp for schedule(static)
-#endif
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t l = it / nrows, *r = rows + 3 * (it % nrows);
-      if (r[2] < 0) continue;
-      char *c = caches[l] + r[2] * block_bytes;
-      char *o = (char *)(intptr_t)r[0] + l * r[1];
-      if (to_cache)
-        copy_row(c, o, block_bytes);
-      else
-        copy_row(o, c, block_bytes);
-    }
-#if defined(__SSE2__)
-    _mm_sfence();
-#endif
-  }
+  const struct blocks_ctx ctx = {to_cache, caches, block_bytes, rows, nrows};
+  run_items(L * nrows, threads, blocks_one, &ctx);
   return 0;
 }
 
