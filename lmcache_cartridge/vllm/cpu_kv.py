@@ -373,7 +373,18 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         n = nbytes // (2 * L * H * D * self.dtype.itemsize)
         caches = list(blocks_t.reshape(-1).view(torch.uint8).view(self.dtype).view(L, n // bs, H, bs, 2 * D).unbind(0))
         obj = flat.reshape(-1).view(torch.uint8).view(self.dtype).view(2, L, n, H, D)
-        self._copy(layout, caches, torch.arange(n, dtype=torch.int64), obj, to_cache=to_blocks, conversion=True)
+        lib = native.kernel() if self.use_native and layout.kind in _NATIVE_LAYOUT else None
+        if lib is not None:
+            # Block j holds tokens j*bs..: the kernel's rows written directly (the general slot
+            # walk cost ~0.1 ms of Python per chunk, a third of a 2 MiB chunk's conversion).
+            rows = np.zeros((n // bs, 8), dtype=np.int64)
+            rows[:, :4] = (obj.data_ptr(), obj.stride(0), obj.stride(1), obj.stride(2))
+            rows[:, 4] = np.arange(0, n, bs)
+            rows[:, 5] = rows[:, 4] + bs
+            rows[:, 6] = np.arange(n // bs)
+            self._copy_native(lib, layout, caches, rows, to_cache=to_blocks, conversion=True)
+        else:
+            self._copy(layout, caches, torch.arange(n, dtype=torch.int64), obj, to_cache=to_blocks, conversion=True)
         self.stats["engine_block_conversions"] += 1
 
     def _move_blocks(self, plans: list[_Plan], *, to_cache: bool) -> None:
