@@ -193,6 +193,14 @@ def test_partial_blocks_and_tokens_vllm_has_go_through_kv_2ltd(tmp_path, hd, pat
         held = slots.clone()
         held[:40] = -1  # what vLLM holds stays untouched (zeros here)
         assert_same(caches, writer_caches(kv, held, s.isa, hd), "mid-block vllm_cached_tokens")
+        copies = s.conn.stats["engine_block_copies"]
+        caches = s.zeros()  # vLLM holds the first whole block: the second is a block copy, the first skipped
+        s.conn.batched_to_gpu([obj], [0], [CHUNK], kvcaches=caches, slot_mapping=slots, vllm_cached_tokens=BS,
+                              req_id="r")
+        held = slots.clone()
+        held[:BS] = -1
+        assert_same(caches, writer_caches(kv, held, s.isa, hd), "whole-block vllm_cached_tokens")
+        assert s.conn.stats["engine_block_copies"] == copies + 1
         scattered = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(3))[:CHUNK]
         caches = s.zeros()
         s.conn.batched_to_gpu([obj], [0], [CHUNK], kvcaches=caches, slot_mapping=scattered, req_id="r")
