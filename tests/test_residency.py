@@ -326,6 +326,24 @@ def test_an_encoded_read_fills_the_engine_layout_and_the_tiers_keep_kv_2ltd(tmp_
         want = kept.flip(0)
         assert torch.equal(out.reshape(-1).view(torch.uint8), want)
         assert seen[-1] != out.data_ptr()
+        # encoded from the kept bytes: on a CPU-tier hit, and on a read below it too (the tier
+        # keeps the buffer the read converted into, no copy of it)
+        assert seen[-1] == kept.data_ptr()
         if tier == "cpu":
-            assert seen[-1] == kept.data_ptr() and torch.equal(kept, plain)  # from the kept bytes
+            assert torch.equal(kept, plain)
+    full = Residency(MemoryTier("cpu", 0), None, Metrics(), prefetch=False)  # nothing kept: scratch
+    out = torch.empty(h.view.engine_shape(1), dtype=torch.bfloat16)
+    assert full.read_into(h, 1, out, network=False, encode=encode) == "local"
+    want = res.cpu._chunks[(h.content_hash, 1)].flip(0)
+    assert torch.equal(out.reshape(-1).view(torch.uint8), want) and not full.cpu.keys()
+    full.close()
     res.close()
+
+
+def test_a_kept_buffer_is_adopted_only_when_asked():
+    tier = MemoryTier("cpu", 1 << 20)
+    a, b = torch.arange(64, dtype=torch.uint8), torch.arange(64, dtype=torch.uint8)
+    assert tier.put(("x", 0), a) and tier.put(("x", 1), b, adopt=True)
+    assert tier._chunks[("x", 0)].data_ptr() != a.data_ptr()  # a copy
+    assert tier._chunks[("x", 1)].data_ptr() == b.data_ptr()  # kept as it is
+    assert tier.fits(64) and not tier.fits(2 << 20) and not MemoryTier("cpu", 0).fits(64)

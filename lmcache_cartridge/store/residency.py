@@ -96,6 +96,10 @@ class MemoryTier:
         with self._lock:
             return cid in self._chunks
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a chunk of `nbytes` could be kept at all (the budget, not what is free now)."""
+        return 0 < nbytes <= self.budget
+
     def keys(self) -> list[ChunkId]:
         with self._lock:
             return list(self._chunks)
@@ -116,9 +120,10 @@ class MemoryTier:
         copy(out, data)
         return True
 
-    def put(self, cid: ChunkId, data: torch.Tensor) -> bool:
+    def put(self, cid: ChunkId, data: torch.Tensor, *, adopt: bool = False) -> bool:
         """Keep a copy of `data` (flat uint8) if the budget allows after evicting unpinned LRU.
-        The copy is made before taking the lock; the lock only guards the bookkeeping."""
+        The copy is made before taking the lock; the lock only guards the bookkeeping.
+        `adopt`: keep `data` itself, no copy (a fresh buffer its caller never writes again)."""
         n = data.numel()
         if n > self.budget:
             return False
@@ -126,8 +131,11 @@ class MemoryTier:
             if cid in self._chunks:
                 self._chunks.move_to_end(cid)
                 return True
-        copy = torch.empty(n, dtype=torch.uint8, device=self.device)
-        copy_into(copy, data)
+        if adopt and data.device == self.device and data.is_contiguous() and data.dtype == torch.uint8:
+            copy = data
+        else:
+            copy = torch.empty(n, dtype=torch.uint8, device=self.device)
+            copy_into(copy, data)
         with self._lock:
             if cid in self._chunks:  # another thread stored it meanwhile: keep theirs
                 self._chunks.move_to_end(cid)
@@ -287,7 +295,7 @@ class Residency:
             scratch = torch.empty(handle.view.engine_nbytes(info.index), dtype=torch.uint8)
             t0 = time.perf_counter()
             try:
-                tier = self._fetch(handle, info.index, scratch, background=True)
+                tier = self._fetch(handle, info.index, scratch, background=True, adopt=True)
                 self.metrics.hit(tier, handle.view.span(info.index).nbytes, time.perf_counter() - t0)  # bytes the origin gave
                 fetched += 1
             except Exception as e:  # the next lookup (or the plugin's watcher) asks again
@@ -320,6 +328,12 @@ class Residency:
         self.metrics.miss("cpu")
         if encode is None:
             tier = self._read_below(handle, index, flat, network)
+        elif self.cpu.fits(flat.numel()):
+            # A fresh buffer the CPU tier keeps as it is: converted into once, kept without a copy,
+            # encoded from (a copy into the tier would be a fourth pass over the chunk).
+            kept = torch.empty(flat.numel(), dtype=torch.uint8)
+            tier = self._read_below(handle, index, kept, network, adopt=True)
+            encode(out, kept)
         else:
             with self._spare_buffer(flat.numel()) as scratch:
                 tier = self._read_below(handle, index, scratch, network)
@@ -328,8 +342,12 @@ class Residency:
         self._maybe_prefetch(handle)
         return tier
 
-    def _read_below(self, handle: Handle, index: int, flat: torch.Tensor, network: bool) -> str:
-        return self._fetch(handle, index, flat) if network else self._read_local(handle, index, flat)
+    def _read_below(self, handle: Handle, index: int, flat: torch.Tensor, network: bool, *, adopt: bool = False) -> str:
+        """`adopt`: `flat` is a fresh buffer nobody writes after this read: the CPU tier may keep it
+        instead of a copy (`MemoryTier.put`)."""
+        if network:
+            return self._fetch(handle, index, flat, adopt=adopt)
+        return self._read_local(handle, index, flat, adopt=adopt)
 
     @contextlib.contextmanager
     def _spare_buffer(self, n: int) -> Iterator[torch.Tensor]:
@@ -347,17 +365,19 @@ class Residency:
                 if len(self._spare) < _SPARE_SCRATCH:
                     self._spare.append(scratch)
 
-    def _read_local(self, handle: Handle, index: int, flat: torch.Tensor) -> str:
+    def _read_local(self, handle: Handle, index: int, flat: torch.Tensor, *, adopt: bool = False) -> str:
         if handle.origin.local:  # single flight among local readers only: no network involved
-            return self._fetch(handle, index, flat)
+            return self._fetch(handle, index, flat, adopt=adopt)
         if self.disk is not None and self._into_engine(
-                handle, index, flat, lambda raw: self.disk.get_into(handle.disk_id(index), as_bytes(raw), handle)):
+                handle, index, flat, lambda raw: self.disk.get_into(handle.disk_id(index), as_bytes(raw), handle),
+                adopt=adopt):
             return "disk"
         if self.disk is not None:
             self.metrics.miss("disk")
         raise NotLocal(f"chunk {index} of {handle.manifest.cartridge_id!r} is not local yet")
 
-    def _fetch(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False) -> str:
+    def _fetch(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False,
+               adopt: bool = False) -> str:
         """Single flight: the first caller reads; concurrent callers wait and copy its bytes."""
         cid = (handle.content_hash, index)
         with self._lock:
@@ -378,7 +398,7 @@ class Residency:
             if self.cpu.get_into(cid, flat):  # filled while we were deciding to lead
                 tier = "cpu"
             else:
-                tier = self._read_below_cpu(handle, index, flat, background=background)
+                tier = self._read_below_cpu(handle, index, flat, background=background, adopt=adopt)
         except BaseException as e:
             with self._lock:
                 flight.error = e if isinstance(e, Exception) else CartridgeError(f"read interrupted: {e!r}")
@@ -397,10 +417,11 @@ class Residency:
         return tier
 
     def _into_engine(self, handle: Handle, index: int, flat: torch.Tensor,
-                     read: Callable[[torch.Tensor], Any]) -> Any:
+                     read: Callable[[torch.Tensor], Any], *, adopt: bool = False) -> Any:
         """`read(raw)` fills `raw` with this rank's verified payload bytes of chunk `index`
         (`view.span`) and returns a tier name, or something false for a miss; on a hit the bytes
-        end up in `flat`, the rank's `KV_2LTD` chunk, and a copy in the CPU tier.
+        end up in `flat`, the rank's `KV_2LTD` chunk, and a copy in the CPU tier (`flat` itself
+        with `adopt`).
 
         Bytes already in `KV_2LTD` (`view.identity`) are read straight into `flat`; others land
         in a scratch buffer and are converted into `flat` in one pass."""
@@ -413,12 +434,13 @@ class Residency:
                 if got:
                     view.to_engine(index, raw, flat)
         if got:
-            self.cpu.put((handle.content_hash, index), flat)
+            self.cpu.put((handle.content_hash, index), flat, adopt=adopt)
         return got
 
-    def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False) -> str:
+    def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False,
+                        adopt: bool = False) -> str:
         return self._into_engine(handle, index, flat,
-                                 lambda raw: self._read_raw(handle, index, raw, background=background))
+                                 lambda raw: self._read_raw(handle, index, raw, background=background), adopt=adopt)
 
     def _read_raw(self, handle: Handle, index: int, raw: torch.Tensor, *, background: bool = False) -> str:
         """This rank's verified payload bytes of chunk `index` (`view.span`) from the disk cache or
@@ -503,7 +525,7 @@ class Residency:
                 continue
             scratch = torch.empty(nbytes, dtype=torch.uint8)
             try:
-                self._fetch(handle, info.index, scratch, background=True)
+                self._fetch(handle, info.index, scratch, background=True, adopt=True)
                 warmed += 1
             except Exception as e:  # prefetch failures only cost a later miss
                 logger.warning("lmcache_cartridge: prefetch of chunk %d of %r failed: %s",
