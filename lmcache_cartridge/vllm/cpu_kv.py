@@ -20,11 +20,19 @@ block `s // block_size`, offset `s % block_size`. Three kinds of region interior
 * `PERMUTED` (any other proven map): loads call vLLM's writer op itself (exact by
   construction); stores gather through the proven position maps.
 
+Engine blocks (`EngineBlocks`, declared by the vLLM connector where no LMCache backend takes
+bytes out of the process): a memory object of whole blocks then holds vLLM's own per-layer block
+bytes instead of `KV_2LTD`, so loads and stores of it are whole-block copies (`cart_kv_blocks`);
+the cartridge plugin fills such objects through `EngineBlocks.encode`, which reads the object as
+a little paged cache of its own blocks and fills it with the copy above. Objects of other lengths
+stay `KV_2LTD`.
+
 Where it runs: inside each vLLM worker process, on the thread that runs the model, called by
 LMCache's engine (`batched_to_gpu` on retrieve, `batched_from_gpu` on store) between forward
 passes. Who owns what: vLLM owns the paged KV tensors (we write only the slots LMCache hands us);
 LMCache owns the memory objects (we read or fill them, never free them); this module owns only
-the per-cache-shape result of the layout check and a reused scratch buffer.
+the per-cache-shape result of the layout check, a reused scratch buffer and the engine-blocks
+declaration it made (withdrawn at shutdown).
 """
 
 from __future__ import annotations
