@@ -47,7 +47,7 @@ from lmcache_cartridge.cartridge.buffers import as_bytes, clone_bytes, copy_into
 
 logger = logging.getLogger("lmcache_cartridge.store.residency")
 
-_SPARE_SCRATCH = 4  # scratch buffers kept between reads (two per read when it is encoded): reads at once, not threads
+_SPARE_SCRATCH = 4  # scratch buffers kept between reads (up to two per read): reads at once, not threads
 
 
 class NotLocal(CartridgeError):
@@ -315,7 +315,7 @@ class Residency:
         `encode(dst, src)`, when given, writes `out` from the chunk's `KV_2LTD` bytes instead of a
         copy: the memory object holds an engine layout (`lmcache.memory_layout`). The tiers keep
         `KV_2LTD` either way: a CPU-tier hit is encoded straight from the kept bytes, a read
-        below it goes through a reused scratch buffer.
+        below it from the buffer the tier then keeps.
         Raises `CartridgeError`/`OSError` when no tier can supply good bytes: the caller makes it
         a miss and the request recomputes.
         """
@@ -328,16 +328,15 @@ class Residency:
         self.metrics.miss("cpu")
         if encode is None:
             tier = self._read_below(handle, index, flat, network)
-        elif self.cpu.fits(flat.numel()):
-            # A fresh buffer the CPU tier keeps as it is: converted into once, kept without a copy,
-            # encoded from (a copy into the tier would be a fourth pass over the chunk).
-            kept = torch.empty(flat.numel(), dtype=torch.uint8)
-            tier = self._read_below(handle, index, kept, network, adopt=True)
-            encode(out, kept)
         else:
-            with self._spare_buffer(flat.numel()) as scratch:
-                tier = self._read_below(handle, index, scratch, network)
-                encode(out, scratch)
+            # Where the CPU tier can keep the chunk, a fresh buffer it keeps as it is: converted
+            # into once, kept without a copy, encoded from (a copy into the tier would be a fourth
+            # pass over the chunk); else a reused scratch buffer.
+            adopt = self.cpu.fits(flat.numel())
+            with contextlib.nullcontext(torch.empty(flat.numel(), dtype=torch.uint8)) if adopt \
+                    else self._spare_buffer(flat.numel()) as kv_2ltd:
+                tier = self._read_below(handle, index, kv_2ltd, network, adopt=adopt)
+                encode(out, kv_2ltd)
         self.metrics.hit(tier, flat.numel(), time.perf_counter() - t0)
         self._maybe_prefetch(handle)
         return tier

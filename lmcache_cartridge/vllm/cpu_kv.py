@@ -158,6 +158,7 @@ class _Plan(NamedTuple):
     slots: torch.Tensor  # slot per token of the object; < 0: not copied (vLLM holds it)
     obj: torch.Tensor  # `[2, L, n, H, D]` view of the object's bytes read as `KV_2LTD`
     blocks: Optional[np.ndarray]  # an engine-blocks object copied block by block: cache block per block
+    staged: bool = False  # `obj` is a `KV_2LTD` copy of an engine-blocks object (slots not whole blocks)
 
 
 class EngineBlocks:
@@ -177,7 +178,7 @@ class EngineBlocks:
         return num_tokens > 0 and num_tokens % self.block_size == 0
 
     def encode(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.conn.convert(self.layout, dst, src, to_blocks=True)
+        self.conn.convert(dst, src, to_blocks=True)
 
 
 class CpuPagedKVConnector(GPUConnectorInterface):
@@ -330,8 +331,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         # Not whole blocks (never in vLLM's own use; kept correct): go through KV_2LTD.
         tmp = torch.empty(t.shape, dtype=t.dtype)
         if load:
-            self.convert(layout, t, tmp, to_blocks=False)
-        return _Plan(layout, kvcaches, slots, tmp.unflatten(-1, (self.num_kv_heads, self.head_dim)), None)
+            self.convert(t, tmp, to_blocks=False)
+        return _Plan(layout, kvcaches, slots, tmp.unflatten(-1, (self.num_kv_heads, self.head_dim)), None, staged=True)
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs):
         self._load([self._plan(memory_obj, start, end, kwargs, load=True)])
@@ -344,8 +345,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             self._move_blocks([plan], to_cache=False)
         else:
             self._copy(plan.layout, plan.kvcaches, plan.slots, plan.obj, to_cache=False)
-            if plan.obj.data_ptr() != memory_obj.tensor.data_ptr():  # an engine-blocks object
-                self.convert(plan.layout, memory_obj.tensor, plan.obj, to_blocks=True)
+            if plan.staged:
+                self.convert(memory_obj.tensor, plan.obj, to_blocks=True)
         memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
 
     # --- engine blocks ---------------------------------------------------------------------
@@ -368,16 +369,17 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             memory_layout.withdraw(self.engine_blocks)
             self.engine_blocks = None
 
-    def convert(self, layout: PagedLayout, blocks_t: torch.Tensor, flat: torch.Tensor, *, to_blocks: bool) -> None:
+    def convert(self, blocks_t: torch.Tensor, flat: torch.Tensor, *, to_blocks: bool) -> None:
         """Between an engine-blocks object's bytes (`blocks_t`) and the same chunk in `KV_2LTD`
         (`flat`, any tensor with its bytes): the object read as a little paged cache of its own
         blocks, filled (or read) through the same copy as vLLM's caches, slots 0..n-1. Runs on the
         caller's thread alone (the plugin's readers run several at once)."""
         L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
-        bs = self.engine_blocks.block_size if self.engine_blocks is not None else None
+        eb = self.engine_blocks
         nbytes = blocks_t.numel() * blocks_t.element_size()
-        if bs is None or flat.numel() * flat.element_size() != nbytes:
+        if eb is None or flat.numel() * flat.element_size() != nbytes:
             raise ValueError("engine-blocks conversion without a declared layout or of mismatched sizes")
+        layout, bs = eb.layout, eb.block_size
         n = nbytes // (2 * L * H * D * self.dtype.itemsize)
         caches = list(blocks_t.reshape(-1).view(torch.uint8).view(self.dtype).view(L, n // bs, H, bs, 2 * D).unbind(0))
         obj = flat.reshape(-1).view(torch.uint8).view(self.dtype).view(2, L, n, H, D)
