@@ -315,6 +315,41 @@ def test_preload_star_warms_cartridges_registered_later(carts):
         assert plugin.metrics.tiers["cpu"].hits - cpu_hits == c.num_full_chunks  # nothing read on the request
 
 
+def test_first_hit_prefetches_the_rest_after_its_reads_not_beside_them(carts):
+    """With prefetch on, a retrieve that reads a cartridge starts warming its other chunks when its
+    own reads are done. Started by the first chunk read (before), the prefetch read the retrieve's
+    chunks beside it, on the same core where vLLM binds the worker to one."""
+    tmp = carts["dir"]
+    kv = random_kv(L, 9 * CHUNK, H, D, seed=6)
+    c = pack_kv(kv, tmp / "long", cartridge_id="doc-long", model=MODEL, kind="first_k",
+                token_ids=list(range(3000, 3000 + 9 * CHUNK)), chunk_size=CHUNK)
+    Registry(carts["reg"].path).register(tmp / "long")
+    cfg = load_config(write_yaml(tmp, carts["reg"].path))
+    cfg.extra_config["storage_plugin.cartridge.prefetch"] = True
+    md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)
+    with Engine(cfg, md) as eng:
+        res = eng.backend("cartridge").residency
+        started = []
+        submit = res._pool.submit
+
+        def record(fn, *args):  # what the CPU tier held when a prefetch was started
+            started.append(sorted(i for h, i in res.cpu.keys() if h == c.content_hash))
+            return submit(fn, *args)
+
+        res._pool.submit = record
+        n, got = eng.retrieve(c.token_ids[:6 * CHUNK] + [1])  # the first 6 of its 9 chunks
+        assert n == 6 * CHUNK
+        assert torch.equal(got[:, :, :n].view(torch.uint8), flat(kv)[:, :, :n].view(torch.uint8))
+        assert started == [list(range(6))]  # one prefetch, after the retrieve read its 6 chunks
+        deadline = time.time() + 10
+        while len([k for k in res.cpu.keys() if k[0] == c.content_hash]) < 9 and time.time() < deadline:
+            time.sleep(0.05)
+        assert sorted(i for h, i in res.cpu.keys() if h == c.content_hash) == list(range(9))  # the rest
+        assert res.origin_reads == 9  # each chunk read once
+        eng.retrieve(c.token_ids + [1])
+        assert started == [list(range(6))]  # once per cartridge
+
+
 def test_corrupt_registry_serves_nothing_then_recovers(carts, caplog):
     a = carts["a"][0]
     bad = carts["dir"] / "bad.db"

@@ -36,7 +36,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -55,6 +54,7 @@ from lmcache_cartridge.store.origins import is_s3, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
 from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
+from lmcache_cartridge.store import threads
 from lmcache_cartridge.lmcache import memory_layout
 from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
 from lmcache_cartridge.lmcache.settings import PluginSettings
@@ -158,11 +158,11 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 MemoryTier("cpu", st.cpu_budget_bytes, metrics=self.metrics),
                 DiskTier(st.cache_dir / "chunks", st.disk_budget_bytes, metrics=self.metrics),
                 self.metrics, prefetch=st.prefetch)
-            self._readers = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
-                                               thread_name_prefix="cartridge-read")
+            # On the engine's cores (`store.threads`): the retrieving thread may be bound to one.
+            self._readers = threads.pool(min(4, os.cpu_count() or 1), "cartridge-read")
             # LMCache runs the async pair on its storage event loop: the work goes here instead,
             # so one request's reads never freeze the loop other requests' lookups run on.
-            self._async_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cartridge-async")
+            self._async_pool = threads.pool(2, "cartridge-async")
             self.registry: Registry | None = None
             self._version = -1
             try:
@@ -606,8 +606,9 @@ class CartridgeStoragePlugin(StoragePluginInterface):
 
     def batched_get_blocking(self, keys):
         """Chunks for a prefix of `keys` (aligned, `None` from the first miss on, as LMCache
-        expects). Buffers are allocated here in order; the reads run in parallel. Only local
-        tiers are read. A chunk whose cartridge was retired while it was read (and that no lookup
+        expects). Buffers are allocated here in order; the reads run in parallel where the engine
+        has more than one core (`store.threads`), else on this thread. Only local tiers are read.
+        A chunk whose cartridge was retired while it was read (and that no lookup
         pinned) comes back None: LMCache would otherwise write the old bytes into its CPU cache."""
         out: list = [None] * len(keys)
         if self.local_cpu_backend is None:
@@ -632,8 +633,10 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 jobs.append((sv, i, obj))
             if not jobs:
                 return out
-            if len(jobs) == 1:
-                oks = [self._fill(*jobs[0])]
+            if len(jobs) == 1 or not threads.parallel():
+                # One core for the whole engine: readers would only take turns on it, slower than
+                # this thread alone (`benchmarks/hit_path.py`).
+                oks = [self._fill(*j) for j in jobs]
             else:
                 oks = list(self._readers.map(lambda j: self._fill(*j), jobs))
             with self._lock:
@@ -646,6 +649,9 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                     out[n] = obj
                 else:
                     obj.ref_count_down()
+            for sv in reading:  # the rest of what was read, now that these reads are done
+                if not sv.handle.retired:
+                    self.residency.prefetch_rest(sv.handle)
             return out
         finally:
             with self._lock:

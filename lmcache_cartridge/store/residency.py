@@ -30,7 +30,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -40,6 +39,7 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.store.disk_cache import ChunkId, DiskTier
+from lmcache_cartridge.store import threads
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import Origin
 from lmcache_cartridge.cartridge.integrity import check_chunk
@@ -215,12 +215,10 @@ class Residency:
         self._prefetched: set[str] = set()
         self._downloading: set[str] = set()  # content hashes with a download under way
         self._spare: list[torch.Tensor] = []  # scratch buffers for layout conversion (`_into_engine`)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, prefetch_workers),
-                                        thread_name_prefix="cartridge-prefetch")
+        self._pool = threads.pool(prefetch_workers, "cartridge-prefetch")
         # Downloads may hang on a stalled origin for minutes: their own threads, so prefetch and
         # disk writes of other cartridges never queue behind them.
-        self._downloads = ThreadPoolExecutor(max_workers=max(1, download_workers),
-                                             thread_name_prefix="cartridge-download")
+        self._downloads = threads.pool(download_workers, "cartridge-download")
         self.write_behind_limit = int(write_behind_bytes)  # bytes of chunk clones queued for disk
         self._write_behind_pending = 0
         self.write_behind_skipped = 0
@@ -338,7 +336,6 @@ class Residency:
                 tier = self._read_below(handle, index, kv_2ltd, network, adopt=adopt)
                 encode(out, kv_2ltd)
         self.metrics.hit(tier, flat.numel(), time.perf_counter() - t0)
-        self._maybe_prefetch(handle)
         return tier
 
     def _read_below(self, handle: Handle, index: int, flat: torch.Tensor, network: bool, *, adopt: bool = False) -> str:
@@ -504,7 +501,12 @@ class Residency:
             return self._write_behind_pending
 
     # -- background -------------------------------------------------------------------------------
-    def _maybe_prefetch(self, handle: Handle) -> None:
+    def prefetch_rest(self, handle: Handle) -> None:
+        """Warm the rest of a cartridge in the background, once per cartridge (with `prefetch`
+        on). The plugin calls it when a retrieve that read the cartridge is done, not at its first
+        chunk: started there, the prefetch read the retrieve's own chunks beside it, on the same
+        core where the worker is bound to one, joining its reads (a copy each), and took that core
+        from the retrieve (`benchmarks/hit_path.py`)."""
         if not self.prefetch:
             return
         with self._lock:

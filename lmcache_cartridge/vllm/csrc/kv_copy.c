@@ -346,12 +346,21 @@ static void copy_item(int layout, int to_cache, int elem, char *const *caches, i
 
 /* items calls of fn(ctx, it), split over `threads` OpenMP threads when threads > 1 (torch's own
  * runtime in a process that loaded torch: see cart_kv_copy); each thread fences its streaming
- * stores, so they are visible before the caller (and attention) reads. */
+ * stores, so they are visible before the caller (and attention) reads. One thread never enters
+ * an OpenMP region: with vLLM's GOMP_CPU_AFFINITY, libgomp binds a thread that starts a team (even
+ * a team of one) to the first place, which would pin the plugin's reader threads (which convert
+ * chunks one thread each) to the worker's first core. */
 typedef void (*item_fn)(const void *ctx, int64_t it);
 static void run_items(int64_t items, int threads, item_fn fn, const void *ctx) {
-  (void)threads;
+  if (threads <= 1) {
+    for (int64_t it = 0; it < items; ++it) fn(ctx, it);
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+    return;
+  }
 #if defined(_OPENMP)
-#pragma omp parallel num_threads(threads > 1 ? threads : 1) if (threads > 1)
+#pragma omp parallel num_threads(threads)
 #endif
   {
 #if defined(_OPENMP)

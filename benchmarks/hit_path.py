@@ -1,0 +1,216 @@
+"""A cartridge's first and repeat hit inside LMCache's real engine, without vLLM: where a first
+hit's time goes, and how its chunk reads use the worker's cores.
+
+    flock /tmp/heavy.lock .venv/bin/python benchmarks/hit_path.py [--lengths 8192,16384]
+        [--samples 8] [--cores 1 | --cores 0,1] [--breakdown] [--out DIR]
+
+What runs: in this process, one `LMCacheEngine` (LMCache's CPU cache + the cartridge plugin, as
+`configs/` set them up) with `CpuPagedKVConnector` over vLLM-CPU-shaped caches of the TTFT
+model's geometry (`benchmarks/ttft.py`: 8 layers, 2 KV heads of 128, bf16, 8 KiB per token,
+blocks of 128 tokens), engine blocks declared as the vLLM connector declares them. A retrieve is
+what vLLM's `start_load_kv` asks of LMCache for a request whose document is the cartridge.
+
+The process runs as vLLM runs a worker bound to `--cores` (re-executed with the environment
+`OMPProcessManager.configure_omp_envs` and `platforms/cpu.py` give it: torch's libgomp preloaded,
+`GOMP_CPU_AFFINITY`): the main thread on the first core, one OpenMP thread per core. `--cores 1` is
+the TTFT runs' `VLLM_CPU_OMP_THREADS_BIND=1`.
+
+Arms, taking turns within each sample (each first hit on a new engine, so a new plugin whose
+chunks nobody has read; the packed file stays in the page cache, as in the TTFT runs):
+- `first`: the plugin as configured by default (prefetch on: once a retrieve's reads are done,
+  the rest of the cartridge is warmed in the background);
+- `first, prefetch off`;
+- `repeat`: the same retrieve again, served from LMCache's CPU cache.
+
+Run it from two checkouts to compare code (`PYTHONPATH=<checkout>`: it imports the package from
+there), taking turns.
+
+`--breakdown` profiles one more first hit (prefetch off, the reads on the retrieving thread)
+and prints where its time went, by function (`HIT_PATH_CALLERS=name` adds who called `name`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import itertools
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common  # noqa: F401  (the benchmarks' preamble: path, environment)
+from _common import ROOT, machine_info
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK, CHUNK = 8, 2, 128, 128, 256
+ARMS = ("first", "first, prefetch off", "repeat")
+
+
+def parse_ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+class Engine:
+    """One LMCacheEngine with the cartridge plugin and the CPU connector (engine blocks declared)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, work: Path, registry: Path, *, prefetch: bool = True) -> None:
+        import torch
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+
+        from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector
+
+        cfg = LMCacheEngineConfig.from_dict({
+            "chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 2.0,
+            "pre_caching_hash_algorithm": "sha256_cbor", "storage_plugins": ["cartridge"],
+            "extra_config": {
+                "storage_plugin.cartridge.module_path": "lmcache_cartridge.plugin",
+                "storage_plugin.cartridge.class_name": "CartridgeStoragePlugin",
+                "storage_plugin.cartridge.registry": str(registry),
+                "storage_plugin.cartridge.cache_dir": str(work / "cache"),
+                "storage_plugin.cartridge.prefetch": prefetch,
+            }})
+        md = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0,
+                             local_worker_id=0, kv_dtype=torch.bfloat16,
+                             kv_shape=(LAYERS, 2, CHUNK, KV_HEADS, HEAD_DIM), chunk_size=CHUNK)
+        self.conn = CpuPagedKVConnector(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16)
+        self.id = f"hit-path-{next(self._ids)}"
+        self.engine = LMCacheEngineBuilder.get_or_create(self.id, cfg, md, self.conn, None, None)
+        self.engine.post_init()
+        self.plugin = self.engine.storage_manager.storage_backends["cartridge"]
+
+    def caches(self, tokens: int):
+        import torch
+
+        blocks = tokens // BLOCK + 2
+        caches = [torch.ones(blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        if self.conn.engine_blocks is None:
+            from lmcache_cartridge.vllm.connector import why_not_engine_blocks
+
+            self.conn.check_layout(caches)
+            why = why_not_engine_blocks(self.engine)
+            if why is not None:
+                raise SystemExit(f"engine blocks not declared: {why}")
+            self.conn.declare_engine_blocks()
+        return caches
+
+    def retrieve(self, tokens: list[int], caches) -> float:
+        import torch
+
+        t0 = time.perf_counter()
+        got = self.engine.retrieve(tokens, kvcaches=caches, slot_mapping=torch.arange(len(tokens)))
+        dt = time.perf_counter() - t0
+        if int(got.sum()) != len(tokens) - len(tokens) % CHUNK or self.conn.failed_loads:
+            raise SystemExit(f"retrieve served {int(got.sum())} of {len(tokens)} tokens: {self.conn.failed_loads}")
+        return dt * 1e3
+
+    def close(self) -> None:
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        self.conn.withdraw_engine_blocks()
+        LMCacheEngineBuilder.destroy(self.id)
+
+
+class _OnThisThread:
+    """The plugin's reader pool replaced for `--breakdown`: reads run on the retrieving thread."""
+
+    map = staticmethod(lambda f, jobs: list(map(f, jobs)))
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        return None
+
+
+def run_length(work: Path, length: int, samples: int, breakdown: bool) -> dict:
+    import torch
+
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.registry import Registry
+
+    g = torch.Generator().manual_seed(length)
+    kv = torch.randn(2, LAYERS, length, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    d = work / f"doc-{length}"
+    ids = [1000 + (i * 7919) % 30000 for i in range(length)]
+    pack_kv(kv, d, cartridge_id=d.name, model="bench", kind="first_k", token_ids=ids, chunk_size=CHUNK,
+            overwrite=True)
+    reg = Registry(work / f"reg-{length}.db")
+    reg.register(d)
+    tokens = ids + [5, 6, 7, 8, 9, 10, 11, 12]
+    times: dict[str, list[float]] = {a: [] for a in ARMS}
+    for s in range(samples + 1):  # sample 0 warms up (page cache, allocators, kernel build)
+        for arm in (ARMS[:2] if s % 2 == 0 else ARMS[1::-1]):
+            e = Engine(work, reg.path, prefetch=arm == "first")
+            try:
+                first = e.retrieve(tokens, e.caches(len(tokens)))
+                repeat = e.retrieve(tokens, e.caches(len(tokens)))
+            finally:
+                e.close()
+            if s:
+                times[arm].append(first)
+                times["repeat"].append(repeat)
+    out = {"length": length, "samples": samples, "ms": times,
+           "p50": {a: statistics.median(v) for a, v in times.items()}}
+    if breakdown:
+        e = Engine(work, reg.path, prefetch=False)
+        try:
+            e.plugin._readers = _OnThisThread()
+            caches = e.caches(len(tokens))
+            prof = cProfile.Profile()
+            prof.enable()
+            total = e.retrieve(tokens, caches)
+            prof.disable()
+        finally:
+            e.close()
+        print(f"\n--- breakdown of one first hit, {length} tokens, {total:.1f} ms (reads on this thread)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+        if os.environ.get("HIT_PATH_CALLERS"):
+            pstats.Stats(prof).print_callers(os.environ["HIT_PATH_CALLERS"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=parse_ints, default=[8192, 16384])
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--cores", type=parse_ints, default=[1], help="the vLLM worker's cores (default 1)")
+    ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hit_path")
+    args = ap.parse_args()
+    if os.environ.get("GOMP_CPU_AFFINITY") != " ".join(map(str, args.cores)):
+        from lmcache_cartridge.testing.launch import vllm_worker_env
+
+        raise SystemExit(subprocess.call([sys.executable, *sys.argv], env=vllm_worker_env(args.cores)))
+    import torch
+
+    torch.mm(torch.ones(256, 256), torch.ones(256, 256))  # the OpenMP team, bound as in vLLM's worker
+    info = {**machine_info(), "worker_cores": args.cores, "main_thread": sorted(os.sched_getaffinity(0))}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hit-path-") as tmp:
+        for length in args.lengths:
+            r = run_length(Path(tmp), length, args.samples, args.breakdown)
+            rows.append(r)
+            p = r["p50"]
+            print(f"{length} tokens, p50 ms: " + ", ".join(f"{a} {p[a]:.1f}" for a in ARMS), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"hit_path-cores{'_'.join(map(str, args.cores))}"
+    (args.out / f"{name}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    lines = [f"Worker cores {args.cores} (main thread on {info['main_thread']}), p50 ms over {args.samples} samples:", "",
+             "| doc tokens | " + " | ".join(ARMS) + " | first / prefetch off | first / repeat |",
+             "|---:|" + "---:|" * (len(ARMS) + 2)]
+    for r in rows:
+        p = r["p50"]
+        lines.append(f"| {r['length']:,} | " + " | ".join(f"{p[a]:.1f}" for a in ARMS)
+                     + f" | {p['first'] / p['first, prefetch off']:.2f}x | {p['first'] / p['repeat']:.2f}x |")
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
