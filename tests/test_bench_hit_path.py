@@ -1,0 +1,51 @@
+"""benchmarks/hit_path.py at a tiny size: what it times is a real hit (no timing is asserted). Its
+engine serves the cartridge's KV into vLLM-CPU caches byte-identical to vLLM's own writer, first
+hit from the plugin, repeat hit from LMCache's CPU cache, and every arm runs."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm_ops = pytest.importorskip("vllm._custom_ops")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import hit_path  # noqa: E402
+
+from lmcache_cartridge.cartridge.packed import pack_kv  # noqa: E402
+from lmcache_cartridge.store.registry import Registry  # noqa: E402
+from lmcache_cartridge.vllm import cpu_kv  # noqa: E402
+
+
+def test_first_and_repeat_hits_are_vllms_bytes(tmp_path):
+    n = 2 * hit_path.CHUNK
+    kv = torch.randn(2, hit_path.LAYERS, n, hit_path.KV_HEADS, hit_path.HEAD_DIM).to(torch.bfloat16)
+    ids = list(range(100, 100 + n))
+    pack_kv(kv, tmp_path / "doc", cartridge_id="doc", model="bench", kind="first_k", token_ids=ids,
+            chunk_size=hit_path.CHUNK)
+    reg = Registry(tmp_path / "reg.db")
+    reg.register(tmp_path / "doc")
+    e = hit_path.Engine(tmp_path, reg.path)
+    try:
+        caches = [e.caches(n + 8), e.caches(n + 8)]
+        isa = cpu_kv.current_attn_isa(torch.bfloat16, hit_path.BLOCK, hit_path.HEAD_DIM)
+        ref = e.caches(n + 8)
+        for layer, c in enumerate(ref):
+            c.zero_()
+            kc, vc = c.view(c.shape[0], hit_path.KV_HEADS, 2 * hit_path.BLOCK, hit_path.HEAD_DIM).chunk(2, dim=2)
+            vllm_ops.cpu_attn_reshape_and_cache(kv[0, layer].contiguous(), kv[1, layer].contiguous(), kc, vc,
+                                                 torch.arange(n), isa)
+        for c in caches:
+            e.retrieve(ids + list(range(8)), c)  # raises unless the whole cartridge was served
+        plugin_reads = e.plugin.residency.origin_reads
+        for got in caches:
+            for a, b in zip(got, ref):  # the blocks the cartridge fills; the caches start as ones
+                assert torch.equal(a[:n // hit_path.BLOCK].view(torch.uint8), b[:n // hit_path.BLOCK].view(torch.uint8))
+        assert plugin_reads == 2  # the first hit read both chunks; the repeat came from LMCache
+    finally:
+        e.close()
+
+
+def test_every_arm_runs(tmp_path):
+    r = hit_path.run_length(tmp_path, hit_path.CHUNK, samples=1, breakdown=False)
+    assert set(r["p50"]) == set(hit_path.ARMS) and all(len(v) >= 1 for v in r["ms"].values())
