@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hit_path")
     args = ap.parse_args()
     if os.environ.get("GOMP_CPU_AFFINITY") != " ".join(map(str, args.cores)):
-        from lmcache_cartridge.testing.launch import vllm_worker_env
+        from lmcache_cartridge.vllm.worker_env import vllm_worker_env
 
         raise SystemExit(subprocess.call([sys.executable, *sys.argv], env=vllm_worker_env(args.cores)))
     import torch

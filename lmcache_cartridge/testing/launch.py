@@ -46,27 +46,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_worker_env(cores: list[int]) -> dict[str, str]:
-    """The environment vLLM-CPU gives a worker process bound to `cores` with its default OpenMP:
-    `OMPProcessManager.configure_omp_envs` (`GOMP_CPU_AFFINITY`, `OMP_NUM_THREADS`) and torch's
-    libgomp preloaded as `platforms/cpu.py` finds it. A process started with it runs its main
-    thread on `cores[0]` and one OpenMP thread per core, like the worker (tests, benchmarks)."""
-    import glob
-
-    import torch
-    from vllm.utils.ompmultiprocessing import OMPProcessManager
-
-    libgomp = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
-    if not libgomp:
-        raise RuntimeError("torch ships no libgomp here")
-    m = OMPProcessManager.__new__(OMPProcessManager)  # only its environment builder
-    m.skip_setup, m.use_iomp, m.use_gomp, m.cpu_lists = False, False, True, [list(cores)]
-    with m.configure_omp_envs(0, 0):
-        env = dict(os.environ)
-    env["LD_PRELOAD"] = libgomp[0]
-    return env
-
-
 def lmcache_config(registry: Path, *, chunk_size: int = 256, cpu_gb: float = 1, refresh: float = 0.2,
                    cache_dir: Path | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The YAML of configs/lmcache-cartridge.yaml with local paths filled in."""
