@@ -22,8 +22,9 @@ chunks nobody has read; the packed file stays in the page cache, as in the TTFT 
 - `first, prefetch off`;
 - `repeat`: the same retrieve again, served from LMCache's CPU cache.
 
-Run it from two checkouts to compare code (`PYTHONPATH=<checkout>`: it imports the package from
-there), taking turns.
+To compare code, copy this script (and `lmcache_cartridge/vllm/worker_env.py`, if that checkout
+predates it) into the other checkout: it imports the package of the checkout it runs in. Run the
+two in turns (the README's before/after table: a281430 against d5cac96, twice).
 
 `--breakdown` profiles one more first hit (prefetch off, the reads on the retrieving thread)
 and prints where its time went, by function (`HIT_PATH_CALLERS=name` adds who called `name`).
