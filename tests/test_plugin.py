@@ -350,6 +350,22 @@ def test_first_hit_prefetches_the_rest_after_its_reads_not_beside_them(carts):
         assert started == [list(range(6))]  # once per cartridge
 
 
+def test_whether_reads_run_in_parallel_is_asked_once_not_per_retrieve(carts, monkeypatch):
+    """`threads.parallel` reads every thread's mask from /proc (~0.1 ms): the plugin asks at its
+    first multi-chunk read and keeps the answer, instead of paying it on every first hit."""
+    from lmcache_cartridge.store import threads
+    asked = []
+    monkeypatch.setattr(threads, "parallel", lambda: asked.append(1) or False)
+    (a, kv_a), (b, kv_b) = carts["a"], carts["b"]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        for c, kv in ((a, kv_a), (b, kv_b)):  # two first hits from the plugin, several chunks each
+            n, got = eng.retrieve(list(c.token_ids) + [1])
+            assert n >= 2 * CHUNK
+            assert torch.equal(got[:, :, :n].view(torch.uint8), flat(kv)[:, :, :n].view(torch.uint8))
+        assert eng.backend("cartridge").residency.origin_reads >= 4
+    assert asked == [1]
+
+
 def test_corrupt_registry_serves_nothing_then_recovers(carts, caplog):
     a = carts["a"][0]
     bad = carts["dir"] / "bad.db"

@@ -501,16 +501,15 @@ class Residency:
             return self._write_behind_pending
 
     # -- background -------------------------------------------------------------------------------
-    def prefetch_rest(self, handle: Handle) -> None:
-        """Warm the rest of a cartridge in the background, once per cartridge (with `prefetch`
-        on). The plugin calls it when a retrieve that read the cartridge is done, not at its first
-        chunk: started there, the prefetch read the retrieve's own chunks beside it, on the same
-        core where the worker is bound to one, joining its reads (a copy each), and took that core
-        from the retrieve (`benchmarks/hit_path.py`)."""
-        if not self.prefetch:
-            return
+    def prefetch_rest(self, handle: Handle, *, preload: bool = False) -> None:
+        """Warm a cartridge in the background: once per cartridge with `prefetch` on, or always
+        for a preloaded one (`preload=True`, whatever `prefetch` says). The plugin calls it when
+        a retrieve that read the cartridge is done, not at its first chunk: started there, the
+        prefetch read the retrieve's own chunks beside it, on the same core where the worker is
+        bound to one, joining its reads (a copy each), and took that core from the retrieve
+        (`benchmarks/hit_path.py`)."""
         with self._lock:
-            if handle.content_hash in self._prefetched:
+            if not preload and (not self.prefetch or handle.content_hash in self._prefetched):
                 return
             self._prefetched.add(handle.content_hash)
         self._pool.submit(self.warm, handle)
@@ -533,11 +532,6 @@ class Residency:
                                info.index, handle.manifest.cartridge_id, e)
                 break
         return warmed
-
-    def prefetch_async(self, handle: Handle):
-        with self._lock:
-            self._prefetched.add(handle.content_hash)
-        return self._pool.submit(self.warm, handle)
 
     def forget(self, content_hash: str, *, disk: bool = False) -> None:
         """Drop a cartridge from memory (removal), and from disk too (force_redownload)."""
