@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import itertools
 import json
 import os
 import pstats
@@ -57,17 +56,15 @@ def parse_ints(s: str) -> list[int]:
 
 
 class Engine:
-    """One LMCacheEngine with the cartridge plugin and the CPU connector (engine blocks declared)."""
-
-    _ids = itertools.count()
+    """One LMCacheEngine with the cartridge plugin and the CPU connector, engine blocks declared
+    (`testing.cpu_engine`, as the engine-block tests build it)."""
 
     def __init__(self, work: Path, registry: Path, *, prefetch: bool = True) -> None:
         import torch
-        from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
 
-        from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector
+        from lmcache_cartridge.testing.cpu_engine import CpuBlocksEngine
 
         cfg = LMCacheEngineConfig.from_dict({
             "chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 2.0,
@@ -82,42 +79,30 @@ class Engine:
         md = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0,
                              local_worker_id=0, kv_dtype=torch.bfloat16,
                              kv_shape=(LAYERS, 2, CHUNK, KV_HEADS, HEAD_DIM), chunk_size=CHUNK)
-        self.conn = CpuPagedKVConnector(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16)
-        self.id = f"hit-path-{next(self._ids)}"
-        self.engine = LMCacheEngineBuilder.get_or_create(self.id, cfg, md, self.conn, None, None)
-        self.engine.post_init()
-        self.plugin = self.engine.storage_manager.storage_backends["cartridge"]
+        self.eng = CpuBlocksEngine(cfg, md, name="hit-path")
+        self.conn, self.plugin = self.eng.conn, self.eng.plugin
 
     def caches(self, tokens: int):
         import torch
 
         blocks = tokens // BLOCK + 2
         caches = [torch.ones(blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
-        if self.conn.engine_blocks is None:
-            from lmcache_cartridge.vllm.connector import why_not_engine_blocks
-
-            self.conn.check_layout(caches)
-            why = why_not_engine_blocks(self.engine)
-            if why is not None:
-                raise SystemExit(f"engine blocks not declared: {why}")
-            self.conn.declare_engine_blocks()
+        if self.eng.declare_blocks(caches) is None:
+            raise SystemExit(f"engine blocks not declared: {self.eng.why_not}")
         return caches
 
     def retrieve(self, tokens: list[int], caches) -> float:
         import torch
 
         t0 = time.perf_counter()
-        got = self.engine.retrieve(tokens, kvcaches=caches, slot_mapping=torch.arange(len(tokens)))
+        got = self.eng.retrieve(tokens, caches, torch.arange(len(tokens)))
         dt = time.perf_counter() - t0
-        if int(got.sum()) != len(tokens) - len(tokens) % CHUNK or self.conn.failed_loads:
-            raise SystemExit(f"retrieve served {int(got.sum())} of {len(tokens)} tokens: {self.conn.failed_loads}")
+        if got != len(tokens) - len(tokens) % CHUNK or self.conn.failed_loads:
+            raise SystemExit(f"retrieve served {got} of {len(tokens)} tokens: {self.conn.failed_loads}")
         return dt * 1e3
 
     def close(self) -> None:
-        from lmcache.v1.cache_engine import LMCacheEngineBuilder
-
-        self.conn.withdraw_engine_blocks()
-        LMCacheEngineBuilder.destroy(self.id)
+        self.eng.close()
 
 
 class _OnThisThread:

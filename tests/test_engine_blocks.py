@@ -7,7 +7,6 @@ a memory object must hold exactly the bytes of the blocks it was loaded into.
 
 from __future__ import annotations
 
-import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,15 +22,14 @@ from lmc_helpers import make_metadata  # noqa: E402
 from lmcache_cartridge.cartridge.packed import pack_kv  # noqa: E402
 from lmcache_cartridge.lmcache import memory_layout  # noqa: E402
 from lmcache_cartridge.store.registry import Registry  # noqa: E402
+from lmcache_cartridge.testing.cpu_engine import CpuBlocksEngine  # noqa: E402
 from lmcache_cartridge.vllm import cpu_kv, native  # noqa: E402
-from lmcache_cartridge.vllm.connector import why_not_engine_blocks  # noqa: E402
-from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, whole_blocks  # noqa: E402
+from lmcache_cartridge.vllm.cpu_kv import whole_blocks  # noqa: E402
 from test_plugin import load_config, write_yaml  # noqa: E402
 
 L, H, CHUNK, BS, NB = 2, 2, 64, 32, 24
 DT = torch.bfloat16
 MODEL = "tiny-test-model"
-_ids = itertools.count()
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -64,11 +62,9 @@ def slot_mapping(table: list[int], n: int) -> torch.Tensor:
 class Setup:
     """A real LMCacheEngine (LMCache's CPU cache + the cartridge plugin) whose connector is
     `CpuPagedKVConnector` over vLLM-CPU-shaped caches, engine blocks declared as the vLLM
-    connector declares them."""
+    connector declares them (`testing.cpu_engine`), serving one 3-chunk cartridge."""
 
     def __init__(self, tmp_path, hd: int, path: str, **overrides) -> None:
-        from lmcache.v1.cache_engine import LMCacheEngineBuilder
-
         self.hd = hd
         self.reg = Registry(tmp_path / "reg.db")
         self.kv = random_kv(L, 3 * CHUNK + 20, H, hd, seed=hd)
@@ -77,30 +73,23 @@ class Setup:
         self.reg.register(tmp_path / "doc")
         cfg = load_config(write_yaml(tmp_path, self.reg.path, **overrides))
         md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=hd, chunk_size=CHUNK)
-        self.conn = CpuPagedKVConnector(L, H, hd, DT)
-        self.conn.use_native = path == "native"
-        self.id = f"engine-blocks-{next(_ids)}"
-        self.engine = LMCacheEngineBuilder.get_or_create(self.id, cfg, md, self.conn, None, None)
-        self.engine.post_init()
+        self.eng = CpuBlocksEngine(cfg, md, native=path == "native", name="engine-blocks")
+        self.conn, self.engine = self.eng.conn, self.eng.engine
         self.isa = cpu_kv.current_attn_isa(DT, BS, hd)
-        self.conn.check_layout(self.zeros())
-        self.why_not = why_not_engine_blocks(self.engine)
-        self.blocks = self.conn.declare_engine_blocks() if self.why_not is None else None
+        self.blocks = self.eng.declare_blocks(self.zeros())
+        self.why_not = self.eng.why_not
 
     def zeros(self) -> list[torch.Tensor]:
         return [torch.zeros(NB, H, BS, 2 * self.hd, dtype=DT) for _ in range(L)]
 
     def retrieve(self, tokens, slots) -> tuple[int, list[torch.Tensor]]:
         caches = self.zeros()
-        mask = self.engine.retrieve(list(tokens), kvcaches=caches, slot_mapping=slots)
+        n = self.eng.retrieve(tokens, caches, slots)
         assert not self.conn.failed_loads
-        return int(mask.sum()), caches
+        return n, caches
 
     def close(self) -> None:
-        from lmcache.v1.cache_engine import LMCacheEngineBuilder
-
-        self.conn.withdraw_engine_blocks()
-        LMCacheEngineBuilder.destroy(self.id)
+        self.eng.close()
 
 
 def as_bytes(caches):
