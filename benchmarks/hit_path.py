@@ -65,17 +65,11 @@ class Engine:
         from lmcache.v1.metadata import LMCacheMetadata
 
         from lmcache_cartridge.testing.cpu_engine import CpuBlocksEngine
+        from lmcache_cartridge.testing.launch import lmcache_config
 
-        cfg = LMCacheEngineConfig.from_dict({
-            "chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 2.0,
-            "pre_caching_hash_algorithm": "sha256_cbor", "storage_plugins": ["cartridge"],
-            "extra_config": {
-                "storage_plugin.cartridge.module_path": "lmcache_cartridge.plugin",
-                "storage_plugin.cartridge.class_name": "CartridgeStoragePlugin",
-                "storage_plugin.cartridge.registry": str(registry),
-                "storage_plugin.cartridge.cache_dir": str(work / "cache"),
-                "storage_plugin.cartridge.prefetch": prefetch,
-            }})
+        cfg = LMCacheEngineConfig.from_dict(lmcache_config(
+            registry, chunk_size=CHUNK, cpu_gb=2.0, cache_dir=work / "cache",
+            extra={"storage_plugin.cartridge.prefetch": prefetch}))
         md = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0,
                              local_worker_id=0, kv_dtype=torch.bfloat16,
                              kv_shape=(LAYERS, 2, CHUNK, KV_HEADS, HEAD_DIM), chunk_size=CHUNK)

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-vllm_ops = pytest.importorskip("vllm._custom_ops")
+pytest.importorskip("vllm._custom_ops")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hit_path  # noqa: E402
 
 from lmcache_cartridge.cartridge.packed import pack_kv  # noqa: E402
 from lmcache_cartridge.store.registry import Registry  # noqa: E402
 from lmcache_cartridge.vllm import cpu_kv  # noqa: E402
+from test_engine_blocks import write_like_vllm  # noqa: E402
 
 
 def test_first_and_repeat_hits_are_vllms_bytes(tmp_path):
@@ -29,12 +30,7 @@ def test_first_and_repeat_hits_are_vllms_bytes(tmp_path):
     try:
         caches = [e.caches(n + 8), e.caches(n + 8)]
         isa = cpu_kv.current_attn_isa(torch.bfloat16, hit_path.BLOCK, hit_path.HEAD_DIM)
-        ref = e.caches(n + 8)
-        for layer, c in enumerate(ref):
-            c.zero_()
-            kc, vc = c.view(c.shape[0], hit_path.KV_HEADS, 2 * hit_path.BLOCK, hit_path.HEAD_DIM).chunk(2, dim=2)
-            vllm_ops.cpu_attn_reshape_and_cache(kv[0, layer].contiguous(), kv[1, layer].contiguous(), kc, vc,
-                                                 torch.arange(n), isa)
+        ref = write_like_vllm([c.zero_() for c in e.caches(n + 8)], kv, torch.arange(n), isa)
         for c in caches:
             e.retrieve(ids + list(range(8)), c)  # raises unless the whole cartridge was served
         plugin_reads = e.plugin.residency.origin_reads

@@ -44,15 +44,18 @@ def hd(request):
     return request.param
 
 
-def writer_caches(kv: torch.Tensor, slots: torch.Tensor, isa: str, hd: int) -> list[torch.Tensor]:
-    """vLLM's own writer: kv `[2, L, t, H, D]` at `slots` into fresh per-layer caches."""
-    caches = []
-    for layer in range(L):
-        c = torch.zeros(NB, H, BS, 2 * hd, dtype=DT)
-        kc, vc = c.view(NB, H, 2 * BS, hd).chunk(2, dim=2)
+def write_like_vllm(caches: list[torch.Tensor], kv: torch.Tensor, slots: torch.Tensor, isa: str) -> list[torch.Tensor]:
+    """vLLM's own writer: kv `[2, L, t, H, D]` at `slots` into per-layer caches `[blocks, H, bs, 2D]`."""
+    for layer, c in enumerate(caches):
+        nb, h, bs, two_d = c.shape
+        kc, vc = c.view(nb, h, 2 * bs, two_d // 2).chunk(2, dim=2)
         vllm_ops.cpu_attn_reshape_and_cache(kv[0, layer].contiguous(), kv[1, layer].contiguous(), kc, vc, slots, isa)
-        caches.append(c)
     return caches
+
+
+def writer_caches(kv: torch.Tensor, slots: torch.Tensor, isa: str, hd: int) -> list[torch.Tensor]:
+    """vLLM's own writer into fresh caches of this module's geometry."""
+    return write_like_vllm([torch.zeros(NB, H, BS, 2 * hd, dtype=DT) for _ in range(L)], kv, slots, isa)
 
 
 def slot_mapping(table: list[int], n: int) -> torch.Tensor:
