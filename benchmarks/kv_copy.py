@@ -10,7 +10,10 @@ Same bytes (a cartridge of `--tokens` tokens in 256-token `KV_2LTD` chunks), sam
   blocks (`cpu_kv.EngineBlocks`, what LMCache's CPU cache holds in vLLM's worker once a chunk
   was served or stored): whole-block copies (`cart_kv_blocks`);
 - `encode`: the conversion of the same `KV_2LTD` chunks into such objects (what the plugin does
-  once per chunk on a first hit, on its reader threads), for the first hit's cost;
+  once per chunk on a first hit of a chunk its CPU tier holds, or of a remote cartridge's);
+- `encode-packed`: the same conversion read in place from the chunks' packed by-head payload
+  (`packed.payload_view`: what a local cartridge's file holds; the plugin's first hit of a local
+  chunk), one pass where converting to `KV_2LTD` first would be two;
 - `ours`: the same connector on `KV_2LTD` objects (LMCache's layout, what it loads where engine
   blocks are off), with the native tiled-transpose kernel (`lmcache_cartridge/vllm/csrc/kv_copy.c`;
   absent if it cannot be built);
@@ -127,6 +130,15 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
         for o, c in zip(block_objs, chunks):
             engine_blocks.encode(o.tensor, c)
 
+    # The same chunks as a packed file holds them, heads first (`[H, 2, L, t, D]`, the by-head
+    # payload `packed.payload_view` reads), encoded from where they lie.
+    packed = [c.view(2, layers, CHUNK, kv_heads, head_dim).permute(3, 0, 1, 2, 4).contiguous() for c in chunks]
+    packed_objs = [_Obj(torch.empty_like(c)) for c in chunks]
+
+    def encode_packed():
+        for o, p in zip(packed_objs, packed):
+            engine_blocks.encode(o.tensor, p.permute(1, 2, 3, 0, 4))
+
     def ours_blocks():
         conn_blocks.batched_to_gpu(block_objs, starts, ends, kvcaches=blocks_caches, slot_mapping=slots,
                                    req_id="bench")
@@ -171,7 +183,8 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
                            "threads": torch.get_num_threads(), "native": native.kernel() is not None, "simd": native.simd(),
                            "native_unavailable": native.unavailable_reason(), "arms": {}}
     encode()  # the objects the block arm loads
-    arms = [("ours-blocks", ours_blocks), ("encode", encode), ("ours", ours), ("ours-torch", ours_torch),
+    arms = [("ours-blocks", ours_blocks), ("encode", encode), ("encode-packed", encode_packed), ("ours", ours),
+            ("ours-torch", ours_torch),
             ("vllm-op", vllm_op), ("transpose", transpose), ("memcpy", memcpy)]
     if native.simd() == "avx512":
         arms.insert(1, ("ours-sse2", ours_sse2))
@@ -179,6 +192,7 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
         out["arms"][name] = {"seconds": s, "gbps": nbytes / s / 1e9}
     out["caches"] = {"ours-blocks": blocks_caches, "ours": ours_caches, "ours-torch": torch_caches,
                      "vllm-op": op_caches}
+    out["objects"] = {"encode": [o.tensor for o in block_objs], "encode-packed": [o.tensor for o in packed_objs]}
     out["engine_block_copies"] = conn_blocks.stats["engine_block_copies"]
     if "ours-sse2" in out["arms"]:
         out["caches"]["ours-sse2"] = sse2_caches
@@ -202,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     ref = r["caches"]["vllm-op"]
     same = all(torch.equal(x.view(torch.uint16), y.view(torch.uint16))
                for name, written in r["caches"].items() if name != "vllm-op" for x, y in zip(written, ref))
+    objs = r.pop("objects")
+    same = same and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                        for x, y in zip(objs["encode"], objs["encode-packed"]))
     r.pop("caches")
     r["ours_equals_vllm_op"] = same
     r["ours_over_memcpy"] = r["arms"]["memcpy"]["seconds"] / r["arms"]["ours"]["seconds"]
@@ -210,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(ISA {r['isa']}, {r['threads']} thread(s), native kernel: "
           f"{r['simd'] or r['native_unavailable']}); every arm's bytes == vllm-op's: {same}")
     for name, x in r["arms"].items():
-        print(f"  {name:11s} {x['seconds'] * 1e3:8.2f} ms  {x['gbps']:6.2f} GB/s  "
+        print(f"  {name:13s} {x['seconds'] * 1e3:8.2f} ms  {x['gbps']:6.2f} GB/s  "
               f"({r['arms']['memcpy']['seconds'] / x['seconds']:.2f}x memcpy speed)")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(r, indent=1) + "\n")

@@ -27,17 +27,27 @@ def test_connector_writes_what_vllm_writes():
         assert not a[0].any() and not a[5:].any()  # and nothing else
     assert r["engine_block_copies"] > 0  # the block arm copied whole blocks
     extra = {"ours-sse2"} if native.simd() == "avx512" else set()  # AVX-512 CPUs: both levels
-    assert set(r["arms"]) == {"ours-blocks", "encode", "ours", "ours-torch", "vllm-op", "transpose",
-                              "memcpy"} | extra
+    assert set(r["arms"]) == {"ours-blocks", "encode", "encode-packed", "ours", "ours-torch", "vllm-op",
+                              "transpose", "memcpy"} | extra
+    assert_encoded_alike(r)
     for a, b in zip(r["caches"].get("ours-sse2", []), theirs):
         assert torch.equal(a.view(torch.uint16), b.view(torch.uint16))
     assert all(x["seconds"] > 0 for x in r["arms"].values())
+
+
+def assert_encoded_alike(r):
+    """Objects encoded from the packed by-head payload in place hold the bytes of those encoded
+    from `KV_2LTD`, which the `ours-blocks` arm loaded into caches equal to vLLM's writer's."""
+    assert len(r["objects"]["encode-packed"]) == len(r["objects"]["encode"]) > 0
+    for a, b in zip(r["objects"]["encode"], r["objects"]["encode-packed"]):
+        assert a.any() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_every_isa_arm_writes_what_vllm_writes():
     for isa in ("vec16", "amx"):
         r = kv_copy.run(tokens=256, layers=1, kv_heads=2, head_dim=64, block_size=128, reps=1, isa=isa)
         assert r["isa"] == isa
+        assert_encoded_alike(r)
         for name in set(r["caches"]) - {"vllm-op"}:
             for a, b in zip(r["caches"][name], r["caches"]["vllm-op"]):
                 assert a.any() and torch.equal(a.view(torch.uint16), b.view(torch.uint16)), (isa, name)

@@ -119,6 +119,9 @@ def test_cartridge_hits_are_vllms_blocks_first_and_repeat(tmp_path, hd, path):
         assert n == full
         assert_same(first, ref, "first hit")
         assert plugin.residency.origin_reads == 3
+        # encoded from the packed file's bytes where they were read: the plugin's CPU tier keeps
+        # no KV_2LTD copy of a local cartridge's chunks (LMCache keeps the encoded objects)
+        assert not [k for k in plugin.residency.cpu.keys() if k[1] < 3]
         conv = s.conn.stats["engine_block_conversions"]
         assert conv == 3 and s.conn.stats["engine_block_copies"] == full // BS
         # LMCache's CPU cache now holds the plugin's objects: exactly the blocks' bytes, not KV_2LTD

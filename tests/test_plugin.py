@@ -332,9 +332,9 @@ def test_first_hit_prefetches_the_rest_after_its_reads_not_beside_them(carts):
         started = []
         submit = res._pool.submit
 
-        def record(fn, *args):  # what the CPU tier held when a prefetch was started
+        def record(fn, *args, **kwargs):  # what the CPU tier held when a prefetch was started
             started.append(sorted(i for h, i in res.cpu.keys() if h == c.content_hash))
-            return submit(fn, *args)
+            return submit(fn, *args, **kwargs)
 
         res._pool.submit = record
         n, got = eng.retrieve(c.token_ids[:6 * CHUNK] + [1])  # the first 6 of its 9 chunks

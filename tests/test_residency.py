@@ -305,40 +305,70 @@ def test_layout_conversion_reuses_scratch_buffers_of_mixed_sizes(tmp_path):
     res.close()
 
 
-def test_an_encoded_read_fills_the_engine_layout_and_the_tiers_keep_kv_2ltd(tmp_path):
-    """`encode` (a memory object holding an engine layout) replaces the last copy: from the CPU
-    tier's kept bytes directly, from below it through scratch; the CPU tier keeps `KV_2LTD`."""
+def _kv_2ltd(h, i, raw):
+    e = torch.empty(h.view.engine_nbytes(i), dtype=torch.uint8)
+    h.view.to_engine(i, raw, e)
+    return e
+
+
+def _reversing_encoder(seen):
+    def encode(dst, src):  # an engine layout: the KV_2LTD values' bytes reversed; who gave them
+        seen.append(src)
+        dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8).flip(0))
+    return encode
+
+
+def test_an_encoded_read_of_a_local_chunk_encodes_the_payload_in_place_and_keeps_nothing(tmp_path):
+    """`encode` (a memory object holding an engine layout) for a local origin's by-head chunk gets
+    the payload's values where they were read (a permuted view, nothing converted first), and the
+    CPU tier keeps nothing for it (the page cache holds the file, LMCache the encoded object); a
+    chunk the CPU tier already holds (a plain read put it there) is encoded from the kept bytes."""
     p = _packed(tmp_path, tokens=2 * CHUNK)
     h = Handle(p.manifest, LocalOrigin(p.directory))
-    res = Residency(MemoryTier("cpu", 1 << 24), None, Metrics(), prefetch=False)
+    assert not h.view.identity  # two heads, by head: KV_2LTD would need a conversion
+    res = Residency(MemoryTier("cpu", 1 << 24), None, Metrics(), prefetch=True)
     seen = []
-
-    def encode(dst, src):  # an engine layout: the bytes reversed, and who gave them
-        seen.append(src.data_ptr())
-        dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8).flip(0))
-
+    encode = _reversing_encoder(seen)
     plain = torch.empty(h.view.engine_nbytes(0), dtype=torch.uint8)
-    assert res.read_into(h, 0, plain, network=False) == "local"
-    for tier in ("local", "cpu"):
-        i = 1 if tier == "local" else 0
+    assert res.read_into(h, 0, plain, network=False) == "local"  # no encoder: the tier keeps KV_2LTD
+    for i, tier in ((1, "local"), (0, "cpu")):
         out = torch.empty(h.view.engine_shape(i), dtype=torch.bfloat16)
         assert res.read_into(h, i, out, network=False, encode=encode) == tier
-        kept = res.cpu._chunks[(h.content_hash, i)]
-        want = kept.flip(0)
-        assert torch.equal(out.reshape(-1).view(torch.uint8), want)
-        assert seen[-1] != out.data_ptr()
-        # encoded from the kept bytes: on a CPU-tier hit, and on a read below it too (the tier
-        # keeps the buffer the read converted into, no copy of it)
-        assert seen[-1] == kept.data_ptr()
-        if tier == "cpu":
-            assert torch.equal(kept, plain)
-    full = Residency(MemoryTier("cpu", 0), None, Metrics(), prefetch=False)  # nothing kept: scratch
-    out = torch.empty(h.view.engine_shape(1), dtype=torch.bfloat16)
-    assert full.read_into(h, 1, out, network=False, encode=encode) == "local"
-    want = res.cpu._chunks[(h.content_hash, 1)].flip(0)
-    assert torch.equal(out.reshape(-1).view(torch.uint8), want) and not full.cpu.keys()
-    full.close()
+        assert torch.equal(out.reshape(-1).view(torch.uint8), _kv_2ltd(h, i, p.read_raw(i)).flip(0))
+        src = seen[-1]
+        if tier == "local":
+            assert src.dim() == 5 and not src.is_contiguous()  # the by-head payload, permuted
+            assert (h.content_hash, 1) not in res.cpu
+        else:
+            assert src.data_ptr() == res.cpu._chunks[(h.content_hash, 0)].data_ptr()
+    assert res.cpu.keys() == [(h.content_hash, 0)]
+    # a prefetch once the retrieve is done does not bring back what the encoded read verified
+    assert res.warm(h) == 0 and res.cpu.keys() == [(h.content_hash, 0)]
+    assert res.warm(h, preload=True) == 1 and (h.content_hash, 1) in res.cpu  # a preload keeps it
     res.close()
+
+
+def test_an_encoded_read_of_a_remote_chunk_keeps_kv_2ltd_in_the_cpu_tier(tmp_path):
+    """Below the CPU tier for a remote origin, the chunk is converted into a buffer the tier then
+    keeps (no copy of it) and encoded from that; with no room, from scratch, nothing kept."""
+    p = _packed(tmp_path, tokens=2 * CHUNK)
+    h = Handle(p.manifest, CountingOrigin(p.directory))
+    seen = []
+    encode = _reversing_encoder(seen)
+    for budget in (1 << 24, 0):
+        res = Residency(MemoryTier("cpu", budget), None, Metrics(), prefetch=False)
+        out = torch.empty(h.view.engine_shape(1), dtype=torch.bfloat16)
+        assert res.read_into(h, 1, out, network=True, encode=encode) == "s3"
+        want = _kv_2ltd(h, 1, p.read_raw(1))
+        assert torch.equal(out.reshape(-1).view(torch.uint8), want.flip(0))
+        if budget:
+            kept = res.cpu._chunks[(h.content_hash, 1)]
+            assert torch.equal(kept, want) and seen[-1].data_ptr() == kept.data_ptr()
+            assert res.read_into(h, 1, out, network=True, encode=encode) == "cpu"
+            assert seen[-1].data_ptr() == kept.data_ptr()
+        else:
+            assert not res.cpu.keys()
+        res.close()
 
 
 def test_a_kept_buffer_is_adopted_only_when_asked():

@@ -48,22 +48,29 @@ def to_chunk_layout(kv: torch.Tensor, start: int, end: int, layout: str = LAYOUT
     return part.reshape(two, layers, end - start, heads * dim).contiguous()
 
 
+def payload_view(m: Manifest, num_tokens: int, heads: tuple[int, int], raw: torch.Tensor) -> torch.Tensor:
+    """Payload bytes of KV heads `[start, end)` of a chunk, read in place as the `[2, L, t, end -
+    start, D]` values of LMCache's `KV_2LTD` (a strided view, nothing copied). `raw` holds exactly
+    what `Manifest.span(index, heads)` names: those heads (`by_head`: heads first, so the view is
+    a permutation) or the whole chunk (`2ltd`: the view narrows the heads)."""
+    start, end = heads
+    src = raw.reshape(-1).view(torch.uint8).view(m.torch_dtype)
+    if m.layout == LAYOUT_BY_HEAD:
+        return src.view(end - start, 2, m.num_layers, num_tokens, m.head_dim).permute(1, 2, 3, 0, 4)
+    return src.view(2, m.num_layers, num_tokens, m.num_kv_heads, m.head_dim)[:, :, :, start:end]
+
+
 def payload_to_engine(m: Manifest, num_tokens: int, heads: tuple[int, int], raw: torch.Tensor,
                       out: torch.Tensor) -> None:
     """Payload bytes of KV heads `[start, end)` of a chunk -> LMCache's `KV_2LTD` for those heads
-    (`out`: `[2, L, t, (end - start) * D]`, contiguous). `raw` holds exactly what
-    `Manifest.span(index, heads)` names: those heads (`by_head`) or the whole chunk (`2ltd`)."""
-    start, end = heads
-    n, dim, dtype = end - start, m.head_dim, m.torch_dtype
-    src = raw.reshape(-1).view(torch.uint8).view(dtype)
-    dst = out.reshape(-1).view(torch.uint8).view(dtype).view(2, m.num_layers, num_tokens, n, dim)
+    (`out`: `[2, L, t, (end - start) * D]`, contiguous); `raw` as `payload_view` takes it."""
+    src = payload_view(m, num_tokens, heads, raw)
+    dst = out.reshape(-1).view(torch.uint8).view(src.dtype).view(src.shape)
     if m.layout == LAYOUT_BY_HEAD:
-        heads_first = src.view(n, 2, m.num_layers, num_tokens, dim)
-        for h in range(n):  # one head at a time: ~memcpy speed here, a 5-d permuted copy ~0.8x
-            dst[:, :, :, h].copy_(heads_first[h])
+        for h in range(src.shape[3]):  # one head at a time: ~memcpy speed here, a 5-d permuted copy ~0.8x
+            dst[:, :, :, h].copy_(src[:, :, :, h])
     else:
-        full = src.view(2, m.num_layers, num_tokens, m.num_kv_heads, dim)
-        dst.copy_(full[:, :, :, start:end])
+        dst.copy_(src)
 
 
 def pack_kv(

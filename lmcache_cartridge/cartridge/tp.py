@@ -96,3 +96,10 @@ class RankView:
         from lmcache_cartridge.cartridge.packed import payload_to_engine
 
         payload_to_engine(self.manifest, self.manifest.chunks[index].num_tokens, self.heads, raw, out)
+
+    def engine_view(self, index: int, raw: torch.Tensor) -> torch.Tensor:
+        """The rank's `KV_2LTD` values of chunk `index` as a `[2, L, t, heads, D]` view of its raw
+        bytes (`span`), copied nowhere: what an engine-layout encoder reads in place."""
+        from lmcache_cartridge.cartridge.packed import payload_view
+
+        return payload_view(self.manifest, self.manifest.chunks[index].num_tokens, self.heads, raw)

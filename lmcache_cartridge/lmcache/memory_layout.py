@@ -10,8 +10,9 @@ declares it only when every LMCache backend of the process keeps its bytes insid
 so no other reader ever sees them).
 
 Who uses it: the cartridge plugin, on the worker's reader threads, asks `encoder_for` before it
-fills a memory object and encodes its portable `KV_2LTD` chunk through it; the plugin's own tiers
-(CPU, disk, S3) keep the portable bytes. Who owns it: the connector that declared the encoder
+fills a memory object and encodes the chunk's portable bytes through it (its `KV_2LTD` form, or a
+local file's packed payload where it lies); the plugin's own tiers (CPU, disk, S3) keep the
+portable bytes. Who owns it: the connector that declared the encoder
 (one per process: one LMCache engine per vLLM worker).
 """
 
@@ -34,9 +35,10 @@ class ChunkEncoder(Protocol):
         """True if a memory object of `num_tokens` tokens holds the engine layout."""
 
     def encode(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """`src`, a chunk's bytes in `KV_2LTD` (contiguous, any dtype) -> `dst`, the memory object's
-        tensor (same number of bytes), in the engine layout. Argument order as `copy_into`'s:
-        an encoder stands in for that copy."""
+        """`src`, a chunk's bytes in `KV_2LTD` (contiguous, any dtype), or its values as a
+        `[2, L, t, H, D]` view in any strides with head_dim contiguous (a packed payload read in
+        place, `RankView.engine_view`) -> `dst`, the memory object's tensor (same number of bytes),
+        in the engine layout. Argument order as `copy_into`'s: an encoder stands in for that copy."""
 
 
 _lock = threading.Lock()

@@ -310,10 +310,15 @@ class Residency:
 
         With `network=False` (LMCache's retrieve) only local tiers are read: a remote chunk that
         is not cached raises `NotLocal` at once instead of waiting on the origin.
-        `encode(dst, src)`, when given, writes `out` from the chunk's `KV_2LTD` bytes instead of a
-        copy: the memory object holds an engine layout (`lmcache.memory_layout`). The tiers keep
-        `KV_2LTD` either way: a CPU-tier hit is encoded straight from the kept bytes, a read
-        below it from the buffer the tier then keeps.
+        `encode(dst, src)`, when given, writes `out` from the chunk's `KV_2LTD` values instead of
+        a copy: the memory object holds an engine layout (`lmcache.memory_layout`). A CPU-tier hit
+        is encoded straight from the kept `KV_2LTD` bytes. A chunk of a local origin is read (and
+        checked, once per process) into a reused buffer and encoded from its payload bytes where
+        they lie (`RankView.engine_view`), one pass, and the CPU tier keeps nothing: the page cache
+        holds the file and LMCache keeps the encoded object, so a `KV_2LTD` copy would cost a
+        second pass over the chunk, fresh memory and its page faults on every first hit, for a
+        re-read that `pread` serves at memory speed (`benchmarks/hit_path.py`). Other chunks
+        are converted into a buffer the CPU tier then keeps (or scratch) and encoded from it.
         Raises `CartridgeError`/`OSError` when no tier can supply good bytes: the caller makes it
         a miss and the request recomputes.
         """
@@ -326,6 +331,10 @@ class Residency:
         self.metrics.miss("cpu")
         if encode is None:
             tier = self._read_below(handle, index, flat, network)
+        elif handle.origin.local:
+            with self._spare_buffer(handle.view.span(index).nbytes) as raw:
+                tier = self._read_raw(handle, index, raw)
+                encode(out, handle.view.engine_view(index, raw))
         else:
             # Where the CPU tier can keep the chunk, a fresh buffer it keeps as it is: converted
             # into once, kept without a copy, encoded from (a copy into the tier would be a fourth
@@ -512,10 +521,12 @@ class Residency:
             if not preload and (not self.prefetch or handle.content_hash in self._prefetched):
                 return
             self._prefetched.add(handle.content_hash)
-        self._pool.submit(self.warm, handle)
+        self._pool.submit(self.warm, handle, preload=preload)
 
-    def warm(self, handle: Handle) -> int:
-        """Bring every chunk of a cartridge as close as the budgets allow (prefetch, preload)."""
+    def warm(self, handle: Handle, *, preload: bool = False) -> int:
+        """Bring every chunk of a cartridge as close as the budgets allow (prefetch, preload).
+        A prefetch skips the chunks of a local origin this process has verified: an encoded read
+        serves them from the file (`read_into`); a preload keeps them in memory all the same."""
         warmed = 0
         for info in handle.manifest.chunks[: handle.servable]:
             cid, nbytes = (handle.content_hash, info.index), handle.view.engine_nbytes(info.index)
@@ -523,6 +534,10 @@ class Residency:
                                    and handle.disk_id(info.index) in self.disk
                                    and self.cpu.used + nbytes > self.cpu.budget):
                 continue
+            if not preload and handle.origin.local:
+                with self._lock:
+                    if cid in self._verified:
+                        continue
             scratch = torch.empty(nbytes, dtype=torch.uint8)
             try:
                 self._fetch(handle, info.index, scratch, background=True, adopt=True)

@@ -373,7 +373,13 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         """Between an engine-blocks object's bytes (`blocks_t`) and the same chunk in `KV_2LTD`
         (`flat`, any tensor with its bytes): the object read as a little paged cache of its own
         blocks, filled (or read) through the same copy as vLLM's caches, slots 0..n-1. Runs on the
-        caller's thread alone (the plugin's readers run several at once)."""
+        caller's thread alone (the plugin's readers run several at once).
+
+        With `to_blocks`, `flat` may instead be a `[2, L, n, H, D]` view of the chunk's values in
+        any strides (head_dim contiguous), e.g. a packed by-head payload read in place
+        (`RankView.engine_view`): the kernel reads it where it lies, one pass instead of a copy
+        into `KV_2LTD` and then this one. Without the kernel such a view is copied to `KV_2LTD`
+        first (the torch paths take token-major objects)."""
         L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
         eb = self.engine_blocks
         nbytes = blocks_t.numel() * blocks_t.element_size()
@@ -382,19 +388,28 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         layout, bs = eb.layout, eb.block_size
         n = nbytes // (2 * L * H * D * self.dtype.itemsize)
         caches = list(blocks_t.reshape(-1).view(torch.uint8).view(self.dtype).view(L, n // bs, H, bs, 2 * D).unbind(0))
-        obj = flat.reshape(-1).view(torch.uint8).view(self.dtype).view(2, L, n, H, D)
+        if flat.dim() == 5:
+            if not to_blocks or flat.dtype != self.dtype or tuple(flat.shape) != (2, L, n, H, D) or flat.stride(4) != 1:
+                raise ValueError(f"engine-blocks conversion from a {tuple(flat.shape)} {flat.dtype} view with strides "
+                                 f"{flat.stride()}: expected [2, {L}, {n}, {H}, {D}] {self.dtype}, head_dim contiguous")
+            obj = flat
+        else:
+            obj = flat.reshape(-1).view(torch.uint8).view(self.dtype).view(2, L, n, H, D)
         lib = native.kernel() if self.use_native and layout.kind in _NATIVE_LAYOUT else None
         if lib is not None:
             # Block j holds tokens j*bs..: the kernel's rows written directly (the general slot
             # walk cost ~0.1 ms of Python per chunk, a third of a 2 MiB chunk's conversion).
-            rows = np.zeros((n // bs, 8), dtype=np.int64)
-            rows[:, :4] = (obj.data_ptr(), obj.stride(0), obj.stride(1), obj.stride(2))
+            meta = self._row_meta(obj)
+            rows = np.zeros((n // bs, 9), dtype=np.int64)
+            rows[:, :4] = meta[:4]
             rows[:, 4] = np.arange(0, n, bs)
             rows[:, 5] = rows[:, 4] + bs
             rows[:, 6] = np.arange(n // bs)
+            rows[:, 8] = meta[4]
             self._copy_native(lib, layout, caches, rows, to_cache=to_blocks, conversion=True)
         else:
-            self._copy(layout, caches, torch.arange(n, dtype=torch.int64), obj, to_cache=to_blocks, conversion=True)
+            self._copy(layout, caches, torch.arange(n, dtype=torch.int64), obj.contiguous(), to_cache=to_blocks,
+                       conversion=True)
         self.stats["engine_block_conversions"] += 1
 
     def _move_blocks(self, plans: list[_Plan], *, to_cache: bool) -> None:
@@ -522,25 +537,32 @@ class CpuPagedKVConnector(GPUConnectorInterface):
                         v_src.copy_(v_cache.index_select(0, idx))
         self.stats["block_copies"] += nblk
 
+    @staticmethod
+    def _row_meta(obj: torch.Tensor) -> tuple[int, int, int, int, int]:
+        """A `[2, L, n, H, D]` view's part of the kernel's run rows: `(base, kv_stride,
+        layer_stride, tok_stride, head_stride)`, strides in elements."""
+        return obj.data_ptr(), obj.stride(0), obj.stride(1), obj.stride(2), obj.stride(3)
+
     def _native_rows(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], bs: int) -> np.ndarray:
         """The kernel's run rows `(obj, kv_stride, layer_stride, tok_stride, start, end, block,
-        offset)` for `(slots, obj view [2, L, n, H, D])` pieces, e.g. every chunk of one retrieve.
-        One `run_array` over their slots laid end to end (runs break where a piece ends), each run
-        then tagged with its piece's base address and strides: done piece by piece this was
-        ~45 us of Python per 256-token chunk, a sixth of its copy."""
+        offset, head_stride)` for `(slots, obj view [2, L, n, H, D])` pieces, e.g. every chunk of
+        one retrieve. One `run_array` over their slots laid end to end (runs break where a piece
+        ends), each run then tagged with its piece's base address and strides: done piece by piece
+        this was ~45 us of Python per 256-token chunk, a sixth of its copy."""
         for _, obj in pieces:
-            if obj.stride(3) != self.head_dim or obj.stride(4) != 1 or obj.dtype != self.dtype:
+            if obj.stride(4) != 1 or obj.dtype != self.dtype:
                 raise ValueError(f"memory object view has strides {obj.stride()} / dtype {obj.dtype}, "
-                                 f"expected head-major {self.dtype} rows")
+                                 f"expected {self.dtype} rows of contiguous head_dim")
         bounds = np.cumsum([0] + [sl.numel() for sl, _ in pieces])
         slots = pieces[0][0] if len(pieces) == 1 else torch.cat([sl for sl, _ in pieces])
         runs = run_array(slots, bs, breaks=bounds[1:-1])
         piece = np.searchsorted(bounds, runs[:, 0], side="right") - 1
-        meta = np.array([(o.data_ptr(), o.stride(0), o.stride(1), o.stride(2)) for _, o in pieces], dtype=np.int64)
-        rows = np.empty((runs.shape[0], 8), dtype=np.int64)
-        rows[:, :4] = meta[piece]
+        meta = np.array([self._row_meta(o) for _, o in pieces], dtype=np.int64)[piece]
+        rows = np.empty((runs.shape[0], 9), dtype=np.int64)
+        rows[:, :4] = meta[:, :4]
         rows[:, 4:6] = runs[:, :2] - bounds[piece][:, None]
-        rows[:, 6:] = runs[:, 2:]
+        rows[:, 6:8] = runs[:, 2:]
+        rows[:, 8] = meta[:, 4]
         return rows
 
     def _copy_native(self, lib, layout: PagedLayout, kvcaches, rows: np.ndarray, *, to_cache: bool,

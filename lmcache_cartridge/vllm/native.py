@@ -39,7 +39,7 @@ from lmcache_cartridge.paths import cache_root
 logger = logging.getLogger("lmcache_cartridge.vllm.native")
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_copy.c"
-ABI_VERSION = 6
+ABI_VERSION = 7
 ENV_SWITCH = "LMCACHE_CARTRIDGE_NATIVE"  # "0" disables the kernel (pure-torch copy)
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-Wall")
 OPENMP = ("-fopenmp",)  # tried first; a compiler without OpenMP builds the single-threaded kernel

@@ -310,7 +310,7 @@ static void amx_run(int to_cache, uint16_t *k_reg, uint16_t *v_reg, uint16_t *k_
   }
 }
 
-int cart_kv_abi_version(void) { return 6; }
+int cart_kv_abi_version(void) { return 7; }
 
 enum { LAYOUT_K_TRANSPOSED = 0, LAYOUT_AMX_TILES = 1 };
 
@@ -320,15 +320,15 @@ static void copy_item(int layout, int to_cache, int elem, char *const *caches, i
   const int64_t region = bs * D;
   char *obj = (char *)(intptr_t)r[0];
   const int64_t kv_stride = r[1], layer_stride = r[2], tok_stride = r[3];
-  const int64_t a = r[4], e = r[5], blk = r[6], off = r[7];
+  const int64_t a = r[4], e = r[5], blk = r[6], off = r[7], head_stride = r[8];
   const int64_t n = e - a;
   char *k_obj = obj + (l * layer_stride) * elem;
   char *v_obj = obj + (kv_stride + l * layer_stride) * elem;
   for (int64_t h = 0; h < H; ++h) {
     char *k_reg = caches[l] + ((blk * H + h) * 2) * region * elem;
     char *v_reg = k_reg + region * elem;
-    char *k_rows = k_obj + (a * tok_stride + h * D) * elem;
-    char *v_rows = v_obj + (a * tok_stride + h * D) * elem;
+    char *k_rows = k_obj + (a * tok_stride + h * head_stride) * elem;
+    char *v_rows = v_obj + (a * tok_stride + h * head_stride) * elem;
     if (layout == LAYOUT_AMX_TILES) {
       amx_run(to_cache, (uint16_t *)k_reg, (uint16_t *)v_reg, (uint16_t *)k_rows, (uint16_t *)v_rows,
               tok_stride, n, off, bs, D);
@@ -383,17 +383,19 @@ struct copy_ctx {
 
 static void copy_one(const void *p, int64_t it) {
   const struct copy_ctx *c = p;
-  copy_item(c->layout, c->to_cache, c->elem, c->caches, it / c->nruns, c->H, c->D, c->bs, c->runs + 8 * (it % c->nruns));
+  copy_item(c->layout, c->to_cache, c->elem, c->caches, it / c->nruns, c->H, c->D, c->bs, c->runs + 9 * (it % c->nruns));
 }
 
-/* Each run is 8 int64: (obj, kv_stride, layer_stride, tok_stride, token_start, token_end, block,
- * offset): a memory object's base address, its strides in elements, and a stretch of its tokens
- * that sits at consecutive slots of one block. For every layer l and run:
- *   obj K rows  = obj + (0 * kv_stride + l * layer_stride + t * tok_stride + h * D) * elem
- *   obj V rows  = obj + (1 * kv_stride + l * layer_stride + t * tok_stride + h * D) * elem
+/* Each run is 9 int64: (obj, kv_stride, layer_stride, tok_stride, token_start, token_end, block,
+ * offset, head_stride): a memory object's base address, its strides in elements, and a stretch of
+ * its tokens that sits at consecutive slots of one block. For every layer l and run:
+ *   obj K rows  = obj + (0 * kv_stride + l * layer_stride + t * tok_stride + h * head_stride) * elem
+ *   obj V rows  = obj + (1 * kv_stride + l * layer_stride + t * tok_stride + h * head_stride) * elem
  *   K region    = caches[l] + ((block * H + h) * 2 + 0) * bs * D * elem
  *   V region    = caches[l] + ((block * H + h) * 2 + 1) * bs * D * elem
- * (the regions' interior as `layout` says). to_cache != 0 copies objects -> caches, else
+ * (the regions' interior as `layout` says). head_stride is head_dim for a token-major (`KV_2LTD`)
+ * object; a cartridge's packed by-head payload, encoded in place into an engine-blocks object,
+ * has its heads a whole [2][L][T][D] apart. to_cache != 0 copies objects -> caches, else
  * caches -> objects. Runs of several memory objects go in one call (one retrieve = one call).
  *
  * threads > 1 splits the (layer, run) items over that many OpenMP threads. Built with -fopenmp in
@@ -409,7 +411,9 @@ int cart_kv_copy(int layout, int to_cache, int elem, char *const *caches, int64_
   if (layout == LAYOUT_AMX_TILES) {
     if (elem != 2 || D % 16 || bs % 16) return -2;
     for (int64_t i = 0; i < nruns; ++i)  /* K rows are read as 32-bit pairs */
-      if (runs[8 * i] % 4 || runs[8 * i + 1] % 2 || runs[8 * i + 2] % 2 || runs[8 * i + 3] % 2) return -2;
+      if (runs[9 * i] % 4 || runs[9 * i + 1] % 2 || runs[9 * i + 2] % 2 || runs[9 * i + 3] % 2 ||
+          runs[9 * i + 8] % 2)
+        return -2;
   } else if (layout != LAYOUT_K_TRANSPOSED) {
     return -2;
   }
