@@ -12,7 +12,7 @@ One buffer (random bf16, the size of one chunk: 32 MiB is a 256-token chunk of L
   one core, where BLAKE3's own threads would compete with it);
 - `xxh3_64`: the `xxhash` package if installed (not a cryptographic hash: only against accidents);
 - `isfinite`: `torch.isfinite(t).all()`, the NaN/Inf scan `check_chunk` did until now;
-- `finite-bits`: `integrity._all_finite`, the scan it does now (exponent bits, in slices);
+- `finite-bits`: `integrity._all_finite`, the scan it does now (two max reductions over the bits);
 - `memcpy`: a plain copy of the same bytes, the yardstick (`benchmarks/kv_copy.py` measures the
   injection copy against the same thing);
 - `check-sha256`, `check-blake3`: `integrity.check_chunk` as a first read runs it (digest, then

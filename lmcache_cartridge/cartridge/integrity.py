@@ -19,6 +19,7 @@ import hashlib
 from typing import Any, Callable
 
 import blake3 as _blake3
+import numpy as np
 import torch
 
 from lmcache_cartridge.cartridge.manifest import ChunkInfo, Span
@@ -71,15 +72,16 @@ def _nonfinite_error(info: ChunkInfo, where: str) -> ChecksumError:
     return ChecksumError(f"{where}: chunk {info.index} contains NaN or Inf values; refusing to serve it")
 
 
-# IEEE formats: a value is Inf or NaN exactly when its exponent bits are all ones, i.e. when its
-# bits without the sign are >= these. One AND and one max over the integer view (no bool
-# temporary) scans ~30x faster than `torch.isfinite(t).all()` here (benchmarks/integrity.py:
-# 0.32 GB/s, slower than sha256 itself, against ~10 GB/s).
-_FINITE_SLICE_BYTES = 1 << 20
+# IEEE formats: a value is Inf or NaN exactly when its exponent bits are all ones. Read as integers
+# of its width, the positive ones are the signed values >= `positive` (bf16: 0x7F80) and the
+# negative ones the unsigned values >= `negative` (the same with the sign bit: 0xFF80): two max
+# reductions over the same bytes, no temporary. numpy's SIMD max runs them at ~2.5 ms per 64 MiB
+# here, where an AND and a max in torch took ~5.4 ms and `torch.isfinite(t).all()` ~200
+# (`benchmarks/integrity.py`; a first hit's second-largest check after BLAKE3).
 _NONFINITE_FROM = {
-    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
-    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
-    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+    torch.bfloat16: (np.int16, np.uint16, 0x7F80, 0xFF80),
+    torch.float16: (np.int16, np.uint16, 0x7C00, 0xFC00),
+    torch.float32: (np.int32, np.uint32, 0x7F800000, 0xFF800000),
 }
 
 
@@ -89,19 +91,9 @@ def _all_finite(buf: memoryview, dtype: torch.dtype | None) -> bool:
     spec = _NONFINITE_FROM.get(dtype)
     if spec is None:
         return bool(torch.isfinite(torch.frombuffer(buf, dtype=dtype)).all())
-    int_dtype, magnitude, first_nonfinite = spec
-    bits = torch.frombuffer(buf, dtype=int_dtype)
-    # In slices, so the AND's temporary stays small and hot in cache (a chunk-sized temporary
-    # would be fresh pages, faulted in on every call).
-    step = _FINITE_SLICE_BYTES // bits.element_size()
-    tmp = torch.empty(min(step, bits.numel()), dtype=int_dtype)
-    for a in range(0, bits.numel(), step):
-        part = bits[a:a + step]
-        out = tmp[:part.numel()]
-        torch.bitwise_and(part, magnitude, out=out)
-        if int(out.max()) >= first_nonfinite:
-            return False
-    return True
+    signed, unsigned, positive, negative = spec
+    bits = np.frombuffer(buf, dtype=signed)
+    return int(bits.max()) < positive and int(bits.view(unsigned).max()) < negative
 
 
 def check_chunk(info: ChunkInfo | Span, buf: memoryview, where: str, dtype: torch.dtype | None = None,
