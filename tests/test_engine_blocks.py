@@ -234,3 +234,55 @@ def test_whole_blocks_of_a_slot_mapping():
     assert whole_blocks(torch.tensor([8, 9, 11, 10]), bs) is None  # out of order
     assert whole_blocks(torch.arange(6), bs) is None  # not a multiple of the block size
     assert np.array_equal(whole_blocks(torch.tensor([12, 13, 14, 15, 0, 1, 2, 3]), bs), [3, 0])
+
+
+@pytest.mark.parametrize("layout", ["by_head", "2ltd"])
+@pytest.mark.parametrize("isa", [None, "amx"])
+def test_a_ranks_heads_encoded_in_place_are_the_bytes_of_its_kv_2ltd_encoded(tmp_path, layout, isa, path,
+                                                                           monkeypatch):
+    """What a local cartridge's first hit runs: the encode reading a rank's heads where the packed
+    payload holds them (`RankView.engine_view`: a by-head chunk's heads a whole `[2, L, t, D]`
+    apart; a format-1 chunk's heads a narrowed slice of every token row) gives exactly the bytes
+    of the encode from the rank's `KV_2LTD` chunk (itself proven against vLLM's writer above), for
+    every tensor-parallel rank's heads, on vLLM's pick here and on "amx"."""
+    from lmcache_cartridge.cartridge.buffers import as_bytes
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+    from lmcache_cartridge.cartridge.tp import RankView
+    from lmcache_cartridge.store.origins import LocalOrigin
+    from test_cpu_kv import writer_in_subprocess
+
+    hd, heads = 64, 4
+    if isa is not None and isa != cpu_kv.current_attn_isa(DT, BS, hd):
+        rc, last = writer_in_subprocess(isa)
+        if rc != 0:
+            pytest.skip(f"vLLM's {isa!r} writer does not run on this machine: rc {rc}: {last}")
+        monkeypatch.setattr(cpu_kv, "current_attn_isa", lambda *a, **kw: isa)
+    kv = random_kv(L, 2 * CHUNK, heads, hd, seed=7)
+    pack_kv(kv, tmp_path / "c", cartridge_id="c", model=MODEL, kind="first_k",
+            token_ids=list(range(2 * CHUNK)), chunk_size=CHUNK, layout=layout)
+    m = PackedCartridge(tmp_path / "c").manifest
+    origin = LocalOrigin(tmp_path / "c")
+    for tp in (1, 2, 4):
+        n = heads // tp
+        conn = cpu_kv.CpuPagedKVConnector(L, n, hd, DT)
+        conn.use_native = path == "native"
+        conn.check_layout([torch.zeros(NB, n, BS, 2 * hd, dtype=DT) for _ in range(L)])
+        blocks = conn.declare_engine_blocks()
+        conn.withdraw_engine_blocks()  # keep the encoder, not the process-wide declaration
+        conn.engine_blocks = blocks
+        assert blocks is not None
+        for rank in range(tp):
+            view = RankView.of(m, tp, rank)
+            h0, h1 = view.heads
+            for i in range(2):
+                raw = torch.empty(view.span(i).nbytes, dtype=torch.uint8)
+                origin.read_into(view.span(i), as_bytes(raw))
+                kv_2ltd = torch.empty(view.engine_nbytes(i), dtype=torch.uint8)
+                view.to_engine(i, raw, kv_2ltd)
+                want = kv[:, :, i * CHUNK:(i + 1) * CHUNK, h0:h1].reshape(-1).view(torch.uint8)
+                assert torch.equal(kv_2ltd, want)
+                from_kv_2ltd, in_place = torch.empty_like(kv_2ltd), torch.empty_like(kv_2ltd)
+                blocks.encode(from_kv_2ltd, kv_2ltd)
+                blocks.encode(in_place, view.engine_view(i, raw))
+                assert torch.equal(in_place, from_kv_2ltd), (tp, rank, i)
+    origin.close()

@@ -51,7 +51,8 @@ class RankView:
     the raw bytes of chunk `i` are `span(i)` (only this rank's heads for a `by_head` payload, one
     contiguous range), they are cached on disk under `disk_key` (shared by every process on the
     host that reads the same heads), and `to_engine` turns them into the rank's `KV_2LTD` chunk,
-    which the CPU tier keeps (so a repeat hit is a plain copy).
+    which the CPU tier keeps (so a repeat hit is a plain copy); `engine_view` reads them as those
+    values in place, for an encoder that converts them once (`residency.read_into`).
     """
 
     manifest: Manifest

@@ -38,7 +38,8 @@ class ChunkEncoder(Protocol):
         """`src`, a chunk's bytes in `KV_2LTD` (contiguous, any dtype), or its values as a
         `[2, L, t, H, D]` view in any strides with head_dim contiguous (a packed payload read in
         place, `RankView.engine_view`) -> `dst`, the memory object's tensor (same number of bytes),
-        in the engine layout. Argument order as `copy_into`'s: an encoder stands in for that copy."""
+        in the engine layout. Synchronous: `src` is the caller's (often a reused buffer) and only
+        valid during the call. Argument order as `copy_into`'s: an encoder stands in for that copy."""
 
 
 _lock = threading.Lock()

@@ -8,15 +8,18 @@ downloads (`download_async`, started by a lookup that missed or by the plugin fo
 cartridges), prefetch and preload, on their own thread pools.
 
 Who owns what: each tier owns its bytes and its LRU order; `Residency` owns the in-flight table
-(single flight: N concurrent misses on one chunk make one origin read) and the set of chunks this
-process has verified. A chunk is identified by `(content_hash, index)`, so two cartridges never
+(single flight: N concurrent misses on one chunk make one origin read; a local chunk encoded in
+place is read by each reader, which only happens across retrieves, and LMCache runs those one at
+a time on the worker thread) and the set of chunks this process has verified. A chunk is identified by `(content_hash, index)`, so two cartridges never
 share bytes and a re-packed cartridge never reuses stale ones.
 
 Per rank: a handle's `RankView` says which KV heads this process serves. Only those heads' bytes
 are read (one contiguous range of a `by_head` chunk) and cached on disk (under the view's
 `disk_key`, shared by the host's processes that read the same heads); the CPU tier keeps them
 already in LMCache's layout for this rank (`RankView.to_engine`, once, when they enter it), so
-budgets count what a rank holds and a repeat hit is one plain copy.
+budgets count what a rank holds and a repeat hit is one plain copy. Where memory objects hold an
+engine layout, a local origin's chunk is encoded from its payload bytes in place instead
+(`RankView.engine_view`) and not kept here (`read_into`).
 
 Invariant: nothing unverified is served or cached. Origin bytes are checked against the
 manifest's chunk digest (`integrity.chunk_digest`: BLAKE3, or sha256 for
@@ -214,7 +217,7 @@ class Residency:
         self._verified: set[ChunkId] = set()  # origin chunks verified in this process
         self._prefetched: set[str] = set()
         self._downloading: set[str] = set()  # content hashes with a download under way
-        self._spare: list[torch.Tensor] = []  # scratch buffers for layout conversion (`_into_engine`)
+        self._spare: list[torch.Tensor] = []  # scratch buffers (`_into_engine`, local reads in `read_into`)
         self._pool = threads.pool(prefetch_workers, "cartridge-prefetch")
         # Downloads may hang on a stalled origin for minutes: their own threads, so prefetch and
         # disk writes of other cartridges never queue behind them.
@@ -525,8 +528,10 @@ class Residency:
 
     def warm(self, handle: Handle, *, preload: bool = False) -> int:
         """Bring every chunk of a cartridge as close as the budgets allow (prefetch, preload).
-        A prefetch skips the chunks of a local origin this process has verified: an encoded read
-        serves them from the file (`read_into`); a preload keeps them in memory all the same."""
+        A prefetch skips the chunks of a local origin this process has verified (a retrieve read
+        them; where memory objects hold an engine layout it encodes them from the file, so keeping
+        a `KV_2LTD` copy would only cost memory); it still keeps the chunks no retrieve has read,
+        checked, in the CPU tier. A preload keeps every chunk in memory."""
         warmed = 0
         for info in handle.manifest.chunks[: handle.servable]:
             cid, nbytes = (handle.content_hash, info.index), handle.view.engine_nbytes(info.index)
