@@ -80,6 +80,8 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
     """Time every arm; return {arm: seconds, ...} plus the caches `ours*` and `vllm-op` wrote."""
     import vllm._custom_ops as ops
 
+    from lmcache_cartridge.cartridge.packed import to_chunk_layout
+    from lmcache_cartridge.testing.cpu_engine import private_engine_blocks
     from lmcache_cartridge.vllm import cpu_kv, native
     from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, current_attn_isa
 
@@ -110,10 +112,7 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
         conn_torch.use_native = False
         conn_torch.check_layout(torch_caches)
         conn_blocks = CpuPagedKVConnector(layers, kv_heads, head_dim, dt)
-        conn_blocks.check_layout(blocks_caches)
-        engine_blocks = conn_blocks.declare_engine_blocks()
-        conn_blocks.withdraw_engine_blocks()  # keep the encoder, not the process-wide declaration
-        conn_blocks.engine_blocks = engine_blocks
+        engine_blocks = private_engine_blocks(conn_blocks, blocks_caches)
     finally:
         cpu_kv.current_attn_isa = real_isa
     block_objs = [_Obj(torch.empty_like(c)) for c in chunks]
@@ -130,9 +129,9 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
         for o, c in zip(block_objs, chunks):
             engine_blocks.encode(o.tensor, c)
 
-    # The same chunks as a packed file holds them, heads first (`[H, 2, L, t, D]`, the by-head
-    # payload `packed.payload_view` reads), encoded from where they lie.
-    packed = [c.view(2, layers, CHUNK, kv_heads, head_dim).permute(3, 0, 1, 2, 4).contiguous() for c in chunks]
+    # The same chunks as a packed file holds them (`packed.to_chunk_layout`: heads first,
+    # `[H, 2, L, t, D]`), encoded from where they lie, read as `packed.payload_view` reads them.
+    packed = [to_chunk_layout(c.view(2, layers, CHUNK, kv_heads, head_dim), 0, CHUNK) for c in chunks]
     packed_objs = [_Obj(torch.empty_like(c)) for c in chunks]
 
     def encode_packed():

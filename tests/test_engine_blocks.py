@@ -22,7 +22,7 @@ from lmc_helpers import make_metadata  # noqa: E402
 from lmcache_cartridge.cartridge.packed import pack_kv  # noqa: E402
 from lmcache_cartridge.lmcache import memory_layout  # noqa: E402
 from lmcache_cartridge.store.registry import Registry  # noqa: E402
-from lmcache_cartridge.testing.cpu_engine import CpuBlocksEngine  # noqa: E402
+from lmcache_cartridge.testing.cpu_engine import CpuBlocksEngine, private_engine_blocks  # noqa: E402
 from lmcache_cartridge.vllm import cpu_kv, native  # noqa: E402
 from lmcache_cartridge.vllm.cpu_kv import whole_blocks  # noqa: E402
 from test_plugin import load_config, write_yaml  # noqa: E402
@@ -266,10 +266,7 @@ def test_a_ranks_heads_encoded_in_place_are_the_bytes_of_its_kv_2ltd_encoded(tmp
         n = heads // tp
         conn = cpu_kv.CpuPagedKVConnector(L, n, hd, DT)
         conn.use_native = path == "native"
-        conn.check_layout([torch.zeros(NB, n, BS, 2 * hd, dtype=DT) for _ in range(L)])
-        blocks = conn.declare_engine_blocks()
-        conn.withdraw_engine_blocks()  # keep the encoder, not the process-wide declaration
-        conn.engine_blocks = blocks
+        blocks = private_engine_blocks(conn, [torch.zeros(NB, n, BS, 2 * hd, dtype=DT) for _ in range(L)])
         assert blocks is not None
         for rank in range(tp):
             view = RankView.of(m, tp, rank)

@@ -273,6 +273,12 @@ def test_s3_chunks_are_verified_on_the_reading_thread_after_every_attempt(tmp_pa
         h.origin.close()
 
 
+def _kv_2ltd(h, i, raw):
+    e = torch.empty(h.view.engine_nbytes(i), dtype=torch.uint8)
+    h.view.to_engine(i, raw, e)
+    return e
+
+
 def test_layout_conversion_reuses_scratch_buffers_of_mixed_sizes(tmp_path):
     """Chunks of two sizes (a short last chunk) read by threads at once: every read converts the
     right bytes, whichever kept scratch buffer it takes (the larger one sitting behind a smaller)."""
@@ -283,12 +289,7 @@ def test_layout_conversion_reuses_scratch_buffers_of_mixed_sizes(tmp_path):
     assert not h.view.identity  # by_head with 2 heads: every read converts
     res = Residency(MemoryTier("cpu", 0), None, Metrics(), prefetch=False)
 
-    def expected(i):
-        e = torch.empty(h.view.engine_nbytes(i), dtype=torch.uint8)
-        h.view.to_engine(i, p.read_raw(i), e)
-        return e
-
-    want = {i: expected(i) for i in range(4)}
+    want = {i: _kv_2ltd(h, i, p.read_raw(i)) for i in range(4)}
     res._spare[:] = [torch.empty(16, dtype=torch.uint8), torch.empty(1 << 20, dtype=torch.uint8)]
     out = torch.empty(h.view.engine_nbytes(0), dtype=torch.uint8)
     res.read_into(h, 0, out, network=False)  # takes the second, larger spare
@@ -303,12 +304,6 @@ def test_layout_conversion_reuses_scratch_buffers_of_mixed_sizes(tmp_path):
         assert all(pool.map(read, [i % 4 for i in range(200)]))
     assert len(res._spare) <= residency._SPARE_SCRATCH
     res.close()
-
-
-def _kv_2ltd(h, i, raw):
-    e = torch.empty(h.view.engine_nbytes(i), dtype=torch.uint8)
-    h.view.to_engine(i, raw, e)
-    return e
 
 
 def _reversing_encoder(seen):

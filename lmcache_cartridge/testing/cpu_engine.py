@@ -23,6 +23,18 @@ from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, EngineBlocks
 _ids = itertools.count()
 
 
+def private_engine_blocks(conn: CpuPagedKVConnector, caches: list[torch.Tensor]) -> Optional[EngineBlocks]:
+    """`conn`'s engine-blocks encoder for caches like `caches` (their layout verified), kept on
+    `conn` but not declared process-wide (`memory_layout`): for benchmarks and tests that encode
+    memory objects themselves, beside connectors that must stay `KV_2LTD`. None as
+    `declare_engine_blocks` says."""
+    conn.check_layout(caches)
+    blocks = conn.declare_engine_blocks()
+    conn.withdraw_engine_blocks()
+    conn.engine_blocks = blocks
+    return blocks
+
+
 class CpuBlocksEngine:
     """One LMCacheEngine with `CpuPagedKVConnector`; blocks declared by `declare_blocks`."""
 
