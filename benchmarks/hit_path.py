@@ -20,6 +20,9 @@ chunks nobody has read; the packed file stays in the page cache, as in the TTFT 
 - `first`: the plugin as configured by default (prefetch on: once a retrieve's reads are done,
   the rest of the cartridge is warmed in the background);
 - `first, prefetch off`;
+- `first, engine cores only`: prefetch off, `reader_cores: engine` (the others read on the
+  worker's cores and the ones its binding leaves free, `store/threads.py`: with `--cores 1`,
+  the worker's core and core 0; with `--cores 0,1` there are none left);
 - `repeat`: the same retrieve again, served from LMCache's CPU cache.
 
 To compare code, copy this script (and `lmcache_cartridge/vllm/worker_env.py`, if that checkout
@@ -48,7 +51,8 @@ import _common  # noqa: F401  (the benchmarks' preamble: path, environment)
 from _common import ROOT, machine_info
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, CHUNK = 8, 2, 128, 128, 256
-ARMS = ("first", "first, prefetch off", "repeat")
+ARMS = ("first", "first, prefetch off", "first, engine cores only", "repeat")
+FIRST_ARMS = ARMS[:3]
 
 
 def parse_ints(s: str) -> list[int]:
@@ -59,7 +63,7 @@ class Engine:
     """One LMCacheEngine with the cartridge plugin and the CPU connector, engine blocks declared
     (`testing.cpu_engine`, as the engine-block tests build it)."""
 
-    def __init__(self, work: Path, registry: Path, *, prefetch: bool = True) -> None:
+    def __init__(self, work: Path, registry: Path, *, prefetch: bool = True, reader_cores: str = "auto") -> None:
         import torch
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
@@ -69,7 +73,8 @@ class Engine:
 
         cfg = LMCacheEngineConfig.from_dict(lmcache_config(
             registry, chunk_size=CHUNK, cpu_gb=2.0, cache_dir=work / "cache",
-            extra={"storage_plugin.cartridge.prefetch": prefetch}))
+            extra={"storage_plugin.cartridge.prefetch": prefetch,
+                   "storage_plugin.cartridge.reader_cores": reader_cores}))
         md = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0,
                              local_worker_id=0, kv_dtype=torch.bfloat16,
                              kv_shape=(LAYERS, 2, CHUNK, KV_HEADS, HEAD_DIM), chunk_size=CHUNK)
@@ -125,8 +130,9 @@ def run_length(work: Path, length: int, samples: int, breakdown: bool) -> dict:
     tokens = ids + [5, 6, 7, 8, 9, 10, 11, 12]
     times: dict[str, list[float]] = {a: [] for a in ARMS}
     for s in range(samples + 1):  # sample 0 warms up (page cache, allocators, kernel build)
-        for arm in (ARMS[:2] if s % 2 == 0 else ARMS[1::-1]):
-            e = Engine(work, reg.path, prefetch=arm == "first")
+        for arm in FIRST_ARMS[s % 3:] + FIRST_ARMS[:s % 3]:  # each arm first in turn
+            e = Engine(work, reg.path, prefetch=arm == "first",
+                       reader_cores="engine" if arm == "first, engine cores only" else "auto")
             try:
                 first = e.retrieve(tokens, e.caches(len(tokens)))
                 repeat = e.retrieve(tokens, e.caches(len(tokens)))

@@ -67,7 +67,8 @@ class Setup:
     `CpuPagedKVConnector` over vLLM-CPU-shaped caches, engine blocks declared as the vLLM
     connector declares them (`testing.cpu_engine`), serving one 3-chunk cartridge."""
 
-    def __init__(self, tmp_path, hd: int, path: str, **overrides) -> None:
+    def __init__(self, tmp_path, hd: int, path: str, plugin: dict | None = None, **overrides) -> None:
+        """`plugin`: more of the cartridge plugin's settings (`storage_plugin.cartridge.<key>`)."""
         self.hd = hd
         self.reg = Registry(tmp_path / "reg.db")
         self.kv = random_kv(L, 3 * CHUNK + 20, H, hd, seed=hd)
@@ -75,6 +76,7 @@ class Setup:
                             token_ids=list(range(10, 10 + self.kv.shape[2])), chunk_size=CHUNK)
         self.reg.register(tmp_path / "doc")
         cfg = load_config(write_yaml(tmp_path, self.reg.path, **overrides))
+        cfg.extra_config.update({f"storage_plugin.cartridge.{k}": v for k, v in (plugin or {}).items()})
         md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=hd, chunk_size=CHUNK)
         self.eng = CpuBlocksEngine(cfg, md, native=path == "native", name="engine-blocks")
         self.conn, self.engine = self.eng.conn, self.eng.engine

@@ -351,11 +351,13 @@ def test_first_hit_prefetches_the_rest_after_its_reads_not_beside_them(carts):
 
 
 def test_whether_reads_run_in_parallel_is_asked_once_not_per_retrieve(carts, monkeypatch):
-    """`threads.parallel` reads every thread's mask from /proc (~0.1 ms): the plugin asks at its
-    first multi-chunk read and keeps the answer, instead of paying it on every first hit."""
+    """`threads.reader_cores` and `parallel` read every thread's mask from /proc (~0.1 ms): the
+    plugin asks at its first multi-chunk read and keeps the answers, instead of paying them on
+    every first hit."""
     from lmcache_cartridge.store import threads
-    asked = []
-    monkeypatch.setattr(threads, "parallel", lambda: asked.append(1) or False)
+    asked, real = [], threads.reader_cores
+    monkeypatch.setattr(threads, "parallel", lambda cores=None: asked.append("parallel") or False)
+    monkeypatch.setattr(threads, "reader_cores", lambda setting: asked.append("cores") or real(setting))
     (a, kv_a), (b, kv_b) = carts["a"], carts["b"]
     with engine_for(carts["dir"], carts["reg"].path) as eng:
         for c, kv in ((a, kv_a), (b, kv_b)):  # two first hits from the plugin, several chunks each
@@ -363,7 +365,7 @@ def test_whether_reads_run_in_parallel_is_asked_once_not_per_retrieve(carts, mon
             assert n >= 2 * CHUNK
             assert torch.equal(got[:, :, :n].view(torch.uint8), flat(kv)[:, :, :n].view(torch.uint8))
         assert eng.backend("cartridge").residency.origin_reads >= 4
-    assert asked == [1]
+    assert asked == ["cores", "parallel"]
 
 
 def test_corrupt_registry_serves_nothing_then_recovers(carts, caplog):

@@ -59,7 +59,7 @@ CHILD = textwrap.dedent("""
     import torch
     torch.mm(torch.ones(512, 512), torch.ones(512, 512))  # vLLM's OpenMP team exists, bound
     from test_engine_blocks import CHUNK, Setup, as_bytes, slot_mapping, writer_caches
-    s = Setup(Path(tempfile.mkdtemp()), 64, "native")
+    s = Setup(Path(tempfile.mkdtemp()), 64, "native", plugin=json.loads(sys.argv[2]))
     try:
         tokens = s.cart.token_ids
         table = list(range(24))
@@ -68,7 +68,9 @@ CHILD = textwrap.dedent("""
         same = all(torch.equal(a, b) for a, b in zip(as_bytes(got), as_bytes(ref)))
         readers = {t.name: sorted(os.sched_getaffinity(t.native_id)) for t in threading.enumerate()
                    if t.name.startswith("cartridge-read")}
+        from lmcache_cartridge.store.threads import engine_cores
         print(json.dumps({"main": sorted(os.sched_getaffinity(0)), "served": n, "full": 3 * CHUNK, "same": same,
+                          "engine": sorted(engine_cores()),
                           "reads": s.engine.storage_manager.storage_backends["cartridge"].residency.origin_reads,
                           "readers": readers}))
     finally:
@@ -76,7 +78,9 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def first_hit_in_vllm_worker_env(tmp_path, cores: list[int]) -> dict:
+def first_hit_in_vllm_worker_env(tmp_path, cores: list[int], **plugin) -> dict:
+    """A first hit in a process bound as vLLM binds a worker to `cores` (started with
+    `VLLM_CPU_OMP_THREADS_BIND` = `cores`, as the server was), with these plugin settings."""
     from lmcache_cartridge.vllm import native
 
     if native.kernel() is None:
@@ -84,8 +88,9 @@ def first_hit_in_vllm_worker_env(tmp_path, cores: list[int]) -> dict:
     pytest.importorskip("vllm.utils.ompmultiprocessing")
     env = vllm_worker_env(cores)
     assert env["GOMP_CPU_AFFINITY"] == " ".join(map(str, cores))
-    p = subprocess.run([sys.executable, "-c", CHILD, str(TESTS)], env=env, capture_output=True,
-                       text=True, timeout=300, cwd=tmp_path)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))
+    p = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), json.dumps(plugin)], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["main"] == cores[:1]  # vLLM's binding: the worker's main thread on its first core
@@ -97,11 +102,62 @@ def first_hit_in_vllm_worker_env(tmp_path, cores: list[int]) -> dict:
 def test_first_hit_reads_run_on_every_core_of_a_vllm_worker(tmp_path):
     cores = sorted(os.sched_getaffinity(0))[:2]
     got = first_hit_in_vllm_worker_env(tmp_path, cores)
-    # before: every reader on the main thread's core, pinned there again by libgomp in the kernel
-    assert got["readers"] and all(c == cores for c in got["readers"].values()), got["readers"]
+    # before: every reader on the main thread's core, pinned there again by libgomp in the kernel;
+    # now one reader per core, in turn (they stay where their buffers are)
+    assert all(len(m) == 1 for m in got["readers"].values()), got["readers"]
+    assert {c for m in got["readers"].values() for c in m} == set(cores), got["readers"]
 
 
 @linux
-def test_a_one_core_vllm_worker_reads_on_the_retrieving_thread(tmp_path):
-    got = first_hit_in_vllm_worker_env(tmp_path, sorted(os.sched_getaffinity(0))[:1])
+def test_a_one_core_vllm_worker_reads_on_the_retrieving_thread_with_reader_cores_engine(tmp_path):
+    got = first_hit_in_vllm_worker_env(tmp_path, sorted(os.sched_getaffinity(0))[:1], reader_cores="engine")
     assert got["readers"] == {}  # no reader threads started: they would take turns on one core
+
+
+@two_cores
+def test_a_one_core_vllm_worker_reads_on_its_core_and_the_cores_its_binding_leaves_free(tmp_path):
+    """`VLLM_CPU_OMP_THREADS_BIND` gives the worker one core; the other one (vLLM's frontend's,
+    idle while the worker waits for the load) takes reads too: the readers may use both."""
+    allowed = sorted(os.sched_getaffinity(0))
+    got = first_hit_in_vllm_worker_env(tmp_path, allowed[:1])
+    # before: no reader threads, every chunk read on the worker's one core; now one per core,
+    # the cores beside the worker's among them
+    on = {c for m in got["readers"].values() for c in m}
+    assert all(len(m) == 1 for m in got["readers"].values()), got["readers"]
+    assert on <= set(allowed) and on - set(allowed[:1]), got["readers"]
+    # a reader moved onto a spare core does not make it the engine's (the pools started later,
+    # prefetch among them, stay on the worker's core)
+    assert got["engine"] == allowed[:1]
+    # a list names exactly where they run: here the core the worker is not bound to
+    got = first_hit_in_vllm_worker_env(tmp_path, allowed[:1], reader_cores=f"{allowed[-1]}")
+    assert got["readers"] and all(c == allowed[-1:] for c in got["readers"].values()), got["readers"]
+
+
+def test_spare_cores_are_the_parents_cores_no_rank_is_bound_to(monkeypatch):
+    parent = set(os.sched_getaffinity(os.getppid()))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(min(parent)))
+    assert threads.spare_cores() == parent - {min(parent)}
+    assert threads.reader_cores("auto") == threads.engine_cores() | (parent - {min(parent)})
+    assert threads.reader_cores("engine") == threads.engine_cores()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{min(parent)}|{max(parent)}")  # two ranks
+    assert threads.spare_cores() == parent - {min(parent), max(parent)}
+    for unknown in ("auto", "nobind", ""):
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", unknown)
+        assert threads.spare_cores() == set()
+    assert threads.parse_cpu_list("0-2,5") == {0, 1, 2, 5} == threads.reader_cores("0-2,5")
+    with pytest.raises(ValueError):
+        threads.parse_cpu_list("3-1")
+
+
+def test_a_bad_reader_cores_setting_is_refused(tmp_path):
+    from lmcache_cartridge.errors import CartridgeError
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+    from lmcache_cartridge.lmcache.settings import PluginSettings
+    from test_plugin import load_config, write_yaml
+
+    cfg = load_config(write_yaml(tmp_path, tmp_path / "r.db"))
+    cfg.extra_config["storage_plugin.cartridge.reader_cores"] = "one"
+    with pytest.raises(CartridgeError, match="bad setting"):
+        PluginSettings.from_config(cfg, CartridgeStoragePlugin)
+    cfg.extra_config["storage_plugin.cartridge.reader_cores"] = [0, 1]
+    assert PluginSettings.from_config(cfg, CartridgeStoragePlugin).reader_cores == "0,1"

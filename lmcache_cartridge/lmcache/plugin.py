@@ -158,14 +158,16 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 MemoryTier("cpu", st.cpu_budget_bytes, metrics=self.metrics),
                 DiskTier(st.cache_dir / "chunks", st.disk_budget_bytes, metrics=self.metrics),
                 self.metrics, prefetch=st.prefetch)
-            # On the engine's cores (`store.threads`): the retrieving thread may be bound to one.
-            self._readers = threads.pool(min(4, os.cpu_count() or 1), "cartridge-read")
+            # On the reader cores (`store.threads`): the retrieving thread may be bound to one.
+            self._readers = threads.pool(min(4, os.cpu_count() or 1), "cartridge-read", cores=self._reader_cores,
+                                         spread=True)
             # LMCache runs the async pair on its storage event loop: the work goes here instead,
             # so one request's reads never freeze the loop other requests' lookups run on.
             self._async_pool = threads.pool(2, "cartridge-async")
-            # Whether reads may run on several threads (`threads.parallel`), asked at the first
-            # multi-chunk read (vLLM binds its OpenMP threads before serving) and kept: asking
-            # reads every thread's mask from /proc, ~0.1 ms each time.
+            # Where reads run and whether on several threads (`threads.reader_cores`, `parallel`),
+            # asked at the first multi-chunk read (vLLM binds its OpenMP threads before serving)
+            # and kept: asking reads every thread's mask from /proc, ~0.1 ms each time.
+            self._readers_on: set[int] | None = None
             self._parallel: bool | None = None
             self.registry: Registry | None = None
             self._version = -1
@@ -608,10 +610,17 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             self._retire_locked(served)
         self._after_retire(served)
 
+    def _reader_cores(self) -> set[int]:
+        """The cores the reads a retrieve waits on run on (`reader_cores` setting), asked once."""
+        if self._readers_on is None:
+            self._readers_on = threads.reader_cores(self.settings.reader_cores)
+        return self._readers_on
+
     def batched_get_blocking(self, keys):
         """Chunks for a prefix of `keys` (aligned, `None` from the first miss on, as LMCache
-        expects). Buffers are allocated here in order; the reads run in parallel where the engine
-        has more than one core (`store.threads`), else on this thread. Only local tiers are read.
+        expects). Buffers are allocated here in order; the reads run in parallel on reader threads
+        where there is more than one reader core (the worker's own, and by default those vLLM's
+        binding leaves to no worker: `store.threads.reader_cores`), else on this thread. Only local tiers are read.
         A chunk whose cartridge was retired while it was read (and that no lookup
         pinned) comes back None: LMCache would otherwise write the old bytes into its CPU cache."""
         out: list = [None] * len(keys)
@@ -638,10 +647,10 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             if not jobs:
                 return out
             if len(jobs) > 1 and self._parallel is None:
-                self._parallel = threads.parallel()
+                self._parallel = threads.parallel(self._reader_cores())
             if len(jobs) == 1 or not self._parallel:
-                # One core for the whole engine: readers would only take turns on it, slower than
-                # this thread alone (`benchmarks/hit_path.py`).
+                # One core to read on: readers would only take turns on it, slower than this
+                # thread alone (`benchmarks/hit_path.py`).
                 oks = [self._fill(*j) for j in jobs]
             else:
                 oks = list(self._readers.map(lambda j: self._fill(*j), jobs))

@@ -29,6 +29,15 @@ def _as_list(value: Any) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def _cores_setting(value: Any) -> str:
+    from lmcache_cartridge.store.threads import parse_cpu_list
+
+    text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value).strip()
+    if text not in ("auto", "engine"):
+        parse_cpu_list(text)  # ValueError: reported as a bad setting
+    return text
+
+
 def _as_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -54,6 +63,10 @@ class PluginSettings:
     # A host syncs this S3 catalog into its registry (see lmcache/catalog_sync.py); None: no catalog.
     catalog_uri: str | None = None
     catalog_period: float = 30.0
+    # Where the chunk reads a retrieve waits on run (`store.threads.reader_cores`): "auto" (the
+    # worker's cores and those an explicit VLLM_CPU_OMP_THREADS_BIND leaves to no worker),
+    # "engine" (the worker's cores only), or a cpu list ("0-1", "0,5").
+    reader_cores: str = "auto"
 
     @classmethod
     def from_config(cls, config, plugin_cls: type) -> "PluginSettings":
@@ -80,6 +93,7 @@ class PluginSettings:
                 pin_lease_seconds=float(get("pin_lease_seconds", 120.0)),
                 catalog_uri=str(get("catalog_uri")) if get("catalog_uri") else None,
                 catalog_period=float(get("catalog_period", 30.0)),
+                reader_cores=_cores_setting(get("reader_cores", "auto")),
             )
         except (TypeError, ValueError) as e:
             raise CartridgeError(f"bad setting under extra_config {p}*: {e}") from e

@@ -30,4 +30,6 @@ def vllm_worker_env(cores: list[int]) -> dict[str, str]:
     with m.configure_omp_envs(0, 0):
         env = dict(os.environ)
     env["LD_PRELOAD"] = libgomp[0]
+    # what the server was started with and the worker inherits (`store.threads.spare_cores`)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
     return env
