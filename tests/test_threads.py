@@ -133,20 +133,47 @@ def test_a_one_core_vllm_worker_reads_on_its_core_and_the_cores_its_binding_leav
     assert got["readers"] and all(c == allowed[-1:] for c in got["readers"].values()), got["readers"]
 
 
+@linux
 def test_spare_cores_are_the_parents_cores_no_rank_is_bound_to(monkeypatch):
     parent = set(os.sched_getaffinity(os.getppid()))
+    engine = sorted(threads.engine_cores())
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(min(parent)))
     assert threads.spare_cores() == parent - {min(parent)}
-    assert threads.reader_cores("auto") == threads.engine_cores() | (parent - {min(parent)})
-    assert threads.reader_cores("engine") == threads.engine_cores()
+    assert threads.reader_cores("auto") == engine + sorted(parent - {min(parent)} - set(engine))
+    assert threads.reader_cores("engine") == engine
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{min(parent)}|{max(parent)}")  # two ranks
     assert threads.spare_cores() == parent - {min(parent), max(parent)}
     for unknown in ("auto", "nobind", ""):
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", unknown)
         assert threads.spare_cores() == set()
-    assert threads.parse_cpu_list("0-2,5") == {0, 1, 2, 5} == threads.reader_cores("0-2,5")
+    assert threads.parse_cpu_list("0-2,5") == {0, 1, 2, 5}
     with pytest.raises(ValueError):
         threads.parse_cpu_list("3-1")
+
+
+@linux
+def test_a_server_not_confined_to_a_few_more_cores_than_its_ranks_has_no_spare_cores(monkeypatch):
+    """On a 64-core host whose server nobody confined, the cores outside its binding may be
+    another instance's or another node's: none is taken (a host this machine cannot be, so the
+    parent's mask is given)."""
+    monkeypatch.setattr(threads, "_parent_cores", lambda: set(range(64)))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "32-63")
+    assert threads.spare_cores() == set()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-30|32-62")  # two ranks, 2 cores left over
+    assert threads.spare_cores() == {31, 63}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-28|32-62")  # 4 left for 2 ranks
+    assert threads.spare_cores() == {29, 30, 31, 63}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-27|32-62")  # 5 left: not the server's own
+    assert threads.spare_cores() == set()
+
+
+@linux
+def test_a_reader_cores_list_is_what_this_process_may_use(caplog):
+    mine = sorted(os.sched_getaffinity(os.getppid()) | threads.engine_cores())
+    assert threads.reader_cores(f"{mine[-1]}") == [mine[-1]]
+    assert threads.reader_cores(f"{mine[-1]},4095") == [mine[-1]]
+    assert threads.reader_cores("4095") == sorted(threads.engine_cores())  # none usable: the engine's
+    assert any("not this process's to use" in r.getMessage() for r in caplog.records)
 
 
 def test_a_bad_reader_cores_setting_is_refused(tmp_path):
@@ -158,6 +185,9 @@ def test_a_bad_reader_cores_setting_is_refused(tmp_path):
     cfg = load_config(write_yaml(tmp_path, tmp_path / "r.db"))
     cfg.extra_config["storage_plugin.cartridge.reader_cores"] = "one"
     with pytest.raises(CartridgeError, match="bad setting"):
+        PluginSettings.from_config(cfg, CartridgeStoragePlugin)
+    cfg.extra_config["storage_plugin.cartridge.reader_cores"] = ","
+    with pytest.raises(CartridgeError, match="no cores"):
         PluginSettings.from_config(cfg, CartridgeStoragePlugin)
     cfg.extra_config["storage_plugin.cartridge.reader_cores"] = [0, 1]
     assert PluginSettings.from_config(cfg, CartridgeStoragePlugin).reader_cores == "0,1"

@@ -158,16 +158,16 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 MemoryTier("cpu", st.cpu_budget_bytes, metrics=self.metrics),
                 DiskTier(st.cache_dir / "chunks", st.disk_budget_bytes, metrics=self.metrics),
                 self.metrics, prefetch=st.prefetch)
-            # On the reader cores (`store.threads`): the retrieving thread may be bound to one.
-            self._readers = threads.pool(min(4, os.cpu_count() or 1), "cartridge-read", cores=self._reader_cores,
-                                         spread=True)
+            # One thread per reader core, up to four (`store.threads`; made at the first
+            # multi-chunk read, when vLLM has bound the worker: `_reader_pool`).
+            self._readers = None
             # LMCache runs the async pair on its storage event loop: the work goes here instead,
             # so one request's reads never freeze the loop other requests' lookups run on.
             self._async_pool = threads.pool(2, "cartridge-async")
             # Where reads run and whether on several threads (`threads.reader_cores`, `parallel`),
             # asked at the first multi-chunk read (vLLM binds its OpenMP threads before serving)
             # and kept: asking reads every thread's mask from /proc, ~0.1 ms each time.
-            self._readers_on: set[int] | None = None
+            self._readers_on: list[int] | None = None
             self._parallel: bool | None = None
             self.registry: Registry | None = None
             self._version = -1
@@ -610,11 +610,19 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             self._retire_locked(served)
         self._after_retire(served)
 
-    def _reader_cores(self) -> set[int]:
+    def _reader_cores(self) -> list[int]:
         """The cores the reads a retrieve waits on run on (`reader_cores` setting), asked once."""
         if self._readers_on is None:
             self._readers_on = threads.reader_cores(self.settings.reader_cores)
         return self._readers_on
+
+    def _reader_pool(self):
+        """The reader threads: one per reader core, in their order, up to four (as many as the
+        machine's cores where the cores are unknown). Made once, on the retrieving thread."""
+        if self._readers is None:
+            n = len(self._reader_cores()) or (os.cpu_count() or 1)
+            self._readers = threads.pool(min(4, n), "cartridge-read", cores=self._reader_cores, spread=True)
+        return self._readers
 
     def batched_get_blocking(self, keys):
         """Chunks for a prefix of `keys` (aligned, `None` from the first miss on, as LMCache
@@ -653,7 +661,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 # thread alone (`benchmarks/hit_path.py`).
                 oks = [self._fill(*j) for j in jobs]
             else:
-                oks = list(self._readers.map(lambda j: self._fill(*j), jobs))
+                oks = list(self._reader_pool().map(lambda j: self._fill(*j), jobs))
             with self._lock:
                 st = self._state
                 for n, ((sv, i, _), key) in enumerate(zip(jobs, keys)):

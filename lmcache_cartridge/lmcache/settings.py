@@ -33,8 +33,8 @@ def _cores_setting(value: Any) -> str:
     from lmcache_cartridge.store.threads import parse_cpu_list
 
     text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value).strip()
-    if text not in ("auto", "engine"):
-        parse_cpu_list(text)  # ValueError: reported as a bad setting
+    if text not in ("auto", "engine") and not parse_cpu_list(text):  # ValueError: a bad setting
+        raise ValueError(f"reader_cores: no cores in {text!r}")
     return text
 
 

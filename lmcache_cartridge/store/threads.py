@@ -13,12 +13,12 @@ one thread reading alone (`benchmarks/hit_path.py`). So:
 - `engine_cores()` is the union of the cores this process's threads may run on: the OpenMP
   threads' one-core masks together (vLLM's set for this worker), or the process's own mask where
   no thread is narrowed;
-- `spare_cores()` are the cores an explicit `VLLM_CPU_OMP_THREADS_BIND` gives to no worker:
-  vLLM's frontend and engine-core processes run there (with `auto`, vLLM sets such cores aside
-  itself: one per rank for them, one more for a KV connector's own work), idle while the
-  worker waits for a load;
+- `spare_cores()` are the cores an explicit `VLLM_CPU_OMP_THREADS_BIND` gives to no worker of a
+  server confined to a few more cores than its workers': the cores its frontend and engine-core
+  processes share (vLLM's `auto` binding sets such cores aside itself: one per rank, one more
+  per rank with a KV connector), mostly waiting while the worker loads KV;
 - `reader_cores(setting)` are where the chunk reads a retrieve waits on run: by default the
-  engine's cores and the spare ones (`auto`), or the engine's only (`engine`), or a list;
+  engine's cores, then the spare ones (`auto`), or the engine's only (`engine`), or a list;
 - a pool made by `pool()` moves each of its threads onto its cores (the engine's by default) as
   it starts;
 - `parallel(cores)` says whether reader threads there can do better than the retrieving thread
@@ -40,7 +40,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Iterable
 
 logger = logging.getLogger("lmcache_cartridge.store.threads")
 
@@ -65,25 +65,39 @@ def engine_cores() -> set[int]:
     return cores
 
 
-def parallel(cores: set[int] | None = None) -> bool:
-    """Whether reading on threads on `cores` (default: the engine's) can beat the calling
-    thread reading alone: more than one core, or one that is not the calling thread's only core
-    (unknown cores: assume so)."""
-    cores = engine_cores() if cores is None else cores
+def parallel(cores=None) -> bool:
+    """Whether chunks go to reader threads on `cores` (default: the engine's) rather than being
+    read by the calling thread: more than one core (readers in parallel), or one core that is not
+    the calling thread's (a list that moves reads off it); unknown cores: assume several."""
+    cores = engine_cores() if cores is None else set(cores)
     if not cores or len(cores) > 1:
         return True
     return not hasattr(os, "sched_getaffinity") or cores != os.sched_getaffinity(0)
 
 
-def reader_cores(setting: str = "auto") -> set[int]:
-    """Where the reads a retrieve waits on run (`reader_cores` setting): `auto` -> the engine's
-    cores and `spare_cores()`, `engine` -> the engine's only, else the cores of a cpu list
-    ("0-3,8")."""
+def reader_cores(setting: str = "auto") -> list[int]:
+    """Where the reads a retrieve waits on run (`reader_cores` setting), in the order reader
+    threads take them: `auto` -> the engine's cores, then `spare_cores()`; `engine` -> the
+    engine's only; else the cores of a cpu list ("0-3,8") this process may use (none of them:
+    the engine's, with a warning)."""
+    engine = sorted(engine_cores())
     if setting == "engine":
-        return engine_cores()
+        return engine
     if setting == "auto":
-        return engine_cores() | spare_cores()
-    return parse_cpu_list(setting)
+        return engine + sorted(spare_cores() - set(engine))
+    listed = parse_cpu_list(setting)
+    usable = listed & (engine_cores() | _parent_cores())
+    if usable != listed:
+        logger.warning("lmcache_cartridge: reader_cores %s: cores %s are not this process's to use%s",
+                       setting, sorted(listed - usable), "" if usable else "; reading on the engine's cores")
+    return sorted(usable) if usable else engine
+
+
+def _parent_cores() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(os.getppid()))
+    except (AttributeError, OSError):
+        return set()
 
 
 _logged: set[tuple[str, frozenset[int]]] = set()
@@ -93,14 +107,15 @@ _logged: set[tuple[str, frozenset[int]]] = set()
 _moved: set[int] = set()
 
 
-def _move_onto(cores: Callable[[], set[int]], spread: Callable[[], int] | None) -> None:
+def _move_onto(cores: Callable[[], Iterable[int]], spread: Callable[[], int] | None) -> None:
     """A pool's initializer: move the calling thread onto `cores()` (the thread that created the
-    pool may be bound to one core); with `spread`, onto one of them: the `spread()`-th, in turn."""
+    pool may be bound to one core); with `spread`, onto one of them: the `spread()`-th, in the
+    order `cores()` gives them."""
     if not hasattr(os, "sched_setaffinity"):
         return
-    mine, want = os.sched_getaffinity(0), cores()
-    if want and spread is not None:
-        ordered = sorted(want)
+    mine, ordered = os.sched_getaffinity(0), list(cores())
+    want = set(ordered)
+    if ordered and spread is not None:
         want = {ordered[spread() % len(ordered)]}
     if not want or want == mine:
         return
@@ -117,14 +132,14 @@ def _move_onto(cores: Callable[[], set[int]], spread: Callable[[], int] | None) 
                     "the thread that started it)", name, sorted(want), sorted(mine))
 
 
-def pool(max_workers: int, prefix: str, cores: Callable[[], set[int]] = engine_cores, *,
+def pool(max_workers: int, prefix: str, cores: Callable[[], Iterable[int]] = engine_cores, *,
          spread: bool = False) -> ThreadPoolExecutor:
     """A thread pool whose threads run on `cores()` (asked as each starts: vLLM binds a worker
     before it serves), the engine's cores by default. `spread`: each thread on one of them, in
-    turn, instead of all of them: threads a retrieve waits on stay where their buffers are (a
-    thread the scheduler moves to another core finds its scratch buffers in the other core's
-    cache, and on the 2-core machine here that costs more than the second core brings,
-    `benchmarks/hit_path.py`)."""
+    turn, instead of all of them (give it no more threads than cores): threads a retrieve waits
+    on stay where their buffers are (a thread the scheduler moves to another core finds its
+    scratch buffers in the other core's cache, and on the 2-core machine here that costs more
+    than the second core brings, `benchmarks/hit_path.py`)."""
     turn = itertools.count().__next__ if spread else None
     return ThreadPoolExecutor(max_workers=max(1, max_workers), thread_name_prefix=prefix,
                               initializer=_move_onto, initargs=(cores, turn))
@@ -146,11 +161,20 @@ def parse_cpu_list(text: str) -> set[int]:
     return cores
 
 
+# At most this many leftover cores per rank count as spare: what vLLM's own `auto` binding sets
+# aside (one per rank for its engine-core process, one more with a KV connector). A larger
+# leftover is a machine the operator did not confine to this server, whose other cores may well
+# be another process's (another instance, another NUMA node's work): not taken.
+SPARE_PER_RANK = 2
+
+
 def spare_cores() -> set[int]:
-    """The cores this worker's process tree may use that an explicit `VLLM_CPU_OMP_THREADS_BIND`
-    ("1", "0-3|4-7": one list per local rank) gives to no rank's OpenMP threads; empty when the
-    binding is `auto` or `nobind` or unset (which cores another rank or process holds is not
-    known then), or nothing is left over.
+    """The cores this server's processes may use that an explicit `VLLM_CPU_OMP_THREADS_BIND`
+    ("1", "0-3|4-7": one list per local rank, data-parallel ranks included) gives to no rank's
+    OpenMP threads, where they are few enough to be the server's own (`SPARE_PER_RANK` per rank:
+    a server confined by taskset or a cpuset, as the TTFT runs are); empty when the binding is
+    `auto`, `nobind` or unset (whose cores are whose is not known then), when the leftover is
+    larger, or nothing is left over.
 
     "May use" is the parent process's mask joined with this one's threads': vLLM narrows only
     the worker's threads (its main thread from the start, `GOMP_CPU_AFFINITY`), not the engine
@@ -159,8 +183,8 @@ def spare_cores() -> set[int]:
     if spec in ("", "auto", "nobind") or not hasattr(os, "sched_getaffinity"):
         return set()
     try:
-        bound = set().union(*(parse_cpu_list(part) for part in spec.split("|")))
-        allowed = set(os.sched_getaffinity(os.getppid()))
-    except (ValueError, OSError):
+        ranks = [parse_cpu_list(part) for part in spec.split("|")]
+    except ValueError:
         return set()
-    return (allowed | engine_cores()) - bound
+    left = (_parent_cores() | engine_cores()) - set().union(*ranks)
+    return left if len(left) <= SPARE_PER_RANK * len(ranks) else set()
