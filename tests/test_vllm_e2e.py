@@ -63,8 +63,9 @@ class Server(VllmServer):
         super().__init__(root, str(model_dir), lmcache=lmcache_config(self.registry_path, chunk_size=CHUNK),
                          extra_env=extra_env, **server_args)
         # VLLM_CPU_OMP_THREADS_BIND: "0-1" = one worker on cores 0 and 1; "0|1" = a core per TP rank
-        first_rank = self.threads_bind.split("|")[0].split(",")
-        self.cpu_kv_threads = sum(int(b or a) - int(a) + 1 for a, _, b in (p.partition("-") for p in first_rank))
+        from lmcache_cartridge.store.threads import parse_cpu_list
+
+        self.cpu_kv_threads = len(parse_cpu_list(self.threads_bind.split("|")[0]))
 
     # --- API ---------------------------------------------------------------------------------
     def complete(self, prompt_ids: list[int], *, skip_save: bool = True, max_tokens: int = MAX_TOKENS) -> dict:

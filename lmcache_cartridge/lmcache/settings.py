@@ -14,6 +14,7 @@ from typing import Any
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import default_cache_dir, default_registry_path
+from lmcache_cartridge.store.threads import parse_cpu_list
 
 PREFIX = "storage_plugin"
 
@@ -30,8 +31,6 @@ def _as_list(value: Any) -> list[str]:
 
 
 def _cores_setting(value: Any) -> str:
-    from lmcache_cartridge.store.threads import parse_cpu_list
-
     text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value).strip()
     if text not in ("auto", "engine") and not parse_cpu_list(text):  # ValueError: a bad setting
         raise ValueError(f"reader_cores: no cores in {text!r}")
@@ -64,8 +63,8 @@ class PluginSettings:
     catalog_uri: str | None = None
     catalog_period: float = 30.0
     # Where the chunk reads a retrieve waits on run (`store.threads.reader_cores`): "auto" (the
-    # worker's cores and those an explicit VLLM_CPU_OMP_THREADS_BIND leaves to no worker),
-    # "engine" (the worker's cores only), or a cpu list ("0-1", "0,5").
+    # worker's cores, then those an explicit VLLM_CPU_OMP_THREADS_BIND leaves to no worker where
+    # they are at most two per rank), "engine" (the worker's cores only), or a cpu list ("0-1").
     reader_cores: str = "auto"
 
     @classmethod

@@ -80,13 +80,14 @@ def reader_cores(setting: str = "auto") -> list[int]:
     threads take them: `auto` -> the engine's cores, then `spare_cores()`; `engine` -> the
     engine's only; else the cores of a cpu list ("0-3,8") this process may use (none of them:
     the engine's, with a warning)."""
-    engine = sorted(engine_cores())
+    mine = engine_cores()
+    engine = sorted(mine)
     if setting == "engine":
         return engine
     if setting == "auto":
-        return engine + sorted(spare_cores() - set(engine))
+        return engine + sorted(spare_cores(mine) - mine)
     listed = parse_cpu_list(setting)
-    usable = listed & (engine_cores() | _parent_cores())
+    usable = listed & (mine | _parent_cores())
     if usable != listed:
         logger.warning("lmcache_cartridge: reader_cores %s: cores %s are not this process's to use%s",
                        setting, sorted(listed - usable), "" if usable else "; reading on the engine's cores")
@@ -168,7 +169,7 @@ def parse_cpu_list(text: str) -> set[int]:
 SPARE_PER_RANK = 2
 
 
-def spare_cores() -> set[int]:
+def spare_cores(engine: set[int] | None = None) -> set[int]:
     """The cores this server's processes may use that an explicit `VLLM_CPU_OMP_THREADS_BIND`
     ("1", "0-3|4-7": one list per local rank, data-parallel ranks included) gives to no rank's
     OpenMP threads, where they are few enough to be the server's own (`SPARE_PER_RANK` per rank:
@@ -178,7 +179,7 @@ def spare_cores() -> set[int]:
 
     "May use" is the parent process's mask joined with this one's threads': vLLM narrows only
     the worker's threads (its main thread from the start, `GOMP_CPU_AFFINITY`), not the engine
-    process that starts it."""
+    process that starts it. `engine`: `engine_cores()`, where the caller has it already."""
     spec = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip()
     if spec in ("", "auto", "nobind") or not hasattr(os, "sched_getaffinity"):
         return set()
@@ -186,5 +187,5 @@ def spare_cores() -> set[int]:
         ranks = [parse_cpu_list(part) for part in spec.split("|")]
     except ValueError:
         return set()
-    left = (_parent_cores() | engine_cores()) - set().union(*ranks)
+    left = (_parent_cores() | (engine_cores() if engine is None else engine)) - set().union(*ranks)
     return left if len(left) <= SPARE_PER_RANK * len(ranks) else set()
