@@ -272,6 +272,16 @@ def test_reads_what_vllm_wrote_and_writes_what_vllm_writes(data, start, isa, pat
         assert conn.stats["block_copies" if start == 0 else "partial_copies"] > 0
 
 
+def runs_sharing_blocks(data, start: int, seed: int):
+    """(k, v, slots): 512 consecutive slots from `start` (odd: runs share blocks at both ends)
+    and then scattered free ones (runs of a token or two in blocks of their own)."""
+    k, v, slots = data
+    slots = (slots + start)[: 512]
+    fragmented = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(seed))[:88]
+    slots = torch.cat([slots, fragmented[~torch.isin(fragmented, slots)]])
+    return k[:, :len(slots)], v[:, :len(slots)], slots
+
+
 @pytest.mark.parametrize("start", [0, 37])
 def test_native_copy_split_over_threads_writes_what_vllm_writes(data, isa, start, monkeypatch):
     """Layers x runs split over 2 OpenMP threads (torch's runtime): runs that share a block (the
@@ -280,11 +290,7 @@ def test_native_copy_split_over_threads_writes_what_vllm_writes(data, isa, start
         pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
     if not native.openmp():
         pytest.skip("the kernel was built without OpenMP here")
-    k, v, slots = data
-    slots = (slots + start)[: 512]
-    fragmented = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(2))[:88]
-    slots = torch.cat([slots, fragmented[~torch.isin(fragmented, slots)]])
-    k, v = k[:, :len(slots)], v[:, :len(slots)]
+    k, v, slots = runs_sharing_blocks(data, start, seed=2)
     ref = vllm_written(k, v, slots, isa)
     monkeypatch.setattr(CpuPagedKVConnector, "PARALLEL_MIN_BYTES", 0)
     threads = torch.get_num_threads()
@@ -303,6 +309,37 @@ def test_native_copy_split_over_threads_writes_what_vllm_writes(data, isa, start
     for r, m in zip(ref, mine):
         assert torch.equal(r.view(torch.int16), m.view(torch.int16))
     assert torch.equal(out.tensor.view(torch.int16), obj.view(torch.int16))
+
+
+@pytest.mark.parametrize("start", [0, 37])
+def test_native_copy_in_pieces_beside_a_helper_thread_writes_what_vllm_writes(data, isa, start, monkeypatch):
+    """With a helper thread (in vLLM's worker: one per core its binding leaves free), a copy is
+    cut into pieces of runs that it and the calling thread take in turn; runs that share a block
+    may land on different threads. Bytes must be vLLM's every time, loads and stores."""
+    from lmcache_cartridge.store import threads
+
+    if native.kernel() is None:
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    k, v, slots = runs_sharing_blocks(data, start, seed=3)
+    ref = vllm_written(k, v, slots, isa)
+    monkeypatch.setattr(CpuPagedKVConnector, "PARALLEL_MIN_BYTES", 1024)  # this copy: 16 pieces
+    conn = connector("native")
+    pool = threads.pool(1, "cartridge-copy")
+    conn._helper_pool = (pool, 1)  # what `_helpers` makes where a core is spare
+    obj = lmc(k, v, 0, len(slots))
+    try:
+        for _ in range(20):  # which thread takes which piece is timing: over 20 copies both do
+            mine = [torch.zeros_like(c) for c in ref]
+            conn.batched_to_gpu([Obj(obj)], [0], [len(slots)], kvcaches=mine, slot_mapping=slots, req_id="r")
+            assert not conn.failed_loads
+            for r, m in zip(ref, mine):
+                assert torch.equal(r.view(torch.int16), m.view(torch.int16))
+            out = Obj(torch.empty_like(obj))
+            conn.batched_from_gpu([out], [0], [len(slots)], kvcaches=ref, slot_mapping=slots)
+            assert torch.equal(out.tensor.view(torch.int16), obj.view(torch.int16))
+    finally:
+        pool.shutdown()
+    assert conn.stats["helper_pieces"] > 0
 
 
 def test_the_kernel_runs_on_torchs_openmp_runtime_and_on_one_thread_beside_another(data, tmp_path, monkeypatch):

@@ -151,6 +151,42 @@ def test_cartridge_hits_are_vllms_blocks_first_and_repeat(tmp_path, hd, path):
         s.close()
 
 
+def test_block_copies_in_pieces_beside_a_helper_thread_are_vllms_blocks(tmp_path, hd, monkeypatch):
+    """A hit's block copy cut into pieces that the retrieving thread and a helper thread (in
+    vLLM's worker: on a core its binding leaves free) take in turn: the blocks are vLLM's every
+    time, first hit and repeats, and stored KV reloads the same."""
+    from lmcache_cartridge.store import threads
+    from lmcache_cartridge.vllm import native
+
+    if native.kernel() is None:
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    monkeypatch.setattr(cpu_kv.CpuPagedKVConnector, "PARALLEL_MIN_BYTES", 1024)
+    s = Setup(tmp_path, hd, "native")
+    pool = threads.pool(1, "cartridge-copy")
+    s.conn._helper_pool = (pool, 1)  # what `_helpers` makes where a core is spare
+    try:
+        tokens = s.cart.token_ids
+        full = 3 * CHUNK
+        for i in range(20):  # which thread takes which piece is timing: over 20 hits both do
+            table = torch.randperm(NB, generator=torch.Generator().manual_seed(i))[:8].tolist()
+            slots = slot_mapping(table, len(tokens))
+            n, got = s.retrieve(tokens, slots)
+            assert n == full
+            assert_same(got, writer_caches(s.kv[:, :, :full], slots[:full], s.isa, hd), f"hit {i}")
+        kv = random_kv(L, 2 * CHUNK, H, hd, seed=98)
+        stored = list(range(7000, 7000 + 2 * CHUNK))
+        slots = slot_mapping([4, 15, 1, 22], 2 * CHUNK)
+        s.engine.store(stored, kvcaches=writer_caches(kv, slots, s.isa, hd), slot_mapping=slots)
+        slots2 = slot_mapping([10, 3, 18, 6], 2 * CHUNK)
+        n, got = s.retrieve(stored, slots2)
+        assert n == 2 * CHUNK
+        assert_same(got, writer_caches(kv, slots2, s.isa, hd), "stored then reloaded")
+    finally:
+        pool.shutdown()
+        s.close()
+    assert s.conn.stats["helper_pieces"] > 0
+
+
 def test_vllm_computed_kv_stored_and_reloaded_as_blocks(tmp_path, hd, path):
     """LMCache's store of KV vLLM computed (whole chunks and a partial one) and its reload."""
     s = Setup(tmp_path, hd, path, save_unfull_chunk=True)

@@ -66,13 +66,17 @@ CHILD = textwrap.dedent("""
         n, got = s.retrieve(tokens, slot_mapping(table, len(tokens)))
         ref = writer_caches(s.kv[:, :, :n], slot_mapping(table, n), s.isa, 64)  # vLLM's own writer
         same = all(torch.equal(a, b) for a, b in zip(as_bytes(got), as_bytes(ref)))
-        readers = {t.name: sorted(os.sched_getaffinity(t.native_id)) for t in threading.enumerate()
-                   if t.name.startswith("cartridge-read")}
+        n2, again = s.retrieve(tokens, slot_mapping(table, len(tokens)))  # a repeat: LMCache's CPU cache
+        same = same and n2 == n and all(torch.equal(a, b) for a, b in zip(as_bytes(again), as_bytes(ref)))
+        def on(prefix):
+            return {t.name: sorted(os.sched_getaffinity(t.native_id)) for t in threading.enumerate()
+                    if t.name.startswith(prefix)}
         from lmcache_cartridge.store.threads import engine_cores
         print(json.dumps({"main": sorted(os.sched_getaffinity(0)), "served": n, "full": 3 * CHUNK, "same": same,
                           "engine": sorted(engine_cores()),
                           "reads": s.engine.storage_manager.storage_backends["cartridge"].residency.origin_reads,
-                          "readers": readers}))
+                          "readers": on("cartridge-read"), "copiers": on("cartridge-copy"),
+                          "helper_pieces": s.conn.stats["helper_pieces"]}))
     finally:
         s.close()
 """)
@@ -87,6 +91,7 @@ def first_hit_in_vllm_worker_env(tmp_path, cores: list[int], **plugin) -> dict:
         pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
     pytest.importorskip("vllm.utils.ompmultiprocessing")
     env = vllm_worker_env(cores)
+    env["LMCACHE_CARTRIDGE_PARALLEL_MIN_BYTES"] = "0"  # every copy into vLLM's caches may be split
     assert env["GOMP_CPU_AFFINITY"] == " ".join(map(str, cores))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))
     p = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), json.dumps(plugin)], env=env,
@@ -112,6 +117,7 @@ def test_first_hit_reads_run_on_every_core_of_a_vllm_worker(tmp_path):
 def test_a_one_core_vllm_worker_reads_on_the_retrieving_thread_with_reader_cores_engine(tmp_path):
     got = first_hit_in_vllm_worker_env(tmp_path, sorted(os.sched_getaffinity(0))[:1], reader_cores="engine")
     assert got["readers"] == {}  # no reader threads started: they would take turns on one core
+    assert got["copiers"] == {} and got["helper_pieces"] == 0  # nor copy helpers
 
 
 @two_cores
@@ -131,6 +137,62 @@ def test_a_one_core_vllm_worker_reads_on_its_core_and_the_cores_its_binding_leav
     # a list names exactly where they run: here the core the worker is not bound to
     got = first_hit_in_vllm_worker_env(tmp_path, allowed[:1], reader_cores=f"{allowed[-1]}")
     assert got["readers"] and all(c == allowed[-1:] for c in got["readers"].values()), got["readers"]
+    # the copy into vLLM's caches has a helper thread there too (whether it took a piece of this
+    # small copy is timing: `test_copies_into_vllms_cache_are_split_onto_the_cores_...` checks that)
+    assert got["copiers"] and all(c == allowed[-1:] for c in got["copiers"].values()), got["copiers"]
+
+
+COPY_CHILD = textwrap.dedent("""
+    import json, os, sys, threading, time
+    import numpy as np, torch
+    torch.mm(torch.ones(512, 512), torch.ones(512, 512))  # vLLM's OpenMP team exists, bound
+    from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector
+    conn = CpuPagedKVConnector(2, 2, 64, torch.bfloat16)
+    conn.copy_cores = sys.argv[1]
+    rows = np.arange(64, dtype=np.int64).reshape(32, 2)
+    seen = []
+    def copy(part, team):  # stands in for one kernel call; slow enough that both threads take pieces
+        seen.append({"rows": part[:, 0].tolist(), "thread": threading.current_thread().name,
+                     "cores": sorted(os.sched_getaffinity(0)), "team": team})
+        time.sleep(0.01)
+        return 4 if 40 in part[:, 0] else 0
+    rc = conn._run_rows(copy, rows, 16 * conn.PARALLEL_MIN_BYTES)
+    print(json.dumps({"rc": rc, "seen": seen, "helper_pieces": conn.stats["helper_pieces"],
+                      "main": threading.current_thread().name}))
+""")
+
+
+def copies_in_vllm_worker_env(cores: list[int], copy_cores: str) -> dict:
+    pytest.importorskip("vllm.utils.ompmultiprocessing")
+    p = subprocess.run([sys.executable, "-c", COPY_CHILD, copy_cores], env=vllm_worker_env(cores),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert sorted(r for piece in got["seen"] for r in piece["rows"]) == list(range(0, 64, 2))  # each row once
+    assert got["rc"] == 4  # a failing piece's code comes back, whichever thread copied it
+    return got
+
+
+@two_cores
+def test_copies_into_vllms_cache_are_split_onto_the_cores_the_binding_leaves_free():
+    """A worker bound to one core copies a large load in pieces, taken in turn by its own thread
+    and by a helper thread on the core its binding leaves free (the copy LMCache's retrieve waits
+    on: a repeat hit is mostly this copy)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    got = copies_in_vllm_worker_env(allowed[:1], "auto")
+    mine = [p for p in got["seen"] if p["thread"] == got["main"]]
+    helped = [p for p in got["seen"] if p["thread"] != got["main"]]
+    assert len(got["seen"]) == 16 and mine and helped  # before: one call over all rows, on this thread
+    assert all(p["cores"] == allowed[:1] for p in mine)
+    assert all(p["thread"].startswith("cartridge-copy") and p["cores"] == allowed[1:2] and p["team"] == 1
+               for p in helped)
+    assert got["helper_pieces"] == len(helped)
+
+
+@linux
+def test_copies_stay_on_the_workers_thread_with_reader_cores_engine():
+    got = copies_in_vllm_worker_env(sorted(os.sched_getaffinity(0))[:1], "engine")
+    assert [p["thread"] for p in got["seen"]] == [got["main"]] and got["helper_pieces"] == 0
 
 
 @linux

@@ -65,6 +65,8 @@ class PluginSettings:
     # Where the chunk reads a retrieve waits on run (`store.threads.reader_cores`): "auto" (the
     # worker's cores, then those an explicit VLLM_CPU_OMP_THREADS_BIND leaves to no worker where
     # they are at most two per rank), "engine" (the worker's cores only), or a cpu list ("0-1").
+    # Those of them that are not the worker's also take pieces of the copies into and out of
+    # vLLM's KV cache (`vllm.cpu_kv`, `store.threads.helper_cores`).
     reader_cores: str = "auto"
 
     @classmethod
@@ -96,6 +98,19 @@ class PluginSettings:
             )
         except (TypeError, ValueError) as e:
             raise CartridgeError(f"bad setting under extra_config {p}*: {e}") from e
+
+
+def reader_cores_setting(config) -> str:
+    """The cartridge plugin's `reader_cores` in this LMCache config, for the vLLM glue's CPU
+    connector, which LMCache builds from the same config (`vllm.connector`, in each worker):
+    `auto` where the config has no cartridge plugin (plain LMCache KV) or a setting the plugin
+    refuses (it then says so itself, as it fails to start)."""
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+
+    try:
+        return PluginSettings.from_config(config, CartridgeStoragePlugin).reader_cores
+    except CartridgeError:
+        return "auto"
 
 
 def _names_class(module: str | None, cls_name: str, plugin_cls: type) -> bool:

@@ -19,6 +19,8 @@ one thread reading alone (`benchmarks/hit_path.py`). So:
   per rank with a KV connector), mostly waiting while the worker loads KV;
 - `reader_cores(setting)` are where the chunk reads a retrieve waits on run: by default the
   engine's cores, then the spare ones (`auto`), or the engine's only (`engine`), or a list;
+- `helper_cores(setting)` are the reader cores that are not the engine's: the copy of a load
+  into vLLM's cache is split onto them (`vllm.cpu_kv`);
 - a pool made by `pool()` moves each of its threads onto its cores (the engine's by default) as
   it starts;
 - `parallel(cores)` says whether reader threads there can do better than the retrieving thread
@@ -28,7 +30,7 @@ one thread reading alone (`benchmarks/hit_path.py`). So:
 A thread moved here must not start an OpenMP team: libgomp binds a thread that does to its first
 place (the native copy kernel runs one-thread work outside OpenMP for that reason).
 
-Where it runs: `engine_cores`, `spare_cores`, `reader_cores` and `parallel` in any thread, a
+Where it runs: `engine_cores`, `spare_cores`, `reader_cores`, `helper_cores` and `parallel` in any thread, a
 pool's initializer in each of its threads as it starts. It owns nothing; Linux only (elsewhere
 threads keep the mask they inherit, and reads stay parallel).
 """
@@ -75,12 +77,12 @@ def parallel(cores=None) -> bool:
     return not hasattr(os, "sched_getaffinity") or cores != os.sched_getaffinity(0)
 
 
-def reader_cores(setting: str = "auto") -> list[int]:
+def reader_cores(setting: str = "auto", engine: set[int] | None = None) -> list[int]:
     """Where the reads a retrieve waits on run (`reader_cores` setting), in the order reader
     threads take them: `auto` -> the engine's cores, then `spare_cores()`; `engine` -> the
     engine's only; else the cores of a cpu list ("0-3,8") this process may use (none of them:
-    the engine's, with a warning)."""
-    mine = engine_cores()
+    the engine's, with a warning). `engine`: `engine_cores()`, where the caller has it already."""
+    mine = engine_cores() if engine is None else engine
     engine = sorted(mine)
     if setting == "engine":
         return engine
@@ -92,6 +94,14 @@ def reader_cores(setting: str = "auto") -> list[int]:
         logger.warning("lmcache_cartridge: reader_cores %s: cores %s are not this process's to use%s",
                        setting, sorted(listed - usable), "" if usable else "; reading on the engine's cores")
     return sorted(usable) if usable else engine
+
+
+def helper_cores(setting: str = "auto") -> list[int]:
+    """The reader cores that are not the engine's: where work the worker's thread waits on can run
+    beside it rather than take turns with it on its cores (the copy into vLLM's cache,
+    `vllm.cpu_kv`). Empty with `engine`, and with `auto` wherever no core is spare."""
+    mine = engine_cores()
+    return [c for c in reader_cores(setting, mine) if c not in mine]
 
 
 def _parent_cores() -> set[int]:

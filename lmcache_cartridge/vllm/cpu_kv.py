@@ -38,10 +38,12 @@ declaration it made (withdrawn at shutdown).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import threading
-from typing import Any, NamedTuple, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -49,6 +51,7 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_cartridge.lmcache import memory_layout
+from lmcache_cartridge.store import threads
 from lmcache_cartridge.vllm import native
 from lmcache_cartridge.vllm.cpu_layout import (AMX_TILES, K_TRANSPOSED, PagedLayout, UnverifiedKVLayout,
                                                derive_layout)
@@ -203,7 +206,9 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     ENGINE_BLOCKS = os.environ.get("LMCACHE_CARTRIDGE_ENGINE_BLOCKS", "1") != "0"
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", copy_cores: str = "auto") -> None:
+        """`copy_cores`: a `reader_cores` setting (`store.threads.helper_cores`), where copies into
+        and out of vLLM's caches also run beside the worker's thread."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -219,18 +224,20 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         self.failed_loads: dict[str, str] = {}
         self.stats = {"block_copies": 0, "partial_copies": 0, "scatter_tokens": 0, "native_copies": 0,
                       "writer_copies": 0, "gather_copies": 0, "load_failures": 0, "native_threads_max": 0,
-                      "engine_block_copies": 0, "engine_block_conversions": 0}
+                      "engine_block_copies": 0, "engine_block_conversions": 0, "helper_pieces": 0}
         self.engine_blocks: Optional[EngineBlocks] = None
         # False: never use the native kernel (benchmarks and tests compare both paths).
         self.use_native = True
         self._ptr_cache: Optional[tuple] = None
+        self.copy_cores = copy_cores
+        self._helper_pool: Optional[tuple] = None  # () once asked and there is no helper core
 
     @classmethod
-    def from_metadata(cls, metadata, kv_cache_dtype: str = "auto") -> "CpuPagedKVConnector":
+    def from_metadata(cls, metadata, kv_cache_dtype: str = "auto", copy_cores: str = "auto") -> "CpuPagedKVConnector":
         if metadata.use_mla:
             raise UnverifiedKVLayout("MLA KV caches are not supported by the CPU connector")
         num_layers, _, _, num_kv_heads, head_dim = metadata.kv_shape
-        return cls(int(num_layers), int(num_kv_heads), int(head_dim), metadata.kv_dtype, kv_cache_dtype)
+        return cls(int(num_layers), int(num_kv_heads), int(head_dim), metadata.kv_dtype, kv_cache_dtype, copy_cores)
 
     # --- layout ---------------------------------------------------------------------------
     @property
@@ -431,9 +438,10 @@ class CpuPagedKVConnector(GPUConnectorInterface):
                 rows[at:at + k, 1] = k * block_bytes  # one layer of this object
                 at += k
             rows[:, 2] = ids
-            threads = self._threads(int((ids >= 0).sum()) * block_bytes * len(kvcaches))
-            rc = lib.cart_kv_blocks(1 if to_cache else 0, self._layer_pointers(kvcaches), len(kvcaches), block_bytes,
-                                    rows.ctypes.data, rows.shape[0], threads)
+            pointers = self._layer_pointers(kvcaches)
+            rc = self._run_rows(lambda part, team: lib.cart_kv_blocks(
+                1 if to_cache else 0, pointers, len(kvcaches), block_bytes, part.ctypes.data, part.shape[0], team),
+                rows, int((ids >= 0).sum()) * block_bytes * len(kvcaches))
             if rc != 0:
                 raise RuntimeError(f"native block copy failed (rc {rc})")
         else:
@@ -577,11 +585,14 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             raise ValueError(f"slot mapping points past vLLM's {nb} KV blocks")
         elem = kvcaches[0].element_size()
         nbytes = int((rows[:, 5] - rows[:, 4]).sum()) * 2 * len(kvcaches) * h * self.head_dim * elem
-        threads = 1 if conversion else self._threads(nbytes)
         pointers = (ctypes.c_void_p * len(kvcaches))(*[c.data_ptr() for c in kvcaches]) if conversion \
             else self._layer_pointers(kvcaches)
-        rc = lib.cart_kv_copy(_NATIVE_LAYOUT[layout.kind], 1 if to_cache else 0, elem, pointers,
-                              len(kvcaches), h, self.head_dim, bs, rows.ctypes.data, rows.shape[0], threads)
+
+        def copy(part: np.ndarray, team: int) -> int:
+            return lib.cart_kv_copy(_NATIVE_LAYOUT[layout.kind], 1 if to_cache else 0, elem, pointers,
+                                    len(kvcaches), h, self.head_dim, bs, part.ctypes.data, part.shape[0], team)
+
+        rc = copy(rows, 1) if conversion else self._run_rows(copy, rows, nbytes)
         if rc != 0:
             raise RuntimeError(f"native KV copy failed (rc {rc}, element size {elem})")
         if conversion:
@@ -590,6 +601,53 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         self.stats["native_copies"] += rows.shape[0]
         self.stats["block_copies"] += full
         self.stats["partial_copies"] += rows.shape[0] - full
+
+    def _run_rows(self, copy: Callable[[np.ndarray, int], int], rows: np.ndarray, nbytes: int) -> int:
+        """Worker thread, inside a load or store LMCache waits on: `copy(rows_part, team)` (one
+        native kernel call on `team` OpenMP threads) over every row of `rows`, the return codes
+        or-ed. With helper cores (`_helpers`), the rows are cut into 2-16 pieces of about
+        `PARALLEL_MIN_BYTES` that this thread (on its OpenMP team) and one helper thread per
+        helper core take in turn until none is left: a helper whose core is busy (vLLM's
+        engine-core process polls there) leaves its pieces to this thread instead of holding it
+        up. Pieces are whole rows, as the kernel's own OpenMP split is: no two write one byte."""
+        team = self._threads(nbytes)
+        helpers = self._helpers() if nbytes >= self.PARALLEL_MIN_BYTES else None
+        n = min(rows.shape[0], max(2, min(16, nbytes // max(self.PARALLEL_MIN_BYTES, 1))))
+        if helpers is None or n < 2:
+            return copy(rows, team)
+        pool, n_helpers = helpers
+        bounds = np.linspace(0, rows.shape[0], n + 1).astype(np.int64)
+        take = itertools.count().__next__  # atomic under the GIL: each piece is taken once
+
+        def work(t: int) -> tuple[int, int]:
+            rc, done = 0, 0
+            while (i := take()) < n:
+                rc |= copy(rows[bounds[i]:bounds[i + 1]], t)  # ctypes releases the GIL meanwhile
+                done += 1
+            return rc, done
+
+        helped = [pool.submit(work, 1) for _ in range(n_helpers)]  # one thread each: no OpenMP team
+        rc, _ = work(team)
+        for f in helped:
+            h_rc, done = f.result()
+            rc |= h_rc
+            self.stats["helper_pieces"] += done
+        return rc
+
+    def _helpers(self) -> Optional[tuple[ThreadPoolExecutor, int]]:
+        """The helper threads and how many (one per core of `store.threads.helper_cores` for
+        `self.copy_cores`), made at the first copy large enough to split (vLLM binds the worker
+        before it serves); None where there is no helper core."""
+        if self._helper_pool is None:
+            with self._lock:
+                if self._helper_pool is None:
+                    cores = threads.helper_cores(self.copy_cores)
+                    if cores:
+                        logger.info("lmcache_cartridge: copies into and out of vLLM's KV cache also run on "
+                                    "cores %s beside the worker's (reader_cores: %s)", cores, self.copy_cores)
+                    self._helper_pool = (threads.pool(len(cores), "cartridge-copy", cores=lambda: cores, spread=True),
+                                         len(cores)) if cores else ()
+        return self._helper_pool or None
 
     def _threads(self, nbytes: int) -> int:
         """Threads for a native copy of `nbytes` into or out of vLLM's caches (worker thread):
