@@ -107,3 +107,29 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def helpers_take_pieces(monkeypatch) -> None:
+    """Make every split copy of `CpuPagedKVConnector` give its helper threads a piece: the calling
+    thread's first piece waits (up to a second) until a helper has taken one. Which thread takes
+    which piece is otherwise timing, and a test of bytes written by helpers must not depend on it."""
+    import threading
+
+    from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector
+
+    run_rows = CpuPagedKVConnector._run_rows
+
+    def gated_run_rows(self, copy, rows, nbytes):
+        caller, helper_took, first = threading.get_ident(), threading.Event(), []
+
+        def gated(part, team):
+            if threading.get_ident() != caller:
+                helper_took.set()
+            elif not first and part.shape[0] < rows.shape[0]:  # a piece: the copy was split
+                first.append(True)
+                helper_took.wait(1.0)
+            return copy(part, team)
+
+        return run_rows(self, gated, rows, nbytes)
+
+    monkeypatch.setattr(CpuPagedKVConnector, "_run_rows", gated_run_rows)

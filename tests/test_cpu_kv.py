@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 
+from lmc_helpers import helpers_take_pieces  # noqa: E402
 from lmcache_cartridge.vllm import cpu_kv, cpu_layout, native
 from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, UnverifiedKVLayout, slot_runs
 
@@ -315,7 +316,8 @@ def test_native_copy_split_over_threads_writes_what_vllm_writes(data, isa, start
 def test_native_copy_in_pieces_beside_a_helper_thread_writes_what_vllm_writes(data, isa, start, monkeypatch):
     """With a helper thread (in vLLM's worker: one per core its binding leaves free), a copy is
     cut into pieces of runs that it and the calling thread take in turn; runs that share a block
-    may land on different threads. Bytes must be vLLM's every time, loads and stores."""
+    may land on different threads. Bytes must be vLLM's every time, loads and stores (each with
+    a piece copied by the helper)."""
     from lmcache_cartridge.store import threads
 
     if native.kernel() is None:
@@ -323,23 +325,25 @@ def test_native_copy_in_pieces_beside_a_helper_thread_writes_what_vllm_writes(da
     k, v, slots = runs_sharing_blocks(data, start, seed=3)
     ref = vllm_written(k, v, slots, isa)
     monkeypatch.setattr(CpuPagedKVConnector, "PARALLEL_MIN_BYTES", 1024)  # this copy: 16 pieces
+    helpers_take_pieces(monkeypatch)
     conn = connector("native")
-    pool = threads.pool(1, "cartridge-copy")
-    conn._helper_pool = (pool, 1)  # what `_helpers` makes where a core is spare
+    conn._helper_pool = (threads.pool(1, "cartridge-copy"), 1)  # what `_helpers` makes where a core is spare
     obj = lmc(k, v, 0, len(slots))
     try:
-        for _ in range(20):  # which thread takes which piece is timing: over 20 copies both do
+        for _ in range(3):
             mine = [torch.zeros_like(c) for c in ref]
+            before = conn.stats["helper_pieces"]
             conn.batched_to_gpu([Obj(obj)], [0], [len(slots)], kvcaches=mine, slot_mapping=slots, req_id="r")
-            assert not conn.failed_loads
+            assert not conn.failed_loads and conn.stats["helper_pieces"] > before
             for r, m in zip(ref, mine):
                 assert torch.equal(r.view(torch.int16), m.view(torch.int16))
-            out = Obj(torch.empty_like(obj))
+            out = Obj(torch.full_like(obj, -7.0))  # not the bytes of an earlier store
+            before = conn.stats["helper_pieces"]
             conn.batched_from_gpu([out], [0], [len(slots)], kvcaches=ref, slot_mapping=slots)
+            assert conn.stats["helper_pieces"] > before
             assert torch.equal(out.tensor.view(torch.int16), obj.view(torch.int16))
     finally:
-        pool.shutdown()
-    assert conn.stats["helper_pieces"] > 0
+        conn.close()
 
 
 def test_the_kernel_runs_on_torchs_openmp_runtime_and_on_one_thread_beside_another(data, tmp_path, monkeypatch):
@@ -506,6 +510,13 @@ def test_hook_builds_cpu_connector_for_vllm_only(monkeypatch):
     md = make_metadata(model_name="m", num_layers=L, num_kv_heads=H, head_dim=D)
     conn = gc.CreateGPUConnector(make_config(), md, EngineType.VLLM)
     assert isinstance(conn, CpuPagedKVConnector) and conn.get_shape(5) == torch.Size([2, L, 5, H * D])
+    assert conn.copy_cores == "auto"  # no cartridge plugin in this config: the default
+    # with the plugin, its `reader_cores` decides where the copies may also run
+    plugin = {"storage_plugins": ["cartridge"], "extra_config": {
+        "storage_plugin.cartridge.module_path": "lmcache_cartridge.plugin",
+        "storage_plugin.cartridge.class_name": "CartridgeStoragePlugin",
+        "storage_plugin.cartridge.reader_cores": "engine"}}
+    assert gc.CreateGPUConnector(make_config(**plugin), md, EngineType.VLLM).copy_cores == "engine"
     mock = gc.CreateGPUConnector(make_config(), md, EngineType.MOCK)
     assert not isinstance(mock, CpuPagedKVConnector)
 

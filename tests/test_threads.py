@@ -147,52 +147,97 @@ COPY_CHILD = textwrap.dedent("""
     import numpy as np, torch
     torch.mm(torch.ones(512, 512), torch.ones(512, 512))  # vLLM's OpenMP team exists, bound
     from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector
-    conn = CpuPagedKVConnector(2, 2, 64, torch.bfloat16)
-    conn.copy_cores = sys.argv[1]
+    conn = CpuPagedKVConnector(2, 2, 64, torch.bfloat16, copy_cores=sys.argv[1])
     rows = np.arange(64, dtype=np.int64).reshape(32, 2)
-    seen = []
-    def copy(part, team):  # stands in for one kernel call; slow enough that both threads take pieces
-        seen.append({"rows": part[:, 0].tolist(), "thread": threading.current_thread().name,
-                     "cores": sorted(os.sched_getaffinity(0)), "team": team})
-        time.sleep(0.01)
-        return 4 if 40 in part[:, 0] else 0
-    rc = conn._run_rows(copy, rows, 16 * conn.PARALLEL_MIN_BYTES)
-    print(json.dumps({"rc": rc, "seen": seen, "helper_pieces": conn.stats["helper_pieces"],
-                      "main": threading.current_thread().name}))
+    MIN = conn.PARALLEL_MIN_BYTES
+
+    def run(nbytes, fail=False):
+        seen, ended = [], []
+        def copy(part, team):  # stands in for one kernel call
+            main = threading.current_thread() is threading.main_thread()
+            seen.append({"rows": part[:, 0].tolist(), "thread": threading.current_thread().name,
+                         "cores": sorted(os.sched_getaffinity(0)), "team": team})
+            if fail and main:  # once a helper is mid-piece, this thread's copy raises
+                t = time.monotonic()
+                while not any(p["thread"] != "MainThread" for p in seen) and time.monotonic() - t < 10:
+                    time.sleep(0.001)
+                raise OSError("this copy failed")
+            time.sleep(0.3 if fail else 0.01)  # slow enough that both threads take pieces
+            ended.append(part[0, 0])
+            return 4 if 40 in part[:, 0] else 0
+        try:
+            rc = conn._run_rows(copy, rows, nbytes)
+        except OSError:
+            rc = "raised"
+        return {"rc": rc, "seen": seen, "ended_at_return": len(ended)}
+
+    out = {"split": run(16 * MIN), "small": run(3 * MIN)}
+    out["helper_pieces"] = conn.stats["helper_pieces"]
+    if sys.argv[2] == "fail":
+        out["fail"] = run(16 * MIN, fail=True)
+    conn.close()
+    out["closed"] = run(16 * MIN)
+    print(json.dumps(out))
 """)
 
 
-def copies_in_vllm_worker_env(cores: list[int], copy_cores: str) -> dict:
+def copies_in_vllm_worker_env(cores: list[int], copy_cores: str, fail: bool = False) -> dict:
+    """The connector's piece split (`_run_rows`) in a process bound as vLLM binds a worker to
+    `cores`, each kernel call replaced by a recording stand-in."""
     pytest.importorskip("vllm.utils.ompmultiprocessing")
-    p = subprocess.run([sys.executable, "-c", COPY_CHILD, copy_cores], env=vllm_worker_env(cores),
+    env = vllm_worker_env(cores)
+    env.pop("LMCACHE_CARTRIDGE_PARALLEL_MIN_BYTES", None)  # the piece count is the default's
+    p = subprocess.run([sys.executable, "-c", COPY_CHILD, copy_cores, "fail" if fail else "-"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert sorted(r for piece in got["seen"] for r in piece["rows"]) == list(range(0, 64, 2))  # each row once
-    assert got["rc"] == 4  # a failing piece's code comes back, whichever thread copied it
+    for case in ("split", "small", "closed"):  # every row copied once, a failing piece's code comes back
+        assert sorted(r for piece in got[case]["seen"] for r in piece["rows"]) == list(range(0, 64, 2)), case
+        assert got[case]["rc"] == 4, case
     return got
 
 
 @two_cores
 def test_copies_into_vllms_cache_are_split_onto_the_cores_the_binding_leaves_free():
-    """A worker bound to one core copies a large load in pieces, taken in turn by its own thread
-    and by a helper thread on the core its binding leaves free (the copy LMCache's retrieve waits
-    on: a repeat hit is mostly this copy)."""
+    """A worker bound to one core copies a large load or store in pieces, taken in turn by its
+    own thread and by a helper thread on a core beside it (`reader_cores`: by default those the
+    binding leaves free; here one named, so the test does not depend on how many cores this
+    machine has): a repeat hit is mostly this copy."""
     allowed = sorted(os.sched_getaffinity(0))
-    got = copies_in_vllm_worker_env(allowed[:1], "auto")
-    mine = [p for p in got["seen"] if p["thread"] == got["main"]]
-    helped = [p for p in got["seen"] if p["thread"] != got["main"]]
-    assert len(got["seen"]) == 16 and mine and helped  # before: one call over all rows, on this thread
+    got = copies_in_vllm_worker_env(allowed[:1], f"{allowed[-1]}", fail=True)
+    split = got["split"]["seen"]
+    mine = [p for p in split if p["thread"] == "MainThread"]
+    helped = [p for p in split if p["thread"] != "MainThread"]
+    assert len(split) == 16 and mine and helped  # before: one call over all rows, on this thread
     assert all(p["cores"] == allowed[:1] for p in mine)
-    assert all(p["thread"].startswith("cartridge-copy") and p["cores"] == allowed[1:2] and p["team"] == 1
+    assert all(p["thread"].startswith("cartridge-copy") and p["cores"] == allowed[-1:] and p["team"] == 1
                for p in helped)
-    assert got["helper_pieces"] == len(helped)
+    assert got["helper_pieces"] >= len(helped)
+    # fewer than two pieces per thread that could take one: one call on this thread, no helper
+    assert [p["thread"] for p in got["small"]["seen"]] == ["MainThread"]
+    # this thread's copy raised while a helper was mid-piece: it did not return before the helper
+    # finished that piece (the rows point into memory LMCache may reuse once the load has
+    # failed), and the helper took no further piece
+    fail = got["fail"]
+    helper_pieces = [p for p in fail["seen"] if p["thread"] != "MainThread"]
+    assert fail["rc"] == "raised" and fail["ended_at_return"] == len(helper_pieces) == 1, fail
+    # after close (vLLM's shutdown) the helpers are gone: the copy runs whole on this thread
+    assert [p["thread"] for p in got["closed"]["seen"]] == ["MainThread"]
 
 
 @linux
 def test_copies_stay_on_the_workers_thread_with_reader_cores_engine():
     got = copies_in_vllm_worker_env(sorted(os.sched_getaffinity(0))[:1], "engine")
-    assert [p["thread"] for p in got["seen"]] == [got["main"]] and got["helper_pieces"] == 0
+    assert [p["thread"] for p in got["split"]["seen"]] == ["MainThread"] and got["helper_pieces"] == 0
+
+
+def test_a_copy_cores_setting_that_is_not_a_cpu_list_is_refused():
+    import torch
+
+    from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector
+
+    with pytest.raises(ValueError):
+        CpuPagedKVConnector(2, 2, 64, torch.bfloat16, copy_cores="one")
 
 
 @linux

@@ -108,8 +108,10 @@ def reader_cores_setting(config) -> str:
     from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
 
     try:
-        return PluginSettings.from_config(config, CartridgeStoragePlugin).reader_cores
-    except CartridgeError:
+        name = find_plugin_name(config, CartridgeStoragePlugin)
+        extra = getattr(config, "extra_config", None) or {}
+        return _cores_setting(extra.get(f"{PREFIX}.{name}.reader_cores", "auto"))
+    except (CartridgeError, ValueError):
         return "auto"
 
 

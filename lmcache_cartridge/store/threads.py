@@ -1,5 +1,6 @@
-"""The plugin's worker threads and the cores they run on: the engine's own cores, and for the reads
-a retrieve waits on, the cores vLLM's binding leaves to no worker.
+"""The plugin's worker threads and the cores they run on: the engine's own cores, and for the work
+a retrieve waits on (chunk reads, the copy into vLLM's cache), the cores vLLM's binding leaves to
+no worker.
 
 Why: vLLM-CPU binds its worker's OpenMP threads one per core. By default it preloads torch's
 libgomp and sets `GOMP_CPU_AFFINITY` to the worker's cores (or, with Intel OpenMP preloaded,
@@ -19,8 +20,8 @@ one thread reading alone (`benchmarks/hit_path.py`). So:
   per rank with a KV connector), mostly waiting while the worker loads KV;
 - `reader_cores(setting)` are where the chunk reads a retrieve waits on run: by default the
   engine's cores, then the spare ones (`auto`), or the engine's only (`engine`), or a list;
-- `helper_cores(setting)` are the reader cores that are not the engine's: the copy of a load
-  into vLLM's cache is split onto them (`vllm.cpu_kv`);
+- `helper_cores(setting)` are the reader cores that are not the engine's: large copies into and
+  out of vLLM's cache are split onto them too (`vllm.cpu_kv`);
 - a pool made by `pool()` moves each of its threads onto its cores (the engine's by default) as
   it starts;
 - `parallel(cores)` says whether reader threads there can do better than the retrieving thread

@@ -75,4 +75,5 @@ class CpuBlocksEngine:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
         self.conn.withdraw_engine_blocks()
+        self.conn.close()
         LMCacheEngineBuilder.destroy(self.id)

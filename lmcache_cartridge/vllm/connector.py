@@ -227,6 +227,7 @@ class CartridgeConnector(LMCacheConnectorV1):
         conn = self._cpu_kv()
         if conn is not None:
             conn.withdraw_engine_blocks()
+            conn.close()
         return super().shutdown()
 
     @staticmethod

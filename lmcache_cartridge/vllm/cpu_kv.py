@@ -29,10 +29,12 @@ stay `KV_2LTD`.
 
 Where it runs: inside each vLLM worker process, on the thread that runs the model, called by
 LMCache's engine (`batched_to_gpu` on retrieve, `batched_from_gpu` on store) between forward
-passes. Who owns what: vLLM owns the paged KV tensors (we write only the slots LMCache hands us);
-LMCache owns the memory objects (we read or fill them, never free them); this module owns only
-the per-cache-shape result of the layout check, a reused scratch buffer and the engine-blocks
-declaration it made (withdrawn at shutdown).
+passes; a large native copy also on helper threads on the cores vLLM's binding leaves free
+(`_run_rows`), which that thread waits for. Who owns what: vLLM owns the paged KV tensors (we
+write only the slots LMCache hands us); LMCache owns the memory objects (we read or fill them,
+never free them); this module owns only the per-cache-shape result of the layout check, a reused
+scratch buffer, the helper threads (stopped at shutdown) and the engine-blocks declaration it
+made (withdrawn at shutdown).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import itertools
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
@@ -199,8 +201,9 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     # A chunk split into more runs than this fraction of its tokens goes per-slot in one scatter.
     SCATTER_RUN_FRACTION = 0.125
     # Native copies of at least this many bytes are split over torch's intra-op threads (in vLLM's
-    # worker: the cores VLLM_CPU_OMP_THREADS_BIND gave it); below it a thread team costs more than
-    # it saves. The environment variable lowers it (the end-to-end tests split every copy).
+    # worker: the cores VLLM_CPU_OMP_THREADS_BIND gave it), and into pieces of at least this many
+    # bytes for helper threads (`_run_rows`); below it a thread team costs more than it saves. The
+    # environment variable lowers it (the end-to-end tests split every copy).
     PARALLEL_MIN_BYTES = int(os.environ.get("LMCACHE_CARTRIDGE_PARALLEL_MIN_BYTES", 1 << 20))
     # "0": memory objects stay KV_2LTD even where engine blocks could be declared.
     ENGINE_BLOCKS = os.environ.get("LMCACHE_CARTRIDGE_ENGINE_BLOCKS", "1") != "0"
@@ -208,7 +211,10 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto", copy_cores: str = "auto") -> None:
         """`copy_cores`: a `reader_cores` setting (`store.threads.helper_cores`), where copies into
-        and out of vLLM's caches also run beside the worker's thread."""
+        and out of vLLM's caches also run beside the worker's thread. Raises ValueError on a
+        cpu list that is not one."""
+        if copy_cores not in ("auto", "engine"):
+            threads.parse_cpu_list(copy_cores)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -605,30 +611,46 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     def _run_rows(self, copy: Callable[[np.ndarray, int], int], rows: np.ndarray, nbytes: int) -> int:
         """Worker thread, inside a load or store LMCache waits on: `copy(rows_part, team)` (one
         native kernel call on `team` OpenMP threads) over every row of `rows`, the return codes
-        or-ed. With helper cores (`_helpers`), the rows are cut into 2-16 pieces of about
-        `PARALLEL_MIN_BYTES` that this thread (on its OpenMP team) and one helper thread per
-        helper core take in turn until none is left: a helper whose core is busy (vLLM's
-        engine-core process polls there) leaves its pieces to this thread instead of holding it
-        up. Pieces are whole rows, as the kernel's own OpenMP split is: no two write one byte."""
+        or-ed. With helper cores (`_helpers`) and a copy of at least two pieces per taker (pieces
+        of at least `PARALLEL_MIN_BYTES`, at most 16), the rows are cut into pieces of equal row
+        counts that this thread (on its OpenMP team) and one helper thread per helper core take
+        in turn until none is left: a helper that is slow to start (its core is shared with
+        vLLM's engine-core process) leaves its pieces to this thread, and one that has not
+        started when the pieces are gone is cancelled. Pieces are whole rows, as the kernel's own
+        OpenMP split is: no two write one byte. Returns only once no helper is still copying,
+        also when something raised."""
         team = self._threads(nbytes)
         helpers = self._helpers() if nbytes >= self.PARALLEL_MIN_BYTES else None
-        n = min(rows.shape[0], max(2, min(16, nbytes // max(self.PARALLEL_MIN_BYTES, 1))))
-        if helpers is None or n < 2:
+        n = int(min(rows.shape[0], 16, nbytes // max(self.PARALLEL_MIN_BYTES, 1)))
+        if helpers is None or n < 2 * (team + helpers[1]):
             return copy(rows, team)
         pool, n_helpers = helpers
         bounds = np.linspace(0, rows.shape[0], n + 1).astype(np.int64)
         take = itertools.count().__next__  # atomic under the GIL: each piece is taken once
+        failed: list[BaseException] = []  # this thread's copy raised: helpers take no more pieces
 
         def work(t: int) -> tuple[int, int]:
             rc, done = 0, 0
-            while (i := take()) < n:
+            while not failed and (i := take()) < n:
                 rc |= copy(rows[bounds[i]:bounds[i + 1]], t)  # ctypes releases the GIL meanwhile
                 done += 1
             return rc, done
 
-        helped = [pool.submit(work, 1) for _ in range(n_helpers)]  # one thread each: no OpenMP team
-        rc, _ = work(team)
-        for f in helped:
+        helped = []
+        try:
+            for _ in range(n_helpers):  # one thread each: no OpenMP team
+                helped.append(pool.submit(work, 1))
+        except RuntimeError:  # the pool is shut down (interpreter exit): this thread copies alone
+            pass
+        try:
+            rc, _ = work(team)
+        except BaseException as e:
+            failed.append(e)
+            raise
+        finally:  # the rows point into LMCache's objects and vLLM's blocks: no helper outlives this
+            started = [f for f in helped if not f.cancel()]
+            wait(started)
+        for f in started:
             h_rc, done = f.result()
             rc |= h_rc
             self.stats["helper_pieces"] += done
@@ -648,6 +670,13 @@ class CpuPagedKVConnector(GPUConnectorInterface):
                     self._helper_pool = (threads.pool(len(cores), "cartridge-copy", cores=lambda: cores, spread=True),
                                          len(cores)) if cores else ()
         return self._helper_pool or None
+
+    def close(self) -> None:
+        """Worker side, at shutdown (the vLLM connector's): stop the helper threads."""
+        with self._lock:
+            pool, self._helper_pool = (self._helper_pool or (None,))[0], ()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _threads(self, nbytes: int) -> int:
         """Threads for a native copy of `nbytes` into or out of vLLM's caches (worker thread):

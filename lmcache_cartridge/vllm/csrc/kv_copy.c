@@ -17,7 +17,9 @@
  * one of these two.
  *
  * Where it runs: in the vLLM worker process, on the thread LMCache calls the connector from
- * (ctypes releases the GIL). It owns no memory: it reads and writes what the caller passes.
+ * and, for pieces of a large copy, on the connector's helper threads (ctypes releases the GIL;
+ * the caller never gives two threads rows that write the same bytes). It owns no memory: it
+ * reads and writes what the caller passes.
  * Build: `make native` (cc -O3 -shared -fPIC); lmcache_cartridge/vllm/native.py loads it and
  * falls back to pure torch when it is absent.
  */
