@@ -54,7 +54,7 @@ bench: $(STAMP)
 
 bench-ttft: $(STAMP)
 	$(PY) benchmarks/ttft.py --lengths 256,1024,2048,4096,8192,16384 --concurrency 1,4,16 \
-		--samples 8 --max-burst-s 120 --cell-budget-s 60
+		--samples 8 --max-burst-s 120 --cell-budget-s 60 --breakdown
 
 fleet: $(STAMP) $(ROUTER_VENV)/.installed
 	$(PY) benchmarks/fleet.py

@@ -233,6 +233,55 @@ class Plan:
     vocab_size: int = 1024
     avoid: frozenset = frozenset({0, 1, 2, 3})
     timeout_s: float = 1800.0
+    # Per-request stage times (`STAGES`) for the c=1 cells of these (arm, variant)s: e.g.
+    # {("cartridge", "repeat"), ("prefix_cache", "warm")} (`--breakdown`).
+    breakdown: frozenset = frozenset()
+
+
+# What a request's time is spent on, from the servers' own histograms (`/metrics`): vLLM's
+# (recorded as each request finishes) and LMCache's worker-side ones (its stats logger publishes
+# them every LMCACHE_STATS_INTERVAL_S: a breakdown cell waits that long before and after).
+STAGES = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",  # scheduled -> first token: includes the KV load
+    "queue": "vllm:request_queue_time_seconds",
+    "lmcache_lookup": "lmcache:time_to_lookup",  # worker side, per lookup
+    "lmcache_retrieve": "lmcache:time_to_retrieve",  # the whole retrieve a load waits on
+    "lmcache_tokens": "lmcache:retrieve_process_tokens_time",  # hashing the tokens, finding objects
+    "lmcache_copy": "lmcache:retrieve_to_gpu_time",  # the copy into vLLM's KV cache
+}
+LMCACHE_STATS_INTERVAL_S = 10.0  # lmcache 0.5.6: LMCacheEngineBuilder's LMCacheStatsLogger(log_interval=10)
+
+
+def stage_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each `STAGES` histogram on this server now, over all label sets."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    names = {v: k for k, v in STAGES.items()}
+    out = {k: (0.0, 0.0) for k in STAGES}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            for suffix, i in (("_sum", 0), ("_count", 1)):
+                stage = names.get(smp.name[:-len(suffix)]) if smp.name.endswith(suffix) else None
+                if stage is not None:
+                    acc = list(out[stage])
+                    acc[i] += smp.value
+                    out[stage] = (acc[0], acc[1])
+    return out
+
+
+def stage_means(after: dict, before: dict) -> dict[str, dict[str, float]]:
+    """Per stage: events between two `stage_sums` and their mean in ms (stages with none left out)."""
+    out = {}
+    for k, (s1, n1) in after.items():
+        s0, n0 = before.get(k, (0.0, 0.0))
+        if n1 > n0:
+            out[k] = {"n": n1 - n0, "mean_ms": round((s1 - s0) / (n1 - n0) * 1e3, 3)}
+    return out
 
 
 @dataclass
@@ -248,6 +297,7 @@ class Cell:
     expected_pc_hits: Optional[float] = None
     skipped: Optional[str] = None
     wall_s: float = 0.0
+    stages: Optional[dict] = None    # `stage_means` over the cell, where the plan asks for them
 
     @property
     def ttfts(self) -> list[float]:
@@ -263,7 +313,7 @@ class Cell:
              "pc_hit_tokens": self.pc_hit_tokens, "expected_pc_hit_tokens": self.expected_pc_hits,
              "ttft_s": [round(t, 6) for t in self.ttfts],
              "first_tokens": [s.token for s in self.shots],
-             "keys": [list(s.key) for s in self.shots]}
+             "keys": [list(s.key) for s in self.shots], "stages": self.stages}
         if self.shots:
             a = np.asarray(self.ttfts)
             d.update(p50_s=float(np.percentile(a, 50)), p95_s=float(np.percentile(a, 95)),
@@ -297,6 +347,10 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
         log(f"  {arm}/{variant} L={L} c={concurrency}: skipped, {cell.skipped}")
         return cell
     n_bursts = max(1, math.ceil(plan.samples / concurrency))
+    staged = concurrency == 1 and (arm, variant) in plan.breakdown
+    if staged:
+        time.sleep(LMCACHE_STATS_INTERVAL_S + 1)  # what LMCache measured before this cell is published
+        stages0 = stage_sums(server.url)
     (ext0, pc0), t0 = _kv_sources(server), time.perf_counter()
     burst_s = 0.0
     for b in range(n_bursts):
@@ -314,6 +368,11 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
             cell.shots.append(Shot(ttft, tok, k))
         burst_s = time.perf_counter() - tb
     cell.wall_s = time.perf_counter() - t0
+    if staged:
+        time.sleep(LMCACHE_STATS_INTERVAL_S + 1)  # ... and what it measured during it
+        cell.stages = stage_means(stage_sums(server.url), stages0)
+        log(f"  {arm}/{variant} L={L}: stages (mean ms) "
+            + ", ".join(f"{k} {v['mean_ms']:.2f}" for k, v in cell.stages.items()))
     ext1, pc1 = _kv_sources(server)
     cell.ext_tokens, cell.pc_hit_tokens = ext1 - ext0, pc1 - pc0
     if expect_ext_per_request is not None:
@@ -647,6 +706,18 @@ def markdown(result: dict) -> str:
         out += ["Greedy first token equal to HF transformers' given the cartridge's own KV as "
                 "`past_key_values` (the independent reference for what injection must produce): "
                 + "; ".join(f"{k}: {v[0]}/{v[1]}" for k, v in hf.items()) + ".", ""]
+    staged = [x for x in cells if x.get("stages")]
+    if staged:
+        cols = [k for k in STAGES if any(k in x["stages"] for x in staged)]
+        out += ["## Where a request's time goes (`--breakdown`, c=1)", "",
+                "Per-request means in ms from the servers' own histograms over each cell (vLLM's: "
+                "prefill = scheduled to first token, the KV load included; LMCache's, worker side: "
+                "the retrieve a load waits on, its token processing and its copy into vLLM's cache):", "",
+                "| cell | doc tokens | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
+        for x in sorted(staged, key=lambda x: (x["length"], x["arm"])):
+            out.append(f"| {x['label']} | {x['length']:,} | " + " | ".join(
+                f"{x['stages'][k]['mean_ms']:.2f}" if k in x["stages"] else "-" for k in cols) + " |")
+        out.append("")
     skipped = [c for c in cells if c.get("skipped")]
     if skipped:
         out += ["Skipped cells:", ""]
@@ -737,6 +808,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="skip a cell whose one burst is estimated longer (c x c=1 TTFT)")
     ap.add_argument("--cell-budget-s", type=float, default=240.0)
     ap.add_argument("--kv-cache-gb-max", type=int, default=6)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per-request stage times (vLLM's and LMCache's histograms) for the c=1 cartridge "
+                         "repeat and prefix-cache cells (waits 2 x 11 s per cell)")
     args = ap.parse_args(argv)
 
     if args.device:
@@ -796,7 +870,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     vocab = minfo["vocab_size"]
     avoid = frozenset(int(i) for i in tok.all_special_ids) | frozenset(range(4))
     plan = Plan(lengths, concs, samples=samples, max_burst_s=args.max_burst_s,
-                cell_budget_s=args.cell_budget_s, vocab_size=vocab, avoid=avoid)
+                cell_budget_s=args.cell_budget_s, vocab_size=vocab, avoid=avoid,
+                breakdown=frozenset({("cartridge", "repeat"), ("prefix_cache", "warm")}) if args.breakdown
+                else frozenset())
     docs = {L: document_ids(tok, L, seed=100_000 + L) for L in lengths}
 
     arms_used = {
