@@ -234,7 +234,7 @@ class Plan:
     avoid: frozenset = frozenset({0, 1, 2, 3})
     timeout_s: float = 1800.0
     # Per-request stage times (`STAGES`) for the c=1 cells of these (arm, variant)s: e.g.
-    # {("cartridge", "repeat"), ("prefix_cache", "warm")} (`--breakdown`).
+    # {("cartridge", "first"), ("cartridge", "repeat"), ("prefix_cache", "warm")} (`--breakdown`).
     breakdown: frozenset = frozenset()
 
 
@@ -810,7 +810,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kv-cache-gb-max", type=int, default=6)
     ap.add_argument("--breakdown", action="store_true",
                     help="per-request stage times (vLLM's and LMCache's histograms) for the c=1 cartridge "
-                         "repeat and prefix-cache cells (waits 2 x 11 s per cell)")
+                         "first-hit, repeat and prefix-cache cells (waits 2 x 11 s per cell)")
     args = ap.parse_args(argv)
 
     if args.device:
@@ -871,7 +871,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     avoid = frozenset(int(i) for i in tok.all_special_ids) | frozenset(range(4))
     plan = Plan(lengths, concs, samples=samples, max_burst_s=args.max_burst_s,
                 cell_budget_s=args.cell_budget_s, vocab_size=vocab, avoid=avoid,
-                breakdown=frozenset({("cartridge", "repeat"), ("prefix_cache", "warm")}) if args.breakdown
+                breakdown=frozenset({("cartridge", "first"), ("cartridge", "repeat"), ("prefix_cache", "warm")})
+                if args.breakdown
                 else frozenset())
     docs = {L: document_ids(tok, L, seed=100_000 + L) for L in lengths}
 

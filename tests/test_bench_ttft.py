@@ -66,9 +66,10 @@ def bench(tmp_path_factory):
             "a": bt.run_arm("full_prefill", servers["prefix"][0], docs, plan),
             # (a) on the LMCache server before anything is registered (the --baseline lmcache mode)
             "a_lmc": bt.run_arm("full_prefill", lmc, docs, plan, skip_save=True),
-            # (b) with the stage breakdown of its c=1 repeat cell (`--breakdown`)
-            "b": bt.run_arm("cartridge", lmc, docs, replace(plan, breakdown=frozenset({("cartridge", "repeat")})),
-                            skip_save=True, registry=registry, cartridges=carts),
+            # (b) with the stage breakdown of its c=1 cells (`--breakdown`)
+            "b": bt.run_arm("cartridge", lmc, docs, replace(plan, breakdown=frozenset(
+                {("cartridge", "first"), ("cartridge", "repeat")})), skip_save=True, registry=registry,
+                cartridges=carts),
             "c": bt.run_arm("prefix_cache", servers["prefix"][0], docs, plan),
             "d": bt.run_arm("cartridge_cached", lmc, docs, plan, skip_save=True, registry=registry,
                             cartridges=carts),
@@ -107,15 +108,18 @@ def test_cartridge_arm_is_served_by_the_plugin(bench):
 
 
 def test_the_breakdown_is_the_servers_own_times_for_each_request_of_the_cell(bench):
-    """`--breakdown`: vLLM's and LMCache's histograms over the c=1 repeat cell, one event per
-    request (LMCache publishes its every 10 s: the cell waits for that before and after)."""
-    staged = [c for c in bench.cells["b"] if c.stages]
-    assert [(c.variant, c.concurrency) for c in staged] == [("repeat", 1)]
-    st, n = staged[0].stages, len(staged[0].shots)
-    for stage in ("ttft", "prefill", "lmcache_retrieve", "lmcache_tokens", "lmcache_copy"):
-        assert st[stage]["n"] == n and st[stage]["mean_ms"] > 0, (stage, st)
-    # the copy is part of the retrieve, and the retrieve part of the prefill (the load is in it)
-    assert st["lmcache_copy"]["mean_ms"] <= st["lmcache_retrieve"]["mean_ms"] < st["prefill"]["mean_ms"], st
+    """`--breakdown`: vLLM's and LMCache's histograms over the c=1 first-hit and repeat cells, one
+    event per request (LMCache publishes its every 10 s: a cell waits for that before and after)."""
+    staged = {c.variant: c for c in bench.cells["b"] if c.stages}
+    assert sorted(staged) == ["first", "repeat"] and all(c.concurrency == 1 for c in staged.values())
+    for cell in staged.values():
+        st, n = cell.stages, len(cell.shots)
+        for stage in ("ttft", "prefill", "lmcache_retrieve", "lmcache_tokens", "lmcache_copy"):
+            assert st[stage]["n"] == n and st[stage]["mean_ms"] > 0, (cell.variant, stage, st)
+        # the copy is part of the retrieve, and the retrieve part of the prefill (the load is in it)
+        assert st["lmcache_copy"]["mean_ms"] <= st["lmcache_retrieve"]["mean_ms"] < st["prefill"]["mean_ms"], st
+    # a first hit's retrieve also reads and checks the file: longer than a repeat's, same copy size
+    assert staged["first"].stages["lmcache_retrieve"]["mean_ms"] > staged["repeat"].stages["lmcache_retrieve"]["mean_ms"]
     assert all(c.stages is None for c in bench.cells["c"])  # not asked for
 
 
