@@ -250,28 +250,22 @@ STAGES = {
     "lmcache_tokens": "lmcache:retrieve_process_tokens_time",  # hashing the tokens, finding objects
     "lmcache_copy": "lmcache:retrieve_to_gpu_time",  # the copy into vLLM's KV cache
 }
+# The cells `--breakdown` times: (arm, variant), at c=1.
+BREAKDOWN_CELLS = frozenset({("cartridge", "first"), ("cartridge", "repeat"), ("prefix_cache", "warm")})
 LMCACHE_STATS_INTERVAL_S = 10.0  # lmcache 0.5.6: LMCacheEngineBuilder's LMCacheStatsLogger(log_interval=10)
 
 
 def stage_sums(url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of each `STAGES` histogram on this server now, over all label sets."""
-    import urllib.request
+    from lmcache_cartridge.testing.fleet import metric_samples
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
     names = {v: k for k, v in STAGES.items()}
-    out = {k: (0.0, 0.0) for k in STAGES}
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            for suffix, i in (("_sum", 0), ("_count", 1)):
-                stage = names.get(smp.name[:-len(suffix)]) if smp.name.endswith(suffix) else None
-                if stage is not None:
-                    acc = list(out[stage])
-                    acc[i] += smp.value
-                    out[stage] = (acc[0], acc[1])
-    return out
+    acc = {k: [0.0, 0.0] for k in STAGES}
+    for smp in metric_samples(url):
+        base, _, suffix = smp.name.rpartition("_")
+        if base in names and suffix in ("sum", "count"):
+            acc[names[base]][0 if suffix == "sum" else 1] += smp.value
+    return {k: (v[0], v[1]) for k, v in acc.items()}
 
 
 def stage_means(after: dict, before: dict) -> dict[str, dict[str, float]]:
@@ -871,9 +865,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     avoid = frozenset(int(i) for i in tok.all_special_ids) | frozenset(range(4))
     plan = Plan(lengths, concs, samples=samples, max_burst_s=args.max_burst_s,
                 cell_budget_s=args.cell_budget_s, vocab_size=vocab, avoid=avoid,
-                breakdown=frozenset({("cartridge", "first"), ("cartridge", "repeat"), ("prefix_cache", "warm")})
-                if args.breakdown
-                else frozenset())
+                breakdown=BREAKDOWN_CELLS if args.breakdown else frozenset())
     docs = {L: document_ids(tok, L, seed=100_000 + L) for L in lengths}
 
     arms_used = {

@@ -91,31 +91,35 @@ class RouterProcess:
         self.stop()
 
 
+def metric_samples(url: str, timeout: float = 10):
+    """Every sample of one vLLM server's `/metrics` now (prometheus_client's parser), one read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
 def instance_counters(url: str, timeout: float = 10) -> dict:
     """One vLLM server's `/metrics`, reduced to what a fleet benchmark compares: finished requests,
     prompt tokens, prompt tokens taken from the KV connector and from vLLM's own prefix cache
     (vLLM's counter), and the
     plugin's chunk hits and misses per tier (needs `PROMETHEUS_MULTIPROC_DIR`, as
     `launch.VllmServer` sets it)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
-        text = r.read().decode()
     out: dict = {"requests": 0.0, "prompt_tokens": 0.0, "external_tokens": 0.0, "cached_tokens": 0.0,
                  "hits": {}, "misses": {}}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "vllm:request_success_total":
-                out["requests"] += s.value
-            elif s.name == "vllm:prompt_tokens_total":
-                out["prompt_tokens"] += s.value
-            elif s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("source") == "external_kv_transfer":
-                out["external_tokens"] += s.value
-            elif s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("source") == "local_cache_hit":
-                out["cached_tokens"] += s.value  # vLLM's own prefix cache
-            elif s.name in ("lmcache_cartridge_hits_total", "lmcache_cartridge_misses_total"):
-                d = out["hits" if s.name.startswith("lmcache_cartridge_hits") else "misses"]
-                d[s.labels["tier"]] = d.get(s.labels["tier"], 0.0) + s.value
+    for s in metric_samples(url, timeout):
+        if s.name == "vllm:request_success_total":
+            out["requests"] += s.value
+        elif s.name == "vllm:prompt_tokens_total":
+            out["prompt_tokens"] += s.value
+        elif s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("source") == "external_kv_transfer":
+            out["external_tokens"] += s.value
+        elif s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("source") == "local_cache_hit":
+            out["cached_tokens"] += s.value  # vLLM's own prefix cache
+        elif s.name in ("lmcache_cartridge_hits_total", "lmcache_cartridge_misses_total"):
+            d = out["hits" if s.name.startswith("lmcache_cartridge_hits") else "misses"]
+            d[s.labels["tier"]] = d.get(s.labels["tier"], 0.0) + s.value
     return out
 
 

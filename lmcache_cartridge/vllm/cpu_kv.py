@@ -674,9 +674,9 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     def close(self) -> None:
         """Worker side, at shutdown (the vLLM connector's): stop the helper threads."""
         with self._lock:
-            pool, self._helper_pool = (self._helper_pool or (None,))[0], ()
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            helpers, self._helper_pool = self._helper_pool, ()  # (): later copies run on the worker
+        if helpers:
+            helpers[0].shutdown(wait=False, cancel_futures=True)
 
     def _threads(self, nbytes: int) -> int:
         """Threads for a native copy of `nbytes` into or out of vLLM's caches (worker thread):
