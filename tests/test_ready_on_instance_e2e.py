@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from lmcache_cartridge.api.gateway import GatewaySettings
+from lmcache_cartridge.testing.fleet import counters_delta
 from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
 from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
 from lmcache_cartridge.vllm.readiness import READY_TIMEOUT_KEY, TRAINED_TOKENS_PARAM
@@ -95,6 +96,7 @@ def test_trained_request_waits_on_the_instance_then_fails_or_is_served(stack):
 
     # 1. Not resident: the marked request waits on the instance, others are served meanwhile.
     at = len(server.log_text())
+    c0 = server.counters()
     box: dict = {}
     waiter = threading.Thread(target=lambda: box.update(r=httpx.post(server.url + "/v1/completions",
                                                                      json=routed_body(stack, user), timeout=300)))
@@ -113,6 +115,9 @@ def test_trained_request_waits_on_the_instance_then_fails_or_is_served(stack):
     assert "its trained cartridge's KV is still not here" in log, server.log_tail()
     assert "whose trained-cartridge KV failed to load" in log, server.log_tail()
     assert health == 200 and server.alive()
+    # vLLM's scheduler asked each step while it waited: counted as waits, the unmarked one a miss
+    lookups = counters_delta(server.counters(), c0)["lookups"]
+    assert lookups.get("wait", 0) >= 2 and lookups.get("miss", 0) >= 1, lookups
 
     # 1b. The same through the gateway on another host: the instance's failure is a retryable 503.
     at = len(server.log_text())
@@ -124,7 +129,7 @@ def test_trained_request_waits_on_the_instance_then_fails_or_is_served(stack):
     assert "its trained cartridge's KV is still not here" in server.log_text()[at:], server.log_tail()
 
     # 2. The origin comes back while a marked request waits: served once resident, from the cartridge.
-    ext0 = server.external_tokens()
+    ext0, c0 = server.external_tokens(), server.counters()
     at = len(server.log_text())
     waiter = threading.Thread(target=lambda: box.update(r=httpx.post(server.url + "/v1/completions",
                                                                      json=routed_body(stack, user), timeout=300)))
@@ -137,6 +142,8 @@ def test_trained_request_waits_on_the_instance_then_fails_or_is_served(stack):
     log = server.log_text()[at:]
     assert "still not here" not in log, server.log_tail()
     assert loaded == len(stack["ids"]), server.log_tail()                       # its KV came from LMCache
+    lookups = counters_delta(server.counters(), c0)["lookups"]
+    assert lookups.get("wait", 0) >= 1 and lookups.get("hit", 0) >= 1, lookups   # waited, then a hit
     gen = token_ids_of(None, tok, got)
     kv = stack["kv"]
     _, lp_bf16, best_bf16 = hf_teacher_forced(model, kv, user, gen, torch.bfloat16)

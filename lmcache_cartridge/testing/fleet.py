@@ -103,11 +103,11 @@ def metric_samples(url: str, timeout: float = 10):
 def instance_counters(url: str, timeout: float = 10) -> dict:
     """One vLLM server's `/metrics`, reduced to what a fleet benchmark compares: finished requests,
     prompt tokens, prompt tokens taken from the KV connector and from vLLM's own prefix cache
-    (vLLM's counter), and the
-    plugin's chunk hits and misses per tier (needs `PROMETHEUS_MULTIPROC_DIR`, as
-    `launch.VllmServer` sets it)."""
+    (vLLM's counter), the
+    plugin's chunk hits and misses per tier, and the connector's scheduler-side lookups per outcome
+    (these need `PROMETHEUS_MULTIPROC_DIR`, as `launch.VllmServer` sets it)."""
     out: dict = {"requests": 0.0, "prompt_tokens": 0.0, "external_tokens": 0.0, "cached_tokens": 0.0,
-                 "hits": {}, "misses": {}}
+                 "hits": {}, "misses": {}, "lookups": {}}
     for s in metric_samples(url, timeout):
         if s.name == "vllm:request_success_total":
             out["requests"] += s.value
@@ -120,6 +120,8 @@ def instance_counters(url: str, timeout: float = 10) -> dict:
         elif s.name in ("lmcache_cartridge_hits_total", "lmcache_cartridge_misses_total"):
             d = out["hits" if s.name.startswith("lmcache_cartridge_hits") else "misses"]
             d[s.labels["tier"]] = d.get(s.labels["tier"], 0.0) + s.value
+        elif s.name == "lmcache_cartridge_scheduler_lookup_seconds_count":
+            out["lookups"][s.labels["outcome"]] = out["lookups"].get(s.labels["outcome"], 0.0) + s.value
     return out
 
 
