@@ -245,8 +245,7 @@ STAGES = {
     "ttft": "vllm:time_to_first_token_seconds",
     "prefill": "vllm:request_prefill_time_seconds",  # scheduled -> first token: includes the KV load
     "queue": "vllm:request_queue_time_seconds",
-    # the connector's lookup on the scheduler thread, after the step's scheduled timestamp: in prefill
-    "sched_lookup": "lmcache_cartridge_scheduler_lookup_seconds",
+    "sched_lookup": "lmcache_cartridge_scheduler_lookup_seconds",  # per lookup, inside prefill (`lookup_metrics`)
     "lmcache_lookup": "lmcache:time_to_lookup",  # worker side, per lookup
     "lmcache_retrieve": "lmcache:time_to_retrieve",  # the whole retrieve a load waits on
     "lmcache_tokens": "lmcache:retrieve_process_tokens_time",  # hashing the tokens, finding objects
@@ -708,7 +707,7 @@ def markdown(result: dict) -> str:
         out += ["## Where a request's time goes (`--breakdown`, c=1)", "",
                 "Per-request means in ms from the servers' own histograms over each cell (vLLM's: "
                 "prefill = scheduled to first token, the KV load included; sched_lookup: the "
-                "connector's lookup on vLLM's scheduler thread, inside prefill; LMCache's, worker side: "
+                "connector's, per lookup (one per request at c=1), inside prefill; LMCache's, worker side: "
                 "the retrieve a load waits on, its token processing and its copy into vLLM's cache):", "",
                 "| cell | doc tokens | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
         for x in sorted(staged, key=lambda x: (x["length"], x["arm"])):

@@ -116,9 +116,9 @@ def test_the_breakdown_is_the_servers_own_times_for_each_request_of_the_cell(ben
         st, n = cell.stages, len(cell.shots)
         for stage in ("ttft", "prefill", "sched_lookup", "lmcache_retrieve", "lmcache_tokens", "lmcache_copy"):
             assert st[stage]["n"] == n and st[stage]["mean_ms"] > 0, (cell.variant, stage, st)
-        # the copy is part of the retrieve, and the retrieve part of the prefill (the load is in it),
-        # as is the scheduler's lookup
-        assert st["lmcache_copy"]["mean_ms"] <= st["lmcache_retrieve"]["mean_ms"] < st["prefill"]["mean_ms"], st
+        # the copy is part of the retrieve; the retrieve and the scheduler's lookup (one per request
+        # at c=1) are parts of the prefill
+        assert st["lmcache_copy"]["mean_ms"] <= st["lmcache_retrieve"]["mean_ms"], st
         assert st["sched_lookup"]["mean_ms"] + st["lmcache_retrieve"]["mean_ms"] < st["prefill"]["mean_ms"], st
     # a first hit's retrieve also reads and checks the file: longer than a repeat's, same copy size
     assert staged["first"].stages["lmcache_retrieve"]["mean_ms"] > staged["repeat"].stages["lmcache_retrieve"]["mean_ms"]

@@ -18,6 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+from lmcache_cartridge.vllm.lookup_metrics import OUTCOMES
 from test_metrics_fleet import dashboard_metric_names
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,9 @@ def test_plugin_counters_reach_vllm_metrics_with_instance_label(tmp_path, monkey
     assert ours(after, "lmcache_cartridge_read_seconds_count", instance=INSTANCE) == 2
     assert ours(after, "lmcache_cartridge_misses_total", instance=INSTANCE, tier="cpu") >= 1
     # vLLM's scheduler asked the connector once for this request, and it was a hit
-    assert ours(before, "lmcache_cartridge_scheduler_lookup_seconds_count") == 0
+    for outcome in OUTCOMES:  # declared at zero by the scheduler's connector, before any request
+        assert before[("lmcache_cartridge_scheduler_lookup_seconds_count",
+                       frozenset({"outcome": outcome, "instance": INSTANCE}.items()))] == 0
     assert ours(after, "lmcache_cartridge_scheduler_lookup_seconds_count", instance=INSTANCE) == 1
     assert ours(after, "lmcache_cartridge_scheduler_lookup_seconds_count", instance=INSTANCE, outcome="hit") == 1
     assert ours(after, "lmcache_cartridge_scheduler_lookup_seconds_sum", instance=INSTANCE) > 0

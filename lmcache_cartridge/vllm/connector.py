@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
-from lmcache_cartridge.store.metrics import declare_scheduler_lookup, lookup_outcome, observe_scheduler_lookup
+from lmcache_cartridge.vllm.lookup_metrics import LookupTimer, outcome_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -197,8 +197,7 @@ class CartridgeConnector(LMCacheConnectorV1):
             # vLLM creates its publisher right after this constructor returns: publish through it
             # from our thread, so an idle instance announces too (see kv_events).
             kv_events.capture_publisher(self._announcer.use_publisher)
-        if role == KVConnectorRole.SCHEDULER:
-            declare_scheduler_lookup()
+        self._lookups = LookupTimer() if role == KVConnectorRole.SCHEDULER else None
         if role == KVConnectorRole.SCHEDULER and ktc is not None \
                 and not extra.get("cartridge.keep_load_failure_policy", False):
             self._set_load_failure_policy(ktc)
@@ -426,31 +425,44 @@ class CartridgeConnector(LMCacheConnectorV1):
         waiting request it reaches). LMCache's lookup, then the readiness rule for requests with
         a trained cartridge (`readiness`): wait (None: vLLM asks again next step and schedules the
         others meanwhile) until the cartridge's KV can be loaded, bounded; then fail, never
-        schedule it to be recomputed. Each call's time goes to
-        `lmcache_cartridge_scheduler_lookup_seconds` (`store.metrics`): it is spent after vLLM's
-        "scheduled" timestamp, so it is part of the request's prefill time in vLLM's histograms."""
+        schedule it to be recomputed. Each answer is timed by outcome (`lookup_metrics`: why that
+        time is worth a metric)."""
         t0 = time.perf_counter()
-        answer = self._matched_tokens(request, num_computed_tokens)
-        observe_scheduler_lookup(time.perf_counter() - t0, lookup_outcome(answer))
+        answer, outcome = self._matched_tokens(request, num_computed_tokens)
+        if self._lookups is not None:
+            self._lookups.observe(time.perf_counter() - t0, outcome)
         return answer
 
-    def _matched_tokens(self, request, num_computed_tokens: int):
+    def _matched_tokens(self, request, num_computed_tokens: int) -> tuple[tuple[int | None, bool], str]:
+        """(the answer for vLLM, its `lookup_metrics` outcome)."""
         rid = getattr(request, "request_id", "?")
+        raised, promised = [], []
+
+        def lookup():
+            try:
+                return super(CartridgeConnector, self).get_num_new_matched_tokens(request, num_computed_tokens)
+            except Exception:
+                raised.append(True)  # the gate lets a marked request wait on it: still an error
+                raise
+
+        def promise(need: int):
+            promised.append(need)
+            return self._promise_trained(request, num_computed_tokens, need)
+
         try:
             self._composer.submit(request)  # a composite the gateway made elsewhere: build it here
-            return self._gate.match(
-                request, num_computed_tokens,
-                lookup=lambda: super(CartridgeConnector, self).get_num_new_matched_tokens(request, num_computed_tokens),
-                relookup=lambda: self._impl().lookup_client.clear_lookup_status(rid),
-                promise=lambda need: self._promise_trained(request, num_computed_tokens, need))
+            answer = self._gate.match(request, num_computed_tokens, lookup=lookup,
+                                      relookup=lambda: self._impl().lookup_client.clear_lookup_status(rid),
+                                      promise=promise)
+            return answer, "error" if raised else "promised" if promised else outcome_of(answer)
         except Exception:
             from lmcache_cartridge.vllm.readiness import required_tokens
 
             if required_tokens(request):  # never stop the engine; never recompute a trained cartridge
                 logger.exception("lmcache_cartridge: readiness check for request %s raised; it waits", rid)
-                return None, False
+                return (None, False), "error"
             logger.exception("lmcache_cartridge: lookup for request %s raised; recomputing it", rid)
-            return 0, False
+            return (0, False), "error"
 
     def _promise_trained(self, request, num_computed_tokens: int, need: int):
         """The wait is over and the trained cartridge is still not (all) here: schedule its
