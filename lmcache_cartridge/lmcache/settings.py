@@ -30,7 +30,9 @@ def _as_list(value: Any) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def _cores_setting(value: Any) -> str:
+def cores_setting(value: Any) -> str:
+    """A `reader_cores` value, normalized ("auto", "engine" or a cpu list); ValueError on anything
+    else. The plugin's setting and the CPU connector's `copy_cores` both pass through here."""
     text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value).strip()
     if text not in ("auto", "engine") and not parse_cpu_list(text):  # ValueError: a bad setting
         raise ValueError(f"reader_cores: no cores in {text!r}")
@@ -94,7 +96,7 @@ class PluginSettings:
                 pin_lease_seconds=float(get("pin_lease_seconds", 120.0)),
                 catalog_uri=str(get("catalog_uri")) if get("catalog_uri") else None,
                 catalog_period=float(get("catalog_period", 30.0)),
-                reader_cores=_cores_setting(get("reader_cores", "auto")),
+                reader_cores=cores_setting(get("reader_cores", "auto")),
             )
         except (TypeError, ValueError) as e:
             raise CartridgeError(f"bad setting under extra_config {p}*: {e}") from e
@@ -110,7 +112,7 @@ def reader_cores_setting(config) -> str:
     try:
         name = find_plugin_name(config, CartridgeStoragePlugin)
         extra = getattr(config, "extra_config", None) or {}
-        return _cores_setting(extra.get(f"{PREFIX}.{name}.reader_cores", "auto"))
+        return cores_setting(extra.get(f"{PREFIX}.{name}.reader_cores", "auto"))
     except (CartridgeError, ValueError):
         return "auto"
 

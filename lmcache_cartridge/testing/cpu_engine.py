@@ -41,11 +41,7 @@ class CpuBlocksEngine:
     def __init__(self, config, metadata, *, native: Optional[bool] = None, name: str = "cpu-blocks") -> None:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
-        from lmcache_cartridge.lmcache.settings import reader_cores_setting
-
-        layers, _, _, heads, head_dim = metadata.kv_shape  # as the vLLM glue's hook builds it:
-        self.conn = CpuPagedKVConnector(layers, heads, head_dim, metadata.kv_dtype,
-                                        copy_cores=reader_cores_setting(config))
+        self.conn = CpuPagedKVConnector.from_metadata(metadata, config=config)  # as the vLLM glue's hook builds it
         if native is not None:  # None: the connector's own choice (the native kernel where built)
             self.conn.use_native = native
         self.id = f"{name}-{next(_ids)}"

@@ -134,11 +134,8 @@ def install_cpu_connector_hook(kv_cache_dtype: str = "auto") -> bool:
                     raise RuntimeError(
                         "lmcache_cartridge CPU connector supports neither use_layerwise nor "
                         "enable_blending; turn them off to use LMCache on vLLM's CPU backend")
-                from lmcache_cartridge.lmcache.settings import reader_cores_setting
-
                 logger.info("lmcache_cartridge: LMCache on vLLM's CPU backend uses CpuPagedKVConnector")
-                return CpuPagedKVConnector.from_metadata(metadata, kv_cache_dtype=kv_cache_dtype,
-                                                         copy_cores=reader_cores_setting(config))
+                return CpuPagedKVConnector.from_metadata(metadata, kv_cache_dtype=kv_cache_dtype, config=config)
             return original(config, metadata, engine, layout_hints=layout_hints)
 
         CreateGPUConnector._cartridge_cpu_hook = True  # type: ignore[attr-defined]

@@ -53,6 +53,7 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_cartridge.lmcache import memory_layout
+from lmcache_cartridge.lmcache.settings import cores_setting, reader_cores_setting
 from lmcache_cartridge.store import threads
 from lmcache_cartridge.vllm import native
 from lmcache_cartridge.vllm.cpu_layout import (AMX_TILES, K_TRANSPOSED, PagedLayout, UnverifiedKVLayout,
@@ -212,9 +213,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
                  kv_cache_dtype: str = "auto", copy_cores: str = "auto") -> None:
         """`copy_cores`: a `reader_cores` setting (`store.threads.helper_cores`), where copies into
         and out of vLLM's caches also run beside the worker's thread. Raises ValueError on a
-        cpu list that is not one."""
-        if copy_cores not in ("auto", "engine"):
-            threads.parse_cpu_list(copy_cores)
+        setting the plugin would refuse."""
+        copy_cores = cores_setting(copy_cores)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -239,11 +239,14 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         self._helper_pool: Optional[tuple] = None  # () once asked and there is no helper core
 
     @classmethod
-    def from_metadata(cls, metadata, kv_cache_dtype: str = "auto", copy_cores: str = "auto") -> "CpuPagedKVConnector":
+    def from_metadata(cls, metadata, kv_cache_dtype: str = "auto", config=None) -> "CpuPagedKVConnector":
+        """As LMCache would build its GPU connector: from its engine metadata and config (the
+        cartridge plugin's `reader_cores` there sets `copy_cores`; `lmcache.settings`)."""
         if metadata.use_mla:
             raise UnverifiedKVLayout("MLA KV caches are not supported by the CPU connector")
         num_layers, _, _, num_kv_heads, head_dim = metadata.kv_shape
-        return cls(int(num_layers), int(num_kv_heads), int(head_dim), metadata.kv_dtype, kv_cache_dtype, copy_cores)
+        return cls(int(num_layers), int(num_kv_heads), int(head_dim), metadata.kv_dtype, kv_cache_dtype,
+                   copy_cores=reader_cores_setting(config) if config is not None else "auto")
 
     # --- layout ---------------------------------------------------------------------------
     @property
