@@ -327,6 +327,11 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         if tuple(t.shape[:2]) != (2, self.num_layers) or t.shape[2] < n or t.shape[3] != self.hidden_dim_size:
             raise ValueError(f"memory object of shape {tuple(t.shape)} for {n} tokens, expected {tuple(self.get_shape(n))}")
         slots = kwargs["slot_mapping"][start:end].to("cpu")
+        # Every path, checked once: vLLM's own writer op (the PERMUTED path, and "amx" without the
+        # native kernel) does not bound-check a slot and writes past the cache (seen: SIGSEGV).
+        capacity = kvcaches[0].shape[0] * kvcaches[0].shape[2]
+        if slots.numel() and int(slots.max()) >= capacity:
+            raise ValueError(f"slot {int(slots.max())} is past the paged cache's {capacity} slots")
         if load:
             # Never overwrite tokens vLLM already computed (same rule as VLLMPagedMemGPUConnectorV2).
             vllm_cached = int(kwargs.get("vllm_cached_tokens", 0) or 0)
