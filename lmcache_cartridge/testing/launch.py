@@ -12,38 +12,17 @@ Runs in the caller's process; the vLLM server is a child process group it owns a
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterable
-
-import yaml
 
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, live_instances, wait_served
 from lmcache_cartridge.paths import default_cache_dir
 from lmcache_cartridge.store.serving_state import ServingState
-
-IPC_DIR_MAX = 60  # longest TMPDIR for vLLM's IPC sockets: 107 bytes minus "/" + a uuid4 + slack
-
-CONNECTOR = {"kv_connector": "CartridgeConnector",
-             "kv_connector_module_path": "lmcache_cartridge.connector",
-             "kv_role": "kv_both"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lmcache_cartridge.tools.vllm_process import CONNECTOR, IPC_DIR_MAX, VllmProcess, free_port  # noqa: F401
 
 
 def lmcache_config(registry: Path, *, chunk_size: int = 256, cpu_gb: float = 1, refresh: float = 0.2,
@@ -63,133 +42,13 @@ def lmcache_config(registry: Path, *, chunk_size: int = 256, cpu_gb: float = 1, 
             "pre_caching_hash_algorithm": "sha256_cbor", "extra_config": ec}
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a live (not zombie) process is left in process group `pgid`."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            return True
-    return False
+class VllmServer(VllmProcess):
+    """One vLLM server (`tools.vllm_process.VllmProcess`) and what its plugins serve.
+    `lmcache=None` starts plain vLLM (no connector) for baselines."""
 
-
-class VllmServer:
-    """One vLLM server. `lmcache=None` starts plain vLLM (no connector) for baselines."""
-
-    def __init__(self, root: Path, model: str, *, lmcache: dict[str, Any] | None = None,
-                 prefix_caching: bool = False, max_model_len: int = 2048, threads_bind: str = "0-1",
-                 kv_cache_gb: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
-                 kv_extra: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None) -> None:
-        self.root, self.model = Path(root), str(model)
-        self.threads_bind = threads_bind
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = self.root / "server.log"
-        env = dict(os.environ)
-        env.pop("PYTHONHASHSEED", None)
-        for d in ("prom", "tmp", "vcache"):
-            (self.root / d).mkdir(exist_ok=True)
-        # vLLM binds ZMQ IPC sockets under TMPDIR (a 36-character name): a Unix socket path has at
-        # most 107 bytes, so a deep root (pytest's tmp_path) gets a short private temp dir instead.
-        tmp = self.root / "tmp"
-        self._own_tmp: Path | None = None
-        if len(str(tmp)) > IPC_DIR_MAX:
-            self._own_tmp = tmp = Path(tempfile.mkdtemp(prefix="vllm-"))
-        env.update({
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
-            "VLLM_CPU_OMP_THREADS_BIND": threads_bind,  # pinned identically in every arm
-            "PROMETHEUS_MULTIPROC_DIR": str(self.root / "prom"),  # one per server: no merged metrics
-            "TMPDIR": str(tmp),
-            "VLLM_CACHE_ROOT": str(self.root / "vcache"),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            **(extra_env or {}),
-        })
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
-               "--max-model-len", str(max_model_len),
-               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *extra_args]
+    def __init__(self, root: Path, model: str, *, lmcache: dict[str, Any] | None = None, **kw) -> None:
+        super().__init__(root, model, lmcache=lmcache, **kw)
         self.cache_dir = _plugin_cache_dir(lmcache)  # where its plugins publish their serving state
-        if lmcache is not None:
-            (self.root / "lmcache.yaml").write_text(yaml.safe_dump(lmcache))
-            env["LMCACHE_CONFIG_FILE"] = str(self.root / "lmcache.yaml")
-            connector = {**CONNECTOR, "kv_connector_extra_config": dict(kv_extra)} if kv_extra else CONNECTOR
-            cmd += ["--kv-transfer-config", json.dumps(connector)]
-        self.command = cmd
-        self._log = open(self.log_path, "wb")
-        self.t0 = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=str(self.root), start_new_session=True)
-        self.startup_s: float | None = None
-
-    def wait_healthy(self, timeout: float = 300) -> "VllmServer":
-        deadline = self.t0 + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        self.startup_s = time.time() - self.t0
-                        return self
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vLLM server not healthy after {timeout}s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        """Stop the server and everything it started (engine core, workers): the whole process
-        group, not only the API server, which can exit while a worker lingers on (seen: an
-        orphaned VLLM::Worker holding 1.8 GB after a test)."""
-        pgid = self.proc.pid  # start_new_session: the group is the server's
-        if self.proc.poll() is None:
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        deadline = time.time() + 10
-        while _group_alive(pgid) and time.time() < deadline:
-            time.sleep(0.2)
-        if _group_alive(pgid):
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=10)
-        if self._own_tmp is not None:
-            shutil.rmtree(self._own_tmp, ignore_errors=True)
-        if not self._log.closed:
-            self._log.close()
-
-    def __enter__(self) -> "VllmServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_text().splitlines()[-n:])
 
     def counters(self) -> dict:
         """This server's `/metrics` as `fleet.instance_counters` reduces them (one reader of
