@@ -355,16 +355,25 @@ def ensure_test_model(
     params.validate()
     name = name or f"tiny-{family}"
     root = Path(root) if root is not None else models_dir()
-    target = root / name
     wanted = marker(params)
+    return install_model_dir(root, name, wanted, lambda d: _write_model(d, params))
+
+
+def install_model_dir(root: Path, name: str, wanted: dict, write) -> Path:
+    """`root/name`, written by `write(dir)` unless its marker already reads `wanted`.
+
+    `write` fills a temp dir beside the target and must write the marker last; the dir is then
+    renamed into place, so concurrent processes (vLLM scheduler, workers, pytest-xdist) never see
+    a half-written model. A cached model with another marker is replaced. Shared by the tiny test
+    models and the real model (`tools.realmodel`)."""
+    target = root / name
     if read_marker(target) == wanted:
         return target
-
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=root))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; servers may run as another user.
-        _write_model(tmp, params)
+        write(tmp)
         for _ in range(3):
             try:
                 os.rename(tmp, target)
@@ -381,7 +390,7 @@ def ensure_test_model(
                     pass
                 shutil.rmtree(stale, ignore_errors=True)
         raise RuntimeError(
-            f"could not install the test model at {target}: other processes keep replacing it "
+            f"could not install the model at {target}: other processes keep replacing it "
             "with builds of different parameters; give each configuration its own `name`"
         )
     finally:
