@@ -16,3 +16,23 @@ def random_kv(layers=2, tokens=40, heads=2, dim=8, dtype=torch.bfloat16, seed=0)
 @pytest.fixture
 def kv_factory():
     return random_kv
+
+
+@pytest.fixture(scope="module")
+def engine_kv(tmp_path_factory):
+    """`engine_kv(model_dir)`: an `EngineKVMaker` for that model (vLLM computing KV through
+    LMCache's store path, what `create` uses by default), one per model per module, started on
+    its first use and stopped when the module ends."""
+    from lmcache_cartridge.tools.engine_kv import EngineKVMaker
+
+    makers: dict[str, EngineKVMaker] = {}
+
+    def get(model_dir) -> EngineKVMaker:
+        key = str(model_dir)
+        if key not in makers:
+            makers[key] = EngineKVMaker(model_dir, tmp_path_factory.mktemp("kv-maker"))
+        return makers[key]
+
+    yield get
+    for m in makers.values():
+        m.stop()

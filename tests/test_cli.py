@@ -115,7 +115,7 @@ def test_create_then_pack_token_only_matches(tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text("The lighthouse on Gannet Rock shows two white flashes every fifteen seconds. " * 8)
     r = cli("create", "--model-dir", model_dir, "--text", doc, "-o", tmp_path / "c", "--max-tokens", "100",
-            "--chunk-size", "32", "--id", "gannet", "-q", home=tmp_path)
+            "--chunk-size", "32", "--id", "gannet", "--kv-from", "hf", "-q", home=tmp_path)
     assert "created gannet: 100 tokens" in r.stdout
     created = PackedCartridge(tmp_path / "c")
     assert created.manifest.kind == "first_k" and created.manifest.token_ids[0] == 1  # BOS belongs to the cartridge
@@ -268,7 +268,7 @@ def test_test_model_and_create_for_both_families(tmp_path, family, bos):
     doc = tmp_path / "doc.txt"
     doc.write_text("The lighthouse on Gannet Rock shows two white flashes every fifteen seconds. " * 8)
     r = cli("create", "--model-dir", model_dir, "--text", doc, "-o", tmp_path / "c", "--max-tokens", "64",
-            "--chunk-size", "32", "-q", home=tmp_path)
+            "--chunk-size", "32", "--kv-from", "hf", "-q", home=tmp_path)
     assert "created doc: 64 tokens" in r.stdout
     m = json.loads(cli("inspect", "--json", tmp_path / "c", home=tmp_path).stdout)
     tok = AutoTokenizer.from_pretrained(model_dir)

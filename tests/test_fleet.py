@@ -69,12 +69,12 @@ def _ask(client: httpx.Client, gateway: str, model: str, cart: str, question: li
     return choice["text"] if text else [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
 
 
-def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_path, moto_server):
+def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_path, moto_server, engine_kv):
     router_bin = find_router()
     if router_bin is None:
         pytest.skip("vllm-router is not installed (set $VLLM_ROUTER, put it on PATH, or `make router` "
                     "for .venv-router/): it is not a dependency of this package")
-    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
+    from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.cartridge.packed import pack_kv
     from lmcache_cartridge.store.catalog import CatalogSync, publish
     from lmcache_cartridge.store.registry import Registry
@@ -83,6 +83,9 @@ def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_pa
 
     model_dir = ensure_test_model()
     model = str(model_dir)
+    # The cartridges' KV is vLLM's own (as `create` makes it): served, it answers as the prompt
+    # does. (KV from HF transformers parted from vLLM's answer at the 4th token on AVX2 machines.)
+    maker = engine_kv(model_dir).launch()  # starts beside the instances
     s3_client(moto_server).create_bucket(Bucket=BUCKET)
     s3 = S3Settings(endpoint_url=moto_server)
     servers, ev_ports = [], []
@@ -103,14 +106,15 @@ def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_pa
     gw_sync = None
     try:
         # While the servers start: two first-k cartridges (different text windows) and the questions.
-        hf, tok = load_model(model_dir)
+        _, tok = load_model(model_dir)
         doc = tok(document_text() * 2, add_special_tokens=False)["input_ids"]
         carts = {}
         for name, off in (("fleet-a", 0), ("fleet-b", 40)):
             ids = [tok.bos_token_id] + doc[off: off + 2 * CHUNK - 1]
-            pack_kv(compute_prefix_kv(hf, ids), tmp_path / "carts" / name, cartridge_id=name, model=model,
+            pack_kv(maker.prefix_kv(ids), tmp_path / "carts" / name, cartridge_id=name, model=model,
                     kind="first_k", token_ids=ids, chunk_size=CHUNK)
             carts[name] = ids
+        maker.stop()
         question = tok("Question: what does the keeper do at night?", add_special_tokens=False)["input_ids"]
         for s in servers:
             s.wait_healthy(timeout=300)

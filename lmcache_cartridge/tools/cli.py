@@ -193,9 +193,23 @@ def cmd_create(args) -> int:
     from lmcache_cartridge.cartridge.packed import pack_kv
 
     text = Path(args.text).read_text(encoding="utf-8")
-    made = create_first_k(args.model_dir, text, max_tokens=args.max_tokens,
-                          sci_chunk=args.sci_chunk, seed=args.seed)
     out = Path(args.output)
+    if out.exists() and not args.overwrite:  # before the forward pass, not after it
+        raise CartridgeError(f"{out} already exists (use --overwrite to replace it)")
+    kv_from = args.kv_from or default_kv_from()
+    if kv_from == "vllm":
+        import tempfile
+
+        from lmcache_cartridge.tools.engine_kv import EngineKVMaker
+
+        with tempfile.TemporaryDirectory(prefix="kv-maker-") as work, \
+                EngineKVMaker(args.model_dir, work, threads_bind=args.cpu_bind) as engine:
+            print("computing the KV with vLLM (a private server; --kv-from hf to use transformers)", flush=True)
+            made = create_first_k(args.model_dir, text, max_tokens=args.max_tokens,
+                                  sci_chunk=args.sci_chunk, seed=args.seed, engine=engine)
+    else:
+        made = create_first_k(args.model_dir, text, max_tokens=args.max_tokens,
+                              sci_chunk=args.sci_chunk, seed=args.seed)
     m = pack_kv(
         made.kv,
         out,
@@ -211,6 +225,13 @@ def cmd_create(args) -> int:
     )
     print(f"created {m.cartridge_id}: {m.num_tokens} tokens of {args.text}, {len(m.chunks)} chunks -> {out}")
     return 0
+
+
+def default_kv_from() -> str:
+    """`create`'s KV source when not given: vLLM (the serving engine) where it is installed."""
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
 def cmd_test_model(args) -> int:
@@ -573,9 +594,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     # -- making cartridges
     sp = add("create", cmd_create, "make a first-k cartridge from a text document with a local HF model",
-             "Runs the document through the model (HF transformers, CPU) and keeps its KV cache: the\n"
-             "cartridge is exactly what the engine would compute for a prompt starting with the\n"
-             "document. Llama-style tokenizers put BOS first and the cartridge starts with it;\n"
+             "Runs the document through the model and keeps its KV cache. By default (--kv-from vllm)\n"
+             "vLLM itself computes it, in a private server started for the purpose, and LMCache's own\n"
+             "store path writes it out: the cartridge holds the bytes the serving engine computes for\n"
+             "a prompt starting with the document, so served it answers exactly as the plain prompt.\n"
+             "Run it on the kind of machine that will serve it (vLLM's CPU and GPU kernels round\n"
+             "differently). --kv-from hf uses HF transformers (no vLLM needed; answers may part from\n"
+             "the plain prompt's on near ties). Llama-style tokenizers put BOS first and the cartridge starts with it;\n"
              "tokenizers without BOS (Qwen2) start with the document's first token. Send requests as\n"
              "the cartridge's token ids followed by your own (the gateway does this for you).",
              "lmcache-cartridge create --model-dir ~/models/Qwen2.5-0.5B-Instruct --text doc.txt -o carts/doc")
@@ -589,6 +614,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sampled-chunk initialisation: random N-token chunks of the document up to --max-tokens")
     sp.add_argument("--seed", type=int, default=0, help="seed for --sci-chunk (default 0)")
     sp.add_argument("--chunk-size", type=int, default=256, metavar="N", help="LMCache chunk_size of the serving config (default 256)")
+    sp.add_argument("--kv-from", choices=["vllm", "hf"],
+                    help="what computes the KV: vllm (default where installed) or hf (transformers)")
+    sp.add_argument("--cpu-bind", default="0-1", metavar="CPUS",
+                    help="with --kv-from vllm on CPU: VLLM_CPU_OMP_THREADS_BIND of the private server (default 0-1)")
     sp.add_argument("--label", action="append", help="label (repeatable)")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -80,12 +80,18 @@ def create_first_k(
     sci_chunk: int | None = None,
     seed: int = 0,
     model_and_tokenizer: tuple[Any, Any] | None = None,
+    engine: Any | None = None,
 ) -> CreatedCartridge:
     """Cartridge from real text: the first `max_tokens` tokens (the tokenizer's BOS included where
     it adds one), or with `sci_chunk` the leading specials plus sampled document chunks (Sampled
     Chunk Initialization, Cartridges paper).
 
-    `model_and_tokenizer` lets callers that make several cartridges load the model once.
+    The KV is computed by `engine` (an `engine_kv.EngineKVMaker`: vLLM itself, the engine that
+    will serve it, so served it answers exactly as the plain prompt does), or without one by HF
+    transformers (eager, the model's dtype: an independent implementation whose rounding differs
+    from vLLM's, so greedy answers can part from the plain prompt's).
+    `model_and_tokenizer` lets callers that make several cartridges load the model once (with an
+    engine only its tokenizer is used).
     """
     import transformers
 
@@ -107,11 +113,17 @@ def create_first_k(
                 "sci_chunk needs max_tokens: SCI samples chunks up to a token budget"
             )
 
-    model, tokenizer = model_and_tokenizer or load_model(model_dir)
+    if engine is None:
+        model, tokenizer = model_and_tokenizer or load_model(model_dir)
+        limit = model.config.max_position_embeddings
+    else:  # the engine computes the KV: only the tokenizer and the config are needed here
+        from transformers import AutoConfig, AutoTokenizer
+
+        tokenizer = model_and_tokenizer[1] if model_and_tokenizer else AutoTokenizer.from_pretrained(str(model_dir))
+        limit = AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
     head, body = document_tokens(tokenizer, text)
     doc = head + body
 
-    limit = model.config.max_position_embeddings
     if sci_chunk is None:
         method = "first_k"
         token_ids = doc if max_tokens is None else doc[:max_tokens]
@@ -127,10 +139,16 @@ def create_first_k(
             "max_tokens) to keep part of it"
         )
 
-    kv = compute_prefix_kv(model, token_ids)
+    if engine is None:
+        kv = compute_prefix_kv(model, token_ids)
+        computed_by = {"engine": "transformers", "dtype": str(kv.dtype).removeprefix("torch."),
+                       "attention": "eager"}
+    else:
+        kv = engine.prefix_kv(token_ids)
+        computed_by = engine.describe()
     provenance: dict[str, Any] = {
         "model_dir": str(model_dir),
-        "model_name_or_path": getattr(model.config, "_name_or_path", None) or str(model_dir),
+        "kv_computed_by": computed_by,
         "method": method,
         "max_tokens": max_tokens,
         "sci_chunk": sci_chunk,
