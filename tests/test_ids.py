@@ -57,3 +57,19 @@ def test_train_names_its_cartridge_after_the_output(tmp_path):
 
     cfg = TrainConfig(model_dir=tmp_path, text_path=tmp_path / "d.txt", output=Path("carts") / "_my doc")
     assert run_id(cfg) == "my-doc"
+
+
+@pytest.mark.parametrize("bad", ["doc\n", "doc\r\n", "\ndoc"])
+def test_an_id_with_a_newline_is_refused(bad):
+    """Python's `$` matches before a final newline: "doc\\n" passed the id rule (issue 33) and broke
+    the request later. Bucket names and key segments likewise."""
+    from lmcache_cartridge.store.s3 import parse_s3_uri
+
+    with pytest.raises(ManifestError, match="invalid cartridge id"):
+        validate_id(bad)
+    with pytest.raises(ValueError, match="invalid bucket name"):
+        parse_s3_uri("s3://bucket\n/prefix")
+    with pytest.raises(ValueError, match="invalid prefix segment"):
+        parse_s3_uri("s3://bucket/pre\n")
+    with pytest.raises(ValueError, match="invalid prefix segment"):
+        parse_s3_uri("s3://bucket/a\n/b")

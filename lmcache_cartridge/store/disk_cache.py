@@ -61,7 +61,7 @@ logger = logging.getLogger("lmcache_cartridge.store.disk_cache")
 # `<content_hash>.h<start>-<end>` for the heads one tensor-parallel rank reads of a `by_head`
 # payload (`RankView.disk_key`): ranks holding the same heads share one file.
 ChunkId = tuple[str, int]
-_KEY = re.compile(r"^[0-9a-f]{64}(\.h\d+-\d+)?$")
+_KEY = re.compile(r"^[0-9a-f]{64}(\.h\d+-\d+)?\Z")
 
 
 def _of(key: str, content_hash: str) -> bool:
@@ -71,8 +71,8 @@ def _of(key: str, content_hash: str) -> bool:
 INDEX_NAME = "index.sqlite"
 MUTEX_NAME = "index.lock"
 OWNERS_DIR = ".owners"
-_TMP = re.compile(r"^\.(\d+)\.chunk\.([0-9a-f]+-[0-9a-f]+)\.[0-9a-z]+\.tmp$")
-_LEGACY_TMP = re.compile(r"^\.(\d+)\.chunk\.(\d+)\.(\d+)$")  # `.<i>.chunk.<pid>.<tid>` (before the index)
+_TMP = re.compile(r"^\.(\d+)\.chunk\.([0-9a-f]+-[0-9a-f]+)\.[0-9a-z]+\.tmp\Z")
+_LEGACY_TMP = re.compile(r"^\.(\d+)\.chunk\.(\d+)\.(\d+)\Z")  # `.<i>.chunk.<pid>.<tid>` (before the index)
 _TOUCH_FLUSH_S = 1.0
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS chunks (

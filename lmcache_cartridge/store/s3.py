@@ -65,9 +65,9 @@ class Timeout(Unavailable):
 
 # --- URIs -----------------------------------------------------------------------------------
 
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_IPV4_RE = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._=-]+$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")  # \Z, not "$": no final newline
+_IPV4_RE = re.compile(r"^\d+\.\d+\.\d+\.\d+\Z")
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._=-]+\Z")
 _MAX_KEY_BYTES = 1024
 
 

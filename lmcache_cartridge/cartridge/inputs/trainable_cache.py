@@ -27,8 +27,8 @@ from lmcache_cartridge.cartridge.manifest import id_from_name
 from lmcache_cartridge.errors import CartridgeFormatError
 
 FORMAT = "cartridges"
-_KEY_RE = re.compile(r"^(trainable|frozen|fixed)_(keys|values)(?:\.(\d+))?$")
-_STEP_RE = re.compile(r"^cache-step(\d+)$")
+_KEY_RE = re.compile(r"^(trainable|frozen|fixed)_(keys|values)(?:\.(\d+))?\Z")
+_STEP_RE = re.compile(r"^cache-step(\d+)\Z")
 
 
 def matches(obj: Any) -> bool:
