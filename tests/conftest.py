@@ -18,11 +18,12 @@ def kv_factory():
     return random_kv
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine_kv(tmp_path_factory):
     """`engine_kv(model_dir)`: an `EngineKVMaker` for that model (vLLM computing KV through
-    LMCache's store path, what `create` uses by default), one per model per module, started on
-    its first use and stopped when the module ends."""
+    LMCache's store path, what `create` uses by default), one per model for the session (a
+    server start saved per module that uses it), started on its first use (again after a
+    `stop`) and stopped when the session ends."""
     from lmcache_cartridge.tools.engine_kv import EngineKVMaker
 
     makers: dict[str, EngineKVMaker] = {}

@@ -114,7 +114,6 @@ def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_pa
             pack_kv(maker.prefix_kv(ids), tmp_path / "carts" / name, cartridge_id=name, model=model,
                     kind="first_k", token_ids=ids, chunk_size=CHUNK)
             carts[name] = ids
-        maker.stop()
         question = tok("Question: what does the keeper do at night?", add_special_tokens=False)["input_ids"]
         for s in servers:
             s.wait_healthy(timeout=300)

@@ -90,8 +90,10 @@ class EngineKVMaker:
         return self
 
     def stop(self) -> None:
+        """Stop the server; a later `prefix_kv` starts a new one."""
         if self.server is not None:
             self.server.stop()
+            self.server = None
 
     def describe(self) -> dict[str, Any]:
         """What computed the KV, for a cartridge's provenance (the version as the server reports it)."""
@@ -159,10 +161,9 @@ class EngineKVMaker:
         ids = [int(t) for t in token_ids]
         if len(ids) < 2:
             raise CartridgeFormatError("a cartridge needs at least two tokens")
-        if self.server is None:
-            if self.max_model_len is None:
-                self.max_model_len = max(2048, -(-(len(ids) + 1) // 256) * 256)
-            self.start()
+        if self.server is None and self.max_model_len is None:
+            self.max_model_len = max(2048, -(-(len(ids) + 1) // 256) * 256)
+        self.start()  # launched by `launch` (or not yet): wait until it is healthy
         if len(ids) >= self.max_model_len:
             raise CartridgeFormatError(f"{len(ids)} tokens do not fit the KV maker's max_model_len "
                                        f"{self.max_model_len}")
