@@ -106,17 +106,23 @@ class VllmProcess:
         self.startup_s: float | None = None
 
     def wait_healthy(self, timeout: float = 300) -> "VllmServer":
+        """Wait until /health answers 200, at most `timeout` seconds from the launch. /health is
+        asked at least once whatever the clock says: a server launched long before (a session's
+        KV maker, first used half an hour after its launch) is healthy, not timed out."""
         deadline = self.t0 + timeout
-        while time.time() < deadline:
+        while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        self.startup_s = time.time() - self.t0
+                        if self.startup_s is None:
+                            self.startup_s = time.time() - self.t0
                         return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
+            if time.time() >= deadline:
+                break
             time.sleep(1)
         raise TimeoutError(f"vLLM server not healthy after {timeout}s:\n{self.log_tail()}")
 

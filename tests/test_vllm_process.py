@@ -1,0 +1,76 @@
+"""`tools.vllm_process.VllmProcess.wait_healthy` against a real HTTP endpoint and a real child
+process. The server here is not vLLM (a start costs a minute): the method only asks /health and
+watches the process, and what is tested is its clock."""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from lmcache_cartridge.tools.vllm_process import VllmProcess
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def endpoint():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def _process(url: str, tmp_path, launched_ago: float) -> VllmProcess:
+    """A VllmProcess as `__init__` leaves it, launched `launched_ago` seconds ago, its child a
+    real process that lives on."""
+    p = object.__new__(VllmProcess)
+    p.url, p.t0, p.startup_s = url, time.time() - launched_ago, None
+    p.log_path = tmp_path / "server.log"
+    p.log_path.write_text("log\n")
+    p.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return p
+
+
+def test_a_server_launched_long_ago_is_healthy_not_timed_out(endpoint, tmp_path):
+    """A session's KV maker is launched early and first waited on half an hour later: the old
+    clock (deadline from the launch, checked before asking) raised TimeoutError at once."""
+    p = _process(endpoint, tmp_path, launched_ago=1800)
+    try:
+        assert p.wait_healthy(timeout=600) is p
+        assert p.startup_s >= 1800  # measured at the first healthy answer, kept after
+        first = p.startup_s
+        p.wait_healthy(timeout=600)
+        assert p.startup_s == first
+    finally:
+        p.proc.kill()
+        p.proc.wait()
+
+
+def test_an_unhealthy_server_times_out_and_a_dead_one_raises(endpoint, tmp_path):
+    _Health.status = 503
+    p = _process(endpoint, tmp_path, launched_ago=0)
+    try:
+        t = time.time()
+        with pytest.raises(TimeoutError, match="not healthy after 2s"):
+            p.wait_healthy(timeout=2)
+        assert time.time() - t < 10
+    finally:
+        _Health.status = 200
+        p.proc.kill()
+        p.proc.wait()
+    with pytest.raises(RuntimeError, match="exited"):
+        p.wait_healthy(timeout=600)
