@@ -41,5 +41,14 @@ def default_packed_dir() -> Path:
     return cache_root() / "packed"
 
 
+def vllm_cache_dir() -> Path:
+    """VLLM_CACHE_ROOT of the vLLM servers we start (demo, `create`'s KV maker, tests,
+    benchmarks), unless the environment sets one: vLLM keys its torch.compile artifacts by its
+    config and source hashes and saves them atomically, so servers of one model share them and
+    every start after the first skips the ~25 s compile."""
+    env = os.environ.get("VLLM_CACHE_ROOT")
+    return Path(env).expanduser() if env else cache_root() / "vllm"
+
+
 def models_dir() -> Path:
     return cache_root() / "models"

@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from lmcache_cartridge.paths import vllm_cache_dir
+
 IPC_DIR_MAX = 60  # longest TMPDIR for vLLM's IPC sockets: 107 bytes minus "/" + a uuid4 + slack
 
 CONNECTOR = {"kv_connector": "CartridgeConnector",
@@ -71,7 +73,7 @@ class VllmProcess:
         self.log_path = self.root / "server.log"
         env = dict(os.environ)
         env.pop("PYTHONHASHSEED", None)
-        for d in ("prom", "tmp", "vcache"):
+        for d in ("prom", "tmp"):
             (self.root / d).mkdir(exist_ok=True)
         # vLLM binds ZMQ IPC sockets under TMPDIR (a 36-character name): a Unix socket path has at
         # most 107 bytes, so a deep root (pytest's tmp_path) gets a short private temp dir instead.
@@ -84,7 +86,7 @@ class VllmProcess:
             "VLLM_CPU_OMP_THREADS_BIND": threads_bind,  # pinned identically in every arm
             "PROMETHEUS_MULTIPROC_DIR": str(self.root / "prom"),  # one per server: no merged metrics
             "TMPDIR": str(tmp),
-            "VLLM_CACHE_ROOT": str(self.root / "vcache"),
+            "VLLM_CACHE_ROOT": str(vllm_cache_dir()),  # compiled graphs shared by every server
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             **(extra_env or {}),
