@@ -328,10 +328,28 @@ def _call(app, method, path, **kw):
     (json.dumps({"prompt": "x", "cartridges": [{"id": "s3://AB/x"}]}).encode(), 400, "bucket"),
     (json.dumps({"prompt": "x", "cartridges": [{"id": "s3://other-bucket/x.pt"}]}).encode(), 403, "outside the S3"),
     (json.dumps({"prompt": "x", "cartridges": [{"id": "/a\u0000b", "source": "local"}]}).encode(), 400, "null"),
+    # kv_transfer_params: only LMCache's skip_save and tags; the connector's keys are the gateway's
+    (json.dumps({"prompt": "x", "kv_transfer_params": {"lmcache_cartridge.composites": [[1]] * 1000}}).encode(), 400,
+     "'kv_transfer_params': 'lmcache_cartridge.composites' may not be set by a client"),
+    (json.dumps({"prompt": "x", "kv_transfer_params": {"lmcache_cartridge.no_recompute": False}}).encode(), 400,
+     "'lmcache_cartridge.no_recompute' may not be set"),
+    (json.dumps({"prompt": "x", "kv_transfer_params": {"lmcache_cartridge.trained_tokens": 10**9}}).encode(), 400,
+     "'lmcache_cartridge.trained_tokens' may not be set"),
+    (json.dumps({"prompt": "x", "kv_transfer_params": {"disagg_spec": {"req_id": 5}}}).encode(), 400,
+     "'disagg_spec' may not be set by a client (allowed: lmcache.skip_save, lmcache.tag.<name>)"),
+    (json.dumps({"prompt": "x", "kv_transfer_params": {"lmcache.skip_save": "no"}}).encode(), 400,
+     "'lmcache.skip_save' must be true or false"),
+    (json.dumps({"prompt": "x", "kv_transfer_params": {"lmcache.tag.user": 5}}).encode(), 400,
+     "'lmcache.tag.user' must be a string"),
+    (json.dumps({"prompt": "x", "kv_transfer_params": {f"lmcache.tag.t{i}": "v" for i in range(9)}}).encode(), 400,
+     "at most 8 entries"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {"do_remote_prefill": True}}).encode(),
+     400, "'do_remote_prefill' may not be set"),
 ])
 def test_bad_requests_are_4xx_with_a_message(settings, body, status, needle):
     app = create_app(settings)
-    r = _call(app, "POST", "/v1/completions", content=body, headers={"content-type": "application/json"})
+    path = "/v1/chat/completions" if b'"messages"' in body else "/v1/completions"
+    r = _call(app, "POST", path, content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"], r.json()
 
@@ -426,3 +444,26 @@ def test_router_session_key_follows_the_cartridges(tmp_path, settings, model_dir
     assert tok_keys[0] == tok_keys[1] != tok_keys[2]
     assert tok_keys[0].startswith("cart:tok-") and tok_keys[0].endswith(",doc-a")
     assert all("cartridges" not in b for _, b in seen)  # the field is the gateway's, not vLLM's
+
+
+def test_client_kv_params_pass_and_the_gateways_own_are_set_by_it(tmp_path, settings, model_dir, recording_upstream):
+    """LMCache's skip_save and tags from a client reach the upstream unchanged; on a trained
+    request the gateway's own keys are the gateway's values, whatever the client sent."""
+    import dataclasses
+
+    from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
+
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    params = {"lmcache.skip_save": False, "lmcache.tag.user": "u1"}
+    r = _call(app, "POST", "/v1/completions", json={"prompt": [5, 6], "max_tokens": 1, "kv_transfer_params": params})
+    assert r.status_code == 200, r.text
+    assert seen[-1][1]["kv_transfer_params"] == params
+    _trained(tmp_path / "allowed" / "t", "t", model_dir)
+    r = _call(app, "POST", "/v1/completions", json={
+        "prompt": [5, 6], "max_tokens": 1, "kv_transfer_params": params,
+        "cartridges": [{"id": str(tmp_path / "allowed" / "t"), "source": "local"}]})
+    assert r.status_code == 200, r.text
+    sent = seen[-1][1]["kv_transfer_params"]
+    assert sent["lmcache.skip_save"] is True and sent[NO_RECOMPUTE_PARAM] is True
+    assert sent["lmcache.tag.user"] == "u1"

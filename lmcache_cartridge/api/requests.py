@@ -8,12 +8,42 @@ which validates it. Runs in the gateway process; no state.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 MAX_ID_LENGTH = 1024
 SOURCES = ("s3", "local")
+
+# What a client may put in `kv_transfer_params`: LMCache's per-request options that only narrow
+# what is stored or partition keys (`lmcache.skip_save`, `lmcache.tag.<name>`). Everything else is
+# refused: the connector's own keys (`lmcache_cartridge.*`: composite registrations, the trained
+# readiness and no-recompute rules) are the gateway's to set, and LMCache's scheduler reads
+# `disagg_spec` without a guard (a malformed one is engine-fatal).
+CLIENT_KV_PARAMS = ("lmcache.skip_save", "lmcache.tag.<name>")
+_TAG_KEY = re.compile(r"lmcache\.tag\.[A-Za-z0-9_.-]{1,64}\Z")
+MAX_KV_PARAMS = 8
+MAX_TAG_VALUE = 256
+
+
+def check_client_kv_params(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`params` if every entry is one a client may set (`CLIENT_KV_PARAMS`), else ValueError
+    naming the first that is not."""
+    if params is None:
+        return None
+    if len(params) > MAX_KV_PARAMS:
+        raise ValueError(f"at most {MAX_KV_PARAMS} entries")
+    for key, value in params.items():
+        if key == "lmcache.skip_save":
+            if not isinstance(value, bool):
+                raise ValueError("'lmcache.skip_save' must be true or false")
+        elif _TAG_KEY.match(key):
+            if not isinstance(value, str) or len(value) > MAX_TAG_VALUE:
+                raise ValueError(f"{key!r} must be a string of at most {MAX_TAG_VALUE} characters")
+        else:
+            raise ValueError(f"{key[:80]!r} may not be set by a client (allowed: {', '.join(CLIENT_KV_PARAMS)})")
+    return params
 
 
 class CartridgeSpec(BaseModel):
@@ -37,7 +67,13 @@ class _Common(BaseModel):
     temperature: float | None = Field(None, ge=0)
     stream: StrictBool = False
     cartridges: list[CartridgeSpec] | None = Field(None, description="loaded in order, before the prompt")
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(None, description=(
+        "LMCache per-request options a client may set: " + ", ".join(CLIENT_KV_PARAMS)))
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _client_kv_params(cls, v):
+        return check_client_kv_params(v)
 
 
 class CompletionRequest(_Common):
@@ -107,4 +143,6 @@ def describe(errors: list[dict]) -> str:
         return f"'{path}' must be an integer"
     if kind in ("string_type",):
         return f"'{path}' must be a string"
+    if kind == "value_error" and ctx.get("error") is not None:
+        return f"'{path}': {ctx['error']}"
     return f"'{path}': {e.get('msg')}"
