@@ -467,3 +467,60 @@ def test_client_kv_params_pass_and_the_gateways_own_are_set_by_it(tmp_path, sett
     sent = seen[-1][1]["kv_transfer_params"]
     assert sent["lmcache.skip_save"] is True and sent[NO_RECOMPUTE_PARAM] is True
     assert sent["lmcache.tag.user"] == "u1"
+
+
+def test_local_ids_checked_before_the_file_system_is_walked(tmp_path, settings, model_dir, monkeypatch):
+    """A path outside the allowed roots is refused before anything under it is touched (the old
+    order walked the whole tree first, 0.6-2.3 s for 30,000 files, and cached an entry per
+    spelling); spellings of one allowed file share one cache entry; a symlink inside an allowed
+    directory that points outside is refused before it is read."""
+    import lmcache_cartridge.api.resolver as resolver_mod
+
+    outside = tmp_path / "outside"
+    (outside / "tree").mkdir(parents=True)
+    for i in range(50):
+        (outside / "tree" / f"f{i}").write_text("secret contents\n")
+    walked = []
+    real_rglob = type(outside).rglob
+    monkeypatch.setattr(type(outside), "rglob", lambda self, pat: walked.append(self) or real_rglob(self, pat))
+    r = Resolver(settings, Registry(settings.registry))
+    for spelling in (str(outside / "tree"), str(outside / "tree") + "/", str(settings.local_roots[0] / ".." / "outside" / "tree")):
+        with pytest.raises(RequestError) as e:
+            r.resolve(spec(spelling, source="local"))
+        assert e.value.status == 403
+    assert walked == [] and len(r._cache) == 0
+
+    allowed = settings.local_roots[0]
+    torch.save({"token_ids": list(range(1, 40))}, allowed / "tok.pt")
+    for spelling in (str(allowed / "tok.pt"), str(allowed / "." / "tok.pt"), str(allowed / ".." / "allowed" / "tok.pt")):
+        assert r.resolve(spec(spelling, source="local")).token_ids == tuple(range(1, 40))
+    assert len(r._cache) == 1 and r.stats["conversions"] == 1
+
+    # a packed directory inside the root with one file a symlink to a secret outside it
+    _cart(allowed / "doc", "doc-link", list(range(1, 65)), model_dir)
+    victim = next(p for p in sorted((allowed / "doc").iterdir()) if p.suffix != ".json")
+    victim.unlink()
+    victim.symlink_to(outside / "tree" / "f0")
+    with pytest.raises(RequestError) as e:
+        r.resolve(spec(str(allowed / "doc"), source="local"))
+    assert e.value.status == 403 and "secret" not in str(e.value)
+    assert Registry(settings.registry).get("doc-link") is None  # refused before registration read it
+
+
+def test_resolution_cache_and_locks_are_bounded(tmp_path, settings, monkeypatch):
+    import lmcache_cartridge.api.resolver as resolver_mod
+
+    monkeypatch.setattr(resolver_mod, "MAX_CACHED", 3)
+    monkeypatch.setattr(resolver_mod, "MAX_LOCAL_FILES", 5)
+    r = Resolver(settings, Registry(settings.registry))
+    allowed = settings.local_roots[0]
+    for i in range(6):
+        torch.save({"token_ids": [1, 2, 3 + i]}, allowed / f"t{i}.pt")
+        r.resolve(spec(str(allowed / f"t{i}.pt"), source="local"))
+    assert len(r._cache) == 3 and r._locks == {}
+    assert [k[1] for k in r._cache] == [str(allowed / f"t{i}.pt") for i in (3, 4, 5)]  # least recent dropped
+    (allowed / "many").mkdir()
+    for i in range(6):
+        (allowed / "many" / f"f{i}").write_text("x")
+    with pytest.raises(RequestError, match="more than 5 files"):
+        r.resolve(spec(str(allowed / "many"), source="local"))

@@ -34,7 +34,7 @@ Runs in the gateway process, on worker threads (blocking I/O); owns its cache, s
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -46,6 +46,8 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.store.registry import Entry, Registry, RegistryError
 
 OBJECT_SUFFIXES = (".pt", ".pth")  # an s3:// id ending so is one object; otherwise a packed prefix
+MAX_CACHED = 4096      # resolutions kept (least recently used dropped first): clients choose the keys
+MAX_LOCAL_FILES = 4096  # files in one local input directory (its change signature is a walk of it)
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,8 @@ class Resolver:
         self.engine = EngineShape.partial(model_names=(settings.model, *settings.accept_models),
                                           chunk_size=settings.chunk_size)
         self.stats: Counter[str] = Counter()  # s3_objects, s3_lists, s3_manifests, hashes, conversions, registrations
-        self._cache: dict[tuple, _Cached] = {}
-        self._locks: dict[tuple, threading.Lock] = {}
+        self._cache: OrderedDict[tuple, _Cached] = OrderedDict()  # bounded: MAX_CACHED
+        self._locks: dict[tuple, list] = {}  # key -> [lock, users]: only while resolutions of it run
         self._guard = threading.Lock()
         self._vocab = None
 
@@ -114,20 +116,34 @@ class Resolver:
         """Blocking (file reads, S3 downloads, conversion): the app calls it from a worker thread."""
         try:
             where = self._where(spec)
-            # s3://b/p and s3://b/p/ name the same prefix: one cache entry
-            key = (where, spec.id.rstrip("/") if where == "s3" else spec.id,
-                   _signature(spec.id) if where == "local" else None)
+            if where == "local":  # allowed or not, decided before anything under it is touched
+                path = self._allowed_local(spec.id)
+                key = (where, str(path), self._signature(path))  # one entry per file, not per spelling
+            else:  # s3://b/p and s3://b/p/ name the same prefix: one cache entry
+                key = (where, spec.id.rstrip("/") if where == "s3" else spec.id, None)
             with self._guard:
-                lock = self._locks.setdefault(key, threading.Lock())
-            with lock:
-                if not spec.force_redownload:
-                    hit = self._hit(key)
-                    if hit is not None:
-                        return hit
-                value = {"s3": self._s3, "local": self._local, "registry": self._registry}[where](spec)
-                self._check(value)
-                self._cache[key] = _Cached(value, self.registry.data_version())
-                return value
+                held = self._locks.setdefault(key, [threading.Lock(), 0])
+                held[1] += 1
+                lock = held[0]
+            try:
+                with lock:
+                    if not spec.force_redownload:
+                        hit = self._hit(key)
+                        if hit is not None:
+                            return hit
+                    value = {"s3": self._s3, "local": self._local, "registry": self._registry}[where](spec)
+                    self._check(value)
+                    with self._guard:
+                        self._cache[key] = _Cached(value, self.registry.data_version())
+                        self._cache.move_to_end(key)
+                        while len(self._cache) > MAX_CACHED:
+                            self._cache.popitem(last=False)
+                    return value
+            finally:
+                with self._guard:
+                    held[1] -= 1
+                    if held[1] == 0:
+                        del self._locks[key]
         except (RequestError, CartridgeError):
             raise
         except (OSError, ValueError) as e:  # unreadable file, NUL byte, name too long, bad URI ...
@@ -150,8 +166,39 @@ class Resolver:
             raise RequestError(400, f"local cartridge id must be an absolute path, got {cid[:200]!r}")
         return "registry"
 
+    def _allowed_local(self, name: str) -> Path:
+        """`name` with every symlink resolved, if it lies under an allowed local root; else 403.
+        Only the path's own components are looked at (no walk, no read)."""
+        resolved = Path(name).resolve()
+        if not any(resolved.is_relative_to(root.resolve()) for root in self.settings.local_roots):
+            raise RequestError(403, f"{name[:200]} is outside the directories this gateway may read")
+        return resolved
+
+    def _signature(self, path: Path) -> tuple:
+        """What changes when a local input changes (stat only: no reading, no hashing). A
+        directory is walked, at most MAX_LOCAL_FILES files, and every file in it must resolve
+        under an allowed root too (a symlink to anywhere else is refused before it is read)."""
+        try:
+            if not path.is_dir():
+                files = [path]
+            else:
+                files = []
+                for q in path.rglob("*"):
+                    if len(files) >= MAX_LOCAL_FILES:
+                        raise RequestError(400, f"{path} holds more than {MAX_LOCAL_FILES} files")
+                    if q.is_symlink() or q.is_file():
+                        self._allowed_local(str(q))
+                        files.append(q)
+                files.sort()
+            return tuple((str(q), st.st_ino, st.st_size, st.st_mtime_ns) for q in files for st in [q.stat()])
+        except (OSError, ValueError):
+            return ()  # missing or unreadable: resolution says why
+
     def _hit(self, key: tuple) -> Resolved | None:
-        cached = self._cache.get(key)
+        with self._guard:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
         if cached is None:
             return None
         v = cached.value
@@ -162,7 +209,8 @@ class Resolver:
             return v
         current = self.registry.get(v.entry.id)  # someone else changed the registry: re-check (a read)
         if current is None or current.path != v.entry.path or current.content_hash != v.entry.content_hash:
-            del self._cache[key]
+            with self._guard:
+                self._cache.pop(key, None)
             return None
         cached.value, cached.version = replace(v, entry=current), version
         return cached.value
@@ -207,10 +255,7 @@ class Resolver:
         return Resolved(entry.id, m.kind, tuple(m.token_ids), entry, m)
 
     def _local(self, spec: CartridgeSpec) -> Resolved:
-        path = Path(spec.id)
-        resolved = path.resolve()
-        if not any(resolved.is_relative_to(root.resolve()) for root in self.settings.local_roots):
-            raise RequestError(403, f"{spec.id} is outside the directories this gateway may read")
+        resolved = self._allowed_local(spec.id)
         if resolved.is_dir() and (resolved / MANIFEST_NAME).is_file():
             return self._registered(spec.id, resolved, str(resolved), spec.force_redownload)
         if not resolved.exists():
@@ -374,16 +419,6 @@ class Resolver:
             self._cache[key] = _Cached(Resolved(entry.id, "trained", tuple(m.token_ids), entry, m),
                                        self.registry.data_version())
             return entry, m
-
-
-def _signature(path: str) -> tuple:
-    """What changes when a local input changes (stat only: no reading, no hashing)."""
-    p = Path(path)
-    try:
-        files = [p] if not p.is_dir() else sorted(q for q in p.rglob("*") if q.is_file())
-        return tuple((str(q), st.st_ino, st.st_size, st.st_mtime_ns) for q in files for st in [q.stat()])
-    except (OSError, ValueError):
-        return ()  # missing or unreadable: resolution says why
 
 
 def _s3_allowed(root: str, bucket: str, key: str) -> bool:
