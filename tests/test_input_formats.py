@@ -345,3 +345,29 @@ def test_side_files_fuzzed_give_clear_errors(tmp_path, tiny):
             path.write_text(originals.get(name, json.dumps(list(range(16)))))
 
     check()
+
+
+@pytest.mark.parametrize("shape", ["zero_stride", "repeated_view"])
+def test_small_file_of_huge_views_is_refused_before_materialising(tmp_path, shape):
+    """torch.save keeps sizes and strides: a ~1.5 KB file can hold a [2, 4, 2**20, 8, 64] view of
+    one element (zero strides), which the first `.contiguous()` would turn into 8 GiB; or one small
+    storage viewed a thousand times. Refused with the reason, nothing allocated."""
+    import resource
+
+    from lmcache_cartridge.errors import CartridgeFormatError
+    from lmcache_cartridge.cartridge.formats import load_input
+
+    if shape == "zero_stride":
+        kv = torch.zeros(1, dtype=torch.bfloat16).expand(2, 4, 2 ** 20, 8, 64)
+        obj = {"token_ids": list(range(8)), "kv_cache": kv}
+        needle = "zero strides"
+    else:
+        base = torch.randn(2, 1, 256, 2, 16).to(torch.bfloat16)
+        obj = [(base[0], base[1])] * 1000
+        needle = "more than the file"
+    torch.save(obj, tmp_path / "bomb.pt")
+    assert (tmp_path / "bomb.pt").stat().st_size < 600_000
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CartridgeFormatError, match=needle):
+        load_input(tmp_path / "bomb.pt")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 1 << 20  # KiB: under 1 GiB more

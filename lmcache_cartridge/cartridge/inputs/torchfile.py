@@ -23,6 +23,7 @@ from lmcache_cartridge.errors import CartridgeFormatError
 EXTRA_SAFE_GLOBALS: tuple[type, ...] = (torch.nn.ParameterList,)
 
 MAX_LAYERS = 4096  # a ParameterList longer than any model is a malformed (or hostile) file
+MAX_INPUT_BYTES = 32 << 30  # one input file; a cartridge of a 70B model at 8k tokens is ~2.5 GB
 
 
 def safe_torch_load(path: str | Path) -> Any:
@@ -31,6 +32,9 @@ def safe_torch_load(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise CartridgeFormatError(f"{path}: no such file")
+    size = path.stat().st_size
+    if size > MAX_INPUT_BYTES:
+        raise CartridgeFormatError(f"{path}: {size} bytes, over the {MAX_INPUT_BYTES}-byte limit of one input")
     try:
         with torch.serialization.safe_globals(list(EXTRA_SAFE_GLOBALS)):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
@@ -42,7 +46,42 @@ def safe_torch_load(path: str | Path) -> Any:
         ) from None
     except (RuntimeError, EOFError, ValueError, OSError, AttributeError, TypeError, KeyError) as e:
         raise CartridgeFormatError(f"{path}: not a readable torch file ({_first_line(e)})") from None
-    return plain(obj)
+    obj = plain(obj)
+    check_tensor_sizes(obj, size, str(path))
+    return obj
+
+
+def check_tensor_sizes(obj: Any, file_bytes: int, where: str) -> None:
+    """Refuse tensors that would grow when materialised: torch.load restores sizes and strides as
+    saved, so a 1.5 KB file can hold a zero-stride view of a billion elements, and the first
+    `.contiguous()` or dtype cast allocates gigabytes. Every tensor must fit in its own storage,
+    and all tensors together in about the file's size (views may share a storage, not repeat it)."""
+    total = 0
+    for t in _tensors(obj):
+        logical = t.numel() * t.element_size()
+        stored = t.untyped_storage().nbytes()
+        if logical > stored or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            raise CartridgeFormatError(
+                f"{where}: a tensor of shape {tuple(t.shape)} with strides {tuple(t.stride())} is a view "
+                f"larger than the {stored} bytes it holds (broadcast or zero strides): re-save it with "
+                "`.contiguous()` tensors")
+        total += logical
+    if total > 2 * file_bytes + (1 << 20):
+        raise CartridgeFormatError(f"{where}: its tensors hold {total} bytes, more than the file's {file_bytes} "
+                                   "(views repeating one storage): re-save it with `.contiguous()` tensors")
+
+
+def _tensors(obj: Any, depth: int = 0):
+    if depth > 64:
+        raise CartridgeFormatError("containers nested deeper than 64 levels")
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v, depth + 1)
 
 
 def plain(obj: Any) -> Any:
