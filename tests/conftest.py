@@ -8,6 +8,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def rehash_manifest(m: dict) -> dict:
+    """`m` (a manifest.json as a dict) with the content hash its chunk digests give, as a packer
+    elsewhere writes it after changing them (the hash is derived, so a forged file carries it)."""
+    from lmcache_cartridge.cartridge.manifest import ChunkInfo, derive_content_hash, dtype_from_name
+
+    m["content_hash"] = derive_content_hash(
+        [2, m["num_layers"], m["num_tokens"], m["num_kv_heads"], m["head_dim"]], dtype_from_name(m["dtype"]),
+        m["chunk_size"], [ChunkInfo(**c) for c in m["chunks"]])
+    return m
+
+
 def random_kv(layers=2, tokens=40, heads=2, dim=8, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, layers, tokens, heads, dim, generator=g).to(dtype)

@@ -18,8 +18,10 @@ import blake3
 import pytest
 import torch
 
+from conftest import rehash_manifest
+
 from lmcache_cartridge.cartridge.integrity import check_chunk, chunk_digest
-from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest, legacy_content_hash
 from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv
 from lmcache_cartridge.errors import ChecksumError, ManifestError
 from lmcache_cartridge.store.metrics import Metrics
@@ -75,8 +77,12 @@ def test_pack_records_blake3_per_chunk_and_keeps_the_content_identity(tmp_path):
         assert c.blake3 == blake3.blake3(data).hexdigest()
         assert c.sha256 == o.sha256 == hashlib.sha256(data).hexdigest()
         assert chunk_digest(c)[0] == "blake3" and chunk_digest(o)[0] == "sha256"
-    # sha256 stays the identity: the same KV has the same id, whichever version packed it
-    assert new.manifest.content_hash == old.manifest.content_hash
+    # the identity covers every digest a reader verifies (the BLAKE3s too: reads check them, so a
+    # manifest with another cartridge's sha256s and its own BLAKE3s must not share its id); the
+    # sha256-only hash the old version wrote is still accepted on disk and still agrees
+    assert new.manifest.content_hash != old.manifest.content_hash
+    assert new.manifest.derived_content_hash(legacy_content_hash) == \
+        json.loads((LEGACY / MANIFEST_NAME).read_text())["content_hash"]
     assert new.verify().ok and old.verify().ok
 
 
@@ -98,8 +104,11 @@ def test_a_cartridge_packed_before_blake3_still_serves_verified_by_sha256(tmp_pa
         _serve(res, hb, 2)
     with pytest.raises(ChecksumError):
         pb.read_chunk(2)
-    # the manifest is written back as it was read: no blake3 key appears
-    assert Manifest.load(legacy).to_json() == json.dumps(json.loads((LEGACY / MANIFEST_NAME).read_text()), indent=1)
+    # the manifest is written back as it was read (no blake3 key appears), but for its content
+    # hash: the derived one, which this version also accepts on disk
+    on_disk = json.loads((LEGACY / MANIFEST_NAME).read_text())
+    assert Manifest.load(legacy).to_json() == json.dumps({**on_disk, "content_hash": p.manifest.content_hash}, indent=1)
+    assert Manifest.from_dict(json.loads(Manifest.load(legacy).to_json())) == p.manifest
 
 
 def test_a_flipped_byte_in_one_chunk_is_refused_on_every_read_path(tmp_path):
@@ -145,7 +154,7 @@ def test_reads_check_blake3_and_verify_checks_both_digests(tmp_path):
     d = json.loads((p.directory / MANIFEST_NAME).read_text())
     d["chunks"][0]["sha256"] = "0" * 64
     d["chunks"][1]["blake3"] = "0" * 64
-    (p.directory / MANIFEST_NAME).write_text(json.dumps(d))
+    (p.directory / MANIFEST_NAME).write_text(json.dumps(rehash_manifest(d)))
     q = PackedCartridge(p.directory)
     res = _residency()
     handle = Handle(q.manifest, LocalOrigin(p.directory))
@@ -167,7 +176,9 @@ def test_manifest_validates_the_blake3_field_and_round_trips_it(tmp_path):
         with pytest.raises(ManifestError, match="chunk 2"):
             Manifest.from_dict(d)
     d["chunks"][2]["blake3"] = None  # one chunk without: read by its sha256
-    m = Manifest.from_dict(d)
+    with pytest.raises(ManifestError, match="not the hash of its chunks"):
+        Manifest.from_dict(d)  # the digests changed, the content hash did not
+    m = Manifest.from_dict(rehash_manifest(d))
     assert chunk_digest(m.chunks[2])[0] == "sha256" and chunk_digest(m.chunks[1])[0] == "blake3"
 
 

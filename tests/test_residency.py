@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from conftest import random_kv
+from conftest import rehash_manifest, random_kv
 from lmcache_cartridge.errors import ChecksumError
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import LocalOrigin
@@ -216,7 +216,7 @@ def test_s3_chunks_are_verified_on_the_reading_thread_after_every_attempt(tmp_pa
     m = json.loads((tmp_path / "nan" / "manifest.json").read_text())
     m["chunks"][1]["sha256"] = hashlib.sha256(payload[info.offset:info.offset + info.nbytes]).hexdigest()
     m["chunks"][1]["blake3"] = blake3.blake3(payload[info.offset:info.offset + info.nbytes]).hexdigest()
-    (tmp_path / "nan" / "manifest.json").write_text(json.dumps(m))
+    (tmp_path / "nan" / "manifest.json").write_text(json.dumps(rehash_manifest(m)))
     nan = PackedCartridge(tmp_path / "nan")
     client = s3_client(moto_server)
     for name in ("good", "nan"):

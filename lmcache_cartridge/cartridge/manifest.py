@@ -21,6 +21,7 @@ any number of processes (vLLM's scheduler and workers) may read them at the same
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -67,6 +68,30 @@ def dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise ManifestError(f"unsupported KV dtype {dtype}; expected one of {sorted(_DTYPES)}")
+
+
+def derive_content_hash(shape: list[int], dtype: torch.dtype, chunk_size: int, chunks: list["ChunkInfo"]) -> str:
+    """A cartridge's identity, derived, never read: its KV's shape, dtype, chunking and every
+    digest of every chunk that a reader may verify (sha256, BLAKE3, per-head BLAKE3). `pack`
+    writes it and every manifest read recomputes it, because it keys the CPU tier
+    `(content_hash, index)` and names disk-cache files: a manifest claiming another cartridge's
+    hash, or its sha256s with other BLAKE3s (reads verify BLAKE3), would be served that
+    cartridge's cached bytes, or have its own served to that cartridge's requests."""
+    h = hashlib.sha256()
+    h.update(json.dumps([list(shape), str(dtype), chunk_size, "v2"]).encode())
+    for c in chunks:
+        h.update(json.dumps([c.sha256, c.blake3, c.heads]).encode())
+    return h.hexdigest()
+
+
+def legacy_content_hash(shape: list[int], dtype: torch.dtype, chunk_size: int, chunks: list["ChunkInfo"]) -> str:
+    """What `pack` wrote before `derive_content_hash` covered BLAKE3 (sha256s only): accepted in a
+    manifest on disk, never used as the identity in memory."""
+    h = hashlib.sha256()
+    h.update(json.dumps([list(shape), str(dtype), chunk_size]).encode())
+    for c in chunks:
+        h.update(bytes.fromhex(c.sha256))
+    return h.hexdigest()
 
 
 def validate_id(cartridge_id: str) -> str:
@@ -157,6 +182,11 @@ class Manifest:
     context_ids: list[int] = field(default_factory=list)
 
     # --- derived facts (one place computes each) -------------------------------------------
+    def derived_content_hash(self, derive=derive_content_hash) -> str:
+        """`derive_content_hash` of this manifest's geometry and chunk digests."""
+        return derive([2, self.num_layers, self.num_tokens, self.num_kv_heads, self.head_dim],
+                      self.torch_dtype, self.chunk_size, self.chunks)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
@@ -335,3 +365,11 @@ class Manifest:
             raise ManifestError(
                 f"manifest chunks cover {tokens} tokens but num_tokens is {self.num_tokens}"
             )
+        derived = self.derived_content_hash()
+        if self.content_hash != derived:
+            if self.content_hash != self.derived_content_hash(legacy_content_hash):
+                raise ManifestError(
+                    f"manifest content_hash {self.content_hash[:80]!r} is not the hash of its chunks "
+                    f"({derived}): the content hash is derived from the chunk digests, never taken from "
+                    "the manifest")
+            self.content_hash = derived  # packed by an older version: the identity is the derived one

@@ -23,7 +23,7 @@ from lmcache_cartridge.cartridge.buffers import as_bytes
 from lmcache_cartridge.cartridge.integrity import blake3_hex, check_chunk
 from lmcache_cartridge.errors import CartridgeFormatError, ChecksumError, ManifestError
 from lmcache_cartridge.cartridge.keys import placeholder_token_ids
-from lmcache_cartridge.cartridge.manifest import (KINDS, LAYOUT_2LTD, LAYOUT_BY_HEAD, LAYOUTS, MANIFEST_NAME,
+from lmcache_cartridge.cartridge.manifest import (KINDS, derive_content_hash, LAYOUT_2LTD, LAYOUT_BY_HEAD, LAYOUTS, MANIFEST_NAME,
                                                   PAYLOAD_NAME, ChunkInfo, Manifest, Span, dtype_name, validate_id)
 
 DEFAULT_CHUNK_SIZE = 256
@@ -197,13 +197,7 @@ def pack_kv(
 
 
 def _content_hash(kv: torch.Tensor, chunks: list[ChunkInfo], chunk_size: int) -> str:
-    """The cartridge's identity: shape, dtype, chunking and every chunk's sha256 (not its BLAKE3,
-    which only speeds up reading: the same KV has the same id whichever version packed it)."""
-    h = hashlib.sha256()
-    h.update(json.dumps([list(kv.shape), str(kv.dtype), chunk_size]).encode())
-    for c in chunks:
-        h.update(bytes.fromhex(c.sha256))
-    return h.hexdigest()
+    return derive_content_hash(list(kv.shape), kv.dtype, chunk_size, chunks)
 
 
 @dataclass

@@ -78,11 +78,12 @@ def composite_manifest(parts: list[Manifest], context_ids: list[int] | tuple[int
     digest = hashlib.sha256(identity.encode()).hexdigest()
     m = replace(
         first, cartridge_id=f"composite-{digest[:24]}", kind="trained", num_tokens=sum(p.num_tokens for p in parts),
-        token_ids=[t for p in parts for t in p.token_ids], chunks=chunks, content_hash=digest,
+        token_ids=[t for p in parts for t in p.token_ids], chunks=chunks, content_hash="",
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         provenance={"composite_of": [p.cartridge_id for p in parts],
                     "content_hashes": [p.content_hash for p in parts]},
         labels=[], context_ids=context_ids)
+    m.content_hash = m.derived_content_hash()  # its bytes are the parts' bytes: their hash, as any cartridge's
     m.validate()
     return m
 
