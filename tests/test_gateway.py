@@ -524,3 +524,66 @@ def test_resolution_cache_and_locks_are_bounded(tmp_path, settings, monkeypatch)
         (allowed / "many" / f"f{i}").write_text("x")
     with pytest.raises(RequestError, match="more than 5 files"):
         r.resolve(spec(str(allowed / "many"), source="local"))
+
+
+def test_api_keys_are_required_on_v1_and_the_upstream_key_is_sent(tmp_path, settings, recording_upstream):
+    """Keys as vLLM's --api-key: /v1/* needs 'Authorization: Bearer <key>' (any of several),
+    checked before the body is read; /health stays open; the upstream gets its own key."""
+    import dataclasses
+
+    url, seen = recording_upstream
+    keys = ("k1-0123456789abcdef", "k2-0123456789abcdef")
+    app = create_app(dataclasses.replace(settings, upstream=url, api_keys=keys, upstream_api_key="vllm-key"))
+    body = {"prompt": [5, 6], "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k1-0123456789abcdef"},
+                    {"Authorization": "Basic k1-0123456789abcdef"}):
+        r = _call(app, "POST", "/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"], (headers, r.text)
+    r = _call(app, "POST", "/v1/completions", content=b"x" * 50000, headers={"content-type": "application/json"})
+    assert r.status_code == 401  # not 413: refused before the body is read
+    assert _call(app, "GET", "/v1/models").status_code == 401
+    assert seen == []
+    for k in keys:
+        r = _call(app, "POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {k}"})
+        assert r.status_code == 200, r.text
+        assert seen[-1][0].get("Authorization") == "Bearer vllm-key"  # the upstream's key, not the client's
+    assert _call(app, "GET", "/health").status_code in (200, 503)  # open, as vLLM's
+
+
+def test_gateway_keys_from_flags_and_env_and_the_non_loopback_warning(monkeypatch):
+    from lmcache_cartridge.tools.cli import API_KEY_ENV, _loopback, gateway_api_keys
+
+    monkeypatch.setenv(API_KEY_ENV, "env-key-0123456789, other-key-0123456789,")
+    assert gateway_api_keys(["flag-key-0123456789"]) == ("flag-key-0123456789", "env-key-0123456789",
+                                                         "other-key-0123456789")
+    with pytest.raises(ValueError, match="at least 16"):
+        gateway_api_keys(["short"])
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
+    assert not _loopback("0.0.0.0") and not _loopback("10.0.0.5")
+
+
+def test_gateway_on_a_public_address_without_keys_warns(tmp_path, model_dir):
+    """The real command: bound to 0.0.0.0 with no key it says so on stderr (and still serves, so
+    nothing that works today stops); on loopback it does not."""
+    import subprocess
+    import sys
+    import time
+
+    from lmcache_cartridge.tools.vllm_process import free_port
+
+    def start(host):
+        env = {k: v for k, v in __import__("os").environ.items() if k != "LMCACHE_CARTRIDGE_API_KEYS"}
+        return subprocess.Popen(
+            [sys.executable, "-m", "lmcache_cartridge.tools.cli", "gateway", "--upstream", "http://127.0.0.1:9",
+             "--model", model_dir, "--registry", str(tmp_path / f"{host}.db"), "--host", host,
+             "--port", str(free_port())], stderr=subprocess.PIPE, text=True, env=env)
+
+    for host, warns in (("0.0.0.0", True), ("127.0.0.1", False)):
+        p = start(host)
+        try:
+            time.sleep(8)
+            assert p.poll() is None, p.stderr.read()
+        finally:
+            p.terminate()
+            err = p.communicate(timeout=30)[1]
+        assert ("WARNING: the gateway listens on 0.0.0.0" in err) == warns, err

@@ -81,6 +81,31 @@ def completion_chunk_to_chat(chunk: dict, first: bool) -> dict:
 _CHAT_ONLY = {"messages", "tools", "tool_choice", "response_format", "parallel_tool_calls", "top_logprobs"}
 
 
+class ApiKeys:
+    """ASGI middleware: a request to /v1/* without `Authorization: Bearer <key>` naming one of
+    `keys` is answered 401 before its body is read (vLLM's `--api-key` rule: /health and the
+    docs stay open). Keys are compared in constant time."""
+
+    def __init__(self, app, keys: tuple[str, ...]) -> None:
+        self.app, self.keys = app, tuple(k.encode() for k in keys)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.keys or not scope.get("path", "").startswith("/v1"):
+            return await self.app(scope, receive, send)
+        import hmac
+
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and any(hmac.compare_digest(token.strip(), k) for k in self.keys):
+            return await self.app(scope, receive, send)
+        from fastapi.responses import JSONResponse
+
+        resp = JSONResponse({"error": {"message": "a valid API key is required: send 'Authorization: Bearer <key>'",
+                                       "type": "invalid_request_error", "code": 401}}, status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+        return await resp(scope, receive, send)
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `limit` bytes is answered 413 before anyone parses it."""
 
@@ -127,7 +152,9 @@ def create_app(settings: GatewaySettings):
     registry = Registry(settings.registry)
     resolver = Resolver(settings, registry)
     prompts = PromptBuilder(settings.tokenizer, settings.trained_chat_template)
-    client = httpx.AsyncClient(base_url=settings.upstream, timeout=settings.upstream_timeout)
+    client = httpx.AsyncClient(base_url=settings.upstream, timeout=settings.upstream_timeout,
+                               headers={"Authorization": f"Bearer {settings.upstream_api_key}"}
+                               if settings.upstream_api_key else None)
     shown_upstream = _without_credentials(settings.upstream)  # what error messages may name
     app = FastAPI(title="lmcache_cartridge gateway")
     app.state.resolver, app.state.registry = resolver, registry  # for operators' and tests' eyes
@@ -339,4 +366,5 @@ def create_app(settings: GatewaySettings):
         registry.close()
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(ApiKeys, keys=settings.api_keys)  # added last: runs first, before the body is read
     return app

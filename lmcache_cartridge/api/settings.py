@@ -39,3 +39,7 @@ class GatewaySettings:
     # into its own registry too, so gateways need no disk shared with the servers.
     catalog_uri: str | None = None
     catalog_period: float = 30.0
+    # Clients must send `Authorization: Bearer <one of these>` on /v1/* (as vLLM's --api-key);
+    # empty: no check (the loopback default; `gateway` warns when it binds elsewhere without keys).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    upstream_api_key: str | None = field(default=None, repr=False)  # sent to vLLM started with --api-key

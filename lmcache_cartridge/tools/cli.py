@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -515,6 +516,29 @@ def cmd_stats(args) -> int:
     return 0
 
 
+API_KEY_ENV = "LMCACHE_CARTRIDGE_API_KEYS"  # comma-separated, like several --api-key
+
+
+def gateway_api_keys(flags: list[str] | None) -> tuple[str, ...]:
+    """The gateway's client keys: every `--api-key`, and those in $LMCACHE_CARTRIDGE_API_KEYS."""
+    keys = [k for k in (flags or [])] + os.environ.get(API_KEY_ENV, "").split(",")
+    keys = tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
+    if any(len(k) < 16 for k in keys):
+        raise ValueError("an API key must have at least 16 characters")
+    return keys
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def cmd_gateway(args) -> int:
     """Serve the OpenAI-compatible gateway in front of a vLLM server."""
     import uvicorn
@@ -541,7 +565,14 @@ def cmd_gateway(args) -> int:
         serve_timeout=args.serve_timeout,
         catalog_uri=settings.catalog_uri if settings else None,
         catalog_period=float(settings.catalog_period) if settings else 30.0,
+        api_keys=gateway_api_keys(args.api_key),
+        upstream_api_key=args.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
     )
+    if not gs.api_keys and not _loopback(args.host):
+        print(f"WARNING: the gateway listens on {args.host}, reachable from other hosts, and checks no API key: "
+              "anyone who can reach the port can use it and name every cartridge it may read. Set --api-key "
+              f"(or ${API_KEY_ENV}).", file=sys.stderr, flush=True)
+        logging.getLogger("lmcache_cartridge.gateway").warning("listening on %s without API keys", args.host)
     uvicorn.run(create_app(gs), host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -773,6 +804,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for the engine's plugins to serve a newly registered cartridge (then 503)")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sp.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
+    sp.add_argument("--api-key", action="append", metavar="KEY",
+                    help=f"clients must send 'Authorization: Bearer KEY' on /v1/* (repeatable; also ${API_KEY_ENV}, "
+                         "comma-separated); none: no check, and a warning when --host is not loopback")
+    sp.add_argument("--upstream-api-key", metavar="KEY",
+                    help="the key of a vLLM started with --api-key (default: $VLLM_API_KEY)")
 
     sp = add("stats", cmd_stats, "per-tier hits, misses, bytes and evictions of running plugins",
              "Every plugin instance publishes its counters in its serving-state record under "
