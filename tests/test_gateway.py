@@ -587,3 +587,28 @@ def test_gateway_on_a_public_address_without_keys_warns(tmp_path, model_dir):
             p.terminate()
             err = p.communicate(timeout=30)[1]
         assert ("WARNING: the gateway listens on 0.0.0.0" in err) == warns, err
+
+
+def test_a_client_named_cartridge_cannot_take_over_a_registered_id(tmp_path, settings, model_dir, recording_upstream):
+    """A packed directory whose manifest claims an id the operator registered from elsewhere: the
+    old code replaced the id (labels kept) for every later request; now 409 and the entry stays.
+    The same directory named again, and the operator's own re-registration, still work."""
+    import dataclasses
+
+    url, _ = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    reg = Registry(settings.registry)
+    allowed = settings.local_roots[0]
+    _cart(allowed / "doc", "doc", list(range(1, 65)), model_dir, seed=1)
+    reg.register(allowed / "doc", labels=["handbook"])
+    _cart(allowed / "evil", "doc", list(range(101, 165)), model_dir, seed=2)  # claims "doc"
+    r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1,
+                                                    "cartridges": [{"id": str(allowed / "evil"), "source": "local"}]})
+    assert r.status_code == 409 and "already registered from another origin" in r.json()["error"]["message"], r.text
+    assert reg.get("doc").path == str((allowed / "doc").resolve())
+    r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1, "cartridges": [{"id": "handbook"}]})
+    assert r.status_code == 200, r.text
+    r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1,
+                                                    "cartridges": [{"id": str(allowed / "doc"), "source": "local"}]})
+    assert r.status_code == 200, r.text
+    assert reg.register(allowed / "evil").path == str((allowed / "evil").resolve())  # the operator may

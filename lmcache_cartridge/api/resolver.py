@@ -43,7 +43,7 @@ from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.store.registry import Entry, Registry, RegistryError
+from lmcache_cartridge.store.registry import Entry, IdTaken, Registry, RegistryError
 
 OBJECT_SUFFIXES = (".pt", ".pth")  # an s3:// id ending so is one object; otherwise a packed prefix
 MAX_CACHED = 4096      # resolutions kept (least recently used dropped first): clients choose the keys
@@ -236,7 +236,10 @@ class Resolver:
 
     def _registered(self, name: str, directory: Path, source_uri: str, force: bool) -> Resolved:
         try:
-            entry = self.registry.register(directory, source_uri=source_uri, force_redownload=force)
+            entry = self.registry.register(directory, source_uri=source_uri, force_redownload=force,
+                                           replace_origin=False)
+        except IdTaken as e:
+            raise RequestError(409, str(e)) from None
         except CartridgeError as e:
             raise RequestError(400, str(e)) from None
         self.stats["registrations"] += 1
@@ -304,7 +307,7 @@ class Resolver:
                 return self._converted(spec, listed.path, listed.digest, listed.uri.rsplit("/", 1)[-1])
             self.stats["s3_manifests"] += 1
             entry = register_s3(self.registry, spec.id, self.settings.cache_dir, settings,
-                                force_redownload=spec.force_redownload, engine=self.engine)
+                                force_redownload=spec.force_redownload, engine=self.engine, replace_origin=False)
             self.stats["registrations"] += 1
         except NotFound as e:
             raise RequestError(404, str(e)) from None
@@ -312,6 +315,8 @@ class Resolver:
             raise RequestError(403, str(e)) from None
         except OriginError as e:
             raise RequestError(502, f"cannot fetch {spec.id}: {e}") from None
+        except IdTaken as e:
+            raise RequestError(409, str(e)) from None
         except CartridgeError as e:
             raise RequestError(400, str(e)) from None
         m = Manifest.load(entry.path)

@@ -60,7 +60,7 @@ def fetch_s3_manifest(uri: str, settings, into_dir: Path) -> Manifest:
 
 
 def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), force_redownload: bool = False,
-                engine: EngineShape | None = None, chunk_size: int | None = None):
+                engine: EngineShape | None = None, chunk_size: int | None = None, replace_origin: bool = True):
     """Register an S3 packed cartridge: fetch its manifest, check it against `engine` (what the
     caller knows of the serving engine; `chunk_size` alone is shorthand for a shape knowing only
     that), index it; chunks are fetched on demand by the servers. The manifest lands in
@@ -77,7 +77,8 @@ def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), for
     why = mismatch(manifest, engine) if engine is not None else None
     if why:
         raise CartridgeError(f"{uri}: {why}")
-    return registry.register(into, source_uri=uri, labels=list(labels), force_redownload=force_redownload)
+    return registry.register(into, source_uri=uri, labels=list(labels), force_redownload=force_redownload,
+                             replace_origin=replace_origin)
 
 
 # --- whole S3 objects -------------------------------------------------------------------------

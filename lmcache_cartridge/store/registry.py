@@ -53,6 +53,11 @@ class RegistryError(CartridgeError):
     """The registry database cannot be used (locked, corrupt, unknown id, ...)."""
 
 
+class IdTaken(RegistryError):
+    """A registration would give an id that another origin holds to a new one: only an operator
+    may do that (`register(..., replace_origin=True)`, the CLI's default)."""
+
+
 
 @dataclass
 class Entry:
@@ -120,12 +125,16 @@ class Registry:
     # --- writes ------------------------------------------------------------------------------
     def register(self, directory: str | Path, *, source_uri: str | None = None,
                  labels: list[str] | tuple[str, ...] = (), replace: bool = True,
-                 force_redownload: bool = False) -> Entry:
+                 force_redownload: bool = False, replace_origin: bool = True) -> Entry:
         """Index a packed cartridge directory (validated: manifest, and payload size if local).
 
         For an S3 cartridge `directory` holds only its manifest and `source_uri` is the
         `s3://` prefix the chunks are fetched from; for a composite (`store.composite`) it holds
         its manifest and parts list. Labels it had before are kept.
+
+        The id is the manifest's own: whoever wrote the manifest chose it. `replace_origin=False`
+        (what the gateway passes for cartridges its clients name) refuses an id already held by
+        another origin (`IdTaken`), so a client cannot take over a name everyone else uses.
         """
         from lmcache_cartridge.store.origins import has_payload
 
@@ -136,6 +145,9 @@ class Registry:
             with PackedCartridge(directory) as packed:
                 m = packed.manifest
         previous = self.get(m.cartridge_id)
+        if previous is not None and not replace_origin and previous.source_uri != (source_uri or str(directory)):
+            raise IdTaken(f"cartridge id {m.cartridge_id!r} is already registered from another origin; "
+                          "replacing it is an operator's act (`lmcache-cartridge register`)")
         epoch = (previous.epoch if previous else 0) + (1 if force_redownload else 0)
         all_labels = sorted(set(m.labels) | set(labels) | set(previous.labels if previous else ()))
         entry = Entry(
