@@ -612,3 +612,28 @@ def test_a_client_named_cartridge_cannot_take_over_a_registered_id(tmp_path, set
                                                     "cartridges": [{"id": str(allowed / "doc"), "source": "local"}]})
     assert r.status_code == 200, r.text
     assert reg.register(allowed / "evil").path == str((allowed / "evil").resolve())  # the operator may
+
+
+def test_force_redownload_is_bounded_per_cartridge(tmp_path, settings, model_dir, recording_upstream):
+    """Each honoured force_redownload bumps the cartridge's epoch (every instance drops and
+    refetches it): at most one per interval per cartridge, then 429 with Retry-After; the epoch
+    moves once. Interval 0 disables it (403)."""
+    import dataclasses
+
+    url, _ = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url, force_redownload_interval=3600))
+    reg = Registry(settings.registry)
+    allowed = settings.local_roots[0]
+    _cart(allowed / "doc", "doc", list(range(1, 65)), model_dir)
+    reg.register(allowed / "doc")
+    body = {"prompt": [5], "max_tokens": 1, "cartridges": [{"id": "doc", "force_redownload": True}]}
+    statuses = [_call(app, "POST", "/v1/completions", json=body) for _ in range(5)]
+    assert [r.status_code for r in statuses] == [200, 429, 429, 429, 429], [r.text for r in statuses]
+    assert 3000 < int(statuses[1].headers["Retry-After"]) <= 3600
+    assert reg.get("doc").epoch == 1
+    body["cartridges"][0]["force_redownload"] = False
+    assert _call(app, "POST", "/v1/completions", json=body).status_code == 200  # plain use goes on
+    off = create_app(dataclasses.replace(settings, upstream=url, force_redownload_interval=0))
+    body["cartridges"][0]["force_redownload"] = True
+    r = _call(off, "POST", "/v1/completions", json=body)
+    assert r.status_code == 403 and "disabled" in r.text

@@ -265,7 +265,10 @@ def create_app(settings: GatewaySettings):
                                                   TRAINED_TOKENS_PARAM: plan.kv_end,
                                                   COMPOSE_PARAM: plan.recipes()}
         except RequestError as e:
-            return error(e.status, str(e))
+            resp = error(e.status, str(e))
+            if e.retry_after is not None:
+                resp.headers["Retry-After"] = str(max(1, round(e.retry_after)))
+            return resp
         except NotServed as e:
             resp = error(e.status, str(e))
             if e.retry_after is not None:

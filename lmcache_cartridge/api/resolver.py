@@ -107,6 +107,7 @@ class Resolver:
                                           chunk_size=settings.chunk_size)
         self.stats: Counter[str] = Counter()  # s3_objects, s3_lists, s3_manifests, hashes, conversions, registrations
         self._cache: OrderedDict[tuple, _Cached] = OrderedDict()  # bounded: MAX_CACHED
+        self._forced: OrderedDict[tuple, float] = OrderedDict()  # (where, id) -> last honoured force_redownload
         self._locks: dict[tuple, list] = {}  # key -> [lock, users]: only while resolutions of it run
         self._guard = threading.Lock()
         self._vocab = None
@@ -121,6 +122,8 @@ class Resolver:
                 key = (where, str(path), self._signature(path))  # one entry per file, not per spelling
             else:  # s3://b/p and s3://b/p/ name the same prefix: one cache entry
                 key = (where, spec.id.rstrip("/") if where == "s3" else spec.id, None)
+            if spec.force_redownload:
+                self._allow_forced(key)
             with self._guard:
                 held = self._locks.setdefault(key, [threading.Lock(), 0])
                 held[1] += 1
@@ -165,6 +168,25 @@ class Resolver:
         if explicit and spec.source == "local":
             raise RequestError(400, f"local cartridge id must be an absolute path, got {cid[:200]!r}")
         return "registry"
+
+    def _allow_forced(self, key: tuple) -> None:
+        """A forced refetch of `key`, if none was honoured in the last `force_redownload_interval`
+        seconds: each one makes every instance drop its copies and read the origin again."""
+        import time
+
+        interval = self.settings.force_redownload_interval
+        if interval <= 0:
+            raise RequestError(403, "force_redownload is disabled on this gateway")
+        now = time.monotonic()
+        with self._guard:
+            last = self._forced.get(key[:2])
+            if last is not None and now - last < interval:
+                raise RequestError(429, f"force_redownload of this cartridge was honoured {now - last:.0f}s ago; "
+                                        f"at most once every {interval:.0f}s", retry_after=interval - (now - last))
+            self._forced[key[:2]] = now
+            self._forced.move_to_end(key[:2])
+            while len(self._forced) > MAX_CACHED:
+                self._forced.popitem(last=False)
 
     def _allowed_local(self, name: str) -> Path:
         """`name` with every symlink resolved, if it lies under an allowed local root; else 403.

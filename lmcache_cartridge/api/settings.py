@@ -9,9 +9,10 @@ from pathlib import Path
 class RequestError(Exception):
     """A client mistake: becomes an HTTP 4xx with this message."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429, 503)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,10 @@ class GatewaySettings:
     # (BOS dropped), or a Jinja chat template of the deployment's own.
     trained_chat_template: str | None = None
     max_cartridges: int = 4
+    # `force_redownload` makes every instance drop and refetch a cartridge (an epoch bump): honoured
+    # at most once per this many seconds per cartridge (429 with Retry-After in between); 0 refuses
+    # it outright (403).
+    force_redownload_interval: float = 60.0
     max_model_len: int | None = None   # None: asked of the upstream server once
     max_body_bytes: int = 4 << 20
     upstream_timeout: float = 600.0

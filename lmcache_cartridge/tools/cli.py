@@ -563,6 +563,7 @@ def cmd_gateway(args) -> int:
         max_cartridges=args.max_cartridges,
         max_body_bytes=args.max_body_bytes,
         serve_timeout=args.serve_timeout,
+        force_redownload_interval=args.force_redownload_interval,
         catalog_uri=settings.catalog_uri if settings else None,
         catalog_period=float(settings.catalog_period) if settings else 30.0,
         api_keys=gateway_api_keys(args.api_key),
@@ -800,6 +801,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL, without --config")
     sp.add_argument("--max-cartridges", type=int, default=4, help="most cartridges per request (default 4)")
     sp.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
+    sp.add_argument("--force-redownload-interval", type=float, default=60.0, metavar="SECONDS",
+                    help="honour a cartridge's force_redownload at most once per SECONDS (then 429); 0 refuses it "
+                         "(default 60)")
     sp.add_argument("--serve-timeout", type=float, default=15.0,
                     help="seconds to wait for the engine's plugins to serve a newly registered cartridge (then 503)")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
