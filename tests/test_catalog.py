@@ -143,6 +143,47 @@ def test_local_registrations_are_never_touched(tmp_path, s3, hosts):
     assert hosts[0].registry.get("doc-a") is not None  # not ours to remove
 
 
+def test_an_entry_is_its_manifests_id_and_stays_in_the_catalogs_bucket(tmp_path, s3, hosts, moto_server):
+    """A catalog writer names ids, not other cartridges or buckets: an entry whose key is not its
+    manifest's id (the old sync registered the manifest's id, replacing a local registration,
+    and never cleaned it up) and an entry pointing into another bucket are refused; good entries
+    in the same index still sync. `catalog_allow_uris` lets the operator allow another bucket."""
+    from lmcache_cartridge.store.catalog import CatalogEntry, _Catalog
+
+    settings, client = s3
+    local = _pack(tmp_path, "doc-a", 3)
+    hosts[0].registry.register(local)
+    publish(_pack(tmp_path, "doc-b", 1), CATALOG, settings)
+    b_uri = read_catalog(CATALOG, settings).entries["doc-b"].uri
+    try:
+        client.create_bucket(Bucket="elsewhere")
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    other = b_uri.replace(f"s3://{BUCKET}/", "s3://elsewhere/")
+    for o in client.list_objects_v2(Bucket=BUCKET, Prefix=b_uri.split("/", 3)[3]).get("Contents", []):
+        client.copy_object(Bucket="elsewhere", Key=o["Key"], CopySource={"Bucket": BUCKET, "Key": o["Key"]})
+    # doc-a's manifest bytes published under the key "x"; doc-b's bytes in another bucket as "doc-b2"
+    publish(_pack(tmp_path, "doc-a", 4), CATALOG, settings)
+    a_entry = read_catalog(CATALOG, settings).entries["doc-a"]
+    cat = _Catalog(CATALOG, settings)
+
+    def forge(index):
+        index.entries["x"] = a_entry.model_copy()
+        index.entries["far"] = index.entries["doc-b"].model_copy(update={"uri": other})
+        del index.entries["doc-a"]
+
+    cat.commit(forge)
+    r = hosts[0].sync.sync_once()
+    assert r.added == ["doc-b"], r
+    assert "names cartridge 'doc-a', not 'x'" in r.errors["x"] and "outside the catalog's bucket" in r.errors["far"]
+    assert hosts[0].registry.get("doc-a").source_uri == str(local.resolve())  # untouched
+    assert {e.id for e in hosts[0].registry.list()} == {"doc-a", "doc-b"}
+    allowed = CatalogSync(Registry(tmp_path / "h3.db"), CATALOG, settings, cache_dir=tmp_path / "h3",
+                          chunk_size=CHUNK, allow_uris=("s3://elsewhere/",))
+    r = allowed.sync_once()
+    assert "names cartridge 'doc-b', not 'far'" in r.errors["far"]  # the bucket is allowed now; the id still is not
+
+
 def test_corrupt_or_missing_index_keeps_the_last_good_state(tmp_path, s3, hosts, caplog):
     settings, client = s3
     publish(_pack(tmp_path, "doc-a", 1), CATALOG, settings)

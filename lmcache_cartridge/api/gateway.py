@@ -354,7 +354,8 @@ def create_app(settings: GatewaySettings):
         from lmcache_cartridge.store.s3 import S3Settings
 
         sync = CatalogSync(Registry(settings.registry), settings.catalog_uri, S3Settings.from_mapping(settings.s3),
-                           settings.catalog_period, cache_dir=settings.cache_dir, chunk_size=settings.chunk_size)
+                           settings.catalog_period, cache_dir=settings.cache_dir, chunk_size=settings.chunk_size,
+                           allow_uris=settings.catalog_allow_uris)
         app.state.catalog_sync = sync
 
         @app.on_event("startup")

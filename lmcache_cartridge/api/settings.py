@@ -44,6 +44,7 @@ class GatewaySettings:
     # into its own registry too, so gateways need no disk shared with the servers.
     catalog_uri: str | None = None
     catalog_period: float = 30.0
+    catalog_allow_uris: tuple[str, ...] = ()  # entries' bytes outside the catalog's bucket: the plugin's setting
     # Clients must send `Authorization: Bearer <one of these>` on /v1/* (as vLLM's --api-key);
     # empty: no check (the loopback default; `gateway` warns when it binds elsewhere without keys).
     api_keys: tuple[str, ...] = field(default=(), repr=False)

@@ -35,7 +35,8 @@ def start_catalog_sync(settings: PluginSettings, chunk_size: int | None = None) 
         if not period > 0:
             raise ValueError(f"catalog_period must be positive, got {period}")
         sync = CatalogSync(Registry(settings.registry), str(uri), S3Settings.from_mapping(settings.s3), period,
-                           cache_dir=settings.cache_dir, chunk_size=chunk_size)
+                           cache_dir=settings.cache_dir, chunk_size=chunk_size,
+                           allow_uris=tuple(settings.catalog_allow_uris))
     except ValueError as e:
         raise CartridgeError(f"storage_plugin.{settings.name}.catalog_*: {e}") from e
     logger.info("lmcache_cartridge: syncing catalog %s into %s every %gs", sync.catalog_uri,

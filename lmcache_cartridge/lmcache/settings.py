@@ -64,6 +64,8 @@ class PluginSettings:
     # A host syncs this S3 catalog into its registry (see lmcache/catalog_sync.py); None: no catalog.
     catalog_uri: str | None = None
     catalog_period: float = 30.0
+    # S3 prefixes a catalog entry's bytes may be under besides the catalog's own bucket.
+    catalog_allow_uris: tuple[str, ...] = ()
     # Where the chunk reads a retrieve waits on run (`store.threads.reader_cores`): "auto" (the
     # worker's cores, then those an explicit VLLM_CPU_OMP_THREADS_BIND leaves to no worker where
     # they are at most two per rank), "engine" (the worker's cores only), or a cpu list ("0-1").
@@ -96,6 +98,7 @@ class PluginSettings:
                 pin_lease_seconds=float(get("pin_lease_seconds", 120.0)),
                 catalog_uri=str(get("catalog_uri")) if get("catalog_uri") else None,
                 catalog_period=float(get("catalog_period", 30.0)),
+                catalog_allow_uris=tuple(_as_list(get("catalog_allow_uris"))),
                 reader_cores=cores_setting(get("reader_cores", "auto")),
             )
         except (TypeError, ValueError) as e:

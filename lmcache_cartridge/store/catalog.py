@@ -312,12 +312,16 @@ class CatalogSync:
     """
 
     def __init__(self, registry, catalog_uri: str, s3_settings=None, period: float = 30.0, *,
-                 cache_dir: str | Path | None = None, chunk_size: int | None = None) -> None:
+                 cache_dir: str | Path | None = None, chunk_size: int | None = None,
+                 allow_uris: tuple[str, ...] = ()) -> None:
         from lmcache_cartridge.paths import default_cache_dir
         from lmcache_cartridge.store.s3 import parse_s3_uri
 
         bucket, prefix = parse_s3_uri(catalog_uri)
         self.catalog_uri = f"s3://{bucket}/{prefix}".rstrip("/")
+        # Where an entry's bytes may be: the catalog's own bucket, and what the operator adds
+        # (`catalog_allow_uris`): the catalog writer may name ids, not any bucket the host can read.
+        self.allow_uris = (f"s3://{bucket}/", *(u.rstrip("/") + "/" for u in allow_uris))
         self.registry = registry
         self.settings = s3_settings
         self.period = float(period)
@@ -391,8 +395,13 @@ class CatalogSync:
             prev = ours.get(cid)
             force = prev is not None and entry.epoch > prev["epoch"] and have is not None
             try:
+                validate_id(cid)
+                if not (entry.uri.rstrip("/") + "/").startswith(self.allow_uris):
+                    raise CatalogError(f"entry {cid!r}: {entry.uri[:200]} is outside the catalog's bucket "
+                                       f"and the URIs allowed ({', '.join(self.allow_uris)})")
+                # the key is the id: a manifest naming another id would register (and replace) that one
                 register_s3(self.registry, entry.uri, self.cache_dir, self.settings, labels=entry.labels,
-                            force_redownload=force, chunk_size=self.chunk_size)
+                            force_redownload=force, chunk_size=self.chunk_size, expect_id=cid)
             except CartridgeError as e:
                 report.errors[cid] = str(e)
                 self._log_problem(cid, f"cannot register {cid!r}: {e}")

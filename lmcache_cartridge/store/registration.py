@@ -60,7 +60,8 @@ def fetch_s3_manifest(uri: str, settings, into_dir: Path) -> Manifest:
 
 
 def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), force_redownload: bool = False,
-                engine: EngineShape | None = None, chunk_size: int | None = None, replace_origin: bool = True):
+                engine: EngineShape | None = None, chunk_size: int | None = None, replace_origin: bool = True,
+                expect_id: str | None = None):
     """Register an S3 packed cartridge: fetch its manifest, check it against `engine` (what the
     caller knows of the serving engine; `chunk_size` alone is shorthand for a shape knowing only
     that), index it; chunks are fetched on demand by the servers. The manifest lands in
@@ -74,6 +75,8 @@ def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), for
     uri = f"s3://{bucket}/{prefix}".rstrip("/")
     into = Path(cache_dir) / "manifests" / hashlib.sha256(uri.encode()).hexdigest()[:24]
     manifest = fetch_s3_manifest(uri, settings, into)
+    if expect_id is not None and manifest.cartridge_id != expect_id:
+        raise CartridgeError(f"{uri}: its manifest names cartridge {manifest.cartridge_id!r}, not {expect_id!r}")
     why = mismatch(manifest, engine) if engine is not None else None
     if why:
         raise CartridgeError(f"{uri}: {why}")

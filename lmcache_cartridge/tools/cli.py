@@ -566,6 +566,7 @@ def cmd_gateway(args) -> int:
         force_redownload_interval=args.force_redownload_interval,
         catalog_uri=settings.catalog_uri if settings else None,
         catalog_period=float(settings.catalog_period) if settings else 30.0,
+        catalog_allow_uris=tuple(settings.catalog_allow_uris) if settings else (),
         api_keys=gateway_api_keys(args.api_key),
         upstream_api_key=args.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
     )
