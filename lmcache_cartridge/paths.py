@@ -29,11 +29,40 @@ def default_registry_path() -> Path:
 def default_cache_dir() -> Path:
     """The plugin's cache dir (disk tier, S3 manifests, published serving state) by default.
 
-    One per host (per user): every plugin instance on the host, each TP rank and each server,
+    One per host and user: every plugin instance on the host, each TP rank and each server,
     resolves the same directory and shares its disk tier (`store.disk_cache`: one index, one
-    budget). It must be on a local filesystem; set `cache_dir` (or `$LMCACHE_CARTRIDGE_HOME`)
-    to the same path for instances running under different users or containers."""
+    budget). It must be on a local filesystem, and private (`private_dir`): its files are served
+    as KV after one check per process, so nobody else may write there. Set `cache_dir` (or
+    `$LMCACHE_CARTRIDGE_HOME`) to the same path for containers running as the same user."""
     return cache_root() / "cache"
+
+
+def private_dir(path: Path) -> Path:
+    """`path`, created 0700 if missing, once it is certain that only this user can write there:
+    a directory (not a symlink) owned by this user, without group or other write permission.
+    Where it runs: the plugin and the gateway at start, for the cache dir. Why: a disk-cache
+    chunk is verified on its first read in a process and trusted after; another local user who
+    could swap a file, or plant a symlink where a temp or state file is written, would choose the
+    KV served (or what we overwrite). Raises PermissionError saying how to fix it."""
+    import stat
+
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{path} must be a directory, not a symlink or file: the cache dir is served from")
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} is owned by uid {st.st_uid}, not this user ({os.geteuid()}): the cache dir "
+                              f"must be private (chown it, or set cache_dir to a directory of your own)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): the cache "
+                              f"dir must be private (chmod go-w {path})")
+    return path
 
 
 def default_packed_dir() -> Path:

@@ -404,6 +404,7 @@ def test_nan_chunk_with_matching_checksum_is_never_served(carts, caplog):
     m["chunks"][1]["sha256"] = hashlib.sha256(payload[info.offset:info.offset + info.nbytes]).hexdigest()
     m["chunks"][1]["blake3"] = blake3.blake3(payload[info.offset:info.offset + info.nbytes]).hexdigest()
     (d / "manifest.json").write_text(_json.dumps(rehash_manifest(m)))
+    carts["reg"].register(d)  # registered as its packer left it (its digests, so its id, changed)
     caplog.set_level(logging.ERROR, logger="lmcache_cartridge")
     with engine_for(carts["dir"], carts["reg"].path) as eng:
         n, got = eng.retrieve(a.token_ids + [1])
@@ -576,3 +577,41 @@ def test_unpin_after_reregistration_releases_the_chunk_the_lookup_pinned(carts):
         assert old.handle.origin.packed._fd is None  # the drained origin is closed
         n, got = eng.retrieve(toks + [1])
         assert n == 2 * CHUNK and torch.equal(got[:, :, :n], flat(kv2))
+
+
+@pytest.mark.parametrize("problem", ["group_writable", "symlink", "other_owner"])
+def test_a_cache_dir_others_can_write_is_refused(carts, caplog, problem):
+    """Disk-cache chunks are trusted after one check per process: a cache dir another local user
+    can write (swap a chunk, plant a symlink where a temp file goes) is refused at start, with the
+    fix. LMCache goes on without the plugin (no cartridge served, nothing wrong served)."""
+    import os
+
+    if problem == "other_owner" and os.geteuid() != 0:
+        pytest.skip("making a directory owned by another user needs root")
+    cache = carts["dir"] / "cache"
+    if problem == "group_writable":
+        cache.mkdir(mode=0o775)
+        os.chmod(cache, 0o775)
+        needle = "writable by other users"
+    elif problem == "symlink":
+        (carts["dir"] / "elsewhere").mkdir(mode=0o700)
+        cache.symlink_to(carts["dir"] / "elsewhere")
+        needle = "not a symlink"
+    else:
+        cache.mkdir(mode=0o700)
+        os.chown(cache, 12345, 12345)
+        needle = "owned by uid 12345"
+    caplog.set_level(logging.ERROR)
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        assert eng.backend("cartridge") is None
+        assert eng.engine.lookup(carts["a"][0].token_ids + [1]) == 0
+    assert any(needle in r.getMessage() and "cache_dir" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+
+
+def test_a_missing_cache_dir_is_made_private(carts):
+    import stat
+
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        assert eng.backend("cartridge") is not None
+    assert stat.S_IMODE((carts["dir"] / "cache").stat().st_mode) == 0o700

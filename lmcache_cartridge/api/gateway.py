@@ -26,6 +26,7 @@ from lmcache_cartridge.api.routing import SESSION_HEADER, route_id, session_key
 from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
+from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store.registry import Registry
 from lmcache_cartridge.vllm.composites import COMPOSE_PARAM
 from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
@@ -149,6 +150,7 @@ def create_app(settings: GatewaySettings):
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
 
+    private_dir(settings.cache_dir)  # downloads and conversions land here and are served from it
     registry = Registry(settings.registry)
     resolver = Resolver(settings, registry)
     prompts = PromptBuilder(settings.tokenizer, settings.trained_chat_template)

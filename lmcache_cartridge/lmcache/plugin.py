@@ -49,6 +49,7 @@ from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import CartridgeError, ChecksumError
 from lmcache_cartridge.cartridge.keys import ChunkKeyMapper, hash_config_problem
 from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
@@ -154,6 +155,10 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             self.mapper = ChunkKeyMapper(config, metadata)
             self.metrics = Metrics()
             st = self.settings
+            try:
+                private_dir(st.cache_dir)
+            except PermissionError as e:
+                raise CartridgeError(f"storage_plugin.{st.name}.cache_dir: {e}") from None
             self.residency = Residency(
                 MemoryTier("cpu", st.cpu_budget_bytes, metrics=self.metrics),
                 DiskTier(st.cache_dir / "chunks", st.disk_budget_bytes, metrics=self.metrics),
