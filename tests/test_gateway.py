@@ -637,3 +637,38 @@ def test_force_redownload_is_bounded_per_cartridge(tmp_path, settings, model_dir
     body["cartridges"][0]["force_redownload"] = True
     r = _call(off, "POST", "/v1/completions", json=body)
     assert r.status_code == 403 and "disabled" in r.text
+
+
+def test_s3_objects_over_the_limit_are_refused_and_refused_objects_leave_the_cache(
+        tmp_path, settings, moto_server, s3_proxy):
+    """An object over s3.max_object_bytes: 413 after one HEAD, nothing downloaded (a PEFT-style
+    prefix too, from its listing). An object that downloads but is refused (not a cartridge) is
+    deleted from the cache dir's objects/: refused bytes do not stay on disk."""
+    from dataclasses import replace
+
+    c = s3_client(moto_server)
+    c.create_bucket(Bucket="gw-unit")
+    big = tmp_path / "big.pt"
+    torch.save({"token_ids": list(range(3, 43))}, big)
+    size = big.stat().st_size
+    c.upload_file(str(big), "gw-unit", "ok/big.pt")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        c.put_object(Bucket="gw-unit", Key=f"ok/adapter/{name}", Body=b"x" * (size // 2 + 10))
+    limited = replace(settings, s3={"endpoint_url": s3_proxy.endpoint_url, "max_object_bytes": str(size - 1)})
+    r = Resolver(limited, Registry(settings.registry))
+    s3_proxy.reset()
+    with pytest.raises(RequestError) as e:
+        r.resolve(spec("s3://gw-unit/ok/big.pt"))
+    assert e.value.status == 413 and "max_object_bytes" in str(e.value)
+    assert s3_proxy.count("HEAD") == 1 and s3_proxy.count("GET") == 0
+    with pytest.raises(RequestError) as e:
+        r.resolve(spec("s3://gw-unit/ok/adapter/"))
+    assert e.value.status == 413 and s3_proxy.count("GET", r"/adapter_") == 0
+    # under the limit, downloaded, then refused by the converter: gone from objects/
+    c.put_object(Bucket="gw-unit", Key="ok/junk.pt", Body=b"not a torch file at all")
+    r = Resolver(replace(settings, s3={"endpoint_url": s3_proxy.endpoint_url}), Registry(settings.registry))
+    with pytest.raises(RequestError) as e:
+        r.resolve(spec("s3://gw-unit/ok/junk.pt"))
+    assert e.value.status == 400
+    objects = settings.cache_dir / "objects"
+    assert not objects.exists() or not any(objects.rglob("junk.pt")), list(objects.rglob("*"))

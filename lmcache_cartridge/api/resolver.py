@@ -306,9 +306,22 @@ class Resolver:
             return Resolved(spec.id, "tokens", tuple(out.token_ids))
         return self._registered(spec.id, out.packed_dir, str(out.packed_dir), spec.force_redownload)
 
+    @staticmethod
+    def _dropped_if_refused(downloaded: Path, convert):
+        """`convert()`; if it refuses the input (4xx), the downloaded copy under the cache dir's
+        `objects/` is deleted: refused bytes must not stay on disk for good."""
+        try:
+            return convert()
+        except RequestError as e:
+            if 400 <= e.status < 500:
+                import shutil
+
+                shutil.rmtree(downloaded, ignore_errors=True)
+            raise
+
     def _s3(self, spec: CartridgeSpec) -> Resolved:
         from lmcache_cartridge.store.registration import fetch_s3_dir, fetch_s3_object, register_s3
-        from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, S3Settings, parse_s3_uri
+        from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, S3Settings, TooLarge, parse_s3_uri
 
         try:
             bucket, key = parse_s3_uri(spec.id)
@@ -321,12 +334,14 @@ class Resolver:
             if key.endswith(OBJECT_SUFFIXES):
                 obj = fetch_s3_object(spec.id, settings, self.settings.cache_dir, force=spec.force_redownload)
                 self.stats["s3_objects"] += obj.downloaded
-                return self._converted(spec, obj.path, obj.sha256, obj.path.name)
+                return self._dropped_if_refused(obj.path.parent, lambda: self._converted(
+                    spec, obj.path, obj.sha256, obj.path.name))
             listed = fetch_s3_dir(spec.id, settings, self.settings.cache_dir, force=spec.force_redownload)
             self.stats["s3_lists"] += 1
             if not listed.packed:  # an input directory (PEFT adapter, Tokasaurus, ...): converted once
                 self.stats["s3_objects"] += listed.downloaded
-                return self._converted(spec, listed.path, listed.digest, listed.uri.rsplit("/", 1)[-1])
+                return self._dropped_if_refused(listed.path.parent, lambda: self._converted(
+                    spec, listed.path, listed.digest, listed.uri.rsplit("/", 1)[-1]))
             self.stats["s3_manifests"] += 1
             entry = register_s3(self.registry, spec.id, self.settings.cache_dir, settings,
                                 force_redownload=spec.force_redownload, engine=self.engine, replace_origin=False)
@@ -335,6 +350,8 @@ class Resolver:
             raise RequestError(404, str(e)) from None
         except AccessDenied as e:
             raise RequestError(403, str(e)) from None
+        except TooLarge as e:
+            raise RequestError(413, str(e)) from None
         except OriginError as e:
             raise RequestError(502, f"cannot fetch {spec.id}: {e}") from None
         except IdTaken as e:

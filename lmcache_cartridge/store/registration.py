@@ -147,7 +147,7 @@ def fetch_s3_dir(uri: str, settings, cache_dir: Path, *, force: bool = False) ->
     ETag (`force`: download them again). An empty prefix is `NotFound`; anything else a
     `CartridgeError` naming what was found."""
     from lmcache_cartridge.cartridge.inputs import dir_files
-    from lmcache_cartridge.store.s3 import NotFound, OriginError, S3Origin, parse_s3_uri
+    from lmcache_cartridge.store.s3 import NotFound, OriginError, S3Origin, TooLarge, parse_s3_uri
 
     bucket, prefix = parse_s3_uri(uri)
     uri = f"s3://{bucket}/{prefix}".rstrip("/")
@@ -163,6 +163,10 @@ def fetch_s3_dir(uri: str, settings, cache_dir: Path, *, force: bool = False) ->
             f"{uri}/ is not a cartridge: expected manifest.json (packed), adapter_config.json + "
             "adapter_model.safetensors (PEFT CARTRIDGE adapter), cartridge.pt + config.yaml (Tokasaurus), "
             f"cartridge.pt + prefix_token_ids.json or cache_last.pt; found {sorted(listing)[:8]}")
+    total = sum(listing[n][0] for n in names)
+    if total > settings.max_object_bytes:  # what would be downloaded, checked on the listing
+        raise TooLarge(f"{uri}/: its files hold {total} bytes, over the {settings.max_object_bytes}-byte limit "
+                       "(s3.max_object_bytes)")
     d = Path(cache_dir) / "objects" / hashlib.sha256((uri + "/").encode()).hexdigest()[:24]
     files, meta_path = d / DIR_FILES, d / DIR_META
     try:

@@ -55,6 +55,10 @@ class AccessDenied(OriginError):
     """The credentials found by the standard chain may not read this object (or none were found)."""
 
 
+class TooLarge(OriginError):
+    """An object over `S3Settings.max_object_bytes`: refused before a byte of it is read."""
+
+
 class Unavailable(OriginError):
     """Transient: throttling, 5xx, dropped connections. Worth retrying later."""
 
@@ -143,6 +147,8 @@ class S3Settings:
     max_concurrency: int = 8
     part_size: int = 8 << 20
     addressing_style: str = "path"
+    # Largest whole object (an input `.pt`, a file of an input directory) fetched from S3.
+    max_object_bytes: int = 32 << 30
 
     def __post_init__(self) -> None:
         if self.endpoint_url is not None:
@@ -160,7 +166,7 @@ class S3Settings:
             raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {self.retry_mode!r}")
         if self.addressing_style not in ("path", "virtual", "auto"):
             raise ValueError(f"addressing_style must be path, virtual or auto, got {self.addressing_style!r}")
-        for name in ("max_attempts", "max_concurrency", "part_size"):
+        for name in ("max_attempts", "max_concurrency", "part_size", "max_object_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -184,6 +190,7 @@ class S3Settings:
             "max_concurrency": int,
             "part_size": _parse_size,
             "addressing_style": str,
+            "max_object_bytes": _parse_size,
         }
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
@@ -446,6 +453,9 @@ class S3Origin:
         except Exception as e:
             raise self._map_error(e, "", "HEAD", key=self.prefix) from e
         size, etag = int(head["ContentLength"]), str(head.get("ETag") or "")
+        if size > self.settings.max_object_bytes:
+            raise TooLarge(f"{self.uri}: {size} bytes, over the {self.settings.max_object_bytes}-byte limit "
+                           "(s3.max_object_bytes)")
 
         class _Known(BaseSubscriber):  # what the HEAD saw: no second HEAD, parts pinned to this ETag
             def on_queued(self, future, **kwargs):
