@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv model router test demo bench bench-ttft fleet soak answers clean-venv
+.PHONY: venv model router test test-avx2 demo bench bench-ttft fleet soak answers clean-venv
 
 venv: $(STAMP)
 
@@ -47,6 +47,16 @@ $(ROUTER_VENV)/.installed:
 
 test: $(STAMP) $(ROUTER_VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
+
+# The tests whose outcome depends on the CPU, run as on an AVX2-only x86 CPU (an AMD EPYC without
+# AVX-512): torch reports no AVX-512/AMX to vLLM, vLLM loads its AVX2 build and picks "vec", torch
+# and oneDNN are capped at AVX2 (tests/emulate_avx2/sitecustomize.py). An approximation of such a
+# machine for developers on others; `make test` on the machine itself is the real thing.
+AVX2_TESTS ?= tests/test_cpu_kv.py tests/test_cpu_attention.py tests/test_layout.py tests/test_bench_kv_copy.py \
+	tests/test_vllm_e2e.py tests/test_vllm_e2e_vec16.py tests/test_compose_e2e.py tests/test_fleet.py
+test-avx2: $(STAMP) $(ROUTER_VENV)/.installed
+	LMCACHE_CARTRIDGE_EMULATE_AVX2=1 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	PYTHONPATH=$(CURDIR)/tests/emulate_avx2 $(PY) -m pytest -q -p no:cacheprovider -rs $(AVX2_TESTS)
 
 # `make demo` runs it on SmolLM2-135M-Instruct (`make model`); `make demo MODEL_DIR=/path/to/hf-model`
 # on your own model; `make demo FAMILY=llama` (or qwen2) on a tiny random-weight test model. The
