@@ -672,3 +672,63 @@ def test_s3_objects_over_the_limit_are_refused_and_refused_objects_leave_the_cac
     assert e.value.status == 400
     objects = settings.cache_dir / "objects"
     assert not objects.exists() or not any(objects.rglob("junk.pt")), list(objects.rglob("*"))
+
+
+def test_tenants_see_only_their_cartridges(tmp_path, settings, model_dir, recording_upstream):
+    """Two tenants from a --tenants file: each key names only its tenant's ids, labels, local
+    roots and S3 prefixes; another tenant's id answers exactly as a missing one (404, the same
+    words), and a label both carry resolves within each tenant's view instead of listing the
+    other's ids. The operator's key sees everything (and the label is ambiguous there)."""
+    import dataclasses
+
+    from lmcache_cartridge.api.settings import load_tenants
+
+    url, seen = recording_upstream
+    root = settings.local_roots[0]
+    for t in ("acme", "globex"):
+        (root / t).mkdir()
+    (tmp_path / "tenants.yaml").write_text(f"""
+tenants:
+  - name: acme
+    keys: [acme-key-0123456789]
+    ids: ["acme-*"]
+    local: [{root / 'acme'}]
+    s3: [gw-unit/acme]
+  - name: globex
+    keys: [globex-key-0123456789]
+    ids: ["globex-*"]
+    local: [{root / 'globex'}]
+""")
+    tenants = load_tenants(tmp_path / "tenants.yaml")
+    app = create_app(dataclasses.replace(settings, upstream=url, api_keys=("operator-key-0123456789",),
+                                         tenants=tenants))
+    reg = Registry(settings.registry)
+    for t, seed in (("acme", 1), ("globex", 2)):
+        _cart(root / t / "doc", f"{t}-doc", list(range(seed * 100, seed * 100 + 64)), model_dir, seed=seed)
+        reg.register(root / t / "doc", labels=["handbook"])
+
+    def ask(key, cart):
+        return _call(app, "POST", "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                     json={"prompt": [5], "max_tokens": 1, "cartridges": [cart]})
+
+    acme, globex, op = "acme-key-0123456789", "globex-key-0123456789", "operator-key-0123456789"
+    r = ask(acme, {"id": "handbook"})
+    assert r.status_code == 200, r.text
+    assert seen[-1][1]["prompt"][:64] == list(range(100, 164))  # acme's document
+    r = ask(globex, {"id": "handbook"})
+    assert r.status_code == 200 and seen[-1][1]["prompt"][:64] == list(range(200, 264))
+    hidden, missing = ask(acme, {"id": "globex-doc"}), ask(acme, {"id": "globex-nothing"})
+    assert hidden.status_code == missing.status_code == 404
+    assert hidden.json()["error"]["message"].replace("globex-doc", "X") == \
+        missing.json()["error"]["message"].replace("globex-nothing", "X")
+    assert ask(acme, {"id": "acme-doc"}).status_code == 200
+    assert ask(acme, {"id": str(root / "globex" / "doc"), "source": "local"}).status_code == 403
+    assert ask(acme, {"id": str(root / "acme" / "doc"), "source": "local"}).status_code == 200
+    assert ask(globex, {"id": "s3://gw-unit/acme/x.pt"}).status_code == 403  # not globex's prefix
+    r = ask(op, {"id": "handbook"})
+    assert r.status_code == 404 and "names 2 cartridges" in r.json()["error"]["message"]
+    assert ask(op, {"id": "globex-doc"}).status_code == 200
+    with pytest.raises(ValueError, match="share a key"):
+        (tmp_path / "bad.yaml").write_text("tenants:\n- {name: a, keys: [k-0123456789abcdef]}\n"
+                                           "- {name: b, keys: [k-0123456789abcdef]}\n")
+        load_tenants(tmp_path / "bad.yaml")

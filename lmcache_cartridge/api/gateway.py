@@ -87,8 +87,9 @@ class ApiKeys:
     `keys` is answered 401 before its body is read (vLLM's `--api-key` rule: /health and the
     docs stay open). Keys are compared in constant time."""
 
-    def __init__(self, app, keys: tuple[str, ...]) -> None:
-        self.app, self.keys = app, tuple(k.encode() for k in keys)
+    def __init__(self, app, settings: GatewaySettings) -> None:
+        self.app, self.settings = app, settings
+        self.keys = tuple(k.encode() for k in settings.all_keys())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.keys or not scope.get("path", "").startswith("/v1"):
@@ -97,7 +98,10 @@ class ApiKeys:
 
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and any(hmac.compare_digest(token.strip(), k) for k in self.keys):
+        token = token.strip()
+        if scheme.lower() == b"bearer" and any(hmac.compare_digest(token, k) for k in self.keys):
+            # the tenant whose scope the request gets (None: an operator key), for `handle`
+            scope.setdefault("state", {})["tenant"] = self.settings.tenant_of(token.decode(errors="replace"))
             return await self.app(scope, receive, send)
         from fastapi.responses import JSONResponse
 
@@ -221,14 +225,14 @@ def create_app(settings: GatewaySettings):
                 return None
         return limits["max_model_len"]
 
-    async def handle(body: CompletionRequest | ChatRequest, chat: bool):
+    async def handle(body: CompletionRequest | ChatRequest, chat: bool, tenant=None):
         try:
             specs = body.cartridges or []
             if len(specs) > settings.max_cartridges:
                 raise RequestError(400, f"too many cartridges: {len(specs)} (at most {settings.max_cartridges})")
             if body.model not in (None, settings.model, *settings.accept_models):  # names of the same weights
                 raise RequestError(404, f"model {body.model!r} is not served here ({settings.model!r} is)")
-            resolved = [await asyncio.to_thread(resolver.resolve, s) for s in specs]
+            resolved = [await asyncio.to_thread(resolver.resolve, s, tenant) for s in specs]
             plan = await asyncio.to_thread(resolver.plan, resolved)
             if plan.wanted:
                 await asyncio.to_thread(
@@ -327,12 +331,12 @@ def create_app(settings: GatewaySettings):
         return StreamingResponse(relay(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await handle(body, chat=False)
+    async def completions(body: CompletionRequest, request: Request):
+        return await handle(body, chat=False, tenant=getattr(request.state, "tenant", None))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest):
-        return await handle(body, chat=True)
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await handle(body, chat=True, tenant=getattr(request.state, "tenant", None))
 
     @app.get("/v1/models")
     async def models():
@@ -372,5 +376,5 @@ def create_app(settings: GatewaySettings):
         registry.close()
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(ApiKeys, keys=settings.api_keys)  # added last: runs first, before the body is read
+    app.add_middleware(ApiKeys, settings=settings)  # added last: runs first, before the body is read
     return app

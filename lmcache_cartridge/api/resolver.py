@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lmcache_cartridge.api.requests import CartridgeSpec
-from lmcache_cartridge.api.settings import GatewaySettings, RequestError
+from lmcache_cartridge.api.settings import GatewaySettings, RequestError, Tenant
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
 from lmcache_cartridge.errors import CartridgeError
@@ -113,15 +113,20 @@ class Resolver:
         self._vocab = None
 
     # --- one cartridge ------------------------------------------------------------------------
-    def resolve(self, spec: CartridgeSpec) -> Resolved:
-        """Blocking (file reads, S3 downloads, conversion): the app calls it from a worker thread."""
+    def resolve(self, spec: CartridgeSpec, tenant: Tenant | None = None) -> Resolved:
+        """Blocking (file reads, S3 downloads, conversion): the app calls it from a worker thread.
+        `tenant`: the scope of the client's key (None: the gateway's own roots, every id)."""
         try:
             where = self._where(spec)
+            if where == "s3":
+                self._allowed_s3(spec.id, tenant)
             if where == "local":  # allowed or not, decided before anything under it is touched
-                path = self._allowed_local(spec.id)
+                path = self._allowed_local(spec.id, tenant)
                 key = (where, str(path), self._signature(path))  # one entry per file, not per spelling
-            else:  # s3://b/p and s3://b/p/ name the same prefix: one cache entry
-                key = (where, spec.id.rstrip("/") if where == "s3" else spec.id, None)
+            elif where == "s3":  # s3://b/p and s3://b/p/ name the same prefix: one cache entry
+                key = (where, spec.id.rstrip("/"), None)
+            else:  # a label names different cartridges in different tenants' views
+                key = (where, spec.id, tenant.name if tenant is not None else None)
             if spec.force_redownload:
                 self._allow_forced(key)
             with self._guard:
@@ -133,8 +138,13 @@ class Resolver:
                     if not spec.force_redownload:
                         hit = self._hit(key)
                         if hit is not None:
+                            if where == "registry":
+                                self._visible(hit.entry, spec.id, tenant)
                             return hit
-                    value = {"s3": self._s3, "local": self._local, "registry": self._registry}[where](spec)
+                    if where == "registry":
+                        value = self._registry(spec, tenant)
+                    else:
+                        value = {"s3": self._s3, "local": self._local}[where](spec)
                     self._check(value)
                     with self._guard:
                         self._cache[key] = _Cached(value, self.registry.data_version())
@@ -188,13 +198,32 @@ class Resolver:
             while len(self._forced) > MAX_CACHED:
                 self._forced.popitem(last=False)
 
-    def _allowed_local(self, name: str) -> Path:
-        """`name` with every symlink resolved, if it lies under an allowed local root; else 403.
-        Only the path's own components are looked at (no walk, no read)."""
+    def _allowed_local(self, name: str, tenant: Tenant | None = None) -> Path:
+        """`name` with every symlink resolved, if it lies under an allowed local root (the
+        tenant's, if any); else 403. Only the path's own components are looked at (no walk, no read)."""
         resolved = Path(name).resolve()
-        if not any(resolved.is_relative_to(root.resolve()) for root in self.settings.local_roots):
+        roots = tenant.local_roots if tenant is not None else self.settings.local_roots
+        if not any(resolved.is_relative_to(root.resolve()) for root in roots):
             raise RequestError(403, f"{name[:200]} is outside the directories this gateway may read")
         return resolved
+
+    def _allowed_s3(self, uri: str, tenant: Tenant | None) -> None:
+        from lmcache_cartridge.store.s3 import parse_s3_uri
+
+        try:
+            bucket, key = parse_s3_uri(uri)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+        roots = tenant.s3_roots if tenant is not None else self.settings.s3_roots
+        if not any(_s3_allowed(root, bucket, key) for root in roots):
+            raise RequestError(403, f"{uri[:200]} is outside the S3 buckets/prefixes this gateway may read")
+
+    @staticmethod
+    def _visible(entry: Entry | None, name: str, tenant: Tenant | None) -> None:
+        """A registered cartridge the tenant may not name answers as a missing one (404, the
+        same words): which ids exist is not its business."""
+        if tenant is not None and (entry is None or not tenant.may_name(entry.id)):
+            raise RequestError(404, f"no cartridge with id or label {name[:200]!r}")
 
     def _signature(self, path: Path) -> tuple:
         """What changes when a local input changes (stat only: no reading, no hashing). A
@@ -268,11 +297,12 @@ class Resolver:
         m = Manifest.load(entry.path)
         return Resolved(name, m.kind, tuple(m.token_ids), entry, m)
 
-    def _registry(self, spec: CartridgeSpec) -> Resolved:
+    def _registry(self, spec: CartridgeSpec, tenant: Tenant | None = None) -> Resolved:
         try:
-            entry = self.registry.resolve(spec.id)
+            entry = self.registry.resolve(spec.id, visible=tenant.may_name if tenant is not None else None)
         except RegistryError as e:
             raise RequestError(404, str(e)) from None
+        self._visible(entry, spec.id, tenant)
         if spec.force_redownload:  # servers drop their cached copies and read the origin again
             entry = self.registry.register(entry.path, source_uri=entry.source_uri, force_redownload=True)
             self.stats["registrations"] += 1
@@ -323,12 +353,7 @@ class Resolver:
         from lmcache_cartridge.store.registration import fetch_s3_dir, fetch_s3_object, register_s3
         from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, S3Settings, TooLarge, parse_s3_uri
 
-        try:
-            bucket, key = parse_s3_uri(spec.id)
-        except ValueError as e:
-            raise RequestError(400, str(e)) from None
-        if not any(_s3_allowed(root, bucket, key) for root in self.settings.s3_roots):
-            raise RequestError(403, f"{spec.id[:200]} is outside the S3 buckets/prefixes this gateway may read")
+        key = parse_s3_uri(spec.id)[1]  # checked against the allowed roots by `resolve`
         try:
             settings = S3Settings.from_mapping(self.settings.s3)
             if key.endswith(OBJECT_SUFFIXES):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,24 @@ class RequestError(Exception):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after  # seconds, sent as Retry-After (429, 503)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """What the clients holding one set of API keys may name. `ids`: glob patterns over
+    registered ids (a label resolves only among the ids they match); `local_roots` / `s3_roots`:
+    as the gateway's `--allow-local` / `--allow-s3`, for this tenant alone. Another tenant's
+    cartridges, and which ids exist, are invisible: a registered id or label outside `ids`
+    answers exactly as one that does not exist."""
+
+    name: str
+    keys: tuple[str, ...] = field(default=(), repr=False)
+    ids: tuple[str, ...] = ()
+    local_roots: tuple[Path, ...] = ()
+    s3_roots: tuple[str, ...] = ()
+
+    def may_name(self, cartridge_id: str) -> bool:
+        return any(fnmatch.fnmatchcase(cartridge_id, p) for p in self.ids)
 
 
 @dataclass(frozen=True)
@@ -49,3 +68,73 @@ class GatewaySettings:
     # empty: no check (the loopback default; `gateway` warns when it binds elsewhere without keys).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     upstream_api_key: str | None = field(default=None, repr=False)  # sent to vLLM started with --api-key
+    # Keys that belong to a tenant see only its cartridges (`Tenant`); `api_keys` see everything
+    # the settings above allow (the operator's keys). A tenant's keys need not be in `api_keys`.
+    tenants: tuple[Tenant, ...] = ()
+
+    def tenant_of(self, key: str) -> "Tenant | None":
+        """The tenant holding `key`, None for an operator key (checked by the caller)."""
+        import hmac
+
+        for t in self.tenants:
+            if any(hmac.compare_digest(key.encode(), k.encode()) for k in t.keys):
+                return t
+        return None
+
+    def all_keys(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.api_keys, *(k for t in self.tenants for k in t.keys))))
+
+
+def load_tenants(path: str | Path) -> tuple[Tenant, ...]:
+    """Tenants from a YAML file (the gateway's `--tenants`)::
+
+        tenants:
+          - name: acme
+            keys: [acme-key-0123456789abcdef]     # 16+ characters each
+            ids: ["acme-*"]                       # registered ids (glob) it may name
+            local: [/data/cartridges/acme]        # local roots (absolute)
+            s3: [my-bucket/acme]                  # bucket or bucket/prefix
+
+    Validated whole (pydantic): unknown fields, a short key, a key two tenants share or a
+    relative local root are errors that name the tenant."""
+    import yaml
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+    class _T(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str = Field(min_length=1, max_length=64)
+        keys: list[str] = Field(min_length=1)
+        ids: list[str] = []
+        local: list[str] = []
+        s3: list[str] = []
+
+        @field_validator("keys")
+        @classmethod
+        def _long(cls, v):
+            if any(len(k) < 16 for k in v):
+                raise ValueError("every key must have at least 16 characters")
+            return v
+
+        @field_validator("local")
+        @classmethod
+        def _absolute(cls, v):
+            if any(not Path(r).is_absolute() for r in v):
+                raise ValueError("local roots must be absolute paths")
+            return v
+
+    class _F(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        tenants: list[_T]
+
+    try:
+        parsed = _F.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+    except (ValidationError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    seen: dict[str, str] = {}
+    for t in parsed.tenants:
+        for k in t.keys:
+            if k in seen:
+                raise ValueError(f"{path}: tenants {seen[k]!r} and {t.name!r} share a key")
+            seen[k] = t.name
+    return tuple(Tenant(t.name, tuple(t.keys), tuple(t.ids), tuple(Path(r) for r in t.local), tuple(t.s3))
+                 for t in parsed.tenants)

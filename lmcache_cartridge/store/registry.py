@@ -187,12 +187,13 @@ class Registry:
         rows = self._q(f"SELECT {','.join(_COLUMNS)} FROM cartridges WHERE id = ?", (cartridge_id,))
         return _row_to_entry(rows[0]) if rows else None
 
-    def resolve(self, id_or_label: str) -> Entry:
-        """An id, else the single cartridge carrying that label; ambiguity is an error."""
+    def resolve(self, id_or_label: str, visible=None) -> Entry:
+        """An id, else the single cartridge carrying that label; ambiguity is an error.
+        `visible(id)`: only such entries exist for this caller (a tenant's view)."""
         entry = self.get(id_or_label)
-        if entry is not None:
+        if entry is not None and (visible is None or visible(entry.id)):
             return entry
-        matches = [e for e in self.list() if id_or_label in e.labels]
+        matches = [e for e in self.list() if id_or_label in e.labels and (visible is None or visible(e.id))]
         if len(matches) == 1:
             return matches[0]
         if not matches:

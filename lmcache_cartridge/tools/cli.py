@@ -544,6 +544,7 @@ def cmd_gateway(args) -> int:
     import uvicorn
 
     from lmcache_cartridge.api.gateway import GatewaySettings, create_app
+    from lmcache_cartridge.api.settings import load_tenants
 
     settings = _plugin_settings(args)
     config = _load_lmcache_config(args.config) if args.config else None
@@ -568,9 +569,10 @@ def cmd_gateway(args) -> int:
         catalog_period=float(settings.catalog_period) if settings else 30.0,
         catalog_allow_uris=tuple(settings.catalog_allow_uris) if settings else (),
         api_keys=gateway_api_keys(args.api_key),
+        tenants=load_tenants(args.tenants) if args.tenants else (),
         upstream_api_key=args.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
     )
-    if not gs.api_keys and not _loopback(args.host):
+    if not gs.all_keys() and not _loopback(args.host):
         print(f"WARNING: the gateway listens on {args.host}, reachable from other hosts, and checks no API key: "
               "anyone who can reach the port can use it and name every cartridge it may read. Set --api-key "
               f"(or ${API_KEY_ENV}).", file=sys.stderr, flush=True)
@@ -812,6 +814,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--api-key", action="append", metavar="KEY",
                     help=f"clients must send 'Authorization: Bearer KEY' on /v1/* (repeatable; also ${API_KEY_ENV}, "
                          "comma-separated); none: no check, and a warning when --host is not loopback")
+    sp.add_argument("--tenants", metavar="FILE",
+                    help="YAML of tenants: each with its API keys and the ids (globs), local roots and S3 "
+                         "prefixes its keys may name; another tenant's cartridges are invisible to it")
     sp.add_argument("--upstream-api-key", metavar="KEY",
                     help="the key of a vLLM started with --api-key (default: $VLLM_API_KEY)")
 
