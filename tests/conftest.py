@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 pytest_plugins = ["s3_server"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,7 +41,7 @@ def engine_kv(tmp_path_factory):
     makers: dict[str, EngineKVMaker] = {}
 
     def get(model_dir) -> EngineKVMaker:
-        key = str(model_dir)
+        key = str(Path(model_dir).resolve())
         if key not in makers:
             makers[key] = EngineKVMaker(model_dir, tmp_path_factory.mktemp("kv-maker"))
         return makers[key]

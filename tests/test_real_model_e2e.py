@@ -50,17 +50,30 @@ NEG_MIN_MEAN = 2.0
 def real(tmp_path_factory, engine_kv):
     from transformers import AutoTokenizer
 
-    from lmcache_cartridge.api.gateway import GatewaySettings
-    from lmcache_cartridge.cartridge.packed import pack_kv
-    from lmcache_cartridge.tools.create import create_first_k
     from lmcache_cartridge.tools.realmodel import ensure_real_model
-    from lmcache_cartridge.tools.testmodel import document_text
-    from lmcache_cartridge.tools.train import main as train_main
 
     model_dir = ensure_real_model()
     root = tmp_path_factory.mktemp("real_e2e")
     carts = root / "carts"
     tok = AutoTokenizer.from_pretrained(str(model_dir))
+    registry = root / "registry.db"
+    # the serving server and the KV maker start now, together; the server comes up while the
+    # cartridges are made and trained
+    engine_kv(model_dir).launch()
+    server = VllmServer(root / "vllm", str(model_dir), lmcache=lmcache_config(registry, cache_dir=root / "cache"))
+    try:
+        yield from _with_server(server, root, carts, registry, tok, model_dir, engine_kv)
+    finally:
+        server.stop()
+
+
+def _with_server(server, root, carts, registry, tok, model_dir, engine_kv):
+    from lmcache_cartridge.api.gateway import GatewaySettings
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.tools.create import create_first_k
+    from lmcache_cartridge.tools.testmodel import document_text
+    from lmcache_cartridge.tools.train import main as train_main
+
     maker = engine_kv(model_dir)
     full = create_first_k(model_dir, document_text(), engine=maker)  # 747 tokens: 2 full chunks + 235
     made = create_first_k(model_dir, document_text(), max_tokens=FIRST_K_TOKENS, engine=maker)
@@ -78,17 +91,12 @@ def real(tmp_path_factory, engine_kv):
                      "--question-tokens", "16", "-q"])
     assert rc == 0
 
-    registry = root / "registry.db"
-    server = VllmServer(root / "vllm", str(model_dir), lmcache=lmcache_config(registry, cache_dir=root / "cache"))
-    try:
-        server.wait_healthy()
-        gs = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
-                             registry=registry, cache_dir=root / "cache", chunk_size=CHUNK, local_roots=(carts,))
-        with GatewayThread(gs) as gw:
-            yield {"server": server, "gw": gw, "tok": tok, "model_dir": str(model_dir), "full": full,
-                   "carts": carts, "registry": registry}
-    finally:
-        server.stop()
+    server.wait_healthy()
+    gs = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
+                         registry=registry, cache_dir=root / "cache", chunk_size=CHUNK, local_roots=(carts,))
+    with GatewayThread(gs) as gw:
+        yield {"server": server, "gw": gw, "tok": tok, "model_dir": str(model_dir), "full": full,
+               "carts": carts, "registry": registry}
 
 
 def test_first_k_through_the_gateway_answers_as_vllms_own_cache(real):

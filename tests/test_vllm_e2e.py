@@ -94,12 +94,13 @@ class Server(VllmServer):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, engine_kv):
     from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     model_dir = ensure_test_model()
     root = tmp_path_factory.mktemp("vllm_e2e")
     srv = Server(root, model_dir)
+    engine_kv(model_dir).launch()  # the first-k test's KV maker starts beside the server
     try:
         srv.wait_healthy()
         print(f"\n[e2e] vLLM server healthy after {srv.startup_s:.1f}s (log {srv.log_path})")

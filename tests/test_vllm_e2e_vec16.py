@@ -45,11 +45,12 @@ def model_dir():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, engine_kv):
     from lmcache_cartridge.vllm.cpu_kv import current_attn_isa
 
     assert current_attn_isa(torch.bfloat16, 128, HEAD_DIM) == "vec16"
     srv = Server(tmp_path_factory.mktemp("vllm_e2e_vec16"), model_dir())
+    engine_kv(model_dir()).launch()  # the first-k test's KV maker starts beside the server
     try:
         srv.wait_healthy()
         print(f"\n[e2e vec16] vLLM server healthy after {srv.startup_s:.1f}s (log {srv.log_path})")

@@ -165,24 +165,34 @@ def stream_ttft(url: str, body: dict) -> tuple[float, str]:
     return first or float("nan"), "".join(text)
 
 
+def launch_server(work: Path, model_dir: Path):
+    """The serving vLLM server (LMCache + plugin + connector), started now and waited on in step
+    5: it comes up while the cartridge is made and checked (most of its start is imports)."""
+    from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+
+    registry = work / "serve-registry.db"  # empty at start: the baseline must not hit
+    return VllmServer(work / "vllm", str(model_dir), lmcache=lmcache_config(registry, cache_dir=work / "cache"))
+
+
 def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResult, asked: list[tuple[str, str]],
-                  say: Callable[[str], None]) -> None:
-    """Step 5. `asked`: (question prompt, fact its answer should contain, or "")."""
+                  say: Callable[[str], None], server=None) -> None:
+    """Step 5. `asked`: (question prompt, fact its answer should contain, or ""). `server`: one
+    `launch_server` started earlier (else started here); stopped here."""
     from transformers import AutoTokenizer
 
     from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.store.registry import Registry
     from lmcache_cartridge.testing.answers import Question, complete
-    from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+    from lmcache_cartridge.testing.launch import GatewayThread
 
-    registry = work / "serve-registry.db"  # empty at start: the baseline must not hit
-    server = VllmServer(work / "vllm", str(model_dir), lmcache=lmcache_config(registry, cache_dir=work / "cache"))
+    registry = work / "serve-registry.db"
+    server = server or launch_server(work, model_dir)
     r.logs["vllm_server"] = str(server.log_path)
     say(f"$ {' '.join(shlex.quote(c) for c in server.command)}")
     say(f"  (vLLM, LMCache and plugin log: {server.log_path}; LMCache config: {server.root / 'lmcache.yaml'})")
     try:
         server.wait_healthy()
-        say(f"vLLM healthy after {server.startup_s:.0f}s")
+        say(f"vLLM healthy, {server.startup_s:.0f}s after its launch at step 1 (it started while the cartridge was made)")
         gs = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
                              registry=registry, cache_dir=work / "cache", chunk_size=m.chunk_size,
                              local_roots=(work,))
@@ -228,11 +238,8 @@ def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family:
              serve: bool = True, say: Callable[[str], None] = print) -> DemoResult:
     """The demo's steps on `model_dir` (default: the real SmolLM2; with `family`, the tiny test
     model of that family)."""
-    from lmcache_cartridge.cartridge.manifest import Manifest
-    from lmcache_cartridge.testing.answers import questions
-    from lmcache_cartridge.testing.launch import lmcache_config
     from lmcache_cartridge.tools.realmodel import ensure_real_model
-    from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     quiet()
     work = Path(work) if work is not None else cache_root() / "demo"
@@ -249,6 +256,21 @@ def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family:
         raise RuntimeError(f"{model_dir} is not a local HF model directory (no config.json)")
     say(f"model: {model_dir}" + (f" (built-in tiny {family}, random weights)" if builtin else ""))
     r = DemoResult(model_dir=str(model_dir), work=str(work))
+    server = launch_server(work, model_dir) if serve else None
+    try:
+        return _steps(work, model_dir, r, real, builtin, family, serve, server, say)
+    finally:
+        if server is not None and server.alive():
+            server.stop()
+
+
+def _steps(work, model_dir, r, real, builtin, family, serve, server, say) -> DemoResult:
+    """Steps 2-5 of `run_demo`; `server`: the serving server, already starting."""
+    from lmcache_cartridge.cartridge.manifest import Manifest
+    from lmcache_cartridge.testing.answers import questions
+    from lmcache_cartridge.testing.launch import lmcache_config
+    from lmcache_cartridge.tools.testmodel import document_text
+
     if real:  # a real model reads the document: questions whose answers it states
         asked = [(q.prompt(), q.fact) for q in (questions()[i] for i in REAL_QUESTIONS)]
         copies, limit = 1, None
@@ -293,7 +315,7 @@ def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family:
         r.failure = "LMCache did not find the cartridge"
     elif serve:
         say("\n== 5. serve it: vLLM + LMCache + plugin, and the gateway")
-        serve_and_ask(work, model_dir, packed, m, r, asked, say)
+        serve_and_ask(work, model_dir, packed, m, r, asked, say, server)
         same = all(a["with"] == a["own_cache"] for a in r.answers)
         enough = r.external_tokens >= r.servable_tokens
         if not enough:
