@@ -53,7 +53,9 @@ test: $(STAMP) $(ROUTER_VENV)/.installed
 # and oneDNN are capped at AVX2 (tests/emulate_avx2/sitecustomize.py). An approximation of such a
 # machine for developers on others; `make test` on the machine itself is the real thing.
 AVX2_TESTS ?= tests/test_cpu_kv.py tests/test_cpu_attention.py tests/test_layout.py tests/test_bench_kv_copy.py \
-	tests/test_vllm_e2e.py tests/test_vllm_e2e_vec16.py tests/test_compose_e2e.py tests/test_fleet.py
+	tests/test_vllm_e2e.py tests/test_vllm_e2e_vec16.py tests/test_vllm_e2e_tp2.py tests/test_vllm_preempt.py \
+	tests/test_compose_e2e.py tests/test_train_e2e.py tests/test_input_formats_e2e.py tests/test_gateway_e2e.py \
+	tests/test_fleet.py tests/test_real_model_e2e.py
 test-avx2: $(STAMP) $(ROUTER_VENV)/.installed
 	LMCACHE_CARTRIDGE_EMULATE_AVX2=1 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 	PYTHONPATH=$(CURDIR)/tests/emulate_avx2 $(PY) -m pytest -q -p no:cacheprovider -rs $(AVX2_TESTS)

@@ -190,7 +190,13 @@ def test_s3_packed_prefix_and_force_redownload(stack, moto_server):
     upload_dir(client, "gw-carts", "beta", stack["root"] / "carts" / "beta")
     ref = complete(stack, [{"id": "beta"}])
     uri = "s3://gw-carts/beta"
-    got = complete(stack, [{"id": uri, "source": "s3"}])  # re-registers 'beta' with the S3 origin
+    # 'beta' is registered from its local directory: a client naming another origin whose
+    # manifest claims the id may not move it there (409); the operator may (here: removes it)
+    r = post(stack["gw"], "/v1/completions", {"prompt": "x", "cartridges": [{"id": uri, "source": "s3"}]})
+    assert r.status_code == 409 and "another origin" in r.json()["error"]["message"], r.text
+    assert stack["reg"].get("beta").source_uri != uri
+    stack["reg"].remove("beta")
+    got = complete(stack, [{"id": uri, "source": "s3"}])  # registers 'beta' with the S3 origin
     assert same(got, ref)
     entry = stack["reg"].get("beta")
     assert entry.source_uri == uri and entry.epoch == 0
