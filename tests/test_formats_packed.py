@@ -5,6 +5,8 @@ import os
 import multiprocessing as mp
 
 import pytest
+
+from lmcache_cartridge.cartridge.keys import placeholder_token_ids
 import torch
 
 from conftest import random_kv
@@ -218,13 +220,18 @@ def test_manifest_rejects_inconsistency(tmp_path):
         Manifest.load(tmp_path / "c")
 
 
-def test_rechunk_keeps_bytes_and_ids(tmp_path):
+def test_rechunk_keeps_bytes_and_rederives_trained_ids(tmp_path):
     kv = random_kv(L, 64, H, D)
     m = pack_kv(kv, tmp_path / "c", cartridge_id="c", model="m", kind="trained",
                 vocab=VocabInfo(300), chunk_size=16)
     m2 = rechunk(PackedCartridge(tmp_path / "c"), tmp_path / "c32", 32)
-    assert m2.chunk_size == 32 and len(m2.chunks) == 2 and m2.token_ids == m.token_ids
+    assert m2.chunk_size == 32 and len(m2.chunks) == 2 and m2.vocab == m.vocab
+    # other chunks, another content hash: the placeholder ids follow it (they are never carried over)
+    assert m2.token_ids == placeholder_token_ids(m2.content_hash, 64, 300) != m.token_ids
     _assert_chunks_equal(PackedCartridge(tmp_path / "c32"), kv)
+    first_k = pack_kv(kv, tmp_path / "f", cartridge_id="f", model="m", kind="first_k",
+                      token_ids=list(range(64)), chunk_size=16)
+    assert rechunk(PackedCartridge(tmp_path / "f"), tmp_path / "f32", 32).token_ids == first_k.token_ids
     with pytest.raises(CartridgeFormatError, match="not a multiple"):
         rechunk(PackedCartridge(tmp_path / "c"), tmp_path / "c48", 48)
 

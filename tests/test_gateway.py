@@ -153,9 +153,11 @@ def test_trained_cartridges_compose_into_one_lmcache_cartridge(tmp_path, setting
     m = Manifest.load(comp.path)
     assert plan.prefix == list(ta.token_ids) + list(tb.token_ids) == m.token_ids
     assert m.kind == "trained" and m.num_tokens == 3 * CHUNK and reg.get(comp.id) == comp
-    # the reference: the concatenated KV packed as one cartridge (the same chunk layout)
+    assert m.segments == [["trained", 2 * CHUNK], ["trained", CHUNK]] and m.vocab == {"vocab_size": 500, "special_ids": [0, 1, 2]}
+    # the reference: the concatenated KV packed as one cartridge (the same chunk layout; packed as
+    # first-k only because a trained cartridge's ids cannot be given)
     ref = pack_kv(torch.cat([kv_a, kv_b], dim=2), tmp_path / "ref", cartridge_id="ref", model=model_dir,
-                  kind="trained", token_ids=m.token_ids, chunk_size=CHUNK)
+                  kind="first_k", token_ids=m.token_ids, chunk_size=CHUNK)
     origin = open_origin(comp.source_uri, comp.path)
     try:
         assert origin.local

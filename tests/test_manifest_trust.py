@@ -9,7 +9,8 @@ import pytest
 
 from conftest import random_kv
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest, legacy_content_hash
-from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv
+from lmcache_cartridge.cartridge.keys import placeholder_token_ids
+from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv
 from lmcache_cartridge.errors import ManifestError
 
 
@@ -59,3 +60,74 @@ def test_a_manifest_packed_before_blake3_counted_loads_under_the_derived_hash(tm
     legacy = m.derived_content_hash(legacy_content_hash)
     _edit(tmp_path / "old", lambda d: d.update(content_hash=legacy))
     assert Manifest.load(tmp_path / "old").content_hash == m.content_hash != legacy
+
+
+# --- placeholder ids: derived from the KV, never taken from the manifest ----------------------
+def _trained(tmp_path, name, seed, vocab=VocabInfo(1000, (0, 1, 2)), chunk=32):
+    return pack_kv(random_kv(2, 64, 2, 8, seed=seed), tmp_path / name, cartridge_id=name, model="m",
+                   kind="trained", vocab=vocab, chunk_size=chunk)
+
+
+def test_trained_ids_claiming_a_prompt_or_another_cartridge_are_refused(tmp_path):
+    """Trained KV keyed by the ids of a prompt people send (or of another trained cartridge) would
+    be served to requests that never named it: LMCache keys depend on token ids only."""
+    victim = _trained(tmp_path, "victim", 1)
+    m = _trained(tmp_path, "forger", 2)
+    assert Manifest.load(tmp_path / "forger").token_ids == m.token_ids  # its own ids load
+    for claimed in (list(range(100, 164)), victim.token_ids, m.token_ids[::-1]):
+        _edit(tmp_path / "forger", lambda d: d.update(token_ids=claimed))
+        with pytest.raises(ManifestError, match="not the placeholder ids of its content hash"):
+            Manifest.load(tmp_path / "forger")
+    # a forger that also copies the victim's hash is caught by the content hash, as before
+    _edit(tmp_path / "forger", lambda d: d.update(token_ids=victim.token_ids, content_hash=victim.content_hash))
+    with pytest.raises(ManifestError, match="not the hash of its chunks"):
+        Manifest.load(tmp_path / "forger")
+
+
+def test_trained_ids_from_a_vocabulary_too_small_to_be_unsteerable_are_refused(tmp_path):
+    """Ids drawn from two candidates in chunks of 32 carry 32 bits: 2^32 packings find a chunk of
+    any two-token prompt. The vocabulary recorded must leave MIN_PLACEHOLDER_BITS per chunk."""
+    m = _trained(tmp_path, "c", 3)
+    small = {"vocab_size": 1000, "special_ids": list(range(998))}
+    _edit(tmp_path / "c", lambda d: d.update(vocab=small, token_ids=placeholder_token_ids(
+        m.content_hash, 64, 1000, range(998))))
+    with pytest.raises(ManifestError, match="bits"):
+        Manifest.load(tmp_path / "c")
+    with pytest.raises(ManifestError, match="bits"):
+        _trained(tmp_path, "d", 3, vocab=VocabInfo(1000, tuple(range(998))))
+
+
+@pytest.mark.parametrize("vocab", [None, {"vocab_size": 1000}, {"vocab_size": True, "special_ids": []},
+                                   {"vocab_size": 1000, "special_ids": ["0"]}, "1000"])
+def test_a_trained_manifest_without_a_valid_vocab_is_refused(tmp_path, vocab):
+    _trained(tmp_path, "c", 4)
+    _edit(tmp_path / "c", lambda d: d.pop("vocab") if vocab is None else d.update(vocab=vocab))
+    with pytest.raises(ManifestError, match="vocab"):
+        Manifest.load(tmp_path / "c")
+
+
+def test_a_composites_ids_are_its_parts_own_placeholders(tmp_path):
+    """A composite's trained parts are checked part by part (each one's hash comes from its own
+    chunks, which the composite lists); claiming a first-k segment moves nothing: it is refused
+    unless every id is as derived."""
+    from lmcache_cartridge.store.composite import composite_manifest
+
+    a, b = _trained(tmp_path, "a", 5), _trained(tmp_path, "b", 6)
+    comp = composite_manifest([a, b])
+    (tmp_path / "comp").mkdir()
+    (tmp_path / "comp" / MANIFEST_NAME).write_text(comp.to_json())
+    assert Manifest.load(tmp_path / "comp").token_ids == a.token_ids + b.token_ids
+    assert comp.segments == [["trained", 64], ["trained", 64]]
+    for change in (lambda d: d.update(token_ids=b.token_ids + a.token_ids),
+                   lambda d: d.update(segments=[["trained", 128]]),
+                   lambda d: d.update(segments=[["trained", 32], ["trained", 96]]),
+                   lambda d: d.update(segments=[["trained", 64], ["trained", 96]])):
+        _edit(tmp_path / "comp", lambda d: d.update(json.loads(comp.to_json())))
+        _edit(tmp_path / "comp", change)
+        with pytest.raises(ManifestError, match="placeholder|segments"):
+            Manifest.load(tmp_path / "comp")
+    with pytest.raises(ManifestError, match="no vocab or segments"):
+        first_k = _pack(tmp_path, "f", 7)
+        _edit(tmp_path / "f", lambda d: d.update(vocab={"vocab_size": 1000, "special_ids": []}))
+        Manifest.load(tmp_path / "f")
+    assert first_k.vocab is None

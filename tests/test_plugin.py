@@ -1,5 +1,6 @@
 """The plugin, built by LMCache's own loader from YAML, serves cartridges through a real engine."""
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ import yaml
 
 from conftest import rehash_manifest, random_kv
 from lmc_helpers import Engine, make_metadata
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
 from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv
 from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
 from lmcache_cartridge.store.registry import Registry
@@ -615,3 +617,19 @@ def test_a_missing_cache_dir_is_made_private(carts):
     with engine_for(carts["dir"], carts["reg"].path) as eng:
         assert eng.backend("cartridge") is not None
     assert stat.S_IMODE((carts["dir"] / "cache").stat().st_mode) == 0o700
+
+
+def test_trained_kv_claiming_a_prompts_ids_is_never_served_for_that_prompt(carts, caplog):
+    """A trained manifest whose ids were swapped, after registration, for a prompt's ids: the
+    plugin refuses it (its ids are re-derived from its KV) and LMCache finds nothing for the
+    prompt, while the honest cartridge beside it is served."""
+    tmp, b = carts["dir"], carts["b"][0]
+    prompt = list(range(5000, 5000 + 2 * CHUNK))
+    d = json.loads((tmp / "b" / MANIFEST_NAME).read_text())
+    d["token_ids"] = prompt
+    (tmp / "b" / MANIFEST_NAME).write_text(json.dumps(d))
+    with caplog.at_level(logging.WARNING), engine_for(tmp, carts["reg"].path) as eng:
+        assert eng.engine.lookup(prompt + [1]) == 0
+        assert eng.engine.lookup(b.token_ids + [1]) == 0
+        assert eng.engine.lookup(carts["a"][0].token_ids + [1]) == 3 * CHUNK
+    assert "not the placeholder ids" in caplog.text

@@ -7,6 +7,7 @@ rank, KV dtype, chunk size, hash algorithm), so they cannot drift from what the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -79,6 +80,17 @@ class ChunkKeyMapper:
         return self.keys(manifest.key_token_ids)[manifest.context_chunks:]
 
 
+@functools.lru_cache(maxsize=8)
+def placeholder_candidates(vocab_size: int, special_ids: tuple[int, ...] = ()) -> np.ndarray:
+    """The ids placeholders are drawn from: the vocabulary without its special tokens, in order."""
+    keep = np.ones(vocab_size, dtype=bool)
+    special = np.array([i for i in special_ids if 0 <= i < vocab_size], dtype=np.int64)
+    keep[special] = False
+    out = np.nonzero(keep)[0].astype(np.int64)
+    out.setflags(write=False)
+    return out
+
+
 def placeholder_token_ids(
     content_hash: str, num_tokens: int, vocab_size: int, special_ids: Iterable[int] = ()
 ) -> list[int]:
@@ -88,8 +100,8 @@ def placeholder_token_ids(
     them pseudo-randomly from the vocabulary (never special tokens) gives each cartridge its own
     key chain: two cartridges agree on the first chunk with probability ~(1/vocab)^chunk_size.
     """
-    special = {int(i) for i in special_ids}
-    candidates = np.array([i for i in range(vocab_size) if i not in special], dtype=np.int64)
+    special = tuple(sorted({int(i) for i in special_ids}))
+    candidates = placeholder_candidates(int(vocab_size), special)
     if len(candidates) < 2:
         raise KeyConfigError(
             f"vocabulary of {vocab_size} tokens with {len(special)} special ids leaves no room "

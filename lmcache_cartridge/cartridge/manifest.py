@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ import torch
 from lmcache_cartridge.errors import ManifestError
 
 FORMAT_VERSION = 2
+MIN_PLACEHOLDER_BITS = 96  # per chunk: ~2^96 packings to steer one chunk of placeholder ids
+MAX_VOCAB = 1 << 24
 LAYOUT_BY_HEAD = "by_head"
 LAYOUT_2LTD = "2ltd"
 LAYOUTS = {1: LAYOUT_2LTD, 2: LAYOUT_BY_HEAD}  # format_version -> payload layout
@@ -180,6 +183,15 @@ class Manifest:
     # engine computes it and LMCache keeps it); they chain this cartridge's chunk keys, because
     # LMCache keys a chunk by every token before it (`key_token_ids`).
     context_ids: list[int] = field(default_factory=list)
+    # Trained KV only: the vocabulary its placeholder ids were drawn from (`{"vocab_size": N,
+    # "special_ids": [...]}`, `keys.placeholder_token_ids`). With it every read re-derives the ids
+    # from the chunk digests (`check_placeholder_ids`): a manifest cannot give its KV the ids of
+    # a prompt people send, or of another trained cartridge, so its KV reaches only requests that
+    # name it.
+    vocab: dict[str, Any] | None = None
+    # A composite only: `[[kind, num_tokens], ...]` of its parts in order (the ids of each trained
+    # part are derived from that part's own chunk digests). None: one part, this manifest's kind.
+    segments: list[list[Any]] | None = None
 
     # --- derived facts (one place computes each) -------------------------------------------
     def derived_content_hash(self, derive=derive_content_hash) -> str:
@@ -251,6 +263,9 @@ class Manifest:
                     del c[optional]
         if not d["context_ids"]:
             del d["context_ids"]  # only composites after computed tokens carry it
+        for optional in ("vocab", "segments"):  # trained cartridges / composites only
+            if d[optional] is None:
+                del d[optional]
         if self.format_version == 1:
             del d["layout"]  # format 1 had no such field: it is always `2ltd`
         return json.dumps(d, indent=1, sort_keys=False)
@@ -373,3 +388,55 @@ class Manifest:
                     f"({derived}): the content hash is derived from the chunk digests, never taken from "
                     "the manifest")
             self.content_hash = derived  # packed by an older version: the identity is the derived one
+        self.check_placeholder_ids()
+
+    def check_placeholder_ids(self) -> None:
+        """The ids of trained KV are `placeholder_token_ids` of its content hash (derived from its
+        chunk digests, never read), drawn from enough of a vocabulary that nobody can steer them
+        (`MIN_PLACEHOLDER_BITS` per chunk). First-k ids are the document's own and are not
+        checked here: KV a client brought reaches only requests that name it (`cache_salt`)."""
+        from lmcache_cartridge.cartridge.keys import placeholder_candidates, placeholder_token_ids
+
+        if self.kind != "trained":
+            if self.vocab is not None or self.segments is not None:
+                raise ManifestError(f"a {self.kind} manifest has no vocab or segments")
+            return
+        v = self.vocab
+        if not isinstance(v, dict) or set(v) != {"vocab_size", "special_ids"} \
+                or not isinstance(v["vocab_size"], int) or isinstance(v["vocab_size"], bool) \
+                or not 0 < v["vocab_size"] <= MAX_VOCAB or not isinstance(v["special_ids"], list) \
+                or len(v["special_ids"]) > MAX_VOCAB \
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in v["special_ids"]):
+            raise ManifestError(
+                f"trained manifest {self.cartridge_id!r} has no valid vocab ({{vocab_size, special_ids}}): "
+                "its placeholder ids cannot be checked. It was packed before they were; re-pack it "
+                "from its source with this version (`lmcache-cartridge pack ... --model-dir MODEL`)")
+        size, special = v["vocab_size"], tuple(v["special_ids"])
+        bits = self.chunk_size * math.log2(max(len(placeholder_candidates(size, special)), 1))
+        if bits < MIN_PLACEHOLDER_BITS:
+            raise ManifestError(
+                f"trained manifest {self.cartridge_id!r}: placeholder ids from a vocabulary of {size} "
+                f"with {len(special)} special ids in chunks of {self.chunk_size} carry {bits:.0f} bits "
+                f"per chunk, fewer than {MIN_PLACEHOLDER_BITS}: chunk keys could be steered")
+        segments = self.segments if self.segments is not None else [[self.kind, self.num_tokens]]
+        if not isinstance(segments, list) or not all(
+                isinstance(s, list) and len(s) == 2 and s[0] in ("trained", "first_k")
+                and isinstance(s[1], int) and not isinstance(s[1], bool) and s[1] > 0
+                and s[1] % self.chunk_size == 0 for s in segments) \
+                or sum(s[1] for s in segments) != self.num_tokens:
+            raise ManifestError(f"manifest {self.cartridge_id!r}: segments {str(segments)[:200]} must be "
+                                f"[kind, whole chunks] parts adding up to {self.num_tokens} tokens")
+        start = 0
+        for kind, n in segments:
+            if kind == "trained":
+                chunks = self.chunks[start // self.chunk_size:(start + n) // self.chunk_size]
+                shape = [2, self.num_layers, n, self.num_kv_heads, self.head_dim]
+                ids = self.token_ids[start:start + n]
+                if not any(ids == placeholder_token_ids(derive(shape, self.torch_dtype, self.chunk_size, chunks),
+                                                        n, size, special)
+                           for derive in (derive_content_hash, legacy_content_hash)):
+                    raise ManifestError(
+                        f"trained manifest {self.cartridge_id!r}: token ids {start}..{start + n} are not the "
+                        "placeholder ids of its content hash: a trained cartridge's ids are derived from "
+                        "its KV, never taken from the manifest")
+            start += n

@@ -36,6 +36,14 @@ class VocabInfo:
     vocab_size: int
     special_ids: tuple[int, ...] = ()
 
+    def as_record(self) -> dict:
+        """What a trained manifest records (`Manifest.vocab`): enough to re-derive its ids."""
+        return {"vocab_size": int(self.vocab_size), "special_ids": sorted({int(i) for i in self.special_ids})}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "VocabInfo":
+        return cls(int(record["vocab_size"]), tuple(record["special_ids"]))
+
 
 # --- the payload layouts: the one place that knows how a chunk's bytes are ordered -------------
 def to_chunk_layout(kv: torch.Tensor, start: int, end: int, layout: str = LAYOUT_BY_HEAD) -> torch.Tensor:
@@ -96,7 +104,8 @@ def pack_kv(
     wrote, kept so that their cartridges can be made again for compatibility tests).
 
     First-k cartridges need their real `token_ids`. Trained ones get placeholder ids derived
-    from the content hash (needs `vocab`) unless `token_ids` are given (re-chunking keeps them).
+    from the content hash, drawn from `vocab` (recorded in the manifest, so that every read
+    re-derives them: `Manifest.check_placeholder_ids`); they cannot be given.
     The directory appears atomically: readers never see a half-written cartridge.
     """
     validate_id(cartridge_id)
@@ -125,11 +134,13 @@ def pack_kv(
         raise CartridgeFormatError("a first_k cartridge needs the token ids its KV was computed from")
     if token_ids is not None and len(token_ids) != num_tokens:
         raise CartridgeFormatError(f"{len(token_ids)} token ids for {num_tokens} KV tokens")
-    if kind == "trained" and token_ids is None and vocab is None:
+    if kind == "trained" and vocab is None:
         raise CartridgeFormatError(
             "a trained cartridge needs the model's vocabulary to draw placeholder token ids: "
             "pass --model DIR (or --vocab-size N)"
         )
+    if kind == "trained" and token_ids is not None:
+        raise CartridgeFormatError("a trained cartridge's token ids are derived from its KV, never given")
 
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
@@ -158,7 +169,7 @@ def pack_kv(
             f.flush()
             os.fsync(f.fileno())
         content_hash = _content_hash(kv, chunks, chunk_size)
-        if token_ids is None:
+        if kind == "trained":
             assert vocab is not None
             token_ids = placeholder_token_ids(content_hash, num_tokens, vocab.vocab_size, vocab.special_ids)
         manifest = Manifest(
@@ -177,6 +188,7 @@ def pack_kv(
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             provenance=dict(provenance or {}),
             labels=sorted(set(labels)),
+            vocab=vocab.as_record() if kind == "trained" else None,
             format_version=next(v for v, lay in LAYOUTS.items() if lay == layout),
             layout=layout,
         )
@@ -310,18 +322,21 @@ class PackedCartridge:
 
 
 def rechunk(src: PackedCartridge, out_dir: str | Path, chunk_size: int, *, overwrite: bool = False) -> Manifest:
-    """Re-pack a cartridge to another chunk size, keeping its id, kind and token ids.
+    """Re-pack a cartridge to another chunk size, keeping its id, kind, a first-k cartridge's
+    token ids and a trained one's vocabulary (its placeholder ids follow its new chunks' hash).
 
     Trained cartridges must still be a whole number of chunks; `pack_kv` refuses otherwise.
     """
     m = src.manifest
+    trained = m.kind == "trained"
     return pack_kv(
         src.load_kv(verify=True),
         out_dir,
         cartridge_id=m.cartridge_id,
         model=m.model,
         kind=m.kind,
-        token_ids=m.token_ids,
+        token_ids=None if trained else m.token_ids,
+        vocab=VocabInfo.from_record(m.vocab) if trained else None,
         chunk_size=chunk_size,
         provenance={**m.provenance, "rechunked_from": m.chunk_size},
         labels=m.labels,

@@ -66,6 +66,10 @@ def composite_manifest(parts: list[Manifest], context_ids: list[int] | tuple[int
                 raise CartridgeError(
                     f"cartridges {first.cartridge_id!r} and {p.cartridge_id!r} cannot be served together: "
                     f"{f} {getattr(first, f)!r} vs {getattr(p, f)!r}")
+    vocabs = {json.dumps(p.vocab, sort_keys=True) for p in parts if p.kind == "trained"}
+    if len(vocabs) != 1:
+        raise CartridgeError(f"trained parts {[p.cartridge_id for p in parts]} drew their placeholder ids "
+                             "from different vocabularies")
     chunks: list[ChunkInfo] = []
     offset = 0
     for p in parts:
@@ -82,7 +86,8 @@ def composite_manifest(parts: list[Manifest], context_ids: list[int] | tuple[int
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         provenance={"composite_of": [p.cartridge_id for p in parts],
                     "content_hashes": [p.content_hash for p in parts]},
-        labels=[], context_ids=context_ids)
+        labels=[], context_ids=context_ids, vocab=json.loads(vocabs.pop()),
+        segments=[s for p in parts for s in (p.segments or [[p.kind, p.num_tokens]])])
     m.content_hash = m.derived_content_hash()  # its bytes are the parts' bytes: their hash, as any cartridge's
     m.validate()
     return m
