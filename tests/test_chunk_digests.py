@@ -22,7 +22,7 @@ from conftest import rehash_manifest
 
 from lmcache_cartridge.cartridge.integrity import check_chunk, chunk_digest
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest, legacy_content_hash
-from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv
+from lmcache_cartridge.cartridge.packed import VocabInfo, PackedCartridge, pack_kv
 from lmcache_cartridge.errors import ChecksumError, ManifestError
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import LocalOrigin
@@ -189,7 +189,7 @@ def test_a_composite_keeps_its_parts_blake3(tmp_path):
     for i in range(2):
         kv = torch.randn(2, 1, 128, 1, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
         parts.append(pack_kv(kv, tmp_path / f"t{i}", cartridge_id=f"t{i}", model="m", kind="trained",
-                             token_ids=list(range(5, 133)), chunk_size=64))
+                             vocab=VocabInfo(1000), chunk_size=64))
     m = composite_manifest(parts)
     assert [c.blake3 for c in m.chunks] == [c.blake3 for p in parts for c in p.chunks]
     assert all(c.blake3 for c in m.chunks)
