@@ -85,11 +85,12 @@ class Engine:
         self.kv[:, :, :n] = kv_2lthd_flat
         self.engine.store(list(token_ids), kvcaches=self.kv, slot_mapping=torch.arange(n))
 
-    def retrieve(self, token_ids) -> tuple[int, torch.Tensor]:
+    def retrieve(self, token_ids, request_configs: dict | None = None) -> tuple[int, torch.Tensor]:
         """Retrieve into a fresh zeroed buffer; return (#tokens retrieved, buffer[:, :, :n])."""
         n = len(token_ids)
         self.kv.zero_()
-        mask = self.engine.retrieve(list(token_ids), kvcaches=self.kv, slot_mapping=torch.arange(n))
+        mask = self.engine.retrieve(list(token_ids), kvcaches=self.kv, slot_mapping=torch.arange(n),
+                                    request_configs=request_configs)
         return int(mask.sum()), self.kv[:, :, :n].clone()
 
     def clear_local_cpu(self) -> None:

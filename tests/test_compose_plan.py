@@ -51,6 +51,8 @@ def parts(tmp_path):
         pack_kv(kv[name], allowed / name, cartridge_id=name, model=MODEL, kind="trained",
                 vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
     torch.save({"token_ids": [7, 8, 9]}, allowed / "t.pt")
+    for name in ("sys", "doc", "other", "odd"):  # the operator's: first-k KV a client brought is
+        reg.register(allowed / name)            # never composed (test_client_kv_salt)
     r = Resolver(settings, reg)
     res = {n: r.resolve(CartridgeSpec(id=str(allowed / n), source="local"))
            for n in ("sys", "doc", "other", "odd", "ta", "tb", "t.pt")}

@@ -119,6 +119,8 @@ def test_plan_places_cartridges_in_order(tmp_path, settings, model_dir):
     _cart(a / "doc", "doc", list(range(1, 65)), model_dir)        # extends sys
     _cart(a / "other", "other", list(range(100, 132)), model_dir)  # does not
     torch.save({"token_ids": [7, 8, 9]}, a / "t.pt")
+    for n in ("sys", "doc", "other"):  # the operator's (a client's first-k KV is salted: test_client_kv_salt)
+        reg.register(a / n)
     sys_, doc, other, toks = (r.resolve(spec(str(a / n), source="local")) for n in ("sys", "doc", "other", "t.pt"))
     p = r.plan([sys_, doc])
     assert p.prefix == list(range(1, 65)) and [e.id for e in p.wanted] == ["sys", "doc"]
@@ -462,13 +464,44 @@ def test_client_kv_params_pass_and_the_gateways_own_are_set_by_it(tmp_path, sett
     assert r.status_code == 200, r.text
     assert seen[-1][1]["kv_transfer_params"] == params
     _trained(tmp_path / "allowed" / "t", "t", model_dir)
+    trained = [{"id": str(tmp_path / "allowed" / "t"), "source": "local"}]
     r = _call(app, "POST", "/v1/completions", json={
-        "prompt": [5, 6], "max_tokens": 1, "kv_transfer_params": params,
-        "cartridges": [{"id": str(tmp_path / "allowed" / "t"), "source": "local"}]})
+        "prompt": [5, 6], "max_tokens": 1, "kv_transfer_params": {"lmcache.skip_save": False}, "cartridges": trained})
     assert r.status_code == 200, r.text
     sent = seen[-1][1]["kv_transfer_params"]
     assert sent["lmcache.skip_save"] is True and sent[NO_RECOMPUTE_PARAM] is True
-    assert sent["lmcache.tag.user"] == "u1"
+    # a client's tag would key the request's chunks apart from the cartridge's: never found, 503
+    # after the wait; said at once instead
+    n = len(seen)
+    r = _call(app, "POST", "/v1/completions", json={
+        "prompt": [5, 6], "max_tokens": 1, "kv_transfer_params": params, "cartridges": trained})
+    assert r.status_code == 400 and "lmcache.tag.user" in r.json()["error"]["message"] and len(seen) == n
+
+
+def test_a_clients_first_k_kv_goes_upstream_under_its_salt(tmp_path, settings, model_dir, recording_upstream):
+    """First-k KV a client brought (a local path here): the upstream request carries its salt as
+    LMCache's key tag and as vLLM's cache_salt (a client's own cache_salt kept beside it); a
+    request not naming it carries neither (test_client_kv_salt, test_gateway_e2e)."""
+    import dataclasses
+
+    from lmcache_cartridge.cartridge.keys import SALT_TAG, client_kv_salt
+    from lmcache_cartridge.cartridge.manifest import Manifest
+
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    pack_kv(random_kv(2, CHUNK, 2, 32), tmp_path / "allowed" / "fk", cartridge_id="fk", model=model_dir,
+            kind="first_k", token_ids=list(range(20, 20 + CHUNK)), chunk_size=CHUNK)
+    salt = client_kv_salt(Manifest.load(tmp_path / "allowed" / "fk"))
+    fk = [{"id": str(tmp_path / "allowed" / "fk"), "source": "local"}]
+    for extra, cache_salt in (({}, salt), ({"cache_salt": "mine"}, f"{salt}:mine")):
+        r = _call(app, "POST", "/v1/completions", json={"prompt": [5, 6], "max_tokens": 1, "cartridges": fk, **extra})
+        assert r.status_code == 200, r.text
+        assert seen[-1][1]["kv_transfer_params"] == {SALT_TAG: salt} and seen[-1][1]["cache_salt"] == cache_salt
+    r = _call(app, "POST", "/v1/completions", json={"prompt": list(range(20, 20 + CHUNK)), "max_tokens": 1})
+    assert r.status_code == 200 and "kv_transfer_params" not in seen[-1][1] and "cache_salt" not in seen[-1][1]
+    r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1, "cartridges": fk,
+                                                    "kv_transfer_params": {SALT_TAG: salt}})
+    assert r.status_code == 400
 
 
 def test_local_ids_checked_before_the_file_system_is_walked(tmp_path, settings, model_dir, monkeypatch):
@@ -734,3 +767,41 @@ tenants:
         (tmp_path / "bad.yaml").write_text("tenants:\n- {name: a, keys: [k-0123456789abcdef]}\n"
                                            "- {name: b, keys: [k-0123456789abcdef]}\n")
         load_tenants(tmp_path / "bad.yaml")
+
+
+def test_conversions_stay_within_the_cache_budget(tmp_path, settings, model_dir):
+    """Every input a client names is converted into packed/ (and S3 ones downloaded into
+    objects/): beyond `max_cache_bytes` the least recently used goes, with its registry entry and
+    the composites made from it; the operator's registrations and what a resolution uses stay.
+    Before the budget, packed/ grew with every new input for good."""
+    import dataclasses
+    from pathlib import Path
+
+    def seed000(name, seed, token_ids=None):
+        kv = random_kv(2, CHUNK, 2, 64, seed=seed)
+        obj = {"kv_cache": {f"layer_{i}": kv[:, i].permute(0, 2, 1, 3).contiguous() for i in range(2)}}
+        if token_ids is not None:
+            obj["token_ids"] = token_ids
+        torch.save(obj, tmp_path / "allowed" / f"{name}.pt")
+        return spec(str(tmp_path / "allowed" / f"{name}.pt"), source="local")
+
+    one = 2 * 2 * CHUNK * 2 * 64 * 2  # a converted cartridge's payload: K and V, 2 layers, 2 heads, bf16
+    reg = Registry(settings.registry)
+    r = Resolver(dataclasses.replace(settings, max_cache_bytes=int(2.5 * one)), reg)
+    a, b, c = (r.resolve(seed000(n, i, list(range(10 + i, 10 + i + CHUNK)))) for i, n in enumerate("abc"))
+    packed = settings.cache_dir / "packed"
+    assert reg.get(a.entry.id) is None and not Path(a.entry.path).exists()  # the least recently used
+    assert Path(b.entry.path).is_dir() and Path(c.entry.path).is_dir() and len(list(packed.iterdir())) == 2
+    conversions = r.stats["conversions"]
+    again = r.resolve(seed000("a", 0, list(range(10, 10 + CHUNK))))  # named again: converted again
+    assert r.stats["conversions"] == conversions + 1 and reg.get(again.entry.id) is not None
+    assert reg.get(b.entry.id) is None and reg.get(c.entry.id) is not None
+    # the operator's registration of c's bytes is never evicted; composites go with their parts
+    reg.register(c.entry.path)
+    t1, t2 = r.resolve(seed000("t1", 7)), r.resolve(seed000("t2", 8))
+    assert t1.kind == t2.kind == "trained" and reg.get(c.entry.id) is not None and not reg.get(c.entry.id).client
+    comp = r.plan([t1, t2]).wanted[0]
+    assert reg.get(comp.id) is not None
+    r.resolve(seed000("d", 9, list(range(900, 900 + CHUNK))))
+    assert reg.get(t1.entry.id) is None and reg.get(comp.id) is None  # t1 went, and the composite with it
+    assert reg.get(c.entry.id) is not None and Path(c.entry.path).is_dir()

@@ -46,12 +46,16 @@ def _trainable_cache(kv: torch.Tensor, frozen: int = 1) -> dict[str, list[torch.
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, moto_server):
+def stack(tmp_path_factory, moto_server, engine_kv):
     from lmcache_cartridge.tools.create import create_first_k
-    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
+    from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
 
     model_dir = ensure_test_model()
+    # First-k KV is vLLM's own (as `create` makes it): a request loading it and the plain prompt
+    # vLLM computes are then the same KV, which the comparisons below rely on now that a plain
+    # prompt never reaches KV a client brought (test_client_kv_salt)
+    maker = engine_kv(model_dir).launch()
     root = tmp_path_factory.mktemp("gw_e2e")
     (root / "carts").mkdir()
     (root / "local").mkdir()
@@ -83,7 +87,7 @@ def stack(tmp_path_factory, moto_server):
     system_ids = own_ids[:CHUNK]
     torch.save({"token_ids": system_ids}, files / "system-prompt.pt")          # token-only
     ctx_ids = own_ids[:CHUNK + 300]                                           # first-k computed after it
-    torch.save({"token_ids": ctx_ids, "kv_cache": _seed000_kv_cache(compute_prefix_kv(model, ctx_ids))},
+    torch.save({"token_ids": ctx_ids, "kv_cache": _seed000_kv_cache(maker.prefix_kv(ctx_ids))},
                files / "context.pt")
     trained = {n: torch.randn(2, L, CHUNK, H, D, generator=g).to(torch.bfloat16) for n in ("ta", "tb")}  # as test_vllm_e2e
     for n, kv in trained.items():
@@ -96,8 +100,11 @@ def stack(tmp_path_factory, moto_server):
     # the guide's local .pt: first-k, on tokens no other cartridge starts with (vLLM's prefix cache
     # would otherwise hold them already, and the test could not see the cartridge's KV load)
     local_ids = tok("A story told twice. " + document_text())["input_ids"][:CHUNK + 40]
-    torch.save({"token_ids": local_ids, "kv_cache": _seed000_kv_cache(compute_prefix_kv(model, local_ids))},
-               root / "local" / "cartridge.pt")
+    local_kv = maker.prefix_kv(local_ids)
+    torch.save({"token_ids": local_ids, "kv_cache": _seed000_kv_cache(local_kv)}, root / "local" / "cartridge.pt")
+    # forged: a prompt's ids with another text's KV (what anyone who can write a file a client names could make)
+    forged_ids = tok("A tale nobody told. " + document_text())["input_ids"][:CHUNK + 40]
+    torch.save({"token_ids": forged_ids, "kv_cache": _seed000_kv_cache(local_kv)}, root / "local" / "forged.pt")
 
     registry = root / "registry.db"
     cfg = lmcache_config(registry, chunk_size=CHUNK, cache_dir=root / "cache",
@@ -120,7 +127,8 @@ def stack(tmp_path_factory, moto_server):
             server.wait_serving(2)
             yield {"server": server, "gw": gw, "root": root, "carts": carts, "reg": reg, "model": str(model_dir),
                    "hf": (model, tok), "proxy": proxy, "app": gw.server.config.app, "ids": {
-                       "guide": guide["token_ids"], "system": system_ids, "context": ctx_ids, "local": local_ids},
+                       "guide": guide["token_ids"], "system": system_ids, "context": ctx_ids, "local": local_ids,
+                       "forged": forged_ids},
                    "trained": trained}
     finally:
         proxy.stop()
@@ -222,10 +230,10 @@ def test_several_local_cartridges_and_limits(stack):
     assert stack["server"].alive()
 
 
-def plain(stack, ids: list[int], max_tokens: int = 8) -> dict:
+def plain(stack, ids: list[int], max_tokens: int = 8, **extra) -> dict:
     """The reference: vLLM itself given the token ids the cartridges stand for (no gateway)."""
     body = {"model": stack["model"], "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
-            "kv_transfer_params": {"lmcache.skip_save": True}}
+            "kv_transfer_params": {"lmcache.skip_save": True}, **extra}
     r = httpx.post(stack["server"].url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
@@ -311,6 +319,28 @@ def test_guide_completion_example_verbatim_local_pt(stack):
     ids = stack["ids"]["local"] + tok("Once upon a time", add_special_tokens=False)["input_ids"]
     ref = plain(stack, ids, max_tokens=100)
     assert same((c["text"], c["logprobs"]["token_logprobs"]), ref)
+
+
+def test_a_clients_forged_first_k_reaches_only_requests_that_name_it(stack):
+    """Issue 33: a client names a local .pt whose ids are a prompt and whose KV is another text's.
+    The request naming it loads that KV (its answer shows it); the same prompt sent by anyone
+    else, straight to vLLM with prefix caching on, loads nothing from LMCache and is answered as
+    vLLM computes it. Before salting, the plugin served the forged chunks under the prompt's own
+    keys and vLLM's prefix cache kept them."""
+    _, tok = stack["hf"]
+    ids = stack["ids"]["forged"] + tok(" What happened next?", add_special_tokens=False)["input_ids"]
+    ext0 = stack["server"].external_tokens()
+    named = complete(stack, [{"id": str(stack["root"] / "local" / "forged.pt"), "source": "local"}],
+                     prompt=" What happened next?")
+    assert stack["server"].external_tokens() - ext0 >= CHUNK, stack["server"].log_tail()
+    ext1 = stack["server"].external_tokens()
+    victim = plain(stack, ids)
+    assert stack["server"].external_tokens() == ext1  # nothing of it came from LMCache
+    # computed from scratch: a salt of its own in vLLM's prefix cache and in LMCache's keys
+    fresh = plain(stack, ids, cache_salt="fresh", kv_transfer_params={"lmcache.skip_save": True,
+                                                                     "lmcache.tag.t": "fresh"})
+    assert same(victim, fresh), (victim, fresh)
+    assert not same(named, fresh)  # the forged KV moves the answer: a leak would be seen
 
 
 def test_guide_multiple_cartridges_example(stack):

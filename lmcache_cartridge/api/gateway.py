@@ -24,6 +24,7 @@ from lmcache_cartridge.api.requests import ChatRequest, CompletionRequest, descr
 from lmcache_cartridge.api.resolver import Resolver
 from lmcache_cartridge.api.routing import SESSION_HEADER, route_id, session_key
 from lmcache_cartridge.api.settings import GatewaySettings, RequestError
+from lmcache_cartridge.cartridge.keys import SALT_TAG
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 from lmcache_cartridge.paths import private_dir
@@ -252,6 +253,17 @@ def create_app(settings: GatewaySettings):
                                         f"max_model_len of {limit}")
             upstream = {k: v for k, v in body.model_dump(exclude_unset=True).items()
                         if k not in _CHAT_ONLY and k not in ("prompt", "cartridges")}
+            tags = [k for k in (body.kv_transfer_params or {}) if k.startswith("lmcache.tag.")]
+            if tags and plan.wanted:
+                raise RequestError(400, f"kv_transfer_params {tags[0]!r} cannot go with cartridges whose KV is "
+                                        "loaded: LMCache keys a request's chunks by its tags, and a cartridge's "
+                                        "chunks carry none of the client's")
+            if plan.salt:
+                # KV a client brought: keyed under its salt in LMCache (the plugin keys it so) and in
+                # vLLM's prefix cache (`cache_salt`), so only requests naming it ever use it
+                upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), SALT_TAG: plan.salt}
+                upstream["cache_salt"] = plan.salt if "cache_salt" not in upstream \
+                    else f"{plan.salt}:{upstream['cache_salt']}"[:128]
             upstream.update(model=settings.model, prompt=ids)
             if chat:  # chat's logprobs: bool + top_logprobs: int -> completions' logprobs: int
                 if body.logprobs:
@@ -261,6 +273,7 @@ def create_app(settings: GatewaySettings):
             route = {SESSION_HEADER: session_key([route_id(r.entry.id if r.entry else None, r.token_ids)
                                                   for r in resolved if r.entry is not None or r.token_ids])}
             if plan.trained:
+                assert not plan.salt  # a client's KV is never loaded beside trained KV (Resolver._tail)
                 # Placeholder tokens' KV must never be stored where LMCache would serve it, and a
                 # failed load of the cartridge must fail the request, never recompute them
                 # (vllm.load_failure): vLLM answers 500, mapped to a retryable 503 below. The

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
+from lmcache_cartridge.cartridge.keys import SALT_TAG
+
 MAX_ID_LENGTH = 1024
 SOURCES = ("s3", "local")
 
@@ -38,6 +40,8 @@ def check_client_kv_params(params: dict[str, Any] | None) -> dict[str, Any] | No
         if key == "lmcache.skip_save":
             if not isinstance(value, bool):
                 raise ValueError("'lmcache.skip_save' must be true or false")
+        elif key == SALT_TAG:
+            raise ValueError(f"{key!r} is the gateway's to set (it keys KV a client brought)")
         elif _TAG_KEY.match(key):
             if not isinstance(value, str) or len(value) > MAX_TAG_VALUE:
                 raise ValueError(f"{key!r} must be a string of at most {MAX_TAG_VALUE} characters")

@@ -85,10 +85,18 @@ class Plan:
     # (end, recipe) of each composite in the prefix: sent along so an instance on another host
     # builds it in its own registry (`store.composite.recipe`, `vllm.composites`)
     composites: list[tuple[int, dict]] = field(default_factory=list)
+    # `keys.SALT_TAG` for the request: the salt of the one first-k cartridge a client brought whose
+    # KV it loads ("" for none); the gateway sends it so that its keys match only here
+    salt: str = ""
 
     def recipes(self, upto: int | None = None) -> list[dict]:
         """The recipes of the composites ending by token `upto` (None: all)."""
         return [w for end, w in self.composites if upto is None or end <= upto]
+
+
+def _salted(p: Resolved) -> bool:
+    """Whether `p` is KV a client brought (keyed under its salt: never part of a composite)."""
+    return p.entry is not None and bool(p.entry.salt)
 
 
 @dataclass
@@ -288,7 +296,7 @@ class Resolver:
     def _registered(self, name: str, directory: Path, source_uri: str, force: bool) -> Resolved:
         try:
             entry = self.registry.register(directory, source_uri=source_uri, force_redownload=force,
-                                           replace_origin=False)
+                                           replace_origin=False, client=True)
         except IdTaken as e:
             raise RequestError(409, str(e)) from None
         except CartridgeError as e:
@@ -304,7 +312,8 @@ class Resolver:
             raise RequestError(404, str(e)) from None
         self._visible(entry, spec.id, tenant)
         if spec.force_redownload:  # servers drop their cached copies and read the origin again
-            entry = self.registry.register(entry.path, source_uri=entry.source_uri, force_redownload=True)
+            entry = self.registry.register(entry.path, source_uri=entry.source_uri, force_redownload=True,
+                                           client=bool(entry.salt))  # a client's KV stays salted
             self.stats["registrations"] += 1
         m = Manifest.load(entry.path)
         return Resolved(entry.id, m.kind, tuple(m.token_ids), entry, m)
@@ -333,8 +342,21 @@ class Resolver:
         except CartridgeError as e:
             raise RequestError(400, str(e)) from None
         if out.packed_dir is None:
+            self._budget(path)
             return Resolved(spec.id, "tokens", tuple(out.token_ids))
-        return self._registered(spec.id, out.packed_dir, str(out.packed_dir), spec.force_redownload)
+        resolved = self._registered(spec.id, out.packed_dir, str(out.packed_dir), spec.force_redownload)
+        self._budget(out.packed_dir, path)
+        return resolved
+
+    def _budget(self, *using: Path) -> None:
+        """Keep what clients made us store within `max_cache_bytes` (`store.cache_budget`),
+        never evicting what this resolution uses (`using`: its conversion, its download)."""
+        from lmcache_cartridge.store.cache_budget import AREAS, enforce
+
+        cache = Path(self.settings.cache_dir)
+        keep = tuple(cache / area / Path(p).relative_to(cache / area).parts[0]
+                     for p in using for area in AREAS if (cache / area) in Path(p).parents)
+        enforce(cache, self.registry, self.settings.max_cache_bytes, keep=keep)
 
     @staticmethod
     def _dropped_if_refused(downloaded: Path, convert):
@@ -369,7 +391,8 @@ class Resolver:
                     spec, listed.path, listed.digest, listed.uri.rsplit("/", 1)[-1]))
             self.stats["s3_manifests"] += 1
             entry = register_s3(self.registry, spec.id, self.settings.cache_dir, settings,
-                                force_redownload=spec.force_redownload, engine=self.engine, replace_origin=False)
+                                force_redownload=spec.force_redownload, engine=self.engine, replace_origin=False,
+                                client=True)
             self.stats["registrations"] += 1
         except NotFound as e:
             raise RequestError(404, str(e)) from None
@@ -416,12 +439,21 @@ class Resolver:
     @staticmethod
     def _tail(plan: Plan, parts: list[Resolved]) -> Plan:
         """Token-only and first-k parts after the KV head: their ids in order; a first-k
-        cartridge's own KV where it is exact (it extends what precedes it), else prefilled."""
+        cartridge's own KV where it is exact (it extends what precedes it), else prefilled.
+
+        KV a client brought (`Entry.salt`) is loaded only as the request's one KV cartridge: the
+        salt tags every key of the request, and no other cartridge's keys carry it. Elsewhere
+        its tokens are computed (exact for first-k, as every prefill)."""
         for p in parts:
             ids = list(p.token_ids)
             if p.kind == "first_k" and ids[:len(plan.prefix)] == plan.prefix:
                 plan.prefix = ids  # it extends what precedes it: its own KV is exact here
-                plan.wanted.append(p.entry)
+                if _salted(p):
+                    if not plan.wanted:
+                        plan.wanted.append(p.entry)
+                        plan.salt = p.entry.salt
+                elif not plan.salt:  # under a salt its keys would not match: computed
+                    plan.wanted.append(p.entry)
             else:
                 plan.prefix += ids  # plain tokens after what precedes them: vLLM computes them
         return plan
@@ -444,7 +476,7 @@ class Resolver:
             ids = list(p.token_ids)
             if not ids:
                 continue  # an empty token-only cartridge places nothing
-            if p.kind == "first_k" and not any(q.kind == "trained" for _, r in runs for q in r) \
+            if p.kind == "first_k" and not _salted(p) and not any(q.kind == "trained" for _, r in runs for q in r) \
                     and ids[:len(placed)] == placed:
                 runs, placed, kv_end = [(0, [p])], ids, len(ids)  # exact: covers all before it
                 continue

@@ -57,6 +57,9 @@ class GatewaySettings:
     force_redownload_interval: float = 60.0
     max_model_len: int | None = None   # None: asked of the upstream server once
     max_body_bytes: int = 4 << 20
+    # what clients make the gateway store under cache_dir (S3 inputs downloaded, inputs converted):
+    # least recently used evicted beyond it (`store.cache_budget`)
+    max_cache_bytes: int = 64 << 30
     upstream_timeout: float = 600.0
     serve_timeout: float = 15.0     # wait this long for the engine's plugins to serve a cartridge
     # The S3 catalog the plugins sync (`storage_plugin.<name>.catalog_uri`): the gateway syncs it

@@ -19,6 +19,11 @@ from lmcache_cartridge.errors import KeyConfigError
 
 logger = logging.getLogger(__name__)
 
+# The LMCache key tag (`CacheEngineKey.tags`, from a request's `lmcache.tag.*` kv_transfer_params)
+# under which KV a client brought is served: only requests the gateway sends naming that
+# cartridge carry it (`client_kv_salt`), so nobody else's prompt ever matches its keys.
+SALT_TAG = "lmcache.tag.lmcache_cartridge_salt"
+
 # Hash algorithms whose chain starts from a per-process random seed unless PYTHONHASHSEED is set
 # (vLLM's `resolve_none_hash_seed`; Python's `hash()` of a str is randomised per process too).
 _SEED_DEPENDENT = {"builtin", "xxhash", "xxhash_cbor"}
@@ -63,21 +68,36 @@ class ChunkKeyMapper:
         self.chunk_size: int = int(config.chunk_size)
         self._db = ChunkedTokenDatabase(config, metadata)
 
-    def chunk_ranges(self, token_ids: Sequence[int]) -> list[tuple[int, int, object]]:
-        """`(start, end, CacheEngineKey)` for every chunk LMCache would look up, in order.
+    def chunk_ranges(self, token_ids: Sequence[int], salt: str = "") -> list[tuple[int, int, object]]:
+        """`(start, end, CacheEngineKey)` for every chunk LMCache would look up, in order, for a
+        request carrying `salt` (`SALT_TAG`; "" for none).
 
         Only full chunks unless the config sets `save_unfull_chunk`: the tokens of a partial
         last chunk are recomputed by the model, never loaded.
         """
-        return list(self._db.process_tokens(list(token_ids)))
+        return list(self._db.process_tokens(list(token_ids), request_configs=salt_configs(salt)))
 
-    def keys(self, token_ids: Sequence[int]) -> list[object]:
-        return [key for _, _, key in self.chunk_ranges(token_ids)]
+    def keys(self, token_ids: Sequence[int], salt: str = "") -> list[object]:
+        return [key for _, _, key in self.chunk_ranges(token_ids, salt)]
 
-    def cartridge_keys(self, manifest) -> list[object]:
+    def cartridge_keys(self, manifest, salt: str = "") -> list[object]:
         """The keys of `manifest`'s own chunks, in order: chained over its context ids (tokens the
-        engine computes before it, whose chunks LMCache holds, not us) and then its own ids."""
-        return self.keys(manifest.key_token_ids)[manifest.context_chunks:]
+        engine computes before it, whose chunks LMCache holds, not us) and then its own ids;
+        tagged with `salt` when a client brought the KV (the registry entry's `salt`)."""
+        return self.keys(manifest.key_token_ids, salt)[manifest.context_chunks:]
+
+
+def salt_configs(salt: str) -> dict | None:
+    """The `request_configs` LMCache builds a request's keys from when it carries `salt`."""
+    return {SALT_TAG: salt} if salt else None
+
+
+def client_kv_salt(manifest) -> str:
+    """The salt of a first-k cartridge a client brought: derived from its KV (content hash) and
+    its ids, so two clients' KV for the same tokens are two cartridges, and the same file named
+    twice is one."""
+    ids = hashlib.sha256(",".join(map(str, manifest.token_ids)).encode()).hexdigest()
+    return hashlib.sha256(f"client-kv:{manifest.content_hash}:{ids}".encode()).hexdigest()[:32]
 
 
 @functools.lru_cache(maxsize=8)

@@ -290,7 +290,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             raise CartridgeError(why)
         s3 = self._s3_settings() if is_s3(entry.source_uri) else None
         origin = open_origin(entry.source_uri, entry.path, s3)
-        keys = self.mapper.cartridge_keys(m)
+        keys = self.mapper.cartridge_keys(m, entry.salt)
         view = RankView.of(m, self.shape.world_size, self.shape.rank)
         return Served(entry, Handle(m, origin, servable=len(keys), view=view), keys)
 

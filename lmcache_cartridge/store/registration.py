@@ -22,6 +22,7 @@ from pathlib import Path
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest, id_from_name
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.store.cache_budget import touch  # reuse refreshes an item's place in the budget
 
 
 # --- vocabularies -----------------------------------------------------------------------------
@@ -61,7 +62,7 @@ def fetch_s3_manifest(uri: str, settings, into_dir: Path) -> Manifest:
 
 def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), force_redownload: bool = False,
                 engine: EngineShape | None = None, chunk_size: int | None = None, replace_origin: bool = True,
-                expect_id: str | None = None):
+                expect_id: str | None = None, client: bool = False):
     """Register an S3 packed cartridge: fetch its manifest, check it against `engine` (what the
     caller knows of the serving engine; `chunk_size` alone is shorthand for a shape knowing only
     that), index it; chunks are fetched on demand by the servers. The manifest lands in
@@ -81,7 +82,7 @@ def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), for
     if why:
         raise CartridgeError(f"{uri}: {why}")
     return registry.register(into, source_uri=uri, labels=list(labels), force_redownload=force_redownload,
-                             replace_origin=replace_origin)
+                             replace_origin=replace_origin, client=client)
 
 
 # --- whole S3 objects -------------------------------------------------------------------------
@@ -113,6 +114,7 @@ def fetch_s3_object(uri: str, settings, cache_dir: Path, *, force: bool = False)
         try:
             m = json.loads(meta.read_text(encoding="utf-8"))
             if m["uri"] == uri and data.stat().st_size == m["size"]:
+                touch(d)
                 return CachedObject(data, uri, m["size"], m["etag"], m["sha256"], downloaded=False)
         except (ValueError, KeyError, TypeError):
             pass  # a damaged record: download again
@@ -194,6 +196,7 @@ def fetch_s3_dir(uri: str, settings, cache_dir: Path, *, force: bool = False) ->
         if stale.name not in record:  # a file the prefix no longer holds must not change the input
             stale.unlink()
     _atomic_write(meta_path, json.dumps({"uri": uri, "files": record}).encode())
+    touch(d)
     h = hashlib.sha256()  # content_digest of the directory, from the sha256s already computed
     for name in sorted(record):
         h.update(name.encode() + b"\0" + record[name]["sha256"].encode())
@@ -249,6 +252,7 @@ def convert_input(path: Path, digest: str, cache_dir: Path, *, model: str, chunk
 
     out = Path(cache_dir) / "packed" / digest[:32]
     if (out / MANIFEST_NAME).is_file():
+        touch(out)
         return Converted(out, None)
     loaded = load_input(path)
     if loaded.kv is None:

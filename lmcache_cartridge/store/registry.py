@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.cartridge.keys import client_kv_salt
 from lmcache_cartridge.cartridge.manifest import Manifest, validate_id
 from lmcache_cartridge.cartridge.packed import PackedCartridge
 from lmcache_cartridge.paths import default_registry_path
@@ -44,9 +45,13 @@ CREATE TABLE IF NOT EXISTS cartridges (
     content_hash  TEXT NOT NULL,
     labels        TEXT NOT NULL DEFAULT '[]',
     added_at      REAL NOT NULL,
-    epoch         INTEGER NOT NULL DEFAULT 0
+    epoch         INTEGER NOT NULL DEFAULT 0,
+    salt          TEXT NOT NULL DEFAULT '',
+    client        INTEGER NOT NULL DEFAULT 0
 );
 """
+# columns added since the first schema: (name, definition), added to older databases on open
+_ADDED_COLUMNS = (("salt", "TEXT NOT NULL DEFAULT ''"), ("client", "INTEGER NOT NULL DEFAULT 0"))
 
 
 class RegistryError(CartridgeError):
@@ -78,6 +83,13 @@ class Entry:
     labels: list[str] = field(default_factory=list)
     added_at: float = 0.0
     epoch: int = 0  # bumped by force_redownload: servers drop cached copies of the old bytes
+    # "" or `keys.client_kv_salt`: first-k KV a client brought (named by path or S3 URI in a
+    # request, not registered by the operator) is keyed under this tag, so it reaches only
+    # requests that name it: a manifest's ids are a claim nobody checked.
+    salt: str = ""
+    # registered for a client's request (the gateway), not by the operator (CLI, catalog): its
+    # bytes may be evicted under the cache dir's budget (`store.cache_budget`)
+    client: bool = False
 
 
 _COLUMNS = [f for f in Entry.__dataclass_fields__]
@@ -86,6 +98,7 @@ _COLUMNS = [f for f in Entry.__dataclass_fields__]
 def _row_to_entry(row: tuple) -> Entry:
     d = dict(zip(_COLUMNS, row))
     d["labels"] = json.loads(d["labels"])
+    d["client"] = bool(d["client"])
     return Entry(**d)
 
 
@@ -103,6 +116,10 @@ class Registry:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA busy_timeout=%d" % int(timeout * 1000))
             self._db.executescript(SCHEMA)
+            have = {r[1] for r in self._db.execute("PRAGMA table_info(cartridges)").fetchall()}
+            for name, definition in _ADDED_COLUMNS:
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE cartridges ADD COLUMN {name} {definition}")
         except sqlite3.DatabaseError as e:
             raise RegistryError(f"cannot open cartridge registry {self.path}: {e}") from e
 
@@ -125,7 +142,7 @@ class Registry:
     # --- writes ------------------------------------------------------------------------------
     def register(self, directory: str | Path, *, source_uri: str | None = None,
                  labels: list[str] | tuple[str, ...] = (), replace: bool = True,
-                 force_redownload: bool = False, replace_origin: bool = True) -> Entry:
+                 force_redownload: bool = False, replace_origin: bool = True, client: bool = False) -> Entry:
         """Index a packed cartridge directory (validated: manifest, and payload size if local).
 
         For an S3 cartridge `directory` holds only its manifest and `source_uri` is the
@@ -135,6 +152,8 @@ class Registry:
         The id is the manifest's own: whoever wrote the manifest chose it. `replace_origin=False`
         (what the gateway passes for cartridges its clients name) refuses an id already held by
         another origin (`IdTaken`), so a client cannot take over a name everyone else uses.
+        `client=True` (the gateway, for what a request names): first-k KV is salted
+        (`Entry.salt`) unless the operator registered these very bytes from this origin before.
         """
         from lmcache_cartridge.store.origins import has_payload
 
@@ -148,6 +167,11 @@ class Registry:
         if previous is not None and not replace_origin and previous.source_uri != (source_uri or str(directory)):
             raise IdTaken(f"cartridge id {m.cartridge_id!r} is already registered from another origin; "
                           "replacing it is an operator's act (`lmcache-cartridge register`)")
+        origin = source_uri or str(directory)
+        vouched = previous is not None and not previous.client and previous.source_uri == origin \
+            and previous.content_hash == m.content_hash  # the operator registered these very bytes
+        client = client and not vouched
+        salt = client_kv_salt(m) if client and m.kind == "first_k" else ""
         epoch = (previous.epoch if previous else 0) + (1 if force_redownload else 0)
         all_labels = sorted(set(m.labels) | set(labels) | set(previous.labels if previous else ()))
         entry = Entry(
@@ -155,12 +179,13 @@ class Registry:
             model=m.model, kind=m.kind, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim, dtype=m.dtype, num_tokens=m.num_tokens, chunk_size=m.chunk_size,
             content_hash=m.content_hash, labels=all_labels, added_at=time.time(),
-            epoch=epoch,
+            epoch=epoch, salt=salt, client=client,
         )
         if not replace and previous is not None:
             raise RegistryError(f"cartridge {entry.id!r} is already registered")
         values = [getattr(entry, c) for c in _COLUMNS]
         values[_COLUMNS.index("labels")] = json.dumps(all_labels)
+        values[_COLUMNS.index("client")] = int(client)
         placeholders = ",".join("?" for _ in _COLUMNS)
         self._q(f"INSERT OR REPLACE INTO cartridges ({','.join(_COLUMNS)}) VALUES ({placeholders})",
                 tuple(values), write=True)

@@ -562,7 +562,7 @@ def cmd_gateway(args) -> int:
         trained_chat_template=(args.trained_chat_template if args.trained_chat_template in (None, "model")
                                else Path(args.trained_chat_template).read_text()),
         max_cartridges=args.max_cartridges,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, max_cache_bytes=args.max_cache_bytes,
         serve_timeout=args.serve_timeout,
         force_redownload_interval=args.force_redownload_interval,
         catalog_uri=settings.catalog_uri if settings else None,
@@ -804,6 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL, without --config")
     sp.add_argument("--max-cartridges", type=int, default=4, help="most cartridges per request (default 4)")
     sp.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
+    sp.add_argument("--max-cache-bytes", type=int, default=64 << 30,
+                    help="bytes of S3 inputs and conversions clients may make the gateway keep under the cache dir "
+                         "(objects/, packed/; least recently used evicted; default 64 GiB)")
     sp.add_argument("--force-redownload-interval", type=float, default=60.0, metavar="SECONDS",
                     help="honour a cartridge's force_redownload at most once per SECONDS (then 429); 0 refuses it "
                          "(default 60)")
