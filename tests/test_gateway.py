@@ -5,6 +5,7 @@ path and the served KV are exercised against a real vLLM server in test_gateway_
 import asyncio
 import json
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -775,7 +776,6 @@ def test_conversions_stay_within_the_cache_budget(tmp_path, settings, model_dir)
     the composites made from it; the operator's registrations and what a resolution uses stay.
     Before the budget, packed/ grew with every new input for good."""
     import dataclasses
-    from pathlib import Path
 
     def seed000(name, seed, token_ids=None):
         kv = random_kv(2, CHUNK, 2, 64, seed=seed)
@@ -805,3 +805,28 @@ def test_conversions_stay_within_the_cache_budget(tmp_path, settings, model_dir)
     r.resolve(seed000("d", 9, list(range(900, 900 + CHUNK))))
     assert reg.get(t1.entry.id) is None and reg.get(comp.id) is None  # t1 went, and the composite with it
     assert reg.get(c.entry.id) is not None and Path(c.entry.path).is_dir()
+
+
+def test_conversions_and_composites_of_an_older_version_are_made_again(tmp_path, settings, model_dir):
+    """Trained manifests written before placeholder ids were checked (no `vocab`) no longer load:
+    the gateway's own conversions and composites of them are made again, not refused for good."""
+    from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
+
+    def seed000(name, seed):
+        kv = random_kv(2, CHUNK, 2, 64, seed=seed)
+        torch.save({"kv_cache": {f"layer_{i}": kv[:, i].permute(0, 2, 1, 3).contiguous() for i in range(2)}},
+                   tmp_path / "allowed" / f"{name}.pt")
+        return spec(str(tmp_path / "allowed" / f"{name}.pt"), source="local")
+
+    r = Resolver(settings, Registry(settings.registry))
+    t1, t2 = r.resolve(seed000("t1", 1)), r.resolve(seed000("t2", 2))
+    comp = r.plan([t1, t2]).wanted[0]
+    for d in (t1.entry.path, comp.path):  # as an older version wrote them
+        m = json.loads((Path(d) / MANIFEST_NAME).read_text())
+        m.pop("vocab"), m.pop("segments", None)
+        (Path(d) / MANIFEST_NAME).write_text(json.dumps(m))
+    r2 = Resolver(settings, Registry(settings.registry))  # a gateway started after the upgrade
+    again = r2.resolve(seed000("t1", 1))
+    assert again.entry.id == t1.entry.id and Manifest.load(again.entry.path).vocab is not None
+    assert r2.plan([again, r2.resolve(seed000("t2", 2))]).wanted[0].id == comp.id
+    assert Manifest.load(comp.path).segments == [["trained", CHUNK], ["trained", CHUNK]]

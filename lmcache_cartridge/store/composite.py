@@ -27,13 +27,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, ChunkInfo, Manifest
-from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.errors import CartridgeError, ManifestError
 from lmcache_cartridge.store.origins import COMPOSITE, COMPOSITE_S3, PARTS_NAME, is_s3
 from lmcache_cartridge.store.registry import Entry
 
@@ -104,8 +105,13 @@ def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir:
     scheme = COMPOSITE_S3 if any(is_s3(e.source_uri) for e, _ in parts) else COMPOSITE
     uri = scheme + str(directory)
     existing = registry.get(manifest.cartridge_id)
-    if existing is not None and existing.source_uri == uri and (directory / MANIFEST_NAME).is_file():
-        return existing, Manifest.load(directory)
+    if (directory / MANIFEST_NAME).is_file():
+        try:
+            made = Manifest.load(directory)
+            if existing is not None and existing.source_uri == uri:
+                return existing, made
+        except ManifestError:  # written by an older version (no placeholder vocab): made again
+            shutil.rmtree(directory, ignore_errors=True)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     (tmp / PARTS_NAME).write_text(json.dumps(listing, indent=1), encoding="utf-8")
@@ -114,8 +120,6 @@ def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir:
     try:
         os.rename(tmp, directory)
     except OSError:  # made meanwhile by another request: same content by construction
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return registry.register(directory, source_uri=uri), Manifest.load(directory)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest, id_from_name
-from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.errors import CartridgeError, ManifestError
 from lmcache_cartridge.store.cache_budget import touch  # reuse refreshes an item's place in the budget
 
 
@@ -252,8 +252,12 @@ def convert_input(path: Path, digest: str, cache_dir: Path, *, model: str, chunk
 
     out = Path(cache_dir) / "packed" / digest[:32]
     if (out / MANIFEST_NAME).is_file():
-        touch(out)
-        return Converted(out, None)
+        try:
+            Manifest.load(out)
+            touch(out)
+            return Converted(out, None)
+        except ManifestError:  # converted by an older version (e.g. no placeholder vocab): again
+            pass
     loaded = load_input(path)
     if loaded.kv is None:
         return Converted(None, list(loaded.token_ids))
