@@ -72,6 +72,11 @@ def stack(tmp_path_factory, moto_server):
     torch.save({"token_ids": other_ids[:100]}, carts / "short.pt")
 
     registry = root / "registry.db"
+    # the operator's: a first-k cartridge a client brings is never composed (its KV is keyed under
+    # its own salt, test_client_kv_salt); the operator's is, whoever names it by its path
+    from lmcache_cartridge.store.registry import Registry
+
+    Registry(registry).register(carts / "sys")
     cfg = lmcache_config(registry, chunk_size=CHUNK, cache_dir=root / "cache",
                          extra={"storage_plugin.cartridge.s3.endpoint_url": moto_server})
     server = VllmServer(root / "vllm", str(model_dir), lmcache=cfg, prefix_caching=False)

@@ -172,6 +172,10 @@ def test_trained_cartridge_matches_hf_given_the_same_kv(real):
 
 def test_first_k_then_trained_matches_hf_given_both_kvs(real):
     from lmcache_cartridge.cartridge.packed import PackedCartridge
+    from lmcache_cartridge.store.registry import Registry
 
+    # the operator's (`register`): composed with the trained KV; a first-k cartridge only a client
+    # named is not (its KV is keyed under its own salt: test_client_kv_salt)
+    Registry(real["registry"]).register(real["carts"] / "doc")
     kv = torch.cat([PackedCartridge(real["carts"] / n).load_kv().to(torch.bfloat16) for n in ("doc", "trained")], dim=2)
     _hf_check(real, ["doc", "trained"], kv, "first-k + trained")
