@@ -58,7 +58,7 @@ from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotL
 from lmcache_cartridge.store import threads
 from lmcache_cartridge.lmcache import memory_layout
 from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
-from lmcache_cartridge.lmcache.settings import PluginSettings
+from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_keys
 
 logger = logging.getLogger("lmcache_cartridge.plugin")
 
@@ -138,6 +138,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         # LMCache swallows constructor errors in one line: log our own cause first, then re-raise.
         try:
             self.settings = PluginSettings.from_config(config, type(self))
+            for problem in unknown_keys(config, self.settings.name):  # a typo would be ignored silently
+                logger.warning("lmcache_cartridge: %s (ignored; `lmcache-cartridge doctor` fails on it)", problem)
             self.shape = EngineShape.from_lmcache(config, metadata, self.settings.accept_models)
             self._lock = threading.RLock()
             self._refresh_lock = threading.Lock()  # one refresh at a time (poller thread vs. callers)

@@ -46,6 +46,98 @@ def _as_bool(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class Key:
+    """One setting under `extra_config` `storage_plugin.<name>.`: the one list that `from_config`
+    reads, `unknown_keys` checks against and `reference` documents."""
+
+    name: str
+    default: str  # as it would be written in the YAML ("": unset)
+    meaning: str
+
+
+PLUGIN_KEYS: tuple[Key, ...] = (
+    Key("module_path", "(required)", "`lmcache_cartridge.plugin`: where LMCache imports the plugin from"),
+    Key("class_name", "(required)", "`CartridgeStoragePlugin`"),
+    Key("registry", "<cache root>/registry.db", "the SQLite registry the CLI, the gateway and every server share"),
+    Key("cache_dir", "<cache root>", "the host's cache: disk tier, S3 manifests, conversions, serving-state records; "
+        "must be private to the serving user"),
+    Key("refresh_seconds", "1.0", "how often the plugin checks the registry for registrations and removals"),
+    Key("preload", "", "ids, labels or `*` whose chunks are read and verified in the background as soon as served"),
+    Key("accept_models", "", "other model names (vLLM `--model` strings) whose cartridges this engine serves"),
+    Key("allow_unstable_hash", "false", "serve although the chunk hash depends on PYTHONHASHSEED (not recommended)"),
+    Key("cpu_budget_gb", "2", "the plugin's CPU tier, per process"),
+    Key("disk_budget_gb", "20", "the disk cache of remote chunks, for the whole host"),
+    Key("prefetch", "true", "read a cartridge's other chunks in the background after its first hit"),
+    Key("pin_lease_seconds", "120", "a lookup pin LMCache never releases expires after this long"),
+    Key("catalog_uri", "", "an `s3://bucket/prefix` catalog this host syncs into its registry"),
+    Key("catalog_period", "30", "seconds between catalog syncs"),
+    Key("catalog_allow_uris", "", "S3 prefixes a catalog entry's bytes may be under besides the catalog's bucket"),
+    Key("reader_cores", "auto", "where chunk reads run: `auto`, `engine` (the worker's cores) or a cpu list"),
+)
+S3_KEYS: dict[str, str] = {  # `s3.<field>` of `store.s3.S3Settings` (a test holds them to its fields)
+    "endpoint_url": "the S3 endpoint (unset: AWS); credentials come from the standard chain, never from here",
+    "region": "the S3 region",
+    "max_attempts": "attempts per S3 request, the first included (botocore `total_max_attempts`)",
+    "retry_mode": "botocore's `standard` or `adaptive`",
+    "connect_timeout": "seconds to connect",
+    "read_timeout": "seconds to wait for data",
+    "max_concurrency": "parallel ranged GETs of one download",
+    "part_size": "bytes per ranged GET (`8MiB` accepted)",
+    "addressing_style": "`path` or `virtual`",
+    "max_object_bytes": "largest whole object (an input `.pt`, an input directory's files together) fetched",
+}
+
+
+def unknown_keys(config, name: str) -> list[str]:
+    """A message per `storage_plugin.<name>.*` key the product does not read (a typo is otherwise
+    ignored in silence), with the closest known key."""
+    import difflib
+
+    p = f"{PREFIX}.{name}."
+    known = [k.name for k in PLUGIN_KEYS] + [f"s3.{k}" for k in S3_KEYS]
+    out = []
+    for key in sorted(getattr(config, "extra_config", None) or {}):
+        if key.startswith(p) and key[len(p):] not in known:
+            close = difflib.get_close_matches(key[len(p):], known, n=1, cutoff=0.6)
+            out.append(f"unknown setting {key!r}" + (f": did you mean {p + close[0]!r}?" if close else
+                                                      f" (known: {', '.join(known)})"))
+    return out
+
+
+def unknown_lmcache_keys(raw: dict) -> list[str]:
+    """A message per top-level key of an LMCache YAML that LMCache 0.5.6 does not define (it
+    only logs them), with the closest defined key."""
+    import difflib
+
+    from lmcache.v1 import config as lmc
+
+    known = set(lmc._CONFIG_DEFINITIONS) | set(lmc._CONFIG_ALIASES) | set(lmc._DEPRECATED_CONFIGS)
+    out = []
+    for key in sorted(raw):
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+            out.append(f"unknown LMCache setting {key!r}" + (f": did you mean {close[0]!r}?" if close else ""))
+    return out
+
+
+def reference() -> str:
+    """The configuration reference (Markdown) of every plugin setting, from `PLUGIN_KEYS`,
+    `S3_KEYS` and `S3Settings`' defaults: `docs/configuration.md` holds it (a test compares)."""
+    from dataclasses import fields
+
+    from lmcache_cartridge.store.s3 import S3Settings
+
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{k.name}` | {k.default or '(unset)'} | {k.meaning} |" for k in PLUGIN_KEYS]
+    for f in fields(S3Settings):
+        rows.append(f"| `s3.{f.name}` | {f.default if f.default is not None else '(unset)'} | {S3_KEYS[f.name]} |")
+    return ("Every key under LMCache's `extra_config` as `storage_plugin.<name>.<key>` (`<name>`: the\n"
+            "`storage_plugins` entry of the cartridge plugin). Generated from\n"
+            "`lmcache_cartridge/lmcache/settings.py`; `lmcache-cartridge doctor` fails on any other key.\n\n"
+            + "\n".join(rows) + "\n")
+
+
+@dataclass(frozen=True)
 class PluginSettings:
     name: str
     registry: Path

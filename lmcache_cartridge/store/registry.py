@@ -105,8 +105,13 @@ def _row_to_entry(row: tuple) -> Entry:
 class Registry:
     """A connection to the registry. One per thread-owner; methods are serialised by a lock."""
 
-    def __init__(self, path: str | Path | None = None, *, timeout: float = 10.0) -> None:
+    def __init__(self, path: str | Path | None = None, *, timeout: float = 10.0, create: bool = True) -> None:
+        """`create=False` (read-only commands: `list`, `doctor`, ...): a registry that does not exist
+        is an error naming the path, never a new empty one (a misspelled path would look empty)."""
         self.path = Path(path) if path else default_registry_path()
+        if not create and not self.path.is_file():
+            raise RegistryError(f"no cartridge registry at {self.path}: check the path (the `registry` setting "
+                                "or --registry); registering a cartridge creates it")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self.writes = 0  # statements this connection ran that change rows (tests count them)

@@ -243,11 +243,12 @@ def cmd_test_model(args) -> int:
 
 
 # --- registry ---------------------------------------------------------------------------------
-def _registry(args):
+def _registry(args, create: bool = True):
+    """The registry the config (or --registry) names; `create=False` for commands that only read."""
     from lmcache_cartridge.store.registry import Registry
 
     settings = _plugin_settings(args)
-    return Registry(settings.registry if settings else args.registry)
+    return Registry(settings.registry if settings else args.registry, create=create)
 
 
 def _load_lmcache_config(path):
@@ -383,7 +384,7 @@ def cmd_register(args) -> int:
 
 
 def cmd_list(args) -> int:
-    entries = _registry(args).list()
+    entries = _registry(args, create=False).list()
     if args.json:
         from dataclasses import asdict
 
@@ -403,14 +404,14 @@ def cmd_list(args) -> int:
 
 
 def cmd_remove(args) -> int:
-    if not _registry(args).remove(args.id):
+    if not _registry(args, create=False).remove(args.id):
         raise CartridgeError(f"no cartridge {args.id!r} is registered")
     print(f"removed {args.id} from the registry (its files were not touched)")
     return 0
 
 
 def cmd_label(args) -> int:
-    e = _registry(args).label(args.id, add=args.add or [], remove=args.remove or [])
+    e = _registry(args, create=False).label(args.id, add=args.add or [], remove=args.remove or [])
     print(f"{e.id}: labels {', '.join(e.labels) or '-'}")
     return 0
 
@@ -424,7 +425,7 @@ def cmd_doctor(args) -> int:
     from lmcache_cartridge.store.origins import has_payload
     from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
     from lmcache_cartridge.store.registry import Registry
-    from lmcache_cartridge.lmcache.settings import PluginSettings
+    from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_keys, unknown_lmcache_keys
 
     results: list[tuple[str, str]] = []
 
@@ -434,12 +435,19 @@ def cmd_doctor(args) -> int:
 
     config = _load_lmcache_config(args.config)
     check("OK", f"{args.config} loads as an LMCacheEngineConfig")
+    import yaml
+
+    raw = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
+    for problem in unknown_lmcache_keys(raw if isinstance(raw, dict) else {}):
+        check("FAIL", f"{problem} (LMCache ignores it)")
     try:
         settings = PluginSettings.from_config(config, CartridgeStoragePlugin)
         check("OK", f"storage plugin '{settings.name}' -> {CartridgeStoragePlugin.__module__}.{CartridgeStoragePlugin.__name__}")
     except CartridgeError as e:
         check("FAIL", f"plugin not configured: {e}")
         return EXIT_PROBLEMS
+    for problem in unknown_keys(config, settings.name):
+        check("FAIL", f"{problem} (the plugin ignores it)")
     if not config.local_cpu or not config.max_local_cpu_size or config.max_local_cpu_size <= 0:
         check("FAIL", "local_cpu must be true and max_local_cpu_size > 0: LocalCPUBackend is the allocator the plugin fills")
     else:
@@ -452,7 +460,7 @@ def cmd_doctor(args) -> int:
     if config.use_layerwise:
         check("FAIL", "use_layerwise: true is not supported by the cartridge plugin")
     try:
-        entries = Registry(settings.registry).list()
+        entries = Registry(settings.registry, create=False).list()
         check("OK", f"registry {settings.registry}: {len(entries)} cartridges")
     except CartridgeError as e:
         check("FAIL", str(e))

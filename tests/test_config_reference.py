@@ -1,0 +1,89 @@
+"""Configuration that catches mistakes (issue 34): one table of the plugin's settings
+(`lmcache/settings.py`) that the plugin reads, `doctor` checks against and the reference in
+docs/configuration.md is generated from; a misspelled key fails `doctor` with the key it meant
+and warns in the plugin's start-up line; read-only commands never create a registry."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+from pathlib import Path
+
+import yaml
+
+from test_cli import cli
+from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+from lmcache_cartridge.lmcache.settings import PLUGIN_KEYS, S3_KEYS, PluginSettings, reference
+from lmcache_cartridge.store.s3 import S3Settings
+
+ROOT = Path(__file__).parents[1]
+
+
+def _config(tmp_path, **extra):
+    cfg = yaml.safe_load((ROOT / "configs/lmcache-cartridge.yaml").read_text())
+    cfg["extra_config"]["storage_plugin.cartridge.registry"] = str(tmp_path / "reg.db")
+    cfg["extra_config"]["storage_plugin.cartridge.cache_dir"] = str(tmp_path / "cache")
+    cfg["extra_config"].update({f"storage_plugin.cartridge.{k}": v for k, v in extra.items()})
+    return cfg
+
+
+def test_the_reference_is_generated_from_the_table_the_plugin_reads():
+    assert reference() in (ROOT / "docs/configuration.md").read_text(), \
+        "docs/configuration.md is stale: regenerate it from lmcache_cartridge.lmcache.settings.reference()"
+    assert set(S3_KEYS) == {f.name for f in fields(S3Settings)}
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": 256, "storage_plugins": ["cartridge"], "extra_config": {
+        "storage_plugin.cartridge.module_path": "lmcache_cartridge.plugin",
+        "storage_plugin.cartridge.class_name": "CartridgeStoragePlugin"}})
+    s = PluginSettings.from_config(cfg, CartridgeStoragePlugin)
+    default = {k.name: k.default for k in PLUGIN_KEYS}
+    assert (str(s.refresh_seconds), s.pin_lease_seconds, s.catalog_period, s.reader_cores) == \
+        (default["refresh_seconds"], float(default["pin_lease_seconds"]), float(default["catalog_period"]),
+         default["reader_cores"])
+    assert (s.cpu_budget_bytes, s.disk_budget_bytes) == (int(default["cpu_budget_gb"]) << 30,
+                                                         int(default["disk_budget_gb"]) << 30)
+    assert str(s.prefetch).lower() == default["prefetch"] and str(s.allow_unstable_hash).lower() == default["allow_unstable_hash"]
+
+
+def test_misspelled_keys_fail_doctor_with_the_key_meant(tmp_path):
+    cfg = _config(tmp_path, refresh_second=1, catalog_url="s3://b/c", **{"s3.endpoint": "http://127.0.0.1:9"})
+    cfg["chunk_sise"] = 256
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump(cfg))
+    r = cli("doctor", "--config", tmp_path / "typo.yaml", home=tmp_path, check=False)
+    assert r.returncode == 1, r.stdout
+    for wrong, meant in (("refresh_second", "refresh_seconds"), ("catalog_url", "catalog_uri"),
+                         ("s3.endpoint", "s3.endpoint_url")):
+        assert f"FAIL  unknown setting 'storage_plugin.cartridge.{wrong}': did you mean " \
+               f"'storage_plugin.cartridge.{meant}'?" in r.stdout, r.stdout
+    assert "unknown LMCache setting 'chunk_sise': did you mean 'chunk_size'?" in r.stdout
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(_config(tmp_path)))
+    assert "unknown" not in cli("doctor", "--config", good, home=tmp_path, check=False).stdout
+
+
+def test_the_plugin_warns_about_a_misspelled_key_at_start(tmp_path, caplog):
+    from test_plugin import engine_for
+
+    from lmcache_cartridge.store.registry import Registry
+
+    reg = Registry(tmp_path / "reg.db")
+    with caplog.at_level(logging.WARNING), engine_for(tmp_path, reg.path, extra_config={
+            **_config(tmp_path)["extra_config"], "storage_plugin.cartridge.prefech": False}):
+        pass
+    assert "unknown setting 'storage_plugin.cartridge.prefech': did you mean 'storage_plugin.cartridge.prefetch'?" \
+        in caplog.text
+
+
+def test_read_only_commands_never_create_a_registry(tmp_path):
+    missing = tmp_path / "regsitry.db"  # a misspelled path
+    for args in (["list", "--registry", missing], ["remove", "x", "--registry", missing],
+                 ["label", "x", "--add", "y", "--registry", missing]):
+        r = cli(*args, home=tmp_path, check=False)
+        assert r.returncode != 0 and "no cartridge registry at" in (r.stderr + r.stdout), (args, r.stderr)
+    cfg = _config(tmp_path)
+    cfg["extra_config"]["storage_plugin.cartridge.registry"] = str(missing)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    r = cli("doctor", "--config", tmp_path / "c.yaml", home=tmp_path, check=False)
+    assert r.returncode == 1 and "no cartridge registry at" in r.stdout
+    assert not missing.exists()
