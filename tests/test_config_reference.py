@@ -87,3 +87,31 @@ def test_read_only_commands_never_create_a_registry(tmp_path):
     r = cli("doctor", "--config", tmp_path / "c.yaml", home=tmp_path, check=False)
     assert r.returncode == 1 and "no cartridge registry at" in r.stdout
     assert not missing.exists()
+
+
+def test_the_gateway_help_examples_are_bodies_the_gateway_accepts(tmp_path):
+    """`gateway --help` once showed `{"id": "doc", "source": "local"}`, which the gateway refuses
+    (a local id is an absolute path): every example there must pass the gateway's own checks."""
+    import json
+    import re
+
+    from lmcache_cartridge.api.gateway import GatewaySettings
+    from lmcache_cartridge.api.requests import CartridgeSpec
+    from lmcache_cartridge.api.resolver import Resolver
+    from lmcache_cartridge.store.registry import Registry
+
+    text = cli("gateway", "--help", home=tmp_path).stdout
+    examples = [json.loads(m) for m in re.findall(r'"cartridges": (\[.*?\])', text)]
+    assert len(examples) >= 3
+    settings = GatewaySettings(upstream="http://127.0.0.1:9", model="m", tokenizer="m", registry=tmp_path / "r.db",
+                               cache_dir=tmp_path / "cache", local_roots=(Path("/srv/carts"),),
+                               s3_roots=("bucket/carts",))
+    r = Resolver(settings, Registry(settings.registry))
+    for example in examples:
+        for d in example:
+            spec = CartridgeSpec(**d)
+            where = r._where(spec)
+            if where == "local":
+                r._allowed_local(spec.id)
+            elif where == "s3":
+                r._allowed_s3(spec.id, None)

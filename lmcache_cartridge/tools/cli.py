@@ -791,7 +791,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("gateway", cmd_gateway, "serve the OpenAI-compatible gateway (adds a `cartridges` field) in front of vLLM",
              "POST /v1/completions and /v1/chat/completions with\n"
-             '  "cartridges": [{"id": "doc", "source": "local"}]\n'
+             '  "cartridges": [{"id": "doc"}]    (a registered id or label)\n'
+             '  "cartridges": [{"id": "/srv/carts/doc", "source": "local"}]    (under an --allow-local root)\n'
+             '  "cartridges": [{"id": "s3://bucket/carts/doc"}]    (under an --allow-s3 prefix)\n'
              "put the cartridge's tokens in front of the prompt and forward it to vLLM; unknown or\n"
              "incompatible cartridges are refused with a 4xx that says why.",
              "lmcache-cartridge gateway --upstream http://127.0.0.1:8000 --model MODEL "
