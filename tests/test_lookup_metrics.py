@@ -71,7 +71,7 @@ def connector():
 
 
 def counts(c) -> dict[str, float]:
-    return {o: REGISTRY.get_sample_value(NAME + "_count", {"outcome": o, "instance": c._lookups.instance})
+    return {o: REGISTRY.get_sample_value(NAME + "_count", {"outcome": o, "cartridge_instance": c._lookups.instance})
             for o in OUTCOMES}
 
 
@@ -89,7 +89,7 @@ def test_each_answer_reaches_vllm_unchanged_and_is_counted_by_outcome(connector)
     assert c.get_num_new_matched_tokens(marked, 0) == (TRAINED, False)
     assert impl.load_specs["marked"].lmcache_cached_tokens == TRAINED
     assert counts(c) == {"hit": 1, "miss": 1, "wait": 1, "promised": 1, "error": 0}
-    assert REGISTRY.get_sample_value(NAME + "_sum", {"outcome": "hit", "instance": c._lookups.instance}) > 0
+    assert REGISTRY.get_sample_value(NAME + "_sum", {"outcome": "hit", "cartridge_instance": c._lookups.instance}) > 0
 
 
 def test_a_lookup_that_raises_is_an_error_whether_the_request_recomputes_or_waits(connector):

@@ -4,7 +4,7 @@ The plugin counts in vLLM's engine-core process; `/metrics` is served by the API
 which reads other processes' values through `PROMETHEUS_MULTIPROC_DIR` (set per server by
 `testing.launch.VllmServer`, as the deployment files set it). One cartridge request: vLLM's own
 counter proves its tokens came from LMCache, and ours must have counted exactly those chunk reads,
-under this server's `instance` label, and the scheduler's one lookup for it as a hit. The Grafana dashboard's metric names are checked against the
+under this server's `cartridge_instance` label, and the scheduler's one lookup for it as a hit. The Grafana dashboard's metric names are checked against the
 names this server exposes.
 """
 
@@ -69,18 +69,18 @@ def test_plugin_counters_reach_vllm_metrics_with_instance_label(tmp_path, monkey
         assert srv.external_tokens() - ext0 == 2 * CHUNK, srv.log_tail()  # a real cartridge hit
         after = scrape(srv.url)
         names = {n for n, _ in after}
-    hits = ours(after, "lmcache_cartridge_hits_total", instance=INSTANCE)
+    hits = ours(after, "lmcache_cartridge_hits_total", cartridge_instance=INSTANCE)
     print(f"\n[metrics e2e] lmcache_cartridge samples: "
           f"{sorted((n, sorted(ls), v) for (n, ls), v in after.items() if n.startswith('lmcache_cartridge') and v)}")
     assert hits == 2  # one read per chunk served, whichever tier served it
-    assert ours(after, "lmcache_cartridge_bytes_total", instance=INSTANCE) == 2 * m.chunks[0].nbytes
-    assert ours(after, "lmcache_cartridge_read_seconds_count", instance=INSTANCE) == 2
-    assert ours(after, "lmcache_cartridge_misses_total", instance=INSTANCE, tier="cpu") >= 1
+    assert ours(after, "lmcache_cartridge_bytes_total", cartridge_instance=INSTANCE) == 2 * m.chunks[0].nbytes
+    assert ours(after, "lmcache_cartridge_read_seconds_count", cartridge_instance=INSTANCE) == 2
+    assert ours(after, "lmcache_cartridge_misses_total", cartridge_instance=INSTANCE, tier="cpu") >= 1
     # vLLM's scheduler asked the connector once for this request, and it was a hit
     for outcome in OUTCOMES:  # declared at zero by the scheduler's connector, before any request
         assert before[("lmcache_cartridge_scheduler_lookup_seconds_count",
-                       frozenset({"outcome": outcome, "instance": INSTANCE}.items()))] == 0
-    assert ours(after, "lmcache_cartridge_scheduler_lookup_seconds_count", instance=INSTANCE) == 1
-    assert ours(after, "lmcache_cartridge_scheduler_lookup_seconds_count", instance=INSTANCE, outcome="hit") == 1
-    assert ours(after, "lmcache_cartridge_scheduler_lookup_seconds_sum", instance=INSTANCE) > 0
+                       frozenset({"outcome": outcome, "cartridge_instance": INSTANCE}.items()))] == 0
+    assert ours(after, "lmcache_cartridge_scheduler_lookup_seconds_count", cartridge_instance=INSTANCE) == 1
+    assert ours(after, "lmcache_cartridge_scheduler_lookup_seconds_count", cartridge_instance=INSTANCE, outcome="hit") == 1
+    assert ours(after, "lmcache_cartridge_scheduler_lookup_seconds_sum", cartridge_instance=INSTANCE) > 0
     assert dashboard_metric_names() <= names, dashboard_metric_names() - names

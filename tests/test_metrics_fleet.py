@@ -35,10 +35,10 @@ def test_counters_carry_tier_and_instance_labels():
     m = Metrics(instance="host-a")
     m.hit("disk", 4096, 0.003)
     m.miss("cpu")
-    before = REGISTRY.get_sample_value("lmcache_cartridge_hits_total", {"tier": "disk", "instance": "host-a"})
+    before = REGISTRY.get_sample_value("lmcache_cartridge_hits_total", {"tier": "disk", "cartridge_instance": "host-a"})
     m.hit("disk", 4096, 0.004)
-    assert REGISTRY.get_sample_value("lmcache_cartridge_hits_total", {"tier": "disk", "instance": "host-a"}) == before + 1
-    assert REGISTRY.get_sample_value("lmcache_cartridge_bytes_total", {"tier": "disk", "instance": "host-a"}) >= 8192
+    assert REGISTRY.get_sample_value("lmcache_cartridge_hits_total", {"tier": "disk", "cartridge_instance": "host-a"}) == before + 1
+    assert REGISTRY.get_sample_value("lmcache_cartridge_bytes_total", {"tier": "disk", "cartridge_instance": "host-a"}) >= 8192
     assert m.snapshot()["instance"] == "host-a" and m.snapshot()["tiers"]["disk"]["hits"] == 2
 
 
@@ -63,18 +63,18 @@ def test_counters_written_in_another_process_are_read_like_vllm_reads_them(tmp_p
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
     reg = CollectorRegistry()
     multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
-    labels = {"tier": "s3", "instance": "engine-1"}
+    labels = {"tier": "s3", "cartridge_instance": "engine-1"}
     assert reg.get_sample_value("lmcache_cartridge_hits_total", labels) == 2
     assert reg.get_sample_value("lmcache_cartridge_bytes_total", labels) == 2000
     assert reg.get_sample_value("lmcache_cartridge_errors_total", labels) == 1
     assert reg.get_sample_value("lmcache_cartridge_read_seconds_count", labels) == 2
-    assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": "cpu", "instance": "engine-1"}) == 2
-    lookups = {"outcome": "hit", "instance": "engine-1"}
+    assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": "cpu", "cartridge_instance": "engine-1"}) == 2
+    lookups = {"outcome": "hit", "cartridge_instance": "engine-1"}
     assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_count", lookups) == 1
     assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_sum", lookups) == pytest.approx(0.003)
     assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_bucket", dict(lookups, le="0.002")) == 0
     assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_count",
-                                {"outcome": "wait", "instance": "engine-1"}) == 1
+                                {"outcome": "wait", "cartridge_instance": "engine-1"}) == 1
     assert dashboard_metric_names() <= sample_names(generate_latest(reg).decode())
 
 
@@ -88,11 +88,11 @@ def test_every_series_exists_at_zero_before_the_first_event(tmp_path):
     reg = CollectorRegistry()
     multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
     for tier in ("cpu", "disk", "local", "s3"):
-        assert reg.get_sample_value("lmcache_cartridge_errors_total", {"tier": tier, "instance": "idle-1"}) == 0
-        assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": tier, "instance": "idle-1"}) == 0
+        assert reg.get_sample_value("lmcache_cartridge_errors_total", {"tier": tier, "cartridge_instance": "idle-1"}) == 0
+        assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": tier, "cartridge_instance": "idle-1"}) == 0
     for outcome in OUTCOMES:
         assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_count",
-                                    {"outcome": outcome, "instance": "idle-1"}) == 0
+                                    {"outcome": outcome, "cartridge_instance": "idle-1"}) == 0
     assert dashboard_metric_names() <= sample_names(generate_latest(reg).decode())
 
 
@@ -105,3 +105,19 @@ def test_dashboard_queries_only_metrics_the_plugin_exposes():
             "lmcache_cartridge_evictions_total", "lmcache_cartridge_errors_total",
             "lmcache_cartridge_read_seconds_bucket", "lmcache_cartridge_scheduler_lookup_seconds_bucket"} <= names
     assert names <= sample_names(generate_latest(REGISTRY).decode())
+
+
+def test_labels_are_our_own_and_the_dashboard_uses_them():
+    """Prometheus sets `instance` and `job` on every scraped series and (default `honor_labels:
+    false`) renames a target's own `instance` to `exported_instance`: a label of ours by that
+    name never reached the dashboard's `$instance`. Every label the dashboard groups or filters
+    by is one the code exports (or Prometheus' `le`)."""
+    from lmcache_cartridge.store.metrics import INSTANCE_LABEL, LABELS
+
+    assert not {"instance", "job"} & {*LABELS, "outcome"}
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {lab for e in exprs for group in re.findall(r"by \(([^)]*)\)", e) for lab in re.split(r",\s*", group)}
+    used |= {lab for e in exprs for lab in re.findall(r"(\w+)=~", e)}
+    assert used and used <= {*LABELS, "outcome", "le"}, used
+    assert INSTANCE_LABEL in dash["templating"]["list"][0]["query"]["query"]

@@ -1,5 +1,5 @@
 """Per-tier counters: kept per plugin instance (for `lmcache-cartridge stats`) and mirrored to
-prometheus_client, as LMCache does, under `lmcache_cartridge_*` names with `tier` and `instance`
+prometheus_client, as LMCache does, under `lmcache_cartridge_*` names with `tier` and `cartridge_instance`
 labels.
 
 How they reach vLLM's own `/metrics`: the plugin runs in vLLM's engine-core (worker) process, the
@@ -12,10 +12,11 @@ the API server serves its in-process registry and these counters never appear: s
 directory per server (several servers sharing one would merge). A warning says so once when the
 collectors are created inside a vLLM process without it.
 
-`instance` tells servers apart across a fleet: `$LMCACHE_CARTRIDGE_INSTANCE`, else the host name
-(a Kubernetes pod's name). Prometheus attaches its own `instance` (the scrape target) and, unless
-the scrape config has `honor_labels: true`, renames ours `exported_instance`; both identify one
-server, so dashboards that group `by (instance)` work either way.
+`cartridge_instance` (`INSTANCE_LABEL`) tells servers apart across a fleet:
+`$LMCACHE_CARTRIDGE_INSTANCE`, else the host name (a Kubernetes pod's name). A label of our own:
+Prometheus attaches its own `instance` (the scrape target) and, with its default `honor_labels:
+false`, would rename a label of ours called `instance` to `exported_instance`, so a dashboard's
+`$instance` would never see the pod.
 
 Where it runs: inside each plugin instance; the tiers (`residency`) count into it from whatever
 thread served the read. It lives with the tiers because they are what it counts. Each instance
@@ -39,7 +40,8 @@ from dataclasses import asdict, dataclass, field
 logger = logging.getLogger("lmcache_cartridge.metrics")
 
 ENV_INSTANCE = "LMCACHE_CARTRIDGE_INSTANCE"
-LABELS = ["tier", "instance"]
+INSTANCE_LABEL = "cartridge_instance"
+LABELS = ["tier", INSTANCE_LABEL]
 # Tiers `residency` counts under. Their series are created at zero when an instance starts: a
 # labelled counter is otherwise absent from /metrics until its first event, and dashboards show
 # "no data" (not 0) for errors and evictions, and rate() misses the first increment.
@@ -102,7 +104,7 @@ class Metrics:
         if prom is not None:
             for collector in prom.values():
                 for tier in KNOWN_TIERS:
-                    collector.labels(tier=tier, instance=self.instance)
+                    collector.labels(tier, self.instance)
 
     def _tier(self, tier: str) -> TierStats:
         return self.tiers.setdefault(tier, TierStats())
@@ -113,7 +115,7 @@ class Metrics:
             setattr(s, what, getattr(s, what) + n)
         prom = _prometheus()
         if prom is not None:
-            prom[what].labels(tier=tier, instance=self.instance).inc(n)
+            prom[what].labels(tier, self.instance).inc(n)
 
     def hit(self, tier: str, nbytes: int, seconds: float) -> None:
         self._inc("hits", tier)
@@ -122,7 +124,7 @@ class Metrics:
             self._tier(tier).latency_buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         prom = _prometheus()
         if prom is not None:
-            prom["latency"].labels(tier=tier, instance=self.instance).observe(seconds)
+            prom["latency"].labels(tier, self.instance).observe(seconds)
 
     def miss(self, tier: str) -> None:
         self._inc("misses", tier)

@@ -1,5 +1,5 @@
 """How long the connector's answer to vLLM's scheduler takes, and what it was:
-`lmcache_cartridge_scheduler_lookup_seconds{outcome, instance}`.
+`lmcache_cartridge_scheduler_lookup_seconds{outcome, cartridge_instance}`.
 
 Why it is measured: vLLM's scheduler asks the connector for each waiting request's external hit
 (`get_num_new_matched_tokens`) on its own thread, inside `Scheduler.schedule`, after it took the
@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from lmcache_cartridge.store.metrics import default_instance, warn_if_not_multiprocess
+from lmcache_cartridge.store.metrics import INSTANCE_LABEL, default_instance, warn_if_not_multiprocess
 
 logger = logging.getLogger("lmcache_cartridge.lookup_metrics")
 
@@ -43,7 +43,7 @@ def _histogram():
         return None
     warn_if_not_multiprocess()
     return Histogram(NAME, "CartridgeConnector.get_num_new_matched_tokens on vLLM's scheduler thread, by outcome",
-                     ["outcome", "instance"], buckets=BUCKETS)
+                     ["outcome", INSTANCE_LABEL], buckets=BUCKETS)
 
 
 def outcome_of(answer: tuple) -> str:
@@ -64,7 +64,7 @@ class LookupTimer:
         try:
             h = _histogram()
             if h is not None:
-                self._series = {o: h.labels(outcome=o, instance=self.instance) for o in OUTCOMES}
+                self._series = {o: h.labels(o, self.instance) for o in OUTCOMES}
         except Exception:  # noqa: BLE001 - e.g. PROMETHEUS_MULTIPROC_DIR naming no directory
             logger.exception("lmcache_cartridge: scheduler lookup metrics are off")
 
