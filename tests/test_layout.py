@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,31 @@ def test_shipped_configs_name_the_entry_points():
     for script in ("vllm-serve-cpu.sh", "vllm-serve-gpu.sh"):
         assert '"kv_connector_module_path":"lmcache_cartridge.connector"' in (
             root / "configs" / script).read_text().replace(" ", "")
+
+
+@pytest.mark.parametrize("script,exe", [("vllm-serve-cpu.sh", "python"), ("vllm-serve-gpu.sh", "vllm")])
+def test_serve_scripts_pass_extra_arguments_and_a_metrics_dir(tmp_path, script, exe):
+    """`configs/vllm-serve-*.sh MODEL [PORT] [args...]`: arguments after the port reach vLLM (the
+    GPU script dropped `--tensor-parallel-size 2`), and PROMETHEUS_MULTIPROC_DIR is set (without
+    it the cartridge metrics never reach vLLM's /metrics). The command the script execs is
+    replaced by one that records its argv and environment: what is under test is the script."""
+    import json
+    import os
+    import subprocess
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "record.json"
+    (bindir / exe).write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                              f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({str(record)!r}, 'w'))\n")
+    (bindir / exe).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env["PATH"], env["TMPDIR"] = f"{bindir}:{env["PATH"]}", str(tmp_path)
+    path = PKG.parent / "configs" / script
+    for args, port in ((["m", "8123", "--tensor-parallel-size", "2"], "8123"),
+                       (["m", "--tensor-parallel-size", "2"], "8000")):
+        subprocess.run(["bash", str(path), *args], env=env, check=True, timeout=60)
+        got = json.loads(record.read_text())
+        argv = got["argv"]
+        assert argv[-2:] == ["--tensor-parallel-size", "2"] and argv[argv.index("--port") + 1] == port, argv
+        assert Path(got["env"]["PROMETHEUS_MULTIPROC_DIR"]).is_dir()
