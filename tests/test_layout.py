@@ -132,7 +132,7 @@ def test_serve_scripts_pass_extra_arguments_and_a_metrics_dir(tmp_path, script, 
                               f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({str(record)!r}, 'w'))\n")
     (bindir / exe).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    env["PATH"], env["TMPDIR"] = f"{bindir}:{env["PATH"]}", str(tmp_path)
+    env["PATH"], env["TMPDIR"] = f"{bindir}:{env['PATH']}", str(tmp_path)
     path = PKG.parent / "configs" / script
     for args, port in ((["m", "8123", "--tensor-parallel-size", "2"], "8123"),
                        (["m", "--tensor-parallel-size", "2"], "8000")):
