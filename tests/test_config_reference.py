@@ -115,3 +115,31 @@ def test_the_gateway_help_examples_are_bodies_the_gateway_accepts(tmp_path):
                 r._allowed_local(spec.id)
             elif where == "s3":
                 r._allowed_s3(spec.id, None)
+
+
+def test_the_cli_reads_the_config_the_server_reads(tmp_path):
+    """Inside the server's pod `list` and `doctor` with no --config read $LMCACHE_CONFIG_FILE and
+    the LMCACHE_* environment over it, as LMCache does: the server's registry and chunk size, not
+    an empty default registry."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import random_kv
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.registry import Registry
+
+    cfg_path = tmp_path / "server.yaml"
+    cfg_path.write_text(yaml.safe_dump(_config(tmp_path)))
+    pack_kv(random_kv(2, 512, 2, 8), tmp_path / "doc", cartridge_id="served-doc", model="m", kind="first_k",
+            token_ids=list(range(1, 513)), chunk_size=256)
+    Registry(tmp_path / "reg.db").register(tmp_path / "doc")
+    env = {**os.environ, "LMCACHE_CARTRIDGE_HOME": str(tmp_path / "home"), "LMCACHE_CONFIG_FILE": str(cfg_path)}
+    exe = Path(sys.executable).parent / "lmcache-cartridge"
+    r = subprocess.run([str(exe), "list"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "served-doc" in r.stdout, r.stderr
+    r = subprocess.run([str(exe), "doctor", "--model", "m"], env=env, capture_output=True, text=True, timeout=120)
+    assert "OK    served-doc" in r.stdout, r.stdout + r.stderr
+    env["LMCACHE_CHUNK_SIZE"] = "128"  # the environment over the file, as the server reads it
+    r = subprocess.run([str(exe), "doctor", "--model", "m"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "FAIL  served-doc" in r.stdout and "128" in r.stdout, r.stdout

@@ -18,6 +18,9 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import default_cache_dir, default_packed_dir, default_registry_path
 
 EXIT_USAGE = 2
+# The config the server loads (LMCache reads it from this variable): every command's --config
+# default, so that inside the server's pod `list`, `stats` and `doctor` see its registry.
+SERVER_CONFIG = os.environ.get("LMCACHE_CONFIG_FILE") or None
 EXIT_PROBLEMS = 1
 
 
@@ -252,12 +255,16 @@ def _registry(args, create: bool = True):
 
 
 def _load_lmcache_config(path):
+    """The config as the server loads it (LMCache's `lmcache_get_or_create_config`): the file,
+    then the `LMCACHE_*` environment over it, so inside a pod the CLI sees the server's settings."""
     from lmcache.v1.config import LMCacheEngineConfig
 
     if not Path(path).is_file():
         raise CartridgeError(f"{path}: no such LMCache config file")
     try:
-        return LMCacheEngineConfig.from_file(str(path))
+        config = LMCacheEngineConfig.from_file(str(path))
+        config.update_config_from_env()
+        return config
     except Exception as e:  # LMCache raises assorted errors for bad YAML
         raise CartridgeError(f"{path}: LMCache cannot load this config: {e}") from e
 
@@ -722,7 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     # -- the registry servers read
     def reg_opts(sp):
         sp.add_argument("--registry", help="registry database (default: $LMCACHE_CARTRIDGE_HOME/registry.db)")
-        sp.add_argument("--config", help="LMCache YAML: use its plugin's registry (and cache dir, S3 settings)")
+        sp.add_argument("--config", default=SERVER_CONFIG,
+                        help="LMCache YAML: use its plugin's registry (and cache dir, S3 settings); default "
+                             "$LMCACHE_CONFIG_FILE, the server's")
 
     sp = add("register", cmd_register, "add a packed cartridge (directory or s3://bucket/prefix) to the registry",
              "Servers whose plugin reads this registry serve it within a refresh period, without a\n"
@@ -741,7 +750,8 @@ def build_parser() -> argparse.ArgumentParser:
     reg_opts(sp)
 
     def catalog_s3_opts(sp):
-        sp.add_argument("--config", help="LMCache YAML: use its plugin's S3 settings")
+        sp.add_argument("--config", default=SERVER_CONFIG,
+                        help="LMCache YAML: use its plugin's S3 settings; default $LMCACHE_CONFIG_FILE")
         sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL")
         sp.add_argument("--s3-region", help="S3 region")
 
@@ -785,7 +795,8 @@ def build_parser() -> argparse.ArgumentParser:
              "hash algorithm, and every registered cartridge against the chunk size and model.\n"
              "Exit 0 when all is well, 1 when something would not be served.",
              "lmcache-cartridge doctor --config configs/lmcache-cartridge.yaml --model MODEL --verify")
-    sp.add_argument("--config", required=True, help="the LMCache YAML the server loads (LMCACHE_CONFIG_FILE)")
+    sp.add_argument("--config", required=SERVER_CONFIG is None, default=SERVER_CONFIG,
+                    help="the LMCache YAML the server loads (default $LMCACHE_CONFIG_FILE)")
     sp.add_argument("--model", help="the model name the server will use (vLLM --model)")
     sp.add_argument("--verify", action="store_true", help="also recompute every chunk checksum")
 
@@ -801,7 +812,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--upstream", required=True, help="the vLLM server, e.g. http://127.0.0.1:8000")
     sp.add_argument("--model", required=True, help="the upstream model name (vLLM --model)")
     sp.add_argument("--tokenizer", help="local tokenizer directory (default: --model)")
-    sp.add_argument("--config", help="the server's LMCache YAML (registry, cache dir, S3, chunk size)")
+    sp.add_argument("--config", default=SERVER_CONFIG,
+                    help="the server's LMCache YAML (registry, cache dir, S3, chunk size); default $LMCACHE_CONFIG_FILE")
     sp.add_argument("--registry", help="registry database, without --config")
     sp.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk_size, without --config (default 256)")
     sp.add_argument("--allow-local", action="append", metavar="DIR",
@@ -837,7 +849,8 @@ def build_parser() -> argparse.ArgumentParser:
              "Every plugin instance publishes its counters in its serving-state record under "
              "<cache_dir>/serving/; this sums those of running instances.",
              "lmcache-cartridge stats --config configs/lmcache-cartridge.yaml")
-    sp.add_argument("--config", help="LMCache YAML: use its plugin's cache dir")
+    sp.add_argument("--config", default=SERVER_CONFIG,
+                    help="LMCache YAML: use its plugin's cache dir; default $LMCACHE_CONFIG_FILE")
     sp.add_argument("--cache-dir", help="the plugin's cache dir, without --config (default: $LMCACHE_CARTRIDGE_HOME/cache)")
     sp.add_argument("--json", action="store_true", help="as JSON")
     return p
