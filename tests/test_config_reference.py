@@ -143,3 +143,37 @@ def test_the_cli_reads_the_config_the_server_reads(tmp_path):
     env["LMCACHE_CHUNK_SIZE"] = "128"  # the environment over the file, as the server reads it
     r = subprocess.run([str(exe), "doctor", "--model", "m"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "FAIL  served-doc" in r.stdout and "128" in r.stdout, r.stdout
+
+
+def test_the_model_name_trap_is_stated_where_it_is_set_and_where_it_bites(tmp_path):
+    """`create`/`pack` record the model directory as the model's name unless --model is given;
+    vLLM serves under its --model string. Pack says so, doctor's failure names both fixes, and a
+    KV of another model's geometry is refused when --model-dir is given."""
+    import torch
+
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    model_dir = ensure_test_model()
+    from transformers import AutoConfig
+
+    from lmcache_cartridge.cartridge.model_kv import kv_geometry
+
+    g = kv_geometry(AutoConfig.from_pretrained(model_dir))
+    ids = list(range(1, 257))
+    kv = torch.randn(2, g.num_layers, 256, g.num_kv_heads, g.head_dim).to(torch.bfloat16)
+    torch.save({"token_ids": ids, "kv_cache": {f"layer_{i}": kv[:, i].permute(0, 2, 1, 3).contiguous()
+                                               for i in range(g.num_layers)}}, tmp_path / "doc.pt")
+    r = cli("pack", tmp_path / "doc.pt", "-o", tmp_path / "doc", "--model-dir", model_dir, "-q", home=tmp_path)
+    assert f"model name recorded: {str(model_dir)!r}" in r.stdout and "accept_models" in r.stdout
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(_config(tmp_path)))
+    cli("register", tmp_path / "doc", "--config", cfg, home=tmp_path)
+    r = cli("doctor", "--config", cfg, "--model", "org/served-name", home=tmp_path, check=False)
+    assert r.returncode == 1 and "re-pack with --model 'org/served-name'" in r.stdout \
+        and f"add {str(model_dir)!r} to the plugin's accept_models" in r.stdout, r.stdout
+    wrong = kv[:, :, :, :, : g.head_dim // 2].contiguous()  # another model's head_dim
+    torch.save({"token_ids": ids, "kv_cache": {f"layer_{i}": wrong[:, i].permute(0, 2, 1, 3).contiguous()
+                                               for i in range(g.num_layers)}}, tmp_path / "other.pt")
+    r = cli("pack", tmp_path / "other.pt", "-o", tmp_path / "other", "--model-dir", model_dir, home=tmp_path,
+            check=False)
+    assert r.returncode != 0 and "made for another model" in r.stderr and not (tmp_path / "other").exists()

@@ -64,7 +64,9 @@ def mismatch(m: Manifest, shape: EngineShape) -> str | None:
         return "MLA models are not supported by cartridges yet"
     if shape.model_names is not None and m.model not in shape.model_names:
         also = f" (or {', '.join(map(repr, shape.model_names[1:]))})" if len(shape.model_names) > 1 else ""
-        return f"made for model {m.model!r}, engine serves {shape.model_names[0]!r}{also}"
+        return (f"made for model {m.model!r}, engine serves {shape.model_names[0]!r}{also}. The name must be "
+                f"vLLM's --model string exactly: re-pack with --model {shape.model_names[0]!r}, or, if it is "
+                f"the same weights under another name, add {m.model!r} to the plugin's accept_models")
     if shape.chunk_size is not None and m.chunk_size != shape.chunk_size:
         return (f"packed with chunk_size {m.chunk_size}, engine uses {shape.chunk_size}; "
                 f"re-register with --chunk-size {shape.chunk_size} (`lmcache-cartridge register PATH "

@@ -84,6 +84,17 @@ def cmd_pack(args) -> int:
         provenance["kv_computed_with"] = str(args.model_dir)
     if kind is None:
         kind = "first_k" if loaded.token_ids is not None else "trained"
+    if args.model_dir:  # the KV must be this model's: checked before anything is written
+        from transformers import AutoConfig
+
+        from lmcache_cartridge.cartridge.model_kv import kv_geometry
+
+        g = kv_geometry(AutoConfig.from_pretrained(args.model_dir))
+        have = (int(kv.shape[1]), int(kv.shape[3]), int(kv.shape[4]))
+        if have != (g.num_layers, g.num_kv_heads, g.head_dim):
+            raise CartridgeError(f"{src}: KV of {have[0]} layers x {have[1]} KV heads x head_dim {have[2]}, but "
+                                 f"{args.model_dir} has {g.num_layers} x {g.num_kv_heads} x {g.head_dim}: "
+                                 "it was made for another model")
     dtype = getattr(torch, args.dtype) if args.dtype else _model_dtype_for(kv, args.model_dir)
     if dtype is not None and dtype != kv.dtype:
         provenance["converted_from_dtype"] = str(kv.dtype).removeprefix("torch.")
@@ -105,6 +116,7 @@ def cmd_pack(args) -> int:
     print(f"read {src} as {loaded.source_format}" + (f" (base model {loaded.base_model})" if loaded.base_model else ""))
     print(f"packed {m.cartridge_id} ({m.kind}): {m.num_tokens} tokens, {len(m.chunks)} chunks, "
           f"{m.payload_nbytes / 2**20:.1f} MiB -> {out}")
+    _say_model_name(m.model, given=model != args.model_dir)
     return 0
 
 
@@ -228,7 +240,16 @@ def cmd_create(args) -> int:
         progress=not args.quiet,
     )
     print(f"created {m.cartridge_id}: {m.num_tokens} tokens of {args.text}, {len(m.chunks)} chunks -> {out}")
+    _say_model_name(m.model, given=bool(args.model))
     return 0
+
+
+def _say_model_name(model: str, given: bool) -> None:
+    """Where the model-name trap is set, say so: the name recorded must be vLLM's --model string
+    exactly, and without --model it is the directory."""
+    if not given:
+        print(f"model name recorded: {model!r} (the model directory). vLLM must be started with exactly this "
+              "--model, or the plugin's accept_models must name it; pass --model NAME to record vLLM's name")
 
 
 def default_kv_from() -> str:
