@@ -401,7 +401,7 @@ def recording_upstream():
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append((dict(self.headers), body))
+            seen.append(({**dict(self.headers), ":path": self.path}, body))
             self._json({"id": "cmpl-1", "object": "text_completion", "model": body["model"],
                         "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
 
@@ -830,3 +830,45 @@ def test_conversions_and_composites_of_an_older_version_are_made_again(tmp_path,
     assert again.entry.id == t1.entry.id and Manifest.load(again.entry.path).vocab is not None
     assert r2.plan([again, r2.resolve(seed000("t2", 2))]).wanted[0].id == comp.id
     assert Manifest.load(comp.path).segments == [["trained", CHUNK], ["trained", CHUNK]]
+
+
+def test_openai_chat_requests_pass_whole(tmp_path, settings, model_dir, recording_upstream):
+    """A chat request without cartridges reaches vLLM's chat endpoint whole (tools, tool_choice,
+    response_format, content parts: vLLM parses tool calls); with cartridges, text content parts
+    are read as vLLM reads them (joined with newlines), response_format passes, and the fields
+    only vLLM's chat endpoint can honour answer 400 instead of being dropped."""
+    import dataclasses
+
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "find a fact",
+                                               "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    body = {"model": model_dir, "messages": [
+                {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": [{"type": "text", "text": "Where is it?"}, {"type": "text", "text": "Say."}]}],
+            "tools": tools, "tool_choice": "auto", "parallel_tool_calls": False, "response_format": fmt,
+            "max_tokens": 4, "seed": 7, "logit_bias": {"5": -1}}
+    r = _call(app, "POST", "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    headers, got = seen[-1]
+    assert headers[":path"] == "/v1/chat/completions" and got == body
+
+    _cart(tmp_path / "allowed" / "doc", "doc", list(range(1, 65)), model_dir)
+    carts = [{"id": str(tmp_path / "allowed" / "doc"), "source": "local"}]
+    as_parts = {"messages": body["messages"], "cartridges": carts, "max_tokens": 4, "response_format": fmt}
+    r = _call(app, "POST", "/v1/chat/completions", json=as_parts)
+    assert r.status_code == 200, r.text
+    headers, parts_sent = seen[-1]
+    assert headers[":path"] == "/v1/completions" and parts_sent["response_format"] == fmt
+    as_text = {**as_parts, "messages": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Where is it?\nSay."}]}
+    assert _call(app, "POST", "/v1/chat/completions", json=as_text).status_code == 200
+    assert seen[-1][1]["prompt"] == parts_sent["prompt"]
+    n = len(seen)
+    for field in ("tools", "tool_choice", "parallel_tool_calls"):
+        r = _call(app, "POST", "/v1/chat/completions", json={**as_text, field: body[field]})
+        assert r.status_code == 400 and repr(field) in r.json()["error"]["message"], r.text
+    image = {**as_text, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    assert _call(app, "POST", "/v1/chat/completions", json=image).status_code == 400
+    assert len(seen) == n

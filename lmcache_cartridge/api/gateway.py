@@ -80,7 +80,15 @@ def completion_chunk_to_chat(chunk: dict, first: bool) -> dict:
 
 
 # --- the app ----------------------------------------------------------------------------------
-_CHAT_ONLY = {"messages", "tools", "tool_choice", "response_format", "parallel_tool_calls", "top_logprobs"}
+_CHAT_ONLY = {"messages", "top_logprobs"}  # chat's own fields, translated for /v1/completions
+# Chat fields that need vLLM's chat endpoint itself (its tool-call parser turns the output into
+# `tool_calls`): a chat request without cartridges goes there whole; with cartridges (sent as
+# token ids to /v1/completions) they are refused, never dropped.
+_CHAT_ENDPOINT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+
+
+class _Forward(Exception):
+    """Raised inside `handle` for a request that goes to vLLM whole (chat without cartridges)."""
 
 
 class ApiKeys:
@@ -240,8 +248,19 @@ def create_app(settings: GatewaySettings):
                     wait_served, settings.cache_dir, settings.registry,
                     [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
                     models=(settings.model, *settings.accept_models))  # another model's instances never serve it
+            whole = chat and not specs  # nothing to put first: vLLM's chat endpoint takes it as it is
+            if whole:
+                upstream = {k: v for k, v in body.model_dump(exclude_unset=True).items() if k != "cartridges"}
+                upstream["model"] = settings.model
+                route = {}
+                raise _Forward()
             if chat:
-                messages = [m.model_dump() for m in body.messages]
+                needs = [k for k in _CHAT_ENDPOINT_ONLY if k in body.model_fields_set or k in (body.model_extra or {})]
+                if needs:
+                    raise RequestError(400, f"{needs[0]!r} cannot be combined with cartridges: a request with "
+                                            "cartridges reaches vLLM as token ids on /v1/completions, where tool "
+                                            "calls are not parsed (send it without cartridges for tools)")
+                messages = [m.as_text() for m in body.messages]
                 ids = prompts.chat_ids(messages, plan.prefix, after_trained=plan.trained)
             else:
                 ids = prompts.completion_ids(body.prompt, plan.prefix)
@@ -295,24 +314,28 @@ def create_app(settings: GatewaySettings):
             return resp
         except CartridgeError as e:
             return error(400, str(e))
-        if plan.primes:
+        except _Forward:
+            plan = None
+        if plan is not None and plan.primes:
             failed = await prime(plan, route)
             if failed is not None:
                 return failed
         stream = bool(upstream.get("stream"))
+        path = "/v1/chat/completions" if plan is None else "/v1/completions"
+        translate = chat and plan is not None  # completions' answers in chat's shape
         try:
             if not stream:
-                r = await client.post("/v1/completions", json=upstream, headers=route)
+                r = await client.post(path, json=upstream, headers=route)
                 try:
                     data = r.json()
                 except ValueError:
                     return error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {r.text[:200]!r}")
-                if r.status_code == 500 and plan.trained:
+                if r.status_code == 500 and plan is not None and plan.trained:
                     return trained_failed(data)
                 if r.status_code != 200:
                     return JSONResponse(data, status_code=r.status_code)
-                return JSONResponse(completion_to_chat(data) if chat else data)
-            req = client.build_request("POST", "/v1/completions", json=upstream, headers=route)
+                return JSONResponse(completion_to_chat(data) if translate else data)
+            req = client.build_request("POST", path, json=upstream, headers=route)
             r = await client.send(req, stream=True)
         except httpx.HTTPError as e:
             return error(502, f"upstream {shown_upstream} unreachable: {type(e).__name__}")
@@ -328,7 +351,7 @@ def create_app(settings: GatewaySettings):
             first = True
             try:
                 async for line in r.aiter_lines():
-                    if not chat or not line.startswith("data: ") or line == "data: [DONE]":
+                    if not translate or not line.startswith("data: ") or line == "data: [DONE]":
                         yield line + "\n"
                         continue
                     try:

@@ -84,11 +84,28 @@ class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] = Field(description="a string or a list of token ids (one prompt)")
 
 
+class TextPart(BaseModel):
+    """An OpenAI content part. Only text: the models served here read text."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: StrictStr
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: StrictStr
-    content: StrictStr
+    content: StrictStr | list[TextPart]
+
+    def as_text(self) -> dict[str, Any]:
+        """The message with its content as one string, as vLLM renders text parts for a chat
+        template that takes strings: joined with newlines (`renderers/chat_utils.py`)."""
+        d = self.model_dump()
+        if isinstance(self.content, list):
+            d["content"] = "\n".join(p.text for p in self.content)
+        return d
 
 
 class ChatRequest(_Common):
@@ -100,7 +117,8 @@ class ChatRequest(_Common):
 # --- messages ---------------------------------------------------------------------------------
 _WHOLE_FIELD = {
     "prompt": "'prompt' must be a string or a list of token ids (one prompt per request)",
-    "messages": "'messages' must be a non-empty list of {role, content} with string content",
+    "messages": "'messages' must be a non-empty list of {role, content}, content a string or a list of "
+                "text parts ({type: 'text', text})",
 }
 
 
