@@ -872,3 +872,32 @@ def test_openai_chat_requests_pass_whole(tmp_path, settings, model_dir, recordin
     image = {**as_text, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     assert _call(app, "POST", "/v1/chat/completions", json=image).status_code == 400
     assert len(seen) == n
+
+
+def test_gateway_metrics_count_requests_by_status_and_time_the_waits(tmp_path, settings, model_dir, recording_upstream):
+    """/metrics (Prometheus text): requests by endpoint and status, the wait for an instance to
+    serve a request's cartridges, upstream latency. Before, the gateway had no /metrics."""
+    import dataclasses
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    _cart(tmp_path / "allowed" / "doc", "doc", list(range(1, 65)), model_dir)
+    ok = {"prompt": [5, 6], "max_tokens": 1, "cartridges": [{"id": str(tmp_path / "allowed" / "doc"), "source": "local"}]}
+    assert _call(app, "POST", "/v1/completions", json=ok).status_code == 200
+    assert _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200
+    assert _call(app, "POST", "/v1/completions", json={"prompt": 5}).status_code == 400
+    assert _call(app, "POST", "/v1/completions", json={"prompt": [5], "cartridges": [{"id": "nope"}]}).status_code == 404
+    r = _call(app, "GET", "/metrics")
+    assert r.status_code == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(r.text) for s in f.samples}
+
+    def requests(status):
+        return samples.get(("lmcache_cartridge_gateway_requests_total",
+                            (("endpoint", "/v1/completions"), ("status", status))))
+
+    assert (requests("200"), requests("400"), requests("404")) == (2.0, 1.0, 1.0)
+    assert samples[("lmcache_cartridge_gateway_ready_wait_seconds_count", ())] == 1.0
+    assert samples[("lmcache_cartridge_gateway_upstream_seconds_count", (("endpoint", "/v1/completions"),))] == 2.0

@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 
+from lmcache_cartridge.api.metrics import GatewayMetrics
 from lmcache_cartridge.api.prompts import PromptBuilder
 from lmcache_cartridge.api.requests import ChatRequest, CompletionRequest, describe
 from lmcache_cartridge.api.resolver import Resolver
@@ -175,6 +176,21 @@ def create_app(settings: GatewaySettings):
     app.state.resolver, app.state.registry = resolver, registry  # for operators' and tests' eyes
     limits = {"max_model_len": settings.max_model_len}
     app.state.primes = 0  # priming requests sent (Resolver.plan's `primes`)
+    metrics = app.state.metrics = GatewayMetrics()
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            metrics.answered(request.url.path, response.status_code)
+        return response
+
+    @app.get("/metrics")
+    async def _metrics():
+        from fastapi.responses import Response
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
@@ -244,10 +260,11 @@ def create_app(settings: GatewaySettings):
             resolved = [await asyncio.to_thread(resolver.resolve, s, tenant) for s in specs]
             plan = await asyncio.to_thread(resolver.plan, resolved)
             if plan.wanted:
-                await asyncio.to_thread(
-                    wait_served, settings.cache_dir, settings.registry,
-                    [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
-                    models=(settings.model, *settings.accept_models))  # another model's instances never serve it
+                with metrics.timed(metrics.ready_wait):
+                    await asyncio.to_thread(
+                        wait_served, settings.cache_dir, settings.registry,
+                        [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
+                        models=(settings.model, *settings.accept_models))  # another model's instances never serve it
             whole = chat and not specs  # nothing to put first: vLLM's chat endpoint takes it as it is
             if whole:
                 upstream = {k: v for k, v in body.model_dump(exclude_unset=True).items() if k != "cartridges"}
@@ -325,7 +342,8 @@ def create_app(settings: GatewaySettings):
         translate = chat and plan is not None  # completions' answers in chat's shape
         try:
             if not stream:
-                r = await client.post(path, json=upstream, headers=route)
+                with metrics.timed(metrics.upstream, path):
+                    r = await client.post(path, json=upstream, headers=route)
                 try:
                     data = r.json()
                 except ValueError:
@@ -336,7 +354,8 @@ def create_app(settings: GatewaySettings):
                     return JSONResponse(data, status_code=r.status_code)
                 return JSONResponse(completion_to_chat(data) if translate else data)
             req = client.build_request("POST", path, json=upstream, headers=route)
-            r = await client.send(req, stream=True)
+            with metrics.timed(metrics.upstream, path):
+                r = await client.send(req, stream=True)
         except httpx.HTTPError as e:
             return error(502, f"upstream {shown_upstream} unreachable: {type(e).__name__}")
         if r.status_code != 200:
