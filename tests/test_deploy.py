@@ -44,6 +44,27 @@ def test_values_env_loads_through_lmcache_into_a_config_the_plugin_accepts(monke
         k = f"storage_plugin.cartridge.{key}"
         assert config.extra_config[k] == reference.extra_config[k]
     assert any(e["name"] == "LMCACHE_CARTRIDGE_INSTANCE" for e in model_spec()["env"])
+    # one home: the server's registry and cache dir are the CLI's defaults in the same container
+    from lmcache_cartridge.paths import default_cache_dir, default_registry_path
+
+    assert env["LMCACHE_CARTRIDGE_HOME"] in docker_env()["LMCACHE_CARTRIDGE_HOME"]
+    assert (settings.registry, settings.cache_dir) == (default_registry_path(), default_cache_dir())
+    assert str(settings.registry).startswith(env["LMCACHE_CARTRIDGE_HOME"])
+
+
+def docker_env() -> dict[str, str]:
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    block = re.search(r"^ENV (.+?)(?=^\S|\Z)", text, re.S | re.M).group(1)
+    return dict(re.findall(r"(\w+)=(\S+)", block))
+
+
+def test_replicas_share_no_single_node_volume_and_the_image_has_the_configs():
+    """Three replicas and one ReadWriteOnce claim (the chart makes one per modelSpec) cannot
+    run on three nodes; the image ships configs/ (the LMCache YAML the README starts from)."""
+    spec = model_spec()
+    assert not (spec.get("replicaCount", 1) > 1 and spec.get("pvcStorage")
+                and "ReadWriteMany" not in (spec.get("pvcAccessMode") or []))
+    assert re.search(r"^COPY configs ", (ROOT / "deploy" / "Dockerfile").read_text(), re.M)
 
 
 def test_values_start_vllm_with_the_cartridge_connector():
