@@ -41,3 +41,18 @@ def test_short_soak_no_errors_no_contamination_evictions_flat_rss(tmp_path):
     rss = r["rss"]
     assert rss["growth"] is not None and rss["growth"] < 0.30, rss  # generous: a short run is noisy
     assert r["server_alive"] and r["ok"]
+
+
+def test_a_departure_is_forgiven_only_at_a_near_tie():
+    """The soak's contamination rule: an answer that departs from its reference at a near tie
+    (batching moved bf16 rounding) is a flip; any other departure is contamination."""
+    ref = {"tokens": ["a", "b", "c"], "token_logprobs": [-0.01, -0.2, -0.1], "top_logprobs": [{}, {}, {}]}
+    flip = {"tokens": ["a", "x", "y"], "token_logprobs": [-0.02, -0.6, -0.1],
+            "top_logprobs": [{"a": -0.02}, {"x": -0.6, "b": -0.7}, {"y": -0.1}]}
+    assert abs(soak.near_tie_gap(flip, ref) - 0.1) < 1e-9
+    far = {**flip, "top_logprobs": [{"a": -0.02}, {"x": -0.6, "b": -3.0}, {"y": -0.1}]}
+    assert soak.near_tie_gap(far, ref) is None            # the reference's token far below: wrong KV
+    absent = {**flip, "top_logprobs": [{"a": -0.02}, {"x": -0.6}, {"y": -0.1}]}
+    assert soak.near_tie_gap(absent, ref) is None         # not even among the top logprobs
+    moved = {**flip, "token_logprobs": [-1.5, -0.6, -0.1]}
+    assert soak.near_tie_gap(moved, ref) is None          # an earlier token's logprob moved: other KV
