@@ -81,3 +81,47 @@ def test_dockerfile_import_check_names_real_modules():
     assert "lmcache_cartridge.plugin" in mods
     for m in mods:
         importlib.import_module(m)
+
+
+GATEWAY = ROOT / "deploy" / "k8s" / "gateway.yaml"
+
+
+def _gateway_docs() -> dict[str, dict]:
+    return {d["kind"]: d for d in yaml.safe_load_all(GATEWAY.read_text())}
+
+
+def test_gateway_manifest_runs_a_command_the_cli_accepts_against_the_charts_router(tmp_path, monkeypatch):
+    """The gateway's Deployment: its command parses as `lmcache-cartridge gateway`, its config
+    loads through LMCache with no key the plugin or LMCache would ignore and syncs the engines'
+    catalog, its upstream is the Service production-stack's chart makes for the release's router,
+    and the probes and the Service name the port it listens on."""
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    from lmcache_cartridge.lmcache.settings import unknown_keys, unknown_lmcache_keys
+    from lmcache_cartridge.tools.cli import build_parser
+
+    docs = _gateway_docs()
+    container = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][:2] == ["lmcache-cartridge", "gateway"]
+    args = build_parser().parse_args(container["command"][1:])
+    for k in [k for k in __import__("os").environ if k.startswith("LMCACHE_")]:
+        monkeypatch.delenv(k)
+    mount = container["volumeMounts"][0]["mountPath"]
+    (tmp_path / "cfg.yaml").write_text(docs["ConfigMap"]["data"][Path(args.config).name])
+    assert args.config.startswith(mount + "/")
+    config = LMCacheEngineConfig.from_file(str(tmp_path / "cfg.yaml"))
+    settings = PluginSettings.from_config(config, CartridgeStoragePlugin)
+    assert not unknown_keys(config, settings.name)
+    assert not unknown_lmcache_keys(yaml.safe_load((tmp_path / "cfg.yaml").read_text()))
+    engine_env = {e["name"]: e["value"] for e in model_spec()["env"] if "value" in e}
+    engine_extra = json.loads(engine_env["LMCACHE_EXTRA_CONFIG"])
+    assert settings.catalog_uri == engine_extra["storage_plugin.cartridge.catalog_uri"]
+    assert args.model == model_spec()["modelURL"]
+    values = yaml.safe_load(VALUES.read_text())
+    assert args.upstream == f"http://{values['servingEngineSpec']['labels']['release']}-router-service:80"
+    assert values["routerSpec"]["sessionKey"].lower() == "x-session-id"
+    port = container["ports"][0]
+    assert args.port == port["containerPort"] and args.host == "0.0.0.0"
+    assert container["readinessProbe"]["httpGet"]["port"] == port["name"]
+    assert docs["Service"]["spec"]["ports"][0]["targetPort"] == port["name"]
+    assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
