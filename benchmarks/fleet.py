@@ -7,7 +7,7 @@ the router, one S3 catalog on a moto server in its own process.
            own registry, cache dir and `LMCACHE_CARTRIDGE_INSTANCE`, all syncing the catalog
              -> counting S3 proxy (tests/s3_server.S3Proxy, this process) -> moto (own process)
 
-Why the gateway is in front of the router (as the README documents): the gateway is what
+Why the gateway is in front of the router (as docs/deployment.md documents): the gateway is what
 prepends a cartridge's token ids, so it is what knows which cartridges a request uses; it sets
 `X-Session-ID: cart:<ids>` (`api/routing.py`) and vllm-router 0.1.17's `consistent_hash` keys on
 that header only. A router in front of gateways would need every client to set the header.
