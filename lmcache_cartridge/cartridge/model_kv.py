@@ -3,7 +3,8 @@
 Canonical KV layout across the project: one tensor `[2, num_layers, num_tokens, num_kv_heads,
 head_dim]` (0 = K, 1 = V), K after RoPE exactly as HF caches it, in the model's dtype. Runs
 offline (CLI `create`/`pack`) and in tests, where HF is the independent reference for what
-vLLM computes; never on the serving path.
+vLLM computes; never on the serving path. The model runs on the device it is loaded on (CPU by
+default, `create --device cuda` for a GPU); the KV always comes back on CPU, where packing reads it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ from typing import Any
 
 import torch
 
-from lmcache_cartridge.errors import CartridgeFormatError
+from lmcache_cartridge.errors import CartridgeError, CartridgeFormatError
+
+# Tokens per forward pass when computing a prefix KV: eager attention materialises a
+# [heads, chunk, prefix] score matrix per layer (in float32) instead of [heads, n, n].
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -36,14 +41,36 @@ def kv_geometry(config: Any) -> KVGeometry:
     return KVGeometry(int(config.num_hidden_layers), int(kv_heads), int(head_dim))
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype | None = None):
-    """Load (model, tokenizer) on CPU in eval mode.
+def resolve_device(name: str | torch.device) -> torch.device:
+    """The torch device `name` names, checked before any model is loaded: cpu or cuda[:N], and
+    CUDA only where this process can use it."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise CartridgeError(f"device {str(name)!r} is not a torch device (use cpu, cuda or cuda:N): {e}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no usable GPU"
+            raise CartridgeError(f"device {str(name)!r} asked for, but CUDA is not available here "
+                                 f"(torch {torch.__version__}, {build}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CartridgeError(f"device {str(name)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise CartridgeError(f"device {str(name)!r}: only cpu and cuda[:N] are supported")
+    return device
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> tuple[Any, Any]:
+    """Load (model, tokenizer) on `device` (checked first: `resolve_device`) in eval mode.
 
     Eager attention: it is the reference implementation, so the KV we keep is not shaped by a
-    fused kernel's numerics. `dtype=None` keeps the checkpoint's dtype (the serving dtype).
+    fused kernel's numerics (`compute_prefix_kv` prefills in chunks to bound its score matrices).
+    `dtype=None` keeps the checkpoint's dtype (the serving dtype).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    target = resolve_device(device)
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise CartridgeFormatError(
@@ -56,7 +83,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None):
         attn_implementation="eager",
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return model.to("cpu").eval(), tokenizer
+    return model.to(target).eval(), tokenizer
 
 
 def cache_to_kv(past_key_values: Any) -> torch.Tensor:
@@ -85,10 +112,21 @@ def kv_to_cache(kv: torch.Tensor, config: Any = None):
     return DynamicCache(layers, config=config)
 
 
-def compute_prefix_kv(model: Any, token_ids: list[int]) -> torch.Tensor:
-    """KV of `token_ids` (positions 0..n-1) in the canonical layout, in the model's dtype."""
+def compute_prefix_kv(model: Any, token_ids: list[int],
+                      chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
+    """KV of `token_ids` (positions 0..n-1) in the canonical layout, in the model's dtype, on CPU.
+
+    Runs on the model's device. Prefills `chunk_tokens` tokens per forward pass with the HF
+    cache as `past_key_values` (`None`: all at once), so eager attention's score matrices are
+    `[heads, chunk, prefix]`, not `[heads, n, n]` (tens of GB for a 32k-token document). The
+    chunking itself is exact: the KV differs from the one-shot KV only where a GEMM kernel
+    rounds differently for another number of rows (tests/test_create_options.py).
+    Only the backbone runs: no logits are computed.
+    """
     if not token_ids:
         raise CartridgeFormatError("cannot compute KV for an empty token sequence")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise CartridgeFormatError(f"prefill chunk must be a positive number of tokens, got {chunk_tokens}")
     limit = model.config.max_position_embeddings
     if len(token_ids) > limit:
         raise CartridgeFormatError(
@@ -97,6 +135,14 @@ def compute_prefix_kv(model: Any, token_ids: list[int]) -> torch.Tensor:
         )
     device = next(model.parameters()).device
     input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    step = chunk_tokens or len(token_ids)
+    cache = None
     with torch.inference_mode():
-        out = model(input_ids=input_ids, use_cache=True)
-    return cache_to_kv(out.past_key_values)
+        for start in range(0, len(token_ids), step):
+            out = model.base_model(input_ids=input_ids[:, start:start + step], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+    kv = cache_to_kv(cache).cpu()
+    if kv.shape[2] != len(token_ids):  # e.g. a sliding-window cache that dropped old tokens
+        raise CartridgeFormatError(f"the model's cache kept {kv.shape[2]} of {len(token_ids)} tokens: "
+                                   "cannot make a cartridge of this model's KV")
+    return kv

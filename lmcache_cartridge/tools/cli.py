@@ -205,14 +205,22 @@ def cmd_verify(args) -> int:
 
 # --- create -----------------------------------------------------------------------------------
 def cmd_create(args) -> int:
-    from lmcache_cartridge.tools.create import create_first_k
+    """Everything a user can get wrong (the text, the options, the output directory) is checked
+    before the model is loaded or vLLM started: the forward pass takes minutes."""
+    from lmcache_cartridge.cartridge.manifest import validate_id
+    from lmcache_cartridge.cartridge.model_kv import DEFAULT_PREFILL_CHUNK, resolve_device
     from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.tools.create import check_output_dir, create_first_k
 
     text = Path(args.text).read_text(encoding="utf-8")
     out = Path(args.output)
-    if out.exists() and not args.overwrite:  # before the forward pass, not after it
-        raise CartridgeError(f"{out} already exists (use --overwrite to replace it)")
+    cartridge_id = args.id or _default_id(Path(args.text))
+    validate_id(cartridge_id)
     kv_from = args.kv_from or default_kv_from()
+    if kv_from == "vllm" and (args.device is not None or args.prefill_chunk is not None):
+        raise CartridgeError("--device and --prefill-chunk are for --kv-from hf (vLLM runs on its own device)")
+    device = resolve_device(args.device or "cpu")
+    check_output_dir(out, args.overwrite)
     if kv_from == "vllm":
         import tempfile
 
@@ -224,12 +232,14 @@ def cmd_create(args) -> int:
             made = create_first_k(args.model_dir, text, max_tokens=args.max_tokens,
                                   sci_chunk=args.sci_chunk, seed=args.seed, engine=engine)
     else:
+        print(f"computing the KV with transformers on {device}", flush=True)
         made = create_first_k(args.model_dir, text, max_tokens=args.max_tokens,
-                              sci_chunk=args.sci_chunk, seed=args.seed)
+                              sci_chunk=args.sci_chunk, seed=args.seed, device=device,
+                              prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
     m = pack_kv(
         made.kv,
         out,
-        cartridge_id=args.id or _default_id(Path(args.text)),
+        cartridge_id=cartridge_id,
         model=args.model or str(args.model_dir),
         kind="first_k",
         token_ids=made.token_ids,
@@ -680,13 +690,16 @@ def build_parser() -> argparse.ArgumentParser:
              "a prompt starting with the document, so served it answers exactly as the plain prompt.\n"
              "Run it on the kind of machine that will serve it (vLLM's CPU and GPU kernels round\n"
              "differently). --kv-from hf uses HF transformers (no vLLM needed; answers may part from\n"
-             "the plain prompt's on near ties). Llama-style tokenizers put BOS first and the cartridge starts with it;\n"
+             "the plain prompt's on near ties); it runs on --device (default cpu; cuda for a GPU) and\n"
+             "prefills --prefill-chunk tokens at a time, so a long document never needs a full\n"
+             "tokens x tokens attention matrix. The output directory is checked before any of this.\n"
+             "Llama-style tokenizers put BOS first and the cartridge starts with it;\n"
              "tokenizers without BOS (Qwen2) start with the document's first token. Send requests as\n"
              "the cartridge's token ids followed by your own (the gateway does this for you).",
              "lmcache-cartridge create --model-dir ~/models/Qwen2.5-0.5B-Instruct --text doc.txt -o carts/doc")
     sp.add_argument("--model-dir", required=True, metavar="DIR", help="local HF model directory (config.json, weights, tokenizer)")
     sp.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file: the document")
-    sp.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to create (the packed cartridge)")
+    sp.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to create (the packed cartridge); checked before the model is loaded")
     sp.add_argument("--model", help="model name servers use (vLLM --model; default: --model-dir)")
     sp.add_argument("--id", help="cartridge id (default: from the text file's name)")
     sp.add_argument("--max-tokens", type=int, metavar="N", help="keep the first N tokens (default: the whole document)")
@@ -698,6 +711,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what computes the KV: vllm (default where installed) or hf (transformers)")
     sp.add_argument("--cpu-bind", default="0-1", metavar="CPUS",
                     help="with --kv-from vllm on CPU: VLLM_CPU_OMP_THREADS_BIND of the private server (default 0-1)")
+    sp.add_argument("--device", metavar="DEV",
+                    help="with --kv-from hf: where the model runs, cpu (default), cuda or cuda:N; the KV is kept on CPU")
+    sp.add_argument("--prefill-chunk", type=int, metavar="N",
+                    help="with --kv-from hf: tokens per forward pass (default 512); attention memory grows with "
+                         "N x document tokens")
     sp.add_argument("--label", action="append", help="label (repeatable)")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -4,23 +4,28 @@ Canonical KV layout across the project: one tensor `[2, num_layers, num_tokens, 
 head_dim]` (0 = K, 1 = V), K after RoPE exactly as HF caches it, in the model's dtype. A
 cartridge is only valid as the prefix it was computed for, so the token ids travel with it.
 
-Runs offline in the `create` command's process (and in tests that make cartridges), on CPU,
-never on the serving path. It reads the model directory and owns nothing on disk: it returns a
-`CreatedCartridge` in memory, and its caller packs it (`pack_kv`) where it chooses.
+Runs offline in the `create` command's process (and in tests that make cartridges), never on
+the serving path: the HF model on CPU by default or on the `device` asked for (a GPU makes long
+documents practical), prefilled in chunks so memory stays bounded; the KV comes back on CPU. It
+reads the model directory and owns nothing on disk: it returns a `CreatedCartridge` in memory,
+and its caller packs it (`pack_kv`) where it chooses, after `check_output_dir` (which only
+probes) said it can: before the forward pass, which takes minutes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
-from lmcache_cartridge.errors import CartridgeFormatError
+from lmcache_cartridge.cartridge.model_kv import DEFAULT_PREFILL_CHUNK, compute_prefix_kv, load_model
+from lmcache_cartridge.errors import CartridgeError, CartridgeFormatError
 
 
 @dataclass
@@ -30,6 +35,28 @@ class CreatedCartridge:
     kv: torch.Tensor  # [2, num_layers, num_tokens, num_kv_heads, head_dim]
     token_ids: list[int]
     provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def check_output_dir(out_dir: str | Path, overwrite: bool = False) -> None:
+    """Refuse, before minutes of compute, an output directory `pack_kv` would then fail to write.
+
+    Probes what `pack_kv` does rather than guessing from mode bits: it refuses an existing
+    directory without `overwrite`, creates missing parents, and writes a temporary directory
+    next to the output. So the nearest existing ancestor must be a directory this process can
+    create a directory in (tried and removed at once; nothing else is created).
+    """
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise CartridgeError(f"{out} already exists (use --overwrite to replace it)")
+    ancestor = out.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise CartridgeError(f"cannot write {out}: {ancestor} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=ancestor))
+    except OSError as e:
+        raise CartridgeError(f"cannot write {out}: cannot create anything in {ancestor} ({e.strerror})") from None
 
 
 def sample_chunks(body_len: int, budget: int, chunk: int, seed: int) -> list[tuple[int, int]]:
@@ -81,6 +108,8 @@ def create_first_k(
     seed: int = 0,
     model_and_tokenizer: tuple[Any, Any] | None = None,
     engine: Any | None = None,
+    device: str | torch.device | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> CreatedCartridge:
     """Cartridge from real text: the first `max_tokens` tokens (the tokenizer's BOS included where
     it adds one), or with `sci_chunk` the leading specials plus sampled document chunks (Sampled
@@ -92,6 +121,10 @@ def create_first_k(
     from vLLM's, so greedy answers can part from the plain prompt's).
     `model_and_tokenizer` lets callers that make several cartridges load the model once (with an
     engine only its tokenizer is used).
+    Without an engine, `device` (default cpu; e.g. cuda, cuda:1) is where the model is loaded and
+    the forward pass runs (a model passed in stays where it is: then give no device), and
+    `prefill_chunk` tokens go through the model at a time (`compute_prefix_kv`; None: all at once).
+    The KV is returned on CPU in the model's dtype.
     """
     import transformers
 
@@ -112,9 +145,14 @@ def create_first_k(
             raise CartridgeFormatError(
                 "sci_chunk needs max_tokens: SCI samples chunks up to a token budget"
             )
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise CartridgeFormatError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
+    if device is not None and (engine is not None or model_and_tokenizer is not None):
+        raise CartridgeFormatError("device is where create_first_k loads the model: not with an engine or "
+                                   "a model passed in (that one runs where it is)")
 
     if engine is None:
-        model, tokenizer = model_and_tokenizer or load_model(model_dir)
+        model, tokenizer = model_and_tokenizer or load_model(model_dir, device=device or "cpu")
         limit = model.config.max_position_embeddings
     else:  # the engine computes the KV: only the tokenizer and the config are needed here
         from transformers import AutoConfig, AutoTokenizer
@@ -140,9 +178,10 @@ def create_first_k(
         )
 
     if engine is None:
-        kv = compute_prefix_kv(model, token_ids)
+        kv = compute_prefix_kv(model, token_ids, prefill_chunk)
         computed_by = {"engine": "transformers", "dtype": str(kv.dtype).removeprefix("torch."),
-                       "attention": "eager"}
+                       "attention": "eager", "device": str(next(model.parameters()).device),
+                       "prefill_chunk": prefill_chunk}
     else:
         kv = engine.prefix_kv(token_ids)
         computed_by = engine.describe()
