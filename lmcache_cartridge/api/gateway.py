@@ -8,9 +8,10 @@ prompt after them (`api.prompts`), sends the plan's priming requests where token
 precede a trained cartridge, forwards a token-id prompt to the upstream `/v1/completions`, and
 answers with ordinary OpenAI responses (chat ones rebuilt from the completion, streaming included). Request bodies are the pydantic models of `api.requests`.
 
-Runs as its own process (`lmcache-cartridge gateway`). It owns a registry connection, a
-resolution cache and a tokenizer; the vLLM server and its plugins are reached only over HTTP and
-the shared registry.
+Runs as its own process (`lmcache-cartridge gateway`), or inside vLLM's API server
+(`api.middleware`, `vllm serve --middleware`). It owns a registry connection, a resolution cache
+and a tokenizer; the vLLM server and its plugins are reached only over HTTP and the shared
+registry.
 """
 
 import asyncio
@@ -158,7 +159,10 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
-def create_app(settings: GatewaySettings):
+def create_app(settings: GatewaySettings, *, transport=None):
+    """The gateway as an ASGI app. `transport`: the httpx transport its client reaches the upstream
+    with (default: plain HTTP to `settings.upstream`; `api.middleware` passes one for a Unix socket
+    or its own server's TLS)."""
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -168,7 +172,7 @@ def create_app(settings: GatewaySettings):
     registry = Registry(settings.registry)
     resolver = Resolver(settings, registry)
     prompts = PromptBuilder(settings.tokenizer, settings.trained_chat_template)
-    client = httpx.AsyncClient(base_url=settings.upstream, timeout=settings.upstream_timeout,
+    client = httpx.AsyncClient(base_url=settings.upstream, timeout=settings.upstream_timeout, transport=transport,
                                headers={"Authorization": f"Bearer {settings.upstream_api_key}"}
                                if settings.upstream_api_key else None)
     shown_upstream = _without_credentials(settings.upstream)  # what error messages may name

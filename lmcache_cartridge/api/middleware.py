@@ -1,0 +1,450 @@
+"""The gateway inside vLLM's own API server: `vllm serve ... --middleware
+lmcache_cartridge.api.middleware.CartridgeMiddleware`, so one process serves vLLM and the
+`cartridges` request field.
+
+Why: vLLM ignores request fields it does not know, so a request with `cartridges` sent to vLLM
+itself (bypassing a separate gateway) was answered 200 without the document. Inside vLLM's ASGI
+stack nothing can bypass it:
+
+- POST /v1/completions and /v1/chat/completions whose JSON body has a `cartridges` field are
+  answered by the gateway (`api.gateway.create_app`, the one implementation: resolution, the
+  readiness wait, priming, the token-id rewrite, chat translation, streaming, its API keys, body
+  limit and metrics). The rewritten request (no `cartridges` field) reaches this same server
+  over its own listening address (loopback, its Unix socket, or TLS), and so passes vLLM's own
+  middleware, `--api-key` included. Not in-process: httpx's ASGITransport collects the whole
+  response before returning it, so a stream would not stream.
+- `cartridges` on any other JSON POST (/v1/responses, /invocations, ...) answers 400, never a
+  silent answer without the document.
+- Everything else reaches vLLM untouched: a body read to look for the field is replayed byte
+  for byte; GET /metrics gets the gateway's series appended.
+- If the gateway cannot be set up (no cartridge plugin in the LMCache config, a bad setting),
+  vLLM still serves and requests with `cartridges` answer 501 with the reason.
+
+Settings come from where the server's plugin and the `gateway` command read them: the LMCache
+config (`$LMCACHE_CONFIG_FILE`, then the `LMCACHE_*` environment over it: registry, cache dir,
+S3, chunk size, accept_models, catalog), the model from vLLM's own `--served-model-name` /
+`--model`, and the gateway's other options from `ENV` (the `gateway` command's flags as
+environment variables). Client keys: `$LMCACHE_CARTRIDGE_API_KEYS` and tenants if set, else
+vLLM's own `--api-key` (a keyed server is never opened by `cartridges`).
+
+Runs in vLLM's API server process (one gateway per process, built when the server starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+logger = logging.getLogger("lmcache_cartridge.api.middleware")
+
+GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions")
+# the paths vLLM's --api-key guards (vllm/entrypoints/serve/middleware/authenticate.py)
+VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+FORMS = (b"multipart/", b"application/x-www-form-urlencoded")
+API_KEY_ENV = "LMCACHE_CARTRIDGE_API_KEYS"  # the gateway's own (comma-separated), as `gateway` reads it
+
+
+def _list(value: str) -> tuple[str, ...]:
+    """Comma-separated values (as $LMCACHE_CARTRIDGE_API_KEYS always was)."""
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _paths(value: str) -> tuple[Path, ...]:
+    """Directories separated by commas or os.pathsep (PATH's way)."""
+    return tuple(Path(p) for p in _list(value.replace(os.pathsep, ",")))
+
+
+def _template(value: str) -> str:
+    return value if value == "model" else Path(value).read_text()
+
+
+def _tenants(value: str):
+    from lmcache_cartridge.api.settings import load_tenants
+
+    return load_tenants(value)
+
+
+@dataclass(frozen=True)
+class _Option:
+    field: str   # of GatewaySettings
+    flag: str    # the `gateway` command's flag it stands for
+    parse: Callable[[str], Any]
+
+
+# The `gateway` command's options as environment variables of the vLLM server.
+ENV: dict[str, _Option] = {
+    "LMCACHE_CARTRIDGE_ALLOW_LOCAL": _Option("local_roots", "--allow-local", _paths),
+    "LMCACHE_CARTRIDGE_ALLOW_S3": _Option("s3_roots", "--allow-s3", _list),
+    "LMCACHE_CARTRIDGE_TENANTS": _Option("tenants", "--tenants", _tenants),
+    "LMCACHE_CARTRIDGE_MAX_CARTRIDGES": _Option("max_cartridges", "--max-cartridges", int),
+    "LMCACHE_CARTRIDGE_MAX_BODY_BYTES": _Option("max_body_bytes", "--max-body-bytes", int),
+    "LMCACHE_CARTRIDGE_MAX_CACHE_BYTES": _Option("max_cache_bytes", "--max-cache-bytes", int),
+    "LMCACHE_CARTRIDGE_SERVE_TIMEOUT": _Option("serve_timeout", "--serve-timeout", float),
+    "LMCACHE_CARTRIDGE_FORCE_REDOWNLOAD_INTERVAL": _Option("force_redownload_interval",
+                                                           "--force-redownload-interval", float),
+    "LMCACHE_CARTRIDGE_TRAINED_CHAT_TEMPLATE": _Option("trained_chat_template", "--trained-chat-template", _template),
+    "LMCACHE_CARTRIDGE_TOKENIZER": _Option("tokenizer", "--tokenizer", str),
+}
+MODEL_ENV = "LMCACHE_CARTRIDGE_MODEL"  # only where vLLM's own arguments cannot be read
+
+
+class NotConfigured(Exception):
+    """The gateway cannot run in this server: the reason, for the log and for 501 answers."""
+
+
+def _lmcache_config():
+    """The LMCache config as the server's LMCache loads it: $LMCACHE_CONFIG_FILE, then the
+    `LMCACHE_*` environment over it (without a file, the environment alone)."""
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    path = os.environ.get("LMCACHE_CONFIG_FILE")
+    try:
+        if not path:
+            return LMCacheEngineConfig.from_env()
+        if not Path(path).is_file():
+            raise NotConfigured(f"LMCACHE_CONFIG_FILE={path}: no such file")
+        config = LMCacheEngineConfig.from_file(path)
+        config.update_config_from_env()
+        return config
+    except NotConfigured:
+        raise
+    except Exception as e:  # LMCache raises assorted errors for a bad file
+        raise NotConfigured(f"LMCache cannot load its config ({path or 'environment'}): {e}") from e
+
+
+def vllm_keys(args) -> tuple[str, ...]:
+    """vLLM's own client keys: `--api-key`, else $VLLM_API_KEY (vLLM's rule)."""
+    keys = (getattr(args, "api_key", None) or []) or [os.environ.get("VLLM_API_KEY")]
+    return tuple(k for k in keys if k)
+
+
+def settings_from_environment(args, upstream: str):
+    """GatewaySettings for the gateway inside the vLLM server started with `args` (its argparse
+    namespace; None where it cannot be read), reaching it at `upstream`. NotConfigured says why
+    not."""
+    from lmcache_cartridge.api.settings import GatewaySettings
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+    from lmcache_cartridge.lmcache.settings import PluginSettings
+
+    config = _lmcache_config()
+    try:
+        plugin = PluginSettings.from_config(config, CartridgeStoragePlugin)
+    except Exception as e:
+        raise NotConfigured(f"no cartridge plugin in the server's LMCache config: {e}") from e
+    served = getattr(args, "served_model_name", None) or []
+    served = [served] if isinstance(served, str) else list(served)
+    vllm_model = getattr(args, "model", None)
+    names = [*served, vllm_model] if vllm_model else served
+    model = names[0] if names else os.environ.get(MODEL_ENV)
+    if not model:
+        raise NotConfigured(f"the served model name is unknown (vLLM's arguments cannot be read): set {MODEL_ENV}")
+    kw: dict[str, Any] = {}
+    for env, opt in ENV.items():
+        if os.environ.get(env, "").strip():
+            try:
+                kw[opt.field] = opt.parse(os.environ[env].strip())
+            except (ValueError, OSError) as e:
+                raise NotConfigured(f"{env} ({opt.flag}): {e}") from e
+    keys = _list(os.environ.get(API_KEY_ENV, ""))
+    if any(len(k) < 16 for k in keys):
+        raise NotConfigured(f"{API_KEY_ENV}: an API key must have at least 16 characters")
+    own = vllm_keys(args)
+    tokenizer = kw.pop("tokenizer", None) or getattr(args, "tokenizer", None) or vllm_model or model
+    return GatewaySettings(
+        upstream=upstream, model=model, tokenizer=str(tokenizer),
+        registry=plugin.registry, cache_dir=plugin.cache_dir, chunk_size=int(config.chunk_size),
+        s3=dict(plugin.s3),
+        # vLLM answers to every served name, and LMCache's keys carry --model: a cartridge made
+        # for any of them is this engine's
+        accept_models=tuple(dict.fromkeys(n for n in (*names[1:], *plugin.accept_models) if n != model)),
+        catalog_uri=plugin.catalog_uri, catalog_period=float(plugin.catalog_period),
+        catalog_allow_uris=tuple(plugin.catalog_allow_uris),
+        # the gateway's keys (or tenants) if any, else vLLM's own: never open where vLLM is keyed
+        api_keys=keys if keys or kw.get("tenants") else own,
+        upstream_api_key=own[0] if own else None,
+        **kw,
+    )
+
+
+def upstream_of(args, scope: dict) -> tuple[str, Any]:
+    """Where this server listens, for the gateway's client: (base URL, httpx transport or None).
+    From vLLM's arguments (--uds, --host, --port, TLS), else from the request's own socket."""
+    import httpx
+
+    uds = getattr(args, "uds", None)
+    if uds:
+        return "http://localhost", httpx.AsyncHTTPTransport(uds=uds)
+    if args is not None and getattr(args, "port", None):
+        host, port = getattr(args, "host", None), args.port
+        tls = bool(getattr(args, "ssl_keyfile", None))
+    else:
+        host, port = (scope.get("server") or ("127.0.0.1", 8000))[:2]
+        tls = scope.get("scheme") == "https"
+    host = {None: "127.0.0.1", "": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in host:
+        host = f"[{host}]"
+    # TLS to our own listening socket: its certificate names the public host, not this address
+    transport = httpx.AsyncHTTPTransport(verify=False) if tls else None
+    return f"{'https' if tls else 'http'}://{host}:{port}", transport
+
+
+# --- ASGI helpers ------------------------------------------------------------------------------
+def _route_path(scope) -> str:
+    root, path = scope.get("root_path") or "", scope.get("path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _header(scope, name: bytes) -> bytes:
+    for k, v in scope.get("headers") or ():
+        if k.lower() == name:
+            return v
+    return b""
+
+
+def has_cartridges(body: bytes) -> bool:
+    """Whether a request body is a JSON object with a `cartridges` field (a body that is not
+    JSON but names it counts too: the gateway answers why it is not valid)."""
+    if b"cartridges" not in body and b"\\u" not in body:  # no field, not even spelled with escapes
+        return False
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return b"cartridges" in body
+    return isinstance(data, dict) and "cartridges" in data
+
+
+async def _read_body(receive) -> bytes | None:
+    """The whole request body; None if the client went away first."""
+    chunks = []
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()  # after the body: the client's disconnect, as vLLM expects
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def _error(status: int, message: str):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
+                                   else "server_error", "code": status}}, status_code=status)
+
+
+class _Lifespan:
+    """Runs an ASGI app's lifespan (the gateway's: catalog sync, closing its client)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+
+    async def _step(self, message: str) -> None:
+        await self.inbox.put({"type": message})
+        got = asyncio.ensure_future(self.outbox.get())
+        await asyncio.wait({got, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        if not got.done():
+            got.cancel()
+            self.task.result()  # the app's exception, if it raised
+            raise RuntimeError(f"the gateway's lifespan ended during {message}")
+        reply = got.result()
+        if reply["type"].endswith(".failed"):
+            raise RuntimeError(reply.get("message") or reply["type"])
+
+    async def startup(self) -> None:
+        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+        self.task = asyncio.create_task(self.app(scope, self.inbox.get, self.outbox.put))
+        await self._step("lifespan.startup")
+
+    async def shutdown(self) -> None:
+        if self.task is not None and not self.task.done():
+            await self._step("lifespan.shutdown")
+            await self.task
+
+
+def _ensure_log_handler() -> None:
+    """vLLM configures only its own loggers: without a handler the start line would be dropped."""
+    pkg = logging.getLogger("lmcache_cartridge")
+    if not pkg.handlers and not logging.getLogger().handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s"))
+        pkg.addHandler(h)
+        if pkg.level == logging.NOTSET:
+            pkg.setLevel(logging.INFO)
+
+
+# --- the middleware ----------------------------------------------------------------------------
+class CartridgeMiddleware:
+    """ASGI middleware for vLLM's API server (`--middleware`): see the module docstring. vLLM adds
+    it last, so it runs before vLLM's own middleware (its --api-key check included)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.gateway = None             # the gateway's ASGI app once built
+        self.error: str | None = None   # why it could not be built (501 answers)
+        self.keys: frozenset[bytes] = frozenset()   # vLLM's keys and the gateway's
+        self.vllm_keyed = False
+        self._lifespan: _Lifespan | None = None
+        self._started = False
+        self._lock = asyncio.Lock()
+
+    async def __call__(self, scope, receive, send):
+        kind = scope["type"]
+        if kind == "lifespan":
+            return await self._lifespan_scope(scope, receive, send)
+        if kind != "http":
+            return await self.app(scope, receive, send)
+        path, method = _route_path(scope), scope.get("method")
+        if method == "GET" and path == "/metrics":
+            return await self._metrics(scope, receive, send)
+        if method != "POST" or _header(scope, b"content-type").lower().startswith(FORMS):
+            return await self.app(scope, receive, send)  # uploads (audio, files) are not read here
+        if not self._started:
+            await self._start(scope.get("app"), scope)
+        if self._refused_by_vllm(scope, path):
+            return await self.app(scope, receive, send)  # vLLM answers 401 without reading the body
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client is gone
+        replay = _replay(body, receive)
+        if not has_cartridges(body):
+            return await self.app(scope, replay, send)
+        if path not in GATEWAY_PATHS:
+            return await _error(400, f"'cartridges' is served on {' and '.join(GATEWAY_PATHS)} only, not on "
+                                     f"{path}")(scope, replay, send)
+        if self.gateway is None:
+            return await _error(501, f"this server cannot serve 'cartridges': {self.error}")(scope, replay, send)
+        sub = dict(scope, path=path, raw_path=path.encode(), root_path="")
+        return await self.gateway(sub, replay, send)
+
+    def _refused_by_vllm(self, scope, path: str) -> bool:
+        """Whether vLLM's own --api-key refuses this request whatever its body holds (its key is
+        neither vLLM's nor the gateway's): then its body is not read, as vLLM would not read it."""
+        if not self.vllm_keyed or not path.startswith(VLLM_GUARDED):
+            return False
+        import hmac
+
+        scheme, _, token = _header(scope, b"authorization").partition(b" ")
+        token = token.strip()
+        ok = scheme.lower() == b"bearer" and any(hmac.compare_digest(token, k) for k in self.keys)
+        return not ok
+
+    # --- building the gateway (at server start, or at the first request without a lifespan)
+    async def _start(self, app, scope: dict) -> None:
+        async with self._lock:
+            if self._started:
+                return
+            self._started = True
+            _ensure_log_handler()
+            args = getattr(getattr(app, "state", None), "args", None)
+            own = vllm_keys(args)
+            self.vllm_keyed = bool(own)
+            self.keys = frozenset(k.encode() for k in own)  # vLLM's keys may always send a body here
+            try:
+                from lmcache_cartridge.api.gateway import create_app
+
+                upstream, transport = upstream_of(args, scope)
+                settings = settings_from_environment(args, upstream)
+                self.gateway = await asyncio.to_thread(create_app, settings, transport=transport)
+                self._lifespan = _Lifespan(self.gateway)
+                await self._lifespan.startup()
+            except Exception as e:
+                self.gateway, self._lifespan = None, None
+                self.error = str(e) if isinstance(e, NotConfigured) else f"{type(e).__name__}: {e}"
+                logger.error("lmcache_cartridge middleware: requests with 'cartridges' answer 501: %s", self.error)
+                return
+            self.keys = frozenset(k.encode() for k in (*own, *settings.all_keys()))
+            who = ("no API key (open, as vLLM)" if not settings.all_keys() else "vLLM's --api-key"
+                   if settings.all_keys() == own else "the gateway's API keys")
+            logger.info("lmcache_cartridge middleware: 'cartridges' on %s served in this server (model %r, "
+                        "registry %s, through %s, clients need %s)", " and ".join(GATEWAY_PATHS), settings.model,
+                        settings.registry, upstream, who)
+
+    async def _stop(self) -> None:
+        if self._lifespan is not None:
+            try:
+                await self._lifespan.shutdown()
+            except Exception as e:
+                logger.warning("lmcache_cartridge middleware: gateway shutdown: %s: %s", type(e).__name__, e)
+            self._lifespan = None
+
+    async def _lifespan_scope(self, scope, receive, send):
+        app = scope.get("app")
+
+        async def send_(msg):
+            if msg["type"] == "lifespan.startup.complete":
+                await self._start(app, scope)  # vLLM is up: its arguments are final
+            await send(msg)
+
+        async def receive_():
+            msg = await receive()
+            if msg["type"] == "lifespan.shutdown":
+                await self._stop()
+            return msg
+
+        return await self.app(scope, receive_, send_)
+
+    # --- /metrics: vLLM's, then the gateway's
+    async def _metrics(self, scope, receive, send):
+        if self.gateway is None:
+            return await self.app(scope, receive, send)
+        start: dict | None = None
+        parts: list[bytes] = []
+
+        async def capture(msg):
+            nonlocal start
+            if msg["type"] == "http.response.start":
+                start = msg
+                return
+            if msg["type"] != "http.response.body" or start is None:
+                return await send(msg)
+            parts.append(msg.get("body", b""))
+            if msg.get("more_body", False):
+                return
+            body, headers = b"".join(parts), list(start.get("headers") or [])
+            if start["status"] == 200:
+                body = self._with_gateway_metrics(body, headers)
+                headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+                headers.append((b"content-length", str(len(body)).encode()))
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        return await self.app(scope, receive, capture)
+
+    def _with_gateway_metrics(self, body: bytes, headers) -> bytes:
+        registry = self.gateway.state.metrics.registry
+        hdr = {k.lower(): v.lower() for k, v in headers}
+        encoding = hdr.get(b"content-encoding", b"identity")
+        if encoding not in (b"identity", b"gzip"):
+            return body
+        text = gzip.decompress(body) if encoding == b"gzip" else body
+        if b"openmetrics" in hdr.get(b"content-type", b""):
+            from prometheus_client.openmetrics.exposition import generate_latest
+
+            text = text.removesuffix(b"# EOF\n") + generate_latest(registry)  # one # EOF, at the end
+        else:
+            from prometheus_client import generate_latest
+
+            text = text + (b"" if not text or text.endswith(b"\n") else b"\n") + generate_latest(registry)
+        return gzip.compress(text) if encoding == b"gzip" else text
