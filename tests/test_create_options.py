@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model, resolve_device
-from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv
+from lmcache_cartridge.cartridge.packed import PackedCartridge, check_output_dir, pack_kv
 from lmcache_cartridge.errors import CartridgeError, CartridgeFormatError
 from lmcache_cartridge.tools import cli, create
-from lmcache_cartridge.tools.create import check_output_dir, create_first_k
+from lmcache_cartridge.tools.create import create_first_k
 from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False

@@ -81,6 +81,29 @@ def payload_to_engine(m: Manifest, num_tokens: int, heads: tuple[int, int], raw:
         dst.copy_(src)
 
 
+def check_output_dir(out_dir: str | Path, overwrite: bool = False) -> None:
+    """Refuse, before minutes of compute, an output directory `pack_kv` would then fail to write.
+
+    `pack_kv` calls it first, and commands that compute before packing (`create`) call it before
+    they compute: one rule. Probes rather than guessing from mode bits: `pack_kv` refuses an
+    existing directory without `overwrite`, creates missing parents, and writes a temporary
+    directory next to the output, so the nearest existing ancestor must be a directory this
+    process can create a directory in (tried and removed at once; nothing else is created).
+    """
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise CartridgeFormatError(f"{out} already exists (use --overwrite to replace it)")
+    ancestor = out.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise CartridgeFormatError(f"cannot write {out}: {ancestor} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=ancestor))
+    except OSError as e:
+        raise CartridgeFormatError(f"cannot write {out}: cannot create anything in {ancestor} ({e.strerror})") from None
+
+
 def pack_kv(
     kv: torch.Tensor,
     out_dir: str | Path,
@@ -143,8 +166,7 @@ def pack_kv(
         raise CartridgeFormatError("a trained cartridge's token ids are derived from its KV, never given")
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise CartridgeFormatError(f"{out_dir} already exists (use --overwrite to replace it)")
+    check_output_dir(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

@@ -210,7 +210,8 @@ def cmd_create(args) -> int:
     from lmcache_cartridge.cartridge.manifest import validate_id
     from lmcache_cartridge.cartridge.model_kv import DEFAULT_PREFILL_CHUNK, resolve_device
     from lmcache_cartridge.cartridge.packed import pack_kv
-    from lmcache_cartridge.tools.create import check_output_dir, create_first_k
+    from lmcache_cartridge.cartridge.packed import check_output_dir
+    from lmcache_cartridge.tools.create import create_first_k
 
     text = Path(args.text).read_text(encoding="utf-8")
     out = Path(args.output)

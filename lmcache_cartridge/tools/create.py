@@ -8,16 +8,14 @@ Runs offline in the `create` command's process (and in tests that make cartridge
 the serving path: the HF model on CPU by default or on the `device` asked for (a GPU makes long
 documents practical), prefilled in chunks so memory stays bounded; the KV comes back on CPU. It
 reads the model directory and owns nothing on disk: it returns a `CreatedCartridge` in memory,
-and its caller packs it (`pack_kv`) where it chooses, after `check_output_dir` (which only
+and its caller packs it (`pack_kv`) where it chooses, after `packed.check_output_dir` (which only
 probes) said it can: before the forward pass, which takes minutes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import random
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from typing import Any
 import torch
 
 from lmcache_cartridge.cartridge.model_kv import DEFAULT_PREFILL_CHUNK, compute_prefix_kv, load_model
-from lmcache_cartridge.errors import CartridgeError, CartridgeFormatError
+from lmcache_cartridge.errors import CartridgeFormatError
 
 
 @dataclass
@@ -35,28 +33,6 @@ class CreatedCartridge:
     kv: torch.Tensor  # [2, num_layers, num_tokens, num_kv_heads, head_dim]
     token_ids: list[int]
     provenance: dict[str, Any] = field(default_factory=dict)
-
-
-def check_output_dir(out_dir: str | Path, overwrite: bool = False) -> None:
-    """Refuse, before minutes of compute, an output directory `pack_kv` would then fail to write.
-
-    Probes what `pack_kv` does rather than guessing from mode bits: it refuses an existing
-    directory without `overwrite`, creates missing parents, and writes a temporary directory
-    next to the output. So the nearest existing ancestor must be a directory this process can
-    create a directory in (tried and removed at once; nothing else is created).
-    """
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise CartridgeError(f"{out} already exists (use --overwrite to replace it)")
-    ancestor = out.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise CartridgeError(f"cannot write {out}: {ancestor} is a file, not a directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=ancestor))
-    except OSError as e:
-        raise CartridgeError(f"cannot write {out}: cannot create anything in {ancestor} ({e.strerror})") from None
 
 
 def sample_chunks(body_len: int, budget: int, chunk: int, seed: int) -> list[tuple[int, int]]:
