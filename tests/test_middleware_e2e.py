@@ -280,7 +280,7 @@ def test_fake_unconfigured_answers_501_and_vllm_still_serves(fake, carts, monkey
     srv = fake()
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                            "cartridges": [{"id": "doc"}]})
-    assert r.status_code == 501 and "missing.yaml: no such file" in r.json()["error"]["message"], r.text
+    assert r.status_code == 501 and "missing.yaml: no such LMCache config file" in r.json()["error"]["message"], r.text
     # vLLM keyed: a request with its key and `cartridges` is still refused, never vLLM's 200
     srv = fake(api_keys=[VLLM_KEY])
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "cartridges": [{"id": "doc"}]},

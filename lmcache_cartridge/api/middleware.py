@@ -47,7 +47,6 @@ GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions")
 # the paths vLLM's --api-key guards (vllm/entrypoints/serve/middleware/authenticate.py)
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 FORMS = (b"multipart/", b"application/x-www-form-urlencoded")
-API_KEY_ENV = "LMCACHE_CARTRIDGE_API_KEYS"  # the gateway's own (comma-separated), as `gateway` reads it
 
 
 def _list(value: str) -> tuple[str, ...]:
@@ -99,23 +98,14 @@ class NotConfigured(Exception):
 
 
 def _lmcache_config():
-    """The LMCache config as the server's LMCache loads it: $LMCACHE_CONFIG_FILE, then the
-    `LMCACHE_*` environment over it (without a file, the environment alone)."""
-    from lmcache.v1.config import LMCacheEngineConfig
+    """The LMCache config as the server's LMCache loads it (`lmcache.settings.load_lmcache_config`)."""
+    from lmcache_cartridge.errors import CartridgeError
+    from lmcache_cartridge.lmcache.settings import load_lmcache_config
 
-    path = os.environ.get("LMCACHE_CONFIG_FILE")
     try:
-        if not path:
-            return LMCacheEngineConfig.from_env()
-        if not Path(path).is_file():
-            raise NotConfigured(f"LMCACHE_CONFIG_FILE={path}: no such file")
-        config = LMCacheEngineConfig.from_file(path)
-        config.update_config_from_env()
-        return config
-    except NotConfigured:
-        raise
-    except Exception as e:  # LMCache raises assorted errors for a bad file
-        raise NotConfigured(f"LMCache cannot load its config ({path or 'environment'}): {e}") from e
+        return load_lmcache_config()
+    except CartridgeError as e:
+        raise NotConfigured(str(e)) from e
 
 
 def vllm_keys(args) -> tuple[str, ...]:
@@ -128,7 +118,7 @@ def settings_from_environment(args, upstream: str):
     """GatewaySettings for the gateway inside the vLLM server started with `args` (its argparse
     namespace; None where it cannot be read), reaching it at `upstream`. NotConfigured says why
     not."""
-    from lmcache_cartridge.api.settings import GatewaySettings
+    from lmcache_cartridge.api.settings import API_KEY_ENV, GatewaySettings, gateway_api_keys, plugin_fields
     from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
     from lmcache_cartridge.lmcache.settings import PluginSettings
 
@@ -151,20 +141,18 @@ def settings_from_environment(args, upstream: str):
                 kw[opt.field] = opt.parse(os.environ[env].strip())
             except (ValueError, OSError) as e:
                 raise NotConfigured(f"{env} ({opt.flag}): {e}") from e
-    keys = _list(os.environ.get(API_KEY_ENV, ""))
-    if any(len(k) < 16 for k in keys):
-        raise NotConfigured(f"{API_KEY_ENV}: an API key must have at least 16 characters")
+    try:
+        keys = gateway_api_keys()
+    except ValueError as e:
+        raise NotConfigured(f"{API_KEY_ENV}: {e}") from e
     own = vllm_keys(args)
     tokenizer = kw.pop("tokenizer", None) or getattr(args, "tokenizer", None) or vllm_model or model
+    server = plugin_fields(config, plugin)
+    # vLLM answers to every served name, and LMCache's keys carry --model: a cartridge made for
+    # any of them is this engine's
+    server["accept_models"] = tuple(dict.fromkeys(n for n in (*names[1:], *plugin.accept_models) if n != model))
     return GatewaySettings(
-        upstream=upstream, model=model, tokenizer=str(tokenizer),
-        registry=plugin.registry, cache_dir=plugin.cache_dir, chunk_size=int(config.chunk_size),
-        s3=dict(plugin.s3),
-        # vLLM answers to every served name, and LMCache's keys carry --model: a cartridge made
-        # for any of them is this engine's
-        accept_models=tuple(dict.fromkeys(n for n in (*names[1:], *plugin.accept_models) if n != model)),
-        catalog_uri=plugin.catalog_uri, catalog_period=float(plugin.catalog_period),
-        catalog_allow_uris=tuple(plugin.catalog_allow_uris),
+        upstream=upstream, model=model, tokenizer=str(tokenizer), **server,
         # the gateway's keys (or tenants) if any, else vLLM's own: never open where vLLM is keyed
         api_keys=keys if keys or kw.get("tenants") else own,
         upstream_api_key=own[0] if own else None,

@@ -88,6 +88,31 @@ class GatewaySettings:
         return tuple(dict.fromkeys((*self.api_keys, *(k for t in self.tenants for k in t.keys))))
 
 
+API_KEY_ENV = "LMCACHE_CARTRIDGE_API_KEYS"  # comma-separated, like several --api-key
+
+
+def gateway_api_keys(flags: list[str] | None = None) -> tuple[str, ...]:
+    """The gateway's client keys: every `--api-key` flag, and those in $LMCACHE_CARTRIDGE_API_KEYS
+    (the standalone gateway and the one inside vLLM read them so). ValueError for a short key."""
+    import os
+
+    keys = [k for k in (flags or [])] + os.environ.get(API_KEY_ENV, "").split(",")
+    keys = list(dict.fromkeys(k.strip() for k in keys if k.strip()))
+    if any(len(k) < 16 for k in keys):
+        raise ValueError("an API key must have at least 16 characters")
+    return tuple(keys)
+
+
+def plugin_fields(config, plugin) -> dict:
+    """GatewaySettings fields that are the server's: what its LMCache `config` and cartridge
+    plugin settings (`PluginSettings`) say about the registry, cache dir, S3, chunk size, other
+    model names and the catalog. One place, for the standalone gateway's `--config` and the
+    gateway inside vLLM."""
+    return dict(registry=plugin.registry, cache_dir=plugin.cache_dir, chunk_size=int(config.chunk_size),
+                s3=dict(plugin.s3), accept_models=tuple(plugin.accept_models), catalog_uri=plugin.catalog_uri,
+                catalog_period=float(plugin.catalog_period), catalog_allow_uris=tuple(plugin.catalog_allow_uris))
+
+
 def load_tenants(path: str | Path) -> tuple[Tenant, ...]:
     """Tenants from a YAML file (the gateway's `--tenants`)::
 

@@ -245,3 +245,25 @@ def find_plugin_name(config, plugin_cls: type) -> str:
             f"module_path {plugin_cls.__module__}, found {names or 'none'}"
         )
     return names[0]
+
+
+def load_lmcache_config(path: str | Path | None = None):
+    """The LMCache config as the server's LMCache loads it: the file (`path`, else
+    $LMCACHE_CONFIG_FILE), then the `LMCACHE_*` environment over it; without a file, the
+    environment alone. The CLI and the gateway inside vLLM read it so, and see what the server
+    sees. CartridgeError names the file and why it cannot be loaded."""
+    import os
+
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    path = path or os.environ.get("LMCACHE_CONFIG_FILE") or None
+    if path is not None and not Path(path).is_file():
+        raise CartridgeError(f"{path}: no such LMCache config file")
+    try:
+        if path is None:
+            return LMCacheEngineConfig.from_env()
+        config = LMCacheEngineConfig.from_file(str(path))
+        config.update_config_from_env()
+        return config
+    except Exception as e:  # LMCache raises assorted errors for bad YAML
+        raise CartridgeError(f"{path or 'the LMCACHE_* environment'}: LMCache cannot load this config: {e}") from e

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from lmcache_cartridge.api.settings import API_KEY_ENV, gateway_api_keys
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import default_cache_dir, default_packed_dir, default_registry_path
 
@@ -287,18 +288,10 @@ def _registry(args, create: bool = True):
 
 
 def _load_lmcache_config(path):
-    """The config as the server loads it (LMCache's `lmcache_get_or_create_config`): the file,
-    then the `LMCACHE_*` environment over it, so inside a pod the CLI sees the server's settings."""
-    from lmcache.v1.config import LMCacheEngineConfig
+    """The config as the server loads it (`lmcache.settings.load_lmcache_config`)."""
+    from lmcache_cartridge.lmcache.settings import load_lmcache_config
 
-    if not Path(path).is_file():
-        raise CartridgeError(f"{path}: no such LMCache config file")
-    try:
-        config = LMCacheEngineConfig.from_file(str(path))
-        config.update_config_from_env()
-        return config
-    except Exception as e:  # LMCache raises assorted errors for bad YAML
-        raise CartridgeError(f"{path}: LMCache cannot load this config: {e}") from e
+    return load_lmcache_config(path)
 
 
 def _plugin_settings(args):
@@ -572,18 +565,6 @@ def cmd_stats(args) -> int:
     return 0
 
 
-API_KEY_ENV = "LMCACHE_CARTRIDGE_API_KEYS"  # comma-separated, like several --api-key
-
-
-def gateway_api_keys(flags: list[str] | None) -> tuple[str, ...]:
-    """The gateway's client keys: every `--api-key`, and those in $LMCACHE_CARTRIDGE_API_KEYS."""
-    keys = [k for k in (flags or [])] + os.environ.get(API_KEY_ENV, "").split(",")
-    keys = tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
-    if any(len(k) < 16 for k in keys):
-        raise ValueError("an API key must have at least 16 characters")
-    return keys
-
-
 def _loopback(host: str) -> bool:
     import ipaddress
 
@@ -600,30 +581,31 @@ def cmd_gateway(args) -> int:
     import uvicorn
 
     from lmcache_cartridge.api.gateway import GatewaySettings, create_app
-    from lmcache_cartridge.api.settings import load_tenants
+    from lmcache_cartridge.api.settings import load_tenants, plugin_fields
 
-    settings = _plugin_settings(args)
-    config = _load_lmcache_config(args.config) if args.config else None
+    if args.config:  # the server's settings, read as the server reads them
+        from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+        from lmcache_cartridge.lmcache.settings import PluginSettings
+
+        config = _load_lmcache_config(args.config)
+        server = plugin_fields(config, PluginSettings.from_config(config, CartridgeStoragePlugin))
+    else:
+        server = dict(registry=Path(args.registry or default_registry_path()), cache_dir=default_cache_dir(),
+                      chunk_size=args.chunk_size,
+                      s3={"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {})
     gs = GatewaySettings(
         upstream=args.upstream.rstrip("/"),
         model=args.model,
         tokenizer=args.tokenizer or args.model,
-        registry=settings.registry if settings else Path(args.registry or default_registry_path()),
-        cache_dir=settings.cache_dir if settings else default_cache_dir(),
-        chunk_size=int(config.chunk_size) if config else args.chunk_size,
         local_roots=tuple(Path(r) for r in (args.allow_local or [])),
         s3_roots=tuple(args.allow_s3 or ()),
-        s3=dict(settings.s3) if settings else ({"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {}),
-        accept_models=tuple(settings.accept_models) if settings else (),
         trained_chat_template=(args.trained_chat_template if args.trained_chat_template in (None, "model")
                                else Path(args.trained_chat_template).read_text()),
         max_cartridges=args.max_cartridges,
         max_body_bytes=args.max_body_bytes, max_cache_bytes=args.max_cache_bytes,
         serve_timeout=args.serve_timeout,
         force_redownload_interval=args.force_redownload_interval,
-        catalog_uri=settings.catalog_uri if settings else None,
-        catalog_period=float(settings.catalog_period) if settings else 30.0,
-        catalog_allow_uris=tuple(settings.catalog_allow_uris) if settings else (),
+        **server,
         api_keys=gateway_api_keys(args.api_key),
         tenants=load_tenants(args.tenants) if args.tenants else (),
         upstream_api_key=args.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
