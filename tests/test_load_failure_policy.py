@@ -117,6 +117,26 @@ def test_trained_load_failure_fails_its_request_and_leaves_the_prefix_cache_othe
     assert hit == BS
 
 
+def test_vllm_033s_error_dict_gets_the_failed_trained_request():
+    """vLLM 0.33 keeps the scheduler's per-request errors in a dict (request id -> error) where 0.32
+    had a set: the policy must add the failed trained request there too (None: vLLM's plain error)
+    and vLLM's drain must finish it with an error. Read off 0.33's scheduler.py (docs/deployment.md,
+    Versions); here the 0.32 Scheduler holds the 0.33 shape."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    sched = _scheduler()
+    sched.grammar_compile_error_reqs = {}
+    trained = _request("trained", 300, True)
+    sched.add_request(trained)
+    out = sched.schedule()
+    block = sched.kv_cache_manager.get_block_ids("trained")[0][1]
+    runner = ModelRunnerOutput(req_ids=["trained"], req_id_to_index={"trained": 0}, sampled_token_ids=[[7]],
+                               kv_connector_output=KVConnectorOutput(invalid_block_ids={block}))
+    sched.update_from_output(out, runner)
+    assert trained.status == RequestStatus.FINISHED_ERROR
+
+
 def test_without_a_marker_every_request_recomputes():
     """A request the gateway did not mark (first-k, plain prompts) keeps vLLM's recompute."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput

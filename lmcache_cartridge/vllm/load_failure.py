@@ -81,7 +81,9 @@ def _structure_problem(scheduler_cls) -> str | None:
     except (OSError, TypeError, ValueError) as e:
         return f"cannot read vLLM's Scheduler: {e}"
     call = src.find("self._handle_invalid_blocks(")
-    drain = src.find(f"error_req_ids = set(self.{_ERROR_SET})")
+    # 0.32: a set drained by `error_req_ids = set(self.X)`; 0.33: a dict id -> RequestError,
+    # drained by `request_errors = self.X` (then `error_req_ids = set(request_errors)`).
+    drain = max(src.find(f"error_req_ids = set(self.{_ERROR_SET})"), src.find(f"request_errors = self.{_ERROR_SET}"))
     if call < 0 or drain < 0 or drain < call:
         return "Scheduler.update_from_output no longer drains its per-request errors after _handle_invalid_blocks"
     if list(upd.parameters)[:5] != ["self", "requests", "invalid_block_ids", "num_scheduled_tokens", "evict_blocks"]:
@@ -110,7 +112,11 @@ def _make_handler(original: Callable) -> Callable:
             self.kv_cache_manager.evict_blocks(evict)
         failed = failed_h | failed_r
         if failed:
-            getattr(self, _ERROR_SET).update(failed)
+            errors = getattr(self, _ERROR_SET)
+            if isinstance(errors, dict):  # vLLM 0.33: id -> RequestError (None: vLLM's plain error, as 0.32)
+                errors.update(dict.fromkeys(failed))
+            else:
+                errors.update(failed)
             logger.error("lmcache_cartridge: failing %d request(s) whose trained-cartridge KV failed to load "
                          "(%d tokens; never recomputed from placeholder tokens; %d blocks evicted from the "
                          "prefix cache): %s", len(failed), tok_h + tok_r, len(evict), sorted(failed))
