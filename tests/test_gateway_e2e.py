@@ -192,6 +192,28 @@ def test_chat_and_streaming_match_completions(stack):
         assert "".join(parts) == expected
 
 
+def test_openai_sdk_with_extra_body_as_the_readme_shows(stack):
+    """The README's client: the OpenAI SDK sends `cartridges` through `extra_body`, non-streaming
+    and streaming; the answers are the ones a raw request with the field gets, not the answer
+    without the cartridge."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["gw"].url + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Hi"}]
+    raw = post(stack["gw"], "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,
+                                                     "cartridges": [{"id": "alpha"}]}).json()
+    bare = post(stack["gw"], "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0,
+                                                      "model": stack["model"]}).json()
+    expected = raw["choices"][0]["message"]["content"]
+    assert expected != bare["choices"][0]["message"]["content"]  # the cartridge changes the answer
+    answer = client.chat.completions.create(model=stack["model"], messages=messages, max_tokens=8, temperature=0,
+                                            extra_body={"cartridges": [{"id": "alpha"}]})
+    assert answer.choices[0].message.content == expected
+    stream = client.chat.completions.create(model=stack["model"], messages=messages, max_tokens=8, temperature=0,
+                                            stream=True, extra_body={"cartridges": [{"id": "alpha"}]})
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == expected
+
+
 def test_s3_packed_prefix_and_force_redownload(stack, moto_server):
     client = s3_client(moto_server)
     client.create_bucket(Bucket="gw-carts")

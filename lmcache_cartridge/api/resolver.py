@@ -467,7 +467,7 @@ class Resolver:
         ids placed before it, with no trained part before (its KV then covers them all);
         otherwise its ids are computed like a token-only cartridge's. A run without a trained
         part before computed tokens is computed too (its chunks would share LMCache keys with
-        them). Every run starts on a chunk boundary; else 400 saying why (README's rules)."""
+        them). Every run starts on a chunk boundary; else 400 saying why (docs/request-api.md)."""
         chunk = self.settings.chunk_size
         runs: list[tuple[int, list[Resolved]]] = []
         placed: list[int] = []   # token ids placed so far

@@ -351,7 +351,7 @@ def summary(r: DemoResult, say: Callable[[str], None], builtin: bool) -> None:
         if any(a["with"] != a["without"] for a in r.answers):
             rows.append(("note", "where 'with' differs from 'without', vLLM's own cached KV of the document gives the "
                                  "same difference: tokens after a loaded prefix are computed in a smaller batch, "
-                                 "which rounds differently (README: the engine's own KV)"))
+                                 "which rounds differently (docs/design.md: the engine's own KV)"))
     rows += [(f"log: {k}", v) for k, v in r.logs.items()]
     rows.append(("files", r.work))
     width = max(len(k) for k, _ in rows)

@@ -7,7 +7,7 @@ step's "scheduled" timestamp. The lookup made in the step that schedules a reque
 part of that request's prefill time in vLLM's own histograms (scheduled to first token), and
 every lookup delays the whole step; no vLLM or LMCache metric shows it. On vLLM's CPU backend the
 worker is another process (its multiprocess executor), so LMCache's lookup is a ZMQ round trip
-to the worker's lookup server after hashing the prompt's chunks (README, *Time to first token*).
+to the worker's lookup server after hashing the prompt's chunks (docs/benchmarks.md, time to first token).
 
 Outcomes: `hit` (tokens offered to load; vLLM may still load fewer), `miss` (none), `wait` (a
 trained cartridge not loadable yet: None, vLLM asks again next step), `promised` (the wait ran
