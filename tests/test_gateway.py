@@ -293,6 +293,24 @@ def test_chat_after_a_trained_cartridge_is_the_user_turn_only(tmp_path, model_di
     assert pb.tok.decode(custom.chat_ids(msgs, prefix, after_trained=True)[2:]) == "Q: Hi\nA:"
 
 
+def test_a_chatml_bos_the_tokenizer_never_prepends_stays_after_a_cartridge(tmp_path):
+    """SmolLM2's BOS token is ChatML's <|im_start|>, and its tokenizer prepends nothing to text:
+    after a cartridge the chat turn must still open with <|im_start|> (it was dropped as if the
+    cartridge owned a BOS slot, leaving 'system\n...' or 'user\n...')."""
+    from transformers import AutoTokenizer
+
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    tok = AutoTokenizer.from_pretrained(ensure_test_model(family="qwen2"))
+    tok.bos_token = "<|im_start|>"
+    assert tok("a")["input_ids"] == tok("a", add_special_tokens=False)["input_ids"]  # nothing prepended
+    pb = PromptBuilder(tok)
+    msgs = [{"role": "user", "content": "Hi"}]
+    for after_trained in (False, True):
+        ids = pb.chat_ids(msgs, [40, 41], after_trained=after_trained)
+        assert ids[:2] == [40, 41] and ids[2] == tok.convert_tokens_to_ids("<|im_start|>"), after_trained
+
+
 def test_prompt_builder_puts_cartridge_first_and_owns_bos(model_dir):
     pb = PromptBuilder(model_dir)
     prefix = [1, 50, 60]

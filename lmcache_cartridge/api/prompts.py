@@ -46,6 +46,11 @@ class PromptBuilder:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tok = tokenizer
         self.bos = self.tok.bos_token_id
+        # The cartridge owns the BOS slot only where the tokenizer puts a BOS before text (Llama:
+        # the cartridge starts with it). SmolLM2's BOS token is ChatML's <|im_start|>, which its
+        # tokenizer never prepends: there a template's leading <|im_start|> is the turn's own.
+        self.cartridge_owns_bos = self.bos is not None and self.tok("a")["input_ids"][:1] == [self.bos] \
+            and self.tok("a", add_special_tokens=False)["input_ids"][:1] != [self.bos]
         self.after_trained = self._after_trained_template(trained_chat_template)
 
     def _after_trained_template(self, option: str | None) -> str | None:
@@ -78,6 +83,6 @@ class PromptBuilder:
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         ids = list(ids)
-        if (prefix or after_trained) and ids and ids[0] == self.bos:  # the cartridge owns the BOS slot
+        if (prefix or after_trained) and self.cartridge_owns_bos and ids and ids[0] == self.bos:
             ids = ids[1:]
         return list(prefix) + ids
