@@ -316,7 +316,6 @@ def stack(tmp_path_factory, engine_kv):
     ids = tok("The middleware reads this. " + document_text() * 2)["input_ids"][:2 * CHUNK]
     pack_kv(engine_kv(model_dir).prefix_kv(ids), root / "carts" / "mwdoc", cartridge_id="mwdoc", model=model_dir,
             kind="first_k", token_ids=ids, chunk_size=CHUNK)
-    engine_kv(model_dir).stop()  # one vLLM server at a time (a later user of the maker starts it again)
     server = VllmServer(root / "vllm", model_dir, lmcache=cfg, extra_args=(
         "--middleware", MIDDLEWARE, "--api-key", VLLM_KEY), extra_env={
         "LMCACHE_CARTRIDGE_ALLOW_LOCAL": str(root / "carts"), "LMCACHE_CARTRIDGE_API_KEYS": GATEWAY_KEY})
