@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from lmcache_cartridge import ensure_log_handler
+
 logger = logging.getLogger("lmcache_cartridge.api.middleware")
 
 GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -271,17 +273,6 @@ class _Lifespan:
             await self.task
 
 
-def _ensure_log_handler() -> None:
-    """vLLM configures only its own loggers: without a handler the start line would be dropped."""
-    pkg = logging.getLogger("lmcache_cartridge")
-    if not pkg.handlers and not logging.getLogger().handlers:
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s"))
-        pkg.addHandler(h)
-        if pkg.level == logging.NOTSET:
-            pkg.setLevel(logging.INFO)
-
-
 # --- the middleware ----------------------------------------------------------------------------
 class CartridgeMiddleware:
     """ASGI middleware for vLLM's API server (`--middleware`): see the module docstring. vLLM adds
@@ -344,7 +335,7 @@ class CartridgeMiddleware:
             if self._started:
                 return
             self._started = True
-            _ensure_log_handler()
+            ensure_log_handler()
             args = getattr(getattr(app, "state", None), "args", None)
             own = vllm_keys(args)
             self.vllm_keyed = bool(own)

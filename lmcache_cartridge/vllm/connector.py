@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
+from lmcache_cartridge import ensure_log_handler
 from lmcache_cartridge.vllm.lookup_metrics import LookupTimer, outcome_of
 
 if TYPE_CHECKING:
@@ -77,21 +78,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("lmcache_cartridge.connector")
-
-
-def _ensure_log_handler() -> None:
-    """vLLM configures only its own loggers: without a handler our INFO lines (plugin ready,
-    layout verified, hook installed) would be dropped. Add one unless the host configured logging."""
-    pkg = logging.getLogger("lmcache_cartridge")
-    if not pkg.handlers and not logging.getLogger().handlers:
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s: %(message)s"))
-        pkg.addHandler(h)
-        if pkg.level == logging.NOTSET:
-            pkg.setLevel(logging.INFO)
-
-
-_ensure_log_handler()
+ensure_log_handler()
 
 _hook_lock = threading.Lock()
 
