@@ -86,6 +86,20 @@ def _request(name: str, first: int, trained: bool):
                    block_hasher=get_request_block_hasher(BS, sha256))
 
 
+def _fail_one_block(sched, req, index: int):
+    """Schedule `req` alone and report its `index`-th block's external KV as failed to load, as a
+    worker's connector reports it; vLLM's outputs for that step."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    sched.add_request(req)
+    out = sched.schedule()
+    bad = sched.kv_cache_manager.get_block_ids(req.request_id)[0][index]
+    runner = ModelRunnerOutput(req_ids=[req.request_id], req_id_to_index={req.request_id: 0},
+                               sampled_token_ids=[[7]],
+                               kv_connector_output=KVConnectorOutput(invalid_block_ids={bad}))
+    return sched.update_from_output(out, runner)
+
+
 def test_trained_load_failure_fails_its_request_and_leaves_the_prefix_cache_others_recompute():
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import FinishReason, RequestStatus
@@ -122,34 +136,22 @@ def test_vllm_033s_error_dict_gets_the_failed_trained_request():
     had a set: the policy must add the failed trained request there too (None: vLLM's plain error)
     and vLLM's drain must finish it with an error. Read off 0.33's scheduler.py (docs/deployment.md,
     Versions); here the 0.32 Scheduler holds the 0.33 shape."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
     sched = _scheduler()
     sched.grammar_compile_error_reqs = {}
     trained = _request("trained", 300, True)
-    sched.add_request(trained)
-    out = sched.schedule()
-    block = sched.kv_cache_manager.get_block_ids("trained")[0][1]
-    runner = ModelRunnerOutput(req_ids=["trained"], req_id_to_index={"trained": 0}, sampled_token_ids=[[7]],
-                               kv_connector_output=KVConnectorOutput(invalid_block_ids={block}))
-    sched.update_from_output(out, runner)
+    _fail_one_block(sched, trained, 1)
     assert trained.status == RequestStatus.FINISHED_ERROR
 
 
 def test_without_a_marker_every_request_recomputes():
     """A request the gateway did not mark (first-k, plain prompts) keeps vLLM's recompute."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
     sched = _scheduler()
     req = _request("plain", 600, False)
-    sched.add_request(req)
-    out = sched.schedule()
-    bad = sched.kv_cache_manager.get_block_ids("plain")[0][0]
-    runner = ModelRunnerOutput(req_ids=["plain"], req_id_to_index={"plain": 0}, sampled_token_ids=[[7]],
-                               kv_connector_output=KVConnectorOutput(invalid_block_ids={bad}))
-    assert not any(g.outputs for g in sched.update_from_output(out, runner).values())
+    assert not any(g.outputs for g in _fail_one_block(sched, req, 0).values())
     assert req.status == RequestStatus.RUNNING and req.num_computed_tokens == 0
 
 
