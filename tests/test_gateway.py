@@ -892,6 +892,50 @@ def test_openai_chat_requests_pass_whole(tmp_path, settings, model_dir, recordin
     assert len(seen) == n
 
 
+def test_every_shape_vllm_accepts_passes_whole_without_cartridges(tmp_path, settings, model_dir, recording_upstream):
+    """Without cartridges the gateway is a pass-through: a tool-calling conversation (an assistant
+    turn with `content: null` and `tool_calls`, a `tool` turn), image parts, a message without
+    `content`, and batched completion prompts reach vLLM's own endpoint byte for byte. With
+    cartridges (the prompt becomes token ids of text) the shapes it cannot render answer 400 with
+    the reason, and nothing goes upstream."""
+    import dataclasses
+
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    tool_chat = {"model": model_dir, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}
+    image_chat = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}
+    no_content = {"messages": [{"role": "assistant", "tool_calls": []}, {"role": "user", "content": "hi"}]}
+    for body in (tool_chat, image_chat, no_content):
+        r = _call(app, "POST", "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        headers, got = seen[-1]
+        assert headers[":path"] == "/v1/chat/completions"
+        assert got == {**body, "model": settings.model}
+    for prompt in (["one", "two"], [[5, 6], [7]], "plain", [5, 6]):
+        r = _call(app, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "echo": False})
+        assert r.status_code == 200, r.text
+        headers, got = seen[-1]
+        assert headers[":path"] == "/v1/completions" and headers["X-Session-ID"].startswith("req:")
+        assert got == {"prompt": prompt, "max_tokens": 1, "echo": False, "model": settings.model}
+
+    _cart(tmp_path / "allowed" / "doc", "doc", list(range(1, 65)), model_dir)
+    carts = [{"id": str(tmp_path / "allowed" / "doc"), "source": "local"}]
+    n = len(seen)
+    for body, needle in ((tool_chat, "'assistant' message without text content"),
+                         (image_chat, "'image_url' content parts"),
+                         ({"prompt": [[5], [6]]}, "not a batch of 2")):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        r = _call(app, "POST", path, json={**body, "cartridges": carts})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        assert "cannot be combined with cartridges" in r.json()["error"]["message"]
+    assert len(seen) == n
+
+
 def test_gateway_metrics_count_requests_by_status_and_time_the_waits(tmp_path, settings, model_dir, recording_upstream):
     """/metrics (Prometheus text): requests by endpoint and status, the wait for an instance to
     serve a request's cartridges, upstream latency. Before, the gateway had no /metrics."""

@@ -90,7 +90,7 @@ _CHAT_ENDPOINT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "functions
 
 
 class _Forward(Exception):
-    """Raised inside `handle` for a request that goes to vLLM whole (chat without cartridges)."""
+    """Raised inside `handle` for a request that goes to vLLM whole (one without cartridges)."""
 
 
 class ApiKeys:
@@ -269,22 +269,29 @@ def create_app(settings: GatewaySettings, *, transport=None):
                         wait_served, settings.cache_dir, settings.registry,
                         [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
                         models=(settings.model, *settings.accept_models))  # another model's instances never serve it
-            whole = chat and not specs  # nothing to put first: vLLM's chat endpoint takes it as it is
-            if whole:
+            if not specs:  # nothing to put first: vLLM's own endpoint takes the request as it is
                 upstream = {k: v for k, v in body.model_dump(exclude_unset=True).items() if k != "cartridges"}
                 upstream["model"] = settings.model
-                route = {}
+                route = {SESSION_HEADER: session_key([])}
                 raise _Forward()
+            try:
+                if chat:
+                    needs = [k for k in _CHAT_ENDPOINT_ONLY
+                             if k in body.model_fields_set or k in (body.model_extra or {})]
+                    if needs:
+                        raise ValueError(repr(needs[0]))
+                    messages = [m.as_text() for m in body.messages]
+                else:
+                    prompt = body.one_prompt()
+            except ValueError as e:
+                raise RequestError(400, f"{e} cannot be combined with cartridges: a request with cartridges "
+                                        "reaches vLLM as token ids of text on /v1/completions, where tool calls "
+                                        "are not parsed and only text is rendered (send it without cartridges)"
+                                   ) from None
             if chat:
-                needs = [k for k in _CHAT_ENDPOINT_ONLY if k in body.model_fields_set or k in (body.model_extra or {})]
-                if needs:
-                    raise RequestError(400, f"{needs[0]!r} cannot be combined with cartridges: a request with "
-                                            "cartridges reaches vLLM as token ids on /v1/completions, where tool "
-                                            "calls are not parsed (send it without cartridges for tools)")
-                messages = [m.as_text() for m in body.messages]
                 ids = prompts.chat_ids(messages, plan.prefix, after_trained=plan.trained)
             else:
-                ids = prompts.completion_ids(body.prompt, plan.prefix)
+                ids = prompts.completion_ids(prompt, plan.prefix)
             limit = await max_model_len() if specs else None
             if limit is not None and len(ids) + (body.max_tokens or 0) > limit:
                 raise RequestError(400, f"cartridges ({len(plan.prefix)} tokens) + prompt ({len(ids) - len(plan.prefix)} "
@@ -342,7 +349,8 @@ def create_app(settings: GatewaySettings, *, transport=None):
             if failed is not None:
                 return failed
         stream = bool(upstream.get("stream"))
-        path = "/v1/chat/completions" if plan is None else "/v1/completions"
+        # with cartridges the prompt is token ids: vLLM's completions endpoint, answered in chat's shape
+        path = "/v1/chat/completions" if chat and plan is None else "/v1/completions"
         translate = chat and plan is not None  # completions' answers in chat's shape
         try:
             if not stream:

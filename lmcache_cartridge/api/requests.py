@@ -81,29 +81,50 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictInt] = Field(description="a string or a list of token ids (one prompt)")
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] = Field(description=(
+        "as vLLM takes it: a string, a list of token ids, or a batch of either; with cartridges, one prompt"))
+
+    def one_prompt(self) -> str | list[int]:
+        """The request's single prompt, for a request with cartridges (they go before one prompt);
+        ValueError for a batch."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return p
+        raise ValueError("'prompt' must be one prompt (a string or a list of token ids) when cartridges are "
+                         f"named, not a batch of {len(p)}: send one request per prompt")
 
 
-class TextPart(BaseModel):
-    """An OpenAI content part. Only text: the models served here read text."""
+class ContentPart(BaseModel):
+    """An OpenAI content part, any type vLLM accepts (text, image_url, input_audio, ...): a request
+    without cartridges reaches vLLM whole, and vLLM judges the parts."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["text"]
-    text: StrictStr
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
+    """A chat message of any shape vLLM accepts: `content` a string, a list of parts, or absent /
+    null (an assistant turn with `tool_calls`)."""
+
     model_config = ConfigDict(extra="allow")
 
     role: StrictStr
-    content: StrictStr | list[TextPart]
+    content: StrictStr | list[ContentPart] | None = None
 
     def as_text(self) -> dict[str, Any]:
         """The message with its content as one string, as vLLM renders text parts for a chat
-        template that takes strings: joined with newlines (`renderers/chat_utils.py`)."""
-        d = self.model_dump()
+        template that takes strings: joined with newlines (`renderers/chat_utils.py`). Used only
+        for requests with cartridges, whose prompt the gateway renders itself as token ids: a
+        message without text content (tool calls, images, audio) is ValueError there."""
+        d = self.model_dump(exclude_unset=True)
+        if self.content is None:
+            raise ValueError(f"a {self.role!r} message without text content")
         if isinstance(self.content, list):
+            kinds = sorted({p.type for p in self.content if p.type != "text" or p.text is None})
+            if kinds:
+                raise ValueError(f"a {self.role!r} message with {', '.join(map(repr, kinds))} content parts")
             d["content"] = "\n".join(p.text for p in self.content)
         return d
 
@@ -116,9 +137,9 @@ class ChatRequest(_Common):
 
 # --- messages ---------------------------------------------------------------------------------
 _WHOLE_FIELD = {
-    "prompt": "'prompt' must be a string or a list of token ids (one prompt per request)",
-    "messages": "'messages' must be a non-empty list of {role, content}, content a string or a list of "
-                "text parts ({type: 'text', text})",
+    "prompt": "'prompt' must be a string or a list of token ids (or a batch: a list of either)",
+    "messages": "'messages' must be a non-empty list of {role, content}, content a string, a list of "
+                "content parts ({type, ...}) or null",
 }
 
 
