@@ -685,6 +685,17 @@ def test_force_redownload_is_bounded_per_cartridge(tmp_path, settings, model_dir
     assert [r.status_code for r in statuses] == [200, 429, 429, 429, 429], [r.text for r in statuses]
     assert 3000 < int(statuses[1].headers["Retry-After"]) <= 3600
     assert reg.get("doc").epoch == 1
+    reg.label("doc", add=["handbook"])  # another spelling of the same cartridge shares its limit
+    r = _call(app, "POST", "/v1/completions", json={**body, "cartridges": [{"id": "handbook", "force_redownload": True}]})
+    assert r.status_code == 429 and reg.get("doc").epoch == 1, r.text
+    # a trained cartridge a client named by path stays the client's (within the cache budget) when forced
+    _trained(allowed / "tr", "tr", model_dir)
+    tr = {"prompt": [5], "max_tokens": 1, "cartridges": [{"id": str(allowed / "tr"), "source": "local"}]}
+    assert _call(app, "POST", "/v1/completions", json=tr).status_code == 200
+    assert reg.get("tr").client
+    tr["cartridges"] = [{"id": "tr", "force_redownload": True}]
+    assert _call(app, "POST", "/v1/completions", json=tr).status_code == 200
+    assert reg.get("tr").client and reg.get("tr").epoch == 1
     body["cartridges"][0]["force_redownload"] = False
     assert _call(app, "POST", "/v1/completions", json=body).status_code == 200  # plain use goes on
     off = create_app(dataclasses.replace(settings, upstream=url, force_redownload_interval=0))
@@ -786,6 +797,48 @@ tenants:
         (tmp_path / "bad.yaml").write_text("tenants:\n- {name: a, keys: [k-0123456789abcdef]}\n"
                                            "- {name: b, keys: [k-0123456789abcdef]}\n")
         load_tenants(tmp_path / "bad.yaml")
+
+
+def test_a_tenants_scope_covers_its_files_and_the_ids_it_registers(tmp_path, settings, model_dir, recording_upstream):
+    """A tenant's local root is its own, not only the gateway's: a path under it resolves, and
+    every file of a cartridge directory must lie under it (a symlink into another tenant's root
+    is refused before it is read). A cartridge a tenant names by path registers only ids the
+    tenant may name: a manifest claiming another tenant's id is 403 and registers nothing."""
+    import dataclasses
+    import shutil
+
+    from lmcache_cartridge.api.settings import Tenant
+
+    url, seen = recording_upstream
+    acme_root, globex_root = tmp_path / "acme-only", settings.local_roots[0] / "globex"
+    acme_root.mkdir(), globex_root.mkdir()
+    tenants = (Tenant("acme", keys=("acme-key-0123456789",), ids=("acme-*",), local_roots=(acme_root,)),
+               Tenant("globex", keys=("globex-key-0123456789",), ids=("globex-*",), local_roots=(globex_root,)))
+    app = create_app(dataclasses.replace(settings, upstream=url, tenants=tenants))
+    reg = Registry(settings.registry)
+
+    def ask(path):
+        return _call(app, "POST", "/v1/completions", headers={"Authorization": "Bearer acme-key-0123456789"},
+                     json={"prompt": [5], "max_tokens": 1, "cartridges": [{"id": str(path), "source": "local"}]})
+
+    _cart(acme_root / "doc", "acme-doc", list(range(1, 65)), model_dir)
+    r = ask(acme_root / "doc")
+    assert r.status_code == 200, r.text  # outside the gateway's --allow-local, inside acme's own root
+    assert seen[-1][1]["prompt"][:64] == list(range(1, 65))
+
+    _cart(globex_root / "doc", "globex-doc", list(range(100, 164)), model_dir, seed=2)
+    shutil.copytree(acme_root / "doc", acme_root / "linked")
+    victim = next(p for p in sorted((globex_root / "doc").rglob("*")) if p.is_file() and p.suffix != ".json")
+    mine = acme_root / "linked" / victim.relative_to(globex_root / "doc")
+    mine.unlink()
+    mine.symlink_to(victim)
+    r = ask(acme_root / "linked")
+    assert r.status_code == 403 and "outside the directories" in r.json()["error"]["message"], r.text
+
+    _cart(acme_root / "squat", "globex-report", list(range(200, 264)), model_dir, seed=3)
+    r = ask(acme_root / "squat")
+    assert r.status_code == 403 and "outside the ids this key may name" in r.json()["error"]["message"], r.text
+    assert reg.get("globex-report") is None
 
 
 def test_conversions_stay_within_the_cache_budget(tmp_path, settings, model_dir):

@@ -43,7 +43,7 @@ from lmcache_cartridge.api.settings import GatewaySettings, RequestError, Tenant
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.store.registry import Entry, IdTaken, Registry, RegistryError
+from lmcache_cartridge.store.registry import Entry, IdOutOfScope, IdTaken, Registry, RegistryError
 
 OBJECT_SUFFIXES = (".pt", ".pth")  # an s3:// id ending so is one object; otherwise a packed prefix
 MAX_CACHED = 4096      # resolutions kept (least recently used dropped first): clients choose the keys
@@ -130,12 +130,12 @@ class Resolver:
                 self._allowed_s3(spec.id, tenant)
             if where == "local":  # allowed or not, decided before anything under it is touched
                 path = self._allowed_local(spec.id, tenant)
-                key = (where, str(path), self._signature(path))  # one entry per file, not per spelling
+                key = (where, str(path), self._signature(path, tenant))  # one entry per file, not per spelling
             elif where == "s3":  # s3://b/p and s3://b/p/ name the same prefix: one cache entry
                 key = (where, spec.id.rstrip("/"), None)
             else:  # a label names different cartridges in different tenants' views
                 key = (where, spec.id, tenant.name if tenant is not None else None)
-            if spec.force_redownload:
+            if spec.force_redownload and where != "registry":  # an id or label: once it names an entry
                 self._allow_forced(key)
             with self._guard:
                 held = self._locks.setdefault(key, [threading.Lock(), 0])
@@ -152,7 +152,7 @@ class Resolver:
                     if where == "registry":
                         value = self._registry(spec, tenant)
                     else:
-                        value = {"s3": self._s3, "local": self._local}[where](spec)
+                        value = {"s3": self._s3, "local": self._local}[where](spec, tenant)
                     self._check(value)
                     with self._guard:
                         self._cache[key] = _Cached(value, self.registry.data_version())
@@ -233,7 +233,7 @@ class Resolver:
         if tenant is not None and (entry is None or not tenant.may_name(entry.id)):
             raise RequestError(404, f"no cartridge with id or label {name[:200]!r}")
 
-    def _signature(self, path: Path) -> tuple:
+    def _signature(self, path: Path, tenant: Tenant | None = None) -> tuple:
         """What changes when a local input changes (stat only: no reading, no hashing). A
         directory is walked, at most MAX_LOCAL_FILES files, and every file in it must resolve
         under an allowed root too (a symlink to anywhere else is refused before it is read)."""
@@ -246,7 +246,7 @@ class Resolver:
                     if len(files) >= MAX_LOCAL_FILES:
                         raise RequestError(400, f"{path} holds more than {MAX_LOCAL_FILES} files")
                     if q.is_symlink() or q.is_file():
-                        self._allowed_local(str(q))
+                        self._allowed_local(str(q), tenant)
                         files.append(q)
                 files.sort()
             return tuple((str(q), st.st_ino, st.st_size, st.st_mtime_ns) for q in files for st in [q.stat()])
@@ -293,10 +293,13 @@ class Resolver:
             self._vocab = load_vocab(self.settings.tokenizer)
         return self._vocab
 
-    def _registered(self, name: str, directory: Path, source_uri: str, force: bool) -> Resolved:
+    def _registered(self, name: str, directory: Path, source_uri: str, force: bool,
+                    tenant: Tenant | None) -> Resolved:
         try:
             entry = self.registry.register(directory, source_uri=source_uri, force_redownload=force,
-                                           replace_origin=False, client=True)
+                                           replace_origin=False, client=True, may_claim=_claims(tenant))
+        except IdOutOfScope as e:
+            raise RequestError(403, str(e)) from None
         except IdTaken as e:
             raise RequestError(409, str(e)) from None
         except CartridgeError as e:
@@ -312,24 +315,26 @@ class Resolver:
             raise RequestError(404, str(e)) from None
         self._visible(entry, spec.id, tenant)
         if spec.force_redownload:  # servers drop their cached copies and read the origin again
+            self._allow_forced(("registry", entry.id))  # per cartridge, however it is spelled (id, labels)
             entry = self.registry.register(entry.path, source_uri=entry.source_uri, force_redownload=True,
-                                           client=bool(entry.salt))  # a client's KV stays salted
+                                           client=entry.client)  # what a client brought stays a client's
             self.stats["registrations"] += 1
         m = Manifest.load(entry.path)
         return Resolved(entry.id, m.kind, tuple(m.token_ids), entry, m)
 
-    def _local(self, spec: CartridgeSpec) -> Resolved:
-        resolved = self._allowed_local(spec.id)
+    def _local(self, spec: CartridgeSpec, tenant: Tenant | None = None) -> Resolved:
+        resolved = self._allowed_local(spec.id, tenant)
         if resolved.is_dir() and (resolved / MANIFEST_NAME).is_file():
-            return self._registered(spec.id, resolved, str(resolved), spec.force_redownload)
+            return self._registered(spec.id, resolved, str(resolved), spec.force_redownload, tenant)
         if not resolved.exists():
             raise RequestError(404, f"no cartridge at {spec.id}")
         from lmcache_cartridge.store.registration import content_digest
 
         self.stats["hashes"] += 1
-        return self._converted(spec, resolved, content_digest(resolved), resolved.name)
+        return self._converted(spec, resolved, content_digest(resolved), resolved.name, tenant)
 
-    def _converted(self, spec: CartridgeSpec, path: Path, digest: str, name: str) -> Resolved:
+    def _converted(self, spec: CartridgeSpec, path: Path, digest: str, name: str,
+                   tenant: Tenant | None = None) -> Resolved:
         from lmcache_cartridge.store.registration import convert_input
 
         self.stats["conversions"] += 1
@@ -344,7 +349,7 @@ class Resolver:
         if out.packed_dir is None:
             self._budget(path)
             return Resolved(spec.id, "tokens", tuple(out.token_ids))
-        resolved = self._registered(spec.id, out.packed_dir, str(out.packed_dir), spec.force_redownload)
+        resolved = self._registered(spec.id, out.packed_dir, str(out.packed_dir), spec.force_redownload, tenant)
         self._budget(out.packed_dir, path)
         return resolved
 
@@ -371,7 +376,7 @@ class Resolver:
                 shutil.rmtree(downloaded, ignore_errors=True)
             raise
 
-    def _s3(self, spec: CartridgeSpec) -> Resolved:
+    def _s3(self, spec: CartridgeSpec, tenant: Tenant | None = None) -> Resolved:
         from lmcache_cartridge.store.registration import fetch_s3_dir, fetch_s3_object, register_s3
         from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, S3Settings, TooLarge, parse_s3_uri
 
@@ -382,17 +387,17 @@ class Resolver:
                 obj = fetch_s3_object(spec.id, settings, self.settings.cache_dir, force=spec.force_redownload)
                 self.stats["s3_objects"] += obj.downloaded
                 return self._dropped_if_refused(obj.path.parent, lambda: self._converted(
-                    spec, obj.path, obj.sha256, obj.path.name))
+                    spec, obj.path, obj.sha256, obj.path.name, tenant))
             listed = fetch_s3_dir(spec.id, settings, self.settings.cache_dir, force=spec.force_redownload)
             self.stats["s3_lists"] += 1
             if not listed.packed:  # an input directory (PEFT adapter, Tokasaurus, ...): converted once
                 self.stats["s3_objects"] += listed.downloaded
                 return self._dropped_if_refused(listed.path.parent, lambda: self._converted(
-                    spec, listed.path, listed.digest, listed.uri.rsplit("/", 1)[-1]))
+                    spec, listed.path, listed.digest, listed.uri.rsplit("/", 1)[-1], tenant))
             self.stats["s3_manifests"] += 1
             entry = register_s3(self.registry, spec.id, self.settings.cache_dir, settings,
                                 force_redownload=spec.force_redownload, engine=self.engine, replace_origin=False,
-                                client=True)
+                                client=True, may_claim=_claims(tenant))
             self.stats["registrations"] += 1
         except NotFound as e:
             raise RequestError(404, str(e)) from None
@@ -402,6 +407,8 @@ class Resolver:
             raise RequestError(413, str(e)) from None
         except OriginError as e:
             raise RequestError(502, f"cannot fetch {spec.id}: {e}") from None
+        except IdOutOfScope as e:
+            raise RequestError(403, str(e)) from None
         except IdTaken as e:
             raise RequestError(409, str(e)) from None
         except CartridgeError as e:
@@ -520,6 +527,11 @@ class Resolver:
             self._cache[key] = _Cached(Resolved(entry.id, "trained", tuple(m.token_ids), entry, m),
                                        self.registry.data_version())
             return entry, m
+
+
+def _claims(tenant: Tenant | None):
+    """The ids a registration for `tenant`'s client may give (None: an operator's key, any)."""
+    return tenant.may_name if tenant is not None else None
 
 
 def _s3_allowed(root: str, bucket: str, key: str) -> bool:

@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.cartridge.keys import client_kv_salt
@@ -61,6 +62,11 @@ class RegistryError(CartridgeError):
 class IdTaken(RegistryError):
     """A registration would give an id that another origin holds to a new one: only an operator
     may do that (`register(..., replace_origin=True)`, the CLI's default)."""
+
+
+class IdOutOfScope(RegistryError):
+    """A registration for a client whose scope (a tenant's `ids`) does not include the id the
+    manifest claims: a tenant cannot squat ids that another tenant's key names."""
 
 
 
@@ -147,7 +153,8 @@ class Registry:
     # --- writes ------------------------------------------------------------------------------
     def register(self, directory: str | Path, *, source_uri: str | None = None,
                  labels: list[str] | tuple[str, ...] = (), replace: bool = True,
-                 force_redownload: bool = False, replace_origin: bool = True, client: bool = False) -> Entry:
+                 force_redownload: bool = False, replace_origin: bool = True, client: bool = False,
+                 may_claim: Callable[[str], bool] | None = None) -> Entry:
         """Index a packed cartridge directory (validated: manifest, and payload size if local).
 
         For an S3 cartridge `directory` holds only its manifest and `source_uri` is the
@@ -159,6 +166,8 @@ class Registry:
         another origin (`IdTaken`), so a client cannot take over a name everyone else uses.
         `client=True` (the gateway, for what a request names): first-k KV is salted
         (`Entry.salt`) unless the operator registered these very bytes from this origin before.
+        `may_claim` (the gateway, for a tenant's request): the ids that client may hold; another
+        is `IdOutOfScope`, checked before the registry is read (whether it exists is not told).
         """
         from lmcache_cartridge.store.origins import has_payload
 
@@ -168,6 +177,9 @@ class Registry:
         else:
             with PackedCartridge(directory) as packed:
                 m = packed.manifest
+        if may_claim is not None and not may_claim(m.cartridge_id):
+            raise IdOutOfScope(f"cartridge id {m.cartridge_id!r} (its manifest's) is outside the ids this key may "
+                               "name: a tenant registers only ids its own patterns match")
         previous = self.get(m.cartridge_id)
         if previous is not None and not replace_origin and previous.source_uri != (source_uri or str(directory)):
             raise IdTaken(f"cartridge id {m.cartridge_id!r} is already registered from another origin; "
