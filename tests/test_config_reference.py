@@ -145,6 +145,44 @@ def test_the_cli_reads_the_config_the_server_reads(tmp_path):
     assert r.returncode == 1 and "FAIL  served-doc" in r.stdout and "128" in r.stdout, r.stdout
 
 
+def test_the_cli_in_a_helm_pod_reads_the_servers_environment(tmp_path):
+    """The Helm values configure the server by the LMCACHE_* environment alone (no config file):
+    in that pod `list` and `doctor` with no --config read the same environment, so they see the
+    registry the plugin's extra_config names and the server's chunk size."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import random_kv
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.registry import Registry
+
+    values = yaml.safe_load((ROOT / "deploy" / "helm" / "values-cartridges.yaml").read_text())
+    pod = {e["name"]: e["value"] for e in values["servingEngineSpec"]["modelSpec"][0]["env"] if "value" in e}
+    assert "LMCACHE_STORAGE_PLUGINS" in pod and "LMCACHE_CONFIG_FILE" not in pod
+    extra = json.loads(pod["LMCACHE_EXTRA_CONFIG"])
+    extra.pop("storage_plugin.cartridge.catalog_uri", None)  # no S3 here
+    extra["storage_plugin.cartridge.registry"] = str(tmp_path / "server-reg.db")
+    pod["LMCACHE_EXTRA_CONFIG"] = json.dumps(extra)
+    pack_kv(random_kv(2, 512, 2, 8), tmp_path / "doc", cartridge_id="served-doc", model="m", kind="first_k",
+            token_ids=list(range(1, 513)), chunk_size=256)
+    Registry(tmp_path / "server-reg.db").register(tmp_path / "doc")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    env.update(pod, LMCACHE_CARTRIDGE_HOME=str(tmp_path / "home"))
+    exe = Path(sys.executable).parent / "lmcache-cartridge"
+    r = subprocess.run([str(exe), "list"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "served-doc" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([str(exe), "doctor", "--model", "m"], env=env, capture_output=True, text=True, timeout=120)
+    assert "the LMCACHE_* environment loads" in r.stdout and "OK    served-doc" in r.stdout, r.stdout + r.stderr
+    env["LMCACHE_CHUNK_SIZE"] = "128"
+    r = subprocess.run([str(exe), "doctor", "--model", "m"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "FAIL  served-doc" in r.stdout and "128" in r.stdout, r.stdout
+    bare = {k: v for k, v in env.items() if not k.startswith("LMCACHE_")}
+    r = subprocess.run([str(exe), "doctor"], env=bare, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "no LMCache config" in r.stdout, r.stdout + r.stderr
+
+
 def test_the_model_name_trap_is_stated_where_it_is_set_and_where_it_bites(tmp_path):
     """`create`/`pack` record the model directory as the model's name unless --model is given;
     vLLM serves under its --model string. Pack says so, doctor's failure names both fixes, and a

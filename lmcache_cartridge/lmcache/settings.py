@@ -247,6 +247,15 @@ def find_plugin_name(config, plugin_cls: type) -> str:
     return names[0]
 
 
+def configured_by_environment() -> bool:
+    """Whether the server is configured through the `LMCACHE_*` environment alone (no
+    LMCACHE_CONFIG_FILE; the Helm values do this): its storage plugins are then named in
+    `LMCACHE_STORAGE_PLUGINS`, and a CLI in the same pod reads the same environment."""
+    import os
+
+    return not os.environ.get("LMCACHE_CONFIG_FILE") and bool(os.environ.get("LMCACHE_STORAGE_PLUGINS"))
+
+
 def load_lmcache_config(path: str | Path | None = None):
     """The LMCache config as the server's LMCache loads it: the file (`path`, else
     $LMCACHE_CONFIG_FILE), then the `LMCACHE_*` environment over it; without a file, the

@@ -20,8 +20,18 @@ from lmcache_cartridge.paths import default_cache_dir, default_packed_dir, defau
 
 EXIT_USAGE = 2
 # The config the server loads (LMCache reads it from this variable): every command's --config
-# default, so that inside the server's pod `list`, `stats` and `doctor` see its registry.
+# default, so that inside the server's pod `list`, `stats` and `doctor` see its registry. Without
+# a file, a server configured by the LMCACHE_* environment alone (`configured_by_environment`) is
+# read from that environment the same way.
 SERVER_CONFIG = os.environ.get("LMCACHE_CONFIG_FILE") or None
+
+
+def _server_config(args) -> bool:
+    """Whether a command reads the server's LMCache config: --config (or LMCACHE_CONFIG_FILE), or
+    the LMCACHE_* environment the server itself is configured by."""
+    from lmcache_cartridge.lmcache.settings import configured_by_environment
+
+    return bool(getattr(args, "config", None)) or configured_by_environment()
 EXIT_PROBLEMS = 1
 
 
@@ -295,7 +305,7 @@ def _load_lmcache_config(path):
 
 
 def _plugin_settings(args):
-    if not getattr(args, "config", None):
+    if not _server_config(args):
         return None
     from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
     from lmcache_cartridge.lmcache.settings import PluginSettings
@@ -305,7 +315,7 @@ def _plugin_settings(args):
 
 def _s3_from_args(args) -> dict:
     """S3 settings for a command: the --config plugin's, else --s3-endpoint / --s3-region."""
-    settings = _plugin_settings(args) if getattr(args, "config", None) else None
+    settings = _plugin_settings(args)
     s3 = dict(settings.s3) if settings else {}
     if getattr(args, "s3_endpoint", None):
         s3["endpoint_url"] = args.s3_endpoint
@@ -337,8 +347,8 @@ def cmd_unpublish(args) -> int:
 
 def _config_chunk_size(args) -> int:
     """The serving chunk size: the --config LMCache YAML's `chunk_size`, else LMCache's 256."""
-    if getattr(args, "config", None):
-        return int(_load_lmcache_config(args.config).chunk_size)
+    if _server_config(args):
+        return int(_load_lmcache_config(getattr(args, "config", None)).chunk_size)
     return 256
 
 
@@ -474,13 +484,18 @@ def cmd_doctor(args) -> int:
     cuda = torch.cuda.is_available()
     ops = versions.lmcache_ops_problem(cuda)
     check("FAIL" if ops else "OK", ops or f"LMCache's compiled ops load ({'CUDA' if cuda else 'CPU'})")
+    if not _server_config(args):
+        check("FAIL", "no LMCache config: pass --config FILE, or set LMCACHE_CONFIG_FILE or the server's "
+                      "LMCACHE_* variables (LMCACHE_STORAGE_PLUGINS, LMCACHE_EXTRA_CONFIG, ...)")
+        return EXIT_PROBLEMS
     config = _load_lmcache_config(args.config)
-    check("OK", f"{args.config} loads as an LMCacheEngineConfig")
-    import yaml
+    check("OK", f"{args.config or 'the LMCACHE_* environment'} loads as an LMCacheEngineConfig")
+    if args.config:
+        import yaml
 
-    raw = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
-    for problem in unknown_lmcache_keys(raw if isinstance(raw, dict) else {}):
-        check("FAIL", f"{problem} (LMCache ignores it)")
+        raw = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
+        for problem in unknown_lmcache_keys(raw if isinstance(raw, dict) else {}):
+            check("FAIL", f"{problem} (LMCache ignores it)")
     try:
         settings = PluginSettings.from_config(config, CartridgeStoragePlugin)
         check("OK", f"storage plugin '{settings.name}' -> {CartridgeStoragePlugin.__module__}.{CartridgeStoragePlugin.__name__}")
@@ -583,7 +598,7 @@ def cmd_gateway(args) -> int:
     from lmcache_cartridge.api.gateway import GatewaySettings, create_app
     from lmcache_cartridge.api.settings import load_tenants, plugin_fields
 
-    if args.config:  # the server's settings, read as the server reads them
+    if _server_config(args):  # the server's settings, read as the server reads them
         from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
         from lmcache_cartridge.lmcache.settings import PluginSettings
 
@@ -826,8 +841,9 @@ def build_parser() -> argparse.ArgumentParser:
              "hash algorithm, and every registered cartridge against the chunk size and model.\n"
              "Exit 0 when all is well, 1 when something would not be served.",
              "lmcache-cartridge doctor --config configs/lmcache-cartridge.yaml --model MODEL --verify")
-    sp.add_argument("--config", required=SERVER_CONFIG is None, default=SERVER_CONFIG,
-                    help="the LMCache YAML the server loads (default $LMCACHE_CONFIG_FILE)")
+    sp.add_argument("--config", default=SERVER_CONFIG,
+                    help="the LMCache YAML the server loads (default $LMCACHE_CONFIG_FILE, else the server's "
+                         "LMCACHE_* environment)")
     sp.add_argument("--model", help="the model name the server will use (vLLM --model)")
     sp.add_argument("--verify", action="store_true", help="also recompute every chunk checksum")
 
