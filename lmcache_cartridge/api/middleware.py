@@ -15,7 +15,17 @@ stack nothing can bypass it:
   response before returning it, so a stream would not stream.
 - `cartridges` on any other JSON POST (/v1/responses, /invocations, ...) answers 400, never a
   silent answer without the document.
-- Everything else reaches vLLM untouched: a body read to look for the field is replayed byte
+- `kv_transfer_params` a client sends on any JSON POST is held to the gateway's rule
+  (`api.requests.check_client_kv_params`: only LMCache's `lmcache.skip_save` and
+  `lmcache.tag.<name>`): the connector's own keys (composite recipes, the trained readiness and
+  no-recompute rules), the salt tag and LMCache's `disagg_spec` (read without a guard by
+  LMCache's scheduler: engine-fatal) answer 400, and so does `vllm_xargs.kv_transfer_params`
+  (vLLM copies it in where the body has none: a string or list there is engine-fatal too). Only
+  the gateway's own requests to this server carry those keys: its client signs them with a
+  secret header (`INTERNAL_HEADER`, shared by this server's API processes through a 0600 file in
+  the private cache dir, `internal_secret`), which is checked in constant time and removed
+  before vLLM sees the request. A request with a wrong or missing header is a client's.
+- Everything else reaches vLLM untouched: a body read to look for the fields is replayed byte
   for byte; GET /metrics gets the gateway's series appended.
 - If the gateway cannot be set up (no cartridge plugin in the LMCache config, a bad setting),
   vLLM still serves and requests with `cartridges` answer 501 with the reason.
@@ -34,9 +44,11 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import hmac
 import json
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +61,11 @@ GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions")
 # the paths vLLM's --api-key guards (vllm/entrypoints/serve/middleware/authenticate.py)
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 FORMS = (b"multipart/", b"application/x-www-form-urlencoded")
+# The gateway's own requests to this server carry this header with the server's secret: only they
+# may set the connector's kv_transfer_params keys (`check_client_body`).
+INTERNAL_HEADER = b"x-lmcache-cartridge-internal"
+SECRET_NAME = "middleware.secret"  # in the cache dir (0600): shared by this host's API processes
+_SECRET_BYTES = 32
 
 
 def _list(value: str) -> tuple[str, ...]:
@@ -209,6 +226,101 @@ def has_cartridges(body: bytes) -> bool:
     return isinstance(data, dict) and "cartridges" in data
 
 
+def check_client_body(body: bytes) -> str | None:
+    """Why a client's JSON request body may not reach vLLM (its `kv_transfer_params` break the
+    gateway's rule, `api.requests.check_client_kv_params`), else None. Bodies that are not a JSON
+    object are vLLM's to judge (None). Also refused: `vllm_xargs.kv_transfer_params`, which vLLM
+    copies into the request's params where the body sets none (its values are strings, numbers or
+    lists there: never a client's to send)."""
+    if b"kv_transfer_params" not in body and b"\\u" not in body:  # not even spelled with escapes
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    from lmcache_cartridge.api.requests import check_client_kv_params
+
+    params = data.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        return "'kv_transfer_params' must be an object"
+    try:
+        check_client_kv_params(params)
+    except ValueError as e:
+        return f"'kv_transfer_params': {e}"
+    xargs = data.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
+        return "'vllm_xargs' may not carry 'kv_transfer_params' (send 'kv_transfer_params' itself)"
+    return None
+
+
+def internal_secret(cache_dir: Path) -> bytes:
+    """The secret the gateway's requests to this server carry (`INTERNAL_HEADER`): read from
+    `cache_dir`/`SECRET_NAME`, made there once (0600, linked into place whole: never replaced).
+    One file for every API process of the server (`--api-server-count` > 1: the gateway of one
+    process may reach another's socket) and every server of this user sharing the cache dir,
+    which `private_dir` keeps to this user. PermissionError for a file that is not this user's
+    own private regular file."""
+    import stat
+
+    path = Path(cache_dir) / SECRET_NAME
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDONLY | nofollow)
+        except FileNotFoundError:
+            tmp = path.with_name(f".{SECRET_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | nofollow, 0o600)
+            try:
+                os.write(fd, secrets.token_urlsafe(_SECRET_BYTES).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)  # atomic, and never over another process's secret
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+            continue
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or (hasattr(os, "geteuid") and st.st_uid != os.geteuid()) \
+                    or st.st_mode & 0o077:
+                raise PermissionError(f"{path} must be a regular file of this user's, mode 0600")
+            token = f.read(256).strip()
+        if len(token) >= _SECRET_BYTES:
+            return token
+        raise PermissionError(f"{path} holds no secret (delete it: it is made again)")
+    raise PermissionError(f"{path} could not be made")
+
+
+class _Signed:
+    """httpx transport for the gateway's client: every request it sends to this server carries
+    `INTERNAL_HEADER` with the secret (it reaches only this server's own listening address, and
+    an explicit transport keeps httpx from routing it through an environment proxy)."""
+
+    def __init__(self, inner, secret: bytes) -> None:
+        import httpx
+
+        self.inner = inner if inner is not None else httpx.AsyncHTTPTransport()
+        self.secret = secret.decode()
+
+    async def handle_async_request(self, request):
+        request.headers[INTERNAL_HEADER.decode()] = self.secret
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
 async def _read_body(receive) -> bytes | None:
     """The whole request body; None if the client went away first."""
     chunks = []
@@ -284,6 +396,7 @@ class CartridgeMiddleware:
         self.error: str | None = None   # why it could not be built (501 answers)
         self.keys: frozenset[bytes] = frozenset()   # vLLM's keys and the gateway's
         self.vllm_keyed = False
+        self.secret: bytes | None = None  # what the gateway's own requests carry (INTERNAL_HEADER)
         self._lifespan: _Lifespan | None = None
         self._started = False
         self._lock = asyncio.Lock()
@@ -294,6 +407,10 @@ class CartridgeMiddleware:
             return await self._lifespan_scope(scope, receive, send)
         if kind != "http":
             return await self.app(scope, receive, send)
+        internal = False
+        if _header(scope, INTERNAL_HEADER):  # vLLM never sees it, whoever sent it
+            internal = self._internal(scope)
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k.lower() != INTERNAL_HEADER])
         path, method = _route_path(scope), scope.get("method")
         if method == "GET" and path == "/metrics":
             return await self._metrics(scope, receive, send)
@@ -301,12 +418,17 @@ class CartridgeMiddleware:
             return await self.app(scope, receive, send)  # uploads (audio, files) are not read here
         if not self._started:
             await self._start(scope.get("app"), scope)
+        if internal:  # the gateway's own request to this server: the keys it sets are its own
+            return await self.app(scope, receive, send)
         if self._refused_by_vllm(scope, path):
             return await self.app(scope, receive, send)  # vLLM answers 401 without reading the body
         body = await _read_body(receive)
         if body is None:
             return  # the client is gone
         replay = _replay(body, receive)
+        refused = check_client_body(body)
+        if refused is not None:
+            return await _error(400, refused)(scope, replay, send)
         if not has_cartridges(body):
             return await self.app(scope, replay, send)
         if path not in GATEWAY_PATHS:
@@ -317,13 +439,16 @@ class CartridgeMiddleware:
         sub = dict(scope, path=path, raw_path=path.encode(), root_path="")
         return await self.gateway(sub, replay, send)
 
+    def _internal(self, scope) -> bool:
+        """Whether the request is the gateway's own (it carries this server's secret)."""
+        got = _header(scope, INTERNAL_HEADER)
+        return bool(got) and self.secret is not None and hmac.compare_digest(got, self.secret)
+
     def _refused_by_vllm(self, scope, path: str) -> bool:
         """Whether vLLM's own --api-key refuses this request whatever its body holds (its key is
         neither vLLM's nor the gateway's): then its body is not read, as vLLM would not read it."""
         if not self.vllm_keyed or not path.startswith(VLLM_GUARDED):
             return False
-        import hmac
-
         scheme, _, token = _header(scope, b"authorization").partition(b" ")
         token = token.strip()
         ok = scheme.lower() == b"bearer" and any(hmac.compare_digest(token, k) for k in self.keys)
@@ -342,14 +467,23 @@ class CartridgeMiddleware:
             self.keys = frozenset(k.encode() for k in own)  # vLLM's keys may always send a body here
             try:
                 from lmcache_cartridge.api.gateway import create_app
+                from lmcache_cartridge.paths import private_dir
 
                 upstream, transport = upstream_of(args, scope)
                 settings = settings_from_environment(args, upstream)
-                self.gateway = await asyncio.to_thread(create_app, settings, transport=transport)
+                try:
+                    secret = internal_secret(private_dir(settings.cache_dir))
+                except OSError as e:  # this process's own: enough with one API process
+                    logger.warning("lmcache_cartridge middleware: %s: %s; using a secret of this process's "
+                                   "(with --api-server-count > 1 the gateway's requests reaching another API "
+                                   "process are refused)", type(e).__name__, e)
+                    secret = secrets.token_urlsafe(_SECRET_BYTES).encode()
+                self.gateway = await asyncio.to_thread(create_app, settings, transport=_Signed(transport, secret))
+                self.secret = secret
                 self._lifespan = _Lifespan(self.gateway)
                 await self._lifespan.startup()
             except Exception as e:
-                self.gateway, self._lifespan = None, None
+                self.gateway, self._lifespan, self.secret = None, None, None
                 self.error = str(e) if isinstance(e, NotConfigured) else f"{type(e).__name__}: {e}"
                 logger.error("lmcache_cartridge middleware: requests with 'cartridges' answer 501: %s", self.error)
                 return

@@ -14,13 +14,23 @@ process) calls `HostComposer.submit` for each waiting request it asks about. Bui
 read, a small directory write, a registry write) runs on one background thread, never in the
 scheduler's step; each recipe is built once per process. It owns that thread and the set of
 recipes done; the registry and the composite directories belong to the host (`store.registry`).
+
+Limits: only the gateway sets COMPOSE_PARAM (the gateway and the middleware refuse it from
+clients, `api.requests.check_client_kv_params`), and this side bounds what any request can make
+it do anyway: at most `MAX_RECIPES_PER_REQUEST` recipes of at most `MAX_PARTS_PER_RECIPE` parts
+per request (more: none is built), at most `MAX_PENDING_BUILDS` queued builds (more: skipped,
+a later request retries), and the recipes remembered as done are the `MAX_RECIPES_REMEMBERED`
+most recently asked (LRU, each kept as a digest, not its prompt).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
+import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -28,6 +38,14 @@ logger = logging.getLogger("lmcache_cartridge.composites")
 
 # kv_transfer_params key: a list of `store.composite.recipe` dicts, one per composite in the prompt.
 COMPOSE_PARAM = "lmcache_cartridge.composites"
+
+# Limits (see the module docstring). A gateway's request names one recipe per trained run after
+# other cartridges or context: a handful (at most its --max-cartridges), each of a few parts.
+MAX_RECIPES_PER_REQUEST = 16
+MAX_PARTS_PER_RECIPE = 64
+MAX_RECIPES_REMEMBERED = 1024   # recipes built (or being built) by this process: LRU
+MAX_PENDING_BUILDS = 64         # recipes queued for the build thread
+MAX_REQUESTS_REMEMBERED = 4096  # request ids already looked at: oldest dropped
 
 
 def recipes_of(request: Any) -> list[dict]:
@@ -45,8 +63,10 @@ class HostComposer:
     def __init__(self, settings: Callable[[], Any]) -> None:
         self._settings = settings
         self._lock = threading.Lock()
-        self._seen: set[str] = set()
+        self._seen: OrderedDict[str, None] = OrderedDict()  # recipe digests done or queued (LRU)
         self._asked: dict[str, None] = {}  # request ids already looked at (bounded, oldest dropped)
+        self._pending = 0  # builds queued or running
+        self._warned_at = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._registry = None
         self.built = 0
@@ -60,16 +80,38 @@ class HostComposer:
             if rid in self._asked:
                 return
             self._asked[rid] = None
-            if len(self._asked) > 4096:
+            if len(self._asked) > MAX_REQUESTS_REMEMBERED:
                 self._asked.pop(next(iter(self._asked)))
+        if len(wires) > MAX_RECIPES_PER_REQUEST or any(
+                not isinstance(w.get("parts"), list) or len(w["parts"]) > MAX_PARTS_PER_RECIPE for w in wires):
+            logger.error("lmcache_cartridge: request %s names %d composite recipes (at most %d, each of at most %d "
+                         "parts): none is built", rid[:80], len(wires), MAX_RECIPES_PER_REQUEST, MAX_PARTS_PER_RECIPE)
+            return
         prompt = list(getattr(request, "prompt_token_ids", None) or [])
         todo = []
         with self._lock:
             for w in wires:
-                key = json.dumps([w, prompt[:int(w.get("start", 0) or 0)]], sort_keys=True, default=str)
-                if key not in self._seen:
-                    self._seen.add(key)
-                    todo.append((key, w))
+                try:
+                    start = max(0, int(w.get("start", 0) or 0))
+                except (TypeError, ValueError):
+                    start = 0  # malformed: ensure_composite says why
+                key = hashlib.sha256(json.dumps([w, prompt[:start]], sort_keys=True, default=str).encode()).hexdigest()
+                if key in self._seen:
+                    self._seen.move_to_end(key)
+                    continue
+                if self._pending >= MAX_PENDING_BUILDS:
+                    self._asked.pop(rid, None)  # looked at again on vLLM's next ask
+                    now = time.monotonic()
+                    if now - self._warned_at > 10:
+                        self._warned_at = now
+                        logger.warning("lmcache_cartridge: %d composite builds queued (at most %d): more wait",
+                                       self._pending, MAX_PENDING_BUILDS)
+                    break
+                self._seen[key] = None
+                while len(self._seen) > MAX_RECIPES_REMEMBERED:
+                    self._seen.popitem(last=False)
+                self._pending += 1
+                todo.append((key, w))
             if todo and self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="cartridge-compose")
         for key, w in todo:
@@ -93,8 +135,11 @@ class HostComposer:
         except CartridgeError as e:
             logger.error("lmcache_cartridge: cannot build composite here: %s", e)
             with self._lock:
-                self._seen.discard(key)  # a part may arrive later (catalog sync): a later request retries
+                self._seen.pop(key, None)  # a part may arrive later (catalog sync): a later request retries
         except Exception:  # noqa: BLE001 - never in the scheduler's way
             logger.exception("lmcache_cartridge: building a composite failed")
             with self._lock:
-                self._seen.discard(key)
+                self._seen.pop(key, None)
+        finally:
+            with self._lock:
+                self._pending -= 1
