@@ -4,14 +4,16 @@ names) is derived from its chunk digests on every load, never taken from it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from conftest import random_kv
-from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest, legacy_content_hash
+from lmcache_cartridge.cartridge.manifest import (MANIFEST_NAME, PAYLOAD_NAME, Manifest, derive_content_hash,
+                                                  legacy_content_hash)
 from lmcache_cartridge.cartridge.keys import placeholder_token_ids
 from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv
-from lmcache_cartridge.errors import ManifestError
+from lmcache_cartridge.errors import CartridgeError, ManifestError
 
 
 def _pack(tmp_path, name, seed):
@@ -131,3 +133,89 @@ def test_a_composites_ids_are_its_parts_own_placeholders(tmp_path):
         _edit(tmp_path / "f", lambda d: d.update(vocab={"vocab_size": 1000, "special_ids": []}))
         Manifest.load(tmp_path / "f")
     assert first_k.vocab is None
+
+
+# --- first-k segments: a first-k part's ids are nobody's checked claim ------------------------
+def claim_first_chunks(directory, prompt) -> None:
+    """Rewrite a trained manifest as the reviewer's probe did: `segments` say its first chunks are
+    a first-k part holding `prompt`'s ids, the rest trained, with the placeholder ids derived
+    from those chunks (so every check a trained segment gets passes). Its KV is unchanged."""
+    m = Manifest.load(directory)
+    n, rest = len(prompt), m.num_tokens - len(prompt)
+    chunks = m.chunks[n // m.chunk_size:]
+    shape = [2, m.num_layers, rest, m.num_kv_heads, m.head_dim]
+    tail = placeholder_token_ids(derive_content_hash(shape, m.torch_dtype, m.chunk_size, chunks), rest,
+                                 m.vocab["vocab_size"], m.vocab["special_ids"])
+    _edit(directory, lambda d: d.update(segments=[["first_k", n], ["trained", rest]], token_ids=list(prompt) + tail))
+
+
+def forge_composite(directory, parts) -> Manifest:
+    """What a client could write into a directory of its own: the composite of `parts` (packed
+    directories) with the parts list and a payload of their bytes beside it."""
+    from lmcache_cartridge.store.composite import composite_manifest
+    from lmcache_cartridge.store.origins import PARTS_NAME
+
+    comp = composite_manifest([Manifest.load(p) for p in parts])
+    directory.mkdir()
+    (directory / MANIFEST_NAME).write_text(comp.to_json())
+    (directory / PARTS_NAME).write_text(json.dumps([{"id": Manifest.load(p).cartridge_id, "source_uri": str(p),
+                                                     "path": str(p)} for p in parts]))
+    (directory / PAYLOAD_NAME).write_bytes(b"".join((p / PAYLOAD_NAME).read_bytes() for p in parts))
+    return comp
+
+
+def test_a_first_k_segment_in_a_manifest_nobody_composed_is_refused(tmp_path):
+    """A trained manifest whose segments put a prompt's real ids in a first_k part: a trained kind
+    is never salted, so its KV would be served to every request sending that prompt. Read from
+    a directory, an S3 manifest's bytes, a packed cartridge or a client's registration, it is
+    refused: a segment is only ever the gateway's composite of registered parts."""
+    from lmcache_cartridge.store.registry import Registry
+
+    prompt = list(range(100, 132))
+    _trained(tmp_path, "forger", 8)
+    claim_first_chunks(tmp_path / "forger", prompt)
+    raw = json.loads((tmp_path / "forger" / MANIFEST_NAME).read_text())
+    reg = Registry(tmp_path / "reg.db")
+    for read in (lambda: Manifest.load(tmp_path / "forger"), lambda: Manifest.from_dict(raw),
+                 lambda: PackedCartridge(tmp_path / "forger"),
+                 lambda: reg.register(tmp_path / "forger", client=True)):
+        with pytest.raises(ManifestError, match="has a first_k segment but is not a composite"):
+            read()
+    assert reg.list() == []
+    # a parts list beside it must compose it exactly: not other parts, not itself, not garbage
+    from lmcache_cartridge.store.origins import PARTS_NAME
+
+    _trained(tmp_path, "t1", 9)
+    _pack(tmp_path, "f1", 10)
+    for listing, needle in (([str(tmp_path / "f1"), str(tmp_path / "t1")], "not the composite of the parts"),
+                            ([str(tmp_path / "forger")], "lists the composite itself"),
+                            ("[{", "not the composite of the parts"), ([], "not the composite of the parts")):
+        (tmp_path / "forger" / PARTS_NAME).write_text(
+            listing if isinstance(listing, str) else json.dumps([{"path": p} for p in listing]))
+        with pytest.raises(ManifestError, match=needle):
+            Manifest.load(tmp_path / "forger")
+
+
+def test_the_gateways_composites_with_a_first_k_part_load_and_stay_their_parts(tmp_path):
+    """A composite registered from the operator's first-k cartridge and a trained one loads (its
+    first-k segment is that part's own ids and KV); the same file with other ids does not; a
+    first-k cartridge a client brought (salted) is never composed."""
+    from lmcache_cartridge.store.composite import register_composite
+    from lmcache_cartridge.store.origins import is_composite
+    from lmcache_cartridge.store.registry import Registry
+
+    reg = Registry(tmp_path / "reg.db")
+    f, t = _pack(tmp_path, "doc", 11), _trained(tmp_path, "t", 12)
+    parts = [(reg.register(tmp_path / "doc"), f), (reg.register(tmp_path / "t"), t)]
+    entry, comp = register_composite(reg, parts, tmp_path / "cache")
+    assert is_composite(entry.source_uri) and entry.salt == "" and comp.segments == [["first_k", 64], ["trained", 64]]
+    assert Manifest.load(entry.path).token_ids == f.token_ids + t.token_ids
+    # its cache directory edited: a prompt's ids in the first-k segment
+    _edit(Path(entry.path), lambda d: d.update(token_ids=list(range(500, 564)) + t.token_ids))
+    with pytest.raises(ManifestError, match="not the composite of the parts"):
+        Manifest.load(entry.path)
+    _pack(tmp_path, "client", 13)
+    salted = reg.register(tmp_path / "client", client=True)
+    assert salted.salt
+    with pytest.raises(CartridgeError, match="never part of a composite"):
+        register_composite(reg, [(salted, Manifest.load(tmp_path / "client")), parts[1]], tmp_path / "cache")

@@ -11,6 +11,7 @@ import yaml
 
 from conftest import rehash_manifest, random_kv
 from lmc_helpers import Engine, make_metadata
+from lmcache_cartridge.errors import ManifestError
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
 from lmcache_cartridge.cartridge.packed import PackedCartridge, VocabInfo, pack_kv
 from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
@@ -633,3 +634,31 @@ def test_trained_kv_claiming_a_prompts_ids_is_never_served_for_that_prompt(carts
         assert eng.engine.lookup(b.token_ids + [1]) == 0
         assert eng.engine.lookup(carts["a"][0].token_ids + [1]) == 3 * CHUNK
     assert "not the placeholder ids" in caplog.text
+
+
+def test_kv_claiming_a_prompts_ids_as_a_first_k_segment_is_never_served_for_that_prompt(carts):
+    """The same claim written as a composite: a trained manifest whose `segments` make its first
+    chunk a first-k part holding a prompt's ids (unchecked, and a trained kind gets no salt).
+    Swapped into a registered cartridge, or registered by a client with a parts list beside it
+    that really composes it (a first-k part of its own), neither is served for the prompt: only
+    the gateway's composites (a composite origin) carry a first-k segment. The honest first-k
+    cartridge beside them is served (test_compose_plan serves a real composite of one)."""
+    from test_manifest_trust import claim_first_chunks, forge_composite
+
+    tmp, reg, kv_b = carts["dir"], carts["reg"], carts["b"][1]
+    prompt = list(range(5000, 5000 + CHUNK))
+    claim_first_chunks(tmp / "b", prompt)  # after registration, in place
+    pack_kv(kv_b[:, :, :CHUNK], tmp / "f", cartridge_id="f", model=MODEL, kind="first_k", token_ids=prompt,
+            chunk_size=CHUNK)
+    pack_kv(kv_b[:, :, CHUNK:], tmp / "t", cartridge_id="t", model=MODEL, kind="trained",
+            vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+    forged = forge_composite(tmp / "forged", [tmp / "f", tmp / "t"])
+    assert forged.token_ids[:CHUNK] == prompt  # it is what it says: only its origin is wrong
+    with pytest.raises(ManifestError, match="only ever a composite this host built"):
+        reg.register(tmp / "forged", client=True)
+    assert reg.get(forged.cartridge_id) is None
+    with engine_for(tmp, reg.path) as eng:  # the one swapped in after registration: the plugin refuses it
+        assert eng.engine.lookup(prompt + [1]) == 0
+        assert eng.engine.lookup(carts["a"][0].token_ids + [1]) == 3 * CHUNK
+        skipped = eng.backend("cartridge")._state.skipped
+    assert "has a first_k segment but is not a composite" in skipped["trained-b"]

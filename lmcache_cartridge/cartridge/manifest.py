@@ -191,6 +191,8 @@ class Manifest:
     vocab: dict[str, Any] | None = None
     # A composite only: `[[kind, num_tokens], ...]` of its parts in order (the ids of each trained
     # part are derived from that part's own chunk digests). None: one part, this manifest's kind.
+    # A first_k segment's ids are a document's own, checked by nobody: only a composite made from
+    # registered parts may have one (`composes_first_k`).
     segments: list[list[Any]] | None = None
 
     # --- derived facts (one place computes each) -------------------------------------------
@@ -247,6 +249,24 @@ class Manifest:
         return len(self.context_ids) // self.chunk_size
 
     @property
+    def composes_first_k(self) -> bool:
+        """Whether some of this (trained) manifest's ids are a first-k part's: `segments` names one.
+
+        Those ids are a document's own, checked by nobody, and the manifest's kind is `trained`,
+        so the registry salts none of its KV (it salts first-k KV a client brought, by kind). Were
+        such a manifest read as written, anyone could give KV of their own the ids of a prompt
+        people send, and LMCache (keys from token ids only) would serve it to every request
+        sending that prompt without naming it. A segment is only ever written by
+        `store.composite.composite_manifest`, for a composite the gateway (or an instance's
+        `HostComposer`) builds from registered parts, never from a client's KV: so such a manifest
+        is read only as the composite of the parts listed beside it (`load`,
+        `store.composite.check_composite`), and served only from a composite origin (the plugin).
+        Salting it instead (as a client's first-k KV is) would break the real composites: the
+        gateway sends their requests unsalted, their first chunks keyed as the operator's first-k
+        part is, and a request carries one salt at most."""
+        return any(isinstance(s, list) and s and s[0] == "first_k" for s in self.segments or ())
+
+    @property
     def num_full_chunks(self) -> int:
         return self.num_tokens // self.chunk_size
 
@@ -271,7 +291,9 @@ class Manifest:
         return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+    def from_dict(cls, d: dict[str, Any], directory: str | Path | None = None) -> "Manifest":
+        """A checked manifest; `directory` is where it was read (`load`): a manifest with a first-k
+        segment must be the composite of the parts `parts.json` there lists (`composes_first_k`)."""
         if not isinstance(d, dict):
             raise ManifestError("manifest must be a JSON object")
         version = d.get("format_version")
@@ -292,6 +314,10 @@ class Manifest:
         except (KeyError, TypeError) as e:
             raise ManifestError(f"manifest is missing or has unexpected fields: {e}") from e
         m.validate()
+        if m.composes_first_k:  # a first-k part's unchecked ids: only as the composite of its parts
+            from lmcache_cartridge.store.composite import check_composite
+
+            check_composite(m, directory)
         return m
 
     @classmethod
@@ -305,7 +331,7 @@ class Manifest:
             d = json.loads(raw)
         except json.JSONDecodeError as e:
             raise ManifestError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(d)
+        return cls.from_dict(d, directory)
 
     # --- checks -----------------------------------------------------------------------------
     def validate(self) -> None:
@@ -394,7 +420,9 @@ class Manifest:
         """The ids of trained KV are `placeholder_token_ids` of its content hash (derived from its
         chunk digests, never read), drawn from enough of a vocabulary that nobody can steer them
         (`MIN_PLACEHOLDER_BITS` per chunk). First-k ids are the document's own and are not
-        checked here: KV a client brought reaches only requests that name it (`cache_salt`)."""
+        checked here: KV a client brought reaches only requests that name it (`cache_salt`), and
+        a first_k segment of a trained manifest is read only as a composite of registered parts
+        (`composes_first_k`)."""
         from lmcache_cartridge.cartridge.keys import placeholder_candidates, placeholder_token_ids
 
         if self.kind != "trained":

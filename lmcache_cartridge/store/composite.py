@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextvars import ContextVar
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -94,9 +95,61 @@ def composite_manifest(parts: list[Manifest], context_ids: list[int] | tuple[int
     return m
 
 
+_CHECKING: ContextVar[frozenset[str]] = ContextVar("lmcache_cartridge_composite_checking", default=frozenset())
+
+
+def check_composite(m: Manifest, directory: str | Path | None) -> None:
+    """Refuse `m`, a manifest whose segments name a first-k part (`Manifest.composes_first_k`),
+    unless it is exactly what `composite_manifest` makes of the parts `parts.json` beside it
+    lists: same id, token ids, segments and content hash (so the same chunk digests). Then each
+    first-k segment's ids and KV are a first-k cartridge's own, read (and checked) from where
+    that part lives, and `register_composite` composes registered, unsalted parts only.
+
+    A manifest written anywhere else (a client's directory or S3 prefix, a catalog entry) has no
+    `parts.json`, or one naming a first-k part that nobody registered as the operator's: the
+    first case is refused here, the second by the plugin, which serves a composed first-k
+    segment only from a composite origin (`lmcache.plugin`, `origins.is_composite`)."""
+    where = f"manifest {m.cartridge_id!r}" + (f" in {directory}" if directory is not None else "")
+    listing_path = Path(directory) / PARTS_NAME if directory is not None else None
+    if listing_path is None or not listing_path.is_file():
+        raise ManifestError(
+            f"{where} has a first_k segment but is not a composite made by this host (no {PARTS_NAME} "
+            "beside it): a first-k part's ids are nobody's checked claim, so only the gateway composes "
+            "them, from registered first-k cartridges. Serve first-k KV as a first_k cartridge")
+    here = str(Path(directory).resolve())
+    checking = _CHECKING.get()
+    if here in checking:
+        raise ManifestError(f"{where}: its {PARTS_NAME} lists the composite itself")
+    token = _CHECKING.set(checking | {here})
+    try:
+        listing = json.loads(listing_path.read_text(encoding="utf-8"))
+        if not isinstance(listing, list) or not all(isinstance(p, dict) and isinstance(p.get("path"), str)
+                                                    for p in listing):
+            raise ManifestError(f"{where}: {PARTS_NAME} is not a list of parts with paths")
+        want = composite_manifest([Manifest.load(p["path"]) for p in listing], m.context_ids)
+    except ManifestError:
+        raise
+    except (OSError, ValueError, CartridgeError) as e:
+        raise ManifestError(f"{where}: not the composite of the parts its {PARTS_NAME} lists: {e}") from None
+    finally:
+        _CHECKING.reset(token)
+    if (want.cartridge_id, want.content_hash, want.token_ids, want.segments) \
+            != (m.cartridge_id, m.content_hash, m.token_ids, m.segments):
+        raise ManifestError(f"{where} is not the composite of the parts its {PARTS_NAME} lists "
+                            f"({want.cartridge_id}): its ids, segments or chunks differ from theirs")
+
+
 def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir: Path,
                        context_ids: list[int] | tuple[int, ...] = ()) -> tuple[Entry, Manifest]:
-    """Write (once) and register the composite of `parts`, in this order, after `context_ids`."""
+    """Write (once) and register the composite of `parts`, in this order, after `context_ids`.
+
+    Never of a part a client brought under its salt (`Entry.salt`): the composite is keyed
+    without one, so that KV would reach requests that never named it (the resolver never asks
+    for it; a recipe in a request's kv_transfer_params, `ensure_composite`, might)."""
+    salted = [e.id for e, _ in parts if e.salt]
+    if salted:
+        raise CartridgeError(f"cartridges {salted} are KV a client brought, served only to requests that "
+                             "name them (under their salt): never part of a composite")
     manifest = composite_manifest([m for _, m in parts], context_ids)
     listing = [{"id": e.id, "source_uri": e.source_uri, "path": e.path} for e, _ in parts]
     # named by the parts' bytes AND where they are read from: a part moved elsewhere gets a new one
