@@ -360,6 +360,8 @@ def _call(app, method, path, **kw):
      "'lmcache_cartridge.trained_tokens' may not be set"),
     (json.dumps({"prompt": "x", "kv_transfer_params": {"disagg_spec": {"req_id": 5}}}).encode(), 400,
      "'disagg_spec' may not be set by a client (allowed: lmcache.skip_save, lmcache.tag.<name>)"),
+    (json.dumps({"prompt": "x", "vllm_xargs": {"kv_transfer_params": "disagg_spec"}}).encode(), 400,
+     "'vllm_xargs': may not carry 'kv_transfer_params'"),
     (json.dumps({"prompt": "x", "kv_transfer_params": {"lmcache.skip_save": "no"}}).encode(), 400,
      "'lmcache.skip_save' must be true or false"),
     (json.dumps({"prompt": "x", "kv_transfer_params": {"lmcache.tag.user": 5}}).encode(), 400,

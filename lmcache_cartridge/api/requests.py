@@ -74,10 +74,20 @@ class _Common(BaseModel):
     kv_transfer_params: dict[str, Any] | None = Field(None, description=(
         "LMCache per-request options a client may set: " + ", ".join(CLIENT_KV_PARAMS)))
 
+    vllm_xargs: dict[str, Any] | None = Field(None, description="vLLM's extra arguments (passed through)")
+
     @field_validator("kv_transfer_params")
     @classmethod
     def _client_kv_params(cls, v):
         return check_client_kv_params(v)
+
+    @field_validator("vllm_xargs")
+    @classmethod
+    def _no_kv_params_in_xargs(cls, v):
+        # vLLM copies `vllm_xargs.kv_transfer_params` into the request where the body sets none
+        if v is not None and "kv_transfer_params" in v:
+            raise ValueError("may not carry 'kv_transfer_params' (send 'kv_transfer_params' itself)")
+        return v
 
 
 class CompletionRequest(_Common):
