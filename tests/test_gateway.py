@@ -1006,15 +1006,36 @@ def test_gateway_metrics_count_requests_by_status_and_time_the_waits(tmp_path, s
     assert _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200
     assert _call(app, "POST", "/v1/completions", json={"prompt": 5}).status_code == 400
     assert _call(app, "POST", "/v1/completions", json={"prompt": [5], "cartridges": [{"id": "nope"}]}).status_code == 404
+    # three 503s told apart: a cartridge no instance serves yet, a failed trained load, the upstream's own
+    from lmcache_cartridge.lmcache.serving import NotServed
+
+    def not_served(*a, **k):
+        raise NotServed(503, "no instance serves it yet", retry_after=1)
+
+    from lmcache_cartridge.api import gateway as gw
+    real_wait = gw.wait_served
+    gw.wait_served = not_served
+    try:
+        _trained(tmp_path / "allowed" / "tr", "tr", model_dir)
+        tr = {"prompt": [5], "max_tokens": 1, "cartridges": [{"id": str(tmp_path / "allowed" / "tr"), "source": "local"}]}
+        assert _call(app, "POST", "/v1/completions", json=tr).status_code == 503
+    finally:
+        gw.wait_served = real_wait
+    for i in range(3):  # many client paths, one bounded series
+        assert _call(app, "POST", f"/v1/made-up-{i}", json={}).status_code in (404, 405)
     r = _call(app, "GET", "/metrics")
     assert r.status_code == 200
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(r.text) for s in f.samples}
 
-    def requests(status):
+    def requests(status, reason, endpoint="/v1/completions"):
         return samples.get(("lmcache_cartridge_gateway_requests_total",
-                            (("endpoint", "/v1/completions"), ("status", status))))
+                            (("endpoint", endpoint), ("reason", reason), ("status", status))))
 
-    assert (requests("200"), requests("400"), requests("404")) == (2.0, 1.0, 1.0)
-    assert samples[("lmcache_cartridge_gateway_ready_wait_seconds_count", ())] == 1.0
+    assert (requests("200", "ok"), requests("400", "invalid"), requests("404", "not_found"),
+            requests("503", "not_served")) == (2.0, 1.0, 1.0, 1.0)
+    assert requests("404", "other", "other") == 3.0
+    assert not any(k[0] == "lmcache_cartridge_gateway_requests_total" and ("endpoint", "/v1/made-up-0") in k[1]
+                   for k in samples)
+    assert samples[("lmcache_cartridge_gateway_ready_wait_seconds_count", ())] == 2.0  # the served one and the trained one that no instance served
     assert samples[("lmcache_cartridge_gateway_upstream_seconds_count", (("endpoint", "/v1/completions"),))] == 2.0

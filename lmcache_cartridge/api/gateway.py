@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 
-from lmcache_cartridge.api.metrics import GatewayMetrics
+from lmcache_cartridge.api.metrics import STATUS_REASON, GatewayMetrics
 from lmcache_cartridge.api.prompts import PromptBuilder
 from lmcache_cartridge.api.requests import ChatRequest, CompletionRequest, describe
 from lmcache_cartridge.api.resolver import Resolver
@@ -186,7 +186,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
     async def _count(request: Request, call_next):
         response = await call_next(request)
         if request.url.path.startswith("/v1/"):
-            metrics.answered(request.url.path, response.status_code)
+            metrics.answered(request.url.path, response.status_code, getattr(request.state, "reason", None))
         return response
 
     @app.get("/metrics")
@@ -196,9 +196,18 @@ def create_app(settings: GatewaySettings, *, transport=None):
 
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
+    def error(status: int, message: str, reason: str | None = None) -> JSONResponse:
+        """An OpenAI-shaped error; `reason` (metrics.REASONS) labels it on /metrics (default: by status)."""
+        resp = JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
                                        else "upstream_error", "code": status}}, status_code=status)
+        resp.reason = reason or STATUS_REASON.get(status, "upstream" if status == 502 else None)
+        return resp
+
+    def upstream_answer(data, status: int) -> JSONResponse:
+        """The upstream's own answer passed on (a non-200 is the upstream's error, labelled so)."""
+        resp = JSONResponse(data, status_code=status)
+        resp.reason = "upstream" if status != 200 else None
+        return resp
 
     def trained_failed(data) -> JSONResponse:
         """vLLM failed a request with trained cartridges (HTTP 500): the engine fails such a request
@@ -207,7 +216,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
         upstream_msg = str((data.get("error") or {}).get("message", "")) if isinstance(data, dict) else ""
         resp = error(503, "the engine could not load this request's trained cartridge KV (answering from its "
                           "placeholder tokens would be wrong, so nothing was generated); retry the request"
-                          + (f" (upstream: {upstream_msg[:200]})" if upstream_msg else ""))
+                          + (f" (upstream: {upstream_msg[:200]})" if upstream_msg else ""), "trained_load_failed")
         resp.headers["Retry-After"] = "1"
         return resp
 
@@ -242,6 +251,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
+        request.state.reason = "invalid"
         return error(400, describe(list(exc.errors())))
 
     async def max_model_len() -> int | None:
@@ -336,7 +346,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
                 resp.headers["Retry-After"] = str(max(1, round(e.retry_after)))
             return resp
         except NotServed as e:
-            resp = error(e.status, str(e))
+            resp = error(e.status, str(e), "not_served")
             if e.retry_after is not None:
                 resp.headers["Retry-After"] = str(max(1, round(e.retry_after)))
             return resp
@@ -363,7 +373,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
                 if r.status_code == 500 and plan is not None and plan.trained:
                     return trained_failed(data)
                 if r.status_code != 200:
-                    return JSONResponse(data, status_code=r.status_code)
+                    return upstream_answer(data, r.status_code)
                 return JSONResponse(completion_to_chat(data) if translate else data)
             req = client.build_request("POST", path, json=upstream, headers=route)
             with metrics.timed(metrics.upstream, path):
@@ -374,7 +384,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
             content = await r.aread()
             await r.aclose()
             try:
-                return JSONResponse(json.loads(content or b"{}"), status_code=r.status_code)
+                return upstream_answer(json.loads(content or b"{}"), r.status_code)
             except ValueError:
                 return error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {content[:200]!r}")
 
@@ -399,11 +409,15 @@ def create_app(settings: GatewaySettings, *, transport=None):
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await handle(body, chat=False, tenant=getattr(request.state, "tenant", None))
+        resp = await handle(body, chat=False, tenant=getattr(request.state, "tenant", None))
+        request.state.reason = getattr(resp, "reason", None)  # for /metrics (`_count`)
+        return resp
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await handle(body, chat=True, tenant=getattr(request.state, "tenant", None))
+        resp = await handle(body, chat=True, tenant=getattr(request.state, "tenant", None))
+        request.state.reason = getattr(resp, "reason", None)
+        return resp
 
     @app.get("/v1/models")
     async def models():
