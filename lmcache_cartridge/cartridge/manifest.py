@@ -260,7 +260,7 @@ class Manifest:
         `store.composite.composite_manifest`, for a composite the gateway (or an instance's
         `HostComposer`) builds from registered parts, never from a client's KV: so such a manifest
         is read only as the composite of the parts listed beside it (`load`,
-        `store.composite.check_composite`), and served only from a composite origin (the plugin).
+        `cartridge.composition.check_composite`), and served only from a composite origin (the plugin).
         Salting it instead (as a client's first-k KV is) would break the real composites: the
         gateway sends their requests unsalted, their first chunks keyed as the operator's first-k
         part is, and a request carries one salt at most."""
@@ -315,7 +315,7 @@ class Manifest:
             raise ManifestError(f"manifest is missing or has unexpected fields: {e}") from e
         m.validate()
         if m.composes_first_k:  # a first-k part's unchecked ids: only as the composite of its parts
-            from lmcache_cartridge.store.composite import check_composite
+            from lmcache_cartridge.cartridge.composition import check_composite
 
             check_composite(m, directory)
         return m

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
+from lmcache_cartridge.cartridge.composition import PARTS_NAME
 from lmcache_cartridge.cartridge.manifest import PAYLOAD_NAME, ChunkInfo, Span
 from lmcache_cartridge.cartridge.packed import PackedCartridge
 
@@ -122,9 +123,6 @@ class CompositeOrigin:
     def close(self) -> None:
         for o in self._origins:
             o.close()
-
-
-PARTS_NAME = "parts.json"
 
 
 def open_origin(source_uri: str, path: str, s3_settings=None) -> Origin:
