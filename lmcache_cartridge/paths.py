@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ENV_HOME = "LMCACHE_CARTRIDGE_HOME"
+from lmcache_cartridge.settings_reference import HOME
+
+ENV_HOME = HOME.name
 
 
 def cache_root() -> Path:
@@ -17,8 +19,7 @@ def cache_root() -> Path:
 
     `$LMCACHE_CARTRIDGE_HOME` if set, else `~/.cache/lmcache_cartridge`.
     """
-    env = os.environ.get(ENV_HOME)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "lmcache_cartridge"
+    return Path(os.environ.get(ENV_HOME) or HOME.default).expanduser()
 
 
 def default_registry_path() -> Path:

@@ -1,7 +1,9 @@
 """Configuration that catches mistakes (issue 34): one table of the plugin's settings
 (`lmcache/settings.py`) that the plugin reads, `doctor` checks against and the reference in
-docs/configuration.md is generated from; a misspelled key fails `doctor` with the key it meant
-and warns in the plugin's start-up line; read-only commands never create a registry."""
+docs/configuration.md is generated from, and one of the connector's keys and the environment
+variables (`settings_reference`) their readers take names and defaults from, with no name in the
+package left out; a misspelled key fails `doctor` with the key it meant and warns in the
+plugin's start-up line; read-only commands never create a registry."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ def _config(tmp_path, **extra):
 
 
 def test_the_reference_is_generated_from_the_table_the_plugin_reads():
-    assert reference() in (ROOT / "docs/configuration.md").read_text(), \
-        "docs/configuration.md is stale: regenerate it from lmcache_cartridge.lmcache.settings.reference()"
+    assert reference() == (ROOT / "docs/configuration.md").read_text(), \
+        "docs/configuration.md is stale: python -m lmcache_cartridge.lmcache.settings > docs/configuration.md"
     assert set(S3_KEYS) == {f.name for f in fields(S3Settings)}
     from lmcache.v1.config import LMCacheEngineConfig
 
@@ -44,6 +46,81 @@ def test_the_reference_is_generated_from_the_table_the_plugin_reads():
     assert (s.cpu_budget_bytes, s.disk_budget_bytes) == (int(default["cpu_budget_gb"]) << 30,
                                                          int(default["disk_budget_gb"]) << 30)
     assert str(s.prefetch).lower() == default["prefetch"] and str(s.allow_unstable_hash).lower() == default["allow_unstable_hash"]
+
+
+def _package_sources() -> dict[Path, str]:
+    pkg = ROOT / "lmcache_cartridge"
+    return {p: p.read_text(errors="replace") for p in sorted(pkg.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".c", ".h", ".txt", ".sh")}
+
+
+def test_every_setting_the_package_names_has_a_row():
+    """A `"cartridge.*"` key (kv_connector_extra_config) or an `LMCACHE_CARTRIDGE_*` variable named
+    anywhere in the package must be in `settings_reference`'s tables, so in the reference; and
+    every row is read through its table entry somewhere (no row outlives its reader)."""
+    import re
+
+    from lmcache_cartridge import settings_reference as ref
+
+    sources = _package_sources()
+    text = "\n".join(sources.values())
+    env = {m[0] for m in re.finditer(r"LMCACHE_CARTRIDGE_[A-Z0-9_]*", text)
+           if text[m.end():m.end() + 1] != "*"}  # not `LMCACHE_CARTRIDGE_*`, the family
+    assert env and env <= {r.name for r in ref.ENV_VARS}, \
+        f"environment variables without a row in settings_reference.ENV_VARS: {sorted(env - {r.name for r in ref.ENV_VARS})}"
+    not_keys = {"cartridge.pt"}  # a Tokasaurus file name
+    keys = {m[1] for m in re.findall(r"""(["'])(cartridge\.[^"'\s\\]*)\1""", text)} - not_keys
+    assert keys and keys <= {r.name for r in ref.CONNECTOR_KEYS}, \
+        f"connector keys without a row in settings_reference.CONNECTOR_KEYS: {sorted(keys - {r.name for r in ref.CONNECTOR_KEYS})}"
+
+    constants = {k: v for k, v in vars(ref).items() if isinstance(v, ref.Setting)}
+    rows = ref.ENV_VARS + ref.CONNECTOR_KEYS
+    assert set(constants.values()) == set(rows) and len({r.name for r in rows}) == len(rows) == len(constants)
+    readers = "\n".join(t for p, t in sources.items() if p.name != "settings_reference.py")
+    unread = [k for k in constants if not re.search(
+        rf"(\bref\.|from lmcache_cartridge\.settings_reference import [^\n]*\b){k}\b", readers)]
+    assert not unread, f"rows no code reads through settings_reference: {unread}"
+
+
+def test_the_middleware_variables_are_the_gateway_options_with_their_defaults():
+    """Each `middleware:` row is an option of `api.middleware.ENV`, and its documented default is
+    GatewaySettings' (parsed by the middleware's own parser)."""
+    from dataclasses import MISSING
+
+    from lmcache_cartridge import settings_reference as ref
+    from lmcache_cartridge.api.middleware import ENV, MODEL_ENV
+    from lmcache_cartridge.api.settings import GatewaySettings
+
+    rows = {r.name: r for r in ref.ENV_VARS}
+    assert {n for n, r in rows.items() if r.meaning.startswith("middleware:")} == set(ENV) | {MODEL_ENV}
+    defaults = {f.name: f.default for f in fields(GatewaySettings)}
+    for name, opt in ENV.items():
+        row, default = rows[name], defaults[opt.field]
+        assert f"`gateway {opt.flag}`" in row.meaning, name
+        if default is MISSING:  # the tokenizer: vLLM's own, computed by the middleware
+            assert row.default.startswith("("), name
+        elif not default:
+            assert row.default is None, name
+        else:
+            assert opt.parse(row.default) == default, name
+
+
+def test_the_readers_fall_back_to_the_tables_defaults(monkeypatch):
+    from lmcache_cartridge import settings_reference as ref
+    from lmcache_cartridge.paths import cache_root
+    from lmcache_cartridge.vllm import kv_events, readiness
+
+    assert (readiness.READY_TIMEOUT_KEY, readiness.DEFAULT_READY_TIMEOUT_S) == \
+        (ref.READY_TIMEOUT.name, ref.READY_TIMEOUT.default)
+    assert (kv_events.PERIOD_KEY, kv_events.DEFAULT_PERIOD_S, kv_events.REANNOUNCE_KEY, kv_events.DEFAULT_REANNOUNCE_S) \
+        == (ref.KV_EVENTS_PERIOD.name, ref.KV_EVENTS_PERIOD.default,
+            ref.KV_EVENTS_REANNOUNCE.name, ref.KV_EVENTS_REANNOUNCE.default)
+    for value in (None, ""):  # unset and empty alike
+        if value is None:
+            monkeypatch.delenv(ref.HOME.name, raising=False)
+        else:
+            monkeypatch.setenv(ref.HOME.name, value)
+        assert cache_root() == Path.home() / ".cache" / "lmcache_cartridge"
 
 
 def test_misspelled_keys_fail_doctor_with_the_key_meant(tmp_path):

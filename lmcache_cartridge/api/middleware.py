@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lmcache_cartridge import ensure_log_handler
+from lmcache_cartridge import settings_reference as ref
 
 logger = logging.getLogger("lmcache_cartridge.api.middleware")
 
@@ -95,21 +96,21 @@ class _Option:
     parse: Callable[[str], Any]
 
 
-# The `gateway` command's options as environment variables of the vLLM server.
+# The `gateway` command's options as environment variables of the vLLM server (names, types and
+# defaults: `settings_reference`; the defaults are GatewaySettings').
 ENV: dict[str, _Option] = {
-    "LMCACHE_CARTRIDGE_ALLOW_LOCAL": _Option("local_roots", "--allow-local", _paths),
-    "LMCACHE_CARTRIDGE_ALLOW_S3": _Option("s3_roots", "--allow-s3", _list),
-    "LMCACHE_CARTRIDGE_TENANTS": _Option("tenants", "--tenants", _tenants),
-    "LMCACHE_CARTRIDGE_MAX_CARTRIDGES": _Option("max_cartridges", "--max-cartridges", int),
-    "LMCACHE_CARTRIDGE_MAX_BODY_BYTES": _Option("max_body_bytes", "--max-body-bytes", int),
-    "LMCACHE_CARTRIDGE_MAX_CACHE_BYTES": _Option("max_cache_bytes", "--max-cache-bytes", int),
-    "LMCACHE_CARTRIDGE_SERVE_TIMEOUT": _Option("serve_timeout", "--serve-timeout", float),
-    "LMCACHE_CARTRIDGE_FORCE_REDOWNLOAD_INTERVAL": _Option("force_redownload_interval",
-                                                           "--force-redownload-interval", float),
-    "LMCACHE_CARTRIDGE_TRAINED_CHAT_TEMPLATE": _Option("trained_chat_template", "--trained-chat-template", _template),
-    "LMCACHE_CARTRIDGE_TOKENIZER": _Option("tokenizer", "--tokenizer", str),
+    ref.ALLOW_LOCAL.name: _Option("local_roots", "--allow-local", _paths),
+    ref.ALLOW_S3.name: _Option("s3_roots", "--allow-s3", _list),
+    ref.TENANTS.name: _Option("tenants", "--tenants", _tenants),
+    ref.MAX_CARTRIDGES.name: _Option("max_cartridges", "--max-cartridges", int),
+    ref.MAX_BODY_BYTES.name: _Option("max_body_bytes", "--max-body-bytes", int),
+    ref.MAX_CACHE_BYTES.name: _Option("max_cache_bytes", "--max-cache-bytes", int),
+    ref.SERVE_TIMEOUT.name: _Option("serve_timeout", "--serve-timeout", float),
+    ref.FORCE_REDOWNLOAD_INTERVAL.name: _Option("force_redownload_interval", "--force-redownload-interval", float),
+    ref.TRAINED_CHAT_TEMPLATE.name: _Option("trained_chat_template", "--trained-chat-template", _template),
+    ref.TOKENIZER.name: _Option("tokenizer", "--tokenizer", str),
 }
-MODEL_ENV = "LMCACHE_CARTRIDGE_MODEL"  # only where vLLM's own arguments cannot be read
+MODEL_ENV = ref.MODEL.name  # only where vLLM's own arguments cannot be read
 
 
 class NotConfigured(Exception):

@@ -6,6 +6,8 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmcache_cartridge.settings_reference import API_KEYS
+
 
 class RequestError(Exception):
     """A client mistake: becomes an HTTP 4xx with this message."""
@@ -88,7 +90,7 @@ class GatewaySettings:
         return tuple(dict.fromkeys((*self.api_keys, *(k for t in self.tenants for k in t.keys))))
 
 
-API_KEY_ENV = "LMCACHE_CARTRIDGE_API_KEYS"  # comma-separated, like several --api-key
+API_KEY_ENV = API_KEYS.name  # comma-separated, like several --api-key
 
 
 def gateway_api_keys(flags: list[str] | None = None) -> tuple[str, ...]:

@@ -257,7 +257,7 @@ class Manifest:
         such a manifest read as written, anyone could give KV of their own the ids of a prompt
         people send, and LMCache (keys from token ids only) would serve it to every request
         sending that prompt without naming it. A segment is only ever written by
-        `store.composite.composite_manifest`, for a composite the gateway (or an instance's
+        `cartridge.composition.composite_manifest`, for a composite the gateway (or an instance's
         `HostComposer`) builds from registered parts, never from a client's KV: so such a manifest
         is read only as the composite of the parts listed beside it (`load`,
         `cartridge.composition.check_composite`), and served only from a composite origin (the plugin).

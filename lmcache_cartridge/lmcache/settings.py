@@ -14,6 +14,7 @@ from typing import Any
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import default_cache_dir, default_registry_path
+from lmcache_cartridge.settings_reference import Setting
 from lmcache_cartridge.store.threads import parse_cpu_list
 
 PREFIX = "storage_plugin"
@@ -45,46 +46,43 @@ def _as_bool(value: Any) -> bool:
     return str(value).strip().lower() in {"1", "true", "yes", "on"}
 
 
-@dataclass(frozen=True)
-class Key:
-    """One setting under `extra_config` `storage_plugin.<name>.`: the one list that `from_config`
-    reads, `unknown_keys` checks against and `reference` documents."""
-
-    name: str
-    default: str  # as it would be written in the YAML ("": unset)
-    meaning: str
-
-
-PLUGIN_KEYS: tuple[Key, ...] = (
-    Key("module_path", "(required)", "`lmcache_cartridge.plugin`: where LMCache imports the plugin from"),
-    Key("class_name", "(required)", "`CartridgeStoragePlugin`"),
-    Key("registry", "<cache root>/registry.db", "the SQLite registry the CLI, the gateway and every server share"),
-    Key("cache_dir", "<cache root>", "the host's cache: disk tier, S3 manifests, conversions, serving-state records; "
-        "must be private to the serving user"),
-    Key("refresh_seconds", "1.0", "how often the plugin checks the registry for registrations and removals"),
-    Key("preload", "", "ids, labels or `*` whose chunks are read and verified in the background as soon as served"),
-    Key("accept_models", "", "other model names (vLLM `--model` strings) whose cartridges this engine serves"),
-    Key("allow_unstable_hash", "false", "serve although the chunk hash depends on PYTHONHASHSEED (not recommended)"),
-    Key("cpu_budget_gb", "2", "the plugin's CPU tier, per process"),
-    Key("disk_budget_gb", "20", "the disk cache of remote chunks, for the whole host"),
-    Key("prefetch", "true", "read a cartridge's other chunks in the background after its first hit"),
-    Key("pin_lease_seconds", "120", "a lookup pin LMCache never releases expires after this long"),
-    Key("catalog_uri", "", "an `s3://bucket/prefix` catalog this host syncs into its registry"),
-    Key("catalog_period", "30", "seconds between catalog syncs"),
-    Key("catalog_allow_uris", "", "S3 prefixes a catalog entry's bytes may be under besides the catalog's bucket"),
-    Key("reader_cores", "auto", "where chunk reads run: `auto`, `engine` (the worker's cores) or a cpu list"),
+# The settings under `extra_config` `storage_plugin.<name>.`: the one list that `from_config`
+# reads, `unknown_keys` checks against and `reference` documents.
+PLUGIN_KEYS: tuple[Setting, ...] = (
+    Setting("module_path", "str", "(required)", "`lmcache_cartridge.plugin`: where LMCache imports the plugin from"),
+    Setting("class_name", "str", "(required)", "`CartridgeStoragePlugin`"),
+    Setting("registry", "path", "<cache root>/registry.db",
+            "the SQLite registry the CLI, the gateway and every server share"),
+    Setting("cache_dir", "path", "<cache root>", "the host's cache: disk tier, S3 manifests, conversions, "
+            "serving-state records; must be private to the serving user"),
+    Setting("refresh_seconds", "float", "1.0", "how often the plugin checks the registry for registrations and removals"),
+    Setting("preload", "list", "", "ids, labels or `*` whose chunks are read and verified in the background as soon "
+            "as served"),
+    Setting("accept_models", "list", "", "other model names (vLLM `--model` strings) whose cartridges this engine serves"),
+    Setting("allow_unstable_hash", "bool", "false", "serve although the chunk hash depends on PYTHONHASHSEED "
+            "(not recommended)"),
+    Setting("cpu_budget_gb", "float", "2", "the plugin's CPU tier, per process"),
+    Setting("disk_budget_gb", "float", "20", "the disk cache of remote chunks, for the whole host"),
+    Setting("prefetch", "bool", "true", "read a cartridge's other chunks in the background after its first hit"),
+    Setting("pin_lease_seconds", "float", "120", "a lookup pin LMCache never releases expires after this long"),
+    Setting("catalog_uri", "str", "", "an `s3://bucket/prefix` catalog this host syncs into its registry"),
+    Setting("catalog_period", "float", "30", "seconds between catalog syncs"),
+    Setting("catalog_allow_uris", "list", "", "S3 prefixes a catalog entry's bytes may be under besides the "
+            "catalog's bucket"),
+    Setting("reader_cores", "str", "auto", "where chunk reads run: `auto`, `engine` (the worker's cores) or a cpu list"),
 )
-S3_KEYS: dict[str, str] = {  # `s3.<field>` of `store.s3.S3Settings` (a test holds them to its fields)
-    "endpoint_url": "the S3 endpoint (unset: AWS); credentials come from the standard chain, never from here",
-    "region": "the S3 region",
-    "max_attempts": "attempts per S3 request, the first included (botocore `total_max_attempts`)",
-    "retry_mode": "botocore's `standard` or `adaptive`",
-    "connect_timeout": "seconds to connect",
-    "read_timeout": "seconds to wait for data",
-    "max_concurrency": "parallel ranged GETs of one download",
-    "part_size": "bytes per ranged GET (`8MiB` accepted)",
-    "addressing_style": "`path` or `virtual`",
-    "max_object_bytes": "largest whole object (an input `.pt`, an input directory's files together) fetched",
+S3_KEYS: dict[str, tuple[str, str]] = {  # `s3.<field>` of `store.s3.S3Settings` (a test holds them to its
+    # fields, which give the defaults): (type, meaning)
+    "endpoint_url": ("str", "the S3 endpoint (unset: AWS); credentials come from the standard chain, never from here"),
+    "region": ("str", "the S3 region"),
+    "max_attempts": ("int", "attempts per S3 request, the first included (botocore `total_max_attempts`)"),
+    "retry_mode": ("str", "botocore's `standard` or `adaptive`"),
+    "connect_timeout": ("float", "seconds to connect"),
+    "read_timeout": ("float", "seconds to wait for data"),
+    "max_concurrency": ("int", "parallel ranged GETs of one download"),
+    "part_size": ("size", "bytes per ranged GET"),
+    "addressing_style": ("str", "`path`, `virtual` or `auto`"),
+    "max_object_bytes": ("size", "largest whole object (an input `.pt`, an input directory's files together) fetched"),
 }
 
 
@@ -121,20 +119,48 @@ def unknown_lmcache_keys(raw: dict) -> list[str]:
 
 
 def reference() -> str:
-    """The configuration reference (Markdown) of every plugin setting, from `PLUGIN_KEYS`,
-    `S3_KEYS` and `S3Settings`' defaults: `docs/configuration.md` holds it (a test compares)."""
+    """The configuration reference (Markdown), docs/configuration.md whole (a test compares): the
+    plugin's keys from `PLUGIN_KEYS`, `S3_KEYS` and `S3Settings`' defaults, the connector's keys
+    and the environment variables from `settings_reference`, each table the one its readers use.
+    `python -m lmcache_cartridge.lmcache.settings > docs/configuration.md` writes it."""
     from dataclasses import fields
 
+    from lmcache_cartridge import settings_reference as ref
     from lmcache_cartridge.store.s3 import S3Settings
 
-    rows = ["| key | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{k.name}` | {k.default or '(unset)'} | {k.meaning} |" for k in PLUGIN_KEYS]
-    for f in fields(S3Settings):
-        rows.append(f"| `s3.{f.name}` | {f.default if f.default is not None else '(unset)'} | {S3_KEYS[f.name]} |")
-    return ("Every key under LMCache's `extra_config` as `storage_plugin.<name>.<key>` (`<name>`: the\n"
-            "`storage_plugins` entry of the cartridge plugin). Generated from\n"
-            "`lmcache_cartridge/lmcache/settings.py`; `lmcache-cartridge doctor` fails on any other key.\n\n"
-            + "\n".join(rows) + "\n")
+    s3 = tuple(Setting(f"s3.{f.name}", S3_KEYS[f.name][0], f.default, S3_KEYS[f.name][1]) for f in fields(S3Settings))
+    return "\n".join([
+        "# Configuration reference",
+        "",
+        "Every setting lmcache_cartridge reads, generated from the tables its readers take names and",
+        "defaults from (`lmcache_cartridge/lmcache/settings.py`, `lmcache_cartridge/settings_reference.py`):",
+        "`python -m lmcache_cartridge.lmcache.settings > docs/configuration.md` writes this page, and",
+        "`tests/test_config_reference.py` fails when it is stale or a setting the code reads has no row.",
+        "`list`: comma-separated (in YAML also a list); `size`: bytes, or with a unit (`8MiB`).",
+        "",
+        "## The plugin: `extra_config` keys",
+        "",
+        "Every key under LMCache's `extra_config` as `storage_plugin.<name>.<key>` (`<name>`: the",
+        "`storage_plugins` entry of the cartridge plugin). `lmcache-cartridge doctor` fails on any other",
+        "key, and the plugin warns about it when it starts.",
+        "",
+        ref.table(PLUGIN_KEYS + s3),
+        "## The connector: `kv_connector_extra_config` keys",
+        "",
+        "Keys `CartridgeConnector` reads from `kv_connector_extra_config` in vLLM's `--kv-transfer-config`",
+        "(JSON values), e.g. `\"kv_connector_extra_config\": {\"cartridge.ready_timeout_s\": 60}`; LMCache's own",
+        "keys there are LMCache's.",
+        "",
+        ref.table(ref.CONNECTOR_KEYS),
+        "## Environment variables",
+        "",
+        "The `LMCACHE_CARTRIDGE_*` variables the package reads (LMCache's own `LMCACHE_*` variables and",
+        "`LMCACHE_CONFIG_FILE` configure the plugin: see above). `middleware:` the gateway inside vLLM's",
+        "API server (`--middleware lmcache_cartridge.api.middleware.CartridgeMiddleware`), where each",
+        "stands for the `gateway` command's flag; an empty variable counts as unset.",
+        "",
+        ref.table(ref.ENV_VARS, "variable"),
+    ])
 
 
 @dataclass(frozen=True)
@@ -276,3 +302,7 @@ def load_lmcache_config(path: str | Path | None = None):
         return config
     except Exception as e:  # LMCache raises assorted errors for bad YAML
         raise CartridgeError(f"{path or 'the LMCACHE_* environment'}: LMCache cannot load this config: {e}") from e
+
+
+if __name__ == "__main__":  # docs/configuration.md
+    print(reference(), end="")

@@ -37,9 +37,11 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from lmcache_cartridge.settings_reference import INSTANCE
+
 logger = logging.getLogger("lmcache_cartridge.metrics")
 
-ENV_INSTANCE = "LMCACHE_CARTRIDGE_INSTANCE"
+ENV_INSTANCE = INSTANCE.name
 INSTANCE_LABEL = "cartridge_instance"
 LABELS = ["tier", INSTANCE_LABEL]
 # Tiers `residency` counts under. Their series are created at zero when an instance starts: a

@@ -71,6 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
 from lmcache_cartridge import ensure_log_handler
+from lmcache_cartridge import settings_reference as ref
 from lmcache_cartridge.vllm.lookup_metrics import LookupTimer, outcome_of
 
 if TYPE_CHECKING:
@@ -159,9 +160,9 @@ class CartridgeConnector(LMCacheConnectorV1):
         self._block_size = int(vllm_config.cache_config.block_size or 0)
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-        from lmcache_cartridge.vllm.readiness import DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_KEY, ReadinessGate
+        from lmcache_cartridge.vllm.readiness import ReadinessGate
 
-        self._gate = ReadinessGate(float(extra.get(READY_TIMEOUT_KEY, DEFAULT_READY_TIMEOUT_S)))
+        self._gate = ReadinessGate(float(extra.get(ref.READY_TIMEOUT.name, ref.READY_TIMEOUT.default)))
         from lmcache_cartridge.vllm.composites import HostComposer
 
         self._composer = HostComposer(self._plugin_settings)
@@ -176,14 +177,14 @@ class CartridgeConnector(LMCacheConnectorV1):
 
             self._announcer = kv_events.ResidencyAnnouncer(
                 self._plugin_settings, self._block_size, str(vllm_config.cache_config.prefix_caching_hash_algo),
-                period_s=float(extra.get(kv_events.PERIOD_KEY, kv_events.DEFAULT_PERIOD_S)),
-                reannounce_s=float(extra.get(kv_events.REANNOUNCE_KEY, kv_events.DEFAULT_REANNOUNCE_S)))
+                period_s=float(extra.get(ref.KV_EVENTS_PERIOD.name, ref.KV_EVENTS_PERIOD.default)),
+                reannounce_s=float(extra.get(ref.KV_EVENTS_REANNOUNCE.name, ref.KV_EVENTS_REANNOUNCE.default)))
             # vLLM creates its publisher right after this constructor returns: publish through it
             # from our thread, so an idle instance announces too (see kv_events).
             kv_events.capture_publisher(self._announcer.use_publisher)
         self._lookups = LookupTimer() if role == KVConnectorRole.SCHEDULER else None
         if role == KVConnectorRole.SCHEDULER and ktc is not None \
-                and not extra.get("cartridge.keep_load_failure_policy", False):
+                and not extra.get(ref.KEEP_LOAD_FAILURE_POLICY.name, ref.KEEP_LOAD_FAILURE_POLICY.default):
             self._set_load_failure_policy(ktc)
         if _on_cpu_backend(vllm_config):
             try:
@@ -341,7 +342,7 @@ class CartridgeConnector(LMCacheConnectorV1):
         built its storage manager): let memory objects hold vLLM's own blocks where that is safe."""
         why = why_not_engine_blocks(self._lmc_engine())
         if why is None and conn.declare_engine_blocks() is None:
-            why = "turned off (LMCACHE_CARTRIDGE_ENGINE_BLOCKS=0)" if not conn.ENGINE_BLOCKS else "no single layout"
+            why = f"turned off ({ref.ENGINE_BLOCKS.name}=0)" if not conn.ENGINE_BLOCKS else "no single layout"
         if why is not None:
             logger.info("lmcache_cartridge: LMCache memory objects stay KV_2LTD: %s", why)
 

@@ -52,6 +52,7 @@ import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
+from lmcache_cartridge import settings_reference as ref
 from lmcache_cartridge.lmcache import memory_layout
 from lmcache_cartridge.lmcache.settings import cores_setting, reader_cores_setting
 from lmcache_cartridge.store import threads
@@ -205,9 +206,9 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     # worker: the cores VLLM_CPU_OMP_THREADS_BIND gave it), and into pieces of at least this many
     # bytes for helper threads (`_run_rows`); below it a thread team costs more than it saves. The
     # environment variable lowers it (the end-to-end tests split every copy).
-    PARALLEL_MIN_BYTES = int(os.environ.get("LMCACHE_CARTRIDGE_PARALLEL_MIN_BYTES", 1 << 20))
+    PARALLEL_MIN_BYTES = int(os.environ.get(ref.PARALLEL_MIN_BYTES.name) or ref.PARALLEL_MIN_BYTES.default)
     # "0": memory objects stay KV_2LTD even where engine blocks could be declared.
-    ENGINE_BLOCKS = os.environ.get("LMCACHE_CARTRIDGE_ENGINE_BLOCKS", "1") != "0"
+    ENGINE_BLOCKS = os.environ.get(ref.ENGINE_BLOCKS.name, ref.ENGINE_BLOCKS.default) != "0"
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto", copy_cores: str = "auto") -> None:

@@ -46,13 +46,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+from lmcache_cartridge.settings_reference import KV_EVENTS_PERIOD, KV_EVENTS_REANNOUNCE
+
 logger = logging.getLogger("lmcache_cartridge.kv_events")
 
-# kv_connector_extra_config keys
-PERIOD_KEY = "cartridge.kv_events_period_s"
-REANNOUNCE_KEY = "cartridge.kv_events_reannounce_s"
-DEFAULT_PERIOD_S = 1.0
-DEFAULT_REANNOUNCE_S = 30.0
+# kv_connector_extra_config keys (`settings_reference`)
+PERIOD_KEY, DEFAULT_PERIOD_S = KV_EVENTS_PERIOD.name, float(KV_EVENTS_PERIOD.default)
+REANNOUNCE_KEY, DEFAULT_REANNOUNCE_S = KV_EVENTS_REANNOUNCE.name, float(KV_EVENTS_REANNOUNCE.default)
 
 CPU, DISK = "CPU", "STORAGE"  # vLLM's medium names (kv_events.MEDIUM_CPU, MEDIUM_STORAGE)
 MAX_QUEUED = 100_000       # events waiting for take_events; older ones are dropped beyond this

@@ -35,12 +35,13 @@ from pathlib import Path
 from typing import Optional
 
 from lmcache_cartridge.paths import cache_root
+from lmcache_cartridge.settings_reference import NATIVE
 
 logger = logging.getLogger("lmcache_cartridge.vllm.native")
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_copy.c"
 ABI_VERSION = 7
-ENV_SWITCH = "LMCACHE_CARTRIDGE_NATIVE"  # "0" disables the kernel (pure-torch copy)
+ENV_SWITCH = NATIVE.name  # "0" disables the kernel (pure-torch copy)
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-Wall")
 OPENMP = ("-fopenmp",)  # tried first; a compiler without OpenMP builds the single-threaded kernel
 
@@ -103,7 +104,7 @@ def _load(path: Path) -> ctypes.CDLL:
 def kernel() -> Optional[ctypes.CDLL]:
     """The loaded kernel, building it on first use; None (logged once) when unavailable."""
     global _lib, _tried, _why_not
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if os.environ.get(ENV_SWITCH, NATIVE.default) == "0":
         return None
     if _tried:
         return _lib
@@ -171,7 +172,7 @@ def same_openmp_runtime(lib: ctypes.CDLL, other: Path) -> bool:
 
 def unavailable_reason() -> Optional[str]:
     """Why `kernel()` returned None (None if it loaded or was not tried)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if os.environ.get(ENV_SWITCH, NATIVE.default) == "0":
         return f"{ENV_SWITCH}=0"
     return _why_not
 

@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from lmcache_cartridge.settings_reference import READY_TIMEOUT
 from lmcache_cartridge.vllm.load_failure import must_not_recompute
 
 logger = logging.getLogger("lmcache_cartridge.readiness")
@@ -49,8 +50,8 @@ logger = logging.getLogger("lmcache_cartridge.readiness")
 TRAINED_TOKENS_PARAM = "lmcache_cartridge.trained_tokens"
 # kv_connector_extra_config key: seconds a marked request may wait on this instance for its
 # trained cartridge's KV before it fails.
-READY_TIMEOUT_KEY = "cartridge.ready_timeout_s"
-DEFAULT_READY_TIMEOUT_S = 30.0
+READY_TIMEOUT_KEY = READY_TIMEOUT.name
+DEFAULT_READY_TIMEOUT_S = float(READY_TIMEOUT.default)
 # While a request waits, LMCache's lookup (which also restarts a failed download in the plugin)
 # is repeated at most this often. vLLM re-asks every engine step, and while only waiting requests
 # are left its engine loop steps without pause: in between, the connector answers None at once.
