@@ -575,6 +575,14 @@ def test_resolution_cache_and_locks_are_bounded(tmp_path, settings, monkeypatch)
         r.resolve(spec(str(allowed / f"t{i}.pt"), source="local"))
     assert len(r._cache) == 3 and r._locks == {}
     assert [k[1] for k in r._cache] == [str(allowed / f"t{i}.pt") for i in (3, 4, 5)]  # least recent dropped
+    # composites: every pair of trained parts is another key; locks and cache entries stay bounded
+    parts = []
+    for i in range(4):
+        _trained(allowed / f"tr{i}", f"tr{i}", settings.tokenizer, seed=i)
+        parts.append(r.resolve(spec(str(allowed / f"tr{i}"), source="local")))
+    for i in range(3):
+        assert r.plan([parts[i], parts[i + 1]]).trained
+    assert len(r._cache) == 3 and r._locks == {}
     (allowed / "many").mkdir()
     for i in range(6):
         (allowed / "many" / f"f{i}").write_text("x")

@@ -33,6 +33,7 @@ Runs in the gateway process, on worker threads (blocking I/O); owns its cache, s
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
@@ -137,38 +138,48 @@ class Resolver:
                 key = (where, spec.id, tenant.name if tenant is not None else None)
             if spec.force_redownload and where != "registry":  # an id or label: once it names an entry
                 self._allow_forced(key)
-            with self._guard:
-                held = self._locks.setdefault(key, [threading.Lock(), 0])
-                held[1] += 1
-                lock = held[0]
-            try:
-                with lock:
-                    if not spec.force_redownload:
-                        hit = self._hit(key)
-                        if hit is not None:
-                            if where == "registry":
-                                self._visible(hit.entry, spec.id, tenant)
-                            return hit
-                    if where == "registry":
-                        value = self._registry(spec, tenant)
-                    else:
-                        value = {"s3": self._s3, "local": self._local}[where](spec, tenant)
-                    self._check(value)
-                    with self._guard:
-                        self._cache[key] = _Cached(value, self.registry.data_version())
-                        self._cache.move_to_end(key)
-                        while len(self._cache) > MAX_CACHED:
-                            self._cache.popitem(last=False)
-                    return value
-            finally:
-                with self._guard:
-                    held[1] -= 1
-                    if held[1] == 0:
-                        del self._locks[key]
+            with self._keyed(key):
+                if not spec.force_redownload:
+                    hit = self._hit(key)
+                    if hit is not None:
+                        if where == "registry":
+                            self._visible(hit.entry, spec.id, tenant)
+                        return hit
+                if where == "registry":
+                    value = self._registry(spec, tenant)
+                else:
+                    value = {"s3": self._s3, "local": self._local}[where](spec, tenant)
+                self._check(value)
+                self._remember(key, value)
+                return value
         except (RequestError, CartridgeError):
             raise
         except (OSError, ValueError) as e:  # unreadable file, NUL byte, name too long, bad URI ...
             raise RequestError(400, f"cannot use cartridge {spec.id[:200]!r}: {type(e).__name__}: {e}") from None
+
+    @contextmanager
+    def _keyed(self, key: tuple):
+        """Resolutions of one key run one at a time; the lock exists only while some run (the
+        number of keys clients can make is not bounded, the locks held at once are)."""
+        with self._guard:
+            held = self._locks.setdefault(key, [threading.Lock(), 0])
+            held[1] += 1
+        try:
+            with held[0]:
+                yield
+        finally:
+            with self._guard:
+                held[1] -= 1
+                if held[1] == 0:
+                    del self._locks[key]
+
+    def _remember(self, key: tuple, value: Resolved) -> None:
+        """Cache `value` under `key`, the least recently used entry dropped past MAX_CACHED."""
+        with self._guard:
+            self._cache[key] = _Cached(value, self.registry.data_version())
+            self._cache.move_to_end(key)
+            while len(self._cache) > MAX_CACHED:
+                self._cache.popitem(last=False)
 
     def _where(self, spec: CartridgeSpec) -> str:
         explicit = "source" in spec.model_fields_set
@@ -512,9 +523,7 @@ class Resolver:
 
         key = ("composite", tuple((p.entry.id, p.entry.content_hash, p.entry.source_uri) for p in parts),
                tuple(context_ids))
-        with self._guard:
-            lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
+        with self._keyed(key):
             hit = self._hit(key)
             if hit is not None:
                 return hit.entry, hit.manifest
@@ -524,8 +533,7 @@ class Resolver:
             except CartridgeError as e:
                 raise RequestError(400, str(e)) from None
             self.stats["registrations"] += 1
-            self._cache[key] = _Cached(Resolved(entry.id, "trained", tuple(m.token_ids), entry, m),
-                                       self.registry.data_version())
+            self._remember(key, Resolved(entry.id, "trained", tuple(m.token_ids), entry, m))
             return entry, m
 
 
