@@ -407,17 +407,19 @@ def create_app(settings: GatewaySettings, *, transport=None):
 
         return StreamingResponse(relay(), media_type="text/event-stream")
 
+    async def answer(body: CompletionRequest | ChatRequest, request: Request, chat: bool):
+        """`handle` for the key's tenant (`ApiKeys`); the answer's reason kept for /metrics (`_count`)."""
+        resp = await handle(body, chat=chat, tenant=getattr(request.state, "tenant", None))
+        request.state.reason = getattr(resp, "reason", None)
+        return resp
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        resp = await handle(body, chat=False, tenant=getattr(request.state, "tenant", None))
-        request.state.reason = getattr(resp, "reason", None)  # for /metrics (`_count`)
-        return resp
+        return await answer(body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        resp = await handle(body, chat=True, tenant=getattr(request.state, "tenant", None))
-        request.state.reason = getattr(resp, "reason", None)
-        return resp
+        return await answer(body, request, chat=True)
 
     @app.get("/v1/models")
     async def models():

@@ -215,30 +215,37 @@ def _header(scope, name: bytes) -> bytes:
     return b""
 
 
-def has_cartridges(body: bytes) -> bool:
-    """Whether a request body is a JSON object with a `cartridges` field (a body that is not
-    JSON but names it counts too: the gateway answers why it is not valid)."""
-    if b"cartridges" not in body and b"\\u" not in body:  # no field, not even spelled with escapes
-        return False
+# The fields the middleware looks at; a body naming none of them (nor holding a \u escape, which
+# could spell one) is never parsed.
+_FIELDS = (b"cartridges", b"kv_transfer_params", b"\\u")
+NOT_JSON = object()
+
+
+def parse_body(body: bytes) -> Any:
+    """A request body's JSON, parsed once for every check here: None where none of `_FIELDS` is
+    in it (nothing to look at), `NOT_JSON` where it does not parse."""
+    if not any(f in body for f in _FIELDS):
+        return None
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except ValueError:
+        return NOT_JSON
+
+
+def has_cartridges(body: bytes, data: Any) -> bool:
+    """Whether a request body (`data`: `parse_body`'s) is a JSON object with a `cartridges` field
+    (a body that is not JSON but names it counts too: the gateway answers why it is not valid)."""
+    if data is NOT_JSON:
         return b"cartridges" in body
     return isinstance(data, dict) and "cartridges" in data
 
 
-def check_client_body(body: bytes) -> str | None:
-    """Why a client's JSON request body may not reach vLLM (its `kv_transfer_params` break the
-    gateway's rule, `api.requests.check_client_kv_params`), else None. Bodies that are not a JSON
-    object are vLLM's to judge (None). Also refused: `vllm_xargs.kv_transfer_params`, which vLLM
-    copies into the request's params where the body sets none (its values are strings, numbers or
-    lists there: never a client's to send)."""
-    if b"kv_transfer_params" not in body and b"\\u" not in body:  # not even spelled with escapes
-        return None
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
+def check_client_body(data: Any) -> str | None:
+    """Why a client's JSON request body (`data`: `parse_body`'s) may not reach vLLM (its
+    `kv_transfer_params` break the gateway's rule, `api.requests.check_client_kv_params`), else
+    None. Bodies that are not a JSON object are vLLM's to judge (None). Also refused:
+    `vllm_xargs.kv_transfer_params`, which vLLM copies into the request's params where the body
+    sets none (its values are strings, numbers or lists there: never a client's to send)."""
     if not isinstance(data, dict):
         return None
     from lmcache_cartridge.api.requests import check_client_kv_params
@@ -427,10 +434,11 @@ class CartridgeMiddleware:
         if body is None:
             return  # the client is gone
         replay = _replay(body, receive)
-        refused = check_client_body(body)
+        data = parse_body(body)
+        refused = check_client_body(data)
         if refused is not None:
             return await _error(400, refused)(scope, replay, send)
-        if not has_cartridges(body):
+        if not has_cartridges(body, data):
             return await self.app(scope, replay, send)
         if path not in GATEWAY_PATHS:
             return await _error(400, f"'cartridges' is served on {' and '.join(GATEWAY_PATHS)} only, not on "

@@ -51,7 +51,7 @@ from lmcache_cartridge.cartridge.keys import ChunkKeyMapper, hash_config_problem
 from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store.metrics import Metrics
-from lmcache_cartridge.store.origins import is_composite, is_s3, open_origin
+from lmcache_cartridge.store.origins import first_k_segment_problem, is_s3, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
 from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
@@ -287,12 +287,9 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         m = Manifest.load(entry.path)
         if m.cartridge_id != entry.id or m.content_hash != entry.content_hash:
             raise CartridgeError(f"{entry.path} no longer holds what was registered; re-register it")
-        if m.composes_first_k and not is_composite(entry.source_uri):
-            # a first-k part's unchecked ids, keyed without salt: only in a composite the gateway
-            # registered from registered parts (`store.composite.register_composite`), never in a
-            # manifest someone wrote, with or without a parts list beside it (`Manifest.composes_first_k`)
-            raise CartridgeError(f"{entry.path}: a manifest with a first_k segment is served only as a "
-                                 "composite this host made from registered cartridges")
+        why = first_k_segment_problem(m, entry.source_uri)
+        if why:
+            raise CartridgeError(f"{entry.path}: {why}")
         why = mismatch(m, self.shape)
         if why:
             raise CartridgeError(why)

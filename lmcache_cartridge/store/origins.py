@@ -44,6 +44,17 @@ def is_composite(uri: str) -> bool:
     return uri.startswith((COMPOSITE, COMPOSITE_S3))
 
 
+def first_k_segment_problem(m, source_uri: str) -> str | None:
+    """Why manifest `m` may not be read from `source_uri`, else None: a `first_k` segment (a
+    document's own ids, unchecked and unsalted: `Manifest.composes_first_k`) only in a composite
+    this host built from registered parts. The registry refuses to register it otherwise, and the
+    plugin to serve it (a manifest can be swapped after its registration)."""
+    if m.composes_first_k and not is_composite(source_uri):
+        return ("a manifest with a first_k segment is only ever a composite this host built from registered "
+                "parts (`store.composite`); it is neither registered nor served from another origin")
+    return None
+
+
 def has_payload(uri: str) -> bool:
     """Is the registered directory a full packed cartridge (manifest + kv.bin)?"""
     return not uri.startswith("s3://") and not is_composite(uri)

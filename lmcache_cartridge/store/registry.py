@@ -169,7 +169,7 @@ class Registry:
         `may_claim` (the gateway, for a tenant's request): the ids that client may hold; another
         is `IdOutOfScope`, checked before the registry is read (whether it exists is not told).
         """
-        from lmcache_cartridge.store.origins import has_payload, is_composite
+        from lmcache_cartridge.store.origins import first_k_segment_problem, has_payload
 
         directory = Path(directory).resolve()
         if source_uri and not has_payload(source_uri):
@@ -177,10 +177,9 @@ class Registry:
         else:
             with PackedCartridge(directory) as packed:
                 m = packed.manifest
-        if m.composes_first_k and not is_composite(source_uri or ""):
-            raise ManifestError(f"{directory}: a manifest with a first_k segment is only ever a composite this "
-                                "host built from registered parts (`store.composite`); it cannot be registered "
-                                "from another origin")
+        why = first_k_segment_problem(m, source_uri or "")
+        if why:
+            raise ManifestError(f"{directory}: {why}")
         if may_claim is not None and not may_claim(m.cartridge_id):
             raise IdOutOfScope(f"cartridge id {m.cartridge_id!r} (its manifest's) is outside the ids this key may "
                                "name: a tenant registers only ids its own patterns match")

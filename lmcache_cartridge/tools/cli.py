@@ -9,7 +9,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -19,6 +18,7 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import default_cache_dir, default_packed_dir, default_registry_path
 
 EXIT_USAGE = 2
+EXIT_PROBLEMS = 1
 # The config the server loads (LMCache reads it from this variable): every command's --config
 # default, so that inside the server's pod `list`, `stats` and `doctor` see its registry. Without
 # a file, a server configured by the LMCACHE_* environment alone (`configured_by_environment`) is
@@ -32,7 +32,6 @@ def _server_config(args) -> bool:
     from lmcache_cartridge.lmcache.settings import configured_by_environment
 
     return bool(getattr(args, "config", None)) or configured_by_environment()
-EXIT_PROBLEMS = 1
 
 
 def _default_id(path: Path) -> str:
