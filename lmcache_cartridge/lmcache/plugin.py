@@ -48,10 +48,9 @@ from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import CartridgeError, ChecksumError
 from lmcache_cartridge.cartridge.keys import ChunkKeyMapper, hash_config_problem
-from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store.metrics import Metrics
-from lmcache_cartridge.store.origins import first_k_segment_problem, is_s3, open_origin
+from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
 from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
@@ -284,12 +283,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         return True
 
     def _open(self, entry: Entry) -> Served:
-        m = Manifest.load(entry.path)
-        if m.cartridge_id != entry.id or m.content_hash != entry.content_hash:
-            raise CartridgeError(f"{entry.path} no longer holds what was registered; re-register it")
-        why = first_k_segment_problem(m, entry.source_uri)
-        if why:
-            raise CartridgeError(f"{entry.path}: {why}")
+        m = load_registered(entry)
         why = mismatch(m, self.shape)
         if why:
             raise CartridgeError(why)

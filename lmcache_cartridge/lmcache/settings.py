@@ -89,16 +89,23 @@ S3_KEYS: dict[str, tuple[str, str]] = {  # `s3.<field>` of `store.s3.S3Settings`
 def unknown_keys(config, name: str) -> list[str]:
     """A message per `storage_plugin.<name>.*` key the product does not read (a typo is otherwise
     ignored in silence), with the closest known key."""
+    p = f"{PREFIX}.{name}."
+    return unknown_settings([k[len(p):] for k in getattr(config, "extra_config", None) or {}
+                             if k.startswith(p)], p)
+
+
+def unknown_settings(names, prefix: str = "") -> list[str]:
+    """A message per setting name (unprefixed: `registry`, `s3.region`) the product does not read,
+    with the closest known one; `prefix` is how the user wrote them (for the message)."""
     import difflib
 
-    p = f"{PREFIX}.{name}."
     known = [k.name for k in PLUGIN_KEYS] + [f"s3.{k}" for k in S3_KEYS]
     out = []
-    for key in sorted(getattr(config, "extra_config", None) or {}):
-        if key.startswith(p) and key[len(p):] not in known:
-            close = difflib.get_close_matches(key[len(p):], known, n=1, cutoff=0.6)
-            out.append(f"unknown setting {key!r}" + (f": did you mean {p + close[0]!r}?" if close else
-                                                      f" (known: {', '.join(known)})"))
+    for key in sorted(names):
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            out.append(f"unknown setting {prefix + key!r}" + (f": did you mean {prefix + close[0]!r}?" if close else
+                                                               f" (known: {', '.join(known)})"))
     return out
 
 
@@ -193,12 +200,20 @@ class PluginSettings:
 
     @classmethod
     def from_config(cls, config, plugin_cls: type) -> "PluginSettings":
+        """The in-process plugin's settings: LMCache's `extra_config` keys `storage_plugin.<name>.*`."""
         extra = dict(getattr(config, "extra_config", None) or {})
         name = find_plugin_name(config, plugin_cls)
         p = f"{PREFIX}.{name}."
+        return cls.from_mapping(name, {k[len(p):]: v for k, v in extra.items() if k.startswith(p)},
+                                where=f"extra_config {p}*")
 
+    @classmethod
+    def from_mapping(cls, name: str, values: dict[str, Any], where: str = "") -> "PluginSettings":
+        """Settings from unprefixed keys (`registry`, `s3.endpoint_url`, ...): the plugin's
+        `extra_config` without its prefix, or the MP-mode L2 adapter's `adapter_params` (the same
+        keys, `lmcache.mp_adapter`)."""
         def get(key: str, default: Any = None) -> Any:
-            return extra.get(p + key, default)
+            return values.get(key, default)
 
         try:
             return cls(
@@ -212,7 +227,7 @@ class PluginSettings:
                 cpu_budget_bytes=int(float(get("cpu_budget_gb", 2)) * (1 << 30)),
                 disk_budget_bytes=int(float(get("disk_budget_gb", 20)) * (1 << 30)),
                 prefetch=_as_bool(get("prefetch", True)),
-                s3={k[len(p) + 3:]: v for k, v in extra.items() if k.startswith(p + "s3.")},
+                s3={k[3:]: v for k, v in values.items() if k.startswith("s3.")},
                 pin_lease_seconds=float(get("pin_lease_seconds", 120.0)),
                 catalog_uri=str(get("catalog_uri")) if get("catalog_uri") else None,
                 catalog_period=float(get("catalog_period", 30.0)),
@@ -220,7 +235,7 @@ class PluginSettings:
                 reader_cores=cores_setting(get("reader_cores", "auto")),
             )
         except (TypeError, ValueError) as e:
-            raise CartridgeError(f"bad setting under extra_config {p}*: {e}") from e
+            raise CartridgeError(f"bad setting under {where or name}: {e}") from e
 
 
 def reader_cores_setting(config) -> str:

@@ -142,3 +142,20 @@ def open_origin(source_uri: str, path: str, s3_settings=None) -> Origin:
     if source_uri.startswith("s3://"):
         return S3ChunkOrigin(source_uri, s3_settings)
     return LocalOrigin(path)
+
+
+def load_registered(entry):
+    """The manifest of a registry entry, checked as every server reads it before serving: it still
+    holds what was registered (id and content hash), and a first_k segment of a trained manifest
+    is only read from a composite origin (`first_k_segment_problem`). Raises `CartridgeError`.
+    Shared by the in-process plugin and the MP-mode adapter (`lmcache.mp_adapter`)."""
+    from lmcache_cartridge.cartridge.manifest import Manifest
+    from lmcache_cartridge.errors import CartridgeError
+
+    m = Manifest.load(entry.path)
+    if m.cartridge_id != entry.id or m.content_hash != entry.content_hash:
+        raise CartridgeError(f"{entry.path} no longer holds what was registered; re-register it")
+    why = first_k_segment_problem(m, entry.source_uri)
+    if why:
+        raise CartridgeError(f"{entry.path}: {why}")
+    return m

@@ -1,0 +1,112 @@
+"""What the bytes of an LMCache multiprocess-mode (MP) memory object are, per engine: the one place
+that says it for MP, as `lmcache.memory_layout` does for the in-process mode.
+
+In MP mode the `lmcache server` keeps one object per (chunk, kv rank) and vLLM's worker copies
+whole blocks between its KV cache and those objects. The server registers the object's shape
+(`MemoryLayoutDesc`) and gives it to an L2 adapter at lookup; the shape says which bytes it holds:
+
+* `[2, L, T, H*D]`: `KV_2LTD` (vLLM on GPU, split K/V): the cartridge's own chunk bytes.
+* `[L, T, H*2D]` (engine-driven transfer) or `[1, L, T, H*2D]` (LMCache-driven): vLLM-CPU's own
+  paged block bytes. vLLM-CPU's per-layer cache is `[blocks, H, BS, 2D]`; LMCache's gather
+  (`_transfer_per_layer_fused`) writes `obj[l, j*BS + o, h*2D:(h+1)*2D] = cache_l[j, h, o, :]`, so
+  the object viewed `[L, nb, BS, H, 2D]` is the cache's blocks `[L, nb, H, BS, 2D]` with the (H, BS)
+  axes swapped. Inside a (block, head) the bytes are the ISA's (`cpu_layout`): K transposed for
+  vec/vec16, AMX tiles for amx, learned from vLLM's writer op, never written down here.
+
+Where it runs: inside the `lmcache server` process, on the MP adapter's reader thread
+(`lmcache.mp_adapter`), once per loaded chunk. It owns the per-geometry encoders it made (each a
+`CpuPagedKVConnector` that is never attached to a vLLM cache: only its proven block conversion).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from lmcache_cartridge.errors import CartridgeError
+
+KV_2LTD = "kv_2ltd"
+CPU_ROWS = "vllm_cpu_rows"
+
+
+@dataclass(frozen=True)
+class ObjectLayout:
+    """How one MP object of a chunk is filled: its kind and, for CPU rows, the block geometry."""
+
+    kind: str
+    num_layers: int
+    num_tokens: int
+    heads: int          # KV heads of the rank this object is for
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = 0  # CPU rows only
+
+
+def classify(shape, dtype: torch.dtype, *, num_layers: int, num_tokens: int, heads: int, head_dim: int,
+             block_size: int | None) -> ObjectLayout:
+    """The layout an MP object of `shape`/`dtype` holds for a chunk of this geometry (this rank's
+    `heads`), or `CartridgeError` saying why the chunk cannot fill it. `block_size` is the vLLM-CPU
+    engine's block size (from the server's engine-driven registration), None where unknown."""
+    shape = tuple(int(x) for x in shape)
+    if shape == (2, num_layers, num_tokens, heads * head_dim):
+        return ObjectLayout(KV_2LTD, num_layers, num_tokens, heads, head_dim, dtype)
+    rows = shape[1:] if len(shape) == 4 and shape[0] == 1 else shape
+    if rows == (num_layers, num_tokens, heads * 2 * head_dim):
+        if not block_size:
+            raise CartridgeError("vLLM-CPU rows without a known block size (no engine-driven registration "
+                                 "for this model and world size)")
+        if num_tokens % block_size:
+            raise CartridgeError(f"a chunk of {num_tokens} tokens is not whole blocks of {block_size}")
+        return ObjectLayout(CPU_ROWS, num_layers, num_tokens, heads, head_dim, dtype, int(block_size))
+    raise CartridgeError(f"object shape {list(shape)} fits neither KV_2LTD [2, {num_layers}, {num_tokens}, "
+                         f"{heads * head_dim}] nor vLLM-CPU rows [{num_layers}, {num_tokens}, "
+                         f"{heads * 2 * head_dim}] for this chunk")
+
+
+class CpuRowsEncoder:
+    """Writes a chunk's K/V values into an MP object of vLLM-CPU rows, for one geometry.
+
+    The block bytes come from the same proven conversion the in-process engine-blocks objects use
+    (`CpuPagedKVConnector.convert`, learned from vLLM's writer for the ISA vLLM picks on this
+    machine: `current_attn_isa`), then the (H, BS) axes are swapped into LMCache's row order."""
+
+    def __init__(self, lay: ObjectLayout, isa: str | None = None) -> None:
+        from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, EngineBlocks, current_attn_isa
+        from lmcache_cartridge.vllm.cpu_layout import derive_layout
+
+        self.lay = lay
+        self.isa = isa or current_attn_isa(lay.dtype, lay.block_size, lay.head_dim)
+        layout = derive_layout(self.isa, lay.block_size, lay.heads, lay.head_dim, lay.dtype)  # UnverifiedKVLayout
+        self._conn = CpuPagedKVConnector(lay.num_layers, lay.heads, lay.head_dim, lay.dtype)
+        # Not `declare_engine_blocks`: nothing in this process holds engine blocks; only the conversion.
+        self._conn.engine_blocks = EngineBlocks(self._conn, layout, lay.block_size)
+        self._lock = threading.Lock()  # the connector's scratch is not shared between threads
+
+    def encode(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`src`: the chunk in `KV_2LTD` (any tensor with its bytes) or a `[2, L, T, H, D]` view of
+        its values (`RankView.engine_view`); `dst`: the MP object's tensor (same number of bytes)."""
+        L, T, H, D, bs = self.lay.num_layers, self.lay.num_tokens, self.lay.heads, self.lay.head_dim, self.lay.block_size
+        blocks = torch.empty(L * T * H * 2 * D, dtype=self.lay.dtype)
+        with self._lock:
+            self._conn.convert(blocks, src, to_blocks=True)
+        out = dst.reshape(-1).view(torch.uint8).view(self.lay.dtype).view(L, T // bs, bs, H, 2 * D)
+        out.copy_(blocks.view(L, T // bs, H, bs, 2 * D).transpose(2, 3))
+
+
+_encoders: dict[ObjectLayout, CpuRowsEncoder] = {}
+_encoders_lock = threading.Lock()
+
+
+def encoder_for(lay: ObjectLayout) -> Optional[Callable[[torch.Tensor, torch.Tensor], None]]:
+    """The `encode(dst, src)` a chunk is read into an object of `lay` through, None for `KV_2LTD`
+    (the chunk's bytes as they are). Made once per geometry (learning the layout takes a few ms)."""
+    if lay.kind == KV_2LTD:
+        return None
+    with _encoders_lock:
+        enc = _encoders.get(lay)
+        if enc is None:
+            enc = _encoders[lay] = CpuRowsEncoder(lay)
+    return enc.encode
