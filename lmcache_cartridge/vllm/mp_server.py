@@ -1,0 +1,32 @@
+"""The `lmcache server` module that puts cartridges into LMCache's multiprocess mode:
+`--server-module '{"module_path": "lmcache_cartridge.vllm.mp_server"}'` beside the cartridge L2
+adapter (`lmcache.mp_adapter`; `lmcache-cartridge mp-server` passes both).
+
+The server calls `build_server_modules` once, after its L2 adapters exist. It declares how
+vLLM-CPU rows are written (`vllm.mp_rows`: vLLM knowledge, hence this stage) and hands every
+cartridge adapter the server's context: its token hasher and chunk size (the keys), its storage
+manager (purges of L1) and its engine-driven transfer module (vLLM-CPU block sizes). It adds no
+module of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lmcache_cartridge.lmcache.mp_adapter import CartridgeL2Adapter
+from lmcache_cartridge.lmcache.mp_layout import declare_rows_encoder
+from lmcache_cartridge.vllm.mp_rows import rows_encoder
+
+logger = logging.getLogger("lmcache_cartridge.mp_server")
+
+
+def build_server_modules(bctx):
+    declare_rows_encoder(rows_encoder)
+    found = 0
+    for _desc, adapter in bctx.server_context.storage_manager.l2_adapters():
+        if isinstance(adapter, CartridgeL2Adapter):
+            adapter.attach(bctx.server_context, bctx.modules)
+            found += 1
+    if not found:
+        logger.warning("lmcache_cartridge server module: no cartridge L2 adapter configured (--l2-adapter)")
+    return ()

@@ -1,0 +1,118 @@
+"""The MP-mode L2 adapter's pieces that need no server: its settings (the plugin's, by name, a typo
+refused at server start), `mp-server`'s command line from the same YAML, the kv_rank packing it
+decodes (LMCache's own `ComputeKVRank`), and a tensor-parallel key served only its rank's heads.
+The server itself is exercised in `tests/test_mp_e2e.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+from conftest import random_kv
+from lmcache_cartridge.cartridge.packed import pack_kv
+from lmcache_cartridge.lmcache.mp_adapter import CartridgeL2Adapter, CartridgeL2AdapterConfig, kv_world_and_rank
+from lmcache_cartridge.store.registry import Registry
+
+CHUNK = 64
+MODEL = "tiny-mp-model"
+
+
+def test_adapter_params_are_the_plugin_settings_and_a_typo_is_refused(tmp_path):
+    cfg = CartridgeL2AdapterConfig.from_dict({"registry": str(tmp_path / "r.db"), "cache_dir": str(tmp_path / "c"),
+                                              "accept_models": "a,b", "s3.region": "eu-west-1"})
+    assert cfg.settings.registry == tmp_path / "r.db" and cfg.settings.accept_models == ("a", "b")
+    assert cfg.settings.s3 == {"region": "eu-west-1"}
+    with pytest.raises(ValueError, match="did you mean 'adapter_params.registry'"):
+        CartridgeL2AdapterConfig.from_dict({"registy": "x"})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_kv_rank_decoding_is_lmcaches_packing(world):
+    from lmcache.v1.distributed.api import ObjectKey as OK
+
+    compute = getattr(OK, "ComputeKVRank")
+    for rank in range(world):
+        assert kv_world_and_rank(compute(world, rank, world, rank)) == (world, rank)
+
+
+def test_mp_server_command_reads_the_plugin_yaml(tmp_path, capsys):
+    from lmcache_cartridge.tools.cli import main
+
+    yaml_path = tmp_path / "lmc.yaml"
+    yaml_path.write_text(
+        "chunk_size: 128\nlocal_cpu: true\nmax_local_cpu_size: 1\nstorage_plugins: [\"cartridge\"]\n"
+        "pre_caching_hash_algorithm: sha256_cbor\nextra_config:\n"
+        "  storage_plugin.cartridge.module_path: lmcache_cartridge.plugin\n"
+        "  storage_plugin.cartridge.class_name: CartridgeStoragePlugin\n"
+        f"  storage_plugin.cartridge.registry: {tmp_path / 'reg.db'}\n"
+        "  storage_plugin.cartridge.accept_models: other-name\n")
+    assert main(["mp-server", "--config", str(yaml_path), "--port", "5601", "--print"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[:2] == ["lmcache", "server"] and argv[argv.index("--port") + 1] == "5601"
+    assert argv[argv.index("--chunk-size") + 1] == "128"
+    adapter = json.loads(argv[argv.index("--l2-adapter") + 1])
+    params = CartridgeL2AdapterConfig.from_dict(adapter["adapter_params"]).settings  # what the server will build
+    assert params.registry == tmp_path / "reg.db" and params.accept_models == ("other-name",)
+    assert adapter["module_path"] == "lmcache_cartridge.lmcache.mp_adapter"
+    assert json.loads(argv[argv.index("--server-module") + 1]) == {"module_path": "lmcache_cartridge.vllm.mp_server"}
+
+
+def _wait(adapter, kind: str, tid: int):
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        got = getattr(adapter, {"lookup": "query_lookup_and_lock_result", "load": "query_load_result"}[kind])(tid)
+        if got is not None:
+            return got
+        time.sleep(0.01)
+    raise TimeoutError(kind)
+
+
+def test_a_tensor_parallel_key_is_served_its_ranks_heads(tmp_path):
+    """Keys carry world size and rank (`kv_rank`); the adapter fills each rank's object with that
+    rank's heads of the chunk (a KV_2LTD object, as a GPU engine's), and hits only keys of the
+    cartridge's model, without a salt."""
+    L, H, D = 2, 4, 16
+    kv = random_kv(L, 2 * CHUNK, H, D, seed=5)
+    ids = list(range(100, 100 + 2 * CHUNK))
+    pack_kv(kv, tmp_path / "doc", cartridge_id="doc", model=MODEL, kind="first_k", token_ids=ids, chunk_size=CHUNK)
+    reg = Registry(tmp_path / "reg.db")
+    reg.register(tmp_path / "doc")
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 60})
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        # the server's context as the adapter reads it: its hasher and chunk size (no L1 to purge)
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        hashes = hasher.compute_chunk_hashes(ids)
+        world = 2
+        keys = [ObjectKey(h, MODEL, ObjectKey.ComputeKVRank(world, r, world, r), 0, "")
+                for h in hashes for r in range(world)]
+        desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H // world * D])], [torch.bfloat16])}
+        bits = _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc))
+        assert bits.popcount() == len(keys)
+        others = [ObjectKey(hashes[0], "another-model", keys[0].kv_rank, 0, ""),
+                  ObjectKey(hashes[0], MODEL, keys[0].kv_rank, 0, "user-salt"),
+                  ObjectKey(b"\0" * 32, MODEL, keys[0].kv_rank, 0, "")]
+        assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(others, desc)).popcount() == 0
+        objs = [SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H // world * D, dtype=torch.bfloat16)) for _ in keys]
+        loaded = _wait(adapter, "load", adapter.submit_load_task(keys, objs))
+        assert loaded.popcount() == len(keys)
+        for n, obj in enumerate(objs):
+            chunk, rank = divmod(n, world)
+            want = kv[:, :, chunk * CHUNK:(chunk + 1) * CHUNK, rank * (H // world):(rank + 1) * (H // world)]
+            assert torch.equal(obj.tensor, want.reshape(2, L, CHUNK, -1))
+        # removed: no key hits any more
+        reg.remove("doc")
+        adapter.refresh()
+        assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc)).popcount() == 0
+    finally:
+        adapter.close()
