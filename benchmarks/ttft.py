@@ -8,7 +8,7 @@ the prompt's first token and the suffix is always computed), `max_tokens 1`, gre
 TTFT = seconds from sending the request to the first streamed token (as `demo.stream_ttft`).
 `c` requests of a burst are sent at once, each with its own suffix; p50/p95 over all TTFTs.
 
-Arms on three vLLM servers, all started with the SAME `VLLM_CPU_OMP_THREADS_BIND`:
+Arms on four vLLM servers, all started with the SAME `VLLM_CPU_OMP_THREADS_BIND`:
 
 (a) `full_prefill`: plain vLLM, no KV connector, `--no-enable-prefix-caching`: every document
     token is prefilled on every request. This is the honest baseline (what one runs without
@@ -30,6 +30,12 @@ Arms on three vLLM servers, all started with the SAME `VLLM_CPU_OMP_THREADS_BIND
     cell and must equal requests x document tokens (document lengths are whole 256-token chunks).
 (c) `prefix_cache`: plain vLLM, `--enable-prefix-caching`, the document sent once to warm, then
     only the suffix is computed: the limit for any KV injection.
+(e) `cartridge_mp`: LMCache's multiprocess mode: vLLM on `LMCacheMPConnector`, prefix caching
+    off, attached to an `lmcache server` whose L2 adapter serves the same cartridge
+    (`lmcache_cartridge.lmcache.mp_adapter`). `first`: removed and registered again before every
+    burst (the adapter reads the packed file, verifies it, writes vLLM-CPU rows into the server's
+    L1); `repeat`: served once before (with the server's default prefetch policy L1 keeps no L2
+    load, so a repeat reads the adapter again, from the page cache).
 (d) `cartridge_cached`: the arm-(b) server, requests without a salt, as a deployment sends them:
     the warm-up loads the cartridge through LMCache once, vLLM keeps those blocks in its prefix
     cache like any computed ones, and the measured repeats are served from there. Its cells
@@ -71,9 +77,10 @@ from _common import GiB, ROOT, machine_info  # noqa: E402  (the benchmarks' prea
 
 CHUNK = 256
 SUFFIX_LEN = 8
-ARMS = ("full_prefill", "cartridge", "prefix_cache", "cartridge_cached")
+ARMS = ("full_prefill", "cartridge", "prefix_cache", "cartridge_cached", "cartridge_mp")
 VARIANTS = {"full_prefill": ("cold",), "cartridge": ("first", "repeat"), "prefix_cache": ("warm",),
-            "cartridge_cached": ("repeat",)}
+            "cartridge_cached": ("repeat",), "cartridge_mp": ("first", "repeat")}
+CARTRIDGE_ARMS = ("cartridge", "cartridge_cached", "cartridge_mp")
 # Arms whose requests each carry a fresh `cache_salt`: vLLM's prefix cache never serves them
 # (their server may have prefix caching on); the others rely on it.
 SALTED_ARMS = frozenset({"full_prefill", "cartridge"})
@@ -83,6 +90,8 @@ LABELS = {
     ("cartridge", "repeat"): "(b) cartridge, repeat hit (LMCache CPU copy)",
     ("prefix_cache", "warm"): "(c) vLLM prefix-cache hit",
     ("cartridge_cached", "repeat"): "(d) cartridge, repeat hit from vLLM's prefix cache",
+    ("cartridge_mp", "first"): "(e) LMCache MP mode, first hit (L2 adapter)",
+    ("cartridge_mp", "repeat"): "(e) LMCache MP mode, repeat hit",
 }
 
 
@@ -414,7 +423,7 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
     for li, L in enumerate(lengths):
         doc = docs[L]
         cid = None
-        if arm in ("cartridge", "cartridge_cached"):
+        if arm in CARTRIDGE_ARMS:
             cid = _register(server, registry, cartridges[L])
         try:
             # Warm-up at this length (not measured): the prefix-cache arm's "sent once to warm",
@@ -427,11 +436,11 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
             too_long = arm == "full_prefill" and t_ref > plan.max_burst_s
             for variant in VARIANTS[arm]:
                 before = None
-                if arm == "cartridge" and variant == "first":
+                if arm in ("cartridge", "cartridge_mp") and variant == "first":
                     def before(cid=cid, path=cartridges[L]):
                         _remove(server, registry, cid)
                         _register(server, registry, path)
-                expect = (L // CHUNK) * CHUNK if arm == "cartridge" else 0
+                expect = (L // CHUNK) * CHUNK if arm in ("cartridge", "cartridge_mp") else 0
                 expect_hits = (L // CHUNK) * CHUNK if arm == "cartridge_cached" else None
                 ref = t_ref
                 for c in plan.concurrencies:
@@ -550,10 +559,11 @@ class ServerConfig:
 
 def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
     """Start (not wait for) one server. kind: `plain` (prefix caching off), `prefix` (plain, prefix
-    caching on) or `lmcache` (LMCache + plugin + CartridgeConnector, prefix caching on: arms that
-    must not be served by it salt their requests, see SALTED_ARMS).
+    caching on), `lmcache` (LMCache + plugin + CartridgeConnector, prefix caching on: arms that
+    must not be served by it salt their requests, see SALTED_ARMS) or `mp` (an `lmcache server`
+    with the cartridge adapter and vLLM on LMCacheMPConnector, prefix caching off).
     Returns (server, registry or None)."""
-    from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+    from lmcache_cartridge.testing.launch import MpVllmServer, VllmServer, lmcache_config
     from lmcache_cartridge.store.registry import Registry
 
     root = Path(root)
@@ -563,13 +573,19 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
         registry = Registry(root / "registry.db")
         lmc = lmcache_config(root / "registry.db", chunk_size=CHUNK, cpu_gb=cfg.lmcache_cpu_gb,
                              refresh=0.2, cache_dir=root / "plugin-cache")
-    elif kind not in ("plain", "prefix"):
+    elif kind not in ("plain", "prefix", "mp"):
         raise ValueError(kind)
     extra: tuple[str, ...] = ()
     threads = cfg.threads_bind
     if cfg.device:
         threads = "auto"  # VLLM_CPU_* variables are ignored on CUDA
         extra = ("--gpu-memory-utilization", "0.85")
+    if kind == "mp":
+        registry = Registry(root / "registry.db")
+        server = MpVllmServer(root, str(model_dir), registry=registry.path, cache_dir=root / "plugin-cache",
+                              chunk_size=CHUNK, l1_size_gb=cfg.lmcache_cpu_gb, max_model_len=cfg.max_model_len,
+                              threads_bind=threads, kv_cache_gb=cfg.kv_cache_gb, extra_args=extra)
+        return server, registry
     server = VllmServer(root, str(model_dir), lmcache=lmc, prefix_caching=(kind in ("prefix", "lmcache")),
                         max_model_len=cfg.max_model_len, threads_bind=threads,
                         kv_cache_gb=cfg.kv_cache_gb, extra_args=extra)
@@ -656,28 +672,34 @@ def markdown(result: dict) -> str:
            "- (c) plain vLLM with prefix caching, the document sent once before: only the suffix is "
            "computed (the limit for any KV injection);",
            "- (d) the (b) server, requests without a salt: the cartridge loaded through LMCache once, "
-           "then served from vLLM's prefix cache (the steady state while vLLM's block pool holds it).", "",
+           "then served from vLLM's prefix cache (the steady state while vLLM's block pool holds it);",
+           "- (e) LMCache's multiprocess mode: an `lmcache server` with the cartridge L2 adapter, vLLM on "
+           "LMCacheMPConnector (engine-driven transfer), prefix caching off; *first hit* right after "
+           "(re-)registration, *repeat* = served once before (the server keeps no L2 load in L1 by default).", "",
            "`(!ext)`: vLLM's external-KV token counter (or, for (d), its prefix-cache hit counter) did "
            "not equal requests x document tokens.", ""]
     for c in cfg["concurrency"]:
         out += [f"## Concurrency {c}", "",
                 "| doc tokens | (a) full prefill | (b) cartridge first hit | (b) cartridge repeat hit "
-                "| (c) prefix-cache hit | (d) cartridge via prefix cache | a / b-repeat | b-repeat / c "
-                "| b-first / b-repeat | d / c |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "| (c) prefix-cache hit | (d) cartridge via prefix cache | (e) MP first hit | (e) MP repeat hit "
+                "| a / b-repeat | b-repeat / c | b-first / b-repeat | d / c | e-repeat / b-repeat | e-first / b-first |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for L in cfg["lengths"]:
             a = by.get(("full_prefill", "cold", L, c))
             bf = by.get(("cartridge", "first", L, c))
             br = by.get(("cartridge", "repeat", L, c))
             pc = by.get(("prefix_cache", "warm", L, c))
             d = by.get(("cartridge_cached", "repeat", L, c))
+            ef = by.get(("cartridge_mp", "first", L, c))
+            er = by.get(("cartridge_mp", "repeat", L, c))
 
             def ratio(x, y, digits=1):
                 if x and y and x.get("n") and y.get("n"):
                     return f"{x['p50_s'] / y['p50_s']:.{digits}f}x"
                 return "-"
-            out.append(f"| {L:,} | {_fmt(a)} | {_fmt(bf)} | {_fmt(br)} | {_fmt(pc)} | {_fmt(d)} | "
-                       f"{ratio(a, br)} | {ratio(br, pc, 2)} | {ratio(bf, br, 2)} | {ratio(d, pc, 2)} |")
+            out.append(f"| {L:,} | {_fmt(a)} | {_fmt(bf)} | {_fmt(br)} | {_fmt(pc)} | {_fmt(d)} | {_fmt(ef)} | "
+                       f"{_fmt(er)} | {ratio(a, br)} | {ratio(br, pc, 2)} | {ratio(bf, br, 2)} | {ratio(d, pc, 2)} | "
+                       f"{ratio(er, br, 2)} | {ratio(ef, bf, 2)} |")
         out.append("")
     agree = {}
     for (arm, variant, L, c), x in by.items():
@@ -737,7 +759,8 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(concs), figsize=(5.2 * len(concs), 4.4), squeeze=False)
     styles = {("full_prefill", "cold"): ("tab:red", "o"), ("cartridge", "first"): ("tab:orange", "s"),
               ("cartridge", "repeat"): ("tab:blue", "D"), ("prefix_cache", "warm"): ("tab:green", "^"),
-              ("cartridge_cached", "repeat"): ("tab:cyan", "v")}
+              ("cartridge_cached", "repeat"): ("tab:cyan", "v"), ("cartridge_mp", "first"): ("tab:purple", "P"),
+              ("cartridge_mp", "repeat"): ("tab:brown", "X")}
     for ax, c in zip(axes[0], concs):
         for (arm, variant), (color, marker) in styles.items():
             pts = [x for x in result["cells"] if x["arm"] == arm and x["variant"] == variant
@@ -892,7 +915,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         (out / "ttft.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     cartridges: dict[int, Path] = {}
-    if {"cartridge", "cartridge_cached"} & set(arms):
+    if set(CARTRIDGE_ARMS) & set(arms):
         t = time.perf_counter()
         cartridges = make_cartridges(model_dir, docs, work / "cartridges", model_name=str(model_dir),
                                      device="cuda" if args.device else "cpu", log=log)
@@ -954,6 +977,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                     record("cartridge", server, run_arm("cartridge_cached", server, docs, plan,
                                                         skip_save=True, registry=registry,
                                                         cartridges=cartridges, log=log))
+            finally:
+                server.stop()
+        if "cartridge_mp" in arms:
+            arms_used["cartridge_mp"] = ("lmcache server (cartridge L2 adapter, engine-driven transfer) + vLLM on "
+                                         "LMCacheMPConnector, prefix caching off")
+            server, registry = serve("mp", "cartridge_mp")
+            try:
+                record("cartridge_mp", server, run_arm("cartridge_mp", server, docs, plan, registry=registry,
+                                                       cartridges=cartridges, log=log))
             finally:
                 server.stop()
         if "prefix_cache" in arms:

@@ -35,9 +35,8 @@ def mp(request, tmp_path_factory, engine_kv):
 
     from lmcache_cartridge.cartridge.packed import pack_kv
     from lmcache_cartridge.store.registry import Registry
-    from lmcache_cartridge.testing.launch import VllmServer
+    from lmcache_cartridge.testing.launch import MpVllmServer
     from lmcache_cartridge.tools.create import create_first_k
-    from lmcache_cartridge.tools.lmcache_server import LmcacheServer
     from lmcache_cartridge.tools.realmodel import ensure_real_model
     from lmcache_cartridge.tools.testmodel import document_text
 
@@ -45,35 +44,18 @@ def mp(request, tmp_path_factory, engine_kv):
     root = tmp_path_factory.mktemp("mp_e2e")
     registry = Registry(root / "registry.db")
     cache = root / "cache"
-    server = LmcacheServer(root / "lmc", {"registry": str(registry.path), "cache_dir": str(cache),
-                                          "refresh_seconds": 0.2}, chunk_size=CHUNK)
-    vllm = None
+    vllm = MpVllmServer(root / "vllm", str(model_dir), registry=registry.path, cache_dir=cache,
+                        transfer_mode=request.param, chunk_size=CHUNK)
     try:
-        server.wait_ready()
-        vllm = VllmServer(root / "vllm", str(model_dir), connector=server.connector(request.param))
         made = create_first_k(model_dir, document_text(), engine=engine_kv(model_dir))
         pack_kv(made.kv, root / "carts" / "doc", cartridge_id="mp-doc", model=str(model_dir), kind="first_k",
                 token_ids=made.token_ids, chunk_size=CHUNK)
         vllm.wait_healthy()
-        yield {"mode": request.param, "server": server, "vllm": vllm, "registry": registry, "cache": cache, "made": made,
-               "carts": root / "carts", "model_dir": str(model_dir),
+        yield {"mode": request.param, "server": vllm.lmcache_server, "vllm": vllm, "registry": registry,
+               "cache": cache, "made": made, "carts": root / "carts", "model_dir": str(model_dir),
                "tok": AutoTokenizer.from_pretrained(str(model_dir))}
     finally:
-        if vllm is not None:
-            vllm.stop()
-        server.stop()
-
-
-def _wait_state(cache, cid: str, present: bool, timeout: float = 30):
-    from lmcache_cartridge.lmcache.serving import live_instances
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        states = [s for s in live_instances(cache) if s.role == "mp-server"]
-        if states and all((cid in s.cartridges) == present for s in states):
-            return states
-        time.sleep(0.1)
-    raise TimeoutError(f"MP adapter: {cid!r} {'not ' if present else ''}served after {timeout}s")
+        vllm.stop()
 
 
 def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(mp):
@@ -84,15 +66,14 @@ def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(m
     prompts = [doc + tok(q.prompt(), add_special_tokens=False)["input_ids"] for q in qs]
     common = {"model": mp["model_dir"], "max_tokens": MAX_TOKENS, "stop": ["\n"]}
 
-    reg.register(mp["carts"] / "doc")
-    _wait_state(mp["cache"], "mp-doc", True)
+    vllm.wait_served([reg.register(mp["carts"] / "doc")])
     ext0 = vllm.external_tokens()
     served = [complete(vllm.url, {**common, "prompt": p}) for p in prompts]
     assert vllm.external_tokens() - ext0 == len(qs) * full, mp["server"].log_tail()
 
     # Removed: nothing of it is served again, from the adapter or from the server's L1.
     assert reg.remove("mp-doc")
-    _wait_state(mp["cache"], "mp-doc", False)
+    vllm.wait_not_served("mp-doc")
     ext1 = vllm.external_tokens()
     complete(vllm.url, {**common, "prompt": prompts[0], "max_tokens": 1})
     assert vllm.external_tokens() == ext1, "a removed cartridge was served"
@@ -120,15 +101,10 @@ def test_trained_cartridges_are_refused_in_mp_mode_with_a_reason(mp, tmp_path):
             chunk_size=CHUNK, vocab=VocabInfo(len(tok), tuple(tok.all_special_ids)))
     mp["registry"].register(tmp_path / "tr")
     try:
-        deadline = time.time() + 30
-        from lmcache_cartridge.lmcache.serving import live_instances
+        from lmcache_cartridge.lmcache.serving import NotServed
 
-        while time.time() < deadline:
-            states = [s for s in live_instances(mp["cache"]) if s.role == "mp-server"]
-            if states and all("mp-trained" in s.skipped for s in states):
-                break
-            time.sleep(0.1)
-        assert states and all("not served in LMCache MP mode" in s.skipped["mp-trained"] for s in states)
-        assert all("mp-trained" not in s.cartridges for s in states)
+        with pytest.raises(NotServed, match="not served in LMCache MP mode") as e:  # what the gateway answers
+            mp["vllm"].wait_served([mp["registry"].get("mp-trained")])
+        assert e.value.status == 400
     finally:
         mp["registry"].remove("mp-trained")

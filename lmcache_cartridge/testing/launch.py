@@ -133,6 +133,45 @@ class VllmServer(VllmProcess):
                    lambda states: all(cartridge_id not in s.cartridges for s in states), timeout)
 
 
+class MpVllmServer(VllmServer):
+    """vLLM on LMCache's `LMCacheMPConnector`, attached to its own `lmcache server` with the
+    cartridge L2 adapter (`tools.lmcache_server`, started and ready first, stopped with it). What
+    is served is read from the adapter's serving-state records (`cache_dir`), so `wait_served`,
+    `wait_not_served` and the gateway's wait work as for the in-process plugin."""
+
+    def __init__(self, root: Path, model: str, *, registry: Path, cache_dir: Path,
+                 transfer_mode: str = "engine_driven", chunk_size: int = 256, l1_size_gb: float = 1.0,
+                 refresh: float = 0.2, **kw) -> None:
+        from lmcache_cartridge.tools.lmcache_server import LmcacheServer
+
+        self.lmcache_server = LmcacheServer(Path(root) / "lmcache-server",
+                                            {"registry": str(registry), "cache_dir": str(cache_dir),
+                                             "refresh_seconds": refresh},
+                                            chunk_size=chunk_size, l1_size_gb=l1_size_gb)
+        try:
+            self.lmcache_server.wait_ready()
+            super().__init__(root, model, connector=self.lmcache_server.connector(transfer_mode), **kw)
+        except BaseException:
+            self.lmcache_server.stop()
+            raise
+        self.transfer_mode = transfer_mode
+        self.cache_dir = Path(cache_dir)
+
+    def _ours(self, state: ServingState) -> bool:
+        if state.role != "mp-server" or state.host != socket.gethostname():
+            return False
+        try:
+            return os.getpgid(state.pid) == self.lmcache_server.proc.pid
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            self.lmcache_server.stop()
+
+
 def _plugin_cache_dir(lmcache: dict[str, Any] | None) -> Path | None:
     """The cache dir the server's cartridge plugin publishes under (None: no LMCache, no plugin)."""
     if lmcache is None:
