@@ -41,7 +41,8 @@ def test_kv_rank_decoding_is_lmcaches_packing(world):
 
     compute = getattr(OK, "ComputeKVRank")
     for rank in range(world):
-        assert kv_world_and_rank(compute(world, rank, world, rank)) == (world, rank)
+        # local world and rank differ from the global ones (two nodes): the global ones are decoded
+        assert kv_world_and_rank(compute(world, rank, max(1, world // 2), rank % max(1, world // 2))) == (world, rank)
 
 
 def test_mp_server_command_reads_the_plugin_yaml(tmp_path, capsys):
@@ -114,5 +115,69 @@ def test_a_tensor_parallel_key_is_served_its_ranks_heads(tmp_path):
         reg.remove("doc")
         adapter.refresh()
         assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc)).popcount() == 0
+    finally:
+        adapter.close()
+
+
+def test_two_models_cartridges_of_the_same_tokens_stay_apart(tmp_path):
+    """The server's chunk hash chains token ids only: two models' cartridges of the same tokens
+    have the same hashes and are told apart by the key's model name (each gets its own KV)."""
+    L, H, D = 2, 2, 16
+    ids = list(range(300, 300 + CHUNK))
+    reg = Registry(tmp_path / "reg.db")
+    kvs = {}
+    for n, model in enumerate(("model-a", "model-b")):
+        kvs[model] = random_kv(L, CHUNK, H, D, seed=20 + n)
+        pack_kv(kvs[model], tmp_path / model, cartridge_id=f"doc-{model}", model=model, kind="first_k",
+                token_ids=ids, chunk_size=CHUNK)
+        reg.register(tmp_path / model)
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 60})
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        (h,) = hasher.compute_chunk_hashes(ids)
+        rank = ObjectKey.ComputeKVRank(1, 0, 1, 0)
+        keys = [ObjectKey(h, m, rank, 0, "") for m in kvs]
+        objs = [SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16)) for _ in keys]
+        assert _wait(adapter, "load", adapter.submit_load_task(keys, objs)).popcount() == 2
+        for model, obj in zip(kvs, objs):
+            assert torch.equal(obj.tensor, kvs[model].reshape(2, L, CHUNK, -1)), model
+    finally:
+        adapter.close()
+
+
+def test_bad_bytes_quarantine_the_cartridge_across_unrelated_registry_changes(tmp_path):
+    """A flipped byte in a local payload: the load misses (nothing reaches L1) and the cartridge is
+    quarantined with the reason; registering another cartridge does not bring it back."""
+    from lmcache_cartridge.cartridge.manifest import PAYLOAD_NAME
+
+    L, H, D = 2, 2, 16
+    ids = list(range(500, 500 + CHUNK))
+    pack_kv(random_kv(L, CHUNK, H, D, seed=9), tmp_path / "bad", cartridge_id="bad", model=MODEL,
+            kind="first_k", token_ids=ids, chunk_size=CHUNK)
+    reg = Registry(tmp_path / "reg.db")
+    reg.register(tmp_path / "bad")
+    payload = tmp_path / "bad" / PAYLOAD_NAME
+    raw = bytearray(payload.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    payload.write_bytes(bytes(raw))
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 60})
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        key = ObjectKey(hasher.compute_chunk_hashes(ids)[0], MODEL, ObjectKey.ComputeKVRank(1, 0, 1, 0), 0, "")
+        obj = SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16))
+        assert _wait(adapter, "load", adapter.submit_load_task([key], [obj])).popcount() == 0
+        assert "bad" in adapter.report_status()["not_served"]
+        pack_kv(random_kv(L, CHUNK, H, D, seed=10), tmp_path / "other", cartridge_id="other", model=MODEL,
+                kind="first_k", token_ids=list(range(900, 900 + CHUNK)), chunk_size=CHUNK)
+        reg.register(tmp_path / "other")
+        assert adapter.refresh()
+        status = adapter.report_status()
+        assert status["cartridges"] == 1 and "bad" in status["not_served"]
+        desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
+        assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task([key], desc)).popcount() == 0
     finally:
         adapter.close()

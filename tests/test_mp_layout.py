@@ -61,8 +61,8 @@ def test_cpu_rows_are_what_vllm_and_lmcache_write(isa):
 
 
 def test_another_isa_writes_other_bytes():
-    """vec16 and amx both differ from vec where their region interiors differ (K transposed vs tiles):
-    an encoder of the wrong ISA is caught by the comparison above."""
+    """"amx" packs K and V in tiles where "vec" transposes K: a "vec" encoder's rows for an amx
+    engine differ, so an encoder of the wrong ISA is caught by the comparison above."""
     runnable("amx")
     kv = torch.randn(2, L, 2 * T, H, D, generator=torch.Generator().manual_seed(4)).to(DT)
     objs = lmcache_objects(kv, "amx")

@@ -25,7 +25,9 @@ Not served in MP mode yet (refused with a reason in the serving state, so the ga
 instead of a wrong answer): trained cartridges (a miss would make the stock `LMCacheMPConnector`
 recompute placeholder ids: they need the readiness rule of the connector still to be built), and
 KV a client brought (its isolation rides on a key tag MP keys do not carry). Memory: the server's
-own L1 is the memory tier in MP mode, so the adapter keeps no CPU tier of its own.
+own L1 is the memory tier in MP mode, so the adapter keeps no CPU tier of its own. Stores complete
+at once with 0 bytes (read-only): do not run the server with the `skip_l1` store policy, under
+which LMCache drops from L1 what it believes an L2 adapter stored.
 
 Where it runs: in the `lmcache server` process. Who calls it: the server's store controller thread
 (`submit_store_task`, `pop_completed_store_tasks`) and prefetch controller thread (lookups,
@@ -101,7 +103,8 @@ class CartridgeL2AdapterConfig(L2AdapterConfigBase):
 @dataclass(eq=False)
 class _Served:
     """One cartridge the server serves: its manifest, origin, chunk hashes and one residency
-    handle per (world size, rank) asked (each reads only that rank's heads)."""
+    handle per (world size, rank) asked (each reads only that rank's heads). `handles` is made on
+    the reader thread and read by the watcher: guarded by `lock`."""
 
     entry: Entry
     manifest: Manifest
@@ -110,15 +113,47 @@ class _Served:
     models: frozenset[str]
     handles: dict[tuple[int, int], Handle] = field(default_factory=dict)
     retired: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def handle(self, world: int, rank: int) -> Handle:
-        h = self.handles.get((world, rank))
-        if h is None:  # raises IncompatibleCartridgeError when `world` does not split the heads
-            h = Handle(self.manifest, self.origin, servable=len(self.hashes),
-                       view=RankView.of(self.manifest, world, rank))
-            h.retired = self.retired
-            self.handles[(world, rank)] = h
-        return h
+        with self.lock:
+            h = self.handles.get((world, rank))
+            if h is None:  # raises IncompatibleCartridgeError when `world` does not split the heads
+                h = Handle(self.manifest, self.origin, servable=len(self.hashes),
+                           view=RankView.of(self.manifest, world, rank))
+                h.retired = self.retired
+                self.handles[(world, rank)] = h
+            return h
+
+    def any_handle(self) -> Handle:
+        with self.lock:
+            got = next(iter(self.handles.values()), None)
+        return got or Handle(self.manifest, self.origin, servable=len(self.hashes))
+
+    def retire(self) -> None:
+        with self.lock:
+            self.retired = True
+            for h in self.handles.values():
+                h.retired = True
+
+    def same_bytes(self, e: Entry) -> bool:
+        return (self.entry.content_hash, self.entry.path, self.entry.epoch) == (e.content_hash, e.path, e.epoch)
+
+
+@dataclass(frozen=True)
+class _Quarantine:
+    """Bytes found bad: not served again until the registered bytes change (as the plugin's)."""
+
+    content_hash: str
+    epoch: int
+    path: str
+    why: str
+
+    def matches(self, e: Entry) -> bool:
+        return (e.content_hash, e.epoch, e.path) == (self.content_hash, self.epoch, self.path)
+
+
+MAX_PENDING_RESULTS = 4096  # results nobody took (a request aborted mid-lookup): oldest dropped beyond this
 
 
 class CartridgeL2Adapter(L2AdapterInterface):
@@ -139,12 +174,16 @@ class CartridgeL2Adapter(L2AdapterInterface):
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._done: dict[str, dict[int, Any]] = {"store": {}, "lookup": {}, "load": {}}
-        self._index: dict[bytes, tuple[_Served, int]] = {}
+        # (chunk hash, model name) -> (cartridge, chunk): the server's hash chains tokens only, so two
+        # models' cartridges of the same tokens share hashes and are told apart by the key's model.
+        self._index: dict[tuple[bytes, str], tuple[_Served, int]] = {}
         self._served: dict[str, _Served] = {}
         self._skipped: dict[str, str] = {}
+        self._quarantined: dict[str, _Quarantine] = {}
         self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, salt) of keys answered
-        self._tombstones: list[list[bytes]] = []  # chunk hashes to purge from L1 until none is skipped
-        self._block_sizes: dict[tuple[str, int], int] = {}
+        self._tombstones: set[bytes] = set()  # retired chunk hashes to purge from L1 until none is skipped
+        self._refused: set[tuple] = set()  # refusals logged once
+        self._refresh_lock = threading.Lock()  # one refresh at a time (attach vs. the watcher)
         self._pool = threads.pool(1, "cartridge-mp")
         self._ctx = None
         self._transfer_modules: list = []
@@ -166,8 +205,9 @@ class CartridgeL2Adapter(L2AdapterInterface):
         (block sizes of vLLM-CPU engines); index the registry with them."""
         self._transfer_modules = [m for m in modules if type(m).__name__ in
                                   ("EngineDrivenTransferModule", "LMCacheDrivenTransferModule")]
-        self._ctx = server_context
-        self._version = -1
+        with self._refresh_lock:
+            self._ctx = server_context
+            self._version = -1
         self.refresh()
         logger.info("lmcache_cartridge MP adapter attached: chunk_size %d, %d cartridges served, %d not (%s)",
                     server_context.chunk_size, len(self._served), len(self._skipped),
@@ -175,6 +215,13 @@ class CartridgeL2Adapter(L2AdapterInterface):
 
     # --- registry -> index (watcher thread; `refresh` also from tests) --------------------------
     def refresh(self) -> bool:
+        """Re-read the registry if it changed (watcher thread, `attach`; serialized). The new
+        index is built whole and swapped in under the lock; a quarantine that lands meanwhile
+        stays (checked again at the swap)."""
+        with self._refresh_lock:
+            return self._refresh()
+
+    def _refresh(self) -> bool:
         if self._ctx is None:
             return False
         version = self.registry.data_version()
@@ -183,36 +230,55 @@ class CartridgeL2Adapter(L2AdapterInterface):
         entries = {e.id: e for e in self.registry.list()}
         with self._lock:
             current = dict(self._served)
-        served, skipped = {}, {}
+            quarantined = dict(self._quarantined)
+        served, skipped, fresh = {}, {}, []
         for cid, e in entries.items():
             old = current.get(cid)
-            if old is not None and (old.entry.content_hash, old.entry.path, old.entry.epoch) == \
-                    (e.content_hash, e.path, e.epoch):
+            if old is not None and old.same_bytes(e):
                 served[cid] = old
+                continue
+            if cid in quarantined and quarantined[cid].matches(e):
                 continue
             try:
                 served[cid] = self._open(e)
+                fresh.append(served[cid])
             except Exception as ex:  # one bad entry never blocks the rest
                 skipped[cid] = str(ex) if isinstance(ex, CartridgeError) else f"{type(ex).__name__}: {ex}"
                 logger.error("lmcache_cartridge: not serving cartridge %r in MP mode: %s", cid, skipped[cid])
-        retired = [s for cid, s in current.items() if served.get(cid) is not s]
-        fresh = [s for cid, s in served.items() if current.get(cid) is not s]
-        index = {h: (s, i) for s in served.values() for i, h in enumerate(s.hashes)}
+        # force_redownload (same bytes, new epoch): drop the disk copies before the new epoch is served
+        for cid, s in served.items():
+            old = current.get(cid)
+            if old is not None and old is not s and old.manifest.content_hash == s.manifest.content_hash:
+                self.residency.forget(s.manifest.content_hash, disk=True)
+        # KV the server's L1 holds under a fresh cartridge's keys was stored before it was served
+        self._purge_hashes({h for s in fresh for h in s.hashes})
         with self._lock:
-            self._served, self._index, self._skipped = served, index, skipped
+            still = {cid: q for cid, q in self._quarantined.items() if cid in entries and q.matches(entries[cid])}
+            served = {cid: s for cid, s in served.items() if cid not in still}
+            index = {(h, model): (s, i) for s in served.values() for i, h in enumerate(s.hashes) for model in s.models}
+            retired = [s for cid, s in self._served.items() if served.get(cid) is not s]
+            self._served, self._index, self._quarantined = served, index, still
+            self._skipped = skipped | {cid: q.why for cid, q in still.items()}
+            live = {h for h, _ in index}
             for s in retired:
-                s.retired = True
-                for h in s.handles.values():
-                    h.retired = True
-            # KV the server holds under these keys (a retired cartridge's loads, or what vLLM
-            # stored before the cartridge was served) is purged until nothing is skipped.
-            self._tombstones.extend(s.hashes for s in retired + fresh)
+                s.retire()
+                self._tombstones |= set(s.hashes) - live
         for s in retired:
-            self.residency.forget(s.manifest.content_hash)
+            self._after_retire(s, forget=s.manifest.content_hash not in {x.manifest.content_hash for x in served.values()})
         self._purge()
         self._version = version
         self.publish()
         return True
+
+    def _after_retire(self, s: _Served, forget: bool = True) -> None:
+        """Outside the lock: its local copies go (unless another entry serves the same bytes) and
+        its origin is closed on the reader thread, after any load of it already queued there."""
+        if forget:
+            self.residency.forget(s.manifest.content_hash)
+        try:
+            self._pool.submit(s.origin.close)
+        except RuntimeError:  # shut down
+            s.origin.close()
 
     def _open(self, e: Entry) -> _Served:
         m = load_registered(e)
@@ -241,30 +307,41 @@ class CartridgeL2Adapter(L2AdapterInterface):
     def _watch(self) -> None:
         while not self._closed.wait(self.settings.refresh_seconds):
             try:
-                self.refresh()
-                self._purge()
-                self.publish()
+                if not self.refresh():  # a refresh purges and publishes itself
+                    self._purge()
+                    self.publish()
             except Exception as e:  # a locked registry, a full disk: keep serving what we have
                 logger.warning("lmcache_cartridge MP adapter: refresh failed: %s", e)
 
     def _purge(self) -> None:
-        """Delete tombstoned chunks from the server's L1 under every (model, rank, group, salt)
-        answered so far; keep a tombstone while the server skips any (locked by a read)."""
-        sm = getattr(self._ctx, "storage_manager", None)
-        if sm is None:
+        """Delete retired chunks from the server's L1 under every (model, rank, group, salt)
+        answered so far; a chunk stays tombstoned while the server skips any of its keys (locked
+        by a read in flight) and leaves once it is served again."""
+        with self._lock:
+            stones = set(self._tombstones)
+        if not stones:
             return
+        done = self._purge_hashes(stones)
+        with self._lock:
+            live = {h for h, _ in self._index}
+            self._tombstones -= done | live
+
+    def _purge_hashes(self, hashes: set[bytes]) -> set[bytes]:
+        """Delete these chunks' keys from L1; return the hashes none of whose keys was skipped
+        (all of them when there is no server storage manager to purge, as in unit tests)."""
+        sm = getattr(self._ctx, "storage_manager", None)
+        if sm is None or not hashes:
+            return set(hashes)
         from lmcache.v1.distributed.api import ObjectKey
 
         with self._lock:
-            stones, self._tombstones = self._tombstones, []
             asked = list(self._asked)
-        keep = []
-        for hashes in stones:
-            keys = [ObjectKey(h, model, kv_rank, group, salt) for h in hashes for model, kv_rank, group, salt in asked]
-            if keys and sm.delete_l1_keys(keys, force=False)[1]:
-                keep.append(hashes)
-        with self._lock:
-            self._tombstones.extend(keep)
+        done = set()
+        for h in hashes:
+            keys = [ObjectKey(h, model, kv_rank, group, salt) for model, kv_rank, group, salt in asked]
+            if not keys or not sm.delete_l1_keys(keys, force=False)[1]:
+                done.add(h)
+        return done
 
     # --- published state (gateway, stats, doctor) ------------------------------------------------
     def publish(self) -> None:
@@ -274,8 +351,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
         carts = {}
         for s in served:
             n = len(s.hashes)
-            h = next(iter(s.handles.values()), None) or Handle(s.manifest, s.origin, servable=n)
-            local = ALL if s.origin.local or self.residency.resident(h) else ()
+            local = ALL if s.origin.local or self.residency.resident(s.any_handle()) else ()
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.manifest.kind, n, local)
         models = sorted({m for s in served for m in s.models} | set(self.settings.accept_models))
         state = ServingState(
@@ -303,7 +379,10 @@ class CartridgeL2Adapter(L2AdapterInterface):
 
     def _complete(self, kind: str, task_id: int, result) -> None:
         with self._lock:
-            self._done[kind][task_id] = result
+            done = self._done[kind]
+            done[task_id] = result
+            while len(done) > MAX_PENDING_RESULTS:  # never taken (an aborted request): oldest go
+                done.pop(next(iter(done)))
         self._efd[kind].notify()
 
     def _take(self, kind: str, task_id: int):
@@ -345,8 +424,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
 
     def _where(self, key) -> tuple[_Served, int] | None:
         with self._lock:
-            hit = self._index.get(bytes(key.chunk_hash))
-        if hit is None or hit[0].retired or key.model_name not in hit[0].models or key.cache_salt:
+            hit = self._index.get((bytes(key.chunk_hash), key.model_name))
+        if hit is None or hit[0].retired or key.cache_salt:
             # A salted request (vLLM cache_salt) keeps its own prefix cache; cartridges are served
             # to requests without one (the gateway sends none for cartridge requests).
             return None
@@ -354,7 +433,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
 
     def _layout(self, s: _Served, index: int, key, shape, dtype):
         """This key's rank handle and the chunk's object layout, or None when the object cannot be
-        filled from the chunk (another world size's heads, another shape or dtype)."""
+        filled from the chunk (another world size's heads, another shape or dtype; logged once)."""
         world, rank = kv_world_and_rank(key.kv_rank)
         m = s.manifest
         try:
@@ -363,19 +442,21 @@ class CartridgeL2Adapter(L2AdapterInterface):
                 raise CartridgeError(f"object dtype {dtype}, cartridge {m.dtype}")
             heads = h.view.heads[1] - h.view.heads[0]
             lay = classify(shape, dtype, num_layers=m.num_layers, num_tokens=m.chunks[index].num_tokens,
-                           heads=heads, head_dim=m.head_dim, block_size=self._block_size(key.model_name, world))
+                           heads=heads, head_dim=m.head_dim,
+                           block_size=lambda: self._block_size(key.model_name, world))
             return h, lay
         except Exception as e:
-            logger.warning("lmcache_cartridge MP adapter: chunk %d of %r not served to %s (world %d rank %d): %s",
-                           index, m.cartridge_id, key.model_name, world, rank, e)
+            once = (s.entry.id, key.model_name, world, tuple(shape), type(e).__name__)
+            if once not in self._refused and len(self._refused) < 1024:
+                self._refused.add(once)
+                logger.warning("lmcache_cartridge MP adapter: %r not served to %s (world %d, object %s): %s",
+                               m.cartridge_id, key.model_name, world, list(shape), e)
             return None
 
     def _block_size(self, model: str, world: int) -> int | None:
-        """The block size the server's registration of a vLLM-CPU engine of (model, world) declared:
-        engine-driven contexts report it, LMCache-driven CPU contexts hold it."""
-        got = self._block_sizes.get((model, world))
-        if got is not None:
-            return got
+        """The block size the server's registration of a vLLM-CPU engine of (model, world) declares
+        now (engine-driven contexts report it, LMCache-driven CPU contexts hold it); asked per
+        lookup of vLLM-CPU rows, never kept: an engine may re-register with another block size."""
         for mod in self._transfer_modules:
             if hasattr(mod, "context_entries_snapshot"):  # LMCache-driven: the shared-memory cache context
                 found = [e.cache_context.block_size for e in mod.context_entries_snapshot().values()
@@ -385,9 +466,10 @@ class CartridgeL2Adapter(L2AdapterInterface):
                 meta = mod.report_status().get("non_cuda_context_meta", {})
                 found = [v["block_size"] for v in meta.values()
                          if v.get("model_name") == model and int(v.get("world_size", 0)) == world]
-            if found:
-                got = self._block_sizes[(model, world)] = int(found[0])
-                return got
+            if len(set(found)) == 1:
+                return int(found[0])
+            if found:  # two engines of (model, world) with different block sizes: rows are ambiguous
+                return None
         return None
 
     def _lookup(self, keys, descs) -> Bitmap:
@@ -437,7 +519,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
                 continue
             h, lay = got
             try:
-                self.residency.read_into(h, i, obj.tensor, network=False, encode=encoder_for(lay))
+                self.residency.read_into(h, i, obj.tensor, network=False, encode=encoder_for(lay))  # in the try: a
+                # failed encoder is this key's miss, not the batch's
             except NotLocal:
                 self.residency.download_async(h, on_done=lambda _h: self.publish())
                 continue
@@ -455,14 +538,20 @@ class CartridgeL2Adapter(L2AdapterInterface):
         return bits
 
     def _quarantine(self, s: _Served, why: str) -> None:
+        """Bad bytes at a local origin: not served again until the registered bytes change
+        (sticky across unrelated registry changes, as the plugin's quarantine)."""
+        e = s.entry
         with self._lock:
-            if self._served.get(s.entry.id) is not s:
+            if self._served.get(e.id) is not s:
                 return
-            s.retired = True
+            s.retire()
             self._served = {k: v for k, v in self._served.items() if v is not s}
             self._index = {k: v for k, v in self._index.items() if v[0] is not s}
-            self._skipped = {**self._skipped, s.entry.id: why}
-            self._tombstones.append(s.hashes)
+            self._quarantined = {**self._quarantined, e.id: _Quarantine(e.content_hash, e.epoch, e.path, why)}
+            self._skipped = {**self._skipped, e.id: why}
+            live = {h for h, _ in self._index}
+            self._tombstones |= set(s.hashes) - live
+        self._after_retire(s)
         self._purge()
         self.publish()
 
@@ -474,8 +563,17 @@ class CartridgeL2Adapter(L2AdapterInterface):
                     "attached": self._ctx is not None}
 
     def close(self) -> None:
+        """Called by the server's storage manager before it frees L1: wait for a load in flight
+        (it writes into L1 buffers), stop the watcher, close every origin."""
         self._closed.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._watcher.join(timeout=5)
+        with self._lock:
+            served = list(self._served.values())
+            self._served, self._index = {}, {}
+        for s in served:
+            s.retire()
+            s.origin.close()
         self.residency.close()
         for e in self._efd.values():
             e.close()

@@ -47,15 +47,18 @@ class ObjectLayout:
 
 
 def classify(shape, dtype: torch.dtype, *, num_layers: int, num_tokens: int, heads: int, head_dim: int,
-             block_size: int | None) -> ObjectLayout:
+             block_size: "int | Callable[[], int | None] | None") -> ObjectLayout:
     """The layout an MP object of `shape`/`dtype` holds for a chunk of this geometry (this rank's
     `heads`), or `CartridgeError` saying why the chunk cannot fill it. `block_size` is the vLLM-CPU
-    engine's block size (from the server's engine-driven registration), None where unknown."""
+    engine's block size (from the server's registration of it), None where unknown, or a callable
+    asked only for vLLM-CPU rows."""
     shape = tuple(int(x) for x in shape)
     if shape == (2, num_layers, num_tokens, heads * head_dim):
         return ObjectLayout(KV_2LTD, num_layers, num_tokens, heads, head_dim, dtype)
     rows = shape[1:] if len(shape) == 4 and shape[0] == 1 else shape
     if rows == (num_layers, num_tokens, heads * 2 * head_dim):
+        if callable(block_size):
+            block_size = block_size()
         if not block_size:
             raise CartridgeError("vLLM-CPU rows without a known block size (no engine-driven registration "
                                  "for this model and world size)")
