@@ -181,3 +181,27 @@ def test_bad_bytes_quarantine_the_cartridge_across_unrelated_registry_changes(tm
         assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task([key], desc)).popcount() == 0
     finally:
         adapter.close()
+
+
+def test_doctor_fails_on_an_adapter_the_server_module_never_attached(tmp_path, capsys):
+    """Without `--server-module` the adapter serves nothing (it has no hasher): its serving state
+    says so and `doctor`, reading the same registry and cache, fails naming the fix."""
+    from lmcache_cartridge.tools.cli import main
+
+    reg, cache = tmp_path / "reg.db", tmp_path / "cache"
+    Registry(reg)
+    yaml_path = tmp_path / "lmc.yaml"
+    yaml_path.write_text(
+        "chunk_size: 64\nlocal_cpu: true\nmax_local_cpu_size: 1\nstorage_plugins: [\"cartridge\"]\n"
+        "pre_caching_hash_algorithm: sha256_cbor\nextra_config:\n"
+        "  storage_plugin.cartridge.module_path: lmcache_cartridge.plugin\n"
+        "  storage_plugin.cartridge.class_name: CartridgeStoragePlugin\n"
+        f"  storage_plugin.cartridge.registry: {reg}\n  storage_plugin.cartridge.cache_dir: {cache}\n")
+    adapter = CartridgeL2Adapter({"registry": str(reg), "cache_dir": str(cache), "refresh_seconds": 60})
+    try:
+        adapter.publish()
+        rc = main(["doctor", "--config", str(yaml_path)])
+        out = capsys.readouterr().out
+        assert rc == 1 and "LMCache MP server" in out and "--server-module" in out, out
+    finally:
+        adapter.close()

@@ -550,8 +550,11 @@ def cmd_doctor(args) -> int:
     check("OK", f"{len(running)} running plugin instance(s) of "
                 f"{'model ' + repr(args.model) if args.model else 'any model'} on this registry")
     for st in running:
-        check("OK", f"{st.instance} (model {st.model}, rank {st.rank}/{st.world_size}, pid {st.pid}): "
+        where = "LMCache MP server" if st.role == "mp-server" else f"rank {st.rank}/{st.world_size}"
+        check("OK", f"{st.instance} (model {st.model}, {where}, pid {st.pid}): "
                     f"serves {len(st.cartridges)} cartridge(s)")
+        if not st.healthy:
+            check("FAIL", f"{st.instance} serves nothing: {st.problem}")
         for cid, why in sorted(st.skipped.items()):
             check("WARN", f"{st.instance} does not serve {cid}: {why}")
     return EXIT_PROBLEMS if any(level == "FAIL" for level, _ in results) else 0
