@@ -84,7 +84,7 @@ answers: $(STAMP)
 # resumable: rerun continues in .cache/quality/quality. `benchmarks/quality.py --smoke` proves
 # every arm in ~8 min (tiny training). Results: benchmarks/results/quality/quality.{md,json,png}.
 quality: $(STAMP)
-	$(PY) benchmarks/quality.py --conversations 128 --heldout 8 --steps 150 --batch-size 8
+	$(PY) benchmarks/quality.py --conversations 128 --heldout 8 --steps 100 --batch-size 8
 
 fleet: $(STAMP) $(ROUTER_VENV)/.installed
 	$(PY) benchmarks/fleet.py
