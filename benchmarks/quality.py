@@ -31,7 +31,7 @@ resumes through its own work directory (rerun the same command). One vLLM server
 first-k KV maker is stopped before the serving server starts.
 
     .venv/bin/python benchmarks/quality.py --smoke                  # every arm, tiny training, minutes
-    .venv/bin/python benchmarks/quality.py --conversations 128 --steps 150  # the full run (make quality)
+    .venv/bin/python benchmarks/quality.py --conversations 128 --steps 100  # the full run (make quality)
 """
 
 from __future__ import annotations
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--conversations", type=int, default=128, help="self-study conversations per document")
     ap.add_argument("--heldout", type=int, default=8, help="held-out self-study conversations (the KL metric)")
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-2)
     ap.add_argument("--eval-every", type=int, default=30)
