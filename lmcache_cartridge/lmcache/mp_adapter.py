@@ -59,6 +59,7 @@ from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import CartridgeError, ChecksumError
+from lmcache_cartridge.lmcache.plugin import Quarantine
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_settings
 from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store import threads
@@ -140,19 +141,6 @@ class _Served:
         return (self.entry.content_hash, self.entry.path, self.entry.epoch) == (e.content_hash, e.path, e.epoch)
 
 
-@dataclass(frozen=True)
-class _Quarantine:
-    """Bytes found bad: not served again until the registered bytes change (as the plugin's)."""
-
-    content_hash: str
-    epoch: int
-    path: str
-    why: str
-
-    def matches(self, e: Entry) -> bool:
-        return (e.content_hash, e.epoch, e.path) == (self.content_hash, self.epoch, self.path)
-
-
 MAX_PENDING_RESULTS = 4096  # results nobody took (a request aborted mid-lookup): oldest dropped beyond this
 
 
@@ -179,7 +167,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
         self._index: dict[tuple[bytes, str], tuple[_Served, int]] = {}
         self._served: dict[str, _Served] = {}
         self._skipped: dict[str, str] = {}
-        self._quarantined: dict[str, _Quarantine] = {}
+        self._quarantined: dict[str, Quarantine] = {}
         self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, salt) of keys answered
         self._tombstones: set[bytes] = set()  # retired chunk hashes to purge from L1 until none is skipped
         self._refused: set[tuple] = set()  # refusals logged once
@@ -547,7 +535,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
             s.retire()
             self._served = {k: v for k, v in self._served.items() if v is not s}
             self._index = {k: v for k, v in self._index.items() if v[0] is not s}
-            self._quarantined = {**self._quarantined, e.id: _Quarantine(e.content_hash, e.epoch, e.path, why)}
+            self._quarantined = {**self._quarantined, e.id: Quarantine(e.content_hash, e.epoch, e.path, why)}
             self._skipped = {**self._skipped, e.id: why}
             live = {h for h, _ in self._index}
             self._tombstones |= set(s.hashes) - live

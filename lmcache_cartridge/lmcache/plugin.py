@@ -94,8 +94,9 @@ class _Tombstone:
 
 
 @dataclass(frozen=True)
-class _Quarantine:
-    """Bytes found bad at their origin: not served again until the registered bytes change."""
+class Quarantine:
+    """Bytes found bad at their origin: not served again until the registered bytes change
+    (the in-process plugin and the MP adapter keep the same record)."""
 
     content_hash: str
     epoch: int
@@ -119,7 +120,7 @@ class _State:
     # lease, so a pin LMCache never releases cannot absorb unpins for ever.
     expired: dict[Any, deque] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)            # id -> why not served
-    quarantined: dict[str, _Quarantine] = field(default_factory=dict)
+    quarantined: dict[str, Quarantine] = field(default_factory=dict)
     tombstones: list[_Tombstone] = field(default_factory=list)
 
 
@@ -609,7 +610,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             served_now = {cid: s for cid, s in st.served.items() if s is not served}
             index = {k: v for k, v in st.index.items() if v[0] is not served}
             st.served, st.index = served_now, index
-            st.quarantined = st.quarantined | {e.id: _Quarantine(e.content_hash, e.epoch, e.path, why)}
+            st.quarantined = st.quarantined | {e.id: Quarantine(e.content_hash, e.epoch, e.path, why)}
             st.skipped = st.skipped | {e.id: why}
             self._retire_locked(served)
         self._after_retire(served)
