@@ -30,7 +30,7 @@ Arms on four vLLM servers, all started with the SAME `VLLM_CPU_OMP_THREADS_BIND`
     cell and must equal requests x document tokens (document lengths are whole 256-token chunks).
 (c) `prefix_cache`: plain vLLM, `--enable-prefix-caching`, the document sent once to warm, then
     only the suffix is computed: the limit for any KV injection.
-(e) `cartridge_mp`: LMCache's multiprocess mode: vLLM on `LMCacheMPConnector`, prefix caching
+(e) `cartridge_mp`: LMCache's multiprocess mode: vLLM on `CartridgeMPConnector`, prefix caching
     off, attached to an `lmcache server` whose L2 adapter serves the same cartridge
     (`lmcache_cartridge.lmcache.mp_adapter`). `first`: removed and registered again before every
     burst (the adapter reads the packed file, verifies it, writes vLLM-CPU rows into the server's
@@ -561,7 +561,7 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
     """Start (not wait for) one server. kind: `plain` (prefix caching off), `prefix` (plain, prefix
     caching on), `lmcache` (LMCache + plugin + CartridgeConnector, prefix caching on: arms that
     must not be served by it salt their requests, see SALTED_ARMS) or `mp` (an `lmcache server`
-    with the cartridge adapter and vLLM on LMCacheMPConnector, prefix caching off).
+    with the cartridge adapter and vLLM on CartridgeMPConnector, prefix caching off).
     Returns (server, registry or None)."""
     from lmcache_cartridge.testing.launch import MpVllmServer, VllmServer, lmcache_config
     from lmcache_cartridge.store.registry import Registry
@@ -674,7 +674,7 @@ def markdown(result: dict) -> str:
            "- (d) the (b) server, requests without a salt: the cartridge loaded through LMCache once, "
            "then served from vLLM's prefix cache (the steady state while vLLM's block pool holds it);",
            "- (e) LMCache's multiprocess mode: an `lmcache server` with the cartridge L2 adapter, vLLM on "
-           "LMCacheMPConnector (engine-driven transfer), prefix caching off; *first hit* right after "
+           "CartridgeMPConnector (engine-driven transfer), prefix caching off; *first hit* right after "
            "(re-)registration, *repeat* = served once before (the server keeps no L2 load in L1 by default).", "",
            "`(!ext)`: vLLM's external-KV token counter (or, for (d), its prefix-cache hit counter) did "
            "not equal requests x document tokens.", ""]
@@ -981,7 +981,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 server.stop()
         if "cartridge_mp" in arms:
             arms_used["cartridge_mp"] = ("lmcache server (cartridge L2 adapter, engine-driven transfer) + vLLM on "
-                                         "LMCacheMPConnector, prefix caching off")
+                                         "CartridgeMPConnector, prefix caching off")
             server, registry = serve("mp", "cartridge_mp")
             try:
                 record("cartridge_mp", server, run_arm("cartridge_mp", server, docs, plan, registry=registry,

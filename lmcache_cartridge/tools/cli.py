@@ -928,8 +928,9 @@ def build_parser() -> argparse.ArgumentParser:
              "vLLM attaches with LMCacheMPConnector. This runs it with the cartridge L2 adapter and its\n"
              "server module, configured from the same LMCache YAML as the in-process plugin (registry,\n"
              "cache_dir, accept_models, s3.*; chunk_size and pre_caching_hash_algorithm become the\n"
-             "server's). vLLM: configs/vllm-serve-mp.sh. MP mode serves first-k cartridges; trained\n"
-             "ones need the in-process mode for now (docs/deployment.md).",
+             "server's). vLLM: configs/vllm-serve-mp.sh (CartridgeMPConnector: trained cartridges wait\n"
+             "for their KV or fail, never recomputed). KV a client brought: in-process mode only\n"
+             "(docs/deployment.md).",
              "lmcache-cartridge mp-server --config configs/lmcache-cartridge.yaml --port 5555")
     sp.add_argument("--config", default=SERVER_CONFIG,
                     help="LMCache YAML with the cartridge plugin's settings; default $LMCACHE_CONFIG_FILE")

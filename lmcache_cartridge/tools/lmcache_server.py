@@ -37,11 +37,14 @@ def server_command(port: int, http_port: int, adapter_params: dict[str, Any], *,
             "--server-module", json.dumps(SERVER_MODULE)]
 
 
-def mp_connector(port: int, *, transfer_mode: str = "engine_driven", host: str = "127.0.0.1") -> dict[str, Any]:
-    """vLLM's `--kv-transfer-config` for LMCache's MP connector attached to that server."""
-    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+def mp_connector(port: int, *, transfer_mode: str = "engine_driven", host: str = "127.0.0.1",
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's `--kv-transfer-config` for the cartridge MP connector (`vllm.mp_connector`:
+    LMCache's `LMCacheMPConnector` + the trained-cartridge rules) attached to that server."""
+    return {"kv_connector": "CartridgeMPConnector", "kv_connector_module_path": "lmcache_cartridge.vllm.mp_connector",
+            "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port,
-                                          "lmcache.mp.mp_transfer_mode": transfer_mode}}
+                                          "lmcache.mp.mp_transfer_mode": transfer_mode, **(extra or {})}}
 
 
 class LmcacheServer:
@@ -65,8 +68,8 @@ class LmcacheServer:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(self.root), start_new_session=True)
 
-    def connector(self, transfer_mode: str = "engine_driven") -> dict[str, Any]:
-        return mp_connector(self.port, transfer_mode=transfer_mode)
+    def connector(self, transfer_mode: str = "engine_driven", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        return mp_connector(self.port, transfer_mode=transfer_mode, extra=extra)
 
     def wait_ready(self, timeout: float = 300) -> "LmcacheServer":
         """Until the HTTP admin API answers (the server is up and its modules are built)."""

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -72,7 +71,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCac
 
 from lmcache_cartridge import ensure_log_handler
 from lmcache_cartridge import settings_reference as ref
-from lmcache_cartridge.vllm.lookup_metrics import LookupTimer, outcome_of
+from lmcache_cartridge.vllm.load_failure import configure_load_failure_policy
+from lmcache_cartridge.vllm.lookup_metrics import LookupTimer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -185,7 +185,7 @@ class CartridgeConnector(LMCacheConnectorV1):
         self._lookups = LookupTimer() if role == KVConnectorRole.SCHEDULER else None
         if role == KVConnectorRole.SCHEDULER and ktc is not None \
                 and not extra.get(ref.KEEP_LOAD_FAILURE_POLICY.name, ref.KEEP_LOAD_FAILURE_POLICY.default):
-            self._set_load_failure_policy(ktc)
+            configure_load_failure_policy(ktc)
         if _on_cpu_backend(vllm_config):
             try:
                 self._cpu_backend = install_cpu_connector_hook(str(vllm_config.cache_config.cache_dtype))
@@ -218,33 +218,6 @@ class CartridgeConnector(LMCacheConnectorV1):
             conn.withdraw_engine_blocks()
             conn.close()
         return super().shutdown()
-
-    @staticmethod
-    def _set_load_failure_policy(ktc) -> None:
-        """Scheduler role, inside vLLM's `Scheduler.__init__` (before it reads the policy):
-        per-request policy first, then "recompute" for the requests it does not fail."""
-        from lmcache_cartridge.vllm.load_failure import install_scheduler_policy
-
-        try:
-            why = install_scheduler_policy()
-        except Exception as e:  # noqa: BLE001 - never stop the engine over it: stay on "fail"
-            why = f"{type(e).__name__}: {e}"
-        before = getattr(ktc, "kv_load_failure_policy", None)
-        policy = "fail" if why is not None else "recompute"
-        try:
-            ktc.kv_load_failure_policy = policy
-        except Exception as e:  # frozen config: vLLM's policy stays as it is, say so
-            logger.warning("lmcache_cartridge: could not set kv_load_failure_policy=%s (%s); it stays %r%s",
-                           policy, e, before, "" if why is None or before == "fail" else
-                           ": a trained cartridge's failed KV load would be recomputed from placeholder tokens")
-            return
-        if why is not None:
-            logger.warning("lmcache_cartridge: per-request KV load failure policy not installed (%s); "
-                           "kv_load_failure_policy %r -> 'fail': every failed KV load fails its request", why, before)
-        else:
-            logger.info("lmcache_cartridge: kv_load_failure_policy %r -> 'recompute' except for trained "
-                        "cartridges: a failed KV load is recomputed, or fails its request if it carries a "
-                        "trained cartridge", before)
 
     def must_not_recompute(self, request) -> bool:
         """Scheduler side, asked by the per-request policy (`load_failure`) for each request with a
@@ -412,42 +385,18 @@ class CartridgeConnector(LMCacheConnectorV1):
         others meanwhile) until the cartridge's KV can be loaded, bounded; then fail, never
         schedule it to be recomputed. Each answer is timed by outcome (`lookup_metrics`: why that
         time is worth a metric)."""
-        t0 = time.perf_counter()
-        answer, outcome = self._matched_tokens(request, num_computed_tokens)
-        if self._lookups is not None:
-            self._lookups.observe(time.perf_counter() - t0, outcome)
-        return answer
+        from lmcache_cartridge.vllm.readiness import gated_answer
 
-    def _matched_tokens(self, request, num_computed_tokens: int) -> tuple[tuple[int | None, bool], str]:
-        """(the answer for vLLM, its `lookup_metrics` outcome)."""
         rid = getattr(request, "request_id", "?")
-        raised, promised = [], []
-
-        def lookup():
-            try:
-                return super(CartridgeConnector, self).get_num_new_matched_tokens(request, num_computed_tokens)
-            except Exception:
-                raised.append(True)  # the gate lets a marked request wait on it: still an error
-                raise
-
-        def promise(need: int):
-            promised.append(need)
-            return self._promise_trained(request, num_computed_tokens, need)
-
         try:
             self._composer.submit(request)  # a composite the gateway made elsewhere: build it here
-            answer = self._gate.match(request, num_computed_tokens, lookup=lookup,
-                                      relookup=lambda: self._impl().lookup_client.clear_lookup_status(rid),
-                                      promise=promise)
-            return answer, "error" if raised else "promised" if promised else outcome_of(answer)
-        except Exception:
-            from lmcache_cartridge.vllm.readiness import required_tokens
-
-            if required_tokens(request):  # never stop the engine; never recompute a trained cartridge
-                logger.exception("lmcache_cartridge: readiness check for request %s raised; it waits", rid)
-                return (None, False), "error"
-            logger.exception("lmcache_cartridge: lookup for request %s raised; recomputing it", rid)
-            return (0, False), "error"
+        except Exception:  # noqa: BLE001 - the readiness rule decides what a missing composite means
+            logger.exception("lmcache_cartridge: composing for request %s failed", rid)
+        return gated_answer(
+            self._gate, self._lookups, request, num_computed_tokens,
+            lookup=lambda: super(CartridgeConnector, self).get_num_new_matched_tokens(request, num_computed_tokens),
+            relookup=lambda: self._impl().lookup_client.clear_lookup_status(rid),
+            promise=lambda need: self._promise_trained(request, num_computed_tokens, need))
 
     def _promise_trained(self, request, num_computed_tokens: int, need: int):
         """The wait is over and the trained cartridge is still not (all) here: schedule its

@@ -111,6 +111,12 @@ def _make_handler(original: Callable) -> Callable:
         if evict:
             self.kv_cache_manager.evict_blocks(evict)
         failed = failed_h | failed_r
+        # An asynchronous load failed this way leaves two notices to come from the workers (the
+        # receive, and the send of a connector that delays frees): a connector that must see only
+        # one of them (`CartridgeMPConnector`) is told which requests they are.
+        note = getattr(self.connector, "note_failed_async_loads", None)
+        if note is not None and failed_h:
+            note({r for r in failed_h if r not in self.finished_recving_kv_req_ids})
         if failed:
             errors = getattr(self, _ERROR_SET)
             if isinstance(errors, dict):  # vLLM 0.33: id -> RequestError (None: vLLM's plain error, as 0.32)
@@ -157,3 +163,30 @@ def install_scheduler_policy() -> str | None:
             return why
         Scheduler._handle_invalid_blocks = _make_handler(current)
     return None
+
+
+def configure_load_failure_policy(ktc) -> None:
+    """Scheduler role, called by both connectors (in-process and MP) inside vLLM's
+    `Scheduler.__init__`, before it reads the policy: the per-request policy first, then vLLM's
+    `kv_load_failure_policy` "recompute" for the requests it does not fail ("fail" for all when
+    the per-request policy cannot be installed)."""
+    try:
+        why = install_scheduler_policy()
+    except Exception as e:  # noqa: BLE001 - never stop the engine over it: stay on "fail"
+        why = f"{type(e).__name__}: {e}"
+    before = getattr(ktc, "kv_load_failure_policy", None)
+    policy = "fail" if why is not None else "recompute"
+    try:
+        ktc.kv_load_failure_policy = policy
+    except Exception as e:  # frozen config: vLLM's policy stays as it is, say so
+        logger.warning("lmcache_cartridge: could not set kv_load_failure_policy=%s (%s); it stays %r%s",
+                       policy, e, before, "" if why is None or before == "fail" else
+                       ": a trained cartridge's failed KV load would be recomputed from placeholder tokens")
+        return
+    if why is not None:
+        logger.warning("lmcache_cartridge: per-request KV load failure policy not installed (%s); "
+                       "kv_load_failure_policy %r -> 'fail': every failed KV load fails its request", why, before)
+    else:
+        logger.info("lmcache_cartridge: kv_load_failure_policy %r -> 'recompute' except for trained "
+                    "cartridges: a failed KV load is recomputed, or fails its request if it carries a "
+                    "trained cartridge", before)

