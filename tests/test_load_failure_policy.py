@@ -183,6 +183,14 @@ def test_unknown_vllm_is_refused_and_the_connector_stays_on_fail(monkeypatch):
     monkeypatch.setattr(load_failure, "install_scheduler_policy", lambda: None)
     configure_load_failure_policy(ktc)
     assert ktc.kv_load_failure_policy == "recompute"
+    # a hybrid model (several KV cache groups): failures come per request, which the per-request
+    # policy does not see, so a trained one would be recomputed: "fail" for all
+    from types import SimpleNamespace
+
+    configure_load_failure_policy(ktc, SimpleNamespace(kv_cache_groups=[object(), object()]))
+    assert ktc.kv_load_failure_policy == "fail"
+    configure_load_failure_policy(ktc, SimpleNamespace(kv_cache_groups=[object()]))
+    assert ktc.kv_load_failure_policy == "recompute"
 
 
 @pytest.mark.parametrize("params, expected", [

@@ -44,6 +44,19 @@ class FakeSchedulerAdapter:
     def free_lookup_locks(self, token_ids, start, end, request_id, cache_salt="", request_configs=None):
         self.freed.append((request_id, start, end))
 
+    def end_session(self, rid):
+        pass
+
+
+class FakeWorkerAdapter:
+    """LMCache's worker adapter as `get_finished` uses it: nothing of its own finished."""
+
+    def get_finished(self, finished_req_ids):
+        return set(finished_req_ids), set()
+
+    def get_block_ids_with_load_errors(self):
+        return set()
+
 
 def _request(rid: str, prompt: int = TRAINED + 40):
     from vllm import SamplingParams
@@ -66,7 +79,11 @@ def make(monkeypatch):
         c = CartridgeMPConnector.__new__(CartridgeMPConnector)  # no server: the scheduler's lookup path only
         c._gate = ReadinessGate(5.0, clock=lambda: now[0])
         c._lookups = None
-        c._short, c._failed_async = {}, {}
+        c._short, c._doomed, c._recv_pending, c._two_notices = {}, set(), set(), {}
+        c._failed_blocks, c._failed_recv = set(), set()
+        c._can_store, c._report_request_errors = True, False
+        c._group_tokens_per_block = [16]
+        c.worker_adapter = FakeWorkerAdapter()
         c.scheduler_adapter = FakeSchedulerAdapter(answers)
         c.request_trackers = {}
         c.lazy_offload = False
@@ -93,7 +110,11 @@ def test_a_short_lookup_is_released_and_asked_again_until_the_cartridge_is_there
     assert c.scheduler_adapter.submitted == 2 and tracker.num_lmcache_hit_tokens == TRAINED
 
 
-def test_a_running_lookup_is_left_alone_and_the_deadline_promises_the_tokens(make):
+def test_a_running_lookup_is_left_alone_and_the_deadline_fails_the_load_on_the_worker(make, monkeypatch):
+    from lmcache.integration.vllm import lmcache_mp_connector as lmc
+    from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPConnectorMetadata, LMCacheMPRequestMetadata
+    from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
+
     now = [0.0]
     c = make([None], now)
     req = _request("r2")
@@ -103,7 +124,36 @@ def test_a_running_lookup_is_left_alone_and_the_deadline_promises_the_tokens(mak
     # out of time: the cartridge's tokens promised as an asynchronous hit whose load must fail
     assert c.get_num_new_matched_tokens(req, 0) == (TRAINED, True)
     t = c._get_request_tracker("r2")
-    assert t.num_lmcache_hit_tokens == t.num_stored_tokens == TRAINED
+    assert t.num_lmcache_hit_tokens == t.num_stored_tokens == TRAINED and "r2" in c._doomed
+
+    # LMCache plans the retrieves of the step (a stand-in: its planning needs a scheduler output);
+    # the promised one never reaches the server: the worker reports its blocks, past the 16 tokens
+    # (one block) vLLM already holds, as failed, and the request as received
+    def planned(self, scheduler_output):
+        md = LMCacheMPConnectorMetadata()
+        for rid, blocks in (("r2", [[7, 8, 9]]), ("ok", [[3]])):
+            md.add_request_metadata(LMCacheMPRequestMetadata(rid, "RETRIEVE", LoadStoreOp(
+                token_ids=[], block_ids=blocks, start=0, end=48, skip_first_n_tokens=16 if rid == "r2" else 0)))
+        return md
+
+    monkeypatch.setattr(lmc.LMCacheMPConnector, "build_connector_meta", planned)
+    md = c.build_connector_meta(None)
+    assert [m.request_id for m in md.requests] == ["ok"] and md.cartridge_failed_loads == {"r2": [8, 9]}
+    assert c._recv_pending == {"r2", "ok"} and not c._doomed
+    monkeypatch.setattr(lmc.LMCacheMPConnector, "start_load_kv", lambda self, fc, **kw: None)
+    c.bind_connector_metadata(md)
+    c.start_load_kv(None)
+    assert c.get_block_ids_with_load_errors() == {8, 9} and c.get_block_ids_with_load_errors() == set()
+    assert c.get_finished(set()) == (set(), {"r2"}) and c.get_finished(set()) == (set(), set())
+
+
+def test_prefix_cache_covering_the_cartridge_is_ready_without_a_lookup_result(make):
+    now = [0.0]
+    c = make([None], now)
+    now[0] += 6.0
+    # the lookup has not finished, but vLLM's own prefix cache holds the whole cartridge: ready
+    assert c.get_num_new_matched_tokens(_request("r3"), TRAINED) == (None, True)
+    assert not c._doomed
 
 
 @pytest.mark.parametrize("steps", [
@@ -111,13 +161,16 @@ def test_a_running_lookup_is_left_alone_and_the_deadline_promises_the_tokens(mak
     [("send",), ("recv",)],            # send first, then the receive frees it
     [("recv", "send")],                # both in one step: the send frees it
 ])
-def test_a_failed_async_load_reaches_vllm_as_exactly_one_notice(make, steps):
+def test_a_request_finished_while_loading_reaches_vllm_as_exactly_one_notice(make, steps):
     from vllm.v1.outputs import KVConnectorOutput
 
     c = make([], [0.0])
     c.lazy_offload = False
     c._kv_cache_events = []
-    c.note_failed_async_loads({"bad"})
+    c._recv_pending = {"bad"}                       # its retrieve went out
+    req = _request("bad")
+    c._get_or_create_request_tracker(req)
+    assert c.request_finished(req, [])[0] is True   # failed by the policy (or aborted): LMCache delays its free
     seen = []
     for step in steps:
         out = KVConnectorOutput(finished_recving={"bad", "other"} if "recv" in step else {"other"},
@@ -125,4 +178,21 @@ def test_a_failed_async_load_reaches_vllm_as_exactly_one_notice(make, steps):
         c.update_connector_output(out)
         assert "other" in out.finished_recving  # other requests' notices untouched
         seen += [k for k, ids in (("recv", out.finished_recving), ("send", out.finished_sending)) if "bad" in ids]
-    assert len(seen) == 1 and c._failed_async == {}
+    assert len(seen) == 1 and c._two_notices == {}
+
+
+def test_one_notice_is_expected_when_the_receive_is_in_or_the_free_not_delayed(make):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    c = make([], [0.0])
+    c.lazy_offload = False
+    c._kv_cache_events = []
+    for rid, pending, can_store in (("received", False, True), ("consumer", True, False)):
+        c._can_store = can_store
+        c._recv_pending = {rid} if pending else set()
+        req = _request(rid)
+        c._get_or_create_request_tracker(req)
+        c.request_finished(req, [])
+        out = KVConnectorOutput(finished_recving={rid}, finished_sending=set())
+        c.update_connector_output(out)
+        assert out.finished_recving == {rid} and c._two_notices == {}  # passed through: vLLM frees it

@@ -7,8 +7,9 @@ origin behind the fault proxy of `s3_server.py` and one on local disk, the gatew
 * A stalled S3 origin stalls nobody else: while one trained cartridge's download hangs, a request
   for it waits on the instance (the readiness rule), and meanwhile a request for a local trained
   cartridge is answered from its KV (loaded through the server) and a plain request is answered.
-  Then the waiting one fails with an error (HTTP 500), never answered from its placeholder ids:
-  the stock `LMCacheMPConnector` would have scheduled the miss as prefill (200, a wrong answer).
+  Then the waiting one fails with an error (HTTP 500), never answered from its placeholder ids
+  (the stock `LMCacheMPConnector` would have scheduled the miss as prefill: 200, a wrong answer),
+  its load failed on the worker without a retrieve on the server, and the engine lives.
 * The origin comes back while a request waits: it is answered once the chunks are local, from
   the cartridge's KV, equal to HF transformers given that KV (`test_vllm_e2e`'s tolerances on the
   peaked test model).
@@ -141,6 +142,10 @@ def test_stalled_origin_waits_then_fails_and_stalls_nobody_else(stack):
     assert failed.status_code == 500, failed.text                            # not 200 from placeholders
     assert "its trained cartridge's KV is still not here" in log, vllm.log_tail()
     assert "whose trained-cartridge KV failed to load" in log, vllm.log_tail()
+    # failed on the worker without a retrieve on the server (whose read-lock release would take
+    # other requests' locks on the same chunks)
+    assert "trained-cartridge KV not loaded for requests" in log, vllm.log_tail()
+    assert "Something went wrong when processing the retrieve" not in log, vllm.log_tail()
     assert httpx.get(vllm.url + "/health", timeout=30).status_code == 200 and vllm.alive()
     lookups = counters_delta(vllm.counters(), c0)["lookups"]
     assert lookups.get("wait", 0) >= 2 and lookups.get("promised", 0) == 1, lookups

@@ -185,7 +185,7 @@ class CartridgeConnector(LMCacheConnectorV1):
         self._lookups = LookupTimer() if role == KVConnectorRole.SCHEDULER else None
         if role == KVConnectorRole.SCHEDULER and ktc is not None \
                 and not extra.get(ref.KEEP_LOAD_FAILURE_POLICY.name, ref.KEEP_LOAD_FAILURE_POLICY.default):
-            configure_load_failure_policy(ktc)
+            configure_load_failure_policy(ktc, kv_cache_config)
         if _on_cpu_backend(vllm_config):
             try:
                 self._cpu_backend = install_cpu_connector_hook(str(vllm_config.cache_config.cache_dtype))

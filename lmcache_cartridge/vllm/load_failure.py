@@ -111,12 +111,6 @@ def _make_handler(original: Callable) -> Callable:
         if evict:
             self.kv_cache_manager.evict_blocks(evict)
         failed = failed_h | failed_r
-        # An asynchronous load failed this way leaves two notices to come from the workers (the
-        # receive, and the send of a connector that delays frees): a connector that must see only
-        # one of them (`CartridgeMPConnector`) is told which requests they are.
-        note = getattr(self.connector, "note_failed_async_loads", None)
-        if note is not None and failed_h:
-            note({r for r in failed_h if r not in self.finished_recving_kv_req_ids})
         if failed:
             errors = getattr(self, _ERROR_SET)
             if isinstance(errors, dict):  # vLLM 0.33: id -> RequestError (None: vLLM's plain error, as 0.32)
@@ -165,15 +159,21 @@ def install_scheduler_policy() -> str | None:
     return None
 
 
-def configure_load_failure_policy(ktc) -> None:
+def configure_load_failure_policy(ktc, kv_cache_config=None) -> None:
     """Scheduler role, called by both connectors (in-process and MP) inside vLLM's
     `Scheduler.__init__`, before it reads the policy: the per-request policy first, then vLLM's
     `kv_load_failure_policy` "recompute" for the requests it does not fail ("fail" for all when
-    the per-request policy cannot be installed)."""
-    try:
-        why = install_scheduler_policy()
-    except Exception as e:  # noqa: BLE001 - never stop the engine over it: stay on "fail"
-        why = f"{type(e).__name__}: {e}"
+    the per-request policy cannot be installed, or cannot see the failures: with several KV cache
+    groups, a hybrid model, failed loads are reported per request, not per block, and vLLM's
+    `_handle_failed_recving` would recompute a trained one)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) > 1:
+        why = f"{len(groups)} KV cache groups: failed loads are reported per request"
+    else:
+        try:
+            why = install_scheduler_policy()
+        except Exception as e:  # noqa: BLE001 - never stop the engine over it: stay on "fail"
+            why = f"{type(e).__name__}: {e}"
     before = getattr(ktc, "kv_load_failure_policy", None)
     policy = "fail" if why is not None else "recompute"
     try:

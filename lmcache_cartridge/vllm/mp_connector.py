@@ -52,7 +52,7 @@ from lmcache_cartridge import ensure_log_handler
 from lmcache_cartridge import settings_reference as ref
 from lmcache_cartridge.vllm.load_failure import configure_load_failure_policy, must_not_recompute
 from lmcache_cartridge.vllm.lookup_metrics import LookupTimer
-from lmcache_cartridge.vllm.readiness import ReadinessGate, gated_answer, trained_length
+from lmcache_cartridge.vllm.readiness import ReadinessGate, gated_answer, required_tokens, trained_length
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,13 +72,20 @@ class CartridgeMPConnector(LMCacheMPConnector):
         scheduler = role == KVConnectorRole.SCHEDULER
         self._gate = ReadinessGate(float(extra.get(ref.READY_TIMEOUT.name, ref.READY_TIMEOUT.default)))
         self._lookups = LookupTimer() if scheduler else None
-        # request id -> LMCache hit (tokens) of a lookup that finished short while the request waits
+        # scheduler side, by request id: the LMCache hit (tokens) of a lookup that finished short
+        # while the request waits; requests promised at their deadline (their load is failed on
+        # the worker, the server is not asked); requests whose retrieve was sent and not yet
+        # reported received; finished requests with two notices to come (True: one was dropped)
         self._short: dict[str, int] = {}
-        # request id -> whether one of its two notices was dropped (`note_failed_async_loads`)
-        self._failed_async: dict[str, bool] = {}
+        self._doomed: set[str] = set()
+        self._recv_pending: set[str] = set()
+        self._two_notices: dict[str, bool] = {}
+        # worker side: what the scheduler failed this step (blocks, request ids), until vLLM asks
+        self._failed_blocks: set[int] = set()
+        self._failed_recv: set[str] = set()
         if scheduler and ktc is not None \
                 and not extra.get(ref.KEEP_LOAD_FAILURE_POLICY.name, ref.KEEP_LOAD_FAILURE_POLICY.default):
-            configure_load_failure_policy(ktc)
+            configure_load_failure_policy(ktc, kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         logger.info("lmcache_cartridge: CartridgeMPConnector ready (role %s)", role.name)
 
@@ -99,11 +106,14 @@ class CartridgeMPConnector(LMCacheMPConnector):
 
     def _lookup(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        rid = str(request.request_id)
         if answer[0] is not None and trained_length(request):
-            # finished: remember the hit it locked on the server, in case it is short and released
-            # (a miss leaves the tracker's hit at 0)
-            tracker = self._get_request_tracker(request.request_id)
-            self._short[str(request.request_id)] = int(tracker.num_lmcache_hit_tokens)
+            if num_computed_tokens + answer[0] < required_tokens(request):
+                # finished short: remember the hit it locked on the server, to release it
+                # (a miss leaves the tracker's hit at 0)
+                self._short[rid] = int(self._get_request_tracker(request.request_id).num_lmcache_hit_tokens)
+            else:
+                self._short.pop(rid, None)
         return answer
 
     def _relookup(self, rid: str) -> None:
@@ -123,59 +133,115 @@ class CartridgeMPConnector(LMCacheMPConnector):
 
     def _promise_trained(self, request, num_computed_tokens: int, need: int) -> tuple[int, bool]:
         """The wait is over and the trained cartridge is not (all) on the server: report its `need`
-        tokens as an asynchronous external hit. `update_state_after_alloc` then plans a retrieve
-        of them; the server holds no such chunks, the retrieve fails, the worker reports the
-        blocks and the per-request policy fails the request (had the chunks arrived meanwhile,
-        the load just succeeds). The tracker is set as LMCache's own lookup sets it for a hit of
-        that length (a prompt that is exactly the cartridge: the full prompt, last token computed)."""
+        tokens as an asynchronous external hit, whose load fails. LMCache plans the retrieve
+        (`update_state_after_alloc`, `build_connector_meta`) as for a hit of that length, but this
+        connector takes it out of the step's metadata and has the worker report its blocks as a
+        failed load, without asking the server (whose retrieve would release read locks this
+        request never took, other requests' locks on the same chunks); the per-request policy
+        then fails the request. A prompt that is exactly the cartridge: the full prompt is the
+        hit, its last token computed, as LMCache's own lookup reports it."""
         rid = str(request.request_id)
+        if need <= num_computed_tokens:  # vLLM's own prefix cache holds it now: nothing to load
+            return 0, False
         self._short.pop(rid, None)
         total = int(request.num_tokens)
         promised = total if need == total - 1 and trained_length(request) >= total else need
         tracker = self._get_request_tracker(request.request_id)
         tracker.num_lmcache_hit_tokens = tracker.num_stored_tokens = promised
+        tracker.num_vllm_hit_tokens = num_computed_tokens // self._hit_alignment_tokens * self._hit_alignment_tokens
+        self._doomed.add(rid)
         return need - num_computed_tokens, True
 
-    def note_failed_async_loads(self, request_ids: set[str]) -> None:
-        """Scheduler side, from the per-request policy (`load_failure`) in `update_from_output`,
-        for requests it fails while their asynchronous load is still to be reported received.
-        vLLM frees such a request on whichever notice comes first, the receive or (LMCache
-        delays every finished request's free until its send is reported) the send, and asserts
-        on the second: the engine would die. `update_connector_output` lets only the second one
-        through."""
-        for rid in request_ids:
-            self._failed_async.setdefault(str(rid), False)
-        while len(self._failed_async) > 4096:  # notices that never came (a worker lost): oldest go
-            self._failed_async.pop(next(iter(self._failed_async)))
+    def build_connector_meta(self, scheduler_output):
+        """Scheduler side, once per step: LMCache's metadata, with each promised request's retrieve
+        moved to `cartridge_failed_loads` (request id -> the vLLM blocks it was to fill, past
+        those vLLM already holds), which the worker reports as failed without a server call."""
+        metadata = super().build_connector_meta(scheduler_output)
+        failed: dict[str, list[int]] = {}
+        kept = []
+        for m in metadata.requests:
+            rid = str(m.request_id)
+            if m.direction != "RETRIEVE":
+                kept.append(m)
+                continue
+            self._recv_pending.add(rid)
+            if rid in self._doomed:
+                self._doomed.discard(rid)
+                per_block = max(1, int(self._group_tokens_per_block[0] or 1))
+                failed[rid] = m.op.flat_block_ids[m.op.skip_first_n_tokens // per_block:]
+            else:
+                kept.append(m)
+        metadata.requests = kept
+        metadata.cartridge_failed_loads = failed
+        return metadata
 
     def update_connector_output(self, connector_output) -> None:
-        """Scheduler side, at the start of vLLM's handling of the workers' transfer notices:
-        for a request failed during its asynchronous load, the first of its receive / send
-        notices is dropped, the other frees it (both in one step: the send frees it)."""
-        if self._failed_async:
-            recv = set(connector_output.finished_recving or ())
-            send = set(connector_output.finished_sending or ())
-            for rid, seen_one in list(self._failed_async.items()):
-                r, s = rid in recv, rid in send
-                if not (r or s):
-                    continue
-                if r and s:  # both in one step: the receive is dropped, the send frees it
-                    recv.discard(rid)
-                    del self._failed_async[rid]
-                elif seen_one:  # the second notice frees it
-                    del self._failed_async[rid]
-                else:  # the first notice is dropped
-                    recv.discard(rid)
-                    send.discard(rid)
-                    self._failed_async[rid] = True
-            if connector_output.finished_recving is not None:
-                connector_output.finished_recving = recv
-            if connector_output.finished_sending is not None:
-                connector_output.finished_sending = send
+        """Scheduler side, at the start of vLLM's handling of the workers' transfer notices. A
+        request finished while its load was outstanding (failed by the policy, or aborted) gets
+        two notices: its receive, and its send (LMCache delays every finished request's free
+        until the send is reported). vLLM frees the request on the first and asserts on the
+        second (the engine dies), and a send reported while the retrieve still writes would
+        free blocks being written: the first of the two is dropped here, the other frees it
+        (both in one step: the send)."""
+        recv = set(connector_output.finished_recving or ())
+        send = set(connector_output.finished_sending or ())
+        for rid, dropped_one in list(self._two_notices.items()):
+            r, s = rid in recv, rid in send
+            if r and s:
+                recv.discard(rid)
+                del self._two_notices[rid]
+            elif (r or s) and dropped_one:
+                del self._two_notices[rid]
+            elif r or s:
+                recv.discard(rid)
+                send.discard(rid)
+                self._two_notices[rid] = True
+        self._recv_pending -= set(connector_output.finished_recving or ())
+        if connector_output.finished_recving is not None:
+            connector_output.finished_recving = recv
+        if connector_output.finished_sending is not None:
+            connector_output.finished_sending = send
         super().update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids):
-        """Scheduler side: a request ended (also one aborted while it waited): drop its deadline."""
-        self._gate.forget(request.request_id)
-        self._short.pop(str(request.request_id), None)
-        return super().request_finished(request, block_ids)
+        """Scheduler side: a request ended (also one aborted while it waited or loaded): drop its
+        deadline; expect two notices when its receive is outstanding and LMCache delays its free."""
+        rid = str(request.request_id)
+        self._gate.forget(rid)
+        self._short.pop(rid, None)
+        self._doomed.discard(rid)
+        delay, params = super().request_finished(request, block_ids)
+        if rid in self._recv_pending:
+            self._recv_pending.discard(rid)
+            if delay:
+                self._two_notices[rid] = False
+                while len(self._two_notices) > 4096:  # notices that never came (a worker lost): oldest go
+                    self._two_notices.pop(next(iter(self._two_notices)))
+        return delay, params
+
+    # --- worker side ------------------------------------------------------------------------
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Worker side, before the forward pass: the scheduler's failed loads are recorded (their
+        blocks reported by `get_block_ids_with_load_errors`, their requests as received by
+        `get_finished`), then LMCache's retrieves."""
+        failed = getattr(self._get_connector_metadata(), "cartridge_failed_loads", None) or {}
+        for rid, blocks in failed.items():
+            self._failed_blocks.update(int(b) for b in blocks)
+            self._failed_recv.add(rid)
+        if failed:
+            logger.error("lmcache_cartridge: trained-cartridge KV not loaded for requests %s (not on the LMCache "
+                         "server by the deadline): %d blocks reported failed", sorted(failed),
+                         len(self._failed_blocks))
+        super().start_load_kv(forward_context, **kwargs)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        theirs = set(super().get_block_ids_with_load_errors())
+        ours, self._failed_blocks = self._failed_blocks, set()
+        return theirs | ours
+
+    def get_finished(self, finished_req_ids: set[str]):
+        sending, recving = super().get_finished(finished_req_ids)
+        if self._failed_recv:
+            recving = set(recving or ()) | self._failed_recv
+            self._failed_recv = set()
+        return sending, recving

@@ -126,7 +126,8 @@ class ReadinessGate:
         """(verdict, required tokens) for `request` after a lookup: READY, WAIT or FAIL."""
         need = required_tokens(request)
         rid = str(request.request_id)
-        if not need or (num_external_tokens is not None and num_computed_tokens + num_external_tokens >= need):
+        if not need or num_computed_tokens >= need \
+                or (num_external_tokens is not None and num_computed_tokens + num_external_tokens >= need):
             self.forget(rid)
             return READY, need
         now = self._clock()
