@@ -368,8 +368,9 @@ def serve_and_ask(model_dir: Path, work: Path, carts: Path, the_arms: list[Arm],
 
 
 def _dir_of(cid: str) -> str:
+    """The directory under the work dir's `carts/` of a registered id (another name: itself)."""
     return {"qa-fk256": "fk256", "qa-fk512": "fk512", "qa-init256": "init256", "qa-tr256": "tr256",
-            "qa-tr512": "tr512", "qb-tr256": "trb256"}[cid]
+            "qa-tr512": "tr512", "qb-tr256": "trb256"}.get(cid, cid)
 
 
 def hf_prompt(pb, tok, arm: Arm, q: Question, carts: Path) -> tuple[Any, list[int]]:

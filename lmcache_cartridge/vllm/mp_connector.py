@@ -33,11 +33,15 @@ LMCache's answer as is):
   short is released (its server read locks freed, LMCache's cached result dropped) and asked
   again at most every `readiness.RELOOKUP_INTERVAL_S`, by which time the adapter's download may
   have landed;
-* out of time: the cartridge's tokens are promised as an external hit that LMCache must load; the
-  server cannot retrieve chunks it does not hold, the worker reports the blocks as failed loads,
-  and the per-request policy (`load_failure`, installed here as in-process) finishes the request
-  with an error (HTTP 500, the gateway's 503 + Retry-After) before LMCache's bypass could
+* out of time: the cartridge's tokens are promised as an asynchronous external hit whose load
+  the worker reports failed without asking the server (`build_connector_meta` moves the retrieve
+  to `cartridge_failed_loads`: a server retrieve would release read locks the request never
+  took), and the per-request policy (`load_failure`, installed here as in-process) finishes the
+  request with an error (HTTP 500, the gateway's 503 + Retry-After) before LMCache's bypass could
   recompute it. First-k and plain requests keep "recompute" (exact prefill).
+* a request finished while its load is outstanding (failed so, or aborted) would reach vLLM's
+  scheduler with two notices, its receive and LMCache's delayed send: `update_connector_output`
+  lets one through (vLLM asserted on the second and the engine died).
 """
 
 from __future__ import annotations
