@@ -35,7 +35,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations for the KL metric")
     p.add_argument("--steps", type=int, default=d.steps, help=f"optimiser steps (default {d.steps})")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"conversations per step (default {d.batch_size})")
-    p.add_argument("--lr", type=float, default=d.lr, help=f"Adam learning rate for the KV (default {d.lr})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"Adam learning rate for the KV (default {d.lr}, the paper's for 1B-8B models; "
+                   "on SmolLM2-135M it erased the facts the first-k start held and 2e-3 kept them: "
+                   "docs/benchmarks.md, answer quality)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for synthesis, batches and initialisation (same seed, same cartridge)")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between held-out KL evaluations (default {d.eval_every})")
     p.add_argument("--save-every", type=int, default=d.save_every, help=f"steps between checkpoints (default {d.save_every})")
