@@ -29,7 +29,7 @@ from test_layout import PKG, _imports, _modules
 ROOT = PKG.parent
 # The modules that cannot be imported without the `cpu` or `gpu` extra (vLLM); named in setup.cfg's
 # extras comment and the README. Everything else imports with the base install.
-ENGINE_MODULES = {"lmcache_cartridge.connector", "lmcache_cartridge.vllm.connector"}
+ENGINE_MODULES = {"lmcache_cartridge.connector", "lmcache_cartridge.vllm.connector", "lmcache_cartridge.vllm.mp_connector"}
 # The modules that may use vLLM at all (`cpu_kv` does so inside functions: it imports without it).
 ENGINE_STAGE = ENGINE_MODULES | {"lmcache_cartridge.vllm"}  # and every module under it (vLLM's side)
 # Optional features: modules under a prefix may also use their extra's distributions.
