@@ -162,7 +162,7 @@ class CartridgeConnector(LMCacheConnectorV1):
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
         from lmcache_cartridge.vllm.readiness import ReadinessGate
 
-        self._gate = ReadinessGate(float(extra.get(ref.READY_TIMEOUT.name, ref.READY_TIMEOUT.default)))
+        self._gate = ReadinessGate.from_extra(extra)
         from lmcache_cartridge.vllm.composites import HostComposer
 
         self._composer = HostComposer(self._plugin_settings)
@@ -183,8 +183,7 @@ class CartridgeConnector(LMCacheConnectorV1):
             # from our thread, so an idle instance announces too (see kv_events).
             kv_events.capture_publisher(self._announcer.use_publisher)
         self._lookups = LookupTimer() if role == KVConnectorRole.SCHEDULER else None
-        if role == KVConnectorRole.SCHEDULER and ktc is not None \
-                and not extra.get(ref.KEEP_LOAD_FAILURE_POLICY.name, ref.KEEP_LOAD_FAILURE_POLICY.default):
+        if role == KVConnectorRole.SCHEDULER:
             configure_load_failure_policy(ktc, kv_cache_config)
         if _on_cpu_backend(vllm_config):
             try:
@@ -407,14 +406,11 @@ class CartridgeConnector(LMCacheConnectorV1):
         (`update_state_after_alloc` checks that arithmetic)."""
         from lmcache.integration.vllm.vllm_v1_adapter import LoadSpec
 
-        from lmcache_cartridge.vllm.readiness import trained_length
+        from lmcache_cartridge.vllm.readiness import promised_hit
 
-        # `need` is the cartridge's length, or the prompt's less its last token when the prompt is
-        # exactly the cartridge: LMCache's full-prompt hit, whose last token vLLM computes.
-        total = int(request.num_tokens)
-        promised = total if need == total - 1 and trained_length(request) >= total else need
         self._impl().load_specs[request.request_id] = LoadSpec(
-            vllm_cached_tokens=num_computed_tokens, lmcache_cached_tokens=promised, can_load=False)
+            vllm_cached_tokens=num_computed_tokens, lmcache_cached_tokens=promised_hit(request, need),
+            can_load=False)
         return need - num_computed_tokens, False
 
     def take_events(self):

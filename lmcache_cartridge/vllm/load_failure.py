@@ -165,7 +165,15 @@ def configure_load_failure_policy(ktc, kv_cache_config=None) -> None:
     `kv_load_failure_policy` "recompute" for the requests it does not fail ("fail" for all when
     the per-request policy cannot be installed, or cannot see the failures: with several KV cache
     groups, a hybrid model, failed loads are reported per request, not per block, and vLLM's
-    `_handle_failed_recving` would recompute a trained one)."""
+    `_handle_failed_recving` would recompute a trained one). Nothing with
+    `cartridge.keep_load_failure_policy` in kv_connector_extra_config."""
+    from lmcache_cartridge.settings_reference import KEEP_LOAD_FAILURE_POLICY
+
+    if ktc is None:
+        return
+    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+    if extra.get(KEEP_LOAD_FAILURE_POLICY.name, KEEP_LOAD_FAILURE_POLICY.default):
+        return  # the operator keeps vLLM's policy as configured, without the per-request one
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is not None and len(groups) > 1:
         why = f"{len(groups)} KV cache groups: failed loads are reported per request"

@@ -53,10 +53,10 @@ from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmcache_cartridge import ensure_log_handler
-from lmcache_cartridge import settings_reference as ref
 from lmcache_cartridge.vllm.load_failure import configure_load_failure_policy, must_not_recompute
 from lmcache_cartridge.vllm.lookup_metrics import LookupTimer
-from lmcache_cartridge.vllm.readiness import ReadinessGate, gated_answer, required_tokens, trained_length
+from lmcache_cartridge.vllm.readiness import (ReadinessGate, gated_answer, promised_hit, required_tokens,
+                                               trained_length)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,7 +74,7 @@ class CartridgeMPConnector(LMCacheMPConnector):
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
         scheduler = role == KVConnectorRole.SCHEDULER
-        self._gate = ReadinessGate(float(extra.get(ref.READY_TIMEOUT.name, ref.READY_TIMEOUT.default)))
+        self._gate = ReadinessGate.from_extra(extra)
         self._lookups = LookupTimer() if scheduler else None
         # scheduler side, by request id: the LMCache hit (tokens) of a lookup that finished short
         # while the request waits; requests promised at their deadline (their load is failed on
@@ -87,8 +87,7 @@ class CartridgeMPConnector(LMCacheMPConnector):
         # worker side: what the scheduler failed this step (blocks, request ids), until vLLM asks
         self._failed_blocks: set[int] = set()
         self._failed_recv: set[str] = set()
-        if scheduler and ktc is not None \
-                and not extra.get(ref.KEEP_LOAD_FAILURE_POLICY.name, ref.KEEP_LOAD_FAILURE_POLICY.default):
+        if scheduler:
             configure_load_failure_policy(ktc, kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         logger.info("lmcache_cartridge: CartridgeMPConnector ready (role %s)", role.name)
@@ -148,8 +147,7 @@ class CartridgeMPConnector(LMCacheMPConnector):
         if need <= num_computed_tokens:  # vLLM's own prefix cache holds it now: nothing to load
             return 0, False
         self._short.pop(rid, None)
-        total = int(request.num_tokens)
-        promised = total if need == total - 1 and trained_length(request) >= total else need
+        promised = promised_hit(request, need)
         tracker = self._get_request_tracker(request.request_id)
         tracker.num_lmcache_hit_tokens = tracker.num_stored_tokens = promised
         tracker.num_vllm_hit_tokens = num_computed_tokens // self._hit_alignment_tokens * self._hit_alignment_tokens

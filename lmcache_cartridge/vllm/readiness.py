@@ -81,6 +81,14 @@ def required_tokens(request: Any) -> int:
     return min(n, total - 1)
 
 
+def promised_hit(request: Any, need: int) -> int:
+    """The LMCache hit (tokens) a promise of `need` tokens stands for: the cartridge's length, or,
+    when the prompt is exactly the cartridge (`need` = the prompt less its last token), the whole
+    prompt: LMCache's full-prompt hit, whose last token vLLM computes. Both connectors set it."""
+    total = int(request.num_tokens)
+    return total if need == total - 1 and trained_length(request) >= total else need
+
+
 class ReadinessGate:
     """Per-request wait deadlines for marked requests (scheduler side, one per connector).
 
@@ -93,6 +101,11 @@ class ReadinessGate:
         self._since: dict[str, float] = {}
         self._looked: dict[str, float] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_extra(cls, extra: dict) -> "ReadinessGate":
+        """The gate with the connector's `cartridge.ready_timeout_s` (kv_connector_extra_config)."""
+        return cls(float(extra.get(READY_TIMEOUT_KEY, DEFAULT_READY_TIMEOUT_S)))
 
     def match(self, request: Any, num_computed_tokens: int, lookup: Callable[[], tuple[int | None, bool]],
               relookup: Callable[[], None], promise: Callable[[int], tuple[int, bool]]) -> tuple[int | None, bool]:
