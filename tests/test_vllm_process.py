@@ -74,3 +74,26 @@ def test_an_unhealthy_server_times_out_and_a_dead_one_raises(endpoint, tmp_path)
         p.proc.wait()
     with pytest.raises(RuntimeError, match="exited"):
         p.wait_healthy(timeout=600)
+
+
+def test_a_failed_start_reports_the_root_cause_not_only_the_tail(endpoint, tmp_path):
+    """vLLM's last words on a failed engine start are the API server's traceback ending in "See
+    root cause above"; the cause (the engine core's error) is hundreds of lines earlier. CI's
+    report of a failed start showed only the tail (stop 41), so the cause was lost."""
+    p = _process(endpoint, tmp_path, launched_ago=0)
+    p.proc.kill()
+    p.proc.wait()
+    log = (["(APIServer pid=1) INFO starting"] * 200
+           + ["(EngineCore pid=2) ERROR 11-25 [core.py:1] EngineCore failed to start.",
+              "(EngineCore pid=2) Traceback (most recent call last):",
+              "(EngineCore pid=2) OSError: [Errno 28] No space left on device"]
+           + ["(APIServer pid=1)   File \"entry.py\", line 1, in run_server"] * 300
+           + ["RuntimeError: Engine core initialization failed. See root cause above."])
+    p.log_path.write_text("\n".join(log) + "\n")
+    with pytest.raises(RuntimeError) as e:
+        p.wait_healthy(timeout=600)
+    msg = str(e.value)
+    assert "No space left on device" in msg and "See root cause above" in msg
+    assert str(p.log_path) in msg
+    assert "lines ...]" in msg and len(msg.splitlines()) < 100
+    assert "No space left on device" not in p.log_tail()  # what the old message showed

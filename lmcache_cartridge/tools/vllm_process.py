@@ -144,7 +144,8 @@ class VllmProcess:
         deadline = self.t0 + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode} "
+                                   f"(log {self.log_path}):\n{self.failure_report()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -156,7 +157,8 @@ class VllmProcess:
             if time.time() >= deadline:
                 break
             time.sleep(1)
-        raise TimeoutError(f"vLLM server not healthy after {timeout}s:\n{self.log_tail()}")
+        raise TimeoutError(f"vLLM server not healthy after {timeout}s (log {self.log_path}):\n"
+                           f"{self.failure_report()}")
 
     def stop(self) -> None:
         """Stop the server and everything it started (engine core, workers): the whole process
@@ -182,3 +184,16 @@ class VllmProcess:
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-n:])
+
+    def failure_report(self, first: int = 60, tail: int = 30) -> str:
+        """The log's first error with what follows it, then its tail: vLLM's own message for a
+        failed engine start ("See root cause above") is at the end, the root cause (the engine
+        core's traceback) earlier, and a tail alone shows only the API server's unwinding."""
+        lines = self.log_text().splitlines()
+        at = next((i for i, line in enumerate(lines)
+                   if "Traceback (most recent call last)" in line or " ERROR " in line), None)
+        if at is None:
+            return "\n".join(lines[-tail:])
+        rest = max(at + first, len(lines) - tail)
+        skipped = [f"[... {rest - at - first} lines ...]"] if rest > at + first else []
+        return "\n".join(lines[at:at + first] + skipped + lines[rest:])
