@@ -224,6 +224,29 @@ def test_first_k_cartridge_matches_recompute_and_comes_from_lmcache(server, hf, 
             server.log_tail()
 
 
+
+def test_a_kv_maker_whose_server_died_starts_a_new_one_with_the_same_kv(server, hf, engine_kv):
+    """The KV maker is long-lived (a session's, a `create` run's): its server killed (SIGKILL, as
+    the OOM killer does), the next prefix starts a new server instead of failing with the dead
+    one's exit forever (CI's stop 41: one failed start, 7 errors in later modules), and the new
+    server computes the same bytes."""
+    import os
+    import signal
+
+    from lmcache_cartridge.tools.testmodel import document_text
+
+    _, tok = hf
+    maker = engine_kv(server.model_dir)
+    ids = list(tok(document_text(), add_special_tokens=False)["input_ids"])[:300]
+    before = maker.prefix_kv(ids)
+    relaunches, dead = maker.relaunches, maker.server
+    os.killpg(dead.proc.pid, signal.SIGKILL)
+    dead.proc.wait(timeout=30)
+    after = maker.prefix_kv(ids)
+    assert maker.relaunches == relaunches + 1 and maker.server is not dead and maker.server.alive()
+    assert after.shape == before.shape == (2, 2, 300, 2, 64)
+    assert torch.equal(after, before)
+
 def _trained_kv(seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, 2, CHUNK, 2, 64, generator=g).to(torch.bfloat16)  # [2, L, T, H, D]

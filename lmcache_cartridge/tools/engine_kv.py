@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import time
 import urllib.error
@@ -43,6 +44,7 @@ CHUNK = 256
 HASH = "sha256_cbor"
 TAG = "lmcache_cartridge_make"  # LMCache request tag (part of its keys) of the maker's requests
 _requests = itertools.count()
+logger = logging.getLogger(__name__)
 
 
 class EngineKVMaker:
@@ -62,6 +64,7 @@ class EngineKVMaker:
         self.max_model_len = max_model_len  # None: fitted to the first prefix (at least 2048)
         self.threads_bind, self.kv_cache_gb = threads_bind, kv_cache_gb
         self.server = None  # started by `start` or the first `prefix_kv`
+        self.relaunches = 0  # servers replaced after they exited (`start`)
         self._geometry = None
         self._mapper = None
 
@@ -85,9 +88,28 @@ class EngineKVMaker:
         return self
 
     def start(self, timeout: float = 600) -> "EngineKVMaker":
-        """Start the private server (once) and wait until it is healthy."""
-        self.launch().server.wait_healthy(timeout=timeout)
+        """Start the private server (once) and wait until it is healthy.
+
+        A server that has exited (crashed after serving, or failed while starting) is replaced by
+        a new one, once per call: the maker is long-lived (a test session's, a `create` run's
+        several cartridges), and a dead server kept would fail every later prefix with the first
+        failure's message (CI's stop 41: one failed engine start, 7 errors in later modules). A
+        second failure in a row is raised, with the log's first error."""
+        if self.server is not None and not self.server.alive():
+            self._replace_dead_server()
+        try:
+            self.launch().server.wait_healthy(timeout=timeout)
+        except RuntimeError:  # exited while starting (a timeout is a TimeoutError: not retried)
+            self._replace_dead_server()
+            self.launch().server.wait_healthy(timeout=timeout)
         return self
+
+    def _replace_dead_server(self) -> None:
+        old = self.server
+        logger.warning("the KV maker's vLLM server exited with %s (log %s); starting a new one. "
+                       "Its log's first error:\n%s", old.proc.returncode, old.log_path, old.failure_report(40, 10))
+        self.relaunches += 1
+        self.stop()
 
     def stop(self) -> None:
         """Stop the server; a later `prefix_kv` starts a new one."""
