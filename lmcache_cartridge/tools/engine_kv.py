@@ -95,11 +95,9 @@ class EngineKVMaker:
         several cartridges), and a dead server kept would fail every later prefix with the first
         failure's message (CI's stop 41: one failed engine start, 7 errors in later modules). A
         second failure in a row is raised, with the log's first error."""
-        if self.server is not None and not self.server.alive():
-            self._replace_dead_server()
-        try:
+        try:  # a server already dead raises here at once, as one that dies while starting does
             self.launch().server.wait_healthy(timeout=timeout)
-        except RuntimeError:  # exited while starting (a timeout is a TimeoutError: not retried)
+        except RuntimeError:  # it exited (a timeout is a TimeoutError: not retried)
             self._replace_dead_server()
             self.launch().server.wait_healthy(timeout=timeout)
         return self
