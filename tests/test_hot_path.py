@@ -37,11 +37,14 @@ def _until(cond, timeout=30.0, step=0.05):
     return cond()
 
 
-def _s3_engine(tmp_path, proxy_url):
+def _s3_engine(tmp_path, proxy_url, **settings):
+    """An engine whose plugin reads S3 through `proxy_url`; `settings`: more plugin settings by name."""
     cfg_path = write_yaml(tmp_path, tmp_path / "reg.db")
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["extra_config"]["storage_plugin.cartridge.s3.endpoint_url"] = proxy_url
     cfg["extra_config"]["storage_plugin.cartridge.s3.max_attempts"] = "2"
+    for name, value in settings.items():
+        cfg["extra_config"][f"storage_plugin.cartridge.{name}"] = value
     cfg_path.write_text(yaml.safe_dump(cfg))
     md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)
     return cfg_path, Engine(load_config(cfg_path), md)
@@ -118,6 +121,52 @@ def test_retrieve_of_a_chunk_evicted_after_lookup_never_reads_the_origin(tmp_pat
         eng.clear_local_cpu()
         n, got = eng.retrieve(m.token_ids + [1])
         assert n == 3 * CHUNK and torch.equal(got[:, :, :n], flat(kv))
+
+
+CHUNK_BYTES = 2 * L * CHUNK * H * D * 2  # one chunk of the test model, bfloat16
+GiB = 1 << 30
+
+
+def test_pinned_lookup_keeps_a_disk_only_chunk_through_another_cartridges_download(tmp_path, moto_server, s3_proxy):
+    """The soak's HTTP 503, deterministic. A trained S3 cartridge X is on the plugin's disk tier
+    only (its CPU tier keeps nothing); LMCache's lookup (pin=True, as vLLM's lookup server asks)
+    promises its chunk. Then another trained cartridge Y is registered and downloaded (what the
+    refresh tick does for every trained cartridge not resident) into a disk tier with room for
+    one chunk. Old code: the lookup pin guarded only the CPU tier, Y's download evicted X's file
+    and the retrieve returned 0 of the promised tokens (a trained request fails). Now: the pin
+    holds X's disk copy, Y's download cannot evict it, and the retrieve returns every promised
+    token from the disk without a request to S3. Once unpinned, Y's next download may evict X."""
+    mx, kvx = _upload(tmp_path, moto_server, "trained-x", kind="trained", seed=61, chunks=1)
+    _upload(tmp_path, moto_server, "trained-y", kind="trained", seed=62, chunks=1)
+    cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url, refresh_seconds=3600,  # no tick: deterministic
+                               cpu_budget_gb=1e-9, disk_budget_gb=CHUNK_BYTES / GiB)
+    with eng:
+        plugin = eng.backend("cartridge")
+        assert cli.main(["register", f"s3://{BUCKET}/c/trained-x", "--config", str(cfg_path)]) == 0
+        plugin.refresh()  # trained: its download starts at once
+        hx = plugin._state.served["trained-x"].handle
+        assert _until(lambda: plugin.residency.resident(hx) and not plugin.residency.downloading(hx))
+        assert (mx.content_hash, 0) not in plugin.residency.cpu  # on disk only
+        prompt = mx.token_ids + [1]
+        eng.clear_local_cpu()
+        assert eng.engine.lookup(tokens=prompt, lookup_id="req-x", pin=True) == CHUNK  # the promise
+        assert cli.main(["register", f"s3://{BUCKET}/c/trained-y", "--config", str(cfg_path)]) == 0
+        plugin.refresh()
+        hy = plugin._state.served["trained-y"].handle
+        assert _until(lambda: s3_proxy.count("GET", r"trained-y/kv\.bin$") >= 1
+                      and not plugin.residency.downloading(hy))
+        gets = s3_proxy.count("GET", KV_GET)
+        n = len(prompt)
+        eng.kv.zero_()
+        mask = eng.engine.retrieve(prompt, kvcaches=eng.kv, slot_mapping=torch.arange(n), req_id="req-x")
+        eng.engine.lookup_unpin("req-x")
+        assert int(mask.sum()) == CHUNK, "the retrieve broke the lookup's promise"
+        assert torch.equal(eng.kv[:, :, :CHUNK], flat(kvx))
+        assert s3_proxy.count("GET", KV_GET) == gets  # read from the disk, never from S3
+        assert plugin.pin_count(plugin.mapper.keys(mx.token_ids)[0]) == 0
+        plugin.tick()  # Y is not resident: downloaded again, and now X's file may go
+        assert _until(lambda: plugin.residency.resident(hy) and not plugin.residency.downloading(hy))
+        assert not plugin.residency.is_local(hx, 0)
 
 
 def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_residency(tmp_path, moto_server, s3_proxy):
