@@ -297,6 +297,45 @@ def test_reader_of_a_file_another_process_evicted_gets_a_clean_miss(tmp_path, ca
     res.close()
 
 
+def test_a_held_chunk_survives_another_processs_eviction_until_released(tmp_path, cart):
+    """A lookup's hold (`DiskTier.hold`, a shared flock) keeps a published file from eviction by
+    any process on the host: B's put that would need A's held chunks does not fit (False,
+    nothing evicted); once A releases one, B's put evicts that one and no other. A `discard`
+    (force_redownload) still removes a held file, and the read then misses."""
+    root = tmp_path / "chunks"
+    size = cart.manifest.chunks[0].nbytes
+    handle = Handle(cart.manifest, LocalOrigin(cart.directory))
+    a = DiskTier(root, 2 * size)
+    cid0, cid1 = (cart.manifest.content_hash, 0), (cart.manifest.content_hash, 1)
+    for cid in (cid0, cid1):
+        assert a.put(cid, memoryview(_chunk(cart, cid[1]).numpy()))
+    h0, h1 = a.hold(cid0), a.hold(cid1)
+    assert h0 is not None and h1 is not None and h0.held
+    assert a.hold((cart.manifest.content_hash, 9)) is None  # no such file: nothing to promise
+    ctx = _ctx()
+    results = ctx.Queue()
+
+    def b_puts(indices):  # a real other process over the same directory and budget
+        b = ctx.Process(target=_fill, args=(str(root), str(cart.directory), 2 * size, indices, results))
+        b.start()
+        got = results.get(timeout=60)
+        b.join(30)
+        return got
+
+    assert b_puts([5]) == [False]  # both candidates held: no room, nothing evicted
+    assert sorted(c[1] for c in a.keys()) == [0, 1]
+    h0.release()
+    h0.release()  # idempotent
+    assert not h0.held
+    assert b_puts([5]) == [True]  # the released one went, the held one stayed
+    assert sorted(c[1] for c in a.keys()) == [1, 5] and a.hold(cid0) is None
+    buf = torch.empty(size, dtype=torch.uint8)
+    assert a.get_into(cid1, memoryview(buf.numpy()), handle) and torch.equal(buf, _chunk(cart, 1))
+    assert a.discard(cart.manifest.content_hash) == 2  # force_redownload: held or not
+    assert not a.get_into(cid1, memoryview(buf.numpy()), handle)
+    h1.release()
+
+
 class _RemoteOrigin(LocalOrigin):
     """A real local origin that residency treats as remote (as an S3 one), so the disk tier is used."""
 

@@ -373,3 +373,29 @@ def test_a_kept_buffer_is_adopted_only_when_asked():
     assert tier._chunks[("x", 0)].data_ptr() != a.data_ptr()  # a copy
     assert tier._chunks[("x", 1)].data_ptr() == b.data_ptr()  # kept as it is
     assert tier.fits(64) and not tier.fits(2 << 20) and not MemoryTier("cpu", 0).fits(64)
+
+
+def test_hold_local_holds_only_what_the_disk_tier_alone_has(tmp_path):
+    """`Residency.hold_local` (a pinned lookup): a local origin's chunk and a CPU-tier chunk are
+    local with no hold; a remote chunk only on disk is local with a hold that keeps its file
+    from eviction until released; a remote chunk nowhere local is not."""
+    from test_disk_cache_multiproc import _RemoteOrigin
+
+    p = _packed(tmp_path)
+    size = p.manifest.chunks[0].nbytes
+    res = Residency(MemoryTier("cpu", 1 << 20), DiskTier(tmp_path / "cache", 2 * size), Metrics(), prefetch=False)
+    local, remote = Handle(p.manifest, LocalOrigin(p.directory)), Handle(p.manifest, _RemoteOrigin(p.directory))
+    assert res.hold_local(local, 3) == (True, None)
+    res.disk.put(remote.disk_id(0), memoryview(p.read_raw(0).numpy()))
+    res.disk.put(remote.disk_id(1), memoryview(p.read_raw(1).numpy()))
+    res.cpu.put((p.manifest.content_hash, 1), torch.empty(size, dtype=torch.uint8))
+    assert res.hold_local(remote, 1) == (True, None)  # the CPU tier has it (the caller pinned it there)
+    ok, hold = res.hold_local(remote, 0)
+    assert ok and hold is not None and hold.held
+    assert res.hold_local(remote, 2) == (False, None)
+    assert res.disk.put(remote.disk_id(2), memoryview(p.read_raw(2).numpy()))
+    assert remote.disk_id(0) in res.disk and remote.disk_id(1) not in res.disk  # 0 is the LRU, but held
+    hold.release()
+    assert res.disk.put(remote.disk_id(3), memoryview(p.read_raw(3).numpy()))
+    assert remote.disk_id(0) not in res.disk  # released: the LRU victim now
+    res.close()

@@ -28,6 +28,10 @@ starting process deleted the temp files of live writers. Now:
   POSIX: the open descriptor keeps the inode and the reader gets all its bytes.
 - A reader whose file vanished (evicted by another process) gets a miss, not an error, and
   the chunk is fetched again by the ordinary download path.
+- A lookup that promises a chunk only this tier has holds the same shared lock from the lookup
+  until its retrieve (`hold`, a `DiskHold`): LRU eviction in any process on the host skips the
+  file meanwhile, so another cartridge's download cannot break the promise. Only a `discard`
+  (force_redownload) or a corrupt read still removes a held file; the retrieve then misses.
 
 Bytes are verified against the manifest on their first read in each process (bit rot, files
 changed behind our back); a corrupt file is deleted and reported as a miss.
@@ -112,6 +116,31 @@ class _Owner:
             self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = -1
+
+
+class DiskHold:
+    """A shared `flock` on one published chunk file (`DiskTier.hold`): eviction skips the file,
+    in every process on the host, until `release`. Reads still go by the path (`get_into`), so a
+    held file that `discard` removed (force_redownload) is a miss, never old bytes.
+
+    Where it runs: taken on a lookup's thread (LMCache's lookup server, the MP adapter's reader);
+    released by whatever ends the promise (LMCache's unpin on the worker thread, the pin lease on
+    the watcher thread, close). `release` is idempotent and thread-safe."""
+
+    __slots__ = ("cid", "_fd", "_lock")
+
+    def __init__(self, cid: ChunkId, fd: int) -> None:
+        self.cid, self._fd, self._lock = cid, fd, threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+    def release(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)  # closing the descriptor drops its lock
 
 
 class DiskTier:
@@ -260,6 +289,35 @@ class DiskTier:
         self._touch(cid)
         return True
 
+    def hold(self, cid: ChunkId) -> DiskHold | None:
+        """Keep a published chunk from eviction until the returned hold is released; None when
+        its file is gone or being evicted at this moment. Called by a pinned lookup for a chunk
+        only this tier has (`Residency.hold_local`), so that what the lookup promises the
+        retrieve can still read. One descriptor per hold: holds last from a lookup to its
+        retrieve, and are bounded by the pins in flight and their lease."""
+        path = self._path(cid)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._present.discard(cid)
+            return None
+        except OSError as e:
+            logger.warning("lmcache_cartridge: could not hold disk cache chunk %s: %s", path, e)
+            return None
+        try:
+            # Non-blocking: an evictor holds LOCK_EX only just before it unlinks the name, so a
+            # file we cannot lock now is going away.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            # An eviction between our open and our lock unlinked the name: a lock on that orphaned
+            # inode would protect nothing (a new file under the name is not ours either).
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                raise FileNotFoundError(path)
+        except OSError:
+            os.close(fd)
+            self._present.discard(cid)
+            return None
+        return DiskHold(cid, fd)
+
     def _touch(self, cid: ChunkId) -> None:
         """Record a read for the shared LRU; written about once a second, never waiting on
         another process's transaction (the hot path skips a busy index and tries later)."""
@@ -373,7 +431,9 @@ class DiskTier:
 
     def _make_room(self, db: sqlite3.Connection, n: int) -> tuple[bool, int]:
         """Evict published files, least recently used first, until `n` more bytes fit the budget.
-        Files being read and reservations of writers under way are skipped."""
+        Files being read or held for a lookup (`hold`) and reservations of writers under way are
+        skipped: with only those left, the put does not fit (the chunk stays in memory, or a later
+        download writes it)."""
         used = self._total(db)
         evicted = skipped = 0
         while used + n > self.budget:
@@ -411,7 +471,7 @@ class DiskTier:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return False  # a reader holds it: pick another victim
+                return False  # a reader or a lookup's hold has it: pick another victim
             path.unlink(missing_ok=True)
             return True
         except OSError as e:

@@ -41,7 +41,7 @@ import torch
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.tp import RankView
-from lmcache_cartridge.store.disk_cache import ChunkId, DiskTier
+from lmcache_cartridge.store.disk_cache import ChunkId, DiskHold, DiskTier
 from lmcache_cartridge.store import threads
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import Origin
@@ -237,6 +237,20 @@ class Residency:
         if handle.origin.local:
             return True
         return (handle.content_hash, index) in self.cpu or (self.disk is not None and handle.disk_id(index) in self.disk)
+
+    def hold_local(self, handle: Handle, index: int) -> tuple[bool, DiskHold | None]:
+        """`is_local` for a lookup that promises the chunk (pin=True), whose caller has already
+        pinned it in the CPU tier: (local, hold). Where only the disk tier has the chunk, `hold`
+        keeps its file from eviction until the caller releases it when the promise ends. A disk
+        copy that cannot be held is not local: promised unheld, any download could evict it
+        before the retrieve, which then returns fewer tokens than the lookup said (a trained
+        request fails). Runs on the lookup's thread."""
+        if handle.origin.local or (handle.content_hash, index) in self.cpu:
+            return True, None
+        if self.disk is None:
+            return False, None
+        hold = self.disk.hold(handle.disk_id(index))
+        return hold is not None, hold
 
     def local_prefix(self, handle: Handle, indices) -> int:
         """How many of `indices` (in order) are local before the first that is not."""
