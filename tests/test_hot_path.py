@@ -95,11 +95,23 @@ def test_lookup_of_a_remote_cartridge_misses_and_downloads_in_the_background(tmp
         assert s3_proxy.count("GET", KV_GET) == gets  # no request reached the origin
 
 
-def test_retrieve_of_a_chunk_evicted_after_lookup_never_reads_the_origin(tmp_path, moto_server, s3_proxy):
+@pytest.mark.parametrize("kind", ["first_k", "trained"])
+@pytest.mark.parametrize("pin", [False, True], ids=["unpinned", "pinned"])
+def test_retrieve_of_a_chunk_evicted_after_lookup_never_reads_the_origin(tmp_path, moto_server, s3_proxy, kind, pin):
     """Between lookup and retrieve a chunk leaves every local tier. Old code: the retrieve did a
-    ranged GET inside the request. Now: that chunk is a miss (the request recomputes it) and a
-    background download brings it back; the next lookup and retrieve are exact."""
-    m, kv = _upload(tmp_path, moto_server, "evicted-doc", seed=41)
+    ranged GET inside the request. Now: that chunk is a miss and a background download brings it
+    back; the next lookup and retrieve are exact.
+
+    What can still take a promised chunk away: a pinned lookup holds what its hit relies on (the
+    CPU-tier copy, or its disk file: `DiskTier.hold`), so LRU eviction no longer can
+    (`test_pinned_lookup_keeps_a_disk_only_chunk_through_another_cartridges_download`); an
+    unpinned lookup (LMCache's async pair) holds nothing; and a force_redownload's `discard`
+    drops local copies pinned or not, held files included (reads go by the path: the retrieve
+    misses rather than serve the copies it was asked to drop). Here the discard, after a lookup
+    of each kind: the rule is the same for both. A first-k request then recomputes the chunk
+    (plain prefill); a trained one fails its load (`load_failure`), never recomputed from
+    placeholders and never served by an origin read inside the request."""
+    m, kv = _upload(tmp_path, moto_server, "evicted-doc", kind=kind, seed=41)
     cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url)
     with eng:
         plugin = eng.backend("cartridge")
@@ -109,12 +121,18 @@ def test_retrieve_of_a_chunk_evicted_after_lookup_never_reads_the_origin(tmp_pat
         assert _until(lambda: eng.engine.lookup(m.token_ids + [1]) == 3 * CHUNK, timeout=30)
         keys = plugin.mapper.keys(m.token_ids)
         served = plugin._state.served["evicted-doc"]
-        assert plugin.batched_contains(keys, pin=False) == 3
+        if pin:  # on disk only, so the pins rely on disk holds
+            plugin.residency.cpu.discard(m.content_hash)
+        assert plugin.batched_contains(keys, pin=pin) == 3
+        if pin:
+            assert all(p.hold is not None and p.hold.held for k in keys for p in plugin._state.pins[k])
         gets = s3_proxy.count("GET", KV_GET)
         plugin.residency.cpu.discard(m.content_hash)
         plugin.residency.disk.discard(m.content_hash)  # evicted from memory and disk
         objs = plugin.batched_get_blocking(keys)
         assert objs == [None, None, None]  # a miss, not a GET inside the request
+        for k in keys if pin else ():  # LMCache's unpin after the retrieve
+            assert plugin.unpin(k)
         assert _until(lambda: not plugin.residency.downloading(served.handle)
                       and plugin.residency.resident(served.handle), timeout=30)
         assert s3_proxy.count("GET", KV_GET) == gets + 3  # fetched again, in the background
@@ -167,6 +185,37 @@ def test_pinned_lookup_keeps_a_disk_only_chunk_through_another_cartridges_downlo
         plugin.tick()  # Y is not resident: downloaded again, and now X's file may go
         assert _until(lambda: plugin.residency.resident(hy) and not plugin.residency.downloading(hy))
         assert not plugin.residency.is_local(hx, 0)
+
+
+def test_disk_holds_end_with_their_pins_lease_and_the_plugin(tmp_path, moto_server, s3_proxy):
+    """A disk hold lasts exactly as long as its pin: a pin LMCache never releases lets go of its
+    file when the lease expires (the file is evictable again), and closing the plugin releases
+    the holds of pins still open (file locks other processes' evictions respect: never left to
+    the garbage collector)."""
+    m, _ = _upload(tmp_path, moto_server, "held-doc", kind="trained", seed=71, chunks=1)
+    cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url, refresh_seconds=3600,
+                               cpu_budget_gb=1e-9, pin_lease_seconds=0.0)
+    with eng:
+        plugin = eng.backend("cartridge")
+        assert cli.main(["register", f"s3://{BUCKET}/c/held-doc", "--config", str(cfg_path)]) == 0
+        plugin.refresh()
+        h = plugin._state.served["held-doc"].handle
+        assert _until(lambda: plugin.residency.resident(h) and not plugin.residency.downloading(h))
+        key = plugin.mapper.keys(m.token_ids)[0]
+
+        def pinned_hold():
+            assert plugin.batched_contains([key], pin=True) == 1
+            hold = plugin._state.pins[key][-1].hold
+            assert hold is not None and hold.held  # on disk only: the pin holds the file
+            return hold
+
+        leased = pinned_hold()
+        time.sleep(0.01)
+        plugin.tick()  # the lease (0 s) is over
+        assert plugin.pin_count(key) == 0 and not leased.held
+        assert not plugin.unpin(key)  # LMCache's late unpin pays the expired pin's debt
+        open_at_close = pinned_hold()
+    assert not open_at_close.held  # the engine closed the plugin
 
 
 def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_residency(tmp_path, moto_server, s3_proxy):

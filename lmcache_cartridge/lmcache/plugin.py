@@ -14,7 +14,9 @@ until no in-flight read can write them back). It never owns a cartridge's files:
 forgets keys, it never deletes anything.
 
 Hot path rule: a lookup hits only on chunks readable without the network (memory, disk cache,
-local origin); a remote chunk not yet local is a miss and starts a background download. Trained
+local origin); a remote chunk not yet local is a miss and starts a background download. A pinned
+lookup's hit is kept readable until its unpin (or the lease): the pin holds every tier the hit
+relies on, the CPU-tier copy or, for a chunk only the disk cache has, its file. Trained
 cartridges are downloaded as soon as they are registered, and the published state says which
 cartridges are resident (the gateway holds a trained cartridge's requests until they are).
 Lock order: the plugin lock is never held while a tier lock or LMCache's lock is taken.
@@ -53,7 +55,7 @@ from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
-from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
+from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency
 from lmcache_cartridge.store import threads
 from lmcache_cartridge.lmcache import memory_layout
 from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
@@ -79,6 +81,9 @@ class _Pin:
     served: Served
     index: int
     taken: float  # time.monotonic(): a pin LMCache never releases expires after the lease
+    # The chunk's disk-cache file, held from eviction, where the lookup found the chunk only
+    # there: without it another download could evict the file before the retrieve.
+    hold: DiskHold | None = None
 
 
 @dataclass(eq=False)
@@ -403,7 +408,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         if expired:
             logger.warning("lmcache_cartridge: %d lookup pins expired after %.0fs without an unpin",
                            len(expired), lease)
-            self.residency.cpu.unpin_many((p.served.handle.content_hash, p.index) for p in expired)
+            self._release_tiers(expired)
             for s in {id(p.served): p.served for p in expired}.values():
                 self._close_if_unused(s)
         self._purge(purge)
@@ -477,11 +482,16 @@ class CartridgeStoragePlugin(StoragePluginInterface):
     def batched_contains(self, keys, pin: bool = False) -> int:
         """Leading hits: chunks this process serves AND can read without the network.
 
+        Where it runs: LMCache's lookup (the worker's lookup-server thread with pin=True, the
+        storage manager's executor for the async pair without).
+
         A chunk of a remote cartridge that is not in memory or the disk cache is a miss, and its
         download starts in the background. Pins (worker side only: the scheduler-side instance,
-        `local_cpu_backend=None`, never retrieves, so nothing would ever release them) keep the
-        CPU-tier copy until LMCache's unpin, or the lease. The plugin lock is never held while a
-        tier lock is taken."""
+        `local_cpu_backend=None`, never retrieves, so nothing would ever release them) keep what
+        the hit relies on until LMCache's unpin, or the lease: the CPU-tier copy, or where only
+        the disk cache has the chunk, its file (`Residency.hold_local`); a disk copy that cannot
+        be held is a miss, not a promise. The plugin lock is never held while a tier lock is
+        taken."""
         taken: list[tuple[Served, int]] = []
         with self._lock:
             index = self._state.index
@@ -496,12 +506,15 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         cids = [(sv.handle.content_hash, i) for sv, i in taken]
         if pin:  # before the locality check, so a chunk found in memory cannot be evicted after it
             self.residency.cpu.pin_many(cids)
-        hits = 0
+        holds: list[DiskHold | None] = []
         for sv, i in taken:
-            if not self.residency.is_local(sv.handle, i):
+            local, hold = self.residency.hold_local(sv.handle, i) if pin \
+                else (self.residency.is_local(sv.handle, i), None)
+            if not local:
                 self._want_download(sv)
                 break
-            hits += 1
+            holds.append(hold)
+        hits = len(holds)
         if pin:
             if hits < len(taken):
                 self.residency.cpu.unpin_many(cids[hits:])
@@ -509,8 +522,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 now = time.monotonic()
                 with self._lock:
                     st = self._state
-                    for key, (sv, i) in zip(keys, taken[:hits]):
-                        st.pins.setdefault(key, deque()).append(_Pin(sv, i, now))
+                    for key, (sv, i), hold in zip(keys, taken[:hits], holds):
+                        st.pins.setdefault(key, deque()).append(_Pin(sv, i, now, hold))
                         sv.pins += 1
                         if sv.handle.retired and key not in st.draining:  # retired since we looked
                             st.draining[key] = (sv, i)
@@ -557,10 +570,18 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             if not taken:
                 del st.pins[key]
             self._release_locked(key, p)
-        self.residency.cpu.unpin((p.served.handle.content_hash, p.index))
+        self._release_tiers([p])
         if p.served.handle.retired:
             self._close_if_unused(p.served)  # retired and now unused
         return True
+
+    def _release_tiers(self, pins: list[_Pin]) -> None:
+        """What released pins kept in the tiers: their CPU-tier pins and disk holds (outside the
+        plugin lock: the tiers take their own locks)."""
+        self.residency.cpu.unpin_many((p.served.handle.content_hash, p.index) for p in pins)
+        for p in pins:
+            if p.hold is not None:
+                p.hold.release()
 
     def pin_count(self, key) -> int:
         with self._lock:
@@ -725,7 +746,12 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 s.handle.origin.close()
             for s, _ in self._state.draining.values():
                 s.handle.origin.close()
+            # Disk holds are file locks other processes' evictions respect: never leave them
+            # to the garbage collector.
+            holds = [p.hold for taken in self._state.pins.values() for p in taken if p.hold is not None]
             self._state = _State()
+        for hold in holds:
+            hold.release()
         if getattr(self, "residency", None) is not None:
             self.residency.close()
         for pool in (getattr(self, "_readers", None), getattr(self, "_async_pool", None)):
