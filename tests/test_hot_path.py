@@ -26,6 +26,7 @@ from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.registry import Registry
 from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, Residency
 from lmcache_cartridge.tools import cli
+from lmcache_cartridge.vllm.readiness import release_pins_on_relookup
 
 BUCKET = "hot"
 
@@ -216,6 +217,33 @@ def test_disk_holds_end_with_their_pins_lease_and_the_plugin(tmp_path, moto_serv
         assert not plugin.unpin(key)  # LMCache's late unpin pays the expired pin's debt
         open_at_close = pinned_hold()
     assert not open_at_close.held  # the engine closed the plugin
+
+
+def test_a_repeated_lookup_under_one_id_releases_the_earlier_pins(carts):
+    """The readiness gate repeats a waiting request's lookup under its request id; each reaches
+    the worker's `LMCacheEngine.lookup(pin=True)`, which records its pins over the earlier ones
+    without releasing them. LMCache alone: after the one unpin, the first lookup's pins stay (in
+    LocalCPUBackend until its pin timeout, in the plugin until the lease, holding CPU-tier
+    copies and disk files all the while). With the guard the worker-role connector installs on
+    its engine, both stores are back to zero pins."""
+    a = carts["a"][0]
+    with engine_for(carts["dir"], carts["reg"].path) as eng:
+        assert release_pins_on_relookup(eng.engine)  # what CartridgeConnector does on each worker
+        assert release_pins_on_relookup(eng.engine)  # idempotent: one wrapper
+        plugin, cpu = eng.backend("cartridge"), eng.backend("LocalCPUBackend")
+        keys = plugin.mapper.keys(a.token_ids)
+        assert eng.retrieve(a.token_ids[:CHUNK])[0] == CHUNK  # chunk 0 is now in LMCache's CPU cache too
+        assert keys[0] in cpu.hot_cache
+        prompt = a.token_ids + [1]
+        for _ in range(3):  # the first lookup, then the gate's repeats
+            assert eng.engine.lookup(tokens=prompt, lookup_id="req-a", pin=True) == 3 * CHUNK
+            assert set(eng.engine.lookup_pins["req-a"]) == {"LocalCPUBackend", "cartridge"}
+            assert cpu.hot_cache[keys[0]].meta.pin_count == 1
+            assert [plugin.pin_count(k) for k in keys] == [0, 1, 1]
+        eng.engine.lookup_unpin("req-a")  # the retrieve's (or wait_for_save's) release
+        assert cpu.hot_cache[keys[0]].meta.pin_count == 0
+        assert [plugin.pin_count(k) for k in keys] == [0, 0, 0]
+        assert eng.engine.lookup(tokens=prompt, lookup_id="other", pin=False) == 3 * CHUNK  # unpinned: untouched
 
 
 def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_residency(tmp_path, moto_server, s3_proxy):

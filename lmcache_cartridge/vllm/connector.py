@@ -192,8 +192,21 @@ class CartridgeConnector(LMCacheConnectorV1):
                 logger.exception("lmcache_cartridge: could not install the CPU KV connector; "
                                  "LMCache will run without one (recompute)")
         super().__init__(vllm_config, role, kv_cache_config)
+        self._release_pins_on_relookup()
         logger.info("lmcache_cartridge: CartridgeConnector ready (role %s, cpu backend %s)",
                     role.name, self._cpu_backend)
+
+    def _release_pins_on_relookup(self) -> None:
+        """In the process whose LMCache engine answers lookups (each worker; also the scheduler
+        with LMCache's bypass lookup), right after LMCache built it: a lookup the readiness gate
+        repeats releases the request's earlier pins instead of leaking them
+        (`readiness.release_pins_on_relookup`). The scheduler process has no engine otherwise."""
+        from lmcache_cartridge.vllm.readiness import release_pins_on_relookup
+
+        try:
+            release_pins_on_relookup(self._lmc_engine())
+        except Exception:  # noqa: BLE001 - a leak until the pin lease, never a dead engine
+            logger.exception("lmcache_cartridge: could not make repeated lookups release their pins")
 
     @staticmethod
     def _why_no_announcements(vllm_config: "VllmConfig", kv_cache_config) -> str | None:

@@ -31,10 +31,18 @@ it reaches) answers through `ReadinessGate.match`, after LMCache's lookup:
   gateway's 503 + Retry-After). Were the chunks resident by then, the load simply succeeds. So
   a marked request is never scheduled with its placeholder tokens to compute.
 Unmarked requests (no trained cartridge, first-k cartridges) are not looked at.
+
+A repeated lookup re-pins (worker side, `release_pins_on_relookup`): each lookup the gate repeats
+reaches the worker's LMCache lookup server, whose `LMCacheEngine.lookup(pin=True)` records the new
+pins over the old ones under the same request id without releasing them, so every repeat would
+leak one set of pins (LMCache's CPU cache until its pin timeout, the plugin's CPU tier and disk
+holds until its lease). The worker-role connector makes the engine release them first.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
 import time
@@ -221,3 +229,32 @@ def gated_answer(gate: ReadinessGate, timer: Any, request: Any, num_computed_tok
     if timer is not None:
         timer.observe(time.perf_counter() - t0, outcome)
     return answer
+
+
+def release_pins_on_relookup(engine: Any) -> bool:
+    """Make `engine` (an `LMCacheEngine`) release the pins an id already holds before a pinned
+    lookup under that id pins again. Idempotent; False when there is no engine to wrap.
+
+    Where it runs: installed once per worker by the worker-role connector (and on any process's
+    engine the connector sees); the wrapped `lookup` runs on LMCache's lookup-server thread. Safe
+    because a request is looked up again only while it is not scheduled (it waits at the gate, or
+    was preempted and its load already ran): no retrieve of it is in flight that needs these pins.
+    """
+    lookup = getattr(engine, "lookup", None)
+    if lookup is None or not hasattr(engine, "lookup_pins"):
+        return False
+    if getattr(lookup, "_cartridge_relookup", False):
+        return True
+    signature = inspect.signature(lookup)
+
+    @functools.wraps(lookup)
+    def relookup(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        lookup_id = bound.get("lookup_id")
+        if bound.get("pin") and lookup_id is not None and lookup_id in engine.lookup_pins:
+            engine.lookup_unpin(lookup_id)  # `in`: lookup_pins is a defaultdict, never index it here
+        return lookup(*args, **kwargs)
+
+    relookup._cartridge_relookup = True  # type: ignore[attr-defined]
+    engine.lookup = relookup  # the instance's attribute: the lookup server calls engine.lookup
+    return True
