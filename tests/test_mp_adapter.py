@@ -205,3 +205,122 @@ def test_doctor_fails_on_an_adapter_the_server_module_never_attached(tmp_path, c
         assert rc == 1 and "LMCache MP server" in out and "--server-module" in out, out
     finally:
         adapter.close()
+
+
+def test_a_locked_disk_only_chunk_survives_another_cartridges_download_until_unlocked(tmp_path, moto_server, s3_proxy):
+    """The soak's broken promise, in MP mode. The adapter has no CPU tier, so a trained S3
+    cartridge X lives on the disk tier only; the server's lookup locks X's chunk, then another
+    trained cartridge Y is registered and downloaded into a disk tier with room for one chunk,
+    then the server loads X. Old code: lookups locked nothing, Y's download evicted X's file and
+    the load missed a chunk the lookup had promised. Now: the lock holds X's file, the load fills
+    X's exact bytes without a request to S3; after the server's unlock Y's next download may
+    evict X."""
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+
+    from lmcache_cartridge.cartridge.packed import VocabInfo
+    from lmcache_cartridge.store.registration import register_s3
+    from lmcache_cartridge.store.s3 import S3Settings
+    from s3_server import s3_client, upload_dir
+
+    L, H, D = 2, 2, 16
+    chunk_bytes = 2 * L * CHUNK * H * D * 2
+    kvs, ms = {}, {}
+    for n, name in enumerate(("mp-x", "mp-y")):
+        kvs[name] = random_kv(L, CHUNK, H, D, seed=80 + n)
+        ms[name] = pack_kv(kvs[name], tmp_path / name, cartridge_id=name, model=MODEL, kind="trained",
+                           vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+        upload_dir(s3_client(moto_server), "mp-hot", f"c/{name}", tmp_path / name)
+    reg = Registry(tmp_path / "reg.db")
+    s3 = S3Settings.from_mapping({"endpoint_url": s3_proxy.endpoint_url})
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 3600, "disk_budget_gb": chunk_bytes / (1 << 30),
+                                  "s3.endpoint_url": s3_proxy.endpoint_url})
+
+    def resident(name):
+        s = adapter._served[name]
+        h = s.handle(1, 0)
+        return adapter.residency.resident(h) and not adapter.residency.downloading(h)
+
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        register_s3(reg, "s3://mp-hot/c/mp-x", tmp_path / "cache", s3)
+        assert adapter.refresh()  # trained: downloaded at once
+        deadline = time.time() + 30
+        while not resident("mp-x") and time.time() < deadline:
+            time.sleep(0.02)
+        assert resident("mp-x")
+        m = ms["mp-x"]
+        key = ObjectKey(hasher.compute_chunk_hashes(list(m.key_token_ids))[m.context_chunks],
+                        MODEL, ObjectKey.ComputeKVRank(1, 0, 1, 0), 0, "")
+        desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
+        assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task([key], desc)).popcount() == 1
+        register_s3(reg, "s3://mp-hot/c/mp-y", tmp_path / "cache", s3)
+        assert adapter.refresh()
+        hy = adapter._served["mp-y"].handle(1, 0)
+        deadline = time.time() + 30
+        while (s3_proxy.count("GET", r"mp-y/kv\.bin$") < 1 or adapter.residency.downloading(hy)) \
+                and time.time() < deadline:
+            time.sleep(0.02)
+        gets = s3_proxy.count("GET", r"/kv\.bin$")
+        obj = SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16))
+        assert _wait(adapter, "load", adapter.submit_load_task([key], [obj])).popcount() == 1, \
+            "the load missed a chunk its lookup locked"
+        assert torch.equal(obj.tensor, kvs["mp-x"].reshape(2, L, CHUNK, -1))
+        assert s3_proxy.count("GET", r"/kv\.bin$") == gets  # from the disk, never from S3
+        adapter.submit_unlock([key])
+        assert not adapter._locks
+        adapter.residency.download_async(hy)  # Y again: now X's file may go
+        deadline = time.time() + 30
+        while not resident("mp-y") and time.time() < deadline:
+            time.sleep(0.02)
+        assert resident("mp-y") and not resident("mp-x")
+    finally:
+        adapter.close()
+
+
+def test_lookup_locks_the_server_never_returns_let_go_after_the_lease(tmp_path, moto_server, s3_proxy):
+    """A lookup result nobody takes is never unlocked by the server: its disk holds go when the
+    lease expires (the file is evictable again), and a late unlock then releases nothing; close
+    releases the holds still open."""
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+
+    from lmcache_cartridge.cartridge.packed import VocabInfo
+    from lmcache_cartridge.store.registration import register_s3
+    from lmcache_cartridge.store.s3 import S3Settings
+    from s3_server import s3_client, upload_dir
+
+    L, H, D = 2, 2, 16
+    m = pack_kv(random_kv(L, CHUNK, H, D, seed=90), tmp_path / "mp-z", cartridge_id="mp-z", model=MODEL,
+                kind="trained", vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+    upload_dir(s3_client(moto_server), "mp-lease", "c/mp-z", tmp_path / "mp-z")
+    reg = Registry(tmp_path / "reg.db")
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 3600, "pin_lease_seconds": 0.0,
+                                  "s3.endpoint_url": s3_proxy.endpoint_url})
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        register_s3(reg, "s3://mp-lease/c/mp-z", tmp_path / "cache", S3Settings.from_mapping({"endpoint_url": s3_proxy.endpoint_url}))
+        assert adapter.refresh()
+        h = adapter._served["mp-z"].handle(1, 0)
+        deadline = time.time() + 30
+        while not (adapter.residency.resident(h) and not adapter.residency.downloading(h)) and time.time() < deadline:
+            time.sleep(0.02)
+        key = ObjectKey(hasher.compute_chunk_hashes(list(m.key_token_ids))[m.context_chunks],
+                        MODEL, ObjectKey.ComputeKVRank(1, 0, 1, 0), 0, "")
+        desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
+        for _ in range(2):
+            assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task([key], desc)).popcount() == 1
+        holds = [lk.hold for lk in adapter._locks[key]]
+        assert len(holds) == 2 and all(hd is not None and hd.held for hd in holds)
+        time.sleep(0.01)
+        adapter._expire_locks()  # what the watcher runs every refresh period
+        assert not any(hd.held for hd in holds) and not adapter._locks
+        adapter.submit_unlock([key])  # late: nothing left to release
+        assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task([key], desc)).popcount() == 1
+        open_at_close = adapter._locks[key][0].hold
+        assert open_at_close.held
+    finally:
+        adapter.close()
+    assert not open_at_close.held

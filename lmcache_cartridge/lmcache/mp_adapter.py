@@ -21,6 +21,12 @@ Objects. GPU engines hold `KV_2LTD`, vLLM-CPU its own block bytes (`lmcache.mp_l
 size of a vLLM-CPU engine comes from the server's registration of it (engine-driven or
 LMCache-driven transfer) for the key's model and world size.
 
+Lookup locks: the server locks what a lookup hit until it has loaded it (`submit_unlock`). A
+remote chunk lives on the disk tier only here (there is no CPU tier), so the lock holds its file
+(`DiskTier.hold`): another cartridge's download cannot evict it before the load, which would
+then miss a chunk the lookup promised. A file that cannot be held is a miss at lookup. Locks the
+server never returns (a result nobody took) let go after `pin_lease_seconds`.
+
 Trained cartridges: a lookup of a chunk that is not local misses and starts its download, as for
 any cartridge; vLLM must run `CartridgeMPConnector` (`vllm.mp_connector`), whose readiness rule
 holds the request and asks again (bounded) instead of recomputing its placeholder ids, and fails
@@ -47,6 +53,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +75,7 @@ from lmcache_cartridge.store import threads
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
-from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
+from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
 from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for
 
@@ -146,6 +153,15 @@ class _Served:
 MAX_PENDING_RESULTS = 4096  # results nobody took (a request aborted mid-lookup): oldest dropped beyond this
 
 
+@dataclass(eq=False)
+class _Lock:
+    """One lookup's lock on one key, until the server's unlock: the disk hold of a remote chunk
+    (None for a local origin's, which cannot go away). `taken`: time.monotonic(), for the lease."""
+
+    taken: float
+    hold: DiskHold | None
+
+
 class CartridgeL2Adapter(L2AdapterInterface):
     """Read-only `L2AdapterInterface` serving the registry's cartridges to an `lmcache server`."""
 
@@ -173,6 +189,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
         self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, salt) of keys answered
         self._tombstones: set[bytes] = set()  # retired chunk hashes to purge from L1 until none is skipped
         self._refused: set[tuple] = set()  # refusals logged once
+        # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
+        self._locks: dict[Any, deque[_Lock]] = {}
         self._refresh_lock = threading.Lock()  # one refresh at a time (attach vs. the watcher)
         self._pool = threads.pool(1, "cartridge-mp")
         self._ctx = None
@@ -302,6 +320,10 @@ class CartridgeL2Adapter(L2AdapterInterface):
                     self.publish()
             except Exception as e:  # a locked registry, a full disk: keep serving what we have
                 logger.warning("lmcache_cartridge MP adapter: refresh failed: %s", e)
+            try:  # whatever the registry does
+                self._expire_locks()
+            except Exception as e:
+                logger.warning("lmcache_cartridge MP adapter: expiring lookup locks failed: %s", e)
 
     def _purge(self) -> None:
         """Delete retired chunks from the server's L1 under every (model, rank, group, salt)
@@ -400,7 +422,39 @@ class CartridgeL2Adapter(L2AdapterInterface):
         return self._take("lookup", task_id)
 
     def submit_unlock(self, keys) -> None:
-        return None  # lookups lock nothing: a chunk gone before its load is a load miss
+        """The server is done with what a lookup hit (loaded, dropped from its plan, or the
+        request ended): release one lock per key, the oldest (the prefetch controller's thread).
+        A lock the lease already released is just forgotten."""
+        released = []
+        with self._lock:
+            for key in keys:
+                taken = self._locks.get(key)
+                if not taken:
+                    continue
+                released.append(taken.popleft())
+                if not taken:
+                    del self._locks[key]
+        _release(released)
+
+    def _expire_locks(self) -> None:
+        """Watcher thread: release the holds of locks older than the lease (a lookup result the
+        server never took is never unlocked) and forget them after one more lease, so a late
+        unlock still finds its own lock, never a newer lookup's."""
+        lease = self.settings.pin_lease_seconds
+        now = time.monotonic()
+        expired = []
+        with self._lock:
+            for key in list(self._locks):
+                taken = self._locks[key]
+                expired.extend(lk for lk in taken if lk.hold is not None and lk.hold.held and now - lk.taken > lease)
+                while taken and now - taken[0].taken > 2 * lease:
+                    taken.popleft()
+                if not taken:
+                    del self._locks[key]
+        if expired:
+            logger.warning("lmcache_cartridge MP adapter: %d lookup locks expired after %.0fs without an unlock",
+                           len(expired), lease)
+        _release(expired)
 
     def _guarded(self, kind: str, tid: int, n: int, fn, *args) -> None:
         """Run `fn` and complete the task with its bitmap; an exception completes it empty (a
@@ -463,6 +517,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
         return None
 
     def _lookup(self, keys, descs) -> Bitmap:
+        """Reader thread: which keys this adapter can load now, each locked until the server's
+        unlock (`_Lock`: a remote chunk's disk file is held, else it is a miss)."""
         bits = Bitmap(len(keys))
         downloads = {}
         for n, key in enumerate(keys):
@@ -477,11 +533,13 @@ class CartridgeL2Adapter(L2AdapterInterface):
             if got is None:
                 continue
             h, _ = got
-            if not self.residency.is_local(h, i):
+            local, hold = self.residency.hold_local(h, i)
+            if not local:
                 downloads[id(h)] = h  # fetched in the background: a later lookup hits
                 continue
-            with self._lock:
+            with self._lock:  # recorded at once: a lookup that raises later still leaves it to the lease
                 self._asked.add((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
+                self._locks.setdefault(key, deque()).append(_Lock(time.monotonic(), hold))
             bits.set(n)
         for h in downloads.values():
             self.residency.download_async(h, on_done=lambda _h: self.publish())
@@ -561,6 +619,9 @@ class CartridgeL2Adapter(L2AdapterInterface):
         with self._lock:
             served = list(self._served.values())
             self._served, self._index = {}, {}
+            locks = [lk for taken in self._locks.values() for lk in taken]
+            self._locks = {}
+        _release(locks)  # file locks other processes' evictions respect: never left to the GC
         for s in served:
             s.retire()
             s.origin.close()
@@ -568,3 +629,10 @@ class CartridgeL2Adapter(L2AdapterInterface):
         for e in self._efd.values():
             e.close()
         self.registry.close()
+
+
+def _release(locks) -> None:
+    """Release the disk holds of these locks (outside the adapter's lock; idempotent)."""
+    for lk in locks:
+        if lk.hold is not None:
+            lk.hold.release()

@@ -239,12 +239,13 @@ class Residency:
         return (handle.content_hash, index) in self.cpu or (self.disk is not None and handle.disk_id(index) in self.disk)
 
     def hold_local(self, handle: Handle, index: int) -> tuple[bool, DiskHold | None]:
-        """`is_local` for a lookup that promises the chunk (pin=True), whose caller has already
-        pinned it in the CPU tier: (local, hold). Where only the disk tier has the chunk, `hold`
-        keeps its file from eviction until the caller releases it when the promise ends. A disk
-        copy that cannot be held is not local: promised unheld, any download could evict it
-        before the retrieve, which then returns fewer tokens than the lookup said (a trained
-        request fails). Runs on the lookup's thread."""
+        """`is_local` for a lookup that promises the chunk (the plugin's pin=True, the MP
+        adapter's lookup-and-lock): (local, hold). A caller with a CPU tier has pinned the chunk
+        there first, so a CPU-tier copy needs nothing more. Where only the disk tier has the
+        chunk, `hold` keeps its file from eviction until the caller releases it when the promise
+        ends. A disk copy that cannot be held is not local: promised unheld, any download could
+        evict it before the retrieve, which then returns fewer tokens than the lookup said (a
+        trained request fails). Runs on the lookup's thread."""
         if handle.origin.local or (handle.content_hash, index) in self.cpu:
             return True, None
         if self.disk is None:
