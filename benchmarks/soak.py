@@ -555,6 +555,9 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
                 result["server_log"] = {
                     "plugin_allocator_full": running.count("allocator full"),
                     "plugin_chunk_not_served": running.count("not served (request recomputes)"),
+                    # a chunk the lookup promised that left every local tier before the retrieve
+                    # (`plugin._fill`'s NotLocal): what broke the trained requests of the first soak
+                    "plugin_chunk_not_local": running.count("is not local yet (request recomputes"),
                     "lmcache_alloc_retries": running.count("Failed to allocate memory block"),
                     "error_lines_before_shutdown": sum(1 for line in running.splitlines() if " ERROR " in line),
                 }
@@ -628,7 +631,8 @@ def write_outputs(r: dict[str, Any], out_dir: Path) -> None:
         if sl:
             lines += [f"Server log while serving: {sl.get('error_lines_before_shutdown', '-')} ERROR lines, plugin "
                       f"'allocator full' {sl.get('plugin_allocator_full', '-')}, chunks not served "
-                      f"{sl.get('plugin_chunk_not_served', '-')}, LMCache first-try allocation failures (then "
+                      f"{sl.get('plugin_chunk_not_served', '-')}, promised chunks no longer local at the retrieve "
+                      f"{sl.get('plugin_chunk_not_local', '-')}, LMCache first-try allocation failures (then "
                       f"evicted and retried) {sl.get('lmcache_alloc_retries', '-')}.", ""]
         rs = r["rss"]
         g = rs["growth"]
