@@ -45,8 +45,11 @@ $(ROUTER_VENV)/.installed:
 	$(ROUTER_VENV)/bin/pip install -q vllm-router==0.1.17
 	touch $@
 
+# The report (junit XML, per-module seconds and every server start: summary.md) goes to $(REPORT).
+REPORT ?= $(LMCACHE_CARTRIDGE_HOME)/test-report
 test: $(STAMP) $(ROUTER_VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
+	LMCACHE_CARTRIDGE_TEST_REPORT=$(REPORT) $(PY) -m pytest -q -p no:cacheprovider --durations=25 \
+		--junitxml=$(REPORT)/junit.xml tests
 
 # The tests whose outcome depends on the CPU, run as on an AVX2-only x86 CPU (an AMD EPYC without
 # AVX-512): torch reports no AVX-512/AMX to vLLM, vLLM loads its AVX2 build and picks "vec", torch

@@ -115,9 +115,14 @@ ENGINE_BLOCKS = Setting(
 PARALLEL_MIN_BYTES = Setting(
     "LMCACHE_CARTRIDGE_PARALLEL_MIN_BYTES", "int", "1048576",
     "on vLLM-CPU, copies of at least this many bytes are split over threads")
+# The test suite and the harness that starts servers (`tools.starts`)
+TEST_REPORT = Setting(
+    "LMCACHE_CARTRIDGE_TEST_REPORT", "path", None,
+    "a directory: every vLLM, `lmcache server` and vllm-router start is recorded there "
+    "(`starts.jsonl`), and the test suite writes its per-module times (`summary.md`; `make test` sets it)")
 ENV_VARS: tuple[Setting, ...] = (
     HOME, INSTANCE, API_KEYS,
     MODEL, TOKENIZER, ALLOW_LOCAL, ALLOW_S3, TENANTS, MAX_CARTRIDGES, MAX_BODY_BYTES, MAX_CACHE_BYTES,
     SERVE_TIMEOUT, FORCE_REDOWNLOAD_INTERVAL, TRAINED_CHAT_TEMPLATE,
-    NATIVE, ENGINE_BLOCKS, PARALLEL_MIN_BYTES,
+    NATIVE, ENGINE_BLOCKS, PARALLEL_MIN_BYTES, TEST_REPORT,
 )

@@ -49,3 +49,40 @@ def engine_kv(tmp_path_factory):
     yield get
     for m in makers.values():
         m.stop()
+
+
+# --- the suite's own report: where its time goes (`make test` sets the report directory) -------
+_durations: dict[str, float] = {}
+
+
+def pytest_configure(config):
+    from lmcache_cartridge.tools.starts import ENV, FILE
+
+    d = os.environ.get(ENV)
+    if d and not hasattr(config, "workerinput"):
+        Path(d).mkdir(parents=True, exist_ok=True)
+        (Path(d) / FILE).unlink(missing_ok=True)  # this run's starts only
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _durations[module] = _durations.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    from lmcache_cartridge.tools.starts import ENV, FILE, read, summary
+
+    d = os.environ.get(ENV)
+    if not d:
+        return
+    total = sum(_durations.values())
+    rows = ["| test module | seconds | share |", "|---|---|---|"]
+    rows += [f"| {m} | {s:.0f} | {s / total:.0%} |" for m, s in sorted(_durations.items(), key=lambda kv: -kv[1])
+             if total]
+    text = (f"# Where the time went\n\n{len(_durations)} modules, {total / 60:.1f} min in tests "
+            f"(setup, call and teardown)\n\n" + "\n".join(rows) + "\n\n## Server starts\n\n"
+            + summary(read(Path(d) / FILE)))
+    (Path(d) / "summary.md").write_text(text)
+    terminalreporter.write_sep("=", "server starts")
+    terminalreporter.write_line(summary(read(Path(d) / FILE)))
+    terminalreporter.write_line(f"per-module table: {Path(d) / 'summary.md'}; junit XML beside it")

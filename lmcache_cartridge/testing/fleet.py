@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from lmcache_cartridge.testing.launch import free_port
+from lmcache_cartridge.tools import starts
 
 ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "1", "--health-failure-threshold", "2",
                        "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
@@ -55,19 +56,23 @@ class RouterProcess:
         self._log = open(self.log_path, "wb")  # a file, not a pipe: it logs every request
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.time() + timeout
+        t0 = time.time()
+        deadline = t0 + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 self._log.close()
+                starts.record("vllm-router", "", None, ok=False)
                 raise RuntimeError(f"vllm-router exited: {self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=3) as r:
                     if r.status == 200:
+                        starts.record("vllm-router", "", time.time() - t0, mode=policy)
                         return
             except OSError:
                 pass
             time.sleep(0.3)
         self.stop()
+        starts.record("vllm-router", "", None, ok=False, mode=policy)
         raise TimeoutError(f"vllm-router not ready after {timeout}s: {self.log_tail()}")
 
     def log_tail(self, n: int = 3000) -> str:

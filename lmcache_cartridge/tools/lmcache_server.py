@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from lmcache_cartridge.tools import starts
 from lmcache_cartridge.tools.vllm_process import free_port, stop_group
 
 ADAPTER = {"type": "plugin", "module_path": "lmcache_cartridge.lmcache.mp_adapter",
@@ -65,6 +66,7 @@ class LmcacheServer:
         self._log = open(self.log_path, "wb")
         env = {**os.environ, **(extra_env or {})}
         self.t0 = time.time()
+        self.ready = False
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(self.root), start_new_session=True)
 
@@ -76,14 +78,19 @@ class LmcacheServer:
         deadline = self.t0 + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                starts.record("lmcache-server", "", None, ok=False)
                 raise RuntimeError(f"lmcache server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.http + "/healthcheck", timeout=2) as r:
                     if r.status == 200:
+                        if not self.ready:
+                            self.ready = True
+                            starts.record("lmcache-server", "", time.time() - self.t0)
                         return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             time.sleep(0.5)
+        starts.record("lmcache-server", "", None, ok=False)
         raise TimeoutError(f"lmcache server not ready after {timeout}s:\n{self.log_tail()}")
 
     def admin(self, method: str, path: str, body: dict | None = None) -> dict:
