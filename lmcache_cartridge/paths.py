@@ -73,11 +73,19 @@ def default_packed_dir() -> Path:
 
 def vllm_cache_dir() -> Path:
     """VLLM_CACHE_ROOT of the vLLM servers we start (demo, `create`'s KV maker, tests,
-    benchmarks), unless the environment sets one: vLLM keys its torch.compile artifacts by its
-    config and source hashes and saves them atomically, so servers of one model share them and
-    every start after the first skips the ~25 s compile."""
+    benchmarks), unless the environment sets one."""
     env = os.environ.get("VLLM_CACHE_ROOT")
     return Path(env).expanduser() if env else cache_root() / "vllm"
+
+
+def inductor_cache_dir() -> Path:
+    """TORCHINDUCTOR_CACHE_DIR of the vLLM servers we start, unless the environment sets one:
+    torch's default lives under the temp dir, and each of our servers has a private one (vLLM's
+    IPC sockets), so without this every start compiled the model again (~25 s on the tiny test
+    model, minutes on a real one). Inductor keys its entries by graph, inputs and code, and
+    writes them atomically: servers of one model share them."""
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(env).expanduser() if env else vllm_cache_dir() / "inductor"
 
 
 def models_dir() -> Path:

