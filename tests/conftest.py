@@ -1,6 +1,6 @@
 import os
 from pathlib import Path
-pytest_plugins = ["s3_server"]
+pytest_plugins = ["s3_server", "server_pool"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -28,27 +28,6 @@ def random_kv(layers=2, tokens=40, heads=2, dim=8, dtype=torch.bfloat16, seed=0)
 @pytest.fixture
 def kv_factory():
     return random_kv
-
-
-@pytest.fixture(scope="session")
-def engine_kv(tmp_path_factory):
-    """`engine_kv(model_dir)`: an `EngineKVMaker` for that model (vLLM computing KV through
-    LMCache's store path, what `create` uses by default), one per model for the session (a
-    server start saved per module that uses it), started on its first use (again after a
-    `stop`) and stopped when the session ends."""
-    from lmcache_cartridge.tools.engine_kv import EngineKVMaker
-
-    makers: dict[str, EngineKVMaker] = {}
-
-    def get(model_dir) -> EngineKVMaker:
-        key = str(Path(model_dir).resolve())
-        if key not in makers:
-            makers[key] = EngineKVMaker(model_dir, tmp_path_factory.mktemp("kv-maker"))
-        return makers[key]
-
-    yield get
-    for m in makers.values():
-        m.stop()
 
 
 # --- the suite's own report: where its time goes (`make test` sets the report directory) -------

@@ -14,8 +14,8 @@ cartridge. Every cartridge token comes from LMCache (vLLM's counter). A trained 
 tokens vLLM computes (a token-only cartridge; tokens between trained ones) is served after the
 gateway's priming request: vLLM computes those tokens once, LMCache stores their chunks, and the
 request loads them with the trained KV; it must match HF given the same tokens computed before
-the trained KV. A trained cartridge off a chunk boundary answers 400 with the rule. One server
-for the module (~75 s here, start-up included).
+the trained KV. A trained cartridge off a chunk boundary answers 400 with the rule. The session's
+pooled tiny-model server (`server_pool`).
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ import torch
 
 from cartridge_makers import make_peft_adapter, saved_as_if_on_cuda, trainable_cache_state
 from lmcache_cartridge.cartridge.formats import load_input
-from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+from lmcache_cartridge.testing.launch import GatewayThread
 from s3_server import S3Proxy, s3_client, upload_dir
 from test_gateway_e2e import LOGPROB_TOL
 from test_vllm_e2e import (HF_MAX_TOL, HF_MEAN_TOL, NEG_MIN_MEAN, USER_TEXT, hf_teacher_forced, max_diff,
                            mean_diff)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny")]
 CHUNK = 256
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, moto_server):
+def stack(tmp_path_factory, moto_server, tiny_server):
     from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
     from lmcache_cartridge.cartridge.packed import pack_kv
@@ -71,20 +71,14 @@ def stack(tmp_path_factory, moto_server):
     torch.save({"token_ids": other_ids}, carts / "minutes.pt")
     torch.save({"token_ids": other_ids[:100]}, carts / "short.pt")
 
-    registry = root / "registry.db"
+    server = tiny_server  # its plugin reads S3 from moto
     # the operator's: a first-k cartridge a client brings is never composed (its KV is keyed under
     # its own salt, test_client_kv_salt); the operator's is, whoever names it by its path
-    from lmcache_cartridge.store.registry import Registry
-
-    Registry(registry).register(carts / "sys")
-    cfg = lmcache_config(registry, chunk_size=CHUNK, cache_dir=root / "cache",
-                         extra={"storage_plugin.cartridge.s3.endpoint_url": moto_server})
-    server = VllmServer(root / "vllm", str(model_dir), lmcache=cfg, prefix_caching=False)
+    server.register(carts / "sys")
     proxy = S3Proxy(moto_server).start()
     try:
-        server.wait_healthy()
         settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
-                                   registry=registry, cache_dir=root / "cache", chunk_size=CHUNK,
+                                   registry=server.registry_path, cache_dir=server.cache_dir, chunk_size=CHUNK,
                                    local_roots=(carts,), s3_roots=("compose",),
                                    s3={"endpoint_url": proxy.endpoint_url})
         with GatewayThread(settings) as gw:
@@ -102,7 +96,6 @@ def stack(tmp_path_factory, moto_server):
                           "minutes": compute_prefix_kv(model, other_ids).to(torch.bfloat16)}}
     finally:
         proxy.stop()
-        server.stop()
 
 
 def served(stack, names: list[str], user: list[int]) -> httpx.Response:
@@ -119,7 +112,7 @@ def check_against_hf(stack, names: list[str], label: str) -> None:
     assert r.status_code == 200, r.text
     # every cartridge token, first-k and trained, came from LMCache: none was recomputed
     assert server.external_tokens() - ext0 == CHUNK * len(names), server.log_tail()
-    assert "KV load failed" not in server.log_text(), server.log_tail()
+    assert "KV load failed" not in server.module_log(), server.log_tail()
     lp_obj = r.json()["choices"][0]["logprobs"]
     gen = [int(t.split(":", 1)[1]) for t in lp_obj["tokens"]]
     lp = lp_obj["token_logprobs"]
@@ -256,5 +249,5 @@ def test_trained_off_a_chunk_boundary_answers_400(stack, names, needle):
 
 def test_engine_survived(stack):
     assert stack["server"].alive()
-    log = stack["server"].log_text()
+    log = stack["server"].module_log()
     assert "EngineDeadError" not in log and "Traceback" not in log, stack["server"].log_tail(120)

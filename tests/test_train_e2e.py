@@ -8,19 +8,17 @@
    same KV as `past_key_values` (the harness and tolerances of `test_vllm_e2e.py`), with all
    256 cartridge tokens taken from LMCache (vLLM's own counter).
 
-Slow: one vLLM server. Run under `flock /tmp/heavy.lock` on the shared machine.
+Slow: the training, and the session's pooled tiny-model server (`server_pool`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from test_vllm_e2e import CHUNK, HF_MAX_TOL, HF_MEAN_TOL, Server, hf_teacher_forced, max_diff, mean_diff, token_ids_of
+from test_vllm_e2e import CHUNK, HF_MAX_TOL, HF_MEAN_TOL, hf_teacher_forced, max_diff, mean_diff, token_ids_of
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny")]
 
 STEPS = 60
 
@@ -62,7 +60,7 @@ def test_training_lowers_heldout_kl_below_first_k(trained):
     assert res.manifest.provenance["heldout_kl"]["final"] == kl[STEPS]
 
 
-def test_trained_cartridge_serves_through_vllm_like_hf(trained, tmp_path):
+def test_trained_cartridge_serves_through_vllm_like_hf(trained, tiny_server):
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.cartridge.packed import PackedCartridge
     from lmcache_cartridge.tools.selfstudy.run import DATA_NAME
@@ -77,28 +75,24 @@ def test_trained_cartridge_serves_through_vllm_like_hf(trained, tmp_path):
     data = torch.load(cfg.work / DATA_NAME, weights_only=True)
     heldout = [Conversation.from_dict(d) for d in data["heldout"]][:2]
 
-    srv = Server(tmp_path / "srv", Path(cfg.model_dir))
-    try:
-        srv.wait_healthy()
-        print(f"\n[train e2e] vLLM server healthy after {srv.startup_s:.1f}s")
-        assert "vLLM CPU KV layout verified" in srv.log_text(), srv.log_tail()
-        srv.register(cfg.output, expect_served=1)
-        for conv in heldout:
-            user = conv.student_prefix  # what the student saw: the user turn, no BOS
-            ext0 = srv.external_tokens()
-            got = srv.complete(m.token_ids + user)
-            assert srv.external_tokens() - ext0 == CHUNK, srv.log_tail()
-            assert "KV load failed" not in srv.log_text(), srv.log_tail()
-            gen = token_ids_of(srv, tok, got)
-            _, lp_bf16, best_bf16 = hf_teacher_forced(model, kv, user, gen, torch.bfloat16)
-            _, lp_fp32, _ = hf_teacher_forced(model, kv, user, gen, torch.float32)
-            model.to(torch.bfloat16)
-            lp = got["logprobs"]
-            print(f"[train e2e] held-out question {conv.question[:40]!r}: vLLM vs HF bf16 max |dlogprob| "
-                  f"{max_diff(lp, lp_bf16):.4f} mean {mean_diff(lp, lp_bf16):.4f}; vs fp32 max "
-                  f"{max_diff(lp, lp_fp32):.4f} mean {mean_diff(lp, lp_fp32):.4f}")
-            assert min(mean_diff(lp, lp_bf16), mean_diff(lp, lp_fp32)) <= HF_MEAN_TOL
-            assert min(max_diff(lp, lp_bf16), max_diff(lp, lp_fp32)) <= HF_MAX_TOL
-            assert all(b - c <= HF_MAX_TOL for b, c in zip(best_bf16, lp_bf16)), (gen, lp_bf16, best_bf16)
-    finally:
-        srv.stop()
+    srv = tiny_server
+    assert srv.model == str(cfg.model_dir)
+    assert "vLLM CPU KV layout verified" in srv.log_text(), srv.log_tail()
+    srv.register(cfg.output)
+    for conv in heldout:
+        user = conv.student_prefix  # what the student saw: the user turn, no BOS
+        ext0 = srv.external_tokens()
+        got = srv.complete(m.token_ids + user)
+        assert srv.external_tokens() - ext0 == CHUNK, srv.log_tail()
+        assert "KV load failed" not in srv.module_log(), srv.log_tail()
+        gen = token_ids_of(srv, tok, got)
+        _, lp_bf16, best_bf16 = hf_teacher_forced(model, kv, user, gen, torch.bfloat16)
+        _, lp_fp32, _ = hf_teacher_forced(model, kv, user, gen, torch.float32)
+        model.to(torch.bfloat16)
+        lp = got["logprobs"]
+        print(f"[train e2e] held-out question {conv.question[:40]!r}: vLLM vs HF bf16 max |dlogprob| "
+              f"{max_diff(lp, lp_bf16):.4f} mean {mean_diff(lp, lp_bf16):.4f}; vs fp32 max "
+              f"{max_diff(lp, lp_fp32):.4f} mean {mean_diff(lp, lp_fp32):.4f}")
+        assert min(mean_diff(lp, lp_bf16), mean_diff(lp, lp_fp32)) <= HF_MEAN_TOL
+        assert min(max_diff(lp, lp_bf16), max_diff(lp, lp_fp32)) <= HF_MAX_TOL
+        assert all(b - c <= HF_MAX_TOL for b, c in zip(best_bf16, lp_bf16)), (gen, lp_bf16, best_bf16)

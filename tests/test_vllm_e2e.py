@@ -1,7 +1,7 @@
 """End to end: cartridges served to a REAL vLLM OpenAI server on vLLM's CPU backend, through
 LMCache 0.5.6 + `lmcache_cartridge.vllm.connector.CartridgeConnector` (CPU KV connector) + the plugin.
 
-One server for the module (start-up ~60-90 s on 2 cores). Prefix caching is off, so every
+The session's pooled tiny-model server (`server_pool`, `tiny_server`). Prefix caching is off, so every
 prompt token either is computed or comes from LMCache; vLLM's `/metrics` counter
 `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` proves which. Requests use
 `logprobs`, never `prompt_logprobs` (that makes vLLM skip external KV). Baselines are sent with
@@ -27,92 +27,32 @@ The noise floor (vLLM vs HF on a plain prompt) is measured in the run and printe
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+from e2e_server import CHUNK, MAX_TOKENS, Server  # noqa: F401  (Server: the modules with a server of their own)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny", "maker:tiny")]
 
 FIRST_K_MAX_TOL = 0.10   # vLLM + first-k cartridge vs vLLM recompute, per generated token
 HF_MEAN_TOL = 0.25       # vLLM vs HF given the same KV: mean |dlogprob| over generated tokens
 HF_MAX_TOL = 0.6         # ... and the largest single-token difference
 NEG_MIN_MEAN = 1.0       # a wrong KV (heads swapped) must move the logprobs at least this much
-MAX_TOKENS = 8
-CHUNK = 256
 USER_TEXT = "Question: what does the document say about the harbor and the old keeper?"
 
 
-class Server(VllmServer):
-    """The module's server: LMCache + plugin + CartridgeConnector, prefix caching off."""
-
-    cpu_kv_threads = 0  # threads the CPU connector's copies split over (set from the bind below)
-
-    def __init__(self, root: Path, model_dir: Path, **server_args) -> None:
-        from lmcache_cartridge.store.registry import Registry
-
-        self.model_dir = model_dir
-        self.registry_path = root / "registry.db"
-        self.registry = Registry(self.registry_path)
-        # Every native copy split over the worker's OpenMP threads (2 with the default "0-1" bind),
-        # so the HF-reference checks cover the parallel copy inside vLLM's worker.
-        extra_env = {"LMCACHE_CARTRIDGE_PARALLEL_MIN_BYTES": "0", **server_args.pop("extra_env", {})}
-        super().__init__(root, str(model_dir), lmcache=lmcache_config(self.registry_path, chunk_size=CHUNK),
-                         extra_env=extra_env, **server_args)
-        # VLLM_CPU_OMP_THREADS_BIND: "0-1" = one worker on cores 0 and 1; "0|1" = a core per TP rank
-        from lmcache_cartridge.store.threads import parse_cpu_list
-
-        self.cpu_kv_threads = len(parse_cpu_list(self.threads_bind.split("|")[0]))
-
-    # --- API ---------------------------------------------------------------------------------
-    def complete(self, prompt_ids: list[int], *, skip_save: bool = True, max_tokens: int = MAX_TOKENS) -> dict:
-        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
-                "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True}
-        if skip_save:
-            body["kv_transfer_params"] = {"lmcache.skip_save": True}
-        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        t = time.time()
-        with urllib.request.urlopen(req, timeout=120) as r:
-            out = json.load(r)
-        c = out["choices"][0]
-        lp = c["logprobs"]
-        return {"text": c["text"], "tokens": lp["tokens"], "logprobs": lp["token_logprobs"],
-                "seconds": time.time() - t}
-
-    def register(self, directory: Path, expect_served: int) -> None:
-        """Register and wait until every plugin instance in the server serves it (its serving-state
-        record, what the gateway waits on) and `expect_served` cartridges in all."""
-        e = self.registry.register(directory)
-        self.wait_served([e], timeout=20)
-        self.wait_serving(expect_served, timeout=20)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, engine_kv):
-    from lmcache_cartridge.tools.testmodel import ensure_test_model
-
-    model_dir = ensure_test_model()
-    root = tmp_path_factory.mktemp("vllm_e2e")
-    srv = Server(root, model_dir)
-    engine_kv(model_dir).launch()  # the first-k test's KV maker starts beside the server
-    try:
-        srv.wait_healthy()
-        print(f"\n[e2e] vLLM server healthy after {srv.startup_s:.1f}s (log {srv.log_path})")
-        log = srv.log_text()
-        assert "No supported cpu connector" not in log, srv.log_tail()
-        assert "vLLM CPU KV layout verified" in log, srv.log_tail()
-        # LMCache's CPU cache and the plugin only: its memory objects hold vLLM's blocks, so every
-        # load below (first and repeat hits, stored KV reloaded) is a block copy (cpu_kv.EngineBlocks)
-        assert "LMCache memory objects of whole blocks hold vLLM-CPU" in log, srv.log_tail()
-        yield srv
-    finally:
-        srv.stop()
+def server(tiny_server, engine_kv):
+    engine_kv(tiny_server.model_dir).launch()  # the first-k test's KV maker starts beside the server
+    log = tiny_server.log_text()  # its start-up, whichever module started it
+    assert "No supported cpu connector" not in log, tiny_server.log_tail()
+    assert "vLLM CPU KV layout verified" in log, tiny_server.log_tail()
+    # LMCache's CPU cache and the plugin only: its memory objects hold vLLM's blocks, so every
+    # load below (first and repeat hits, stored KV reloaded) is a block copy (cpu_kv.EngineBlocks)
+    assert "LMCache memory objects of whole blocks hold vLLM-CPU" in log, tiny_server.log_tail()
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +145,7 @@ def test_first_k_cartridge_matches_recompute_and_comes_from_lmcache(server, hf, 
 
     pack_kv(cart.kv, tmp_path / "fk", cartridge_id="e2e-first-k", model=server.model,
             kind="first_k", token_ids=cart.token_ids, chunk_size=CHUNK)
-    server.register(tmp_path / "fk", expect_served=1)
+    server.register(tmp_path / "fk")
     got = server.complete(prompt)
     loaded = server.external_tokens() - ext0
     d = max_diff(base["logprobs"], got["logprobs"])
@@ -214,13 +154,13 @@ def test_first_k_cartridge_matches_recompute_and_comes_from_lmcache(server, hf, 
     assert loaded == 2 * CHUNK, server.log_tail()     # the 512 cartridge tokens came from LMCache
     # vLLM counts scheduled external tokens even if a load is refused (then recomputed): make
     # sure none was.
-    assert "KV load failed" not in server.log_text(), server.log_tail()
+    assert "KV load failed" not in server.module_log(), server.log_tail()
     assert got["text"] == base["text"]
     assert d <= FIRST_K_MAX_TOL, (base, got)
     from lmcache_cartridge.vllm import native
 
     if native.openmp() and server.cpu_kv_threads > 1:  # the worker's OpenMP threads copied it
-        assert f"native KV copy split over {server.cpu_kv_threads} threads (OpenMP: True)" in server.log_text(), \
+        assert f"native KV copy split over {server.cpu_kv_threads} threads (OpenMP: True)" in server.module_log(), \
             server.log_tail()
 
 
@@ -268,14 +208,13 @@ def test_trained_cartridge_matches_hf_and_altered_kv_changes_output(server, hf, 
     ids = PackedCartridge(tmp_path / "tr").manifest.token_ids
     ids_sw = PackedCartridge(tmp_path / "tr-swapped").manifest.token_ids
     assert ids != ids_sw
-    n_before = len(server.registry.list())
-    server.register(tmp_path / "tr", expect_served=n_before + 1)
-    server.register(tmp_path / "tr-swapped", expect_served=n_before + 2)
+    server.register(tmp_path / "tr")
+    server.register(tmp_path / "tr-swapped")
 
     ext0 = server.external_tokens()
     got = server.complete(ids + user)
     assert server.external_tokens() - ext0 == CHUNK, server.log_tail()
-    assert "KV load failed" not in server.log_text(), server.log_tail()
+    assert "KV load failed" not in server.module_log(), server.log_tail()
     gen = token_ids_of(server, tok, got)
 
     greedy_bf16, lp_bf16, best_bf16 = hf_teacher_forced(model, kv, user, gen, torch.bfloat16)
@@ -344,7 +283,7 @@ def test_kv_stored_by_vllm_reloads_through_cpu_connector(server, hf):
 
 def test_engine_survived_and_logged(server):
     assert server.proc.poll() is None
-    log = server.log_text()
+    log = server.module_log()  # this module's requests (a pooled server's log has other modules' too)
     assert "EngineDeadError" not in log and "Traceback" not in log, server.log_tail(120)
-    assert "KV load failed" not in log and "refusing vLLM CPU KV layout" not in log
-    assert "kv_load_failure_policy 'fail' -> 'recompute'" in log
+    assert "KV load failed" not in log and "refusing vLLM CPU KV layout" not in server.log_text()
+    assert "kv_load_failure_policy 'fail' -> 'recompute'" in server.log_text()

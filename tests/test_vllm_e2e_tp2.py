@@ -24,7 +24,7 @@ from test_vllm_e2e import (  # noqa: F401  (collected here, with this module's f
     test_trained_cartridge_matches_hf_and_altered_kv_changes_output,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("maker:tiny")]
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,7 @@ class VllmProcess:
         """`connector`: a `--kv-transfer-config` of its own where `lmcache` is None (LMCache's MP
         connector: `tools.lmcache_server.mp_connector`)."""
         self.root, self.model = Path(root), str(model)
-        self.threads_bind = threads_bind
+        self.threads_bind, self.prefix_caching = threads_bind, prefix_caching
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
