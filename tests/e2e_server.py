@@ -69,6 +69,12 @@ class Server(VllmServer):
         self.wait_served([e], timeout=timeout)
         return e
 
+    def wait_listed(self, cartridge_id: str, timeout: float = 30) -> None:
+        """Wait until every plugin instance serves `cartridge_id`, resident or not (a trained one
+        whose download fails is listed, and its requests wait at the readiness gate)."""
+        self._wait(f"{cartridge_id!r} is served", lambda states: all(cartridge_id in s.cartridges for s in states),
+                   timeout)
+
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's prefix cache (`POST /reset_prefix_cache`: VLLM_SERVER_DEV_MODE=1)."""
         req = urllib.request.Request(self.url + "/reset_prefix_cache", data=b"", method="POST")

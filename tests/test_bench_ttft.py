@@ -1,9 +1,9 @@
 """The TTFT benchmark's measured code path (`benchmarks/ttft.py: run_arm`) against real vLLM
 servers, at the smallest size: correctness only, no timing is asserted.
 
-Two servers (the default tiny test model), started at once to save wall time (nothing here is
-timed): (b, d) vLLM + LMCache + plugin + CartridgeConnector, prefix caching on; (a, c) plain vLLM,
-prefix caching on. Arm (a) runs on both before anything else: its requests are salted, as in the
+Two servers (the default tiny test model; nothing here is timed): (b, d) vLLM + LMCache + plugin +
+CartridgeConnector, prefix caching on, the session's pooled server (`server_pool`); (a, c) plain
+vLLM, prefix caching on, of its own, launched first so that both start together. Arm (a) runs on both before anything else: its requests are salted, as in the
 benchmark, so a prefix cache cannot serve them (the benchmark runs it on a third server with
 prefix caching off; a third start-up here cost ~50 s of `make test`). One 512-token document (two
 full LMCache chunks), concurrency 1 and 2. Checks: every arm returns the right number of finite
@@ -26,7 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ttft as bt  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny-prefix")]
 
 LENGTH = 512
 CONCS = [1, 2]
@@ -39,7 +39,7 @@ def expected_n(c: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
+def bench(tmp_path_factory, request):
     from transformers import AutoTokenizer
 
     from lmcache_cartridge.tools.testmodel import ensure_test_model
@@ -53,13 +53,15 @@ def bench(tmp_path_factory):
     cfg = bt.ServerConfig(threads_bind="0-1", max_model_len=1024, kv_cache_gb=1, lmcache_cpu_gb=1)
     plan = bt.Plan([LENGTH], CONCS, samples=SAMPLES, vocab_size=tok.vocab_size,
                    avoid=frozenset(tok.all_special_ids) | frozenset(range(4)), timeout_s=120)
-    servers = {}
+    # plain vLLM of its own; the LMCache arms on the session's pooled server with prefix caching on
+    # (`server_pool`: the same LMCache + plugin + connector configuration as `make_server("lmcache")`),
+    # taken after the plain one was launched, so that both start together
+    servers = {"prefix": bt.make_server("prefix", work / "prefix", model_dir, cfg)}
     try:
-        for kind in ("lmcache", "prefix"):
-            servers[kind] = bt.make_server(kind, work / kind, model_dir, cfg)
-        for server, _ in servers.values():
-            server.wait_healthy(timeout=420)
-        lmc, registry = servers["lmcache"]
+        lmc = request.getfixturevalue("tiny_prefix_server")
+        registry = lmc.registry
+        servers["lmcache"] = (lmc, registry)
+        servers["prefix"][0].wait_healthy(timeout=420)
         assert "vLLM CPU KV layout verified" in lmc.log_text(), lmc.log_tail()
         cells = {
             # (a) on plain vLLM, salted requests: before (c) warms the document into its prefix cache
@@ -76,8 +78,7 @@ def bench(tmp_path_factory):
         }
         yield SimpleNamespace(cells=cells, servers=servers, docs=docs, carts=carts, plan=plan)
     finally:
-        for server, _ in servers.values():
-            server.stop()
+        servers["prefix"][0].stop()
 
 
 def test_each_arm_returns_finite_positive_ttfts(bench):
@@ -102,7 +103,7 @@ def test_cartridge_arm_is_served_by_the_plugin(bench):
         assert cell.pc_hit_tokens == 0, (cell.variant, cell.concurrency, cell.pc_hit_tokens)
         assert cell.summary()["ext_ok"]
     lmc = bench.servers["lmcache"][0]
-    log = lmc.log_text()
+    log = lmc.module_log()
     assert "KV load failed" not in log and "EngineDeadError" not in log, lmc.log_tail()
     assert log.count("registry changed:") >= 1 + sum(math.ceil(SAMPLES / c) for c in CONCS)
 

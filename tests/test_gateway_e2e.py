@@ -18,14 +18,13 @@ import pytest
 import torch
 
 from lmcache_cartridge.api.gateway import GatewaySettings
-from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+from lmcache_cartridge.testing.launch import GatewayThread
 from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
-from lmcache_cartridge.store.registry import Registry
 from s3_server import S3Proxy, s3_client, upload_dir
 from test_vllm_e2e import (HF_MAX_TOL, HF_MEAN_TOL, hf_teacher_forced, hf_tokens_then_kv, max_diff, mean_diff,
                            token_ids_of)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny-prefix", "maker:tiny")]
 CHUNK = 256
 LOGPROB_TOL = 0.15  # batching changes bf16 rounding; mixing KV moves logprobs by ~10 (see test_vllm_e2e)
 GUIDE_MODEL = "meta-llama/Llama-3.1-8B"  # the name seed 000's examples send: an accept_models alias here
@@ -46,7 +45,7 @@ def _trainable_cache(kv: torch.Tensor, frozen: int = 1) -> dict[str, list[torch.
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, moto_server, engine_kv):
+def stack(tmp_path_factory, moto_server, engine_kv, tiny_prefix_server):
     from lmcache_cartridge.tools.create import create_first_k
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
@@ -106,25 +105,19 @@ def stack(tmp_path_factory, moto_server, engine_kv):
     forged_ids = tok("A tale nobody told. " + document_text())["input_ids"][:CHUNK + 40]
     torch.save({"token_ids": forged_ids, "kv_cache": _seed000_kv_cache(local_kv)}, root / "local" / "forged.pt")
 
-    registry = root / "registry.db"
-    cfg = lmcache_config(registry, chunk_size=CHUNK, cache_dir=root / "cache",
-                         extra={"storage_plugin.cartridge.s3.endpoint_url": moto_server})
-    # The guide's examples send no temperature/max_tokens: the server's defaults make them greedy and short.
-    server = VllmServer(root / "vllm", str(model_dir), lmcache=cfg, prefix_caching=True, extra_args=(
-        "--override-generation-config", json.dumps({"temperature": 0, "max_new_tokens": 16})))
+    # The pooled server runs with prefix caching on and greedy, short answers by default (the
+    # guide's examples send no temperature/max_tokens); its plugin reads S3 through the session's proxy.
+    server = tiny_prefix_server
     proxy = S3Proxy(moto_server).start()
     try:
-        server.wait_healthy()
         settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
-                                   registry=registry, cache_dir=root / "cache", chunk_size=CHUNK,
+                                   registry=server.registry_path, cache_dir=server.cache_dir, chunk_size=CHUNK,
                                    local_roots=(root / "carts", root / "local"),
                                    s3_roots=("my-bucket", "gw-carts"), s3={"endpoint_url": proxy.endpoint_url},
                                    accept_models=(GUIDE_MODEL,), max_cartridges=3)
         with GatewayThread(settings) as gw:
-            reg = Registry(registry)
-            for name in ("alpha", "beta"):
-                reg.register(root / "carts" / name)
-            server.wait_serving(2)
+            reg = server.registry
+            server.wait_served([reg.register(root / "carts" / name) for name in ("alpha", "beta")])
             yield {"server": server, "gw": gw, "root": root, "carts": carts, "reg": reg, "model": str(model_dir),
                    "hf": (model, tok), "proxy": proxy, "app": gw.server.config.app, "ids": {
                        "guide": guide["token_ids"], "system": system_ids, "context": ctx_ids, "local": local_ids,
@@ -132,7 +125,6 @@ def stack(tmp_path_factory, moto_server, engine_kv):
                    "trained": trained}
     finally:
         proxy.stop()
-        server.stop()
 
 
 def post(gw, path, body, timeout=120):

@@ -26,16 +26,16 @@ import torch
 
 from lmcache_cartridge.api.gateway import GatewaySettings
 from lmcache_cartridge.cartridge.manifest import PAYLOAD_NAME
-from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+from lmcache_cartridge.testing.launch import GatewayThread
 from test_vllm_e2e import (FIRST_K_MAX_TOL, HF_MAX_TOL, HF_MEAN_TOL, _trained_kv, hf_teacher_forced, max_diff,
                            mean_diff, token_ids_of, user_ids)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny-prefix")]
 CHUNK = 256
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, tiny_prefix_server):
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
     from lmcache_cartridge.tools.create import create_first_k
@@ -51,27 +51,13 @@ def stack(tmp_path_factory):
     kv = _trained_kv(11)
     pack_kv(kv, root / "carts" / "tr", cartridge_id="tr", model=str(model_dir), kind="trained",
             vocab=VocabInfo(model.config.vocab_size, (0, 1, 2, 3)), chunk_size=CHUNK)
-    registry = root / "registry.db"
-    cfg = lmcache_config(registry, chunk_size=CHUNK, cache_dir=root / "cache")
-    dev = os.environ.get("VLLM_SERVER_DEV_MODE")
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache (the server copies the env now)
-    try:
-        server = VllmServer(root / "vllm", str(model_dir), lmcache=cfg, prefix_caching=True)
-    finally:
-        if dev is None:
-            os.environ.pop("VLLM_SERVER_DEV_MODE")
-        else:
-            os.environ["VLLM_SERVER_DEV_MODE"] = dev
-    try:
-        server.wait_healthy()
-        settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
-                                   registry=registry, cache_dir=root / "cache", chunk_size=CHUNK,
-                                   local_roots=(root / "carts",))
-        with GatewayThread(settings) as gw:
-            yield {"server": server, "gw": gw, "root": root, "model": str(model_dir), "hf": (model, tok),
-                   "fk_ids": made.token_ids, "tr_kv": kv}
-    finally:
-        server.stop()
+    server = tiny_prefix_server  # prefix caching on; VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache
+    settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
+                               registry=server.registry_path, cache_dir=server.cache_dir, chunk_size=CHUNK,
+                               local_roots=(root / "carts",))
+    with GatewayThread(settings) as gw:
+        yield {"server": server, "gw": gw, "root": root, "model": str(model_dir), "hf": (model, tok),
+               "fk_ids": made.token_ids, "tr_kv": kv}
 
 
 class Moved:
@@ -101,10 +87,6 @@ def result(r: httpx.Response) -> dict:
     return {"text": c["text"], "tokens": c["logprobs"]["tokens"], "logprobs": c["logprobs"]["token_logprobs"]}
 
 
-def log_since(server, offset: int) -> str:
-    return server.log_text()[offset:]
-
-
 def test_first_k_load_failure_recomputes_to_the_prefill_answer(stack):
     server, (model, tok) = stack["server"], stack["hf"]
     user = user_ids(tok)
@@ -117,14 +99,11 @@ def test_first_k_load_failure_recomputes_to_the_prefill_answer(stack):
     r = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
     assert r.status_code == 200 and r.json()["success"] is True, r.text
 
-    from lmcache_cartridge.store.registry import Registry
-
-    Registry(stack["root"] / "registry.db").register(stack["root"] / "carts" / "fk")
-    server.wait_serving(1)
-    at = len(server.log_text())
+    server.register(stack["root"] / "carts" / "fk")
+    at = server.log_mark()
     with Moved(stack["root"] / "carts" / "fk"):
         got = result(gateway_complete(stack, "fk", user, kv_transfer_params={"lmcache.skip_save": True}))
-    log = log_since(server, at)
+    log = server.log_since(at)
     d = max_diff(base["logprobs"], got["logprobs"])
     print(f"\n[load failure first-k] text equal {got['text'] == base['text']}, max |dlogprob| {d:.4f}")
     assert "not served (request recomputes)" in log, server.log_tail()            # the plugin could not read it
@@ -136,15 +115,11 @@ def test_first_k_load_failure_recomputes_to_the_prefill_answer(stack):
 def test_trained_load_failure_is_a_clean_retryable_error_and_never_cached(stack):
     server, (model, tok) = stack["server"], stack["hf"]
     user = user_ids(tok)
-    from lmcache_cartridge.store.registry import Registry
-
-    reg = Registry(stack["root"] / "registry.db")
-    reg.register(stack["root"] / "carts" / "tr")
-    server.wait_serving(len(reg.list()))
-    at = len(server.log_text())
+    server.register(stack["root"] / "carts" / "tr")
+    at = server.log_mark()
     with Moved(stack["root"] / "carts" / "tr"):
         failed = gateway_complete(stack, "tr", user)
-    log = log_since(server, at)
+    log = server.log_since(at)
     health = httpx.get(server.url + "/health", timeout=30).status_code
 
     ext0 = server.external_tokens()
@@ -177,6 +152,6 @@ def test_trained_load_failure_is_a_clean_retryable_error_and_never_cached(stack)
 def test_engine_alive_and_clean_log(stack):
     server = stack["server"]
     assert server.alive()
-    log = server.log_text()
+    log = server.module_log()
     assert "EngineDeadError" not in log and "Traceback" not in log, server.log_tail(120)
-    assert "per-request KV load failure policy not installed" not in log
+    assert "per-request KV load failure policy not installed" not in server.log_text()

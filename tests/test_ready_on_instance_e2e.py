@@ -25,23 +25,23 @@ import torch
 
 from lmcache_cartridge.api.gateway import GatewaySettings
 from lmcache_cartridge.testing.fleet import counters_delta
-from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+from lmcache_cartridge.testing.launch import GatewayThread
 from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
-from lmcache_cartridge.vllm.readiness import READY_TIMEOUT_KEY, TRAINED_TOKENS_PARAM
-from s3_server import S3Proxy, s3_client, upload_dir
+from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM
+from s3_server import s3_client, upload_dir
 from test_load_failure_e2e import gateway_complete, result
 from test_vllm_e2e import (HF_MAX_TOL, HF_MEAN_TOL, _trained_kv, hf_teacher_forced, hf_tokens_then_kv, max_diff,
                            mean_diff, token_ids_of, user_ids)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny-prefix")]
 CHUNK = 256
 BUCKET = "ready"
-KV_GET = r"c/tr/kv\.bin$"
-READY_TIMEOUT_S = 6
+KV_GET = rf"/{BUCKET}/c/tr/kv\.bin$"  # this module's object only: the proxy is the session's
+READY_TIMEOUT_S = 6  # the pooled server's `cartridge.ready_timeout_s`
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, moto_server):
+def stack(tmp_path_factory, moto_server, tiny_prefix_server, server_s3_proxy):
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
     from lmcache_cartridge.tools.testmodel import ensure_test_model
@@ -53,24 +53,20 @@ def stack(tmp_path_factory, moto_server):
     m = pack_kv(kv, root / "tr", cartridge_id="tr", model=str(model_dir), kind="trained",
                 vocab=VocabInfo(model.config.vocab_size, (0, 1, 2, 3)), chunk_size=CHUNK)
     upload_dir(s3_client(moto_server), BUCKET, "c/tr", root / "tr")
-    with S3Proxy(moto_server) as proxy:
-        cfg = lmcache_config(root / "registry.db", chunk_size=CHUNK, cache_dir=root / "cache",
-                             extra={"storage_plugin.cartridge.s3.endpoint_url": proxy.endpoint_url,
-                                    "storage_plugin.cartridge.s3.max_attempts": "1"})
-        server = VllmServer(root / "vllm", str(model_dir), lmcache=cfg, prefix_caching=True,
-                            kv_extra={READY_TIMEOUT_KEY: READY_TIMEOUT_S})
-        try:
-            server.wait_healthy()
-            # A gateway as on another host (vllm-router between them): it sees no instance's state
-            # files (its own cache dir), so its own wait has nothing to wait for and it forwards.
-            settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
-                                       registry=root / "registry.db", cache_dir=root / "gateway-cache",
-                                       chunk_size=CHUNK)
-            with GatewayThread(settings) as gw:
-                yield {"server": server, "proxy": proxy, "root": root, "model": str(model_dir), "hf": (model, tok),
-                       "ids": list(m.token_ids), "kv": kv, "gw": gw}
-        finally:
-            server.stop()
+    # The pooled server reads S3 through the session's proxy with one attempt, and waits
+    # READY_TIMEOUT_S for a trained cartridge (server_pool.SPECS["tiny-prefix"]).
+    server, proxy = tiny_prefix_server, server_s3_proxy
+    try:
+        # A gateway as on another host (vllm-router between them): it sees no instance's state
+        # files (its own cache dir), so its own wait has nothing to wait for and it forwards.
+        settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
+                                   registry=server.registry_path, cache_dir=root / "gateway-cache",
+                                   chunk_size=CHUNK)
+        with GatewayThread(settings) as gw:
+            yield {"server": server, "proxy": proxy, "root": root, "model": str(model_dir), "hf": (model, tok),
+                   "ids": list(m.token_ids), "kv": kv, "gw": gw}
+    finally:
+        proxy.clear_faults()  # the proxy outlives the module
 
 
 def routed_body(stack, user: list[int]) -> dict:
@@ -88,14 +84,14 @@ def test_trained_request_waits_on_the_instance_then_fails_or_is_served(stack):
     user = user_ids(tok)
     down = proxy.inject(method="GET", path=KV_GET, status=503, times=None)      # the origin is down
     assert cli.main(["register", f"s3://{BUCKET}/c/tr", "--config", str(server.root / "lmcache.yaml")]) == 0
-    server.wait_serving(1)
+    server.wait_listed("tr")  # served, not yet resident: its download fails
     deadline = time.time() + 30
     while down.hits < 1 and time.time() < deadline:                             # its download was tried
         time.sleep(0.1)
     assert down.hits >= 1
 
     # 1. Not resident: the marked request waits on the instance, others are served meanwhile.
-    at = len(server.log_text())
+    at = server.log_mark()
     c0 = server.counters()
     box: dict = {}
     waiter = threading.Thread(target=lambda: box.update(r=httpx.post(server.url + "/v1/completions",
@@ -106,7 +102,7 @@ def test_trained_request_waits_on_the_instance_then_fails_or_is_served(stack):
     still_waiting = waiter.is_alive()
     waiter.join(120)
     failed = box["r"]
-    log = server.log_text()[at:]
+    log = server.log_since(at)
     health = httpx.get(server.url + "/health", timeout=30).status_code
     print(f"\n[ready on instance] origin down: marked request HTTP {failed.status_code} {failed.text[:200]!r}; "
           f"unmarked request meanwhile HTTP {plain.status_code} (marked still waiting: {still_waiting})")
@@ -120,17 +116,17 @@ def test_trained_request_waits_on_the_instance_then_fails_or_is_served(stack):
     assert lookups.get("wait", 0) >= 2 and lookups.get("miss", 0) >= 1, lookups
 
     # 1b. The same through the gateway on another host: the instance's failure is a retryable 503.
-    at = len(server.log_text())
+    at = server.log_mark()
     via_gw = gateway_complete(stack, "tr", user)
     print(f"[ready on instance] origin down, via a gateway that cannot see the instance: HTTP {via_gw.status_code} "
           f"Retry-After {via_gw.headers.get('Retry-After')}")
     assert via_gw.status_code == 503 and via_gw.headers.get("Retry-After") == "1", via_gw.text
     assert "trained cartridge" in via_gw.json()["error"]["message"]
-    assert "its trained cartridge's KV is still not here" in server.log_text()[at:], server.log_tail()
+    assert "its trained cartridge's KV is still not here" in server.log_since(at), server.log_tail()
 
     # 2. The origin comes back while a marked request waits: served once resident, from the cartridge.
     ext0, c0 = server.external_tokens(), server.counters()
-    at = len(server.log_text())
+    at = server.log_mark()
     waiter = threading.Thread(target=lambda: box.update(r=httpx.post(server.url + "/v1/completions",
                                                                      json=routed_body(stack, user), timeout=300)))
     waiter.start()
@@ -139,7 +135,7 @@ def test_trained_request_waits_on_the_instance_then_fails_or_is_served(stack):
     waiter.join(120)
     got = result(box["r"])
     loaded = server.external_tokens() - ext0
-    log = server.log_text()[at:]
+    log = server.log_since(at)
     assert "still not here" not in log, server.log_tail()
     assert loaded == len(stack["ids"]), server.log_tail()                       # its KV came from LMCache
     lookups = counters_delta(server.counters(), c0)["lookups"]
@@ -164,13 +160,12 @@ def test_composites_a_gateway_made_on_another_host_are_built_by_the_instance(sta
     kv_transfer_params (`vllm.composites`), and serves them: 200, answers from the cartridge's KV
     (the primed one equal to HF given the computed tokens' KV then the cartridge's). Old code: the
     instance's lookup missed the composite's keys, the request waited, then 503."""
-    from lmcache_cartridge.store.registry import Registry
     from lmcache_cartridge.tools import cli
     from lmcache_cartridge.tools.testmodel import document_text
 
     server, proxy, (model, tok) = stack["server"], stack["proxy"], stack["hf"]
     proxy.clear_faults()
-    if Registry(stack["root"] / "registry.db").get("tr") is None:  # run alone: register it as the first test does
+    if server.registry.get("tr") is None:  # run alone: register it as the first test does
         assert cli.main(["register", f"s3://{BUCKET}/c/tr", "--config", str(server.root / "lmcache.yaml")]) == 0
     sys_ids = tok("Rules of the harbor office. " + document_text(), add_special_tokens=False)["input_ids"][:CHUNK]
     torch.save({"token_ids": sys_ids}, tmp_path / "sys.pt")
@@ -186,12 +181,12 @@ def test_composites_a_gateway_made_on_another_host_are_built_by_the_instance(sta
                     "return_tokens_as_token_ids": True, "cartridges": cartridges}
             return httpx.post(gw.url + "/v1/completions", json=body, timeout=300)
 
-        at, ext0 = len(server.log_text()), server.external_tokens()
+        at, ext0 = server.log_mark(), server.external_tokens()
         two = ask([tr, tr])
         print(f"\n[ready on instance] [tr, tr] via a gateway with its own registry: HTTP {two.status_code}")
         assert two.status_code == 200, two.text
         assert server.external_tokens() - ext0 >= CHUNK, server.log_tail()  # the second tr chunk, at least
-        assert "is registered on this host" in server.log_text()[at:], server.log_tail()
+        assert "is registered on this host" in server.log_since(at), server.log_tail()
 
         primed = result(ask([{"id": str(tmp_path / "sys.pt"), "source": "local"}, tr]))
     gen = token_ids_of(None, tok, primed)
@@ -205,5 +200,5 @@ def test_composites_a_gateway_made_on_another_host_are_built_by_the_instance(sta
 def test_engine_alive_and_clean_log(stack):
     server = stack["server"]
     assert server.alive()
-    log = server.log_text()
+    log = server.module_log()
     assert "EngineDeadError" not in log and "Traceback" not in log, server.log_tail(120)
