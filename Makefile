@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv model router test test-avx2 demo bench bench-ttft fleet soak answers quality clean-venv
+.PHONY: venv model router test test-quick test-avx2 demo bench bench-ttft fleet soak answers quality clean-venv
 
 venv: $(STAMP)
 
@@ -45,11 +45,19 @@ $(ROUTER_VENV)/.installed:
 	$(ROUTER_VENV)/bin/pip install -q vllm-router==0.1.17
 	touch $@
 
-# The report (junit XML, per-module seconds and every server start: summary.md) goes to $(REPORT).
+# The whole suite, the gate CI runs: two xdist workers, each slow group (a stream of real servers,
+# tests/server_pool.py) whole on one worker, the fast tests spread around them; no test may run
+# longer than TEST_TIMEOUT seconds (setup included). The report (junit XML, per-module seconds
+# and every server start: summary.md) goes to $(REPORT).
 REPORT ?= $(LMCACHE_CARTRIDGE_HOME)/test-report
+TEST_TIMEOUT ?= 900
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --timeout $(TEST_TIMEOUT)
 test: $(STAMP) $(ROUTER_VENV)/.installed
-	LMCACHE_CARTRIDGE_TEST_REPORT=$(REPORT) $(PY) -m pytest -q -p no:cacheprovider --durations=25 \
-		--junitxml=$(REPORT)/junit.xml tests
+	LMCACHE_CARTRIDGE_TEST_REPORT=$(REPORT) $(PYTEST) --durations=25 --junitxml=$(REPORT)/junit.xml tests
+
+# The inner loop: every test that starts no server (`-m "not slow"`). `make test` is the gate.
+test-quick: $(STAMP)
+	$(PYTEST) -m "not slow" tests
 
 # The tests whose outcome depends on the CPU, run as on an AVX2-only x86 CPU (an AMD EPYC without
 # AVX-512): torch reports no AVX-512/AMX to vLLM, vLLM loads its AVX2 build and picks "vec", torch

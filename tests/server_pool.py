@@ -20,10 +20,11 @@ died is replaced once per configuration; one that cannot start fails every modul
 with the log's first error (`VllmProcess.failure_report`).
 
 Ordering: modules are run grouped by the first server they declare (collection order kept
-otherwise), and every `slow` module is put in one xdist group ("servers"), so under
-`pytest -n 2 --dist loadgroup` one worker runs the servers while the other runs the rest.
+otherwise). Under `pytest -n 2 --dist loadgroup` (`make test`) the slow tests form two xdist
+groups, the tiny model's and the rest (`xdist_group`), each run whole by one worker, and the fast
+tests fill in around them: two streams of servers on two cores.
 
-Runs in the test process (each xdist worker has its own pool; all the `slow` modules run on one).
+Runs in the test process (each xdist worker has its own pool).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from e2e_server import Server
 
 logger = logging.getLogger(__name__)
 MARKER = "servers"
-XDIST_GROUP = "servers"
+TINY = {"tiny", "tiny-prefix", "maker:tiny"}  # the tiny test model's: one xdist group (`xdist_group`)
 _POOL: "Pool | None" = None  # the session's, once the fixture made it (the teardown hook needs it)
 
 
@@ -50,7 +51,7 @@ _POOL: "Pool | None" = None  # the session's, once the fixture made it (the tear
 class Spec:
     """One pooled server's configuration (see `Server` and `VllmProcess` for each field)."""
 
-    model: str = "tiny"                 # "tiny": tools.testmodel.ensure_test_model()
+    model: str = "tiny"                 # "tiny" (tools.testmodel.ensure_test_model()) or a model directory
     prefix_caching: bool = False
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -111,9 +112,7 @@ SPECS: dict[str, Callable[[Context], Spec]] = {"tiny": _tiny, "tiny-prefix": _ti
 def _model_dir(model: str) -> Path:
     from lmcache_cartridge.tools.testmodel import ensure_test_model
 
-    if model == "tiny":
-        return ensure_test_model()
-    raise ValueError(f"no pooled model {model!r}")
+    return ensure_test_model() if model == "tiny" else Path(model)
 
 
 class PoolStartError(RuntimeError):
@@ -234,7 +233,7 @@ class Pool:
             if users:
                 continue
             if name.startswith("maker:"):
-                m = self.makers.get(str(_maker_dir(name[len("maker:"):]).resolve()))
+                m = self.makers and self.makers.get(str(_maker_dir(name[len("maker:"):]).resolve()))
                 if m is not None:
                     m.stop()  # a later undeclared use starts it again
             else:
@@ -247,21 +246,30 @@ class Pool:
             m.stop()
 
 
-def _maker_dir(model: str) -> Path:
-    """The model directory a `maker:<model>` declaration names."""
+def _hd80_dir() -> Path:
+    from test_vllm_e2e_vec16 import model_dir
+
+    return model_dir()
+
+
+def _real_dir() -> Path:
+    from lmcache_cartridge.tools.realmodel import ensure_real_model
+
+    return ensure_real_model()
+
+
+def _tiny_dir() -> Path:
     from lmcache_cartridge.tools.testmodel import ensure_test_model
 
-    if model == "tiny":
-        return ensure_test_model()
-    if model == "hd80":
-        from test_vllm_e2e_vec16 import model_dir
+    return ensure_test_model()
 
-        return model_dir()
-    if model == "real":
-        from lmcache_cartridge.tools.realmodel import ensure_real_model
 
-        return ensure_real_model()
-    raise ValueError(f"no KV maker {model!r}")
+MAKERS: dict[str, Callable[[], Path]] = {"tiny": _tiny_dir, "hd80": _hd80_dir, "real": _real_dir}
+
+
+def _maker_dir(model: str) -> Path:
+    """The model directory a `maker:<model>` declaration names."""
+    return MAKERS[model]()
 
 
 def declared(item: pytest.Item) -> tuple[str, ...]:
@@ -277,9 +285,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", f"{MARKER}(*names): pooled servers the module uses (tests/server_pool.py)")
 
 
+def xdist_group(item: pytest.Item) -> str | None:
+    """The xdist group of a slow item: the tiny test model's servers and maker in one, every other
+    slow module in the other (two workers, two streams of servers), so that a pooled server's
+    users all run on one worker (its pool). Fast items have none: xdist spreads them."""
+    if item.get_closest_marker("slow") is None:
+        return None
+    return "servers-tiny" if set(declared(item)) & TINY else "servers-other"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist turns the groups into node ids (--dist loadgroup)
 def pytest_collection_modifyitems(session, config, items):
     """Modules grouped by the first server they declare (stable otherwise), so a server's users
-    run one after another; every slow module in one xdist group."""
+    run one after another; slow items in their xdist group."""
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
         first_seen.setdefault(item.nodeid.split("::")[0], i)
@@ -292,9 +310,16 @@ def pytest_collection_modifyitems(session, config, items):
         return (group != "", group, first_seen[module], i)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+    groups: dict[str, set[str]] = defaultdict(set)
     for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        for name in declared(item):
+            groups[name].add(group)
+    split = {name: sorted(map(str, g)) for name, g in groups.items() if len(g) > 1}
+    if split:  # each worker has its own pool: a server's users on two workers would start it twice
+        raise pytest.UsageError(f"pooled servers declared across xdist groups: {split}")
 
 
 def _users(items) -> dict[str, set[str]]:

@@ -39,7 +39,7 @@ from lmcache_cartridge.testing.fleet import RouterProcess, counters_delta, find_
 from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, free_port, lmcache_config
 from s3_server import s3_client
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("maker:tiny")]
 
 CHUNK = 256
 BUCKET = "fleet-test"

@@ -471,6 +471,7 @@ COMPLETION = {"prompt": QUESTION, "max_tokens": 8, "temperature": 0, "logprobs":
 
 
 @pytest.mark.slow
+@pytest.mark.servers("maker:tiny")
 def test_first_k_through_the_middleware_is_the_gateways_answer_and_the_prompts(stack, gateway):
     server = stack["server"]
     ext0 = server.external_tokens()
@@ -500,6 +501,7 @@ def test_first_k_through_the_middleware_is_the_gateways_answer_and_the_prompts(s
 
 
 @pytest.mark.slow
+@pytest.mark.servers("maker:tiny")
 def test_streamed_chat_with_cartridges_streams_and_matches(stack, gateway):
     server = stack["server"]
     chat = {"messages": [{"role": "user", "content": "What is this document about?"}], "max_tokens": 12,
@@ -537,6 +539,7 @@ def test_streamed_chat_with_cartridges_streams_and_matches(stack, gateway):
 
 
 @pytest.mark.slow
+@pytest.mark.servers("maker:tiny")
 def test_requests_without_cartridges_are_vllms_own(stack):
     server, tok = stack["server"], stack["tok"]
     ext0 = server.external_tokens()
@@ -573,6 +576,7 @@ def test_requests_without_cartridges_are_vllms_own(stack):
 
 
 @pytest.mark.slow
+@pytest.mark.servers("maker:tiny")
 def test_malformed_or_unauthorised_cartridges_never_get_a_200(stack):
     server = stack["server"]
     r = via(server.url, "/v1/completions", {"prompt": "x", "cartridges": [{"id": "mwdoc", "source": "disk"}]})

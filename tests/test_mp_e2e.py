@@ -23,7 +23,7 @@ import pytest
 
 from lmcache_cartridge.testing.answers import agreement, complete, questions
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("maker:real")]
 
 CHUNK = 256
 ASKED = 3

@@ -35,7 +35,7 @@ import torch
 from lmcache_cartridge.testing.answers import agreement, complete, questions
 from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers("maker:real")]
 
 CHUNK = 256
 FIRST_K_TOKENS = 2 * CHUNK
@@ -77,7 +77,6 @@ def _with_server(server, root, carts, registry, tok, model_dir, engine_kv):
     maker = engine_kv(model_dir)
     full = create_first_k(model_dir, document_text(), engine=maker)  # 747 tokens: 2 full chunks + 235
     made = create_first_k(model_dir, document_text(), max_tokens=FIRST_K_TOKENS, engine=maker)
-    maker.stop()  # only the serving server from here on
     assert len(full.token_ids) > FIRST_K_TOKENS and full.token_ids[:FIRST_K_TOKENS] == made.token_ids
     pack_kv(full.kv, carts / "doc-full", cartridge_id="real-doc-full", model=str(model_dir), kind="first_k",
             token_ids=full.token_ids, chunk_size=CHUNK)
