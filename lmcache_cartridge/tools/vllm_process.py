@@ -40,6 +40,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# LMCache's MP mode with LMCache-driven transfer moves vLLM's KV cache into POSIX shared memory
+# named after the worker's pid (lmcache.v1.platform.devices.cpu.shm: CpuShmTensorWrapper's
+# "/lmcache_kv_<pid>_<n>"), unlinked only when the worker's tensors are garbage-collected: a
+# worker that is terminated leaves the whole KV cache (VLLM_CPU_KVCACHE_SPACE) in /dev/shm, that
+# is in memory, until the machine restarts.
+SHM_DIR = Path("/dev/shm")
+LMCACHE_SHM_PREFIX = "lmcache_kv_"
+
+
+def _group_pids(pgid: int) -> set[int]:
+    """The pids of the live processes in process group `pgid` (Linux /proc; empty elsewhere)."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def unlink_lmcache_shm(pids: set[int]) -> list[Path]:
+    """Remove the KV-cache segments LMCache created for these (exited) processes; returns them."""
+    gone = []
+    for pid in pids:
+        for seg in SHM_DIR.glob(f"{LMCACHE_SHM_PREFIX}{pid}_*"):
+            seg.unlink(missing_ok=True)
+            gone.append(seg)
+    return gone
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a live (not zombie) process is left in process group `pgid`."""
     proc = Path("/proc")
@@ -61,8 +93,10 @@ def _group_alive(pgid: int) -> bool:
 
 def stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM a child started with `start_new_session` and its whole process group, wait for it,
-    then SIGKILL whatever of the group lingers."""
+    then SIGKILL whatever of the group lingers; then remove the shared-memory KV segments LMCache
+    left for the group's processes (`unlink_lmcache_shm`)."""
     pgid = proc.pid  # start_new_session: the group is the child's
+    members = _group_pids(pgid) | {pgid}
     if proc.poll() is None:
         try:
             os.killpg(pgid, signal.SIGTERM)
@@ -82,6 +116,11 @@ def stop_group(proc: subprocess.Popen) -> None:
             pass
     if proc.poll() is None:
         proc.wait(timeout=10)
+    deadline = time.time() + 10
+    while _group_alive(pgid) and time.time() < deadline:  # SIGKILLed members are still dying
+        time.sleep(0.1)
+    if not _group_alive(pgid):  # a segment of a live process is still in use
+        unlink_lmcache_shm(members)
 
 
 def server_environment(tmp: Path, prom: Path, *, threads_bind: str = "0-1", kv_cache_gb: int = 1,
