@@ -36,6 +36,17 @@ def cartridge(moto_server, tmp_path_factory):  # noqa: F811
     return d, m
 
 
+def bucket(endpoint: str):
+    """A client for `BUCKET`, created if this worker's moto has not got it yet (xdist may run a
+    test without the module's `cartridge` fixture having run on the same worker)."""
+    client = s3_client(endpoint)
+    try:
+        client.create_bucket(Bucket=BUCKET)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    return client
+
+
 def origin(endpoint: str, uri: str = URI, **kw) -> S3Origin:
     kw.setdefault("max_attempts", 3)
     kw.setdefault("read_timeout", 5.0)
@@ -80,7 +91,7 @@ def test_whole_object_download_identical(moto_server, s3_proxy, tmp_path, part_s
     """A `.pt` object as one object: boto3's transfer manager fetches it, the result is checked
     against the HEAD (size, MD5 ETag) and lands atomically; 12 MiB takes several ranged parts."""
     data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)).numpy().tobytes()
-    s3_client(moto_server).put_object(Bucket=BUCKET, Key="objects/big.pt", Body=data)
+    bucket(moto_server).put_object(Bucket=BUCKET, Key="objects/big.pt", Body=data)
     dest = tmp_path / "sub" / "big.pt"
     with origin(s3_proxy.endpoint_url, f"s3://{BUCKET}/objects/big.pt", part_size=part_size, max_concurrency=4) as o:
         info = o.download_object(dest)
@@ -93,7 +104,7 @@ def test_whole_object_download_identical(moto_server, s3_proxy, tmp_path, part_s
 
 @pytest.mark.parametrize("fault", [dict(status=500), dict(cut_after=1000)], ids=["500", "cut-body"])
 def test_object_download_is_atomic_on_failure(moto_server, s3_proxy, tmp_path, fault):  # noqa: F811
-    s3_client(moto_server).put_object(Bucket=BUCKET, Key="objects/small.pt", Body=b"x" * 100_000)
+    bucket(moto_server).put_object(Bucket=BUCKET, Key="objects/small.pt", Body=b"x" * 100_000)
     dest = tmp_path / "small.pt"
     dest.write_bytes(b"old")  # an existing file must survive a failed download untouched
     s3_proxy.inject(method="GET", path=r"/small\.pt$", **fault)
