@@ -352,6 +352,35 @@ def test_fake_clients_kv_transfer_params_are_held_to_the_gateways_rule(fake, car
     assert r.status_code == 200, r.text
 
 
+def test_fake_utf16_and_utf32_json_is_refused_before_vllm(fake, carts):
+    """vLLM parses a body with `json.loads` on its bytes, which decodes UTF-16 and UTF-32 JSON as
+    well as UTF-8. A byte search for the fields the middleware checks finds nothing in them: a
+    UTF-16 body with `disagg_spec` reached vLLM's handler, and one with `cartridges` was answered
+    without the cartridge. JSON that vLLM would decode as anything but UTF-8 is refused (400);
+    UTF-8 (a BOM too) and bodies that are not JSON in any encoding pass as before."""
+    srv = fake()
+    n = len(srv.received)
+    bodies = [{"prompt": "x", "kv_transfer_params": {"disagg_spec": {"req_id": 5}}},
+              {"prompt": "x", "kv_transfer_params": {"lmcache_cartridge.trained_tokens": 10**9}},
+              {"prompt": "x", "max_tokens": 1, "cartridges": [{"id": carts["pt"], "source": "local"}]}]
+    for encoding in ("utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"):
+        for body in bodies:
+            raw = json.dumps(body).encode(encoding)
+            assert json.loads(raw) == body  # what vLLM's parser makes of it
+            for path in ("/v1/completions", "/v1/responses"):
+                r = httpx.post(srv.url + path, content=raw, headers={"Content-Type": "application/json"})
+                assert r.status_code == 400, (encoding, body, r.text)
+                assert "UTF-8" in r.json()["error"]["message"], r.text
+    assert len(srv.received) == n  # none of them reached vLLM
+    ok = '{"prompt": "Grüße", "max_tokens": 1}'
+    for raw in (ok.encode(), b"\xef\xbb\xbf" + ok.encode()):  # UTF-8, with and without a BOM
+        r = httpx.post(srv.url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 200 and srv.received[-1][1] == raw, r.text
+    raw = "not json at all".encode("utf-16")  # vLLM cannot parse it either: its own answer
+    r = httpx.post(srv.url + "/v1/responses", content=raw, headers={"Content-Type": "text/plain"})
+    assert r.status_code == 200 and srv.received[-1][1] == raw, r.text
+
+
 def test_fake_the_gateways_own_kv_transfer_params_reach_vllm(fake, carts, monkeypatch):
     """The keys only the gateway may set reach vLLM on its own requests to this server (signed
     with the server's secret, which vLLM never sees): a trained cartridge's readiness,
