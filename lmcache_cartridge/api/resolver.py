@@ -304,11 +304,15 @@ class Resolver:
             self._vocab = load_vocab(self.settings.tokenizer)
         return self._vocab
 
-    def _registered(self, name: str, directory: Path, source_uri: str, force: bool,
-                    tenant: Tenant | None) -> Resolved:
+    def _register(self, directory: str | Path, source_uri: str, *, force: bool, client: bool,
+                  tenant: Tenant | None, expect_id: str | None = None) -> Entry:
+        """Register what a client named, under the claim rules every registration for a client
+        passes, a re-registration too: never an id another origin holds, never one outside the
+        tenant's ids, and (`expect_id`) never another id than the entry's own."""
         try:
             entry = self.registry.register(directory, source_uri=source_uri, force_redownload=force,
-                                           replace_origin=False, client=True, may_claim=_claims(tenant))
+                                           replace_origin=False, client=client, may_claim=_claims(tenant),
+                                           expect_id=expect_id)
         except IdOutOfScope as e:
             raise RequestError(403, str(e)) from None
         except IdTaken as e:
@@ -316,6 +320,11 @@ class Resolver:
         except CartridgeError as e:
             raise RequestError(400, str(e)) from None
         self.stats["registrations"] += 1
+        return entry
+
+    def _registered(self, name: str, directory: Path, source_uri: str, force: bool,
+                    tenant: Tenant | None) -> Resolved:
+        entry = self._register(directory, source_uri, force=force, client=True, tenant=tenant)
         m = Manifest.load(entry.path)
         return Resolved(name, m.kind, tuple(m.token_ids), entry, m)
 
@@ -327,9 +336,9 @@ class Resolver:
         self._visible(entry, spec.id, tenant)
         if spec.force_redownload:  # servers drop their cached copies and read the origin again
             self._allow_forced(("registry", entry.id))  # per cartridge, however it is spelled (id, labels)
-            entry = self.registry.register(entry.path, source_uri=entry.source_uri, force_redownload=True,
-                                           client=entry.client)  # what a client brought stays a client's
-            self.stats["registrations"] += 1
+            # what a client brought stays a client's; the manifest may have been rewritten since
+            entry = self._register(entry.path, entry.source_uri, force=True, client=entry.client, tenant=tenant,
+                                   expect_id=entry.id)
         m = Manifest.load(entry.path)
         return Resolved(entry.id, m.kind, tuple(m.token_ids), entry, m)
 

@@ -76,13 +76,12 @@ def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), for
     uri = f"s3://{bucket}/{prefix}".rstrip("/")
     into = Path(cache_dir) / "manifests" / hashlib.sha256(uri.encode()).hexdigest()[:24]
     manifest = fetch_s3_manifest(uri, settings, into)
-    if expect_id is not None and manifest.cartridge_id != expect_id:
-        raise CartridgeError(f"{uri}: its manifest names cartridge {manifest.cartridge_id!r}, not {expect_id!r}")
     why = mismatch(manifest, engine) if engine is not None else None
     if why:
         raise CartridgeError(f"{uri}: {why}")
     return registry.register(into, source_uri=uri, labels=list(labels), force_redownload=force_redownload,
-                             replace_origin=replace_origin, client=client, may_claim=may_claim)
+                             replace_origin=replace_origin, client=client, may_claim=may_claim,
+                             expect_id=expect_id)
 
 
 # --- whole S3 objects -------------------------------------------------------------------------

@@ -154,7 +154,7 @@ class Registry:
     def register(self, directory: str | Path, *, source_uri: str | None = None,
                  labels: list[str] | tuple[str, ...] = (), replace: bool = True,
                  force_redownload: bool = False, replace_origin: bool = True, client: bool = False,
-                 may_claim: Callable[[str], bool] | None = None) -> Entry:
+                 may_claim: Callable[[str], bool] | None = None, expect_id: str | None = None) -> Entry:
         """Index a packed cartridge directory (validated: manifest, and payload size if local).
 
         For an S3 cartridge `directory` holds only its manifest and `source_uri` is the
@@ -168,6 +168,8 @@ class Registry:
         (`Entry.salt`) unless the operator registered these very bytes from this origin before.
         `may_claim` (the gateway, for a tenant's request): the ids that client may hold; another
         is `IdOutOfScope`, checked before the registry is read (whether it exists is not told).
+        `expect_id` (a re-registration of an entry, e.g. for force_redownload): the manifest must
+        still name that id; one rewritten to claim another is `IdTaken`, whatever `replace_origin`.
         """
         from lmcache_cartridge.store.origins import first_k_segment_problem, has_payload
 
@@ -183,6 +185,9 @@ class Registry:
         if may_claim is not None and not may_claim(m.cartridge_id):
             raise IdOutOfScope(f"cartridge id {m.cartridge_id!r} (its manifest's) is outside the ids this key may "
                                "name: a tenant registers only ids its own patterns match")
+        if expect_id is not None and m.cartridge_id != expect_id:
+            raise IdTaken(f"{directory}: its manifest now names cartridge {m.cartridge_id!r}, not {expect_id!r} "
+                          "(it changed after it was registered); a re-registration keeps its id")
         previous = self.get(m.cartridge_id)
         if previous is not None and not replace_origin and previous.source_uri != (source_uri or str(directory)):
             raise IdTaken(f"cartridge id {m.cartridge_id!r} is already registered from another origin; "

@@ -1,0 +1,71 @@
+"""What a client (a key, a tenant's key, whoever wrote the files it names) can make the gateway do
+to the registry, the cache dir and the other tenants: each test is a bypass a review reproduced
+against a real gateway app (and moto on loopback for S3), and fails on the code before its fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from lmcache_cartridge.api.gateway import create_app
+from lmcache_cartridge.api.settings import Tenant
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
+from lmcache_cartridge.store.registry import Registry
+from test_gateway import CHUNK, _call, _cart, model_dir, recording_upstream, settings  # noqa: F401 (fixtures)
+
+ACME, GLOBEX, OPERATOR = "acme-key-0123456789", "globex-key-0123456789", "operator-key-0123456789"
+
+
+@pytest.fixture
+def tenants(tmp_path, settings, recording_upstream):
+    """A gateway with two tenants, each with its own local root and id globs, and an operator key."""
+    url, seen = recording_upstream
+    roots = {t: settings.local_roots[0] / t for t in ("acme", "globex")}
+    for r in roots.values():
+        r.mkdir()
+    ts = (Tenant("acme", keys=(ACME,), ids=("acme-*",), local_roots=(roots["acme"],)),
+          Tenant("globex", keys=(GLOBEX,), ids=("globex-*",), local_roots=(roots["globex"],)))
+    app = create_app(dataclasses.replace(settings, upstream=url, api_keys=(OPERATOR,), tenants=ts,
+                                         force_redownload_interval=3600))
+    return {"app": app, "roots": roots, "seen": seen, "reg": Registry(settings.registry)}
+
+
+def ask(env, key, *carts, prompt=(5,)):
+    return _call(env["app"], "POST", "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                 json={"prompt": list(prompt), "max_tokens": 1, "cartridges": list(carts)})
+
+
+def local(path, **kw):
+    return {"id": str(path), "source": "local", **kw}
+
+
+def edit_manifest(directory: Path, **fields) -> None:
+    d = json.loads((directory / MANIFEST_NAME).read_text())
+    d.update(fields)
+    (directory / MANIFEST_NAME).write_text(json.dumps(d))
+
+
+def test_force_redownload_cannot_re_register_a_cartridge_under_another_tenants_id(tenants, model_dir):
+    """A tenant registers its own directory, rewrites its manifest to claim another tenant's id,
+    then asks for its own id with force_redownload: the re-registration replaced the victim's
+    entry (labels kept) for every tenant and every restart. It passes the claim rules of a first
+    registration now: the victim's id stays the victim's."""
+    acme, globex = tenants["roots"]["acme"], tenants["roots"]["globex"]
+    reg, seen = tenants["reg"], tenants["seen"]
+    _cart(globex / "doc", "globex-doc", list(range(200, 264)), model_dir, seed=2)
+    reg.register(globex / "doc", labels=["handbook"])
+    _cart(acme / "mine", "acme-mine", list(range(100, 164)), model_dir, seed=1)
+    assert ask(tenants, ACME, local(acme / "mine")).status_code == 200
+    edit_manifest(acme / "mine", cartridge_id="globex-doc")
+    r = ask(tenants, ACME, {"id": "acme-mine", "force_redownload": True})
+    assert r.status_code in (403, 409), r.text
+    victim = reg.get("globex-doc")
+    assert victim.path == str((globex / "doc").resolve()) and victim.labels == ["handbook"]
+    assert ask(tenants, GLOBEX, {"id": "handbook"}).status_code == 200
+    assert seen[-1][1]["prompt"][:64] == list(range(200, 264))  # globex's own document
+    # the operator's key: no tenant scope, still not another origin's id
+    assert ask(tenants, OPERATOR, {"id": "acme-mine", "force_redownload": True}).status_code in (409, 429)
+    assert reg.get("globex-doc").path == str((globex / "doc").resolve())
