@@ -69,3 +69,21 @@ def test_force_redownload_cannot_re_register_a_cartridge_under_another_tenants_i
     # the operator's key: no tenant scope, still not another origin's id
     assert ask(tenants, OPERATOR, {"id": "acme-mine", "force_redownload": True}).status_code in (409, 429)
     assert reg.get("globex-doc").path == str((globex / "doc").resolve())
+
+
+def test_a_directory_walk_is_bounded_by_entries_not_files(tmp_path, settings, recording_upstream):
+    """A local input directory is walked (stat only) for its change signature: the walk counted
+    files, so a tree of empty directories was walked whole on every request (100,200 of them cost
+    5-8 s of the gateway's CPU each time). Every entry counts now: one past the bound is 400."""
+    from lmcache_cartridge.api.resolver import MAX_LOCAL_ENTRIES
+
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    tree = settings.local_roots[0] / "tree"
+    for i in range(MAX_LOCAL_ENTRIES // 64 + 1):  # 65 directories of 64 empty ones: no file at all
+        for j in range(64):
+            (tree / f"d{i}" / f"e{j}").mkdir(parents=True)
+    r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1, "cartridges": [local(tree)]})
+    assert r.status_code == 400, r.text
+    assert f"more than {MAX_LOCAL_ENTRIES} entries" in r.json()["error"]["message"], r.text
+    assert seen == []

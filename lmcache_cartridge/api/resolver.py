@@ -48,7 +48,8 @@ from lmcache_cartridge.store.registry import Entry, IdOutOfScope, IdTaken, Regis
 
 OBJECT_SUFFIXES = (".pt", ".pth")  # an s3:// id ending so is one object; otherwise a packed prefix
 MAX_CACHED = 4096      # resolutions kept (least recently used dropped first): clients choose the keys
-MAX_LOCAL_FILES = 4096  # files in one local input directory (its change signature is a walk of it)
+MAX_LOCAL_ENTRIES = 4096  # entries (files and directories) in one local input directory: its change
+# signature is a walk of it on every request, so empty directories cost as much as files
 
 
 @dataclass(frozen=True)
@@ -246,16 +247,18 @@ class Resolver:
 
     def _signature(self, path: Path, tenant: Tenant | None = None) -> tuple:
         """What changes when a local input changes (stat only: no reading, no hashing). A
-        directory is walked, at most MAX_LOCAL_FILES files, and every file in it must resolve
-        under an allowed root too (a symlink to anywhere else is refused before it is read)."""
+        directory is walked, at most MAX_LOCAL_ENTRIES entries of any kind, and every file in it
+        must resolve under an allowed root too (a symlink to anywhere else is refused before it
+        is read)."""
         try:
             if not path.is_dir():
                 files = [path]
             else:
                 files = []
-                for q in path.rglob("*"):
-                    if len(files) >= MAX_LOCAL_FILES:
-                        raise RequestError(400, f"{path} holds more than {MAX_LOCAL_FILES} files")
+                for n, q in enumerate(path.rglob("*")):
+                    if n >= MAX_LOCAL_ENTRIES:
+                        raise RequestError(400, f"{path} holds more than {MAX_LOCAL_ENTRIES} entries (files and "
+                                                "directories): an input directory is a cartridge's few files")
                     if q.is_symlink() or q.is_file():
                         self._allowed_local(str(q), tenant)
                         files.append(q)
