@@ -87,3 +87,29 @@ def test_a_directory_walk_is_bounded_by_entries_not_files(tmp_path, settings, re
     assert r.status_code == 400, r.text
     assert f"more than {MAX_LOCAL_ENTRIES} entries" in r.json()["error"]["message"], r.text
     assert seen == []
+
+
+def test_the_resolution_cache_answers_each_tenant_as_a_first_resolution_would(
+        tmp_path, settings, model_dir, recording_upstream, moto_server):
+    """A path (or S3 prefix) both tenants may read, whose manifest claims an id only acme may
+    name: acme's request registers it; globex's is 403 (the id is outside its own). The cache
+    was keyed by the path alone, so once acme had registered it globex's 403 became 200 (and told
+    globex that acme uses it)."""
+    from s3_server import s3_client, upload_dir
+
+    url, _ = recording_upstream
+    shared = settings.local_roots[0] / "shared"
+    _cart(shared / "doc", "acme-doc", list(range(100, 164)), model_dir, seed=1)
+    c = s3_client(moto_server)
+    _cart(tmp_path / "s3doc", "acme-s3doc", list(range(300, 364)), model_dir, seed=3)
+    upload_dir(c, "gw-unit", "shared/s3doc", tmp_path / "s3doc")
+    ts = (Tenant("acme", keys=(ACME,), ids=("acme-*",), local_roots=(shared,), s3_roots=("gw-unit/shared",)),
+          Tenant("globex", keys=(GLOBEX,), ids=("globex-*",), local_roots=(shared,), s3_roots=("gw-unit/shared",)))
+    env = {"app": create_app(dataclasses.replace(settings, upstream=url, tenants=ts,
+                                                 s3={"endpoint_url": moto_server}))}
+    for cart in (local(shared / "doc"), {"id": "s3://gw-unit/shared/s3doc"}):
+        first = ask(env, GLOBEX, cart)
+        assert first.status_code == 403, first.text  # the id the manifest claims is acme's
+        assert ask(env, ACME, cart).status_code == 200
+        again = ask(env, GLOBEX, cart)
+        assert (again.status_code, again.json()) == (first.status_code, first.json())

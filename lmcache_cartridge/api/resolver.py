@@ -130,13 +130,16 @@ class Resolver:
             where = self._where(spec)
             if where == "s3":
                 self._allowed_s3(spec.id, tenant)
+            # Every key carries the tenant: what a resolution decides (which label, whether the id
+            # a manifest claims is the tenant's to register) is decided for one tenant's scope.
+            scope = tenant.name if tenant is not None else None
             if where == "local":  # allowed or not, decided before anything under it is touched
                 path = self._allowed_local(spec.id, tenant)
-                key = (where, str(path), self._signature(path, tenant))  # one entry per file, not per spelling
+                key = (where, str(path), self._signature(path, tenant), scope)  # one entry per file, not per spelling
             elif where == "s3":  # s3://b/p and s3://b/p/ name the same prefix: one cache entry
-                key = (where, spec.id.rstrip("/"), None)
+                key = (where, spec.id.rstrip("/"), None, scope)
             else:  # a label names different cartridges in different tenants' views
-                key = (where, spec.id, tenant.name if tenant is not None else None)
+                key = (where, spec.id, scope)
             if spec.force_redownload and where != "registry":  # an id or label: once it names an entry
                 self._allow_forced(key)
             with self._keyed(key):
