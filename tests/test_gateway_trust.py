@@ -113,3 +113,36 @@ def test_the_resolution_cache_answers_each_tenant_as_a_first_resolution_would(
         assert ask(env, ACME, cart).status_code == 200
         again = ask(env, GLOBEX, cart)
         assert (again.status_code, again.json()) == (first.status_code, first.json())
+
+
+def test_the_same_parts_after_other_tokens_are_another_composite(tmp_path, settings, model_dir, recording_upstream):
+    """A trained cartridge after tokens vLLM computes is served as a composite whose keys are
+    chained over those tokens. Its directory was named by the parts' bytes alone: the composite
+    after other tokens found the first one's directory, registered the first one again, and its
+    own never existed (its requests could not load). Each context has its own now, each served."""
+    import torch
+
+    from lmcache_cartridge.store.origins import load_registered
+    from test_gateway import _trained
+
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    allowed = settings.local_roots[0]
+    _trained(allowed / "tr", "tr", model_dir)
+    reg = Registry(settings.registry)
+    wanted = []
+    for name, start in (("sys-a", 100), ("sys-b", 200)):
+        torch.save({"token_ids": list(range(start, start + CHUNK))}, allowed / f"{name}.pt")
+        r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1, "cartridges": [
+            local(allowed / f"{name}.pt"), local(allowed / "tr")]})
+        assert r.status_code == 200, r.text
+        sent = seen[-1][1]
+        assert sent["prompt"][:CHUNK] == list(range(start, start + CHUNK))
+        (recipe,) = sent["kv_transfer_params"]["lmcache_cartridge.composites"]
+        assert recipe["start"] == CHUNK
+        comp = [e for e in reg.list() if e.id.startswith("composite-") and e.id not in wanted]
+        assert len(comp) == 1, [e.id for e in reg.list()]
+        m = load_registered(comp[0])  # what the plugin does before it serves it
+        assert m.context_ids == list(range(start, start + CHUNK)) and m.cartridge_id == comp[0].id
+        wanted.append(comp[0].id)
+    assert len({Path(reg.get(i).path) for i in wanted}) == 2
