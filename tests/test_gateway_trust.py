@@ -146,3 +146,26 @@ def test_the_same_parts_after_other_tokens_are_another_composite(tmp_path, setti
         assert m.context_ids == list(range(start, start + CHUNK)) and m.cartridge_id == comp[0].id
         wanted.append(comp[0].id)
     assert len({Path(reg.get(i).path) for i in wanted}) == 2
+
+
+def test_labels_in_a_tenants_manifest_claim_only_names_in_its_scope(tenants, model_dir):
+    """A manifest's labels were merged into the shared registry whoever wrote it: a tenant's
+    `prod-faq` (or another tenant's label) answered the operator's request for `prod-faq` with
+    the tenant's cartridge. A registration for a tenant keeps only the labels its own ids'
+    patterns match; the operator's keys and `register` keep every label, as before."""
+    acme, globex = tenants["roots"]["acme"], tenants["roots"]["globex"]
+    reg, seen = tenants["reg"], tenants["seen"]
+    _cart(globex / "doc", "globex-doc", list(range(200, 264)), model_dir, seed=2)
+    reg.register(globex / "doc", labels=["handbook"])
+    _cart(acme / "doc", "acme-doc", list(range(100, 164)), model_dir, seed=1)
+    edit_manifest(acme / "doc", labels=["demo", "prod-faq", "handbook", "acme-faq"])
+    assert ask(tenants, ACME, local(acme / "doc")).status_code == 200
+    assert reg.get("acme-doc").labels == ["acme-faq"]
+    r = ask(tenants, OPERATOR, {"id": "prod-faq"})
+    assert r.status_code == 404 and "no cartridge with id or label 'prod-faq'" in r.text, r.text
+    assert ask(tenants, OPERATOR, {"id": "handbook"}).status_code == 200
+    assert seen[-1][1]["prompt"][:64] == list(range(200, 264))  # globex's, not ambiguous, not acme's
+    assert ask(tenants, ACME, {"id": "acme-faq"}).status_code == 200
+    assert seen[-1][1]["prompt"][:64] == list(range(100, 164))
+    # the operator's own registration of a manifest keeps its labels
+    assert reg.register(acme / "doc").labels == ["acme-faq", "demo", "handbook", "prod-faq"]

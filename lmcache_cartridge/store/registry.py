@@ -168,6 +168,7 @@ class Registry:
         (`Entry.salt`) unless the operator registered these very bytes from this origin before.
         `may_claim` (the gateway, for a tenant's request): the ids that client may hold; another
         is `IdOutOfScope`, checked before the registry is read (whether it exists is not told).
+        The manifest's labels it does not match are not registered.
         `expect_id` (a re-registration of an entry, e.g. for force_redownload): the manifest must
         still name that id; one rewritten to claim another is `IdTaken`, whatever `replace_origin`.
         """
@@ -198,7 +199,10 @@ class Registry:
         client = client and not vouched
         salt = client_kv_salt(m) if client and m.kind == "first_k" else ""
         epoch = (previous.epoch if previous else 0) + (1 if force_redownload else 0)
-        all_labels = sorted(set(m.labels) | set(labels) | set(previous.labels if previous else ()))
+        # a manifest's labels are its writer's claims: for a tenant, only names its own ids' patterns
+        # match (another tenant's label, or `prod-faq`, would answer requests for that name)
+        claimed = {label for label in m.labels if may_claim is None or may_claim(label)}
+        all_labels = sorted(claimed | set(labels) | set(previous.labels if previous else ()))
         entry = Entry(
             id=m.cartridge_id, path=str(directory), source_uri=source_uri or str(directory),
             model=m.model, kind=m.kind, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
