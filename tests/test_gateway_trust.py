@@ -169,3 +169,63 @@ def test_labels_in_a_tenants_manifest_claim_only_names_in_its_scope(tenants, mod
     assert seen[-1][1]["prompt"][:64] == list(range(100, 164))
     # the operator's own registration of a manifest keeps its labels
     assert reg.register(acme / "doc").labels == ["acme-faq", "demo", "handbook", "prod-faq"]
+
+
+def test_force_redownload_is_limited_per_origin_however_it_is_spelled(tmp_path, settings, model_dir,
+                                                                    recording_upstream):
+    """force_redownload makes every instance drop a cartridge and read its origin again: at most
+    once per interval per cartridge. The limit was kept per spelling, so naming the id and then
+    its path (or the path and then the id) forced it twice within a second."""
+    import torch
+
+    url, _ = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url, force_redownload_interval=3600))
+    allowed = settings.local_roots[0]
+    reg = Registry(settings.registry)
+    for name, seed in (("doc", 1), ("doc2", 2)):
+        _cart(allowed / name, name, list(range(100 * seed, 100 * seed + 64)), model_dir, seed=seed)
+        reg.register(allowed / name)
+    kv = torch.randn(2, 2, CHUNK, 2, 64).to(torch.bfloat16)
+    torch.save({"token_ids": list(range(500, 500 + CHUNK)),
+                "kv_cache": {f"layer_{i}": kv[:, i].permute(0, 2, 1, 3).contiguous() for i in range(2)}},
+               allowed / "in.pt")
+    env = {"app": app}
+    converted = ask(env, OPERATOR, local(allowed / "in.pt"))
+    assert converted.status_code == 200, converted.text
+    in_id = next(e.id for e in reg.list() if e.id.startswith("in-"))
+    for first, second, cid in ((("doc",), (allowed / "doc",), "doc"),
+                               ((allowed / "doc2",), ("doc2",), "doc2"),
+                               ((allowed / "in.pt",), (in_id,), in_id)):
+        spell = [{"id": s, "force_redownload": True} if isinstance(s, str) else local(s, force_redownload=True)
+                 for s in (*first, *second)]
+        assert ask(env, OPERATOR, spell[0]).status_code == 200
+        r = ask(env, OPERATOR, spell[1])
+        assert r.status_code == 429 and 3000 < int(r.headers["Retry-After"]) <= 3600, (cid, r.text)
+        assert reg.get(cid).epoch == 1, cid
+
+
+def test_an_s3_object_the_converter_refuses_is_not_downloaded_again(tmp_path, settings, moto_server, s3_proxy,
+                                                                  recording_upstream):
+    """An object that downloads but is not a cartridge is refused (400) and deleted from the
+    cache dir; the refusal was not remembered, so every plain request downloaded it again. It is
+    answered from memory now (no S3 request) until force_redownload asks for the object again."""
+    from s3_server import s3_client
+
+    url, _ = recording_upstream
+    c = s3_client(moto_server)
+    c.create_bucket(Bucket="gw-unit")
+    c.put_object(Bucket="gw-unit", Key="ok/junk.pt", Body=b"not a torch file at all" * 1000)
+    app = create_app(dataclasses.replace(settings, upstream=url, s3={"endpoint_url": s3_proxy.endpoint_url},
+                                         force_redownload_interval=3600))
+    env = {"app": app}
+    s3_proxy.reset()
+    first = ask(env, OPERATOR, {"id": "s3://gw-unit/ok/junk.pt"})
+    assert first.status_code == 400, first.text
+    assert s3_proxy.count("GET") >= 1
+    s3_proxy.reset()
+    for _ in range(3):
+        again = ask(env, OPERATOR, {"id": "s3://gw-unit/ok/junk.pt"})
+        assert (again.status_code, again.json()) == (first.status_code, first.json())
+    assert s3_proxy.count() == 0, s3_proxy.requests
+    forced = ask(env, OPERATOR, {"id": "s3://gw-unit/ok/junk.pt", "force_redownload": True})
+    assert forced.status_code == 400 and s3_proxy.count("GET") >= 1

@@ -48,6 +48,11 @@ from lmcache_cartridge.store.registry import Entry, IdOutOfScope, IdTaken, Regis
 
 OBJECT_SUFFIXES = (".pt", ".pth")  # an s3:// id ending so is one object; otherwise a packed prefix
 MAX_CACHED = 4096      # resolutions kept (least recently used dropped first): clients choose the keys
+# How long a refused input (local or S3: not a cartridge, too large, another model's, ...) is
+# refused again without being read: a local one is read again as soon as it changes (its key is its
+# stat signature), an S3 one at the latest after this, or when force_redownload asks for it.
+REFUSAL_SECONDS = 600.0
+_REMEMBERED = (400, 413)  # refusals that say what the input's bytes are, not who asked or when
 MAX_LOCAL_ENTRIES = 4096  # entries (files and directories) in one local input directory: its change
 # signature is a walk of it on every request, so empty directories cost as much as files
 
@@ -117,7 +122,8 @@ class Resolver:
                                           chunk_size=settings.chunk_size)
         self.stats: Counter[str] = Counter()  # s3_objects, s3_lists, s3_manifests, hashes, conversions, registrations
         self._cache: OrderedDict[tuple, _Cached] = OrderedDict()  # bounded: MAX_CACHED
-        self._forced: OrderedDict[tuple, float] = OrderedDict()  # (where, id) -> last honoured force_redownload
+        self._forced: OrderedDict[str, float] = OrderedDict()  # origin -> last honoured force_redownload
+        self._refused: OrderedDict[tuple, tuple[RequestError, float]] = OrderedDict()  # key -> (why, when)
         self._locks: dict[tuple, list] = {}  # key -> [lock, users]: only while resolutions of it run
         self._guard = threading.Lock()
         self._vocab = None
@@ -135,13 +141,15 @@ class Resolver:
             scope = tenant.name if tenant is not None else None
             if where == "local":  # allowed or not, decided before anything under it is touched
                 path = self._allowed_local(spec.id, tenant)
-                key = (where, str(path), self._signature(path, tenant), scope)  # one entry per file, not per spelling
+                origin = str(path)  # one entry per file, not per spelling
+                key = (where, origin, self._signature(path, tenant), scope)
             elif where == "s3":  # s3://b/p and s3://b/p/ name the same prefix: one cache entry
-                key = (where, spec.id.rstrip("/"), None, scope)
+                origin = _s3_origin(spec.id)
+                key = (where, origin, None, scope)
             else:  # a label names different cartridges in different tenants' views
                 key = (where, spec.id, scope)
             if spec.force_redownload and where != "registry":  # an id or label: once it names an entry
-                self._allow_forced(key)
+                self._allow_forced(origin)
             with self._keyed(key):
                 if not spec.force_redownload:
                     hit = self._hit(key)
@@ -152,7 +160,7 @@ class Resolver:
                 if where == "registry":
                     value = self._registry(spec, tenant)
                 else:
-                    value = {"s3": self._s3, "local": self._local}[where](spec, tenant)
+                    value = self._read_input(where, spec, tenant, key[:3])
                 self._check(value)
                 self._remember(key, value)
                 return value
@@ -202,9 +210,13 @@ class Resolver:
             raise RequestError(400, f"local cartridge id must be an absolute path, got {cid[:200]!r}")
         return "registry"
 
-    def _allow_forced(self, key: tuple) -> None:
-        """A forced refetch of `key`, if none was honoured in the last `force_redownload_interval`
-        seconds: each one makes every instance drop its copies and read the origin again."""
+    def _allow_forced(self, origin: str) -> None:
+        """A forced refetch of the cartridge read from `origin` (a resolved local path, an s3://
+        URI, a registry entry's `source_uri`), if none was honoured in the last
+        `force_redownload_interval` seconds: each one makes every instance drop its copies and
+        read the origin again. Keyed by the origin, not the spelling: an id, its labels and its
+        path share one limit (a converted input is checked for its input and its packed
+        directory, the registered cartridge's origin: `_converted`)."""
         import time
 
         interval = self.settings.force_redownload_interval
@@ -212,14 +224,38 @@ class Resolver:
             raise RequestError(403, "force_redownload is disabled on this gateway")
         now = time.monotonic()
         with self._guard:
-            last = self._forced.get(key[:2])
+            last = self._forced.get(origin)
             if last is not None and now - last < interval:
                 raise RequestError(429, f"force_redownload of this cartridge was honoured {now - last:.0f}s ago; "
                                         f"at most once every {interval:.0f}s", retry_after=interval - (now - last))
-            self._forced[key[:2]] = now
-            self._forced.move_to_end(key[:2])
+            self._forced[origin] = now
+            self._forced.move_to_end(origin)
             while len(self._forced) > MAX_CACHED:
                 self._forced.popitem(last=False)
+
+    def _read_input(self, where: str, spec: CartridgeSpec, tenant: Tenant | None, input_key: tuple) -> Resolved:
+        """`_local` or `_s3`, with their refusals remembered: an input refused for what its bytes
+        are (`_REMEMBERED`) is refused again from memory, without a read or a download, until it
+        changes (a local input's key is its stat signature), `REFUSAL_SECONDS` pass, or
+        force_redownload asks for it again (at most once per interval: `_allow_forced`)."""
+        import time
+
+        now = time.monotonic()
+        if not spec.force_redownload:
+            with self._guard:
+                refused = self._refused.get(input_key)
+            if refused is not None and now - refused[1] < REFUSAL_SECONDS:
+                raise RequestError(refused[0].status, str(refused[0]))
+        try:
+            return {"s3": self._s3, "local": self._local}[where](spec, tenant)
+        except RequestError as e:
+            if e.status in _REMEMBERED:
+                with self._guard:
+                    self._refused[input_key] = (e, now)
+                    self._refused.move_to_end(input_key)
+                    while len(self._refused) > MAX_CACHED:
+                        self._refused.popitem(last=False)
+            raise
 
     def _allowed_local(self, name: str, tenant: Tenant | None = None) -> Path:
         """`name` with every symlink resolved, if it lies under an allowed local root (the
@@ -341,7 +377,7 @@ class Resolver:
             raise RequestError(404, str(e)) from None
         self._visible(entry, spec.id, tenant)
         if spec.force_redownload:  # servers drop their cached copies and read the origin again
-            self._allow_forced(("registry", entry.id))  # per cartridge, however it is spelled (id, labels)
+            self._allow_forced(entry.source_uri)  # per origin, however it is spelled (id, labels, path)
             # what a client brought stays a client's; the manifest may have been rewritten since
             entry = self._register(entry.path, entry.source_uri, force=True, client=entry.client, tenant=tenant,
                                    expect_id=entry.id)
@@ -375,6 +411,8 @@ class Resolver:
         if out.packed_dir is None:
             self._budget(path)
             return Resolved(spec.id, "tokens", tuple(out.token_ids))
+        if spec.force_redownload:  # the registered cartridge's own origin: its id may have been forced
+            self._allow_forced(str(out.packed_dir))
         resolved = self._registered(spec.id, out.packed_dir, str(out.packed_dir), spec.force_redownload, tenant)
         self._budget(out.packed_dir, path)
         return resolved
@@ -555,6 +593,15 @@ class Resolver:
 def _claims(tenant: Tenant | None):
     """The ids a registration for `tenant`'s client may give (None: an operator's key, any)."""
     return tenant.may_name if tenant is not None else None
+
+
+def _s3_origin(uri: str) -> str:
+    """An s3:// URI as a registered cartridge's origin is written (`registration.register_s3`):
+    s3://b/p and s3://b/p/ are one origin."""
+    from lmcache_cartridge.store.s3 import parse_s3_uri
+
+    bucket, key = parse_s3_uri(uri)
+    return f"s3://{bucket}/{key}".rstrip("/")
 
 
 def _s3_allowed(root: str, bucket: str, key: str) -> bool:
