@@ -229,3 +229,69 @@ def test_an_s3_object_the_converter_refuses_is_not_downloaded_again(tmp_path, se
     assert s3_proxy.count() == 0, s3_proxy.requests
     forced = ask(env, OPERATOR, {"id": "s3://gw-unit/ok/junk.pt", "force_redownload": True})
     assert forced.status_code == 400 and s3_proxy.count("GET") >= 1
+
+
+def deflated_bomb(path: Path, nbytes: int) -> Path:
+    """What torch.save writes for `nbytes` zero bytes, with that storage record deflated: a file
+    of about nbytes/1000 bytes that torch.load inflates whole (zip archives may compress records;
+    torch.save never does)."""
+    import zipfile
+
+    import torch
+
+    plain = path.with_suffix(".plain")
+    torch.save(torch.zeros(nbytes, dtype=torch.uint8), plain)
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(path, "w", compresslevel=1) as zout:
+        for info in zin.infolist():
+            out = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            out.compress_type = zipfile.ZIP_DEFLATED if info.filename.endswith("/data/0") else zipfile.ZIP_STORED
+            with zin.open(info) as src, zout.open(out, "w", force_zip64=True) as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+    plain.unlink()
+    return path
+
+
+def _peak_rss_growth(fn) -> int:
+    """Bytes this process's peak resident memory grew by while `fn()` ran (Linux: the peak is
+    reset first through /proc/self/clear_refs)."""
+    def kib(field):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        raise AssertionError(field)
+
+    Path("/proc/self/clear_refs").write_text("5")
+    before = kib("VmRSS")
+    fn()
+    return (kib("VmHWM") - before) * 1024
+
+
+def test_a_compressed_pt_is_refused_before_it_is_inflated(tmp_path, settings, moto_server, s3_proxy,
+                                                         recording_upstream):
+    """A .pt file is a zip archive; torch.load inflates a deflated storage record whole, before
+    any size check could run: 128 KiB named by a local path or an S3 URI grew the gateway by
+    128 MiB, on every request (the refusal was not remembered). Every record must be stored as
+    torch.save stores it, and all of them within the file's size: checked on the archive's
+    directory before torch reads a record; the refusal is remembered."""
+    from s3_server import s3_client
+
+    nbytes = 128 << 20
+    bomb = deflated_bomb(settings.local_roots[0] / "bomb.pt", nbytes)
+    assert bomb.stat().st_size < nbytes // 500
+    c = s3_client(moto_server)
+    c.create_bucket(Bucket="gw-unit")
+    c.upload_file(str(bomb), "gw-unit", "ok/bomb.pt")
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url, s3={"endpoint_url": s3_proxy.endpoint_url}))
+    env = {"app": app}
+    for cart in (local(bomb), {"id": "s3://gw-unit/ok/bomb.pt"}):
+        got = []
+        grew = _peak_rss_growth(lambda: got.append(ask(env, OPERATOR, cart)))
+        r = got[0]
+        assert r.status_code == 400 and "record is compressed" in r.json()["error"]["message"], r.text
+        assert grew < nbytes // 4, f"{grew >> 20} MiB"
+        conversions, gets = app.state.resolver.stats["conversions"], s3_proxy.count("GET")
+        assert (ask(env, OPERATOR, cart).status_code, ask(env, OPERATOR, cart).json()) == (400, r.json())
+        assert app.state.resolver.stats["conversions"] == conversions and s3_proxy.count("GET") == gets
+    assert seen == []
