@@ -75,7 +75,7 @@ from lmcache_cartridge.store import threads
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
-from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency
+from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency, tier_key
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
 from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for
 
@@ -145,6 +145,11 @@ class _Served:
             self.retired = True
             for h in self.handles.values():
                 h.retired = True
+
+    @property
+    def key(self) -> str:
+        """Its bytes' name in the tiers (`residency.tier_key`), what every handle of it has."""
+        return tier_key(self.manifest.content_hash, self.origin.uri)
 
     def same_bytes(self, e: Entry) -> bool:
         return (self.entry.content_hash, self.entry.path, self.entry.epoch) == (e.content_hash, e.path, e.epoch)
@@ -256,8 +261,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
         # force_redownload (same bytes, new epoch): drop the disk copies before the new epoch is served
         for cid, s in served.items():
             old = current.get(cid)
-            if old is not None and old is not s and old.manifest.content_hash == s.manifest.content_hash:
-                self.residency.forget(s.manifest.content_hash, disk=True)
+            if old is not None and old is not s and old.key == s.key:
+                self.residency.forget(s.key, disk=True)
         # KV the server's L1 holds under a fresh cartridge's keys was stored before it was served
         self._purge_hashes({h for s in fresh for h in s.hashes})
         for s in fresh:  # a trained request waits for these (`vllm.mp_connector`): fetch now
@@ -275,7 +280,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
                 s.retire()
                 self._tombstones |= set(s.hashes) - live
         for s in retired:
-            self._after_retire(s, forget=s.manifest.content_hash not in {x.manifest.content_hash for x in served.values()})
+            self._after_retire(s, forget=s.key not in {x.key for x in served.values()})
         self._purge()
         self._version = version
         self.publish()
@@ -285,7 +290,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
         """Outside the lock: its local copies go (unless another entry serves the same bytes) and
         its origin is closed on the reader thread, after any load of it already queued there."""
         if forget:
-            self.residency.forget(s.manifest.content_hash)
+            self.residency.forget(s.key)
         try:
             self._pool.submit(s.origin.close)
         except RuntimeError:  # shut down

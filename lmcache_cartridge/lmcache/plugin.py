@@ -250,11 +250,11 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                     logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, skipped[cid])
         # force_redownload (same bytes, new epoch): drop the local copies *before* the new epoch is
         # visible, so no lookup under the new epoch is answered from the copies it asked to drop.
-        redownload = {s.handle.content_hash for cid, s in current.items()
-                      if cid in added and added[cid].handle.content_hash == s.handle.content_hash
+        redownload = {s.handle.key for cid, s in current.items()
+                      if cid in added and added[cid].handle.key == s.handle.key
                       and added[cid].entry.epoch != s.entry.epoch}
-        for content_hash in redownload:
-            self.residency.forget(content_hash, disk=True)
+        for key in redownload:
+            self.residency.forget(key, disk=True)
         with self._lock:
             st = self._state
             # Against the state as it is now: a reader may have quarantined a cartridge meanwhile.
@@ -271,7 +271,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         for s in dropped:
             s.handle.origin.close()
         for s in retired:
-            self._after_retire(s, forget=s.handle.content_hash not in redownload)
+            self._after_retire(s, forget=s.handle.key not in redownload)
         fresh = [s for s in added.values() if s not in dropped]
         # KV that LMCache stored under these keys before we served them was recomputed from the
         # cartridge's token ids (for a trained cartridge: from placeholders): it must never be
@@ -322,7 +322,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         copies were already dropped for a force_redownload)."""
         self._purge(s.keys)
         if forget:
-            self.residency.forget(s.handle.content_hash)
+            self.residency.forget(s.handle.key)
         self._close_if_unused(s)
         logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
 
@@ -435,7 +435,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             n = len(s.keys)
             local = range(n) if s.handle.origin.local else \
                 tuple(i for i in range(n) if self.residency.is_local(s.handle, i))
-            mem = tuple(i for i in range(n) if (s.handle.content_hash, i) in self.residency.cpu)
+            mem = tuple(i for i in range(n) if (s.handle.key, i) in self.residency.cpu)
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.entry.kind, n,
                                                ALL if len(local) == n else local, mem)
         return ServingState(
@@ -503,7 +503,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         if not taken:
             return 0
         pin = pin and self.local_cpu_backend is not None
-        cids = [(sv.handle.content_hash, i) for sv, i in taken]
+        cids = [(sv.handle.key, i) for sv, i in taken]
         if pin:  # before the locality check, so a chunk found in memory cannot be evicted after it
             self.residency.cpu.pin_many(cids)
         holds: list[DiskHold | None] = []
@@ -578,7 +578,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
     def _release_tiers(self, pins: list[_Pin]) -> None:
         """What released pins kept in the tiers: their CPU-tier pins and disk holds (outside the
         plugin lock: the tiers take their own locks)."""
-        self.residency.cpu.unpin_many((p.served.handle.content_hash, p.index) for p in pins)
+        self.residency.cpu.unpin_many((p.served.handle.key, p.index) for p in pins)
         for p in pins:
             if p.hold is not None:
                 p.hold.release()

@@ -1,0 +1,103 @@
+"""What a manifest's writer or a catalog's writer can make the serving side (the in-process
+plugin inside a real LMCache engine, the MP adapter, the tiers) serve: each test is a bypass a
+review reproduced, and fails on the code before its fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import random_kv
+from lmcache_cartridge.cartridge.keys import SALT_TAG
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, PAYLOAD_NAME
+from lmcache_cartridge.cartridge.packed import pack_kv
+from lmcache_cartridge.store.registry import Registry
+from test_plugin import CHUNK, D, H, L, MODEL, engine_for, flat
+
+
+def copy_digests(forger: Path, victim: Path) -> None:
+    """The review's forgery: the forger's manifest keeps its own id and token ids but lists the
+    victim's chunks (their digests), so its derived content hash is the victim's; its payload is
+    zeros of the same size (it needs none of the victim's bytes)."""
+    mine = json.loads((forger / MANIFEST_NAME).read_text())
+    theirs = json.loads((victim / MANIFEST_NAME).read_text())
+    mine.update(chunks=theirs["chunks"], content_hash=theirs["content_hash"])
+    (forger / MANIFEST_NAME).write_text(json.dumps(mine))
+    (forger / PAYLOAD_NAME).write_bytes(bytes((victim / PAYLOAD_NAME).stat().st_size))
+
+
+def test_copied_chunk_digests_never_read_another_cartridges_cached_bytes(tmp_path):
+    """Chunk tiers were keyed by content hash, which a manifest derives from digests anyone may
+    copy: once the victim had been read, the forged cartridge (its own id, the victim's digests,
+    a payload of zeros) was served the victim's bytes from the CPU tier, and its own payload was
+    never read. A cartridge is now served only bytes verified against its own origin: the forged
+    one's zeros fail verification, and nothing of the victim reaches its requests."""
+    from lmcache_cartridge.store.origins import load_registered
+
+    reg = Registry(tmp_path / "reg.db")
+    victim_ids, forged_ids = list(range(10, 10 + 2 * CHUNK)), list(range(3000, 3000 + 2 * CHUNK))
+    kv = random_kv(L, 2 * CHUNK, H, D, seed=1)
+    pack_kv(kv, tmp_path / "victim", cartridge_id="victim", model=MODEL, kind="first_k", token_ids=victim_ids,
+            chunk_size=CHUNK)
+    pack_kv(random_kv(L, 2 * CHUNK, H, D, seed=2), tmp_path / "forger", cartridge_id="forger", model=MODEL,
+            kind="first_k", token_ids=forged_ids, chunk_size=CHUNK)
+    copy_digests(tmp_path / "forger", tmp_path / "victim")
+    reg.register(tmp_path / "victim")
+    forged = reg.register(tmp_path / "forger", client=True)  # a client's: keyed under its salt
+    assert forged.content_hash == reg.get("victim").content_hash and forged.salt
+    assert load_registered(forged).token_ids == forged_ids  # it loads: its manifest is consistent
+    tagged = {SALT_TAG: forged.salt}
+    with engine_for(tmp_path, reg.path) as eng:
+        n, got = eng.retrieve(victim_ids + [1])
+        assert n == 2 * CHUNK and torch.equal(got[:, :, :n], flat(kv))  # the victim, read once
+        eng.clear_local_cpu()
+        n, got = eng.retrieve(forged_ids + [1], request_configs=tagged)
+        assert not torch.equal(got[:, :, :2 * CHUNK], flat(kv)), "the victim's bytes were served"
+        assert n == 0, n  # its own payload does not hold what its manifest says
+        eng.clear_local_cpu()
+        n, got = eng.retrieve(victim_ids + [1])
+        assert n == 2 * CHUNK and torch.equal(got[:, :, :n], flat(kv))  # the victim is still served
+
+
+def test_copied_chunk_digests_never_read_another_origins_disk_cache(tmp_path, moto_server, s3_proxy):
+    """The same forgery on S3: the victim's chunks, downloaded into the host's disk cache, were
+    read for the forged prefix too (its manifest's digests match them). Another origin's disk
+    copies are not local to it: it reads, and fails, its own."""
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+    from lmcache_cartridge.errors import ChecksumError
+    from lmcache_cartridge.store.metrics import Metrics
+    from lmcache_cartridge.store.origins import S3ChunkOrigin
+    from lmcache_cartridge.store.residency import DiskTier, Handle, MemoryTier, NotLocal, Residency
+    from lmcache_cartridge.store.s3 import S3Settings
+    from s3_server import s3_client, upload_dir
+
+    kv = random_kv(L, 2 * CHUNK, H, D, seed=3)
+    pack_kv(kv, tmp_path / "victim", cartridge_id="victim", model=MODEL, kind="first_k",
+            token_ids=list(range(10, 10 + 2 * CHUNK)), chunk_size=CHUNK)
+    pack_kv(random_kv(L, 2 * CHUNK, H, D, seed=4), tmp_path / "forger", cartridge_id="forger", model=MODEL,
+            kind="first_k", token_ids=list(range(3000, 3000 + 2 * CHUNK)), chunk_size=CHUNK)
+    copy_digests(tmp_path / "forger", tmp_path / "victim")
+    c = s3_client(moto_server)
+    for name in ("victim", "forger"):
+        upload_dir(c, "trust-carts", name, tmp_path / name)
+    settings = S3Settings(endpoint_url=s3_proxy.endpoint_url, max_attempts=1)
+    victim, forged = (Handle(PackedCartridge(tmp_path / n).manifest, S3ChunkOrigin(f"s3://trust-carts/{n}", settings))
+                      for n in ("victim", "forger"))
+    assert victim.content_hash == forged.content_hash
+    res = Residency(MemoryTier("cpu", 0), DiskTier(tmp_path / "cache", 1 << 30), Metrics(), prefetch=False)
+    try:
+        assert res._download(victim) == 2 and res.resident(victim)
+        out = torch.empty(victim.view.engine_nbytes(0), dtype=torch.uint8)
+        assert not res.is_local(forged, 0) and not res.resident(forged)
+        with pytest.raises(NotLocal):
+            res.read_into(forged, 0, out, network=False)
+        with pytest.raises(ChecksumError):
+            res.read_into(forged, 0, out, network=True)
+        assert res.read_into(victim, 0, out, network=False) == "disk"
+    finally:
+        res.close()
+        victim.origin.close()
+        forged.origin.close()
