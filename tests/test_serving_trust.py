@@ -101,3 +101,115 @@ def test_copied_chunk_digests_never_read_another_origins_disk_cache(tmp_path, mo
         res.close()
         victim.origin.close()
         forged.origin.close()
+
+
+# --- whose chunk keys: the operator's registrations over a catalog's, ambiguity refused ------------
+CATALOG = "s3://trust-catalog/catalog"
+PROMPT, PROMPT2 = list(range(70, 70 + 2 * CHUNK)), list(range(900, 900 + 2 * CHUNK))
+
+
+@pytest.fixture
+def claimed(tmp_path, moto_server, s3_proxy):
+    """The operator's first-k `handbook` (local) for PROMPT, and a catalog (moto) whose writer
+    published unsalted first-k entries of other KV for the same ids (`zz-evil`, `zz-evil-2`: ids
+    sorting after `handbook`) and two of different KV for PROMPT2 (`cat-a`, `cat-b`), synced into
+    the host's registry as the plugin's syncer does."""
+    from lmcache_cartridge.store.catalog import CatalogSync, publish
+    from lmcache_cartridge.store.s3 import S3Settings
+    from s3_server import s3_client
+
+    s3_client(moto_server).create_bucket(Bucket="trust-catalog")
+    settings = S3Settings(endpoint_url=s3_proxy.endpoint_url)
+    kv = {name: random_kv(L, 2 * CHUNK, H, D, seed=40 + n)
+          for n, name in enumerate(("handbook", "zz-evil", "zz-evil-2", "cat-a", "cat-b"))}
+    for name, tokens in (("handbook", PROMPT), ("zz-evil", PROMPT), ("zz-evil-2", PROMPT), ("cat-a", PROMPT2),
+                         ("cat-b", PROMPT2)):
+        pack_kv(kv[name], tmp_path / "src" / name, cartridge_id=name, model=MODEL, kind="first_k",
+                token_ids=tokens, chunk_size=CHUNK)
+        if name != "handbook":
+            publish(tmp_path / "src" / name, CATALOG, settings)
+    reg = Registry(tmp_path / "reg.db")
+    reg.register(tmp_path / "src" / "handbook")
+    report = CatalogSync(reg, CATALOG, settings, cache_dir=tmp_path / "cache", chunk_size=CHUNK).sync_once()
+    assert sorted(report.added) == ["cat-a", "cat-b", "zz-evil", "zz-evil-2"], report
+    assert not any(reg.get(i).salt for i in report.added)  # a catalog's first-k is unsalted
+    return {"reg": reg, "kv": kv, "dir": tmp_path, "endpoint": s3_proxy.endpoint_url}
+
+
+def _wait(pred, timeout=30.0):
+    import time
+
+    deadline = time.time() + timeout
+    while not pred() and time.time() < deadline:
+        time.sleep(0.05)
+    return pred()
+
+
+def test_a_catalog_entry_never_serves_the_operators_keys_in_process(claimed):
+    """The plugin indexed every entry's chunk keys in id order, the last one winning: a catalog
+    entry with the operator's cartridge's token ids (unsalted: a catalog's first-k is) served
+    its own KV for them. The operator's registration takes precedence now and the catalog's
+    claim is refused with the reason; two catalog entries claiming the same keys with different
+    KV are ambiguous: neither is served."""
+    kv = claimed["kv"]
+    with _engine(claimed) as eng:
+        plugin = eng.backend("cartridge")
+        assert _wait(lambda: eng.engine.lookup(PROMPT + [1]) == 2 * CHUNK)
+        eng.clear_local_cpu()
+        n, got = eng.retrieve(PROMPT + [1])
+        assert n == 2 * CHUNK and torch.equal(got[:, :, :n], flat(kv["handbook"]))
+        skipped = plugin._state.skipped
+        for name in ("zz-evil", "zz-evil-2"):
+            assert "handbook" in skipped.get(name, ""), skipped
+        for name in ("cat-a", "cat-b"):
+            assert "ambiguous" in skipped.get(name, ""), skipped
+        assert eng.engine.lookup(PROMPT2 + [1]) == 0
+        assert set(plugin.served_now()) == {"handbook"}
+
+
+def _engine(claimed):
+    import yaml
+
+    from lmc_helpers import Engine, make_metadata
+    from test_plugin import load_config, write_yaml
+
+    path = write_yaml(claimed["dir"], claimed["reg"].path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["extra_config"]["storage_plugin.cartridge.s3.endpoint_url"] = claimed["endpoint"]
+    path.write_text(yaml.safe_dump(cfg))
+    md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)
+    return Engine(load_config(path), md)
+
+
+def test_a_catalog_entry_never_serves_the_operators_keys_in_mp_mode(claimed):
+    """The same claims in the MP adapter (its index was built the same way)."""
+    import time
+    from types import SimpleNamespace
+
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+    from lmcache_cartridge.lmcache.mp_adapter import CartridgeL2Adapter
+    from test_mp_adapter import _wait as wait_task
+
+    adapter = CartridgeL2Adapter({"registry": str(claimed["reg"].path), "cache_dir": str(claimed["dir"] / "cache"),
+                                  "refresh_seconds": 60, "s3.endpoint_url": claimed["endpoint"]})
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        rank = ObjectKey.ComputeKVRank(1, 0, 1, 0)
+        keys = [ObjectKey(h, MODEL, rank, 0, "") for h in hasher.compute_chunk_hashes(PROMPT)]
+        objs = [SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16)) for _ in keys]
+        assert wait_task(adapter, "load", adapter.submit_load_task(keys, objs)).popcount() == 2
+        for i, obj in enumerate(objs):
+            assert torch.equal(obj.tensor, flat(claimed["kv"]["handbook"])[:, :, i * CHUNK:(i + 1) * CHUNK])
+        status = adapter.report_status()
+        assert status["cartridges"] == 1, status
+        for name, why in (("zz-evil", "handbook"), ("zz-evil-2", "handbook"), ("cat-a", "ambiguous"),
+                          ("cat-b", "ambiguous")):
+            assert why in status["not_served"].get(name, ""), status
+        keys2 = [ObjectKey(h, MODEL, rank, 0, "") for h in hasher.compute_chunk_hashes(PROMPT2)]
+        time.sleep(0.2)
+        assert wait_task(adapter, "load", adapter.submit_load_task(keys2, objs)).popcount() == 0
+    finally:
+        adapter.close()

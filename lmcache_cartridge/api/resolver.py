@@ -347,14 +347,14 @@ class Resolver:
         return self._vocab
 
     def _register(self, directory: str | Path, source_uri: str, *, force: bool, client: bool,
-                  tenant: Tenant | None, expect_id: str | None = None) -> Entry:
+                  tenant: Tenant | None, expect_id: str | None = None, catalog: str = "") -> Entry:
         """Register what a client named, under the claim rules every registration for a client
         passes, a re-registration too: never an id another origin holds, never one outside the
         tenant's ids, and (`expect_id`) never another id than the entry's own."""
         try:
             entry = self.registry.register(directory, source_uri=source_uri, force_redownload=force,
                                            replace_origin=False, client=client, may_claim=_claims(tenant),
-                                           expect_id=expect_id)
+                                           expect_id=expect_id, catalog=catalog)
         except IdOutOfScope as e:
             raise RequestError(403, str(e)) from None
         except IdTaken as e:
@@ -378,9 +378,10 @@ class Resolver:
         self._visible(entry, spec.id, tenant)
         if spec.force_redownload:  # servers drop their cached copies and read the origin again
             self._allow_forced(entry.source_uri)  # per origin, however it is spelled (id, labels, path)
-            # what a client brought stays a client's; the manifest may have been rewritten since
+            # what a client brought stays a client's, a catalog's its catalog's; the manifest may
+            # have been rewritten since
             entry = self._register(entry.path, entry.source_uri, force=True, client=entry.client, tenant=tenant,
-                                   expect_id=entry.id)
+                                   expect_id=entry.id, catalog=entry.catalog)
         m = Manifest.load(entry.path)
         return Resolved(entry.id, m.kind, tuple(m.token_ids), entry, m)
 

@@ -72,6 +72,7 @@ from lmcache_cartridge.lmcache.plugin import Quarantine
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_settings
 from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store import threads
+from lmcache_cartridge.store.claims import Claim, settle
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
@@ -258,6 +259,16 @@ class CartridgeL2Adapter(L2AdapterInterface):
             except Exception as ex:  # one bad entry never blocks the rest
                 skipped[cid] = str(ex) if isinstance(ex, CartridgeError) else f"{type(ex).__name__}: {ex}"
                 logger.error("lmcache_cartridge: not serving cartridge %r in MP mode: %s", cid, skipped[cid])
+        # keys several entries claim: the operator's over a catalog's, ambiguity refused
+        index, refused = settle([Claim(s, s.entry, s.manifest, [((h, model), i) for i, h in enumerate(s.hashes)
+                                                                for model in s.models]) for s in served.values()])
+        for cid, why in refused.items():
+            skipped[cid] = why
+            logger.error("lmcache_cartridge: not serving cartridge %r in MP mode: %s", cid, why)
+            if served[cid] in fresh:  # opened for this refresh only
+                fresh.remove(served[cid])
+                served[cid].origin.close()
+            del served[cid]
         # force_redownload (same bytes, new epoch): drop the disk copies before the new epoch is served
         for cid, s in served.items():
             old = current.get(cid)
@@ -271,7 +282,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
         with self._lock:
             still = {cid: q for cid, q in self._quarantined.items() if cid in entries and q.matches(entries[cid])}
             served = {cid: s for cid, s in served.items() if cid not in still}
-            index = {(h, model): (s, i) for s in served.values() for i, h in enumerate(s.hashes) for model in s.models}
+            index = {k: v for k, v in index.items() if v[0].entry.id in served}
             retired = [s for cid, s in self._served.items() if served.get(cid) is not s]
             self._served, self._index, self._quarantined = served, index, still
             self._skipped = skipped | {cid: q.why for cid, q in still.items()}

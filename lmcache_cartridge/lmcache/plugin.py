@@ -8,7 +8,8 @@ storage manager's event loop (the async pair, whose work runs on the plugin's ow
 All state below is guarded by one lock.
 
 What it owns: an index `CacheEngineKey -> (cartridge, chunk)` computed in this process with
-LMCache's own token database (see `keys`), swapped in whole when the registry changes; lookup
+LMCache's own token database (see `keys`), swapped in whole when the registry changes (keys
+several entries claim go to the most trusted one, ambiguous claims are refused: `store.claims`); lookup
 pins (with a lease); quarantines; tombstones of retired keys (re-purged from LMCache's CPU cache
 until no in-flight read can write them back). It never owns a cartridge's files: `remove`
 forgets keys, it never deletes anything.
@@ -51,6 +52,7 @@ from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import CartridgeError, ChecksumError
 from lmcache_cartridge.cartridge.keys import ChunkKeyMapper, hash_config_problem
 from lmcache_cartridge.paths import private_dir
+from lmcache_cartridge.store.claims import Claim, settle
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
@@ -260,14 +262,19 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             # Against the state as it is now: a reader may have quarantined a cartridge meanwhile.
             still = {cid: q for cid, q in st.quarantined.items() if cid in entries and q.matches(entries[cid])}
             served = {cid: s for cid, s in st.served.items() if cid in keep}
-            dropped = [s for cid, s in added.items() if cid in still]
             served.update({cid: s for cid, s in added.items() if cid not in still})
-            index = {k: (s, i) for s in served.values() for i, k in enumerate(s.keys)}
+            # keys several entries claim: the operator's over a catalog's, ambiguity refused
+            index, refused = settle([Claim(s, s.entry, s.handle.manifest, [(k, i) for i, k in enumerate(s.keys)])
+                                     for s in served.values()])
+            served = {cid: s for cid, s in served.items() if cid not in refused}
+            dropped = [s for cid, s in added.items() if cid not in served]
             retired = [s for cid, s in st.served.items() if served.get(cid) is not s]
             st.served, st.index, st.quarantined = served, index, still
-            st.skipped = skipped | {cid: q.why for cid, q in still.items()}
+            st.skipped = skipped | refused | {cid: q.why for cid, q in still.items()}
             for s in retired:
                 self._retire_locked(s)
+        for cid, why in refused.items():
+            logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, why)
         for s in dropped:
             s.handle.origin.close()
         for s in retired:

@@ -401,7 +401,8 @@ class CatalogSync:
                                        f"and the URIs allowed ({', '.join(self.allow_uris)})")
                 # the key is the id: a manifest naming another id would register (and replace) that one
                 register_s3(self.registry, entry.uri, self.cache_dir, self.settings, labels=entry.labels,
-                            force_redownload=force, chunk_size=self.chunk_size, expect_id=cid)
+                            force_redownload=force, chunk_size=self.chunk_size, expect_id=cid,
+                            catalog=self.catalog_uri)  # its claims yield to the operator's (`store.claims`)
             except CartridgeError as e:
                 report.errors[cid] = str(e)
                 self._log_problem(cid, f"cannot register {cid!r}: {e}")

@@ -62,7 +62,7 @@ def fetch_s3_manifest(uri: str, settings, into_dir: Path) -> Manifest:
 
 def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), force_redownload: bool = False,
                 engine: EngineShape | None = None, chunk_size: int | None = None, replace_origin: bool = True,
-                expect_id: str | None = None, client: bool = False, may_claim=None):
+                expect_id: str | None = None, client: bool = False, may_claim=None, catalog: str = ""):
     """Register an S3 packed cartridge: fetch its manifest, check it against `engine` (what the
     caller knows of the serving engine; `chunk_size` alone is shorthand for a shape knowing only
     that), index it; chunks are fetched on demand by the servers. The manifest lands in
@@ -81,7 +81,7 @@ def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), for
         raise CartridgeError(f"{uri}: {why}")
     return registry.register(into, source_uri=uri, labels=list(labels), force_redownload=force_redownload,
                              replace_origin=replace_origin, client=client, may_claim=may_claim,
-                             expect_id=expect_id)
+                             expect_id=expect_id, catalog=catalog)
 
 
 # --- whole S3 objects -------------------------------------------------------------------------

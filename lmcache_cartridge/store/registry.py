@@ -48,11 +48,13 @@ CREATE TABLE IF NOT EXISTS cartridges (
     added_at      REAL NOT NULL,
     epoch         INTEGER NOT NULL DEFAULT 0,
     salt          TEXT NOT NULL DEFAULT '',
-    client        INTEGER NOT NULL DEFAULT 0
+    client        INTEGER NOT NULL DEFAULT 0,
+    catalog       TEXT NOT NULL DEFAULT ''
 );
 """
 # columns added since the first schema: (name, definition), added to older databases on open
-_ADDED_COLUMNS = (("salt", "TEXT NOT NULL DEFAULT ''"), ("client", "INTEGER NOT NULL DEFAULT 0"))
+_ADDED_COLUMNS = (("salt", "TEXT NOT NULL DEFAULT ''"), ("client", "INTEGER NOT NULL DEFAULT 0"),
+                  ("catalog", "TEXT NOT NULL DEFAULT ''"))
 
 
 class RegistryError(CartridgeError):
@@ -96,6 +98,15 @@ class Entry:
     # registered for a client's request (the gateway), not by the operator (CLI, catalog): its
     # bytes may be evicted under the cache dir's budget (`store.cache_budget`)
     client: bool = False
+    # the catalog (its s3:// URI) whose syncer registered it, "" for the operator's and clients'
+    # registrations: a catalog's claims on chunk keys yield to the operator's (`store.claims`)
+    catalog: str = ""
+
+    @property
+    def rank(self) -> int:
+        """Whose registration it is, most trusted first: the operator's (0), a catalog's (1), a
+        client's (2). Decides whose cartridge serves chunk keys several claim (`store.claims`)."""
+        return 2 if self.client else 1 if self.catalog else 0
 
 
 _COLUMNS = [f for f in Entry.__dataclass_fields__]
@@ -154,7 +165,8 @@ class Registry:
     def register(self, directory: str | Path, *, source_uri: str | None = None,
                  labels: list[str] | tuple[str, ...] = (), replace: bool = True,
                  force_redownload: bool = False, replace_origin: bool = True, client: bool = False,
-                 may_claim: Callable[[str], bool] | None = None, expect_id: str | None = None) -> Entry:
+                 may_claim: Callable[[str], bool] | None = None, expect_id: str | None = None,
+                 catalog: str = "") -> Entry:
         """Index a packed cartridge directory (validated: manifest, and payload size if local).
 
         For an S3 cartridge `directory` holds only its manifest and `source_uri` is the
@@ -171,6 +183,7 @@ class Registry:
         The manifest's labels it does not match are not registered.
         `expect_id` (a re-registration of an entry, e.g. for force_redownload): the manifest must
         still name that id; one rewritten to claim another is `IdTaken`, whatever `replace_origin`.
+        `catalog`: the catalog whose syncer registers it (`Entry.catalog`).
         """
         from lmcache_cartridge.store.origins import first_k_segment_problem, has_payload
 
@@ -208,7 +221,7 @@ class Registry:
             model=m.model, kind=m.kind, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim, dtype=m.dtype, num_tokens=m.num_tokens, chunk_size=m.chunk_size,
             content_hash=m.content_hash, labels=all_labels, added_at=time.time(),
-            epoch=epoch, salt=salt, client=client,
+            epoch=epoch, salt=salt, client=client, catalog=catalog,
         )
         if not replace and previous is not None:
             raise RegistryError(f"cartridge {entry.id!r} is already registered")
