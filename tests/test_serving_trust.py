@@ -213,3 +213,43 @@ def test_a_catalog_entry_never_serves_the_operators_keys_in_mp_mode(claimed):
         assert wait_task(adapter, "load", adapter.submit_load_task(keys2, objs)).popcount() == 0
     finally:
         adapter.close()
+
+
+def test_mp_accept_models_maps_names_of_one_model_not_every_cartridge(tmp_path):
+    """`accept_models` names the same weights under other names. The MP adapter added them to
+    every cartridge's models: with `accept_models: [model-a]` a model-b cartridge's KV was loaded
+    for model-a's keys. A cartridge serves its own model's keys, and the other names listed
+    with its model, nothing else."""
+    from types import SimpleNamespace
+
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+    from lmcache_cartridge.lmcache.mp_adapter import CartridgeL2Adapter
+    from test_mp_adapter import _wait as wait_task
+
+    reg = Registry(tmp_path / "reg.db")
+    ids = {"model-a": list(range(100, 100 + CHUNK)), "model-b": list(range(500, 500 + CHUNK))}
+    kv = {m: random_kv(L, CHUNK, H, D, seed=60 + n) for n, m in enumerate(ids)}
+    for model in ids:
+        pack_kv(kv[model], tmp_path / model, cartridge_id=f"doc-{model}", model=model, kind="first_k",
+                token_ids=ids[model], chunk_size=CHUNK)
+        reg.register(tmp_path / model)
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 60, "accept_models": "model-a,alias-a"})
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        rank = ObjectKey.ComputeKVRank(1, 0, 1, 0)
+
+        def load(cart_model, key_model):
+            (h,) = hasher.compute_chunk_hashes(ids[cart_model])
+            obj = SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16))
+            got = wait_task(adapter, "load", adapter.submit_load_task([ObjectKey(h, key_model, rank, 0, "")], [obj]))
+            assert not got.popcount() or torch.equal(obj.tensor, flat(kv[cart_model]))
+            return got.popcount()
+
+        assert [load("model-b", m) for m in ("model-b", "model-a", "alias-a")] == [1, 0, 0]
+        assert [load("model-a", m) for m in ("model-a", "alias-a", "model-b")] == [1, 1, 0]
+    finally:
+        adapter.close()

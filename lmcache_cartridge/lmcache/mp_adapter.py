@@ -13,7 +13,8 @@ into `ObjectKey(chunk_hash, model_name, kv_rank, object_group_id, cache_salt)`. 
 *that hasher instance* (`attach`, run by the server module `vllm.mp_server`): a
 second hasher would draw another start hash for seed-dependent algorithms. Until attached every
 lookup misses. A cartridge's chunks are indexed by chunk hash; a key hits when its model name is
-one the cartridge serves (its manifest's model or `accept_models`), its world size splits the
+one the cartridge serves (its manifest's model, and the other `accept_models` names where its
+model is one of them: `served_models`), its world size splits the
 cartridge's heads, its object shape fits the chunk (`lmcache.mp_layout.classify`) and the chunk is
 readable without the network (else the download starts and the key misses now).
 
@@ -83,6 +84,15 @@ from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for
 logger = logging.getLogger("lmcache_cartridge.mp_adapter")
 
 NAME = "cartridge"
+
+
+def served_models(model: str, accept_models: tuple[str, ...]) -> frozenset[str]:
+    """The model names whose keys a cartridge made for `model` serves. One server serves engines
+    of several models, so `accept_models` cannot mean "this engine's other names" as it does
+    in-process: it lists the names of one model's weights, and maps them onto each other only. A
+    cartridge of a model not listed serves its own model's keys alone (applied to every
+    cartridge, a model-b cartridge's KV was loaded for model-a's keys)."""
+    return frozenset((model, *accept_models)) if model in accept_models else frozenset((model,))
 
 
 def kv_world_and_rank(kv_rank: int) -> tuple[int, int]:
@@ -312,9 +322,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
         if e.salt:
             raise CartridgeError("KV a client brought is not served in LMCache MP mode yet (MP keys carry no "
                                  "tag to keep it to the requests that name it); it is recomputed from its tokens")
-        models = frozenset((m.model, *self.settings.accept_models))
-        why = mismatch(m, EngineShape.partial(model_names=(m.model, *self.settings.accept_models),
-                                              chunk_size=self._ctx.chunk_size))
+        models = served_models(m.model, self.settings.accept_models)
+        why = mismatch(m, EngineShape.partial(model_names=tuple(models), chunk_size=self._ctx.chunk_size))
         if why:
             raise CartridgeError(why)
         hashes = self._ctx.token_hasher.compute_chunk_hashes(list(m.key_token_ids))[m.context_chunks:]
