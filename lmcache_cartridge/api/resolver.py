@@ -7,9 +7,11 @@ once), an absolute local
 path (`source: "local"`; a `.pt`, an input directory or a packed directory), or a registered id
 or label. Clients may only name S3 buckets/prefixes and local directories the deployment allows.
 
-Resolution is cached in memory: a repeated request for the same cartridge makes no S3 request,
-hashes no file and writes nothing to the registry. A cached registration is re-checked only when
-another process changed the registry (`PRAGMA data_version`, a read).
+Resolution is cached in memory, per tenant: a repeated request for the same cartridge makes no S3
+request, hashes no file and writes nothing to the registry. A cached registration is re-checked
+only when another process changed the registry (`PRAGMA data_version`, a read). Refusals of what
+an input holds are remembered too (`REFUSAL_SECONDS`): a refused S3 object is not downloaded
+again on every request.
 
 Composition ("loaded in order"), every part in request order:
 - Token-only and first-k cartridges' ids are placed in order; a first-k cartridge's own KV is used
