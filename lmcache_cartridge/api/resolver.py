@@ -46,17 +46,19 @@ from lmcache_cartridge.api.settings import GatewaySettings, RequestError, Tenant
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.store.registration import s3_origin
 from lmcache_cartridge.store.registry import Entry, IdOutOfScope, IdTaken, Registry, RegistryError
 
 OBJECT_SUFFIXES = (".pt", ".pth")  # an s3:// id ending so is one object; otherwise a packed prefix
 MAX_CACHED = 4096      # resolutions kept (least recently used dropped first): clients choose the keys
+# Entries (files and directories) in one local input directory: its change signature is a walk of
+# it on every request, so empty directories cost as much as files.
+MAX_LOCAL_ENTRIES = 4096
 # How long a refused input (local or S3: not a cartridge, too large, another model's, ...) is
 # refused again without being read: a local one is read again as soon as it changes (its key is its
 # stat signature), an S3 one at the latest after this, or when force_redownload asks for it.
 REFUSAL_SECONDS = 600.0
 _REMEMBERED = (400, 413)  # refusals that say what the input's bytes are, not who asked or when
-MAX_LOCAL_ENTRIES = 4096  # entries (files and directories) in one local input directory: its change
-# signature is a walk of it on every request, so empty directories cost as much as files
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ class Resolver:
                 origin = str(path)  # one entry per file, not per spelling
                 key = (where, origin, self._signature(path, tenant), scope)
             elif where == "s3":  # s3://b/p and s3://b/p/ name the same prefix: one cache entry
-                origin = _s3_origin(spec.id)
+                origin = s3_origin(spec.id)
                 key = (where, origin, None, scope)
             else:  # a label names different cartridges in different tenants' views
                 key = (where, spec.id, scope)
@@ -596,15 +598,6 @@ class Resolver:
 def _claims(tenant: Tenant | None):
     """The ids a registration for `tenant`'s client may give (None: an operator's key, any)."""
     return tenant.may_name if tenant is not None else None
-
-
-def _s3_origin(uri: str) -> str:
-    """An s3:// URI as a registered cartridge's origin is written (`registration.register_s3`):
-    s3://b/p and s3://b/p/ are one origin."""
-    from lmcache_cartridge.store.s3 import parse_s3_uri
-
-    bucket, key = parse_s3_uri(uri)
-    return f"s3://{bucket}/{key}".rstrip("/")
 
 
 def _s3_allowed(root: str, bucket: str, key: str) -> bool:
