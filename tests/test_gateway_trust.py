@@ -75,8 +75,9 @@ def test_a_directory_walk_is_bounded_by_entries_not_files(tmp_path, settings, re
     """A local input directory is walked (stat only) for its change signature: the walk counted
     files, so a tree of empty directories was walked whole on every request (100,200 of them cost
     5-8 s of the gateway's CPU each time). Every entry counts now: one past the bound is 400."""
-    from lmcache_cartridge.api.resolver import MAX_LOCAL_ENTRIES
+    import lmcache_cartridge.api.resolver as resolver_mod
 
+    MAX_LOCAL_ENTRIES = 4096  # the bound (resolver.MAX_LOCAL_ENTRIES, checked below)
     url, seen = recording_upstream
     app = create_app(dataclasses.replace(settings, upstream=url))
     tree = settings.local_roots[0] / "tree"
@@ -86,7 +87,7 @@ def test_a_directory_walk_is_bounded_by_entries_not_files(tmp_path, settings, re
     r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1, "cartridges": [local(tree)]})
     assert r.status_code == 400, r.text
     assert f"more than {MAX_LOCAL_ENTRIES} entries" in r.json()["error"]["message"], r.text
-    assert seen == []
+    assert seen == [] and resolver_mod.MAX_LOCAL_ENTRIES == MAX_LOCAL_ENTRIES
 
 
 def test_the_resolution_cache_answers_each_tenant_as_a_first_resolution_would(
@@ -204,29 +205,33 @@ def test_force_redownload_is_limited_per_origin_however_it_is_spelled(tmp_path, 
         assert reg.get(cid).epoch == 1, cid
 
 
-def test_an_s3_object_the_converter_refuses_is_not_downloaded_again(tmp_path, settings, moto_server, s3_proxy,
-                                                                  recording_upstream):
+def test_an_s3_object_the_converter_refuses_is_not_downloaded_again(tmp_path, settings, model_dir, moto_server,
+                                                                  s3_proxy, recording_upstream):
     """An object that downloads but is not a cartridge is refused (400) and deleted from the
-    cache dir; the refusal was not remembered, so every plain request downloaded it again. It is
-    answered from memory now (no S3 request) until force_redownload asks for the object again."""
-    from s3_server import s3_client
+    cache dir; the refusal was not remembered, so every plain request downloaded it again (and a
+    packed prefix of another model fetched its manifest again). It is answered from memory now
+    (no S3 request) until force_redownload asks for the object again."""
+    from s3_server import s3_client, upload_dir
 
     url, _ = recording_upstream
     c = s3_client(moto_server)
     c.create_bucket(Bucket="gw-unit")
     c.put_object(Bucket="gw-unit", Key="ok/junk.pt", Body=b"not a torch file at all" * 1000)
+    _cart(tmp_path / "other", "other-model-doc", list(range(1, 65)), "another-model")
+    upload_dir(c, "gw-unit", "ok/other", tmp_path / "other")
     app = create_app(dataclasses.replace(settings, upstream=url, s3={"endpoint_url": s3_proxy.endpoint_url},
                                          force_redownload_interval=3600))
     env = {"app": app}
-    s3_proxy.reset()
-    first = ask(env, OPERATOR, {"id": "s3://gw-unit/ok/junk.pt"})
-    assert first.status_code == 400, first.text
-    assert s3_proxy.count("GET") >= 1
-    s3_proxy.reset()
-    for _ in range(3):
-        again = ask(env, OPERATOR, {"id": "s3://gw-unit/ok/junk.pt"})
-        assert (again.status_code, again.json()) == (first.status_code, first.json())
-    assert s3_proxy.count() == 0, s3_proxy.requests
+    for uri in ("s3://gw-unit/ok/junk.pt", "s3://gw-unit/ok/other"):
+        s3_proxy.reset()
+        first = ask(env, OPERATOR, {"id": uri})
+        assert first.status_code == 400, first.text
+        assert s3_proxy.count("GET") >= 1
+        s3_proxy.reset()
+        for _ in range(3):
+            again = ask(env, OPERATOR, {"id": uri})
+            assert (again.status_code, again.json()) == (first.status_code, first.json())
+        assert s3_proxy.count() == 0, (uri, s3_proxy.requests)
     forced = ask(env, OPERATOR, {"id": "s3://gw-unit/ok/junk.pt", "force_redownload": True})
     assert forced.status_code == 400 and s3_proxy.count("GET") >= 1
 

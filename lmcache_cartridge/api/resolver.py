@@ -163,9 +163,9 @@ class Resolver:
                         return hit
                 if where == "registry":
                     value = self._registry(spec, tenant)
+                    self._check(value)
                 else:
                     value = self._read_input(where, spec, tenant, key[:3])
-                self._check(value)
                 self._remember(key, value)
                 return value
         except (RequestError, CartridgeError):
@@ -238,10 +238,11 @@ class Resolver:
                 self._forced.popitem(last=False)
 
     def _read_input(self, where: str, spec: CartridgeSpec, tenant: Tenant | None, input_key: tuple) -> Resolved:
-        """`_local` or `_s3`, with their refusals remembered: an input refused for what its bytes
-        are (`_REMEMBERED`) is refused again from memory, without a read or a download, until it
-        changes (a local input's key is its stat signature), `REFUSAL_SECONDS` pass, or
-        force_redownload asks for it again (at most once per interval: `_allow_forced`)."""
+        """`_local` or `_s3` and the engine check (`_check`), with their refusals remembered: an
+        input refused for what its bytes are (`_REMEMBERED`) is refused again from memory, without
+        a read or a download, until it changes (a local input's key is its stat signature),
+        `REFUSAL_SECONDS` pass, or force_redownload asks for it again (at most once per interval:
+        `_allow_forced`)."""
         import time
 
         now = time.monotonic()
@@ -251,7 +252,9 @@ class Resolver:
             if refused is not None and now - refused[1] < REFUSAL_SECONDS:
                 raise RequestError(refused[0].status, str(refused[0]))
         try:
-            return {"s3": self._s3, "local": self._local}[where](spec, tenant)
+            value = {"s3": self._s3, "local": self._local}[where](spec, tenant)
+            self._check(value)
+            return value
         except RequestError as e:
             if e.status in _REMEMBERED:
                 with self._guard:
