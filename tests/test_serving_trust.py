@@ -253,3 +253,33 @@ def test_mp_accept_models_maps_names_of_one_model_not_every_cartridge(tmp_path):
         assert [load("model-a", m) for m in ("model-a", "alias-a", "model-b")] == [1, 1, 0]
     finally:
         adapter.close()
+
+
+def test_entries_a_catalog_synced_before_it_was_recorded_are_claimed_for_it_again(claimed):
+    """A registry written before entries recorded their catalog holds a catalog's entries as if
+    the operator had registered them (the most trusted claims). The next sync records them as
+    the catalog's (one manifest GET each), so their claims yield to the operator's."""
+    import sqlite3
+
+    from lmcache_cartridge.store.catalog import CatalogSync
+    from lmcache_cartridge.store.s3 import S3Settings
+
+    reg = claimed["reg"]
+    assert reg.get("zz-evil").catalog == CATALOG
+    with sqlite3.connect(reg.path) as db:  # as the version before wrote it
+        db.execute("UPDATE cartridges SET catalog = ''")
+    assert reg.get("zz-evil").rank == 0
+    with _engine(claimed) as eng:  # serving already: all four claims look like the operator's
+        plugin = eng.backend("cartridge")
+        assert "zz-evil-2" in plugin.served_now()
+        sync = CatalogSync(reg, CATALOG, S3Settings(endpoint_url=claimed["endpoint"]),
+                           cache_dir=claimed["dir"] / "cache", chunk_size=CHUNK)
+        report = sync.sync_once()
+        assert sorted(report.added) == ["cat-a", "cat-b", "zz-evil", "zz-evil-2"], report
+        assert reg.get("zz-evil").catalog == CATALOG and reg.get("handbook").catalog == ""
+        assert sync.sync_once().added == []  # once
+        plugin.refresh()  # the registry changed: the serving process sees whose entries they are
+        assert set(plugin.served_now()) == {"handbook"}
+        eng.clear_local_cpu()
+        n, got = eng.retrieve(PROMPT + [1])
+        assert n == 2 * CHUNK and torch.equal(got[:, :, :n], flat(claimed["kv"]["handbook"]))

@@ -269,9 +269,11 @@ class CartridgeL2Adapter(L2AdapterInterface):
             except Exception as ex:  # one bad entry never blocks the rest
                 skipped[cid] = str(ex) if isinstance(ex, CartridgeError) else f"{type(ex).__name__}: {ex}"
                 logger.error("lmcache_cartridge: not serving cartridge %r in MP mode: %s", cid, skipped[cid])
-        # keys several entries claim: the operator's over a catalog's, ambiguity refused
-        index, refused = settle([Claim(s, s.entry, s.manifest, [((h, model), i) for i, h in enumerate(s.hashes)
-                                                                for model in s.models]) for s in served.values()])
+        # keys several entries claim: the operator's over a catalog's, ambiguity refused (whose
+        # registration it is as the registry says now: a catalog's sync may record it later)
+        index, refused = settle([Claim(s, entries[cid], s.manifest, [((h, model), i) for i, h in enumerate(s.hashes)
+                                                                    for model in s.models])
+                                 for cid, s in served.items()])
         for cid, why in refused.items():
             skipped[cid] = why
             logger.error("lmcache_cartridge: not serving cartridge %r in MP mode: %s", cid, why)

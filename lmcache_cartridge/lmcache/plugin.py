@@ -263,9 +263,10 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             still = {cid: q for cid, q in st.quarantined.items() if cid in entries and q.matches(entries[cid])}
             served = {cid: s for cid, s in st.served.items() if cid in keep}
             served.update({cid: s for cid, s in added.items() if cid not in still})
-            # keys several entries claim: the operator's over a catalog's, ambiguity refused
-            index, refused = settle([Claim(s, s.entry, s.handle.manifest, [(k, i) for i, k in enumerate(s.keys)])
-                                     for s in served.values()])
+            # keys several entries claim: the operator's over a catalog's, ambiguity refused (whose
+            # registration it is as the registry says now: a catalog's sync may record it later)
+            index, refused = settle([Claim(s, entries[cid], s.handle.manifest, [(k, i) for i, k in enumerate(s.keys)])
+                                     for cid, s in served.items()])
             served = {cid: s for cid, s in served.items() if cid not in refused}
             dropped = [s for cid, s in added.items() if cid not in served]
             retired = [s for cid, s in st.served.items() if served.get(cid) is not s]

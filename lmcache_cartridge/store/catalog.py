@@ -390,7 +390,8 @@ class CatalogSync:
                                        "local registrations take precedence")
                 report.errors[cid] = "registered locally"
                 continue
-            if ours.get(cid) == want and have is not None and have.source_uri == entry.uri:
+            if ours.get(cid) == want and have is not None and have.source_uri == entry.uri \
+                    and have.catalog == self.catalog_uri:  # (registered before entries recorded it: again)
                 continue
             prev = ours.get(cid)
             force = prev is not None and entry.epoch > prev["epoch"] and have is not None
