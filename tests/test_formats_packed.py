@@ -111,7 +111,8 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
         pickle.load(f)
     assert (tmp_path / "probe-ran").exists()
 
-    with pytest.raises(CartridgeFormatError, match="refused to load"):
+    # a bare pickle is not torch.save's zip archive: refused before anything unpickles it
+    with pytest.raises(CartridgeFormatError, match="not a torch.save zip archive"):
         load_input(path)
     assert not marker.exists()
 

@@ -567,7 +567,7 @@ def test_resolution_cache_and_locks_are_bounded(tmp_path, settings, monkeypatch)
     import lmcache_cartridge.api.resolver as resolver_mod
 
     monkeypatch.setattr(resolver_mod, "MAX_CACHED", 3)
-    monkeypatch.setattr(resolver_mod, "MAX_LOCAL_FILES", 5)
+    monkeypatch.setattr(resolver_mod, "MAX_LOCAL_ENTRIES", 5)
     r = Resolver(settings, Registry(settings.registry))
     allowed = settings.local_roots[0]
     for i in range(6):
@@ -586,7 +586,7 @@ def test_resolution_cache_and_locks_are_bounded(tmp_path, settings, monkeypatch)
     (allowed / "many").mkdir()
     for i in range(6):
         (allowed / "many" / f"f{i}").write_text("x")
-    with pytest.raises(RequestError, match="more than 5 files"):
+    with pytest.raises(RequestError, match="more than 5 entries"):
         r.resolve(spec(str(allowed / "many"), source="local"))
 
 

@@ -165,7 +165,7 @@ def test_pinned_lookup_keeps_a_disk_only_chunk_through_another_cartridges_downlo
         plugin.refresh()  # trained: its download starts at once
         hx = plugin._state.served["trained-x"].handle
         assert _until(lambda: plugin.residency.resident(hx) and not plugin.residency.downloading(hx))
-        assert (mx.content_hash, 0) not in plugin.residency.cpu  # on disk only
+        assert (hx.key, 0) not in plugin.residency.cpu  # on disk only
         prompt = mx.token_ids + [1]
         eng.clear_local_cpu()
         assert eng.engine.lookup(tokens=prompt, lookup_id="req-x", pin=True) == CHUNK  # the promise
@@ -381,6 +381,6 @@ def test_write_behind_queue_is_bounded(tmp_path):
     assert res.write_behind_pending <= size and res.write_behind_skipped == 2
     go.set()
     assert _until(lambda: res.write_behind_pending == 0)
-    files = list((tmp_path / "cache" / p.manifest.content_hash).glob("*.chunk"))
+    files = list((tmp_path / "cache" / h.key).glob("*.chunk"))
     assert [f.name for f in files] == ["0.chunk"]
     res.close()

@@ -352,6 +352,65 @@ def test_fake_clients_kv_transfer_params_are_held_to_the_gateways_rule(fake, car
     assert r.status_code == 200, r.text
 
 
+def test_fake_utf16_and_utf32_json_is_refused_before_vllm(fake, carts):
+    """vLLM parses a body with `json.loads` on its bytes, which decodes UTF-16 and UTF-32 JSON as
+    well as UTF-8. A byte search for the fields the middleware checks finds nothing in them: a
+    UTF-16 body with `disagg_spec` reached vLLM's handler, and one with `cartridges` was answered
+    without the cartridge. JSON that vLLM would decode as anything but UTF-8 is refused (400);
+    UTF-8 (a BOM too) and bodies that are not JSON in any encoding pass as before."""
+    srv = fake()
+    n = len(srv.received)
+    bodies = [{"prompt": "x", "kv_transfer_params": {"disagg_spec": {"req_id": 5}}},
+              {"prompt": "x", "kv_transfer_params": {"lmcache_cartridge.trained_tokens": 10**9}},
+              {"prompt": "x", "max_tokens": 1, "cartridges": [{"id": carts["pt"], "source": "local"}]}]
+    for encoding in ("utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"):
+        for body in bodies:
+            raw = json.dumps(body).encode(encoding)
+            assert json.loads(raw) == body  # what vLLM's parser makes of it
+            for path in ("/v1/completions", "/v1/responses"):
+                r = httpx.post(srv.url + path, content=raw, headers={"Content-Type": "application/json"})
+                assert r.status_code == 400, (encoding, body, r.text)
+                assert "UTF-8" in r.json()["error"]["message"], r.text
+    assert len(srv.received) == n  # none of them reached vLLM
+    ok = '{"prompt": "Grüße", "max_tokens": 1}'
+    for raw in (ok.encode(), b"\xef\xbb\xbf" + ok.encode()):  # UTF-8, with and without a BOM
+        r = httpx.post(srv.url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 200 and srv.received[-1][1] == raw, r.text
+    raw = "not json at all".encode("utf-16")  # vLLM cannot parse it either: its own answer
+    r = httpx.post(srv.url + "/v1/responses", content=raw, headers={"Content-Type": "text/plain"})
+    assert r.status_code == 200 and srv.received[-1][1] == raw, r.text
+
+
+@pytest.mark.parametrize("mistake", ["short key", "misspelled field", "keys not a list", "yaml syntax"])
+def test_fake_a_bad_tenants_file_names_no_key(fake, carts, monkeypatch, caplog, mistake):
+    """A tenants file the gateway cannot use: every `cartridges` request answers 501 with the
+    reason, and the server logs it. The reason was pydantic's (or YAML's) own text, which quotes
+    the input: every key of the file, to every client and into the log. Now it names the tenant,
+    the field and the rule, never a value."""
+    import logging
+
+    good, short = "acme-key-0123456789abcdef", "tiny-secret"
+    text = {"short key": f"tenants:\n  - name: acme\n    keys: [{good}, {short}]\n",
+            "misspelled field": f"tenants:\n  - name: acme\n    keys: [{good}]\n    key: [{short}]\n",
+            "keys not a list": f"tenants:\n  - name: acme\n    keys: {good}\n",
+            "yaml syntax": f"tenants:\n  - name: acme\n    keys: [{good}, \"{short}\n"}[mistake]
+    path = carts["root"] / "tenants.yaml"
+    path.write_text(text)
+    monkeypatch.setenv("LMCACHE_CARTRIDGE_TENANTS", str(path))
+    caplog.set_level(logging.INFO, logger="lmcache_cartridge")
+    srv = fake()
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "cartridges": [{"id": carts["pt"],
+                                                                                     "source": "local"}]})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 501 and "LMCACHE_CARTRIDGE_TENANTS" in message and str(path) in message, r.text
+    assert {"short key": "16 characters", "misspelled field": "'key'", "keys not a list": "keys",
+            "yaml syntax": "not valid YAML at line 4"}[mistake] in message, message
+    logged = "\n".join(rec.getMessage() for rec in caplog.records)
+    assert message.partition("'cartridges': ")[2] in logged  # the reason is logged, as it is answered
+    for secret in (good, short, good[:12], short[:8]):
+        assert secret not in message and secret not in logged, (secret, message)
+
+
 def test_fake_the_gateways_own_kv_transfer_params_reach_vllm(fake, carts, monkeypatch):
     """The keys only the gateway may set reach vLLM on its own requests to this server (signed
     with the server's secret, which vLLM never sees): a trained cartridge's readiness,

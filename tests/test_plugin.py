@@ -307,10 +307,10 @@ def test_preload_star_warms_cartridges_registered_later(carts):
         plugin = eng.backend("cartridge")
         Registry(carts["reg"].path).register(tmp / "c")
         deadline = time.time() + 5
-        while (sum(1 for h, _ in plugin.residency.cpu.keys() if h == c.content_hash) < c.num_full_chunks
+        while (sum(1 for h, _ in plugin.residency.cpu.keys() if h.startswith(c.content_hash)) < c.num_full_chunks
                and time.time() < deadline):
             time.sleep(0.05)
-        assert sorted(i for h, i in plugin.residency.cpu.keys() if h == c.content_hash) == [0, 1]
+        assert sorted(i for h, i in plugin.residency.cpu.keys() if h.startswith(c.content_hash)) == [0, 1]
         cpu_hits = plugin.metrics.tiers["cpu"].hits if "cpu" in plugin.metrics.tiers else 0
         n, got = eng.retrieve(c.token_ids + [1])
         assert n == 2 * CHUNK
@@ -336,7 +336,7 @@ def test_first_hit_prefetches_the_rest_after_its_reads_not_beside_them(carts):
         submit = res._pool.submit
 
         def record(fn, *args, **kwargs):  # what the CPU tier held when a prefetch was started
-            started.append(sorted(i for h, i in res.cpu.keys() if h == c.content_hash))
+            started.append(sorted(i for h, i in res.cpu.keys() if h.startswith(c.content_hash)))
             return submit(fn, *args, **kwargs)
 
         res._pool.submit = record
@@ -345,9 +345,9 @@ def test_first_hit_prefetches_the_rest_after_its_reads_not_beside_them(carts):
         assert torch.equal(got[:, :, :n].view(torch.uint8), flat(kv)[:, :, :n].view(torch.uint8))
         assert started == [list(range(6))]  # one prefetch, after the retrieve read its 6 chunks
         deadline = time.time() + 10
-        while len([k for k in res.cpu.keys() if k[0] == c.content_hash]) < 9 and time.time() < deadline:
+        while len([k for k in res.cpu.keys() if k[0].startswith(c.content_hash)]) < 9 and time.time() < deadline:
             time.sleep(0.05)
-        assert sorted(i for h, i in res.cpu.keys() if h == c.content_hash) == list(range(9))  # the rest
+        assert sorted(i for h, i in res.cpu.keys() if h.startswith(c.content_hash)) == list(range(9))  # the rest
         assert res.origin_reads == 9  # each chunk read once
         eng.retrieve(c.token_ids + [1])
         assert started == [list(range(6))]  # once per cartridge
@@ -561,7 +561,7 @@ def test_unpin_after_reregistration_releases_the_chunk_the_lookup_pinned(carts):
         obj = plugin.get_blocking(key0)  # also fills the CPU tier
         assert obj.tensor.equal(flat(kv1)[:, :, :CHUNK])
         obj.ref_count_down()
-        old_cid = (old.handle.content_hash, 0)
+        old_cid = (old.handle.key, 0)
         assert plugin.residency.cpu._pins.get(old_cid) == 1
         Registry(reg.path).register(tmp / "x2")
         deadline = time.time() + 5
@@ -575,7 +575,7 @@ def test_unpin_after_reregistration_releases_the_chunk_the_lookup_pinned(carts):
         assert old.handle.origin.packed._fd is not None  # still pinned: not closed yet
         assert plugin.unpin(key0)
         assert plugin.residency.cpu._pins.get(old_cid) is None  # the pinned chunk was released
-        assert plugin.residency.cpu._pins.get((new.handle.content_hash, 0)) is None
+        assert plugin.residency.cpu._pins.get((new.handle.key, 0)) is None
         assert plugin.pin_count(key0) == 0 and key0 not in plugin._state.draining
         assert old.handle.origin.packed._fd is None  # the drained origin is closed
         n, got = eng.retrieve(toks + [1])

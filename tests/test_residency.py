@@ -138,7 +138,7 @@ def test_promotion_disk_after_restart_and_prefetch(tmp_path):
     assert res.read_into(h, 0, out) == "cpu"
     res.prefetch_rest(h)  # what the plugin does once a retrieve's reads are done
     deadline = time.time() + 10
-    while len(list((tmp_path / "cache" / p.manifest.content_hash).glob("*.chunk"))) < 4 and time.time() < deadline:
+    while len(list((tmp_path / "cache" / h.key).glob("*.chunk"))) < 4 and time.time() < deadline:
         time.sleep(0.05)
     assert origin.reads == 4  # the rest prefetched: each chunk downloaded once
     res.close()
@@ -167,7 +167,7 @@ def test_bad_origin_bytes_are_never_cached(tmp_path):
     with pytest.raises(ChecksumError):
         res.read_into(h, 1, out)
     time.sleep(0.2)
-    assert (p.manifest.content_hash, 1) not in cpu and (p.manifest.content_hash, 1) not in disk
+    assert (h.key, 1) not in cpu and h.disk_id(1) not in disk
     assert res.read_into(h, 0, out) == "s3"  # other chunks still fine
     res.close()
 
@@ -259,12 +259,12 @@ def test_s3_chunks_are_verified_on_the_reading_thread_after_every_attempt(tmp_pa
     res.close()
     # verification ran on this thread (the pool that writes the disk cache behind starts its worker)
     assert [t for t in started if not t.startswith("cartridge-prefetch")] == []
-    # "flip" has good's content hash: a residency of its own, or good's disk copies would serve it
+    # "flip" has good's content hash, and another origin: good's disk copies are not its own
     res = Residency(MemoryTier("cpu", 0), DiskTier(tmp_path / "cache2", 1 << 30), Metrics(), prefetch=False)
     for name, i, needle in (("flip", 2, r"chunk 2 checksum mismatch \(blake3"), ("nan", 1, "NaN or Inf")):
         with pytest.raises(ChecksumError, match=needle):
             res.read_into(handles[name], i, out, network=True)
-        cid = (handles[name].content_hash, i)
+        cid = (handles[name].key, i)
         assert cid not in res.disk and cid not in res.cpu
     assert res.read_into(handles["flip"], 1, out, network=True) == "s3"
     assert torch.equal(out, expected(1))
@@ -333,13 +333,13 @@ def test_an_encoded_read_of_a_local_chunk_encodes_the_payload_in_place_and_keeps
         src = seen[-1]
         if tier == "local":
             assert src.dim() == 5 and not src.is_contiguous()  # the by-head payload, permuted
-            assert (h.content_hash, 1) not in res.cpu
+            assert (h.key, 1) not in res.cpu
         else:
-            assert src.data_ptr() == res.cpu._chunks[(h.content_hash, 0)].data_ptr()
-    assert res.cpu.keys() == [(h.content_hash, 0)]
+            assert src.data_ptr() == res.cpu._chunks[(h.key, 0)].data_ptr()
+    assert res.cpu.keys() == [(h.key, 0)]
     # a prefetch once the retrieve is done does not bring back what the encoded read verified
-    assert res.warm(h) == 0 and res.cpu.keys() == [(h.content_hash, 0)]
-    assert res.warm(h, preload=True) == 1 and (h.content_hash, 1) in res.cpu  # a preload keeps it
+    assert res.warm(h) == 0 and res.cpu.keys() == [(h.key, 0)]
+    assert res.warm(h, preload=True) == 1 and (h.key, 1) in res.cpu  # a preload keeps it
     res.close()
 
 
@@ -357,7 +357,7 @@ def test_an_encoded_read_of_a_remote_chunk_keeps_kv_2ltd_in_the_cpu_tier(tmp_pat
         want = _kv_2ltd(h, 1, p.read_raw(1))
         assert torch.equal(out.reshape(-1).view(torch.uint8), want.flip(0))
         if budget:
-            kept = res.cpu._chunks[(h.content_hash, 1)]
+            kept = res.cpu._chunks[(h.key, 1)]
             assert torch.equal(kept, want) and seen[-1].data_ptr() == kept.data_ptr()
             assert res.read_into(h, 1, out, network=True, encode=encode) == "cpu"
             assert seen[-1].data_ptr() == kept.data_ptr()
@@ -388,7 +388,7 @@ def test_hold_local_holds_only_what_the_disk_tier_alone_has(tmp_path):
     assert res.hold_local(local, 3) == (True, None)
     res.disk.put(remote.disk_id(0), memoryview(p.read_raw(0).numpy()))
     res.disk.put(remote.disk_id(1), memoryview(p.read_raw(1).numpy()))
-    res.cpu.put((p.manifest.content_hash, 1), torch.empty(size, dtype=torch.uint8))
+    res.cpu.put((remote.key, 1), torch.empty(size, dtype=torch.uint8))
     assert res.hold_local(remote, 1) == (True, None)  # the CPU tier has it (the caller pinned it there)
     ok, hold = res.hold_local(remote, 0)
     assert ok and hold is not None and hold.held

@@ -25,6 +25,9 @@ stack nothing can bypass it:
   secret header (`INTERNAL_HEADER`, shared by this server's API processes through a 0600 file in
   the private cache dir, `internal_secret`), which is checked in constant time and removed
   before vLLM sees the request. A request with a wrong or missing header is a client's.
+- JSON bodies are judged as vLLM parses them (`json.loads` on the bytes, which also decodes
+  UTF-16 and UTF-32): JSON in any encoding but UTF-8 answers 400 (`parse_body`), so no field can
+  hide from the checks above in an encoding they do not read.
 - Everything else reaches vLLM untouched: a body read to look for the fields is replayed byte
   for byte; GET /metrics gets the gateway's series appended.
 - If the gateway cannot be set up (no cartridge plugin in the LMCache config, a bad setting),
@@ -215,15 +218,31 @@ def _header(scope, name: bytes) -> bytes:
     return b""
 
 
-# The fields the middleware looks at; a body naming none of them (nor holding a \u escape, which
-# could spell one) is never parsed.
+# The fields the middleware looks at; a UTF-8 body naming none of them (nor holding a \u escape,
+# which could spell one) is never parsed.
 _FIELDS = (b"cartridges", b"kv_transfer_params", b"\\u")
+_UTF8 = ("utf-8", "utf-8-sig")
 NOT_JSON = object()
+NOT_UTF8 = object()  # JSON that vLLM's parser decodes from UTF-16 or UTF-32
+NOT_UTF8_MESSAGE = ("JSON request bodies must be UTF-8 (RFC 8259); this one is UTF-16 or UTF-32: "
+                    "encode it as UTF-8")
 
 
 def parse_body(body: bytes) -> Any:
     """A request body's JSON, parsed once for every check here: None where none of `_FIELDS` is
-    in it (nothing to look at), `NOT_JSON` where it does not parse."""
+    in it (nothing to look at), `NOT_JSON` where it does not parse, `NOT_UTF8` for JSON in
+    UTF-16 or UTF-32.
+
+    The decision is made on what vLLM will parse: it runs `json.loads` on the body's bytes,
+    which detects UTF-16 and UTF-32 (`json.detect_encoding`), where the fields' ASCII bytes never
+    appear. Such a body is parsed whole as vLLM would, and refused if it is JSON, so the byte
+    search below only ever runs on UTF-8."""
+    if json.detect_encoding(body) not in _UTF8:
+        try:
+            json.loads(body)
+        except ValueError:
+            return NOT_JSON  # vLLM cannot parse it either
+        return NOT_UTF8
     if not any(f in body for f in _FIELDS):
         return None
     try:
@@ -435,6 +454,8 @@ class CartridgeMiddleware:
             return  # the client is gone
         replay = _replay(body, receive)
         data = parse_body(body)
+        if data is NOT_UTF8:
+            return await _error(400, NOT_UTF8_MESSAGE)(scope, replay, send)
         refused = check_client_body(data)
         if refused is not None:
             return await _error(400, refused)(scope, replay, send)

@@ -7,9 +7,11 @@ once), an absolute local
 path (`source: "local"`; a `.pt`, an input directory or a packed directory), or a registered id
 or label. Clients may only name S3 buckets/prefixes and local directories the deployment allows.
 
-Resolution is cached in memory: a repeated request for the same cartridge makes no S3 request,
-hashes no file and writes nothing to the registry. A cached registration is re-checked only when
-another process changed the registry (`PRAGMA data_version`, a read).
+Resolution is cached in memory, per tenant: a repeated request for the same cartridge makes no S3
+request, hashes no file and writes nothing to the registry. A cached registration is re-checked
+only when another process changed the registry (`PRAGMA data_version`, a read). Refusals of what
+an input holds are remembered too (`REFUSAL_SECONDS`): a refused S3 object is not downloaded
+again on every request.
 
 Composition ("loaded in order"), every part in request order:
 - Token-only and first-k cartridges' ids are placed in order; a first-k cartridge's own KV is used
@@ -44,11 +46,19 @@ from lmcache_cartridge.api.settings import GatewaySettings, RequestError, Tenant
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.store.registration import s3_origin
 from lmcache_cartridge.store.registry import Entry, IdOutOfScope, IdTaken, Registry, RegistryError
 
 OBJECT_SUFFIXES = (".pt", ".pth")  # an s3:// id ending so is one object; otherwise a packed prefix
 MAX_CACHED = 4096      # resolutions kept (least recently used dropped first): clients choose the keys
-MAX_LOCAL_FILES = 4096  # files in one local input directory (its change signature is a walk of it)
+# Entries (files and directories) in one local input directory: its change signature is a walk of
+# it on every request, so empty directories cost as much as files.
+MAX_LOCAL_ENTRIES = 4096
+# How long a refused input (local or S3: not a cartridge, too large, another model's, ...) is
+# refused again without being read: a local one is read again as soon as it changes (its key is its
+# stat signature), an S3 one at the latest after this, or when force_redownload asks for it.
+REFUSAL_SECONDS = 600.0
+_REMEMBERED = (400, 413)  # refusals that say what the input's bytes are, not who asked or when
 
 
 @dataclass(frozen=True)
@@ -116,7 +126,8 @@ class Resolver:
                                           chunk_size=settings.chunk_size)
         self.stats: Counter[str] = Counter()  # s3_objects, s3_lists, s3_manifests, hashes, conversions, registrations
         self._cache: OrderedDict[tuple, _Cached] = OrderedDict()  # bounded: MAX_CACHED
-        self._forced: OrderedDict[tuple, float] = OrderedDict()  # (where, id) -> last honoured force_redownload
+        self._forced: OrderedDict[str, float] = OrderedDict()  # origin -> last honoured force_redownload
+        self._refused: OrderedDict[tuple, tuple[RequestError, float]] = OrderedDict()  # key -> (why, when)
         self._locks: dict[tuple, list] = {}  # key -> [lock, users]: only while resolutions of it run
         self._guard = threading.Lock()
         self._vocab = None
@@ -129,15 +140,20 @@ class Resolver:
             where = self._where(spec)
             if where == "s3":
                 self._allowed_s3(spec.id, tenant)
+            # Every key carries the tenant: what a resolution decides (which label, whether the id
+            # a manifest claims is the tenant's to register) is decided for one tenant's scope.
+            scope = tenant.name if tenant is not None else None
             if where == "local":  # allowed or not, decided before anything under it is touched
                 path = self._allowed_local(spec.id, tenant)
-                key = (where, str(path), self._signature(path, tenant))  # one entry per file, not per spelling
+                origin = str(path)  # one entry per file, not per spelling
+                key = (where, origin, self._signature(path, tenant), scope)
             elif where == "s3":  # s3://b/p and s3://b/p/ name the same prefix: one cache entry
-                key = (where, spec.id.rstrip("/"), None)
+                origin = s3_origin(spec.id)
+                key = (where, origin, None, scope)
             else:  # a label names different cartridges in different tenants' views
-                key = (where, spec.id, tenant.name if tenant is not None else None)
+                key = (where, spec.id, scope)
             if spec.force_redownload and where != "registry":  # an id or label: once it names an entry
-                self._allow_forced(key)
+                self._allow_forced(origin)
             with self._keyed(key):
                 if not spec.force_redownload:
                     hit = self._hit(key)
@@ -147,9 +163,9 @@ class Resolver:
                         return hit
                 if where == "registry":
                     value = self._registry(spec, tenant)
+                    self._check(value)
                 else:
-                    value = {"s3": self._s3, "local": self._local}[where](spec, tenant)
-                self._check(value)
+                    value = self._read_input(where, spec, tenant, key[:3])
                 self._remember(key, value)
                 return value
         except (RequestError, CartridgeError):
@@ -198,9 +214,13 @@ class Resolver:
             raise RequestError(400, f"local cartridge id must be an absolute path, got {cid[:200]!r}")
         return "registry"
 
-    def _allow_forced(self, key: tuple) -> None:
-        """A forced refetch of `key`, if none was honoured in the last `force_redownload_interval`
-        seconds: each one makes every instance drop its copies and read the origin again."""
+    def _allow_forced(self, origin: str) -> None:
+        """A forced refetch of the cartridge read from `origin` (a resolved local path, an s3://
+        URI, a registry entry's `source_uri`), if none was honoured in the last
+        `force_redownload_interval` seconds: each one makes every instance drop its copies and
+        read the origin again. Keyed by the origin, not the spelling: an id, its labels and its
+        path share one limit (a converted input is checked for its input and its packed
+        directory, the registered cartridge's origin: `_converted`)."""
         import time
 
         interval = self.settings.force_redownload_interval
@@ -208,14 +228,41 @@ class Resolver:
             raise RequestError(403, "force_redownload is disabled on this gateway")
         now = time.monotonic()
         with self._guard:
-            last = self._forced.get(key[:2])
+            last = self._forced.get(origin)
             if last is not None and now - last < interval:
                 raise RequestError(429, f"force_redownload of this cartridge was honoured {now - last:.0f}s ago; "
                                         f"at most once every {interval:.0f}s", retry_after=interval - (now - last))
-            self._forced[key[:2]] = now
-            self._forced.move_to_end(key[:2])
+            self._forced[origin] = now
+            self._forced.move_to_end(origin)
             while len(self._forced) > MAX_CACHED:
                 self._forced.popitem(last=False)
+
+    def _read_input(self, where: str, spec: CartridgeSpec, tenant: Tenant | None, input_key: tuple) -> Resolved:
+        """`_local` or `_s3` and the engine check (`_check`), with their refusals remembered: an
+        input refused for what its bytes are (`_REMEMBERED`) is refused again from memory, without
+        a read or a download, until it changes (a local input's key is its stat signature),
+        `REFUSAL_SECONDS` pass, or force_redownload asks for it again (at most once per interval:
+        `_allow_forced`)."""
+        import time
+
+        now = time.monotonic()
+        if not spec.force_redownload:
+            with self._guard:
+                refused = self._refused.get(input_key)
+            if refused is not None and now - refused[1] < REFUSAL_SECONDS:
+                raise RequestError(refused[0].status, str(refused[0]))
+        try:
+            value = {"s3": self._s3, "local": self._local}[where](spec, tenant)
+            self._check(value)
+            return value
+        except RequestError as e:
+            if e.status in _REMEMBERED:
+                with self._guard:
+                    self._refused[input_key] = (e, now)
+                    self._refused.move_to_end(input_key)
+                    while len(self._refused) > MAX_CACHED:
+                        self._refused.popitem(last=False)
+            raise
 
     def _allowed_local(self, name: str, tenant: Tenant | None = None) -> Path:
         """`name` with every symlink resolved, if it lies under an allowed local root (the
@@ -246,16 +293,18 @@ class Resolver:
 
     def _signature(self, path: Path, tenant: Tenant | None = None) -> tuple:
         """What changes when a local input changes (stat only: no reading, no hashing). A
-        directory is walked, at most MAX_LOCAL_FILES files, and every file in it must resolve
-        under an allowed root too (a symlink to anywhere else is refused before it is read)."""
+        directory is walked, at most MAX_LOCAL_ENTRIES entries of any kind, and every file in it
+        must resolve under an allowed root too (a symlink to anywhere else is refused before it
+        is read)."""
         try:
             if not path.is_dir():
                 files = [path]
             else:
                 files = []
-                for q in path.rglob("*"):
-                    if len(files) >= MAX_LOCAL_FILES:
-                        raise RequestError(400, f"{path} holds more than {MAX_LOCAL_FILES} files")
+                for n, q in enumerate(path.rglob("*")):
+                    if n >= MAX_LOCAL_ENTRIES:
+                        raise RequestError(400, f"{path} holds more than {MAX_LOCAL_ENTRIES} entries (files and "
+                                                "directories): an input directory is a cartridge's few files")
                     if q.is_symlink() or q.is_file():
                         self._allowed_local(str(q), tenant)
                         files.append(q)
@@ -304,11 +353,15 @@ class Resolver:
             self._vocab = load_vocab(self.settings.tokenizer)
         return self._vocab
 
-    def _registered(self, name: str, directory: Path, source_uri: str, force: bool,
-                    tenant: Tenant | None) -> Resolved:
+    def _register(self, directory: str | Path, source_uri: str, *, force: bool, client: bool,
+                  tenant: Tenant | None, expect_id: str | None = None, catalog: str = "") -> Entry:
+        """Register what a client named, under the claim rules every registration for a client
+        passes, a re-registration too: never an id another origin holds, never one outside the
+        tenant's ids, and (`expect_id`) never another id than the entry's own."""
         try:
             entry = self.registry.register(directory, source_uri=source_uri, force_redownload=force,
-                                           replace_origin=False, client=True, may_claim=_claims(tenant))
+                                           replace_origin=False, client=client, may_claim=_claims(tenant),
+                                           expect_id=expect_id, catalog=catalog)
         except IdOutOfScope as e:
             raise RequestError(403, str(e)) from None
         except IdTaken as e:
@@ -316,6 +369,11 @@ class Resolver:
         except CartridgeError as e:
             raise RequestError(400, str(e)) from None
         self.stats["registrations"] += 1
+        return entry
+
+    def _registered(self, name: str, directory: Path, source_uri: str, force: bool,
+                    tenant: Tenant | None) -> Resolved:
+        entry = self._register(directory, source_uri, force=force, client=True, tenant=tenant)
         m = Manifest.load(entry.path)
         return Resolved(name, m.kind, tuple(m.token_ids), entry, m)
 
@@ -326,10 +384,11 @@ class Resolver:
             raise RequestError(404, str(e)) from None
         self._visible(entry, spec.id, tenant)
         if spec.force_redownload:  # servers drop their cached copies and read the origin again
-            self._allow_forced(("registry", entry.id))  # per cartridge, however it is spelled (id, labels)
-            entry = self.registry.register(entry.path, source_uri=entry.source_uri, force_redownload=True,
-                                           client=entry.client)  # what a client brought stays a client's
-            self.stats["registrations"] += 1
+            self._allow_forced(entry.source_uri)  # per origin, however it is spelled (id, labels, path)
+            # what a client brought stays a client's, a catalog's its catalog's; the manifest may
+            # have been rewritten since
+            entry = self._register(entry.path, entry.source_uri, force=True, client=entry.client, tenant=tenant,
+                                   expect_id=entry.id, catalog=entry.catalog)
         m = Manifest.load(entry.path)
         return Resolved(entry.id, m.kind, tuple(m.token_ids), entry, m)
 
@@ -360,6 +419,8 @@ class Resolver:
         if out.packed_dir is None:
             self._budget(path)
             return Resolved(spec.id, "tokens", tuple(out.token_ids))
+        if spec.force_redownload:  # the registered cartridge's own origin: its id may have been forced
+            self._allow_forced(str(out.packed_dir))
         resolved = self._registered(spec.id, out.packed_dir, str(out.packed_dir), spec.force_redownload, tenant)
         self._budget(out.packed_dir, path)
         return resolved

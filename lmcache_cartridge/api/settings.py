@@ -126,7 +126,8 @@ def load_tenants(path: str | Path) -> tuple[Tenant, ...]:
             s3: [my-bucket/acme]                  # bucket or bucket/prefix
 
     Validated whole (pydantic): unknown fields, a short key, a key two tenants share or a
-    relative local root are errors that name the tenant."""
+    relative local root are errors that name the tenant, the field and the rule, never a value:
+    the file holds keys, and the error reaches logs and (in vLLM's server) clients' 501 answers."""
     import yaml
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -157,9 +158,13 @@ def load_tenants(path: str | Path) -> tuple[Tenant, ...]:
         tenants: list[_T]
 
     try:
-        parsed = _F.model_validate(yaml.safe_load(Path(path).read_text()) or {})
-    except (ValidationError, yaml.YAMLError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML{_yaml_where(e)}") from None
+    try:
+        parsed = _F.model_validate(raw)
+    except ValidationError as e:
+        raise ValueError(f"{path}: {_without_values(e, raw)}") from None
     seen: dict[str, str] = {}
     for t in parsed.tenants:
         for k in t.keys:
@@ -168,3 +173,36 @@ def load_tenants(path: str | Path) -> tuple[Tenant, ...]:
             seen[k] = t.name
     return tuple(Tenant(t.name, tuple(t.keys), tuple(t.ids), tuple(Path(r) for r in t.local), tuple(t.s3))
                  for t in parsed.tenants)
+
+
+def _yaml_where(e) -> str:
+    """Where a YAML error is and what it is, without YAML's own text: that quotes the line, and a
+    tenants file's lines hold keys."""
+    def at(mark) -> str:
+        return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    problem, context = getattr(e, "problem", None), getattr(e, "context", None)
+    text = at(getattr(e, "problem_mark", None)) + (f": {problem}" if isinstance(problem, str) else "")
+    if isinstance(context, str):
+        text += f" ({context}{at(getattr(e, 'context_mark', None))})"
+    return text
+
+
+def _without_values(e, raw) -> str:
+    """A pydantic error of the tenants file, each problem as where (the tenant's name, the field)
+    and pydantic's rule, never the input it quotes (`str(e)` shows every key of a bad list)."""
+    def where(loc) -> str:
+        parts = []
+        for i, p in enumerate(loc):
+            if isinstance(p, int) and loc[:i] == ("tenants",):
+                try:
+                    name = raw["tenants"][p].get("name")
+                except (AttributeError, IndexError, KeyError, TypeError):
+                    name = None
+                parts.append(f"tenant {name!r}" if isinstance(name, str) and len(name) <= 64 else f"tenant #{p + 1}")
+            elif not (i == 0 and p == "tenants" and len(loc) > 1):
+                parts.append(repr(p) if isinstance(p, str) else f"item #{p + 1}")
+        return " ".join(parts) or "the file"
+
+    problems = [f"{where(err['loc'])}: {err['msg']}" for err in e.errors(include_url=False, include_input=False)]
+    return f"{len(problems)} problem{'s' if len(problems) > 1 else ''}: " + "; ".join(problems)

@@ -49,7 +49,7 @@ class RankView:
 
     Made by the plugin for each cartridge it serves (one per engine rank), used by `residency`:
     the raw bytes of chunk `i` are `span(i)` (only this rank's heads for a `by_head` payload, one
-    contiguous range), they are cached on disk under `disk_key` (shared by every process on the
+    contiguous range), they are cached on disk under the cartridge's key and `heads_suffix` (shared by every process on the
     host that reads the same heads), and `to_engine` turns them into the rank's `KV_2LTD` chunk,
     which the CPU tier keeps (so a repeat hit is a plain copy); `engine_view` reads them as those
     values in place, for an encoder that converts them once (`residency.read_into`).
@@ -75,12 +75,12 @@ class RankView:
             (m.layout == LAYOUT_BY_HEAD and self.heads[1] - self.heads[0] == 1)
 
     @property
-    def disk_key(self) -> str:
-        """The disk cache's name for this rank's raw bytes: the content hash for whole chunks, with
-        the head range appended when the rank reads only some heads."""
+    def heads_suffix(self) -> str:
+        """What the disk cache appends to a cartridge's key for this rank's raw bytes: nothing for
+        whole chunks, the head range when the rank reads only some heads (`Handle.disk_id`)."""
         if self.all_heads or self.manifest.layout == LAYOUT_2LTD:
-            return self.manifest.content_hash
-        return f"{self.manifest.content_hash}.h{self.heads[0]}-{self.heads[1]}"
+            return ""
+        return f".h{self.heads[0]}-{self.heads[1]}"
 
     def span(self, index: int) -> Span:
         return self.manifest.span(index, self.heads)

@@ -13,7 +13,8 @@ into `ObjectKey(chunk_hash, model_name, kv_rank, object_group_id, cache_salt)`. 
 *that hasher instance* (`attach`, run by the server module `vllm.mp_server`): a
 second hasher would draw another start hash for seed-dependent algorithms. Until attached every
 lookup misses. A cartridge's chunks are indexed by chunk hash; a key hits when its model name is
-one the cartridge serves (its manifest's model or `accept_models`), its world size splits the
+one the cartridge serves (its manifest's model, and the other `accept_models` names where its
+model is one of them: `served_models`), its world size splits the
 cartridge's heads, its object shape fits the chunk (`lmcache.mp_layout.classify`) and the chunk is
 readable without the network (else the download starts and the key misses now).
 
@@ -72,16 +73,26 @@ from lmcache_cartridge.lmcache.plugin import Quarantine
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_settings
 from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store import threads
+from lmcache_cartridge.store.claims import Claim, settle
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
-from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency
+from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency, tier_key
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
 from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for
 
 logger = logging.getLogger("lmcache_cartridge.mp_adapter")
 
 NAME = "cartridge"
+
+
+def served_models(model: str, accept_models: tuple[str, ...]) -> frozenset[str]:
+    """The model names whose keys a cartridge made for `model` serves. One server serves engines
+    of several models, so `accept_models` cannot mean "this engine's other names" as it does
+    in-process: it lists the names of one model's weights, and maps them onto each other only. A
+    cartridge of a model not listed serves its own model's keys alone (applied to every
+    cartridge, a model-b cartridge's KV was loaded for model-a's keys)."""
+    return frozenset((model, *accept_models)) if model in accept_models else frozenset((model,))
 
 
 def kv_world_and_rank(kv_rank: int) -> tuple[int, int]:
@@ -145,6 +156,11 @@ class _Served:
             self.retired = True
             for h in self.handles.values():
                 h.retired = True
+
+    @property
+    def key(self) -> str:
+        """Its bytes' name in the tiers (`residency.tier_key`), what every handle of it has."""
+        return tier_key(self.manifest.content_hash, self.origin.uri)
 
     def same_bytes(self, e: Entry) -> bool:
         return (self.entry.content_hash, self.entry.path, self.entry.epoch) == (e.content_hash, e.path, e.epoch)
@@ -253,11 +269,23 @@ class CartridgeL2Adapter(L2AdapterInterface):
             except Exception as ex:  # one bad entry never blocks the rest
                 skipped[cid] = str(ex) if isinstance(ex, CartridgeError) else f"{type(ex).__name__}: {ex}"
                 logger.error("lmcache_cartridge: not serving cartridge %r in MP mode: %s", cid, skipped[cid])
+        # keys several entries claim: the operator's over a catalog's, ambiguity refused (whose
+        # registration it is as the registry says now: a catalog's sync may record it later)
+        index, refused = settle([Claim(s, entries[cid], s.manifest, [((h, model), i) for i, h in enumerate(s.hashes)
+                                                                    for model in s.models])
+                                 for cid, s in served.items()])
+        for cid, why in refused.items():
+            skipped[cid] = why
+            logger.error("lmcache_cartridge: not serving cartridge %r in MP mode: %s", cid, why)
+            if served[cid] in fresh:  # opened for this refresh only
+                fresh.remove(served[cid])
+                served[cid].origin.close()
+            del served[cid]
         # force_redownload (same bytes, new epoch): drop the disk copies before the new epoch is served
         for cid, s in served.items():
             old = current.get(cid)
-            if old is not None and old is not s and old.manifest.content_hash == s.manifest.content_hash:
-                self.residency.forget(s.manifest.content_hash, disk=True)
+            if old is not None and old is not s and old.key == s.key:
+                self.residency.forget(s.key, disk=True)
         # KV the server's L1 holds under a fresh cartridge's keys was stored before it was served
         self._purge_hashes({h for s in fresh for h in s.hashes})
         for s in fresh:  # a trained request waits for these (`vllm.mp_connector`): fetch now
@@ -266,7 +294,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
         with self._lock:
             still = {cid: q for cid, q in self._quarantined.items() if cid in entries and q.matches(entries[cid])}
             served = {cid: s for cid, s in served.items() if cid not in still}
-            index = {(h, model): (s, i) for s in served.values() for i, h in enumerate(s.hashes) for model in s.models}
+            index = {k: v for k, v in index.items() if v[0].entry.id in served}
             retired = [s for cid, s in self._served.items() if served.get(cid) is not s]
             self._served, self._index, self._quarantined = served, index, still
             self._skipped = skipped | {cid: q.why for cid, q in still.items()}
@@ -275,7 +303,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
                 s.retire()
                 self._tombstones |= set(s.hashes) - live
         for s in retired:
-            self._after_retire(s, forget=s.manifest.content_hash not in {x.manifest.content_hash for x in served.values()})
+            self._after_retire(s, forget=s.key not in {x.key for x in served.values()})
         self._purge()
         self._version = version
         self.publish()
@@ -285,7 +313,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
         """Outside the lock: its local copies go (unless another entry serves the same bytes) and
         its origin is closed on the reader thread, after any load of it already queued there."""
         if forget:
-            self.residency.forget(s.manifest.content_hash)
+            self.residency.forget(s.key)
         try:
             self._pool.submit(s.origin.close)
         except RuntimeError:  # shut down
@@ -296,9 +324,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
         if e.salt:
             raise CartridgeError("KV a client brought is not served in LMCache MP mode yet (MP keys carry no "
                                  "tag to keep it to the requests that name it); it is recomputed from its tokens")
-        models = frozenset((m.model, *self.settings.accept_models))
-        why = mismatch(m, EngineShape.partial(model_names=(m.model, *self.settings.accept_models),
-                                              chunk_size=self._ctx.chunk_size))
+        models = served_models(m.model, self.settings.accept_models)
+        why = mismatch(m, EngineShape.partial(model_names=tuple(models), chunk_size=self._ctx.chunk_size))
         if why:
             raise CartridgeError(why)
         hashes = self._ctx.token_hasher.compute_chunk_hashes(list(m.key_token_ids))[m.context_chunks:]

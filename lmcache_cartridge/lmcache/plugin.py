@@ -8,7 +8,8 @@ storage manager's event loop (the async pair, whose work runs on the plugin's ow
 All state below is guarded by one lock.
 
 What it owns: an index `CacheEngineKey -> (cartridge, chunk)` computed in this process with
-LMCache's own token database (see `keys`), swapped in whole when the registry changes; lookup
+LMCache's own token database (see `keys`), swapped in whole when the registry changes (keys
+several entries claim go to the most trusted one, ambiguous claims are refused: `store.claims`); lookup
 pins (with a lease); quarantines; tombstones of retired keys (re-purged from LMCache's CPU cache
 until no in-flight read can write them back). It never owns a cartridge's files: `remove`
 forgets keys, it never deletes anything.
@@ -51,6 +52,7 @@ from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import CartridgeError, ChecksumError
 from lmcache_cartridge.cartridge.keys import ChunkKeyMapper, hash_config_problem
 from lmcache_cartridge.paths import private_dir
+from lmcache_cartridge.store.claims import Claim, settle
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
@@ -250,28 +252,34 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                     logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, skipped[cid])
         # force_redownload (same bytes, new epoch): drop the local copies *before* the new epoch is
         # visible, so no lookup under the new epoch is answered from the copies it asked to drop.
-        redownload = {s.handle.content_hash for cid, s in current.items()
-                      if cid in added and added[cid].handle.content_hash == s.handle.content_hash
+        redownload = {s.handle.key for cid, s in current.items()
+                      if cid in added and added[cid].handle.key == s.handle.key
                       and added[cid].entry.epoch != s.entry.epoch}
-        for content_hash in redownload:
-            self.residency.forget(content_hash, disk=True)
+        for key in redownload:
+            self.residency.forget(key, disk=True)
         with self._lock:
             st = self._state
             # Against the state as it is now: a reader may have quarantined a cartridge meanwhile.
             still = {cid: q for cid, q in st.quarantined.items() if cid in entries and q.matches(entries[cid])}
             served = {cid: s for cid, s in st.served.items() if cid in keep}
-            dropped = [s for cid, s in added.items() if cid in still]
             served.update({cid: s for cid, s in added.items() if cid not in still})
-            index = {k: (s, i) for s in served.values() for i, k in enumerate(s.keys)}
+            # keys several entries claim: the operator's over a catalog's, ambiguity refused (whose
+            # registration it is as the registry says now: a catalog's sync may record it later)
+            index, refused = settle([Claim(s, entries[cid], s.handle.manifest, [(k, i) for i, k in enumerate(s.keys)])
+                                     for cid, s in served.items()])
+            served = {cid: s for cid, s in served.items() if cid not in refused}
+            dropped = [s for cid, s in added.items() if cid not in served]
             retired = [s for cid, s in st.served.items() if served.get(cid) is not s]
             st.served, st.index, st.quarantined = served, index, still
-            st.skipped = skipped | {cid: q.why for cid, q in still.items()}
+            st.skipped = skipped | refused | {cid: q.why for cid, q in still.items()}
             for s in retired:
                 self._retire_locked(s)
+        for cid, why in refused.items():
+            logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, why)
         for s in dropped:
             s.handle.origin.close()
         for s in retired:
-            self._after_retire(s, forget=s.handle.content_hash not in redownload)
+            self._after_retire(s, forget=s.handle.key not in redownload)
         fresh = [s for s in added.values() if s not in dropped]
         # KV that LMCache stored under these keys before we served them was recomputed from the
         # cartridge's token ids (for a trained cartridge: from placeholders): it must never be
@@ -322,7 +330,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         copies were already dropped for a force_redownload)."""
         self._purge(s.keys)
         if forget:
-            self.residency.forget(s.handle.content_hash)
+            self.residency.forget(s.handle.key)
         self._close_if_unused(s)
         logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
 
@@ -435,7 +443,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             n = len(s.keys)
             local = range(n) if s.handle.origin.local else \
                 tuple(i for i in range(n) if self.residency.is_local(s.handle, i))
-            mem = tuple(i for i in range(n) if (s.handle.content_hash, i) in self.residency.cpu)
+            mem = tuple(i for i in range(n) if (s.handle.key, i) in self.residency.cpu)
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.entry.kind, n,
                                                ALL if len(local) == n else local, mem)
         return ServingState(
@@ -503,7 +511,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         if not taken:
             return 0
         pin = pin and self.local_cpu_backend is not None
-        cids = [(sv.handle.content_hash, i) for sv, i in taken]
+        cids = [(sv.handle.key, i) for sv, i in taken]
         if pin:  # before the locality check, so a chunk found in memory cannot be evicted after it
             self.residency.cpu.pin_many(cids)
         holds: list[DiskHold | None] = []
@@ -578,7 +586,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
     def _release_tiers(self, pins: list[_Pin]) -> None:
         """What released pins kept in the tiers: their CPU-tier pins and disk holds (outside the
         plugin lock: the tiers take their own locks)."""
-        self.residency.cpu.unpin_many((p.served.handle.content_hash, p.index) for p in pins)
+        self.residency.cpu.unpin_many((p.served.handle.key, p.index) for p in pins)
         for p in pins:
             if p.hold is not None:
                 p.hold.release()

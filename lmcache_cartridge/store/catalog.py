@@ -390,7 +390,8 @@ class CatalogSync:
                                        "local registrations take precedence")
                 report.errors[cid] = "registered locally"
                 continue
-            if ours.get(cid) == want and have is not None and have.source_uri == entry.uri:
+            if ours.get(cid) == want and have is not None and have.source_uri == entry.uri \
+                    and have.catalog == self.catalog_uri:  # (registered before entries recorded it: again)
                 continue
             prev = ours.get(cid)
             force = prev is not None and entry.epoch > prev["epoch"] and have is not None
@@ -401,7 +402,8 @@ class CatalogSync:
                                        f"and the URIs allowed ({', '.join(self.allow_uris)})")
                 # the key is the id: a manifest naming another id would register (and replace) that one
                 register_s3(self.registry, entry.uri, self.cache_dir, self.settings, labels=entry.labels,
-                            force_redownload=force, chunk_size=self.chunk_size, expect_id=cid)
+                            force_redownload=force, chunk_size=self.chunk_size, expect_id=cid,
+                            catalog=self.catalog_uri)  # its claims yield to the operator's (`store.claims`)
             except CartridgeError as e:
                 report.errors[cid] = str(e)
                 self._log_problem(cid, f"cannot register {cid!r}: {e}")

@@ -50,8 +50,10 @@ def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir:
                              "name them (under their salt): never part of a composite")
     manifest = composite_manifest([m for _, m in parts], context_ids)
     listing = [{"id": e.id, "source_uri": e.source_uri, "path": e.path} for e, _ in parts]
-    # named by the parts' bytes AND where they are read from: a part moved elsewhere gets a new one
-    where = hashlib.sha256(json.dumps([manifest.content_hash, listing]).encode()).hexdigest()
+    # named by what it is (its id: the parts and the context ids before them), its bytes, AND
+    # where the parts are read from: a part moved elsewhere gets a new one, and so do the same
+    # parts after other tokens (other keys)
+    where = hashlib.sha256(json.dumps([manifest.cartridge_id, manifest.content_hash, listing]).encode()).hexdigest()
     directory = Path(cache_dir) / "composites" / where[:32]
     scheme = COMPOSITE_S3 if any(is_s3(e.source_uri) for e, _ in parts) else COMPOSITE
     uri = scheme + str(directory)
@@ -59,9 +61,11 @@ def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir:
     if (directory / MANIFEST_NAME).is_file():
         try:
             made = Manifest.load(directory)
+            if made.cartridge_id != manifest.cartridge_id:
+                raise ManifestError(f"{directory} holds {made.cartridge_id}")  # named by an older version
             if existing is not None and existing.source_uri == uri:
                 return existing, made
-        except ManifestError:  # written by an older version (no placeholder vocab): made again
+        except ManifestError:  # written by an older version (no placeholder vocab, named otherwise): again
             shutil.rmtree(directory, ignore_errors=True)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))

@@ -61,16 +61,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_cartridge.store.disk_cache")
 
-# (key, chunk index). The key is the cartridge's content hash for whole chunks, or
-# `<content_hash>.h<start>-<end>` for the heads one tensor-parallel rank reads of a `by_head`
-# payload (`RankView.disk_key`): ranks holding the same heads share one file.
+# (key, chunk index). The key is the handle's `residency.tier_key` (`<content_hash>.o<origin
+# tag>`: one origin's bytes) for whole chunks, with `.h<start>-<end>` appended for the heads one
+# tensor-parallel rank reads of a `by_head` payload (`Handle.disk_id`): ranks holding the same
+# heads share one file. Directories named by a content hash alone are an older version's: still
+# indexed (and evicted in LRU order), never read.
 ChunkId = tuple[str, int]
-_KEY = re.compile(r"^[0-9a-f]{64}(\.h\d+-\d+)?\Z")
+_KEY = re.compile(r"^[0-9a-f]{64}(\.o[0-9a-f]{16})?(\.h\d+-\d+)?\Z")
 
 
-def _of(key: str, content_hash: str) -> bool:
-    """Is `key` (a directory, a ChunkId's first part) one of this cartridge's?"""
-    return key == content_hash or key.startswith(content_hash + ".h")
+def belongs_to(key: str, prefix: str) -> bool:
+    """Is `key` (a directory, a ChunkId's first part) one of `prefix`'s: a tier key (that
+    origin's chunks, every rank's heads) or a bare content hash (every origin's)?"""
+    return key == prefix or key.startswith(prefix + ".")
 
 INDEX_NAME = "index.sqlite"
 MUTEX_NAME = "index.lock"
@@ -480,10 +483,11 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def discard(self, content_hash: str) -> int:
+    def discard(self, prefix: str) -> int:
         """Delete every published chunk of one cartridge (force_redownload), from every process's
-        view; writes under way by others finish (their bytes are verified origin bytes)."""
-        mine = (content_hash, content_hash + ".h%")  # whole chunks and every rank's head slices
+        view; writes under way by others finish (their bytes are verified origin bytes).
+        `prefix`: a tier key (that origin's chunks) or a bare content hash (every origin's)."""
+        mine = (prefix, prefix + ".%")  # whole chunks and every rank's head slices
         with self._lock:
             self._check_fork()
             with self._txn() as db:
@@ -491,8 +495,8 @@ class DiskTier:
                     "SELECT hash, idx FROM chunks WHERE (hash = ? OR hash LIKE ?) AND owner IS NOT NULL", mine))
                 db.execute("DELETE FROM chunks WHERE (hash = ? OR hash LIKE ?) AND owner IS NULL", mine)
                 removed = 0
-                for d in self.root.glob(content_hash + "*"):
-                    if not d.is_dir() or not _of(d.name, content_hash):
+                for d in self.root.glob(prefix + "*"):
+                    if not d.is_dir() or not belongs_to(d.name, prefix):
                         continue
                     for f in d.iterdir():
                         if f.suffix == ".chunk" and f.stem.isdigit() and (d.name, int(f.stem)) not in writing:
@@ -503,9 +507,9 @@ class DiskTier:
                                 pass
                             except OSError as e:
                                 logger.warning("lmcache_cartridge: could not delete %s: %s", f, e)
-            self._present = {c for c in self._present if not _of(c[0], content_hash)}
-            self._verified = {c for c in self._verified if not _of(c[0], content_hash)}
-            self._touched = {c: t for c, t in self._touched.items() if not _of(c[0], content_hash)}
+            self._present = {c for c in self._present if not belongs_to(c[0], prefix)}
+            self._verified = {c for c in self._verified if not belongs_to(c[0], prefix)}
+            self._touched = {c: t for c, t in self._touched.items() if not belongs_to(c[0], prefix)}
         return removed
 
     # -- housekeeping (inside a transaction) -----------------------------------------------------

@@ -46,6 +46,15 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 # --- S3 packed prefixes -----------------------------------------------------------------------
+def s3_origin(uri: str) -> str:
+    """The one spelling of an S3 prefix that a registration records as its origin (`source_uri`):
+    s3://b/p and s3://b/p/ are one origin. ValueError for a URI that is not one."""
+    from lmcache_cartridge.store.s3 import parse_s3_uri
+
+    bucket, prefix = parse_s3_uri(uri)
+    return f"s3://{bucket}/{prefix}".rstrip("/")
+
+
 def fetch_s3_manifest(uri: str, settings, into_dir: Path) -> Manifest:
     """Download and validate an S3 cartridge's manifest into `into_dir` (atomically)."""
     from lmcache_cartridge.store.s3 import S3Origin
@@ -62,27 +71,23 @@ def fetch_s3_manifest(uri: str, settings, into_dir: Path) -> Manifest:
 
 def register_s3(registry, uri: str, cache_dir: Path, settings, *, labels=(), force_redownload: bool = False,
                 engine: EngineShape | None = None, chunk_size: int | None = None, replace_origin: bool = True,
-                expect_id: str | None = None, client: bool = False, may_claim=None):
+                expect_id: str | None = None, client: bool = False, may_claim=None, catalog: str = ""):
     """Register an S3 packed cartridge: fetch its manifest, check it against `engine` (what the
     caller knows of the serving engine; `chunk_size` alone is shorthand for a shape knowing only
     that), index it; chunks are fetched on demand by the servers. The manifest lands in
     `cache_dir/manifests/<uri hash>`, the directory the entry points at.
     """
-    from lmcache_cartridge.store.s3 import parse_s3_uri
-
     if engine is None and chunk_size:
         engine = EngineShape.partial(chunk_size=chunk_size)
-    bucket, prefix = parse_s3_uri(uri)
-    uri = f"s3://{bucket}/{prefix}".rstrip("/")
+    uri = s3_origin(uri)
     into = Path(cache_dir) / "manifests" / hashlib.sha256(uri.encode()).hexdigest()[:24]
     manifest = fetch_s3_manifest(uri, settings, into)
-    if expect_id is not None and manifest.cartridge_id != expect_id:
-        raise CartridgeError(f"{uri}: its manifest names cartridge {manifest.cartridge_id!r}, not {expect_id!r}")
     why = mismatch(manifest, engine) if engine is not None else None
     if why:
         raise CartridgeError(f"{uri}: {why}")
     return registry.register(into, source_uri=uri, labels=list(labels), force_redownload=force_redownload,
-                             replace_origin=replace_origin, client=client, may_claim=may_claim)
+                             replace_origin=replace_origin, client=client, may_claim=may_claim,
+                             expect_id=expect_id, catalog=catalog)
 
 
 # --- whole S3 objects -------------------------------------------------------------------------
@@ -149,10 +154,9 @@ def fetch_s3_dir(uri: str, settings, cache_dir: Path, *, force: bool = False) ->
     ETag (`force`: download them again). An empty prefix is `NotFound`; anything else a
     `CartridgeError` naming what was found."""
     from lmcache_cartridge.cartridge.inputs import dir_files
-    from lmcache_cartridge.store.s3 import NotFound, OriginError, S3Origin, TooLarge, parse_s3_uri
+    from lmcache_cartridge.store.s3 import NotFound, OriginError, S3Origin, TooLarge
 
-    bucket, prefix = parse_s3_uri(uri)
-    uri = f"s3://{bucket}/{prefix}".rstrip("/")
+    uri = s3_origin(uri)
     with S3Origin(uri, settings) as origin:
         listing = origin.list_names()
     if not listing:

@@ -48,11 +48,13 @@ CREATE TABLE IF NOT EXISTS cartridges (
     added_at      REAL NOT NULL,
     epoch         INTEGER NOT NULL DEFAULT 0,
     salt          TEXT NOT NULL DEFAULT '',
-    client        INTEGER NOT NULL DEFAULT 0
+    client        INTEGER NOT NULL DEFAULT 0,
+    catalog       TEXT NOT NULL DEFAULT ''
 );
 """
 # columns added since the first schema: (name, definition), added to older databases on open
-_ADDED_COLUMNS = (("salt", "TEXT NOT NULL DEFAULT ''"), ("client", "INTEGER NOT NULL DEFAULT 0"))
+_ADDED_COLUMNS = (("salt", "TEXT NOT NULL DEFAULT ''"), ("client", "INTEGER NOT NULL DEFAULT 0"),
+                  ("catalog", "TEXT NOT NULL DEFAULT ''"))
 
 
 class RegistryError(CartridgeError):
@@ -96,6 +98,15 @@ class Entry:
     # registered for a client's request (the gateway), not by the operator (CLI, catalog): its
     # bytes may be evicted under the cache dir's budget (`store.cache_budget`)
     client: bool = False
+    # the catalog (its s3:// URI) whose syncer registered it, "" for the operator's and clients'
+    # registrations: a catalog's claims on chunk keys yield to the operator's (`store.claims`)
+    catalog: str = ""
+
+    @property
+    def rank(self) -> int:
+        """Whose registration it is, most trusted first: the operator's (0), a catalog's (1), a
+        client's (2). Decides whose cartridge serves chunk keys several claim (`store.claims`)."""
+        return 2 if self.client else 1 if self.catalog else 0
 
 
 _COLUMNS = [f for f in Entry.__dataclass_fields__]
@@ -154,7 +165,8 @@ class Registry:
     def register(self, directory: str | Path, *, source_uri: str | None = None,
                  labels: list[str] | tuple[str, ...] = (), replace: bool = True,
                  force_redownload: bool = False, replace_origin: bool = True, client: bool = False,
-                 may_claim: Callable[[str], bool] | None = None) -> Entry:
+                 may_claim: Callable[[str], bool] | None = None, expect_id: str | None = None,
+                 catalog: str = "") -> Entry:
         """Index a packed cartridge directory (validated: manifest, and payload size if local).
 
         For an S3 cartridge `directory` holds only its manifest and `source_uri` is the
@@ -168,6 +180,10 @@ class Registry:
         (`Entry.salt`) unless the operator registered these very bytes from this origin before.
         `may_claim` (the gateway, for a tenant's request): the ids that client may hold; another
         is `IdOutOfScope`, checked before the registry is read (whether it exists is not told).
+        The manifest's labels it does not match are not registered.
+        `expect_id` (a re-registration of an entry, e.g. for force_redownload): the manifest must
+        still name that id; one rewritten to claim another is `IdTaken`, whatever `replace_origin`.
+        `catalog`: the catalog whose syncer registers it (`Entry.catalog`).
         """
         from lmcache_cartridge.store.origins import first_k_segment_problem, has_payload
 
@@ -183,6 +199,9 @@ class Registry:
         if may_claim is not None and not may_claim(m.cartridge_id):
             raise IdOutOfScope(f"cartridge id {m.cartridge_id!r} (its manifest's) is outside the ids this key may "
                                "name: a tenant registers only ids its own patterns match")
+        if expect_id is not None and m.cartridge_id != expect_id:
+            raise IdTaken(f"{directory}: its manifest now names cartridge {m.cartridge_id!r}, not {expect_id!r} "
+                          "(it changed after it was registered); a re-registration keeps its id")
         previous = self.get(m.cartridge_id)
         if previous is not None and not replace_origin and previous.source_uri != (source_uri or str(directory)):
             raise IdTaken(f"cartridge id {m.cartridge_id!r} is already registered from another origin; "
@@ -193,13 +212,16 @@ class Registry:
         client = client and not vouched
         salt = client_kv_salt(m) if client and m.kind == "first_k" else ""
         epoch = (previous.epoch if previous else 0) + (1 if force_redownload else 0)
-        all_labels = sorted(set(m.labels) | set(labels) | set(previous.labels if previous else ()))
+        # a manifest's labels are its writer's claims: for a tenant, only names its own ids' patterns
+        # match (another tenant's label, or `prod-faq`, would answer requests for that name)
+        claimed = {label for label in m.labels if may_claim is None or may_claim(label)}
+        all_labels = sorted(claimed | set(labels) | set(previous.labels if previous else ()))
         entry = Entry(
             id=m.cartridge_id, path=str(directory), source_uri=source_uri or str(directory),
             model=m.model, kind=m.kind, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim, dtype=m.dtype, num_tokens=m.num_tokens, chunk_size=m.chunk_size,
             content_hash=m.content_hash, labels=all_labels, added_at=time.time(),
-            epoch=epoch, salt=salt, client=client,
+            epoch=epoch, salt=salt, client=client, catalog=catalog,
         )
         if not replace and previous is not None:
             raise RegistryError(f"cartridge {entry.id!r} is already registered")

@@ -10,12 +10,16 @@ cartridges), prefetch and preload, on their own thread pools.
 Who owns what: each tier owns its bytes and its LRU order; `Residency` owns the in-flight table
 (single flight: N concurrent misses on one chunk make one origin read; a local chunk encoded in
 place is read by each reader, which only happens across retrieves, and LMCache runs those one at
-a time on the worker thread) and the set of chunks this process has verified. A chunk is identified by `(content_hash, index)`, so two cartridges never
-share bytes and a re-packed cartridge never reuses stale ones.
+a time on the worker thread) and the set of chunks this process has verified. A chunk is
+identified by `(handle.key, index)`: the content hash and the origin (`tier_key`), so two
+cartridges never share bytes, a re-packed cartridge never reuses stale ones, and a cartridge is
+served only bytes verified against its own origin. (The content hash alone is derived from chunk
+digests, which anyone can copy into a manifest of their own: keyed by it, a forged manifest over
+a payload of zeros was served another cartridge's cached bytes.)
 
 Per rank: a handle's `RankView` says which KV heads this process serves. Only those heads' bytes
-are read (one contiguous range of a `by_head` chunk) and cached on disk (under the view's
-`disk_key`, shared by the host's processes that read the same heads); the CPU tier keeps them
+are read (one contiguous range of a `by_head` chunk) and cached on disk (under
+`Handle.disk_id`, shared by the host's processes that read the same heads); the CPU tier keeps them
 already in LMCache's layout for this rank (`RankView.to_engine`, once, when they enter it), so
 budgets count what a rank holds and a repeat hit is one plain copy. Where memory objects hold an
 engine layout, a local origin's chunk is encoded from its payload bytes in place instead
@@ -33,7 +37,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,7 +45,7 @@ import torch
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.tp import RankView
-from lmcache_cartridge.store.disk_cache import ChunkId, DiskHold, DiskTier
+from lmcache_cartridge.store.disk_cache import ChunkId, DiskHold, DiskTier, belongs_to
 from lmcache_cartridge.store import threads
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import Origin
@@ -57,6 +61,18 @@ class NotLocal(CartridgeError):
     """The chunk is not readable without the network (hot-path reads never wait on an origin)."""
 
 
+def tier_key(content_hash: str, origin_uri: str) -> str:
+    """The tiers' name for a cartridge's bytes: `<content_hash>.o<origin tag>`. Bytes enter a
+    tier verified against the manifest's chunk digests, read from one origin; the digests are
+    anyone's to copy into a manifest of their own, the origin is not. So bytes one origin gave
+    are served only to handles of that origin (`Handle.key`), and each origin's copies of a
+    content hash stay apart (`MemoryTier.discard` and `DiskTier.discard` of the bare content
+    hash drop them all)."""
+    import hashlib
+
+    return f"{content_hash}.o{hashlib.sha256(origin_uri.encode()).hexdigest()[:16]}"
+
+
 @dataclass
 class Handle:
     """A served cartridge as residency sees it: what to read and where it comes from."""
@@ -66,17 +82,20 @@ class Handle:
     servable: int | None = None  # chunks LMCache can look up (keyed); None = all
     retired: bool = False  # set by the plugin when it stops serving it: downloads stop
     view: RankView | None = None  # the heads this process serves; None = all of them
+    key: str = field(init=False)  # the tiers' name for its bytes (`tier_key`)
 
     def __post_init__(self) -> None:
         if self.view is None:
             self.view = RankView.of(self.manifest)
+        self.key = tier_key(self.manifest.content_hash, self.origin.uri)
 
     @property
     def content_hash(self) -> str:
         return self.manifest.content_hash
 
     def disk_id(self, index: int) -> ChunkId:
-        return (self.view.disk_key, index)
+        """This rank's bytes of chunk `index` in the disk cache (its heads: `RankView.heads_suffix`)."""
+        return (self.key + self.view.heads_suffix, index)
 
 
 # --- memory tier ------------------------------------------------------------------------------
@@ -182,10 +201,11 @@ class MemoryTier:
                 else:
                     self._pins.pop(cid, None)
 
-    def discard(self, content_hash: str) -> int:
-        """Drop every chunk of one cartridge (removal, force_redownload); pinned ones included."""
+    def discard(self, key: str) -> int:
+        """Drop every chunk of one cartridge (removal, force_redownload); pinned ones included.
+        `key`: a `tier_key` (one origin's copies), or a bare content hash (every origin's)."""
         with self._lock:
-            victims = [c for c in self._chunks if c[0] == content_hash]
+            victims = [c for c in self._chunks if belongs_to(c[0], key)]
             for c in victims:
                 self.used -= self._chunks.pop(c).numel()
         return len(victims)
@@ -216,7 +236,7 @@ class Residency:
         self._flights: dict[ChunkId, _Flight] = {}
         self._verified: set[ChunkId] = set()  # origin chunks verified in this process
         self._prefetched: set[str] = set()
-        self._downloading: set[str] = set()  # content hashes with a download under way
+        self._downloading: set[str] = set()  # handle keys with a download under way
         self._spare: list[torch.Tensor] = []  # scratch buffers (`_into_engine`, local reads in `read_into`)
         self._pool = threads.pool(prefetch_workers, "cartridge-prefetch")
         # Downloads may hang on a stalled origin for minutes: their own threads, so prefetch and
@@ -236,7 +256,7 @@ class Residency:
         """Whether chunk `index` can be read without the network (what a lookup may promise)."""
         if handle.origin.local:
             return True
-        return (handle.content_hash, index) in self.cpu or (self.disk is not None and handle.disk_id(index) in self.disk)
+        return (handle.key, index) in self.cpu or (self.disk is not None and handle.disk_id(index) in self.disk)
 
     def hold_local(self, handle: Handle, index: int) -> tuple[bool, DiskHold | None]:
         """`is_local` for a lookup that promises the chunk (the plugin's pin=True, the MP
@@ -246,7 +266,7 @@ class Residency:
         ends. A disk copy that cannot be held is not local: promised unheld, any download could
         evict it before the retrieve, which then returns fewer tokens than the lookup said (a
         trained request fails). Runs on the lookup's thread."""
-        if handle.origin.local or (handle.content_hash, index) in self.cpu:
+        if handle.origin.local or (handle.key, index) in self.cpu:
             return True, None
         if self.disk is None:
             return False, None
@@ -269,7 +289,7 @@ class Residency:
 
     def downloading(self, handle: Handle) -> bool:
         with self._lock:
-            return handle.content_hash in self._downloading
+            return handle.key in self._downloading
 
     def download_async(self, handle: Handle, on_done=None):
         """Bring every servable chunk of a remote cartridge to a local tier in the background
@@ -279,13 +299,13 @@ class Residency:
         if handle.origin.local or handle.retired:
             return None
         with self._lock:
-            if handle.content_hash in self._downloading:
+            if handle.key in self._downloading:
                 return None
-            self._downloading.add(handle.content_hash)
+            self._downloading.add(handle.key)
 
         def finished(_fut) -> None:
             with self._lock:
-                self._downloading.discard(handle.content_hash)
+                self._downloading.discard(handle.key)
             if on_done is not None:
                 try:
                     on_done(handle)
@@ -296,7 +316,7 @@ class Residency:
             fut = self._downloads.submit(self._download, handle)
         except RuntimeError:  # shut down
             with self._lock:
-                self._downloading.discard(handle.content_hash)
+                self._downloading.discard(handle.key)
             return None
         fut.add_done_callback(finished)
         return fut
@@ -341,7 +361,7 @@ class Residency:
         a miss and the request recomputes.
         """
         flat = out.reshape(-1).view(torch.uint8)
-        cid = (handle.content_hash, index)
+        cid = (handle.key, index)
         t0 = time.perf_counter()
         if self.cpu.get_into(cid, flat if encode is None else out, copy=encode or copy_into):
             self.metrics.hit("cpu", flat.numel(), time.perf_counter() - t0)
@@ -402,7 +422,7 @@ class Residency:
     def _fetch(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False,
                adopt: bool = False) -> str:
         """Single flight: the first caller reads; concurrent callers wait and copy its bytes."""
-        cid = (handle.content_hash, index)
+        cid = (handle.key, index)
         with self._lock:
             flight = self._flights.get(cid)
             leader = flight is None
@@ -457,7 +477,7 @@ class Residency:
                 if got:
                     view.to_engine(index, raw, flat)
         if got:
-            self.cpu.put((handle.content_hash, index), flat, adopt=adopt)
+            self.cpu.put((handle.key, index), flat, adopt=adopt)
         return got
 
     def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False,
@@ -468,7 +488,7 @@ class Residency:
     def _read_raw(self, handle: Handle, index: int, raw: torch.Tensor, *, background: bool = False) -> str:
         """This rank's verified payload bytes of chunk `index` (`view.span`) from the disk cache or
         the origin into `raw`; remote bytes are also written to the disk cache."""
-        cid, dcid = (handle.content_hash, index), handle.disk_id(index)
+        cid, dcid = (handle.key, index), handle.disk_id(index)
         buf = as_bytes(raw)
         if self.disk is not None and not handle.origin.local:
             if self.disk.get_into(dcid, buf, handle):
@@ -536,9 +556,9 @@ class Residency:
         bound to one, joining its reads (a copy each), and took that core from the retrieve
         (`benchmarks/hit_path.py`)."""
         with self._lock:
-            if not preload and (not self.prefetch or handle.content_hash in self._prefetched):
+            if not preload and (not self.prefetch or handle.key in self._prefetched):
                 return
-            self._prefetched.add(handle.content_hash)
+            self._prefetched.add(handle.key)
         self._pool.submit(self.warm, handle, preload=preload)
 
     def warm(self, handle: Handle, *, preload: bool = False) -> int:
@@ -549,7 +569,7 @@ class Residency:
         checked, in the CPU tier. A preload keeps every chunk in memory."""
         warmed = 0
         for info in handle.manifest.chunks[: handle.servable]:
-            cid, nbytes = (handle.content_hash, info.index), handle.view.engine_nbytes(info.index)
+            cid, nbytes = (handle.key, info.index), handle.view.engine_nbytes(info.index)
             if cid in self.cpu or (self.disk is not None and not handle.origin.local
                                    and handle.disk_id(info.index) in self.disk
                                    and self.cpu.used + nbytes > self.cpu.budget):
@@ -568,11 +588,12 @@ class Residency:
                 break
         return warmed
 
-    def forget(self, content_hash: str, *, disk: bool = False) -> None:
-        """Drop a cartridge from memory (removal), and from disk too (force_redownload)."""
-        self.cpu.discard(content_hash)
+    def forget(self, key: str, *, disk: bool = False) -> None:
+        """Drop a cartridge from memory (removal), and from disk too (force_redownload). `key`: a
+        handle's `key` (its origin's copies), or a bare content hash (every origin's)."""
+        self.cpu.discard(key)
         if disk and self.disk is not None:
-            self.disk.discard(content_hash)
+            self.disk.discard(key)
         with self._lock:
-            self._prefetched.discard(content_hash)
-            self._verified = {c for c in self._verified if c[0] != content_hash}
+            self._prefetched = {k for k in self._prefetched if not belongs_to(k, key)}
+            self._verified = {c for c in self._verified if not belongs_to(c[0], key)}

@@ -24,6 +24,7 @@ EXTRA_SAFE_GLOBALS: tuple[type, ...] = (torch.nn.ParameterList,)
 
 MAX_LAYERS = 4096  # a ParameterList longer than any model is a malformed (or hostile) file
 MAX_INPUT_BYTES = 32 << 30  # one input file; a cartridge of a 70B model at 8k tokens is ~2.5 GB
+MAX_RECORDS = 1 << 16  # records in one .pt archive (torch.save writes one per storage, and a few more)
 
 
 def safe_torch_load(path: str | Path) -> Any:
@@ -35,6 +36,7 @@ def safe_torch_load(path: str | Path) -> Any:
     size = path.stat().st_size
     if size > MAX_INPUT_BYTES:
         raise CartridgeFormatError(f"{path}: {size} bytes, over the {MAX_INPUT_BYTES}-byte limit of one input")
+    check_archive(path, size)
     try:
         with torch.serialization.safe_globals(list(EXTRA_SAFE_GLOBALS)):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
@@ -49,6 +51,68 @@ def safe_torch_load(path: str | Path) -> Any:
     obj = plain(obj)
     check_tensor_sizes(obj, size, str(path))
     return obj
+
+
+def check_archive(path: Path, file_bytes: int) -> None:
+    """Refuse a `.pt` whose records could be larger in memory than on disk, before torch reads any:
+    torch.load inflates a compressed record whole (a 128 KiB record of zeros becomes 128 MiB, and
+    `check_tensor_sizes` runs only after). torch.save writes a zip archive of stored
+    (uncompressed) records, so that is what is read: every record stored, and all of them
+    together no larger than the file (records sharing bytes would count them twice). Read from
+    the archive's central directory, the one torch's reader extracts records by. The pre-1.6
+    format (not a zip) is refused too: its storage sizes are not known before it is unpickled."""
+    import zipfile
+
+    fix = "re-save it with torch.save (torch 1.6 or later)"
+    declared = _declared_records(path)
+    if declared is None:
+        raise CartridgeFormatError(f"{path}: not a torch.save zip archive (no end of central directory): {fix}")
+    if declared > MAX_RECORDS:  # zipfile holds an object per record: bounded before it reads them
+        raise CartridgeFormatError(f"{path}: {declared} records, over the {MAX_RECORDS} of any cartridge file: "
+                                   f"{fix}")
+    try:
+        with zipfile.ZipFile(path) as z:
+            records = z.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as e:
+        raise CartridgeFormatError(f"{path}: not a torch.save zip archive ({_first_line(e)}): {fix}") from None
+    for r in records:
+        if r.compress_type != zipfile.ZIP_STORED or r.compress_size != r.file_size:
+            raise CartridgeFormatError(
+                f"{path}: record {r.filename[:200]!r} of {r.file_size} bytes in {r.compress_size}: the record is "
+                f"compressed, which torch.save never does, and torch.load would inflate it whole before any "
+                f"check: {fix}")
+    total = sum(r.file_size for r in records)
+    if total > file_bytes:
+        raise CartridgeFormatError(f"{path}: its records hold {total} bytes, more than the file's {file_bytes} "
+                                   f"(records sharing bytes): {fix}")
+
+
+_EOCD, _EOCD64_LOCATOR, _EOCD64 = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06"
+
+
+def _declared_records(path: Path) -> int | None:
+    """How many records a zip archive's end of central directory declares (the zip64 record's
+    count where the classic one overflows), None where there is none: read from the file's last
+    64 KiB, as zip readers find it, before anything parses the directory."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        tail_at = max(0, size - (1 << 16) - 22)
+        f.seek(tail_at)
+        tail = f.read()
+        at = tail.rfind(_EOCD)
+        if at < 0 or len(tail) - at < 22:
+            return None
+        count = int.from_bytes(tail[at + 10:at + 12], "little")
+        if count != 0xFFFF:
+            return count
+        loc = at - 20
+        if loc < 0 or tail[loc:loc + 4] != _EOCD64_LOCATOR:
+            return None
+        f.seek(int.from_bytes(tail[loc + 8:loc + 16], "little"))
+        record = f.read(56)
+    if len(record) < 40 or record[:4] != _EOCD64:
+        return None
+    return int.from_bytes(record[32:40], "little")
 
 
 def check_tensor_sizes(obj: Any, file_bytes: int, where: str) -> None:

@@ -1,0 +1,302 @@
+"""What a client (a key, a tenant's key, whoever wrote the files it names) can make the gateway do
+to the registry, the cache dir and the other tenants: each test is a bypass a review reproduced
+against a real gateway app (and moto on loopback for S3), and fails on the code before its fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from lmcache_cartridge.api.gateway import create_app
+from lmcache_cartridge.api.settings import Tenant
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
+from lmcache_cartridge.store.registry import Registry
+from test_gateway import CHUNK, _call, _cart, model_dir, recording_upstream, settings  # noqa: F401 (fixtures)
+
+ACME, GLOBEX, OPERATOR = "acme-key-0123456789", "globex-key-0123456789", "operator-key-0123456789"
+
+
+@pytest.fixture
+def tenants(tmp_path, settings, recording_upstream):
+    """A gateway with two tenants, each with its own local root and id globs, and an operator key."""
+    url, seen = recording_upstream
+    roots = {t: settings.local_roots[0] / t for t in ("acme", "globex")}
+    for r in roots.values():
+        r.mkdir()
+    ts = (Tenant("acme", keys=(ACME,), ids=("acme-*",), local_roots=(roots["acme"],)),
+          Tenant("globex", keys=(GLOBEX,), ids=("globex-*",), local_roots=(roots["globex"],)))
+    app = create_app(dataclasses.replace(settings, upstream=url, api_keys=(OPERATOR,), tenants=ts,
+                                         force_redownload_interval=3600))
+    return {"app": app, "roots": roots, "seen": seen, "reg": Registry(settings.registry)}
+
+
+def ask(env, key, *carts, prompt=(5,)):
+    return _call(env["app"], "POST", "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                 json={"prompt": list(prompt), "max_tokens": 1, "cartridges": list(carts)})
+
+
+def local(path, **kw):
+    return {"id": str(path), "source": "local", **kw}
+
+
+def edit_manifest(directory: Path, **fields) -> None:
+    d = json.loads((directory / MANIFEST_NAME).read_text())
+    d.update(fields)
+    (directory / MANIFEST_NAME).write_text(json.dumps(d))
+
+
+def test_force_redownload_cannot_re_register_a_cartridge_under_another_tenants_id(tenants, model_dir):
+    """A tenant registers its own directory, rewrites its manifest to claim another tenant's id,
+    then asks for its own id with force_redownload: the re-registration replaced the victim's
+    entry (labels kept) for every tenant and every restart. It passes the claim rules of a first
+    registration now: the victim's id stays the victim's."""
+    acme, globex = tenants["roots"]["acme"], tenants["roots"]["globex"]
+    reg, seen = tenants["reg"], tenants["seen"]
+    _cart(globex / "doc", "globex-doc", list(range(200, 264)), model_dir, seed=2)
+    reg.register(globex / "doc", labels=["handbook"])
+    _cart(acme / "mine", "acme-mine", list(range(100, 164)), model_dir, seed=1)
+    assert ask(tenants, ACME, local(acme / "mine")).status_code == 200
+    edit_manifest(acme / "mine", cartridge_id="globex-doc")
+    r = ask(tenants, ACME, {"id": "acme-mine", "force_redownload": True})
+    assert r.status_code in (403, 409), r.text
+    victim = reg.get("globex-doc")
+    assert victim.path == str((globex / "doc").resolve()) and victim.labels == ["handbook"]
+    assert ask(tenants, GLOBEX, {"id": "handbook"}).status_code == 200
+    assert seen[-1][1]["prompt"][:64] == list(range(200, 264))  # globex's own document
+    # the operator's key: no tenant scope, still not another origin's id
+    assert ask(tenants, OPERATOR, {"id": "acme-mine", "force_redownload": True}).status_code in (409, 429)
+    assert reg.get("globex-doc").path == str((globex / "doc").resolve())
+
+
+def test_a_directory_walk_is_bounded_by_entries_not_files(tmp_path, settings, recording_upstream):
+    """A local input directory is walked (stat only) for its change signature: the walk counted
+    files, so a tree of empty directories was walked whole on every request (100,200 of them cost
+    5-8 s of the gateway's CPU each time). Every entry counts now: one past the bound is 400."""
+    import lmcache_cartridge.api.resolver as resolver_mod
+
+    MAX_LOCAL_ENTRIES = 4096  # the bound (resolver.MAX_LOCAL_ENTRIES, checked below)
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    tree = settings.local_roots[0] / "tree"
+    for i in range(MAX_LOCAL_ENTRIES // 64 + 1):  # 65 directories of 64 empty ones: no file at all
+        for j in range(64):
+            (tree / f"d{i}" / f"e{j}").mkdir(parents=True)
+    r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1, "cartridges": [local(tree)]})
+    assert r.status_code == 400, r.text
+    assert f"more than {MAX_LOCAL_ENTRIES} entries" in r.json()["error"]["message"], r.text
+    assert seen == [] and resolver_mod.MAX_LOCAL_ENTRIES == MAX_LOCAL_ENTRIES
+
+
+def test_the_resolution_cache_answers_each_tenant_as_a_first_resolution_would(
+        tmp_path, settings, model_dir, recording_upstream, moto_server):
+    """A path (or S3 prefix) both tenants may read, whose manifest claims an id only acme may
+    name: acme's request registers it; globex's is 403 (the id is outside its own). The cache
+    was keyed by the path alone, so once acme had registered it globex's 403 became 200 (and told
+    globex that acme uses it)."""
+    from s3_server import s3_client, upload_dir
+
+    url, _ = recording_upstream
+    shared = settings.local_roots[0] / "shared"
+    _cart(shared / "doc", "acme-doc", list(range(100, 164)), model_dir, seed=1)
+    c = s3_client(moto_server)
+    _cart(tmp_path / "s3doc", "acme-s3doc", list(range(300, 364)), model_dir, seed=3)
+    upload_dir(c, "gw-unit", "shared/s3doc", tmp_path / "s3doc")
+    ts = (Tenant("acme", keys=(ACME,), ids=("acme-*",), local_roots=(shared,), s3_roots=("gw-unit/shared",)),
+          Tenant("globex", keys=(GLOBEX,), ids=("globex-*",), local_roots=(shared,), s3_roots=("gw-unit/shared",)))
+    env = {"app": create_app(dataclasses.replace(settings, upstream=url, tenants=ts,
+                                                 s3={"endpoint_url": moto_server}))}
+    for cart in (local(shared / "doc"), {"id": "s3://gw-unit/shared/s3doc"}):
+        first = ask(env, GLOBEX, cart)
+        assert first.status_code == 403, first.text  # the id the manifest claims is acme's
+        assert ask(env, ACME, cart).status_code == 200
+        again = ask(env, GLOBEX, cart)
+        assert (again.status_code, again.json()) == (first.status_code, first.json())
+
+
+def test_the_same_parts_after_other_tokens_are_another_composite(tmp_path, settings, model_dir, recording_upstream):
+    """A trained cartridge after tokens vLLM computes is served as a composite whose keys are
+    chained over those tokens. Its directory was named by the parts' bytes alone: the composite
+    after other tokens found the first one's directory, registered the first one again, and its
+    own never existed (its requests could not load). Each context has its own now, each served."""
+    import torch
+
+    from lmcache_cartridge.store.origins import load_registered
+    from test_gateway import _trained
+
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url))
+    allowed = settings.local_roots[0]
+    _trained(allowed / "tr", "tr", model_dir)
+    reg = Registry(settings.registry)
+    wanted = []
+    for name, start in (("sys-a", 100), ("sys-b", 200)):
+        torch.save({"token_ids": list(range(start, start + CHUNK))}, allowed / f"{name}.pt")
+        r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1, "cartridges": [
+            local(allowed / f"{name}.pt"), local(allowed / "tr")]})
+        assert r.status_code == 200, r.text
+        sent = seen[-1][1]
+        assert sent["prompt"][:CHUNK] == list(range(start, start + CHUNK))
+        (recipe,) = sent["kv_transfer_params"]["lmcache_cartridge.composites"]
+        assert recipe["start"] == CHUNK
+        comp = [e for e in reg.list() if e.id.startswith("composite-") and e.id not in wanted]
+        assert len(comp) == 1, [e.id for e in reg.list()]
+        m = load_registered(comp[0])  # what the plugin does before it serves it
+        assert m.context_ids == list(range(start, start + CHUNK)) and m.cartridge_id == comp[0].id
+        wanted.append(comp[0].id)
+    assert len({Path(reg.get(i).path) for i in wanted}) == 2
+
+
+def test_labels_in_a_tenants_manifest_claim_only_names_in_its_scope(tenants, model_dir):
+    """A manifest's labels were merged into the shared registry whoever wrote it: a tenant's
+    `prod-faq` (or another tenant's label) answered the operator's request for `prod-faq` with
+    the tenant's cartridge. A registration for a tenant keeps only the labels its own ids'
+    patterns match; the operator's keys and `register` keep every label, as before."""
+    acme, globex = tenants["roots"]["acme"], tenants["roots"]["globex"]
+    reg, seen = tenants["reg"], tenants["seen"]
+    _cart(globex / "doc", "globex-doc", list(range(200, 264)), model_dir, seed=2)
+    reg.register(globex / "doc", labels=["handbook"])
+    _cart(acme / "doc", "acme-doc", list(range(100, 164)), model_dir, seed=1)
+    edit_manifest(acme / "doc", labels=["demo", "prod-faq", "handbook", "acme-faq"])
+    assert ask(tenants, ACME, local(acme / "doc")).status_code == 200
+    assert reg.get("acme-doc").labels == ["acme-faq"]
+    r = ask(tenants, OPERATOR, {"id": "prod-faq"})
+    assert r.status_code == 404 and "no cartridge with id or label 'prod-faq'" in r.text, r.text
+    assert ask(tenants, OPERATOR, {"id": "handbook"}).status_code == 200
+    assert seen[-1][1]["prompt"][:64] == list(range(200, 264))  # globex's, not ambiguous, not acme's
+    assert ask(tenants, ACME, {"id": "acme-faq"}).status_code == 200
+    assert seen[-1][1]["prompt"][:64] == list(range(100, 164))
+    # the operator's own registration of a manifest keeps its labels
+    assert reg.register(acme / "doc").labels == ["acme-faq", "demo", "handbook", "prod-faq"]
+
+
+def test_force_redownload_is_limited_per_origin_however_it_is_spelled(tmp_path, settings, model_dir,
+                                                                    recording_upstream):
+    """force_redownload makes every instance drop a cartridge and read its origin again: at most
+    once per interval per cartridge. The limit was kept per spelling, so naming the id and then
+    its path (or the path and then the id) forced it twice within a second."""
+    import torch
+
+    url, _ = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url, force_redownload_interval=3600))
+    allowed = settings.local_roots[0]
+    reg = Registry(settings.registry)
+    for name, seed in (("doc", 1), ("doc2", 2)):
+        _cart(allowed / name, name, list(range(100 * seed, 100 * seed + 64)), model_dir, seed=seed)
+        reg.register(allowed / name)
+    kv = torch.randn(2, 2, CHUNK, 2, 64).to(torch.bfloat16)
+    torch.save({"token_ids": list(range(500, 500 + CHUNK)),
+                "kv_cache": {f"layer_{i}": kv[:, i].permute(0, 2, 1, 3).contiguous() for i in range(2)}},
+               allowed / "in.pt")
+    env = {"app": app}
+    converted = ask(env, OPERATOR, local(allowed / "in.pt"))
+    assert converted.status_code == 200, converted.text
+    in_id = next(e.id for e in reg.list() if e.id.startswith("in-"))
+    for first, second, cid in ((("doc",), (allowed / "doc",), "doc"),
+                               ((allowed / "doc2",), ("doc2",), "doc2"),
+                               ((allowed / "in.pt",), (in_id,), in_id)):
+        spell = [{"id": s, "force_redownload": True} if isinstance(s, str) else local(s, force_redownload=True)
+                 for s in (*first, *second)]
+        assert ask(env, OPERATOR, spell[0]).status_code == 200
+        r = ask(env, OPERATOR, spell[1])
+        assert r.status_code == 429 and 3000 < int(r.headers["Retry-After"]) <= 3600, (cid, r.text)
+        assert reg.get(cid).epoch == 1, cid
+
+
+def test_an_s3_object_the_converter_refuses_is_not_downloaded_again(tmp_path, settings, model_dir, moto_server,
+                                                                  s3_proxy, recording_upstream):
+    """An object that downloads but is not a cartridge is refused (400) and deleted from the
+    cache dir; the refusal was not remembered, so every plain request downloaded it again (and a
+    packed prefix of another model fetched its manifest again). It is answered from memory now
+    (no S3 request) until force_redownload asks for the object again."""
+    from s3_server import s3_client, upload_dir
+
+    url, _ = recording_upstream
+    c = s3_client(moto_server)
+    c.create_bucket(Bucket="gw-unit")
+    c.put_object(Bucket="gw-unit", Key="ok/junk.pt", Body=b"not a torch file at all" * 1000)
+    _cart(tmp_path / "other", "other-model-doc", list(range(1, 65)), "another-model")
+    upload_dir(c, "gw-unit", "ok/other", tmp_path / "other")
+    app = create_app(dataclasses.replace(settings, upstream=url, s3={"endpoint_url": s3_proxy.endpoint_url},
+                                         force_redownload_interval=3600))
+    env = {"app": app}
+    for uri in ("s3://gw-unit/ok/junk.pt", "s3://gw-unit/ok/other"):
+        s3_proxy.reset()
+        first = ask(env, OPERATOR, {"id": uri})
+        assert first.status_code == 400, first.text
+        assert s3_proxy.count("GET") >= 1
+        s3_proxy.reset()
+        for _ in range(3):
+            again = ask(env, OPERATOR, {"id": uri})
+            assert (again.status_code, again.json()) == (first.status_code, first.json())
+        assert s3_proxy.count() == 0, (uri, s3_proxy.requests)
+    forced = ask(env, OPERATOR, {"id": "s3://gw-unit/ok/junk.pt", "force_redownload": True})
+    assert forced.status_code == 400 and s3_proxy.count("GET") >= 1
+
+
+def deflated_bomb(path: Path, nbytes: int) -> Path:
+    """What torch.save writes for `nbytes` zero bytes, with that storage record deflated: a file
+    of about nbytes/1000 bytes that torch.load inflates whole (zip archives may compress records;
+    torch.save never does)."""
+    import zipfile
+
+    import torch
+
+    plain = path.with_suffix(".plain")
+    torch.save(torch.zeros(nbytes, dtype=torch.uint8), plain)
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(path, "w", compresslevel=1) as zout:
+        for info in zin.infolist():
+            out = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            out.compress_type = zipfile.ZIP_DEFLATED if info.filename.endswith("/data/0") else zipfile.ZIP_STORED
+            with zin.open(info) as src, zout.open(out, "w", force_zip64=True) as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+    plain.unlink()
+    return path
+
+
+def _peak_rss_growth(fn) -> int:
+    """Bytes this process's peak resident memory grew by while `fn()` ran (Linux: the peak is
+    reset first through /proc/self/clear_refs)."""
+    def kib(field):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        raise AssertionError(field)
+
+    Path("/proc/self/clear_refs").write_text("5")
+    before = kib("VmRSS")
+    fn()
+    return (kib("VmHWM") - before) * 1024
+
+
+def test_a_compressed_pt_is_refused_before_it_is_inflated(tmp_path, settings, moto_server, s3_proxy,
+                                                         recording_upstream):
+    """A .pt file is a zip archive; torch.load inflates a deflated storage record whole, before
+    any size check could run: 128 KiB named by a local path or an S3 URI grew the gateway by
+    128 MiB, on every request (the refusal was not remembered). Every record must be stored as
+    torch.save stores it, and all of them within the file's size: checked on the archive's
+    directory before torch reads a record; the refusal is remembered."""
+    from s3_server import s3_client
+
+    nbytes = 128 << 20
+    bomb = deflated_bomb(settings.local_roots[0] / "bomb.pt", nbytes)
+    assert bomb.stat().st_size < nbytes // 500
+    c = s3_client(moto_server)
+    c.create_bucket(Bucket="gw-unit")
+    c.upload_file(str(bomb), "gw-unit", "ok/bomb.pt")
+    url, seen = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url, s3={"endpoint_url": s3_proxy.endpoint_url}))
+    env = {"app": app}
+    for cart in (local(bomb), {"id": "s3://gw-unit/ok/bomb.pt"}):
+        got = []
+        grew = _peak_rss_growth(lambda: got.append(ask(env, OPERATOR, cart)))
+        r = got[0]
+        assert r.status_code == 400 and "record is compressed" in r.json()["error"]["message"], r.text
+        assert grew < nbytes // 4, f"{grew >> 20} MiB"
+        conversions, gets = app.state.resolver.stats["conversions"], s3_proxy.count("GET")
+        assert (ask(env, OPERATOR, cart).status_code, ask(env, OPERATOR, cart).json()) == (400, r.json())
+        assert app.state.resolver.stats["conversions"] == conversions and s3_proxy.count("GET") == gets
+    assert seen == []
