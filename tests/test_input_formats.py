@@ -371,3 +371,36 @@ def test_small_file_of_huge_views_is_refused_before_materialising(tmp_path, shap
     with pytest.raises(CartridgeFormatError, match=needle):
         load_input(tmp_path / "bomb.pt")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 1 << 20  # KiB: under 1 GiB more
+
+
+# --- the token-ids-and-KV dict (`kv_cache_dict`, earlier `seed000`) ------------------------------------------
+def test_kv_cache_dict_is_read_packed_and_inspected_under_its_name_and_its_earlier_one(tmp_path, tiny, capsys):
+    """A `{'token_ids', 'kv_cache', 'metadata'}` `.pt` is read as `kv_cache_dict` (bit for bit,
+    first-k), `inspect` and `pack` say so; `seed000`, the name manifests packed before the rename
+    record, is accepted as the same format."""
+    from lmcache_cartridge.cartridge.inputs import FORMATS, LoadedCartridge, canonical_format, describe
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+
+    C = 16
+    kv = random_kv(2, 2 * C, 2, 64, seed=5)
+    ids = list(range(10, 10 + 2 * C))
+    src = tmp_path / "doc.pt"
+    torch.save({"token_ids": ids, "kv_cache": {f"model.layers.{i}": kv[:, i].permute(0, 2, 1, 3).contiguous()
+                                               for i in range(kv.shape[1])}, "metadata": {"note": "x"}}, src)
+    loaded = load_input(src)
+    assert loaded.source_format == "kv_cache_dict" and loaded.token_ids == ids and bit_equal(loaded.kv, kv)
+    rc, out, _ = run_cli(capsys, "inspect", src)
+    assert rc == 0 and "read as                       kv_cache_dict: dict {'token_ids', 'kv_cache', 'metadata'}" in out
+    assert "seed" not in out
+    rc, out, err = run_cli(capsys, "pack", src, "-o", tmp_path / "p", "--model", str(tiny), "--chunk-size", C, "-q")
+    assert rc == 0 and f"read {src} as kv_cache_dict" in out, err
+    m = PackedCartridge(tmp_path / "p").manifest
+    assert m.provenance["source_format"] == "kv_cache_dict" and m.kind == "first_k"
+    assert bit_equal(PackedCartridge(tmp_path / "p").load_kv(), kv)
+    # the earlier name
+    for name in ("kv_cache_dict", "seed000"):
+        assert canonical_format(name) == "kv_cache_dict"
+        old = LoadedCartridge(kv=loaded.kv, token_ids=ids, source_format=name)
+        assert describe(old)["description"] == FORMATS["kv_cache_dict"]
+    assert canonical_format("peft") == "peft" and canonical_format(None) is None
+    assert "seed000" not in FORMATS

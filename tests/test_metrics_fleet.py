@@ -24,10 +24,19 @@ def sample_names(text: str) -> set[str]:
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def dashboard_metric_names() -> set[str]:
+GATEWAY_PREFIX = "lmcache_cartridge_gateway_"  # the gateway's own series (api/metrics.py), on its /metrics
+
+
+def gateway_panel(panel: dict) -> bool:
+    return any(GATEWAY_PREFIX in t["expr"] for t in panel["targets"])
+
+
+def dashboard_metric_names(gateway: bool = False) -> set[str]:
+    """The metrics the dashboard's plugin panels (or, `gateway`, its gateway panels) query."""
     dash = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    exprs.append(dash["templating"]["list"][0]["query"]["query"])
+    exprs = [t["expr"] for p in dash["panels"] if gateway_panel(p) == gateway for t in p["targets"]]
+    if not gateway:
+        exprs.append(dash["templating"]["list"][0]["query"]["query"])
     return {n for e in exprs for n in re.findall(r"\blmcache_cartridge_\w+", e)}
 
 
@@ -116,8 +125,36 @@ def test_labels_are_our_own_and_the_dashboard_uses_them():
 
     assert not {"instance", "job"} & {*LABELS, "outcome"}
     dash = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    used = {lab for e in exprs for group in re.findall(r"by \(([^)]*)\)", e) for lab in re.split(r",\s*", group)}
-    used |= {lab for e in exprs for lab in re.findall(r"(\w+)=~", e)}
-    assert used and used <= {*LABELS, "outcome", "le"}, used
+
+    def labels(gateway: bool) -> set[str]:
+        exprs = [t["expr"] for p in dash["panels"] if gateway_panel(p) == gateway for t in p["targets"]]
+        used = {lab for e in exprs for group in re.findall(r"by \(([^)]*)\)", e) for lab in re.split(r",\s*", group)}
+        return used | {lab for e in exprs for lab in re.findall(r"(\w+)=~", e)}
+
+    assert labels(False) and labels(False) <= {*LABELS, "outcome", "le"}, labels(False)
     assert INSTANCE_LABEL in dash["templating"]["list"][0]["query"]["query"]
+    # the gateway's series carry only its own labels (not the plugin's instance label)
+    assert labels(True) and labels(True) <= {"endpoint", "status", "reason", "le"}, labels(True)
+
+
+def test_gateway_panels_query_what_the_gateway_exports():
+    """The dashboard's gateway panels (requests by reason, error share, upstream latency, ready
+    waits) name series a gateway's /metrics serves, with label values it uses."""
+    from lmcache_cartridge.api.metrics import ENDPOINTS, REASONS, GatewayMetrics
+
+    m = GatewayMetrics()
+    m.answered("/v1/completions", 200)
+    m.answered("/v1/chat/completions", 503, "not_served")
+    with m.timed(m.ready_wait):
+        pass
+    with m.timed(m.upstream, "/v1/completions"):
+        pass
+    served = sample_names(m.exposition().decode())
+    names = dashboard_metric_names(gateway=True)
+    assert {GATEWAY_PREFIX + "requests_total", GATEWAY_PREFIX + "upstream_seconds_bucket",
+            GATEWAY_PREFIX + "ready_wait_seconds_bucket"} <= names <= served, (names, served)
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] if gateway_panel(p) for t in p["targets"]]
+    assert {m for e in exprs for m in re.findall(r'status=~"([^"]+)"', e)} == {"4..", "5.."}
+    assert "/v1/completions" in ENDPOINTS and "not_served" in REASONS
+    assert not any("$instance" in e for e in exprs)  # the plugin's instance variable does not apply

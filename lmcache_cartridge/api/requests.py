@@ -51,7 +51,7 @@ def check_client_kv_params(params: dict[str, Any] | None) -> dict[str, Any] | No
 
 
 class CartridgeSpec(BaseModel):
-    """One entry of `cartridges` (seed 000's request API)."""
+    """One entry of a request's `cartridges` field."""
 
     model_config = ConfigDict(extra="forbid")
 

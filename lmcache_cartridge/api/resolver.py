@@ -1,6 +1,6 @@
 """From a request's `cartridges` to the tokens to put first and the registered cartridges to wait for.
 
-Sources (seed 000): `s3://bucket/key.pt` (one object in any input format: downloaded once,
+Sources a `cartridges` entry names: `s3://bucket/key.pt` (one object in any input format: downloaded once,
 converted once), `s3://bucket/prefix/` (listed once: a packed cartridge, whose chunks stay in S3,
 or an input directory such as a PEFT adapter or a Tokasaurus directory, downloaded and converted
 once), an absolute local

@@ -6,6 +6,8 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from lmcache_cartridge.settings_reference import API_KEYS
 
 
@@ -115,54 +117,71 @@ def plugin_fields(config, plugin) -> dict:
                 catalog_period=float(plugin.catalog_period), catalog_allow_uris=tuple(plugin.catalog_allow_uris))
 
 
+# The tenants file (`gateway --tenants`, the middleware's $LMCACHE_CARTRIDGE_TENANTS): its fields
+# are these models' (docs/configuration.md shows them, generated), and this example is valid.
+TENANTS_EXAMPLE = """\
+tenants:
+  - name: acme
+    keys: [acme-key-0123456789abcdef]     # 16+ characters each
+    ids: ["acme-*"]                       # registered ids (glob) it may name
+    local: [/data/cartridges/acme]        # local roots (absolute)
+    s3: [my-bucket/acme]                  # bucket or bucket/prefix
+  - name: globex
+    keys: [globex-key-0123456789abcdef, globex-key-2-0123456789]
+    ids: ["globex-*", "shared-handbook"]
+"""
+
+
+class TenantEntry(BaseModel):
+    """One tenant of the tenants file."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, description="the tenant's name, in errors and logs")
+    keys: list[str] = Field(min_length=1, description="its clients' API keys (`Authorization: Bearer KEY`), 16+ "
+                            "characters each, no key shared with another tenant")
+    ids: list[str] = Field([], description="registered cartridge ids it may name, as globs (`acme-*`); a label "
+                           "resolves only among these; any other id answers 404 as a missing one")
+    local: list[str] = Field([], description="absolute directories its local cartridge paths must lie under "
+                             "(as `--allow-local`, for this tenant alone)")
+    s3: list[str] = Field([], description="`bucket` or `bucket/prefix` its `s3://` ids must lie under (as "
+                          "`--allow-s3`, for this tenant alone)")
+
+    @field_validator("keys")
+    @classmethod
+    def _long(cls, v):
+        if any(len(k) < 16 for k in v):
+            raise ValueError("every key must have at least 16 characters")
+        return v
+
+    @field_validator("local")
+    @classmethod
+    def _absolute(cls, v):
+        if any(not Path(r).is_absolute() for r in v):
+            raise ValueError("local roots must be absolute paths")
+        return v
+
+
+class TenantsFile(BaseModel):
+    """The tenants file: one key, `tenants`, a list of `TenantEntry`."""
+
+    model_config = ConfigDict(extra="forbid")
+    tenants: list[TenantEntry]
+
+
 def load_tenants(path: str | Path) -> tuple[Tenant, ...]:
-    """Tenants from a YAML file (the gateway's `--tenants`)::
-
-        tenants:
-          - name: acme
-            keys: [acme-key-0123456789abcdef]     # 16+ characters each
-            ids: ["acme-*"]                       # registered ids (glob) it may name
-            local: [/data/cartridges/acme]        # local roots (absolute)
-            s3: [my-bucket/acme]                  # bucket or bucket/prefix
-
-    Validated whole (pydantic): unknown fields, a short key, a key two tenants share or a
-    relative local root are errors that name the tenant, the field and the rule, never a value:
-    the file holds keys, and the error reaches logs and (in vLLM's server) clients' 501 answers."""
+    """Tenants from a YAML file (the gateway's `--tenants`), as in `TENANTS_EXAMPLE`. Validated
+    whole (pydantic): unknown fields, a short key, a key two tenants share or a relative local
+    root are errors that name the tenant, the field and the rule, never a value: the file holds
+    keys, and the error reaches logs and (in vLLM's server) clients' 501 answers."""
     import yaml
-    from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-    class _T(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        name: str = Field(min_length=1, max_length=64)
-        keys: list[str] = Field(min_length=1)
-        ids: list[str] = []
-        local: list[str] = []
-        s3: list[str] = []
-
-        @field_validator("keys")
-        @classmethod
-        def _long(cls, v):
-            if any(len(k) < 16 for k in v):
-                raise ValueError("every key must have at least 16 characters")
-            return v
-
-        @field_validator("local")
-        @classmethod
-        def _absolute(cls, v):
-            if any(not Path(r).is_absolute() for r in v):
-                raise ValueError("local roots must be absolute paths")
-            return v
-
-    class _F(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        tenants: list[_T]
+    from pydantic import ValidationError
 
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML{_yaml_where(e)}") from None
     try:
-        parsed = _F.model_validate(raw)
+        parsed = TenantsFile.model_validate(raw)
     except ValidationError as e:
         raise ValueError(f"{path}: {_without_values(e, raw)}") from None
     seen: dict[str, str] = {}

@@ -47,7 +47,7 @@ def _as_bool(value: Any) -> bool:
 
 
 # The settings under `extra_config` `storage_plugin.<name>.`: the one list that `from_config`
-# reads, `unknown_keys` checks against and `reference` documents.
+# reads, `unknown_keys` checks against and `tools.reference` documents.
 PLUGIN_KEYS: tuple[Setting, ...] = (
     Setting("module_path", "str", "(required)", "`lmcache_cartridge.plugin`: where LMCache imports the plugin from"),
     Setting("class_name", "str", "(required)", "`CartridgeStoragePlugin`"),
@@ -72,6 +72,14 @@ PLUGIN_KEYS: tuple[Setting, ...] = (
     Setting("catalog_allow_uris", "list", "", "S3 prefixes a catalog entry's bytes may be under besides the "
             "catalog's bucket"),
     Setting("reader_cores", "str", "auto", "where chunk reads run: `auto`, `engine` (the worker's cores) or a cpu list"),
+)
+# LMCache's own keys in vLLM's `kv_connector_extra_config` that serving cartridges depends on (LMCache
+# reads them there, not from its YAML; `doctor` reports them in the YAML as unknown LMCache settings).
+LMCACHE_CONNECTOR_KEYS: tuple[Setting, ...] = (
+    Setting("lmcache.max_tokens_per_load", "int", 0,
+            "LMCache's cap on the tokens one request loads per scheduler step; keep 0 (no cap): with a cap the "
+            "rest of a trained cartridge would have to be computed from its placeholder ids, which this "
+            "connector refuses, so such requests wait and then fail"),
 )
 S3_KEYS: dict[str, tuple[str, str]] = {  # `s3.<field>` of `store.s3.S3Settings` (a test holds them to its
     # fields, which give the defaults): (type, meaning)
@@ -125,54 +133,6 @@ def unknown_lmcache_keys(raw: dict) -> list[str]:
             close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
             out.append(f"unknown LMCache setting {key!r}" + (f": did you mean {close[0]!r}?" if close else ""))
     return out
-
-
-def reference() -> str:
-    """The configuration reference (Markdown), docs/configuration.md whole (a test compares): the
-    plugin's keys from `PLUGIN_KEYS`, `S3_KEYS` and `S3Settings`' defaults, the connector's keys
-    and the environment variables from `settings_reference`, each table the one its readers use.
-    `python -m lmcache_cartridge.lmcache.settings > docs/configuration.md` writes it."""
-    from dataclasses import fields
-
-    from lmcache_cartridge import settings_reference as ref
-    from lmcache_cartridge.store.s3 import S3Settings
-
-    s3 = tuple(Setting(f"s3.{f.name}", S3_KEYS[f.name][0], f.default, S3_KEYS[f.name][1]) for f in fields(S3Settings))
-    return "\n".join([
-        "# Configuration reference",
-        "",
-        "Every setting lmcache_cartridge reads, generated from the tables its readers take names and",
-        "defaults from (`lmcache_cartridge/lmcache/settings.py`, `lmcache_cartridge/settings_reference.py`):",
-        "`python -m lmcache_cartridge.lmcache.settings > docs/configuration.md` writes this page, and",
-        "`tests/test_config_reference.py` fails when it is stale or a setting the code reads has no row.",
-        "`list`: comma-separated (in YAML also a list); `size`: bytes, or with a unit (`8MiB`).",
-        "",
-        "## The plugin: `extra_config` keys",
-        "",
-        "Every key under LMCache's `extra_config` as `storage_plugin.<name>.<key>` (`<name>`: the",
-        "`storage_plugins` entry of the cartridge plugin). `lmcache-cartridge doctor` fails on any other",
-        "key, and the plugin warns about it when it starts. In LMCache's multiprocess mode the same keys,",
-        "without the prefix, are the cartridge L2 adapter's `adapter_params` (`lmcache-cartridge mp-server`",
-        "passes the YAML's; the server refuses to start on an unknown one).",
-        "",
-        ref.table(PLUGIN_KEYS + s3),
-        "## The connector: `kv_connector_extra_config` keys",
-        "",
-        "Keys `CartridgeConnector` reads from `kv_connector_extra_config` in vLLM's `--kv-transfer-config`",
-        "(JSON values), e.g. `\"kv_connector_extra_config\": {\"cartridge.ready_timeout_s\": 60}`; LMCache's own",
-        "keys there are LMCache's. `CartridgeMPConnector` (LMCache's multiprocess mode) reads the first two;",
-        "KV events are not announced there.",
-        "",
-        ref.table(ref.CONNECTOR_KEYS),
-        "## Environment variables",
-        "",
-        "The `LMCACHE_CARTRIDGE_*` variables the package reads (LMCache's own `LMCACHE_*` variables and",
-        "`LMCACHE_CONFIG_FILE` configure the plugin: see above). `middleware:` the gateway inside vLLM's",
-        "API server (`--middleware lmcache_cartridge.api.middleware.CartridgeMiddleware`), where each",
-        "stands for the `gateway` command's flag; an empty variable counts as unset.",
-        "",
-        ref.table(ref.ENV_VARS, "variable"),
-    ])
 
 
 @dataclass(frozen=True)
@@ -322,7 +282,3 @@ def load_lmcache_config(path: str | Path | None = None):
         return config
     except Exception as e:  # LMCache raises assorted errors for bad YAML
         raise CartridgeError(f"{path or 'the LMCACHE_* environment'}: LMCache cannot load this config: {e}") from e
-
-
-if __name__ == "__main__":  # docs/configuration.md
-    print(reference(), end="")

@@ -427,7 +427,20 @@ def cmd_register(args) -> int:
 
 
 def cmd_list(args) -> int:
-    entries = _registry(args, create=False).list()
+    from lmcache_cartridge.paths import default_registry_path
+    from lmcache_cartridge.store.registry import RegistryError
+
+    try:
+        entries = _registry(args, create=False).list()
+    except RegistryError:
+        # A fresh install: nothing registered yet, so the default registry does not exist (and is
+        # not created here). A path the config or --registry names is still an error: misspelled?
+        settings = _plugin_settings(args)
+        named = settings.registry if settings else args.registry
+        if (Path(named) if named else default_registry_path()) != default_registry_path() \
+                or default_registry_path().exists():
+            raise
+        entries = []
     if args.json:
         from dataclasses import asdict
 
@@ -701,6 +714,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = _Parser(prog="lmcache-cartridge", description=GUIDE, formatter_class=fmt)
+    from lmcache_cartridge import __version__
+
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            title="commands (each has --help)")
 

@@ -4,14 +4,14 @@ Runs wherever an input is read: `lmcache-cartridge pack` / `inspect` on an opera
 and the gateway process when a request names a `.pt` or a directory. Pure data: no model, no
 network; nothing here runs pickle code (see `torchfile`).
 
-| `source_format`             | input (read by)                                                      |
-|-----------------------------|----------------------------------------------------------------------|
-| `cartridges`                | `TrainableCache.save()` `.pt` (`cache-step<N>.pt`, `cache_last.pt`)  |
-| `tokasaurus`                | directory with `cartridge.pt` + `config.yaml`                        |
-| `peft`                      | PEFT `CARTRIDGE` adapter directory (`adapter_config.json` + weights) |
-| `kv_pairs+prefix_token_ids` | `list[(k, v)]` `.pt` with `prefix_token_ids.json` beside it          |
-| `kv_pairs`                  | `list[(k, v)]` `.pt` alone (trained KV)                              |
-| `seed000`                   | `{'token_ids', 'kv_cache', 'metadata'}` `.pt`                        |
+| `source_format`             | input (read by)                                                         |
+|-----------------------------|-------------------------------------------------------------------------|
+| `cartridges`                | `TrainableCache.save()` `.pt` (`cache-step<N>.pt`, `cache_last.pt`)     |
+| `tokasaurus`                | directory with `cartridge.pt` + `config.yaml`                           |
+| `peft`                      | PEFT `CARTRIDGE` adapter directory (`adapter_config.json` + weights)    |
+| `kv_pairs+prefix_token_ids` | `list[(k, v)]` `.pt` with `prefix_token_ids.json` beside it             |
+| `kv_pairs`                  | `list[(k, v)]` `.pt` alone (trained KV)                                 |
+| `kv_cache_dict`             | `{'token_ids', 'kv_cache', 'metadata'}` `.pt` (earlier name: `seed000`) |
 
 One module per maker's format; `load_input` picks by what is on disk, never by trial and error
 across formats (a file that looks like one format and is broken gets that format's error).
@@ -22,12 +22,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lmcache_cartridge.cartridge.inputs import kv_list, peft_adapter, seed000, tokasaurus, trainable_cache
+from lmcache_cartridge.cartridge.inputs import kv_dict, kv_list, peft_adapter, tokasaurus, trainable_cache
 from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge, check_model, same_model
 from lmcache_cartridge.cartridge.inputs.torchfile import safe_torch_load
 from lmcache_cartridge.errors import CartridgeFormatError
 
-__all__ = ["LoadedCartridge", "load_input", "dir_files", "parse_object", "safe_torch_load", "same_model", "FORMATS", "describe"]
+__all__ = ["LoadedCartridge", "load_input", "dir_files", "parse_object", "safe_torch_load", "same_model", "FORMATS",
+           "FORMAT_ALIASES", "canonical_format", "describe"]
 
 FORMATS: dict[str, str] = {
     trainable_cache.FORMAT: "HazyResearch/cartridges TrainableCache.save() checkpoint",
@@ -35,8 +36,15 @@ FORMATS: dict[str, str] = {
     peft_adapter.FORMAT: "PEFT CARTRIDGE adapter (adapter_config.json + adapter_model.safetensors)",
     kv_list.FORMAT_WITH_IDS: "list[(k, v)] per layer with prefix_token_ids.json (first-k)",
     kv_list.FORMAT: "list[(k, v)] per layer (trained KV, no token ids)",
-    seed000.FORMAT: "seed 000 dict {'token_ids', 'kv_cache', 'metadata'}",
+    kv_dict.FORMAT: "dict {'token_ids', 'kv_cache', 'metadata'}: token ids and/or per-layer KV",
 }
+# Earlier names of a format, accepted wherever a format is named (a manifest's provenance).
+FORMAT_ALIASES: dict[str, str] = {alias: kv_dict.FORMAT for alias in kv_dict.ALIASES}
+
+
+def canonical_format(name: str | None) -> str | None:
+    """A format's current name for `name`, which may be an earlier one (`FORMAT_ALIASES`)."""
+    return FORMAT_ALIASES.get(name, name) if name else name
 
 _RUN_CHECKPOINT = "cache_last.pt"  # a Cartridges training run directory's newest checkpoint
 
@@ -49,10 +57,10 @@ def parse_object(obj: Any) -> LoadedCartridge:
         raise CartridgeFormatError(f"expected a dict or a list of (k, v) pairs, got {type(obj).__name__}")
     if trainable_cache.matches(obj):
         return trainable_cache.parse(obj)
-    if seed000.matches(obj):
-        return seed000.parse(obj)
+    if kv_dict.matches(obj):
+        return kv_dict.parse(obj)
     raise CartridgeFormatError(
-        "unrecognised cartridge: expected 'token_ids'/'kv_cache' (seed 000), "
+        "unrecognised cartridge: expected 'token_ids'/'kv_cache' (a kv_cache_dict), "
         "'trainable_keys'/'trainable_values' (+ 'frozen_*' or 'fixed_*', Cartridges TrainableCache) "
         f"or a list of (k, v) per layer; found keys {sorted(map(str, obj))[:8]}"
     )
@@ -131,7 +139,7 @@ def describe(loaded: LoadedCartridge) -> dict[str, Any]:
         packs_as = "trained (no token ids: placeholder ids, whole chunks only)"
     return {
         "read_as": loaded.source_format,
-        "description": FORMATS.get(loaded.source_format, ""),
+        "description": FORMATS.get(canonical_format(loaded.source_format), ""),
         "packs_as": packs_as,
         "base_model": loaded.base_model,
         "num_tokens": loaded.num_tokens,

@@ -1,6 +1,7 @@
-"""Seed 000's cartridge file: `{'token_ids', 'kv_cache', 'metadata'}`.
+"""The token-ids-and-KV dict (`kv_cache_dict`): a `.pt` holding `{'token_ids', 'kv_cache', 'metadata'}`.
 
-Runs wherever an input is read (CLI, gateway). `token_ids` (list or tensor) are real ids;
+Read as `kv_cache_dict`; `seed000`, its earlier name, is an alias (`ALIASES`: manifests packed
+before the rename record it). Runs wherever an input is read (CLI, gateway). `token_ids` (list or tensor) are real ids;
 `kv_cache` is optional (absent: a token-only cartridge), a dict of per-layer entries whose names
 carry the layer number, each either a tensor with a leading K/V axis (`[2, H, T, D]`,
 `[2, 1, H, T, D]`, `[2, T, H, D]`; `metadata['kv_layout']` = 'HTD' / 'THD' settles ambiguous
@@ -15,7 +16,8 @@ from typing import Any
 from lmcache_cartridge.cartridge.inputs.common import LoadedCartridge, htd, stack_layers, token_list
 from lmcache_cartridge.errors import CartridgeFormatError
 
-FORMAT = "seed000"
+FORMAT = "kv_cache_dict"
+ALIASES = ("seed000",)  # earlier names of this format, still accepted where a format is named
 
 
 def matches(obj: Any) -> bool:
