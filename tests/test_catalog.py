@@ -86,6 +86,7 @@ def test_two_hosts_converge_with_labels_and_the_published_bytes(tmp_path, s3, ho
     assert hosts[0].sync.sync_once().added == []
 
 
+@pytest.mark.heavy
 def test_removal_labels_and_force_redownload_propagate_on_the_next_sync(tmp_path, s3, hosts, s3_proxy):
     settings, _ = s3
     a, b = _pack(tmp_path, "doc-a", 1), _pack(tmp_path, "doc-b", 2)
@@ -143,6 +144,7 @@ def test_local_registrations_are_never_touched(tmp_path, s3, hosts):
     assert hosts[0].registry.get("doc-a") is not None  # not ours to remove
 
 
+@pytest.mark.heavy
 def test_an_entry_is_its_manifests_id_and_stays_in_the_catalogs_bucket(tmp_path, s3, hosts, moto_server):
     """A catalog writer names ids, not other cartridges or buckets: an entry whose key is not its
     manifest's id (the old sync registered the manifest's id, replacing a local registration,
@@ -207,6 +209,7 @@ def test_corrupt_or_missing_index_keeps_the_last_good_state(tmp_path, s3, hosts,
     assert any("no catalog index" in m for m in caplog.messages)
 
 
+@pytest.mark.heavy
 def test_concurrent_publishers_lose_no_update(tmp_path, s3, s3_proxy):
     settings, _ = s3
     dirs = [[_pack(tmp_path, f"p{w}-c{i}", 10 * w + i) for i in range(3)] for w in range(2)]
@@ -246,6 +249,7 @@ def test_publish_refuses_a_cartridge_that_fails_verification(tmp_path, s3):
     assert read_catalog(CATALOG, settings) is None
 
 
+@pytest.mark.heavy
 def test_publish_and_unpublish_from_the_command_line(tmp_path, s3, hosts):
     """What an operator types: `lmcache-cartridge publish DIR CATALOG`, then `unpublish ID CATALOG`;
     a host's sync follows both."""

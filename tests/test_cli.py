@@ -30,6 +30,7 @@ def _paper_pt(path, tokens=64, layers=2, heads=2, dim=8, seed=0):
     return kv
 
 
+@pytest.mark.heavy
 def test_pack_inspect_verify_register_list_label_remove(tmp_path):
     kv = _paper_pt(tmp_path / "paper.pt")
     r = cli("pack", tmp_path / "paper.pt", "-o", tmp_path / "p", "--model", "m", "--vocab-size", "500",
@@ -76,6 +77,7 @@ def test_list_on_a_fresh_install_is_empty_and_creates_nothing(tmp_path):
     assert not any(home.glob("*.db"))
 
 
+@pytest.mark.heavy
 def test_register_rechunks_to_serving_chunk_size(tmp_path):
     kv = _paper_pt(tmp_path / "paper.pt", tokens=64)
     cli("pack", tmp_path / "paper.pt", "-o", tmp_path / "p", "--model", "m", "--vocab-size", "500",
@@ -128,6 +130,7 @@ def test_malicious_pickle_via_cli(tmp_path):
     assert r.returncode == 2 and "refused to load" in r.stderr and not marker.exists()
 
 
+@pytest.mark.heavy
 def test_create_then_pack_token_only_matches(tmp_path):
     """create (text -> first-k) and pack of a token-only .pt give the same KV for the same tokens."""
     from lmcache_cartridge.tools.testmodel import ensure_test_model
@@ -149,6 +152,7 @@ def test_create_then_pack_token_only_matches(tmp_path):
     assert r.returncode == 2 and "--model-dir" in r.stderr
 
 
+@pytest.mark.heavy
 def test_doctor_reports_problems(tmp_path):
     import yaml
 
@@ -246,6 +250,7 @@ def _snapshots(cache_dir, per_instance):
             models=("m",), rank=0, world_size=1, registry="reg.db", tiers=m.snapshot()["tiers"]))
 
 
+@pytest.mark.heavy
 def test_stats_sums_every_instance_without_lmcache_log_lines(tmp_path):
     import yaml
 
@@ -280,6 +285,7 @@ def test_stats_sums_every_instance_without_lmcache_log_lines(tmp_path):
 
 
 @pytest.mark.parametrize("family,bos", [("llama", True), ("qwen2", False)])
+@pytest.mark.heavy
 def test_test_model_and_create_for_both_families(tmp_path, family, bos):
     """`create` takes the tokenizer as it is: a Llama cartridge starts with BOS, a Qwen2 one
     (no BOS token) with the document (the old `create` refused the Qwen2 tokenizer)."""

@@ -12,6 +12,7 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
 import yaml
 
 from test_cli import cli
@@ -231,6 +232,7 @@ def test_the_gateway_help_examples_are_bodies_the_gateway_accepts(tmp_path):
                 r._allowed_s3(spec.id, None)
 
 
+@pytest.mark.heavy
 def test_the_cli_reads_the_config_the_server_reads(tmp_path):
     """Inside the server's pod `list` and `doctor` with no --config read $LMCACHE_CONFIG_FILE and
     the LMCACHE_* environment over it, as LMCache does: the server's registry and chunk size, not
@@ -259,6 +261,7 @@ def test_the_cli_reads_the_config_the_server_reads(tmp_path):
     assert r.returncode == 1 and "FAIL  served-doc" in r.stdout and "128" in r.stdout, r.stdout
 
 
+@pytest.mark.heavy
 def test_the_cli_in_a_helm_pod_reads_the_servers_environment(tmp_path):
     """The Helm values configure the server by the LMCACHE_* environment alone (no config file):
     in that pod `list` and `doctor` with no --config read the same environment, so they see the
@@ -297,6 +300,7 @@ def test_the_cli_in_a_helm_pod_reads_the_servers_environment(tmp_path):
     assert r.returncode == 1 and "no LMCache config" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.heavy
 def test_the_model_name_trap_is_stated_where_it_is_set_and_where_it_bites(tmp_path):
     """`create`/`pack` record the model directory as the model's name unless --model is given;
     vLLM serves under its --model string. Pack says so, doctor's failure names both fixes, and a

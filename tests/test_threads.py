@@ -104,6 +104,7 @@ def first_hit_in_vllm_worker_env(tmp_path, cores: list[int], **plugin) -> dict:
 
 
 @two_cores
+@pytest.mark.heavy
 def test_first_hit_reads_run_on_every_core_of_a_vllm_worker(tmp_path):
     cores = sorted(os.sched_getaffinity(0))[:2]
     got = first_hit_in_vllm_worker_env(tmp_path, cores)
@@ -114,6 +115,7 @@ def test_first_hit_reads_run_on_every_core_of_a_vllm_worker(tmp_path):
 
 
 @linux
+@pytest.mark.heavy
 def test_a_one_core_vllm_worker_reads_on_the_retrieving_thread_with_reader_cores_engine(tmp_path):
     got = first_hit_in_vllm_worker_env(tmp_path, sorted(os.sched_getaffinity(0))[:1], reader_cores="engine")
     assert got["readers"] == {}  # no reader threads started: they would take turns on one core
@@ -121,6 +123,7 @@ def test_a_one_core_vllm_worker_reads_on_the_retrieving_thread_with_reader_cores
 
 
 @two_cores
+@pytest.mark.heavy
 def test_a_one_core_vllm_worker_reads_on_its_core_and_the_cores_its_binding_leaves_free(tmp_path):
     """`VLLM_CPU_OMP_THREADS_BIND` gives the worker one core; the other one (vLLM's frontend's,
     idle while the worker waits for the load) takes reads too: the readers may use both."""
