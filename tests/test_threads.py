@@ -301,3 +301,28 @@ def test_a_bad_reader_cores_setting_is_refused(tmp_path):
         PluginSettings.from_config(cfg, CartridgeStoragePlugin)
     cfg.extra_config["storage_plugin.cartridge.reader_cores"] = [0, 1]
     assert PluginSettings.from_config(cfg, CartridgeStoragePlugin).reader_cores == "0,1"
+
+
+def test_a_task_that_never_ends_does_not_keep_the_process_from_exiting():
+    """A process whose plugin thread is stuck (an origin that hangs mid-download, a read waiting on
+    a peer that died) exits when its main thread ends, as on SIGTERM: the plugin's pools do not
+    hold up the interpreter's exit (the stdlib's pools join every thread at exit). Explicit
+    `shutdown(wait=True)` still waits, where a caller needs it."""
+    code = textwrap.dedent("""
+        import threading, time
+        from lmcache_cartridge.store import threads
+        stuck = threading.Event()
+        p = threads.pool(2, "cartridge-download")
+        p.submit(stuck.wait)
+        q = threads.pool(1, "cartridge-mp")
+        done = q.submit(time.sleep, 0.3)
+        q.shutdown(wait=True)
+        assert done.done()
+        print("main done", flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    try:
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the process did not exit with a plugin thread stuck: {e.stdout!r}")
+    assert r.returncode == 0 and "main done" in r.stdout, r.stderr

@@ -28,6 +28,12 @@ one thread reading alone (`benchmarks/hit_path.py`). So:
   alone (more than one core, or another core); where they cannot, the plugin reads on the
   retrieving thread.
 
+The pools' threads never hold up the process's exit: the stdlib's `ThreadPoolExecutor` joins every
+thread of every pool when the interpreter exits, so one task stuck on an origin that hangs
+mid-download, or on a peer that died, kept a process alive after SIGTERM until it ended. Here the
+threads are daemons the interpreter does not wait for; a caller that must wait for its tasks (a
+load writing into buffers about to be freed) says so with `shutdown(wait=True)`.
+
 A thread moved here must not start an OpenMP team: libgomp binds a thread that does to its first
 place (the native copy kernel runs one-thread work outside OpenMP for that reason).
 
@@ -38,10 +44,13 @@ threads keep the mask they inherit, and reads stay parallel).
 
 from __future__ import annotations
 
+import concurrent.futures.thread as _cf_thread
+import inspect
 import itertools
 import logging
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
@@ -153,8 +162,36 @@ def pool(max_workers: int, prefix: str, cores: Callable[[], Iterable[int]] = eng
     scratch buffers in the other core's cache, and on the 2-core machine here that costs more
     than the second core brings, `benchmarks/hit_path.py`)."""
     turn = itertools.count().__next__ if spread else None
-    return ThreadPoolExecutor(max_workers=max(1, max_workers), thread_name_prefix=prefix,
-                              initializer=_move_onto, initargs=(cores, turn))
+    cls = DaemonPool if _DAEMON_POOL else ThreadPoolExecutor
+    return cls(max_workers=max(1, max_workers), thread_name_prefix=prefix, initializer=_move_onto,
+               initargs=(cores, turn))
+
+
+# The stdlib's worker loop as `DaemonPool` starts it (CPython 3.9-3.13); another signature: plain
+# pools, whose threads the interpreter waits for at exit.
+_DAEMON_POOL = tuple(inspect.signature(_cf_thread._worker).parameters) == \
+    ("executor_reference", "work_queue", "initializer", "initargs")
+
+
+class DaemonPool(ThreadPoolExecutor):
+    """A `ThreadPoolExecutor` whose threads are daemons the interpreter does not join at exit (the
+    stdlib registers every pool thread to be joined then, so a stuck task keeps the process
+    alive). `shutdown(wait=True)` still joins them."""
+
+    def _adjust_thread_count(self) -> None:  # the stdlib's, with daemon threads left unregistered
+        if self._idle_semaphore.acquire(timeout=0):
+            return
+
+        def weakref_cb(_, q=self._work_queue):
+            q.put(None)
+
+        n = len(self._threads)
+        if n < self._max_workers:
+            t = threading.Thread(name=f"{self._thread_name_prefix or self}_{n}", target=_cf_thread._worker,
+                                 args=(weakref.ref(self, weakref_cb), self._work_queue, self._initializer,
+                                       self._initargs), daemon=True)
+            t.start()
+            self._threads.add(t)
 
 
 def parse_cpu_list(text: str) -> set[int]:
