@@ -81,6 +81,16 @@ def completion_chunk_to_chat(chunk: dict, first: bool) -> dict:
     }
 
 
+def cartridge_list(entries, tenant=None) -> dict:
+    """`GET /v1/cartridges`: the registered cartridges `tenant` may name (None: an operator's key,
+    or no keys at all: every registered id), as an OpenAI list. Only what a request may use to
+    name and size one: never its path or source URI, never an entry outside the tenant's ids."""
+    return {"object": "list", "data": [
+        {"id": e.id, "object": "cartridge", "labels": list(e.labels), "model": e.model, "tokens": e.num_tokens,
+         "kind": e.kind}
+        for e in entries if tenant is None or tenant.may_name(e.id)]}
+
+
 # --- the app ----------------------------------------------------------------------------------
 _CHAT_ONLY = {"messages", "top_logprobs"}  # chat's own fields, translated for /v1/completions
 # Chat fields that need vLLM's chat endpoint itself (its tool-call parser turns the output into
@@ -429,6 +439,12 @@ def create_app(settings: GatewaySettings, *, transport=None):
             return JSONResponse(r.json(), status_code=r.status_code)
         except (httpx.HTTPError, ValueError) as e:
             return error(502, f"upstream {shown_upstream}: {type(e).__name__}")
+
+    @app.get("/v1/cartridges")
+    async def cartridges(request: Request):
+        """The registered cartridges the caller may name (`cartridge_list`)."""
+        entries = await asyncio.to_thread(registry.list)
+        return JSONResponse(cartridge_list(entries, getattr(request.state, "tenant", None)))
 
     @app.get("/health")
     async def health():

@@ -28,6 +28,7 @@ stack nothing can bypass it:
 - JSON bodies are judged as vLLM parses them (`json.loads` on the bytes, which also decodes
   UTF-16 and UTF-32): JSON in any encoding but UTF-8 answers 400 (`parse_body`), so no field can
   hide from the checks above in an encoding they do not read.
+- GET /v1/cartridges (the cartridges the caller's key may name) is the gateway's, its keys included.
 - Everything else reaches vLLM untouched: a body read to look for the fields is replayed byte
   for byte; GET /metrics gets the gateway's series appended.
 - If the gateway cannot be set up (no cartridge plugin in the LMCache config, a bad setting),
@@ -62,6 +63,7 @@ from lmcache_cartridge import settings_reference as ref
 logger = logging.getLogger("lmcache_cartridge.api.middleware")
 
 GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions")
+LIST_PATH = "/v1/cartridges"  # GET: the cartridges the caller may name, answered by the gateway
 # the paths vLLM's --api-key guards (vllm/entrypoints/serve/middleware/authenticate.py)
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 FORMS = (b"multipart/", b"application/x-www-form-urlencoded")
@@ -441,6 +443,12 @@ class CartridgeMiddleware:
         path, method = _route_path(scope), scope.get("method")
         if method == "GET" and path == "/metrics":
             return await self._metrics(scope, receive, send)
+        if method == "GET" and path == LIST_PATH:  # the gateway's own route: vLLM has none
+            if not self._started:
+                await self._start(scope.get("app"), scope)
+            if self.gateway is None:
+                return await _error(501, f"this server cannot serve 'cartridges': {self.error}")(scope, receive, send)
+            return await self.gateway(dict(scope, path=path, raw_path=path.encode(), root_path=""), receive, send)
         if method != "POST" or _header(scope, b"content-type").lower().startswith(FORMS):
             return await self.app(scope, receive, send)  # uploads (audio, files) are not read here
         if not self._started:
