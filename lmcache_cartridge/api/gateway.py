@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 
+from lmcache_cartridge.api.asgi import BodyTooLarge, error_response, read_body, replay
 from lmcache_cartridge.api.metrics import STATUS_REASON, GatewayMetrics
 from lmcache_cartridge.api.prompts import PromptBuilder
 from lmcache_cartridge.api.requests import ChatRequest, CompletionRequest, describe
@@ -124,11 +125,8 @@ class ApiKeys:
             # the tenant whose scope the request gets (None: an operator key), for `handle`
             scope.setdefault("state", {})["tenant"] = self.settings.tenant_of(token.decode(errors="replace"))
             return await self.app(scope, receive, send)
-        from fastapi.responses import JSONResponse
-
-        resp = JSONResponse({"error": {"message": "a valid API key is required: send 'Authorization: Bearer <key>'",
-                                       "type": "invalid_request_error", "code": 401}}, status_code=401,
-                            headers={"WWW-Authenticate": "Bearer"})
+        resp = error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                              headers={"WWW-Authenticate": "Bearer"})
         return await resp(scope, receive, send)
 
 
@@ -142,31 +140,15 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        too_big = declared.isdigit() and int(declared) > self.limit
-        chunks, size, more = [], 0, not too_big
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                break
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            more = msg.get("more_body", False) and size <= self.limit
-        if too_big or size > self.limit:
-            from fastapi.responses import JSONResponse
-
-            resp = JSONResponse({"error": {"message": f"request body over {self.limit} bytes",
-                                           "type": "invalid_request_error", "code": 413}}, status_code=413)
-            return await resp(scope, receive, send)
-        body, sent = b"".join(chunks), False
-
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return await self.app(scope, replay, send)
+        try:
+            if declared.isdigit() and int(declared) > self.limit:
+                raise BodyTooLarge()
+            body = await read_body(receive, self.limit)
+        except BodyTooLarge:
+            return await error_response(413, f"request body over {self.limit} bytes")(scope, receive, send)
+        if body is None:
+            return  # the client is gone
+        return await self.app(scope, replay(body, receive), send)
 
 
 def create_app(settings: GatewaySettings, *, transport=None):
@@ -208,8 +190,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
 
     def error(status: int, message: str, reason: str | None = None) -> JSONResponse:
         """An OpenAI-shaped error; `reason` (metrics.REASONS) labels it on /metrics (default: by status)."""
-        resp = JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                       else "upstream_error", "code": status}}, status_code=status)
+        resp = error_response(status, message)
         resp.reason = reason or STATUS_REASON.get(status, "upstream" if status == 502 else None)
         return resp
 
