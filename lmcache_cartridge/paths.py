@@ -7,7 +7,11 @@ Runs in every process (CLI, gateway, the plugin inside vLLM); owns nothing, only
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 from lmcache_cartridge.settings_reference import HOME
 
@@ -90,3 +94,93 @@ def inductor_cache_dir() -> Path:
 
 def models_dir() -> Path:
     return cache_root() / "models"
+
+
+# --- atomic writes ------------------------------------------------------------------------------
+# Every file or directory the package publishes for another process (or a later run) to read is
+# written here: into a temp name of its own beside the target (two writers never share one),
+# flushed to disk, renamed into place with one `os.replace`/`os.rename`, and the directory synced
+# so the rename itself survives a crash. A reader sees the old content or the new, never half.
+# Temp names start with "." and end with ".tmp" (files) or hold ".tmp-" (directories).
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Sync a directory's entries (a rename in it) to disk, where the OS allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a directory: the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, *, mode: int = 0o644, durable: bool = True) -> Iterator[BinaryIO]:
+    """A binary file to write whose bytes become `path` whole when the block ends without an
+    exception (mode `mode`); on an exception `path` is untouched and the temp file removed.
+    `durable=False` skips the syncs, for records rewritten every few seconds that mean nothing
+    after a crash (still atomic). For writers that stream (`torch.save(obj, f)`); `atomic_write`
+    for bytes at hand."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, *, mode: int = 0o644, durable: bool = True) -> Path:
+    """Replace `path` with `data` (str: UTF-8) atomically and durably (`atomic_open`)."""
+    with atomic_open(path, mode=mode, durable=durable) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike, *, replace: bool = False, mode: int = 0o755) -> Iterator[Path]:
+    """A new empty directory beside `path` to fill; when the block ends without an exception its
+    files are synced and it becomes `path` whole (mode `mode`). Where `path` already exists:
+    `replace` moves the old one aside and removes it after the new one is in place; otherwise
+    the new one is discarded and the existing one kept (another writer made it first: for
+    content-addressed directories, the same content). On an exception nothing changes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file() and not f.is_symlink():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        for d in (*sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True), tmp):
+            fsync_dir(d)
+        os.chmod(tmp, mode)
+        if replace and path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.rename(path, old / path.name)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, path)
+            except OSError:
+                if not path.is_dir():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)  # made meanwhile by another writer: theirs stays
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(path.parent)

@@ -302,3 +302,28 @@ def test_test_model_and_create_for_both_families(tmp_path, family, bos):
     tok = AutoTokenizer.from_pretrained(model_dir)
     plain = tok(doc.read_text(), add_special_tokens=False)["input_ids"]
     assert m["token_ids"] == ([tok.bos_token_id] if bos else []) + plain[: 64 - bos]
+
+
+def test_doctor_returns_its_findings(tmp_path, monkeypatch):
+    """`tools.doctor.diagnose` is the doctor without the command: it returns each check as a
+    Finding (and shows each as it is made), so callers other than the CLI read the same checks."""
+    import yaml
+
+    from lmcache_cartridge.tools.doctor import Finding, diagnose, failed
+
+    monkeypatch.setenv("LMCACHE_CARTRIDGE_HOME", str(tmp_path))
+    for var in [v for v in os.environ if v.startswith("LMCACHE_") and v != "LMCACHE_CARTRIDGE_HOME"]:
+        monkeypatch.delenv(var)
+    seen = []
+    none = diagnose(None, on_finding=seen.append)
+    assert seen == none and failed(none) and none[-1].level == "FAIL" and "no LMCache config" in none[-1].message
+    cfg = yaml.safe_load(Path(__file__).parents[1].joinpath("configs/lmcache-cartridge.yaml").read_text())
+    cfg["extra_config"]["storage_plugin.cartridge.registry"] = str(tmp_path / "reg.db")
+    cfg["store_location"] = "LocalDiskBackend"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    found = diagnose(tmp_path / "c.yaml", model="m")
+    assert all(isinstance(f, Finding) and f.level in ("OK", "WARN", "FAIL") for f in found)
+    assert Finding("WARN", "store_location is 'LocalDiskBackend'; set it to LocalCPUBackend so puts never reach "
+                           "the read-only plugin") in found
+    assert any(f.level == "FAIL" and "no cartridge registry at" in f.message for f in found) and failed(found)
+    assert str(found[-1]) == "OK    0 running plugin instance(s) of model 'm' on this registry"

@@ -617,6 +617,31 @@ def test_api_keys_are_required_on_v1_and_the_upstream_key_is_sent(tmp_path, sett
     assert _call(app, "GET", "/health").status_code == 200  # open, as vLLM's
 
 
+def test_cartridge_list_names_what_a_key_may_use_and_no_paths(tmp_path, settings, model_dir):
+    """GET /v1/cartridges: the registered ids with their labels, model, size and kind, as an
+    OpenAI list; with keys configured it needs one like any /v1/* path. Where an entry's bytes
+    lie (its packed directory, its source) is never part of it."""
+    import dataclasses
+
+    a = settings.local_roots[0]
+    reg = Registry(settings.registry)
+    _cart(a / "doc", "doc", list(range(1, 65)), model_dir)
+    reg.register(a / "doc", labels=["handbook", "v2"])
+    _trained(a / "tr", "tr", model_dir, chunks=2)
+    reg.register(a / "tr")
+    r = _call(create_app(settings), "GET", "/v1/cartridges")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"object": "list", "data": [
+        {"id": "doc", "object": "cartridge", "labels": ["handbook", "v2"], "model": model_dir, "tokens": 64,
+         "kind": "first_k"},
+        {"id": "tr", "object": "cartridge", "labels": [], "model": model_dir, "tokens": 2 * CHUNK, "kind": "trained"}]}
+    assert str(tmp_path) not in r.text
+    keyed = create_app(dataclasses.replace(settings, api_keys=("k1-0123456789abcdef",)))
+    assert _call(keyed, "GET", "/v1/cartridges").status_code == 401
+    r = _call(keyed, "GET", "/v1/cartridges", headers={"Authorization": "Bearer k1-0123456789abcdef"})
+    assert [c["id"] for c in r.json()["data"]] == ["doc", "tr"]
+
+
 def test_gateway_keys_from_flags_and_env_and_the_non_loopback_warning(monkeypatch):
     from lmcache_cartridge.tools.cli import API_KEY_ENV, _loopback, gateway_api_keys
 

@@ -300,3 +300,29 @@ def test_a_compressed_pt_is_refused_before_it_is_inflated(tmp_path, settings, mo
         assert (ask(env, OPERATOR, cart).status_code, ask(env, OPERATOR, cart).json()) == (400, r.json())
         assert app.state.resolver.stats["conversions"] == conversions and s3_proxy.count("GET") == gets
     assert seen == []
+
+
+def test_the_cartridge_list_is_each_tenants_own(tenants, model_dir):
+    """GET /v1/cartridges with a tenant's key lists only the ids it may name, with their labels:
+    another tenant's entries (their ids, labels, directories, sources) appear nowhere in it. The
+    operator's key lists every registered id."""
+    acme, globex = tenants["roots"]["acme"], tenants["roots"]["globex"]
+    reg = tenants["reg"]
+    _cart(globex / "doc", "globex-doc", list(range(200, 264)), model_dir, seed=2)
+    reg.register(globex / "doc", labels=["handbook", "globex-secret-label"])
+    _cart(acme / "doc", "acme-doc", list(range(100, 132)), model_dir, seed=1)
+    reg.register(acme / "doc", labels=["handbook"])
+
+    def listed(key):
+        r = _call(tenants["app"], "GET", "/v1/cartridges", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r
+
+    r = listed(ACME)
+    assert r.json() == {"object": "list", "data": [{"id": "acme-doc", "object": "cartridge", "labels": ["handbook"],
+                                                    "model": model_dir, "tokens": 32, "kind": "first_k"}]}
+    assert "globex" not in r.text and str(acme) not in r.text
+    assert [c["id"] for c in listed(GLOBEX).json()["data"]] == ["globex-doc"]
+    assert "acme" not in listed(GLOBEX).text
+    assert [c["id"] for c in listed(OPERATOR).json()["data"]] == ["acme-doc", "globex-doc"]
+    assert _call(tenants["app"], "GET", "/v1/cartridges").status_code == 401

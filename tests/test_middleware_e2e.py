@@ -411,6 +411,33 @@ def test_fake_a_bad_tenants_file_names_no_key(fake, carts, monkeypatch, caplog, 
         assert secret not in message and secret not in logged, (secret, message)
 
 
+def test_fake_the_cartridge_list_is_the_gateways_and_scoped_to_the_tenant(fake, carts, model_dir, monkeypatch):
+    """GET /v1/cartridges inside vLLM's server is the gateway's (vLLM has no such route), with
+    the gateway's keys: a tenant's key lists only its own ids, the operator's every one."""
+    from conftest import random_kv
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.registry import Registry
+
+    reg = Registry(carts["root"] / "registry.db")
+    for cid in ("acme-doc", "globex-doc"):
+        pack_kv(random_kv(2, 32, 2, 64, seed=1), carts["root"] / cid, cartridge_id=cid, model=model_dir,
+                kind="first_k", token_ids=list(range(1, 33)), chunk_size=32)
+        reg.register(carts["root"] / cid, labels=["handbook"])
+    acme = "acme-key-0123456789abcdef"
+    (carts["root"] / "tenants.yaml").write_text(f"tenants:\n  - name: acme\n    keys: [{acme}]\n"
+                                                f"    ids: [\"acme-*\"]\n")
+    monkeypatch.setenv("LMCACHE_CARTRIDGE_TENANTS", str(carts["root"] / "tenants.yaml"))
+    monkeypatch.setenv("LMCACHE_CARTRIDGE_API_KEYS", GATEWAY_KEY)
+    srv = fake(api_keys=[VLLM_KEY])
+    r = httpx.get(srv.url + "/v1/cartridges", headers=bearer(acme))
+    assert r.status_code == 200, r.text
+    assert r.json() == {"object": "list", "data": [{"id": "acme-doc", "object": "cartridge", "labels": ["handbook"],
+                                                    "model": model_dir, "tokens": 32, "kind": "first_k"}]}
+    r = httpx.get(srv.url + "/v1/cartridges", headers=bearer(GATEWAY_KEY))
+    assert [c["id"] for c in r.json()["data"]] == ["acme-doc", "globex-doc"], r.text
+    assert httpx.get(srv.url + "/v1/cartridges").status_code == 401
+
+
 def test_fake_the_gateways_own_kv_transfer_params_reach_vllm(fake, carts, monkeypatch):
     """The keys only the gateway may set reach vLLM on its own requests to this server (signed
     with the server's secret, which vLLM never sees): a trained cartridge's readiness,

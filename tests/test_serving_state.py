@@ -239,3 +239,57 @@ def test_descendants_finds_children_and_grandchildren():
     finally:
         child.kill()
         os.system(f"kill {grandchild} 2>/dev/null")
+
+
+def test_a_trained_request_carries_its_rules_and_a_failed_load_is_a_retryable_503(tmp_path, model_dir):
+    """A chat request naming a trained cartridge its engine serves reaches /v1/completions as
+    token ids with the connector's rules (no recompute, the trained tokens to load first, no
+    save), and its answer comes back in chat's shape; vLLM's 500 for it (the KV could not be
+    loaded after the lookup) is the gateway's retryable 503, never the upstream's 500."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers, seen = [500, 200], []
+
+    class Upstream(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            status = answers.pop(0)
+            body = {"error": {"message": "load failed"}} if status == 500 else {
+                "id": "cmpl-1", "model": MODEL, "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reg = Registry(tmp_path / "reg.db")
+        pack_kv(random_kv(L, 2 * CHUNK, H, D, seed=5), tmp_path / "tr", cartridge_id="tr", model=MODEL,
+                kind="trained", vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+        reg.register(tmp_path / "tr")
+        gw = _gateway(f"http://127.0.0.1:{server.server_address[1]}", MODEL, tmp_path, model_dir, serve_timeout=5,
+                      max_model_len=4096)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "cartridges": [{"id": "tr"}]}
+        with engine_for(tmp_path, reg.path):
+            assert _until(lambda: [sorted(s.cartridges) for s in read_states(tmp_path / "cache")] == [["tr"]])
+            r = _call(gw, "POST", "/v1/chat/completions", json=chat)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+            assert r.json()["error"]["type"] == "server_error"
+            assert r.json()["error"]["message"].endswith("retry the request (upstream: load failed)")
+            path, sent = seen[-1]
+            params = sent["kv_transfer_params"]
+            assert path == "/v1/completions" and "messages" not in sent and "cartridges" not in sent
+            assert params["lmcache_cartridge.no_recompute"] is True and params["lmcache.skip_save"] is True
+            assert params["lmcache_cartridge.trained_tokens"] == 2 * CHUNK and sent["model"] == MODEL
+            r = _call(gw, "POST", "/v1/chat/completions", json=chat)
+            assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+            assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "ok"}
+    finally:
+        server.shutdown()

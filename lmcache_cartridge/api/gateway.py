@@ -19,11 +19,13 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
+from lmcache_cartridge.api.asgi import BodyTooLarge, error_response, read_body, replay
 from lmcache_cartridge.api.metrics import STATUS_REASON, GatewayMetrics
 from lmcache_cartridge.api.prompts import PromptBuilder
 from lmcache_cartridge.api.requests import ChatRequest, CompletionRequest, describe
-from lmcache_cartridge.api.resolver import Resolver
+from lmcache_cartridge.api.resolver import Plan, Resolver
 from lmcache_cartridge.api.routing import SESSION_HEADER, route_id, session_key
 from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.cartridge.keys import SALT_TAG
@@ -81,6 +83,16 @@ def completion_chunk_to_chat(chunk: dict, first: bool) -> dict:
     }
 
 
+def cartridge_list(entries, tenant=None) -> dict:
+    """`GET /v1/cartridges`: the registered cartridges `tenant` may name (None: an operator's key,
+    or no keys at all: every registered id), as an OpenAI list. Only what a request may use to
+    name and size one: never its path or source URI, never an entry outside the tenant's ids."""
+    return {"object": "list", "data": [
+        {"id": e.id, "object": "cartridge", "labels": list(e.labels), "model": e.model, "tokens": e.num_tokens,
+         "kind": e.kind}
+        for e in entries if tenant is None or tenant.may_name(e.id)]}
+
+
 # --- the app ----------------------------------------------------------------------------------
 _CHAT_ONLY = {"messages", "top_logprobs"}  # chat's own fields, translated for /v1/completions
 # Chat fields that need vLLM's chat endpoint itself (its tool-call parser turns the output into
@@ -89,8 +101,98 @@ _CHAT_ONLY = {"messages", "top_logprobs"}  # chat's own fields, translated for /
 _CHAT_ENDPOINT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 
 
-class _Forward(Exception):
-    """Raised inside `handle` for a request that goes to vLLM whole (one without cartridges)."""
+@dataclass
+class Upstream:
+    """A request as the gateway sends it on: `body` to `path` with the router's session header
+    (`route`). `plan`: its cartridges' (None: a request without any, passed whole). `translate`:
+    a chat request sent to /v1/completions, whose answers are rebuilt in chat's shape."""
+
+    body: dict
+    path: str
+    route: dict
+    plan: Plan | None = None
+    translate: bool = False
+
+
+def whole_body(body: CompletionRequest | ChatRequest, model: str) -> dict:
+    """A request without cartridges as vLLM's own endpoint takes it: as sent, minus the
+    `cartridges` field, under the upstream's model name."""
+    upstream = {k: v for k, v in body.model_dump(exclude_unset=True).items() if k != "cartridges"}
+    upstream["model"] = model
+    return upstream
+
+
+def prompt_text(body: CompletionRequest | ChatRequest, chat: bool):
+    """The prompt of a request with cartridges, as text to tokenize after them: chat's messages
+    or the completion's one prompt. 400 for what a token-id prompt on /v1/completions cannot
+    carry (tool calls are parsed only on vLLM's chat endpoint; content parts other than text)."""
+    try:
+        if chat:
+            needs = [k for k in _CHAT_ENDPOINT_ONLY if k in body.model_fields_set or k in (body.model_extra or {})]
+            if needs:
+                raise ValueError(repr(needs[0]))
+            return [m.as_text() for m in body.messages]
+        return body.one_prompt()
+    except ValueError as e:
+        raise RequestError(400, f"{e} cannot be combined with cartridges: a request with cartridges "
+                                "reaches vLLM as token ids of text on /v1/completions, where tool calls "
+                                "are not parsed and only text is rendered (send it without cartridges)") from None
+
+
+def completion_body(body: CompletionRequest | ChatRequest, chat: bool, plan: Plan, ids: list[int], model: str) -> dict:
+    """The /v1/completions body for a request with cartridges: the client's fields (chat's
+    translated), the token-id prompt `ids`, and the kv_transfer_params the plan needs."""
+    upstream = {k: v for k, v in body.model_dump(exclude_unset=True).items()
+                if k not in _CHAT_ONLY and k not in ("prompt", "cartridges")}
+    tags = [k for k in (body.kv_transfer_params or {}) if k.startswith("lmcache.tag.")]
+    if tags and plan.wanted:
+        raise RequestError(400, f"kv_transfer_params {tags[0]!r} cannot go with cartridges whose KV is "
+                                "loaded: LMCache keys a request's chunks by its tags, and a cartridge's "
+                                "chunks carry none of the client's")
+    if plan.salt:
+        # KV a client brought: keyed under its salt in LMCache (the plugin keys it so) and in
+        # vLLM's prefix cache (`cache_salt`), so only requests naming it ever use it
+        upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), SALT_TAG: plan.salt}
+        upstream["cache_salt"] = plan.salt if "cache_salt" not in upstream \
+            else f"{plan.salt}:{upstream['cache_salt']}"[:128]
+    upstream.update(model=model, prompt=ids)
+    if chat:  # chat's logprobs: bool + top_logprobs: int -> completions' logprobs: int
+        if body.logprobs:
+            upstream["logprobs"] = max(1, body.top_logprobs or 1)
+        else:
+            upstream.pop("logprobs", None)
+    if plan.trained:
+        assert not plan.salt  # a client's KV is never loaded beside trained KV (Resolver._tail)
+        # Placeholder tokens' KV must never be stored where LMCache would serve it, and a
+        # failed load of the cartridge must fail the request, never recompute them
+        # (vllm.load_failure): vLLM answers 500, mapped to a retryable 503 by the gateway. The
+        # instance schedules it only once its first TRAINED_TOKENS_PARAM tokens can be
+        # loaded there (vllm.readiness: waits, bounded, else fails), whichever instance.
+        # `lmcache.skip_save` is the in-process mode's, `lmcache.max_offload_tokens` the MP mode's.
+        upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), "lmcache.skip_save": True,
+                                          "lmcache.max_offload_tokens": 0, NO_RECOMPUTE_PARAM: True,
+                                          TRAINED_TOKENS_PARAM: plan.kv_end, COMPOSE_PARAM: plan.recipes()}
+    return upstream
+
+
+async def relay_events(r, translate: bool):
+    """The upstream's event stream `r` line by line as it arrives; completion chunks rebuilt as
+    chat ones where `translate`. Closes `r` at the end (or when the client goes)."""
+    first = True
+    try:
+        async for line in r.aiter_lines():
+            if not translate or not line.startswith("data: ") or line == "data: [DONE]":
+                yield line + "\n"
+                continue
+            try:
+                chunk = json.loads(line[6:])
+            except ValueError:  # not an event we can translate: pass it on as is
+                yield line + "\n"
+                continue
+            yield "data: " + json.dumps(completion_chunk_to_chat(chunk, first)) + "\n"
+            first = False
+    finally:
+        await r.aclose()
 
 
 class ApiKeys:
@@ -114,11 +216,8 @@ class ApiKeys:
             # the tenant whose scope the request gets (None: an operator key), for `handle`
             scope.setdefault("state", {})["tenant"] = self.settings.tenant_of(token.decode(errors="replace"))
             return await self.app(scope, receive, send)
-        from fastapi.responses import JSONResponse
-
-        resp = JSONResponse({"error": {"message": "a valid API key is required: send 'Authorization: Bearer <key>'",
-                                       "type": "invalid_request_error", "code": 401}}, status_code=401,
-                            headers={"WWW-Authenticate": "Bearer"})
+        resp = error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                              headers={"WWW-Authenticate": "Bearer"})
         return await resp(scope, receive, send)
 
 
@@ -132,31 +231,15 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        too_big = declared.isdigit() and int(declared) > self.limit
-        chunks, size, more = [], 0, not too_big
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                break
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            more = msg.get("more_body", False) and size <= self.limit
-        if too_big or size > self.limit:
-            from fastapi.responses import JSONResponse
-
-            resp = JSONResponse({"error": {"message": f"request body over {self.limit} bytes",
-                                           "type": "invalid_request_error", "code": 413}}, status_code=413)
-            return await resp(scope, receive, send)
-        body, sent = b"".join(chunks), False
-
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return await self.app(scope, replay, send)
+        try:
+            if declared.isdigit() and int(declared) > self.limit:
+                raise BodyTooLarge()
+            body = await read_body(receive, self.limit)
+        except BodyTooLarge:
+            return await error_response(413, f"request body over {self.limit} bytes")(scope, receive, send)
+        if body is None:
+            return  # the client is gone
+        return await self.app(scope, replay(body, receive), send)
 
 
 def create_app(settings: GatewaySettings, *, transport=None):
@@ -196,11 +279,13 @@ def create_app(settings: GatewaySettings, *, transport=None):
 
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    def error(status: int, message: str, reason: str | None = None) -> JSONResponse:
-        """An OpenAI-shaped error; `reason` (metrics.REASONS) labels it on /metrics (default: by status)."""
-        resp = JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                       else "upstream_error", "code": status}}, status_code=status)
+    def error(status: int, message: str, reason: str | None = None, retry_after: float | None = None) -> JSONResponse:
+        """An OpenAI-shaped error; `reason` (metrics.REASONS) labels it on /metrics (default: by status);
+        `retry_after` seconds are sent as Retry-After."""
+        resp = error_response(status, message)
         resp.reason = reason or STATUS_REASON.get(status, "upstream" if status == 502 else None)
+        if retry_after is not None:
+            resp.headers["Retry-After"] = str(max(1, round(retry_after)))
         return resp
 
     def upstream_answer(data, status: int) -> JSONResponse:
@@ -264,120 +349,58 @@ def create_app(settings: GatewaySettings, *, transport=None):
                 return None
         return limits["max_model_len"]
 
-    async def handle(body: CompletionRequest | ChatRequest, chat: bool, tenant=None):
+    async def prepare(body: CompletionRequest | ChatRequest, chat: bool, tenant) -> Upstream:
+        """Validate, resolve and plan the request's cartridges (waiting until the engine serves
+        the ones whose KV it loads), and rewrite it for the upstream. Raises RequestError,
+        NotServed or CartridgeError for what is answered instead."""
+        specs = body.cartridges or []
+        if len(specs) > settings.max_cartridges:
+            raise RequestError(400, f"too many cartridges: {len(specs)} (at most {settings.max_cartridges})")
+        if body.model not in (None, settings.model, *settings.accept_models):  # names of the same weights
+            raise RequestError(404, f"model {body.model!r} is not served here ({settings.model!r} is)")
+        if not specs:  # nothing to put first: vLLM's own endpoint takes the request as it is
+            return Upstream(whole_body(body, settings.model), "/v1/chat/completions" if chat else "/v1/completions",
+                            {SESSION_HEADER: session_key([])})
+        resolved = [await asyncio.to_thread(resolver.resolve, s, tenant) for s in specs]
+        plan = await asyncio.to_thread(resolver.plan, resolved)
+        if plan.wanted:
+            with metrics.timed(metrics.ready_wait):
+                await asyncio.to_thread(
+                    wait_served, settings.cache_dir, settings.registry,
+                    [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
+                    models=(settings.model, *settings.accept_models))  # another model's instances never serve it
+        text = prompt_text(body, chat)
+        ids = prompts.chat_ids(text, plan.prefix, after_trained=plan.trained) if chat \
+            else prompts.completion_ids(text, plan.prefix)
+        limit = await max_model_len()
+        if limit is not None and len(ids) + (body.max_tokens or 0) > limit:
+            raise RequestError(400, f"cartridges ({len(plan.prefix)} tokens) + prompt ({len(ids) - len(plan.prefix)} "
+                                    f"tokens) + max_tokens ({body.max_tokens or 0}) = "
+                                    f"{len(ids) + (body.max_tokens or 0)} tokens, over the model's "
+                                    f"max_model_len of {limit}")
+        route = {SESSION_HEADER: session_key([route_id(r.entry.id if r.entry else None, r.token_ids)
+                                              for r in resolved if r.entry is not None or r.token_ids])}
+        return Upstream(completion_body(body, chat, plan, ids, settings.model), "/v1/completions", route, plan,
+                        translate=chat)
+
+    async def relay(up: Upstream):
+        """Send the prepared request upstream and answer with what comes back: JSON, or the
+        stream as it arrives (completions' answers in chat's shape where the client asked chat)."""
         try:
-            specs = body.cartridges or []
-            if len(specs) > settings.max_cartridges:
-                raise RequestError(400, f"too many cartridges: {len(specs)} (at most {settings.max_cartridges})")
-            if body.model not in (None, settings.model, *settings.accept_models):  # names of the same weights
-                raise RequestError(404, f"model {body.model!r} is not served here ({settings.model!r} is)")
-            resolved = [await asyncio.to_thread(resolver.resolve, s, tenant) for s in specs]
-            plan = await asyncio.to_thread(resolver.plan, resolved)
-            if plan.wanted:
-                with metrics.timed(metrics.ready_wait):
-                    await asyncio.to_thread(
-                        wait_served, settings.cache_dir, settings.registry,
-                        [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
-                        models=(settings.model, *settings.accept_models))  # another model's instances never serve it
-            if not specs:  # nothing to put first: vLLM's own endpoint takes the request as it is
-                upstream = {k: v for k, v in body.model_dump(exclude_unset=True).items() if k != "cartridges"}
-                upstream["model"] = settings.model
-                route = {SESSION_HEADER: session_key([])}
-                raise _Forward()
-            try:
-                if chat:
-                    needs = [k for k in _CHAT_ENDPOINT_ONLY
-                             if k in body.model_fields_set or k in (body.model_extra or {})]
-                    if needs:
-                        raise ValueError(repr(needs[0]))
-                    messages = [m.as_text() for m in body.messages]
-                else:
-                    prompt = body.one_prompt()
-            except ValueError as e:
-                raise RequestError(400, f"{e} cannot be combined with cartridges: a request with cartridges "
-                                        "reaches vLLM as token ids of text on /v1/completions, where tool calls "
-                                        "are not parsed and only text is rendered (send it without cartridges)"
-                                   ) from None
-            if chat:
-                ids = prompts.chat_ids(messages, plan.prefix, after_trained=plan.trained)
-            else:
-                ids = prompts.completion_ids(prompt, plan.prefix)
-            limit = await max_model_len() if specs else None
-            if limit is not None and len(ids) + (body.max_tokens or 0) > limit:
-                raise RequestError(400, f"cartridges ({len(plan.prefix)} tokens) + prompt ({len(ids) - len(plan.prefix)} "
-                                        f"tokens) + max_tokens ({body.max_tokens or 0}) = "
-                                        f"{len(ids) + (body.max_tokens or 0)} tokens, over the model's "
-                                        f"max_model_len of {limit}")
-            upstream = {k: v for k, v in body.model_dump(exclude_unset=True).items()
-                        if k not in _CHAT_ONLY and k not in ("prompt", "cartridges")}
-            tags = [k for k in (body.kv_transfer_params or {}) if k.startswith("lmcache.tag.")]
-            if tags and plan.wanted:
-                raise RequestError(400, f"kv_transfer_params {tags[0]!r} cannot go with cartridges whose KV is "
-                                        "loaded: LMCache keys a request's chunks by its tags, and a cartridge's "
-                                        "chunks carry none of the client's")
-            if plan.salt:
-                # KV a client brought: keyed under its salt in LMCache (the plugin keys it so) and in
-                # vLLM's prefix cache (`cache_salt`), so only requests naming it ever use it
-                upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), SALT_TAG: plan.salt}
-                upstream["cache_salt"] = plan.salt if "cache_salt" not in upstream \
-                    else f"{plan.salt}:{upstream['cache_salt']}"[:128]
-            upstream.update(model=settings.model, prompt=ids)
-            if chat:  # chat's logprobs: bool + top_logprobs: int -> completions' logprobs: int
-                if body.logprobs:
-                    upstream["logprobs"] = max(1, body.top_logprobs or 1)
-                else:
-                    upstream.pop("logprobs", None)
-            route = {SESSION_HEADER: session_key([route_id(r.entry.id if r.entry else None, r.token_ids)
-                                                  for r in resolved if r.entry is not None or r.token_ids])}
-            if plan.trained:
-                assert not plan.salt  # a client's KV is never loaded beside trained KV (Resolver._tail)
-                # Placeholder tokens' KV must never be stored where LMCache would serve it, and a
-                # failed load of the cartridge must fail the request, never recompute them
-                # (vllm.load_failure): vLLM answers 500, mapped to a retryable 503 below. The
-                # instance schedules it only once its first TRAINED_TOKENS_PARAM tokens can be
-                # loaded there (vllm.readiness: waits, bounded, else fails), whichever instance.
-                # `lmcache.skip_save` is the in-process mode's, `lmcache.max_offload_tokens` the MP mode's.
-                upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), "lmcache.skip_save": True,
-                                                  "lmcache.max_offload_tokens": 0, NO_RECOMPUTE_PARAM: True,
-                                                  TRAINED_TOKENS_PARAM: plan.kv_end,
-                                                  COMPOSE_PARAM: plan.recipes()}
-        except RequestError as e:
-            resp = error(e.status, str(e))
-            if e.retry_after is not None:
-                resp.headers["Retry-After"] = str(max(1, round(e.retry_after)))
-            return resp
-        except NotServed as e:
-            resp = error(e.status, str(e), "not_served")
-            if e.retry_after is not None:
-                resp.headers["Retry-After"] = str(max(1, round(e.retry_after)))
-            return resp
-        except CartridgeError as e:
-            return error(400, str(e))
-        except _Forward:
-            plan = None
-        if plan is not None and plan.primes:
-            failed = await prime(plan, route)
-            if failed is not None:
-                return failed
-        stream = bool(upstream.get("stream"))
-        # with cartridges the prompt is token ids: vLLM's completions endpoint, answered in chat's shape
-        path = "/v1/chat/completions" if chat and plan is None else "/v1/completions"
-        translate = chat and plan is not None  # completions' answers in chat's shape
-        try:
-            if not stream:
-                with metrics.timed(metrics.upstream, path):
-                    r = await client.post(path, json=upstream, headers=route)
+            if not up.body.get("stream"):
+                with metrics.timed(metrics.upstream, up.path):
+                    r = await client.post(up.path, json=up.body, headers=up.route)
                 try:
                     data = r.json()
                 except ValueError:
                     return error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {r.text[:200]!r}")
-                if r.status_code == 500 and plan is not None and plan.trained:
+                if r.status_code == 500 and up.plan is not None and up.plan.trained:
                     return trained_failed(data)
                 if r.status_code != 200:
                     return upstream_answer(data, r.status_code)
-                return JSONResponse(completion_to_chat(data) if translate else data)
-            req = client.build_request("POST", path, json=upstream, headers=route)
-            with metrics.timed(metrics.upstream, path):
+                return JSONResponse(completion_to_chat(data) if up.translate else data)
+            req = client.build_request("POST", up.path, json=up.body, headers=up.route)
+            with metrics.timed(metrics.upstream, up.path):
                 r = await client.send(req, stream=True)
         except httpx.HTTPError as e:
             return error(502, f"upstream {shown_upstream} unreachable: {type(e).__name__}")
@@ -388,25 +411,22 @@ def create_app(settings: GatewaySettings, *, transport=None):
                 return upstream_answer(json.loads(content or b"{}"), r.status_code)
             except ValueError:
                 return error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {content[:200]!r}")
+        return StreamingResponse(relay_events(r, up.translate), media_type="text/event-stream")
 
-        async def relay():
-            first = True
-            try:
-                async for line in r.aiter_lines():
-                    if not translate or not line.startswith("data: ") or line == "data: [DONE]":
-                        yield line + "\n"
-                        continue
-                    try:
-                        chunk = json.loads(line[6:])
-                    except ValueError:  # not an event we can translate: pass it on as is
-                        yield line + "\n"
-                        continue
-                    yield "data: " + json.dumps(completion_chunk_to_chat(chunk, first)) + "\n"
-                    first = False
-            finally:
-                await r.aclose()
-
-        return StreamingResponse(relay(), media_type="text/event-stream")
+    async def handle(body: CompletionRequest | ChatRequest, chat: bool, tenant=None):
+        try:
+            up = await prepare(body, chat, tenant)
+        except RequestError as e:
+            return error(e.status, str(e), retry_after=e.retry_after)
+        except NotServed as e:
+            return error(e.status, str(e), "not_served", retry_after=e.retry_after)
+        except CartridgeError as e:
+            return error(400, str(e))
+        if up.plan is not None and up.plan.primes:
+            failed = await prime(up.plan, up.route)
+            if failed is not None:
+                return failed
+        return await relay(up)
 
     async def answer(body: CompletionRequest | ChatRequest, request: Request, chat: bool):
         """`handle` for the key's tenant (`ApiKeys`); the answer's reason kept for /metrics (`_count`)."""
@@ -429,6 +449,12 @@ def create_app(settings: GatewaySettings, *, transport=None):
             return JSONResponse(r.json(), status_code=r.status_code)
         except (httpx.HTTPError, ValueError) as e:
             return error(502, f"upstream {shown_upstream}: {type(e).__name__}")
+
+    @app.get("/v1/cartridges")
+    async def cartridges(request: Request):
+        """The registered cartridges the caller may name (`cartridge_list`)."""
+        entries = await asyncio.to_thread(registry.list)
+        return JSONResponse(cartridge_list(entries, getattr(request.state, "tenant", None)))
 
     @app.get("/health")
     async def health():

@@ -28,6 +28,7 @@ stack nothing can bypass it:
 - JSON bodies are judged as vLLM parses them (`json.loads` on the bytes, which also decodes
   UTF-16 and UTF-32): JSON in any encoding but UTF-8 answers 400 (`parse_body`), so no field can
   hide from the checks above in an encoding they do not read.
+- GET /v1/cartridges (the cartridges the caller's key may name) is the gateway's, its keys included.
 - Everything else reaches vLLM untouched: a body read to look for the fields is replayed byte
   for byte; GET /metrics gets the gateway's series appended.
 - If the gateway cannot be set up (no cartridge plugin in the LMCache config, a bad setting),
@@ -58,10 +59,12 @@ from typing import Any, Callable
 
 from lmcache_cartridge import ensure_log_handler
 from lmcache_cartridge import settings_reference as ref
+from lmcache_cartridge.api.asgi import error_response, read_body, replay
 
 logger = logging.getLogger("lmcache_cartridge.api.middleware")
 
 GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions")
+LIST_PATH = "/v1/cartridges"  # GET: the cartridges the caller may name, answered by the gateway
 # the paths vLLM's --api-key guards (vllm/entrypoints/serve/middleware/authenticate.py)
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 FORMS = (b"multipart/", b"application/x-www-form-urlencoded")
@@ -348,38 +351,6 @@ class _Signed:
         await self.aclose()
 
 
-async def _read_body(receive) -> bytes | None:
-    """The whole request body; None if the client went away first."""
-    chunks = []
-    while True:
-        msg = await receive()
-        if msg["type"] != "http.request":
-            return None
-        chunks.append(msg.get("body", b""))
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _replay(body: bytes, receive):
-    sent = False
-
-    async def replay():
-        nonlocal sent
-        if sent:
-            return await receive()  # after the body: the client's disconnect, as vLLM expects
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
-
-
-def _error(status: int, message: str):
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                   else "server_error", "code": status}}, status_code=status)
-
-
 class _Lifespan:
     """Runs an ASGI app's lifespan (the gateway's: catalog sync, closing its client)."""
 
@@ -441,6 +412,12 @@ class CartridgeMiddleware:
         path, method = _route_path(scope), scope.get("method")
         if method == "GET" and path == "/metrics":
             return await self._metrics(scope, receive, send)
+        if method == "GET" and path == LIST_PATH:  # the gateway's own route: vLLM has none
+            if not self._started:
+                await self._start(scope.get("app"), scope)
+            if self.gateway is None:
+                return await self._unavailable()(scope, receive, send)
+            return await self.gateway(dict(scope, path=path, raw_path=path.encode(), root_path=""), receive, send)
         if method != "POST" or _header(scope, b"content-type").lower().startswith(FORMS):
             return await self.app(scope, receive, send)  # uploads (audio, files) are not read here
         if not self._started:
@@ -449,25 +426,29 @@ class CartridgeMiddleware:
             return await self.app(scope, receive, send)
         if self._refused_by_vllm(scope, path):
             return await self.app(scope, receive, send)  # vLLM answers 401 without reading the body
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:
             return  # the client is gone
-        replay = _replay(body, receive)
+        replay_body = replay(body, receive)
         data = parse_body(body)
         if data is NOT_UTF8:
-            return await _error(400, NOT_UTF8_MESSAGE)(scope, replay, send)
+            return await error_response(400, NOT_UTF8_MESSAGE)(scope, replay_body, send)
         refused = check_client_body(data)
         if refused is not None:
-            return await _error(400, refused)(scope, replay, send)
+            return await error_response(400, refused)(scope, replay_body, send)
         if not has_cartridges(body, data):
-            return await self.app(scope, replay, send)
+            return await self.app(scope, replay_body, send)
         if path not in GATEWAY_PATHS:
-            return await _error(400, f"'cartridges' is served on {' and '.join(GATEWAY_PATHS)} only, not on "
-                                     f"{path}")(scope, replay, send)
+            return await error_response(400, f"'cartridges' is served on {' and '.join(GATEWAY_PATHS)} only, "
+                                             f"not on {path}")(scope, replay_body, send)
         if self.gateway is None:
-            return await _error(501, f"this server cannot serve 'cartridges': {self.error}")(scope, replay, send)
+            return await self._unavailable()(scope, replay_body, send)
         sub = dict(scope, path=path, raw_path=path.encode(), root_path="")
-        return await self.gateway(sub, replay, send)
+        return await self.gateway(sub, replay_body, send)
+
+    def _unavailable(self):
+        """The answer to what only the gateway serves, where it could not be built (501, why)."""
+        return error_response(501, f"this server cannot serve 'cartridges': {self.error}")
 
     def _internal(self, scope) -> bool:
         """Whether the request is the gateway's own (it carries this server's secret)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -21,6 +20,7 @@ import torch
 
 from lmcache_cartridge.cartridge.buffers import as_bytes
 from lmcache_cartridge.cartridge.integrity import blake3_hex, check_chunk
+from lmcache_cartridge.paths import atomic_dir
 from lmcache_cartridge.errors import CartridgeFormatError, ChecksumError, ManifestError
 from lmcache_cartridge.cartridge.keys import placeholder_token_ids
 from lmcache_cartridge.cartridge.manifest import (KINDS, derive_content_hash, LAYOUT_2LTD, LAYOUT_BY_HEAD, LAYOUTS, MANIFEST_NAME,
@@ -167,9 +167,7 @@ def pack_kv(
 
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir, replace=True) as tmp:  # a finished cartridge or none, never half of one
         chunks: list[ChunkInfo] = []
         offset = 0
         starts = range(0, num_tokens, chunk_size)
@@ -188,8 +186,6 @@ def pack_kv(
                 chunks.append(ChunkInfo(i, offset, len(data), end - start, hashlib.sha256(data).hexdigest(),
                                         blake3_hex(data), heads))
                 offset += len(data)
-            f.flush()
-            os.fsync(f.fileno())
         content_hash = _content_hash(kv, chunks, chunk_size)
         if kind == "trained":
             assert vocab is not None
@@ -216,17 +212,6 @@ def pack_kv(
         )
         manifest.validate()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
-        os.chmod(tmp, 0o755)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 

@@ -38,7 +38,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import random
 import threading
 import time
@@ -51,6 +50,7 @@ from pydantic import BaseModel, Field, ValidationError
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, PAYLOAD_NAME, validate_id
 from lmcache_cartridge.cartridge.packed import PackedCartridge
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.paths import atomic_write
 
 logger = logging.getLogger("lmcache_cartridge.catalog")
 
@@ -345,10 +345,7 @@ class CatalogSync:
             return {}
 
     def _save_state(self, state: dict) -> None:
-        self._state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._state_path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, self._state_path)
+        atomic_write(self._state_path, json.dumps(state, indent=1))
 
     def _log_problem(self, key: str, msg: str) -> None:
         if self._last_problem.get(key) != msg:  # one line per distinct problem, not one per period

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from lmcache_cartridge.cartridge.composition import PARTS_NAME, composite_manifest
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
 from lmcache_cartridge.errors import CartridgeError, ManifestError
+from lmcache_cartridge.paths import atomic_dir
 from lmcache_cartridge.store.origins import COMPOSITE, COMPOSITE_S3, is_s3
 from lmcache_cartridge.store.registry import Entry
 
@@ -67,15 +66,9 @@ def register_composite(registry, parts: list[tuple[Entry, Manifest]], cache_dir:
                 return existing, made
         except ManifestError:  # written by an older version (no placeholder vocab, named otherwise): again
             shutil.rmtree(directory, ignore_errors=True)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    (tmp / PARTS_NAME).write_text(json.dumps(listing, indent=1), encoding="utf-8")
-    (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
-    os.chmod(tmp, 0o755)
-    try:
-        os.rename(tmp, directory)
-    except OSError:  # made meanwhile by another request: same content by construction
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_dir(directory) as tmp:  # made meanwhile by another request: same content by construction, kept
+        (tmp / PARTS_NAME).write_text(json.dumps(listing, indent=1), encoding="utf-8")
+        (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
     return registry.register(directory, source_uri=uri), Manifest.load(directory)
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest, id_from_name
 from lmcache_cartridge.errors import CartridgeError, ManifestError
+from lmcache_cartridge.paths import atomic_write
 from lmcache_cartridge.store.cache_budget import touch  # reuse refreshes an item's place in the budget
 
 
@@ -35,14 +35,6 @@ def load_vocab(tokenizer):
 
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
     return VocabInfo(len(tokenizer), tuple(tokenizer.all_special_ids))
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 # --- S3 packed prefixes -----------------------------------------------------------------------
@@ -65,7 +57,7 @@ def fetch_s3_manifest(uri: str, settings, into_dir: Path) -> Manifest:
         manifest = Manifest.from_dict(json.loads(raw))
     except ValueError as e:
         raise CartridgeError(f"{uri}/{MANIFEST_NAME} is not valid JSON: {e}") from e
-    _atomic_write(into_dir / MANIFEST_NAME, raw)
+    atomic_write(into_dir / MANIFEST_NAME, raw)
     return manifest
 
 
@@ -125,7 +117,7 @@ def fetch_s3_object(uri: str, settings, cache_dir: Path, *, force: bool = False)
             pass  # a damaged record: download again
     with S3Origin(uri, settings) as origin:
         info = origin.download_object(data)
-    _atomic_write(meta, json.dumps(asdict(info)).encode())
+    atomic_write(meta, json.dumps(asdict(info)).encode())
     return CachedObject(data, uri, info.size, info.etag, info.sha256, downloaded=True)
 
 
@@ -199,7 +191,7 @@ def fetch_s3_dir(uri: str, settings, cache_dir: Path, *, force: bool = False) ->
     for stale in files.glob("*") if files.is_dir() else ():
         if stale.name not in record:  # a file the prefix no longer holds must not change the input
             stale.unlink()
-    _atomic_write(meta_path, json.dumps({"uri": uri, "files": record}).encode())
+    atomic_write(meta_path, json.dumps({"uri": uri, "files": record}).encode())
     touch(d)
     h = hashlib.sha256()  # content_digest of the directory, from the sha256s already computed
     for name in sorted(record):

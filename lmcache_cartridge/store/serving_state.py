@@ -29,11 +29,12 @@ import contextlib
 import json
 import os
 import socket
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Union
+
+from lmcache_cartridge.paths import atomic_write
 
 VERSION = 1
 STATE_DIR = "serving"
@@ -204,20 +205,10 @@ def descendants(pid: int) -> set[int]:
 def publish(cache_dir: str | Path, state: ServingState) -> Path:
     """Write `state` as `<state_dir>/<instance>.json`, atomically. Concurrent calls (the plugin's
     watcher thread and a download callback) each use their own temp file."""
-    directory = state_dir(cache_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{state.instance}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it 0600: a gateway or CLI of another user reads it
-        with os.fdopen(fd, "w") as f:
-            json.dump(state.to_json(), f)
-        path = directory / f"{state.instance}.json"
-        os.replace(tmp, path)
-        return path
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    # 0644: a gateway or CLI of another user reads it; not synced to disk: rewritten every
+    # period, and worth nothing once its process is gone
+    return atomic_write(state_dir(cache_dir) / f"{state.instance}.json", json.dumps(state.to_json()), mode=0o644,
+                        durable=False)
 
 
 def unpublish(cache_dir: str | Path, instance: str) -> None:

@@ -473,104 +473,12 @@ def cmd_label(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    """Check a config the way LMCache will load it, then every registered cartridge against it."""
-    from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
-    from lmcache_cartridge.cartridge.keys import hash_config_problem
-    from lmcache_cartridge.cartridge.manifest import Manifest
-    from lmcache_cartridge.cartridge.packed import PackedCartridge
-    from lmcache_cartridge.store.origins import has_payload
-    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
-    from lmcache_cartridge.store.registry import Registry
-    from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_keys, unknown_lmcache_keys
+    """Check a config the way LMCache will load it, then every registered cartridge against it
+    (`tools.doctor`), one finding a line as each is made."""
+    from lmcache_cartridge.tools.doctor import diagnose, failed
 
-    results: list[tuple[str, str]] = []
-
-    def check(level: str, msg: str) -> None:
-        results.append((level, msg))
-        print(f"{level:<4}  {msg}")
-
-    from lmcache_cartridge import versions
-
-    tested, line = versions.pairing()
-    check("OK" if tested else "WARN", line)
-    import torch
-
-    cuda = torch.cuda.is_available()
-    ops = versions.lmcache_ops_problem(cuda)
-    check("FAIL" if ops else "OK", ops or f"LMCache's compiled ops load ({'CUDA' if cuda else 'CPU'})")
-    if not _server_config(args):
-        check("FAIL", "no LMCache config: pass --config FILE, or set LMCACHE_CONFIG_FILE or the server's "
-                      "LMCACHE_* variables (LMCACHE_STORAGE_PLUGINS, LMCACHE_EXTRA_CONFIG, ...)")
-        return EXIT_PROBLEMS
-    config = _load_lmcache_config(args.config)
-    check("OK", f"{args.config or 'the LMCACHE_* environment'} loads as an LMCacheEngineConfig")
-    if args.config:
-        import yaml
-
-        raw = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
-        for problem in unknown_lmcache_keys(raw if isinstance(raw, dict) else {}):
-            check("FAIL", f"{problem} (LMCache ignores it)")
-    try:
-        settings = PluginSettings.from_config(config, CartridgeStoragePlugin)
-        check("OK", f"storage plugin '{settings.name}' -> {CartridgeStoragePlugin.__module__}.{CartridgeStoragePlugin.__name__}")
-    except CartridgeError as e:
-        check("FAIL", f"plugin not configured: {e}")
-        return EXIT_PROBLEMS
-    for problem in unknown_keys(config, settings.name):
-        check("FAIL", f"{problem} (the plugin ignores it)")
-    if not config.local_cpu or not config.max_local_cpu_size or config.max_local_cpu_size <= 0:
-        check("FAIL", "local_cpu must be true and max_local_cpu_size > 0: LocalCPUBackend is the allocator the plugin fills")
-    else:
-        check("OK", f"LocalCPUBackend allocator: {config.max_local_cpu_size} GB")
-    if config.store_location != "LocalCPUBackend":
-        check("WARN", f"store_location is {config.store_location!r}; set it to LocalCPUBackend so puts never reach the read-only plugin")
-    problem = hash_config_problem(config.pre_caching_hash_algorithm)
-    check("FAIL" if problem and not settings.allow_unstable_hash else "OK",
-          problem or f"hash {config.pre_caching_hash_algorithm}: scheduler and workers agree on keys")
-    if config.use_layerwise:
-        check("FAIL", "use_layerwise: true is not supported by the cartridge plugin")
-    try:
-        entries = Registry(settings.registry, create=False).list()
-        check("OK", f"registry {settings.registry}: {len(entries)} cartridges")
-    except CartridgeError as e:
-        check("FAIL", str(e))
-        entries = []
-    engine = EngineShape.partial(model_names=(args.model, *settings.accept_models) if args.model else None,
-                                 chunk_size=int(config.chunk_size))
-    for e in entries:
-        try:
-            if has_payload(e.source_uri):
-                with PackedCartridge(e.path) as p:
-                    m = p.manifest
-                    report = p.verify() if args.verify else None
-            else:  # S3 or composite: the manifest is here, the bytes are read where they live
-                m, report = Manifest.load(e.path), None
-        except CartridgeError as err:
-            check("FAIL", f"{e.id}: {err}")
-            continue
-        why = mismatch(m, engine)
-        if why:
-            check("FAIL", f"{e.id}: {why}")
-        elif report is not None and not report.ok:
-            check("FAIL", f"{e.id}: " + "; ".join(report.problems))
-        else:
-            check("OK", f"{e.id}: {m.kind}, {m.num_full_chunks} servable chunks, model {m.model}")
-    # What running servers serve from this registry (their serving-state records): a cartridge a
-    # running instance of this model refuses is a request the gateway would answer 400.
-    from lmcache_cartridge.lmcache.serving import live_instances
-
-    running = live_instances(settings.cache_dir, settings.registry, models=engine.model_names)
-    check("OK", f"{len(running)} running plugin instance(s) of "
-                f"{'model ' + repr(args.model) if args.model else 'any model'} on this registry")
-    for st in running:
-        where = "LMCache MP server" if st.role == "mp-server" else f"rank {st.rank}/{st.world_size}"
-        check("OK", f"{st.instance} (model {st.model}, {where}, pid {st.pid}): "
-                    f"serves {len(st.cartridges)} cartridge(s)")
-        if not st.healthy:
-            check("FAIL", f"{st.instance} serves nothing: {st.problem}")
-        for cid, why in sorted(st.skipped.items()):
-            check("WARN", f"{st.instance} does not serve {cid}: {why}")
-    return EXIT_PROBLEMS if any(level == "FAIL" for level, _ in results) else 0
+    findings = diagnose(args.config, model=args.model, verify=args.verify, on_finding=print)
+    return EXIT_PROBLEMS if failed(findings) else 0
 
 
 def cmd_mp_server(args) -> int:

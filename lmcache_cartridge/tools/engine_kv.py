@@ -34,7 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -222,12 +222,3 @@ class EngineKVMaker:
             flat = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.bfloat16)
             parts.append(flat.view(2, g.num_layers, end - start, g.num_kv_heads, g.head_dim))
         return torch.cat(parts, dim=2).contiguous()
-
-
-def engine_prefix_kv(model_dir: str | Path, token_ids: Sequence[int], work_dir: str | Path,
-                     maker: Optional[EngineKVMaker] = None, **kw) -> torch.Tensor:
-    """`EngineKVMaker(...).prefix_kv(token_ids)` with a maker of its own unless one is given."""
-    if maker is not None:
-        return maker.prefix_kv(token_ids)
-    with EngineKVMaker(model_dir, work_dir, **kw) as m:
-        return m.prefix_kv(token_ids)

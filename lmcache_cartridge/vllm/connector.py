@@ -90,8 +90,8 @@ def _on_cpu_backend(vllm_config: "VllmConfig") -> bool:
 
         if current_platform.is_cpu():
             return True
-    except Exception:
-        pass
+    except Exception as e:  # no platform to ask: the device the config names decides
+        logger.debug("lmcache_cartridge: vLLM's current platform unknown (%s: %s)", type(e).__name__, e)
     return str(getattr(vllm_config.device_config, "device", "")).startswith("cpu")
 
 
@@ -298,8 +298,9 @@ class CartridgeConnector(LMCacheConnectorV1):
                 if eng is not None:
                     try:
                         eng.lookup_unpin(req.req_id)
-                    except Exception:
-                        pass
+                    except Exception as e:  # the failure is reported below either way
+                        logger.warning("lmcache_cartridge: unpinning the lookup of request %s failed: %s: %s",
+                                       req.req_id, type(e).__name__, e)
         if blocks:
             with self._failed_lock:
                 self._failed_blocks |= blocks

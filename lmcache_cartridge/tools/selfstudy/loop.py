@@ -10,7 +10,6 @@ an uninterrupted run computes.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.paths import atomic_open
 from lmcache_cartridge.tools.selfstudy.config import LoopConfig
 from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss, kl_sum
 from lmcache_cartridge.tools.selfstudy.synth import Conversation, sub_seed
@@ -93,9 +93,8 @@ def heldout_kl(student, convs: list[Conversation], *, pad_id: int, batch_size: i
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_open(path) as f:  # a temp name of its own: two writers of one checkpoint never share one
+        torch.save(obj, f)
 
 
 def save_checkpoint(work_dir: Path, *, fingerprint: str, step: int, student, optimizer) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.paths import atomic_open
 from lmcache_cartridge.tools.selfstudy.config import TrainConfig, check_length
 from lmcache_cartridge.tools.selfstudy.loop import LoopResult, build_student, encoder_of, run_loop
 from lmcache_cartridge.tools.selfstudy.synth import SEED_TYPES, Conversation, synthesize
@@ -87,10 +88,9 @@ def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str) -> tuple[l
     heldout = synthesize(model, tokenizer, text, cfg.synth, count=cfg.heldout, seed=cfg.loop.seed,
                          tag="heldout", exclude_questions={c.question for c in train}, progress=cfg.progress)
     cfg.work.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"fingerprint": fp, "train": [c.to_dict() for c in train],
-                "heldout": [c.to_dict() for c in heldout]}, tmp)
-    tmp.replace(path)
+    with atomic_open(path) as f:
+        torch.save({"fingerprint": fp, "train": [c.to_dict() for c in train],
+                    "heldout": [c.to_dict() for c in heldout]}, f)
     return train, heldout
 
 

@@ -1,0 +1,140 @@
+"""`lmcache-cartridge doctor`: an LMCache config checked the way LMCache and the plugin will load
+it, every registered cartridge against the engine it names, and what running plugin instances of
+the model serve from the registry. Each check is a `Finding`; the command prints them.
+
+Runs in the CLI's process, next to a server or on an operator's machine; reads only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from lmcache_cartridge.errors import CartridgeError
+
+LEVELS = ("OK", "WARN", "FAIL")
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str    # one of LEVELS
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.level:<4}  {self.message}"
+
+
+def failed(findings: list[Finding]) -> bool:
+    """Whether any check failed (the command exits 1)."""
+    return any(f.level == "FAIL" for f in findings)
+
+
+def diagnose(config: str | Path | None, *, model: str | None = None, verify: bool = False,
+             on_finding: Callable[[Finding], None] | None = None) -> list[Finding]:
+    """The findings for the LMCache config file `config` (None: the server's LMCACHE_*
+    environment, where it configures one), checked against `model` (None: any model's names);
+    `verify` reads every local cartridge's bytes against its checksums. `on_finding` sees each
+    finding as it is made (the checks of a large registry take a while). The checks stop after a
+    FAIL that leaves nothing to check further (no config, no plugin). CartridgeError where the
+    config cannot be loaded at all."""
+    from lmcache_cartridge import versions
+    from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
+    from lmcache_cartridge.cartridge.keys import hash_config_problem
+    from lmcache_cartridge.cartridge.manifest import Manifest
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+    from lmcache_cartridge.lmcache.serving import live_instances
+    from lmcache_cartridge.lmcache.settings import (PluginSettings, configured_by_environment, load_lmcache_config,
+                                                    unknown_keys, unknown_lmcache_keys)
+    from lmcache_cartridge.store.origins import has_payload
+    from lmcache_cartridge.store.registry import Registry
+
+    findings: list[Finding] = []
+
+    def check(level: str, msg: str) -> None:
+        findings.append(Finding(level, msg))
+        if on_finding is not None:
+            on_finding(findings[-1])
+
+    tested, line = versions.pairing()
+    check("OK" if tested else "WARN", line)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    ops = versions.lmcache_ops_problem(cuda)
+    check("FAIL" if ops else "OK", ops or f"LMCache's compiled ops load ({'CUDA' if cuda else 'CPU'})")
+    if not config and not configured_by_environment():
+        check("FAIL", "no LMCache config: pass --config FILE, or set LMCACHE_CONFIG_FILE or the server's "
+                      "LMCACHE_* variables (LMCACHE_STORAGE_PLUGINS, LMCACHE_EXTRA_CONFIG, ...)")
+        return findings
+    lmc = load_lmcache_config(config)
+    check("OK", f"{config or 'the LMCACHE_* environment'} loads as an LMCacheEngineConfig")
+    if config:
+        import yaml
+
+        raw = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+        for problem in unknown_lmcache_keys(raw if isinstance(raw, dict) else {}):
+            check("FAIL", f"{problem} (LMCache ignores it)")
+    try:
+        settings = PluginSettings.from_config(lmc, CartridgeStoragePlugin)
+        check("OK", f"storage plugin '{settings.name}' -> "
+                    f"{CartridgeStoragePlugin.__module__}.{CartridgeStoragePlugin.__name__}")
+    except CartridgeError as e:
+        check("FAIL", f"plugin not configured: {e}")
+        return findings
+    for problem in unknown_keys(lmc, settings.name):
+        check("FAIL", f"{problem} (the plugin ignores it)")
+    if not lmc.local_cpu or not lmc.max_local_cpu_size or lmc.max_local_cpu_size <= 0:
+        check("FAIL", "local_cpu must be true and max_local_cpu_size > 0: LocalCPUBackend is the allocator "
+                      "the plugin fills")
+    else:
+        check("OK", f"LocalCPUBackend allocator: {lmc.max_local_cpu_size} GB")
+    if lmc.store_location != "LocalCPUBackend":
+        check("WARN", f"store_location is {lmc.store_location!r}; set it to LocalCPUBackend so puts never reach "
+                      "the read-only plugin")
+    problem = hash_config_problem(lmc.pre_caching_hash_algorithm)
+    check("FAIL" if problem and not settings.allow_unstable_hash else "OK",
+          problem or f"hash {lmc.pre_caching_hash_algorithm}: scheduler and workers agree on keys")
+    if lmc.use_layerwise:
+        check("FAIL", "use_layerwise: true is not supported by the cartridge plugin")
+    try:
+        entries = Registry(settings.registry, create=False).list()
+        check("OK", f"registry {settings.registry}: {len(entries)} cartridges")
+    except CartridgeError as e:
+        check("FAIL", str(e))
+        entries = []
+    engine = EngineShape.partial(model_names=(model, *settings.accept_models) if model else None,
+                                 chunk_size=int(lmc.chunk_size))
+    for e in entries:
+        try:
+            if has_payload(e.source_uri):
+                with PackedCartridge(e.path) as p:
+                    m = p.manifest
+                    report = p.verify() if verify else None
+            else:  # S3 or composite: the manifest is here, the bytes are read where they live
+                m, report = Manifest.load(e.path), None
+        except CartridgeError as err:
+            check("FAIL", f"{e.id}: {err}")
+            continue
+        why = mismatch(m, engine)
+        if why:
+            check("FAIL", f"{e.id}: {why}")
+        elif report is not None and not report.ok:
+            check("FAIL", f"{e.id}: " + "; ".join(report.problems))
+        else:
+            check("OK", f"{e.id}: {m.kind}, {m.num_full_chunks} servable chunks, model {m.model}")
+    # What running servers serve from this registry (their serving-state records): a cartridge a
+    # running instance of this model refuses is a request the gateway would answer 400.
+    running = live_instances(settings.cache_dir, settings.registry, models=engine.model_names)
+    check("OK", f"{len(running)} running plugin instance(s) of "
+                f"{'model ' + repr(model) if model else 'any model'} on this registry")
+    for st in running:
+        where = "LMCache MP server" if st.role == "mp-server" else f"rank {st.rank}/{st.world_size}"
+        check("OK", f"{st.instance} (model {st.model}, {where}, pid {st.pid}): "
+                    f"serves {len(st.cartridges)} cartridge(s)")
+        if not st.healthy:
+            check("FAIL", f"{st.instance} serves nothing: {st.problem}")
+        for cid, why in sorted(st.skipped.items()):
+            check("WARN", f"{st.instance} does not serve {cid}: {why}")
+    return findings
