@@ -115,11 +115,11 @@ class StopsAfter(HFBackend):
         super().__init__(model, tok)
         self.calls, self.seen = calls, []
 
-    def run(self, body, cfg, specs):
+    def run(self, body, cfg, specs, done=None):
         if len(self.seen) == self.calls:
             raise Stop
         self.seen.append([s.index for s in specs])
-        return super().run(body, cfg, specs)
+        return super().run(body, cfg, specs, done)
 
 
 def test_a_stopped_synthesis_resumes_after_its_last_saved_batch(hf, doc, tmp_path):
@@ -162,9 +162,11 @@ def overlap(ids_a: torch.Tensor, ids_b: torch.Tensor, k: int) -> torch.Tensor:
     return (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).float().mean(-1)
 
 
-# Bounds for a right alignment (bf16 vLLM against fp32 HF, measured on the tiny peaked model:
-# see the printout); a position shifted by one is far outside them (asserted below).
-MAX_MEAN_KL = 0.05
+# Bounds for a right alignment: bf16 vLLM against fp32 HF on the tiny peaked model measured
+# mean KL 0.0005 (max 0.003 per token), top-5 overlap 0.98, top-1 agreement 0.98 (bf16 logits
+# tie); one position off measured KL 6.6, overlap 0.04, and the teacher without its window 7.7.
+MAX_MEAN_KL = 0.005
+MAX_TOKEN_KL = 0.05
 MIN_TOP5_OVERLAP = 0.9
 MIN_TOP1_AGREEMENT = 0.95
 
@@ -184,7 +186,7 @@ def compare(model, tok, convs, shift: int = 0):
 
 
 def passes(r) -> bool:
-    return (r["mean_kl"] <= MAX_MEAN_KL and r["top5_overlap"] >= MIN_TOP5_OVERLAP
+    return (r["mean_kl"] <= MAX_MEAN_KL and r["max_kl"] <= MAX_TOKEN_KL and r["top5_overlap"] >= MIN_TOP5_OVERLAP
             and r["top1_agree"] >= MIN_TOP1_AGREEMENT)
 
 
@@ -247,5 +249,5 @@ def test_vllm_teacher_targets_match_hf_on_the_same_conversations(hf, vllm_data):
     assert right["tokens"] > 100
     assert passes(right), right
     assert not passes(off_by_one) and not passes(off_by_minus_one)
-    assert off_by_one["mean_kl"] > 10 * MAX_MEAN_KL and off_by_minus_one["mean_kl"] > 10 * MAX_MEAN_KL
+    assert off_by_one["mean_kl"] > 100 * MAX_MEAN_KL and off_by_minus_one["mean_kl"] > 100 * MAX_MEAN_KL
     assert not passes(no_window), no_window

