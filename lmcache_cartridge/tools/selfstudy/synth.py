@@ -332,8 +332,10 @@ def synthesize(backend, tokenizer, text: str, cfg: SynthConfig, *, count: int, s
     kept, index = store.load(tag) if store is not None else ([], 0)
     kept = [(i, c) for i, c in kept if c.question not in exclude_questions]
     limit = 4 * count + 16
+    # smoothing=0: the rate (and ETA) is the average since the start, not of the last update
+    # (a batch of vLLM conversations finishes at once).
     with tqdm(total=count, initial=min(len(kept), count), desc=f"self-study {tag} ({backend.name})",
-              unit="conv", disable=not progress, dynamic_ncols=True) as bar:
+              unit="conv", disable=not progress, dynamic_ncols=True, smoothing=0) as bar:
         while len(kept) < count:
             if index >= limit:
                 raise CartridgeError(
@@ -353,6 +355,6 @@ def synthesize(backend, tokenizer, text: str, cfg: SynthConfig, *, count: int, s
                 store.save(tag, index, index + n, new)
             index += n
             kept += new
-            bar.n = min(len(kept), count)
-            bar.refresh()
+            if min(len(kept), count) > bar.n:  # backends that finish a batch at once report here
+                bar.update(min(len(kept), count) - bar.n)
     return [c for _, c in kept[:count]]

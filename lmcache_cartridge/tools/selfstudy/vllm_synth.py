@@ -177,7 +177,6 @@ class VllmBackend:
 
     def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec],
             done=None) -> list[Conversation | None]:
-        """`done`: called per finished conversation (they finish together, per batch)."""
         from vllm import SamplingParams
 
         tok, k = self.tokenizer, cfg.top_k
@@ -233,7 +232,4 @@ class VllmBackend:
             s = specs[i]
             results[i] = Conversation(s.seed_type, s.window, question, student, teacher, answer,
                                       ids, truncate_cover(lps, cfg.cover), p_ids, truncate_cover(p_lps, cfg.cover))
-        if done is not None:
-            for c in results:
-                done(c)
-        return results
+        return results  # all finish together: the caller's bar moves per batch (`done` unused)
