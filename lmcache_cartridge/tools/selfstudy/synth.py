@@ -181,12 +181,15 @@ def truncate_cover(lp: torch.Tensor, cover: float) -> torch.Tensor:
 
 
 def _generate(model, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
-              tokenizer, want_logits: bool):
+              tokenizer, want_logits: bool, past_key_values=None):
+    """`past_key_values`: a cache of `ids[:-1]` already computed (generate prefills the rest)."""
     device = next(model.parameters()).device
     inp = torch.tensor([ids], device=device)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id, return_dict_in_generate=True,
                                   output_logits=want_logits)
+    if past_key_values is not None:
+        kwargs["past_key_values"] = past_key_values
     if temperature > 0:
         kwargs.update(do_sample=True, temperature=temperature)
     else:
@@ -212,24 +215,29 @@ def synthesize_one(model, tokenizer, body: list[int], cfg: SynthConfig, spec: Sp
     user = {"role": "user", "content": question}
     teacher_prefix = chat_ids(tokenizer, [system, user])
     student_prefix = student_prompt_ids(tokenizer, user)
+    # One prefill of the window serves both: the question targets from it, then generate goes on
+    # from its cache (the answer costs no second prefill).
+    (p_ids, p_lp), cache = prompt_targets(model, teacher_prefix,
+                                          scored_prompt_tokens(teacher_prefix, student_prefix), cfg)
     answer, logits = _generate(model, teacher_prefix, max_new_tokens=cfg.answer_tokens, temperature=0.0,
-                               seed=0, tokenizer=tokenizer, want_logits=True)
+                               seed=0, tokenizer=tokenizer, want_logits=True, past_key_values=cache)
     topk_ids, topk_lp = teacher_topk(logits, cfg.top_k, cfg.cover)
-    p_ids, p_lp = prompt_targets(model, teacher_prefix, scored_prompt_tokens(teacher_prefix, student_prefix), cfg)
     return Conversation(spec.seed_type, spec.window, question, student_prefix, teacher_prefix, answer,
                         topk_ids, topk_lp, p_ids, p_lp)
 
 
 def prompt_targets(model, teacher_prefix: list[int], scored: int, cfg: SynthConfig):
-    """The teacher's top-k targets for the last `scored` tokens of its prompt (one forward)."""
+    """The teacher's top-k targets for the last `scored` tokens of its prompt, and the KV cache
+    of all but the prompt's last token (one forward; row r of it predicts token r + 1, so the
+    rows for the last `scored` tokens are the last `scored` of `teacher_prefix[:-1]`)."""
     k = cfg.top_k
-    if scored == 0:
-        return torch.zeros((0, k), dtype=torch.int64), torch.zeros((0, k))
     device = next(model.parameters()).device
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([teacher_prefix], device=device),
-                       logits_to_keep=scored + 1, use_cache=False).logits[0]
-    return teacher_topk(logits[:-1], k, cfg.cover)  # row r predicts the token after it
+        out = model(input_ids=torch.tensor([teacher_prefix[:-1]], device=device),
+                    logits_to_keep=max(scored, 1), use_cache=True)
+    if scored == 0:
+        return (torch.zeros((0, k), dtype=torch.int64), torch.zeros((0, k))), out.past_key_values
+    return teacher_topk(out.logits[0, -scored:], k, cfg.cover), out.past_key_values
 
 
 def student_prompt_ids(tokenizer, user: dict[str, str]) -> list[int]:
