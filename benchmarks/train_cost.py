@@ -1,12 +1,14 @@
 """What `lmcache-cartridge train` costs: synthesis per conversation, optimiser step, held-out eval.
 
     .venv/bin/python benchmarks/train_cost.py [--model-dir DIR] [--tokens 256] [--batch-size 8]
-        [--conversations 32] [--steps 30] [--threads 1] [--device cpu] [--out benchmarks/results/train_cost.json]
+        [--conversations 32] [--steps 30] [--threads 1] [--device cpu] [--synth-backend hf]
+        [--out benchmarks/results/train_cost.json]
 
 Defaults to the tiny peaked test model and the bundled document. Runs the real command
-(`train_cartridge`) in a temp dir and splits its wall time: synthesis (transformers `generate`,
-question + greedy answer with top-k logprobs), training steps (forward + backward + Adam over
-the cartridge's KV), and the rest. Seconds per step also come from the run's own
+(`train_cartridge`) in a temp dir and splits its wall time: synthesis (question + greedy answer
+with top-k logprobs; `--synth-backend hf`, transformers `generate`, as the recorded results, or
+vllm: `benchmarks/synth_throughput.py` compares the two), training steps (forward + backward +
+Adam over the cartridge's KV), and the rest. Seconds per step also come from the run's own
 `metrics.jsonl`. Never run by the test suite (no timings in tests).
 """
 
@@ -47,6 +49,7 @@ def main() -> None:
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--synth-backend", default="hf", choices=("auto", "vllm", "hf"))
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train_cost.json"))
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -62,11 +65,11 @@ def main() -> None:
                                             question_tokens=a.question_tokens, answer_tokens=a.answer_tokens),
                           loop=LoopConfig(steps=a.steps, batch_size=a.batch_size, eval_every=a.steps,
                                           save_every=a.steps),
-                          device=a.device, progress=False)
+                          device=a.device, progress=False, synth_backend=a.synth_backend)
         device = resolve_device(a.device)
         model, tok = load_for_training(model_dir, device, torch.float32 if device.type == "cpu" else torch.bfloat16)
         t0 = time.perf_counter()
-        train, heldout = load_or_synthesize(cfg, model, tok, doc.read_text())
+        train, heldout = load_or_synthesize(cfg, model if a.synth_backend == "hf" else None, tok, doc.read_text())
         synth_s = time.perf_counter() - t0
         del model
         t0 = time.perf_counter()

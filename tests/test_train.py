@@ -60,7 +60,7 @@ def config(model_dir: Path, doc: Path, out: Path, steps: int, **kw) -> TrainConf
     loop = LoopConfig(steps=steps, batch_size=4, lr=2e-2, seed=0, eval_every=kw.pop("eval_every", 100),
                       save_every=kw.pop("save_every", 100))
     return TrainConfig(model_dir=model_dir, text_path=doc, output=out, tokens=TOKENS, conversations=8,
-                       heldout=2, synth=SYNTH, loop=loop, device="cpu", progress=False, **kw)
+                       heldout=2, synth=SYNTH, loop=loop, device="cpu", progress=False, synth_backend="hf", **kw)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.tools.selfstudy.config import DTYPE_NAMES, LoopConfig, SynthConfig, TrainConfig
+from lmcache_cartridge.tools.selfstudy.config import DTYPE_NAMES, LoopConfig, SynthConfig, TrainConfig, one_epoch
 
 
 # --- command line (the lead wires `train` in tools/cli.py with these two) ----------------------
@@ -33,7 +33,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frozen-tokens", type=int, default=1, help="leading tokens kept fixed (the attention sink; default 1)")
     p.add_argument("--conversations", type=int, default=256, help="synthesised training conversations")
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations for the KL metric")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"optimiser steps (default {d.steps})")
+    p.add_argument("--steps", type=int, help="optimiser steps (default: one epoch, every conversation once, as the "
+                   "paper's scaling runs; more conversations rather than more epochs)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"conversations per step (default {d.batch_size})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"Adam learning rate for the KV (default {d.lr}, the paper's for 1B-8B models; "
                    "on SmolLM2-135M it erased the facts the first-k start held and 2e-3 kept them: "
@@ -45,7 +46,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window-max", type=int, default=s.window_max, help="document window, tokens (max)")
     p.add_argument("--question-tokens", type=int, default=s.question_tokens, help="longest synthesised question, tokens")
     p.add_argument("--answer-tokens", type=int, default=s.answer_tokens, help="longest synthesised answer, tokens")
-    p.add_argument("--top-k", type=int, default=s.top_k, help="teacher log-probs kept per answer token")
+    p.add_argument("--top-k", type=int, default=s.top_k, help="teacher log-probs kept per scored token")
+    p.add_argument("--per-window", type=int, default=s.per_window,
+                   help=f"conversations per document window (default {s.per_window}); window starts are spread "
+                   "evenly over the document, both ends included")
+    p.add_argument("--no-question-loss", dest="question_loss", action="store_false",
+                   help="score answer tokens only (default: question and answer tokens, the paper's objective)")
+    p.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"),
+                   help="who writes the conversations: vllm (an in-process engine, many in flight), hf "
+                   "(transformers generate, one at a time); auto: vllm where installed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="training dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--kv-dtype", choices=DTYPE_NAMES, help="packed KV dtype (default: the model's)")
@@ -63,13 +72,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         model_name=args.model, cartridge_id=args.id, tokens=args.tokens, chunk_size=args.chunk_size,
         frozen_tokens=args.frozen_tokens, conversations=args.conversations, heldout=args.heldout,
         synth=SynthConfig(window_min=args.window_min, window_max=args.window_max,
-                          question_tokens=args.question_tokens, answer_tokens=args.answer_tokens, top_k=args.top_k),
-        loop=LoopConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                        eval_every=args.eval_every, save_every=args.save_every),
+                          question_tokens=args.question_tokens, answer_tokens=args.answer_tokens, top_k=args.top_k,
+                          per_window=args.per_window),
+        loop=LoopConfig(steps=args.steps or one_epoch(args.conversations, args.batch_size), batch_size=args.batch_size,
+                        lr=args.lr, seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
+                        question_loss=args.question_loss),
         device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads,
         work_dir=Path(args.work_dir) if args.work_dir else None,
         adapter_dir=Path(args.adapter_dir) if args.adapter_dir else None,
         labels=tuple(args.label or ()), overwrite=args.overwrite, progress=not args.quiet,
+        synth_backend=args.synth_backend,
     )
 
 

@@ -19,7 +19,8 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 @dataclass(frozen=True)
 class SynthConfig:
-    """How conversations are drawn; part of the run's fingerprint."""
+    """How conversations are drawn; part of the run's fingerprint (not the backend that draws
+    them: HF and vLLM give the same conversations up to rounding, `tests/test_synth_vllm.py`)."""
 
     window_min: int = 512
     window_max: int = 1024
@@ -28,6 +29,10 @@ class SynthConfig:
     question_temperature: float = 0.6
     top_k: int = 20
     cover: float = 0.99
+    # Conversations that share one document window. Window starts are spread evenly over the
+    # document, both ends included, so every part of it is asked about as often (uniform random
+    # starts under-sample the ends); sharing a window lets vLLM's prefix cache prefill it once.
+    per_window: int = 8
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,15 @@ class LoopConfig:
     seed: int = 0
     eval_every: int = 25
     save_every: int = 25
+    # The paper's objective sums over question and answer tokens (the student learns the
+    # document's questions too, not only the answers); False scores answer tokens only.
+    question_loss: bool = True
+
+
+def one_epoch(conversations: int, batch_size: int) -> int:
+    """Steps that visit every training conversation once (the paper's scaling runs: one epoch
+    over fresh conversations, none reused)."""
+    return max(1, -(-conversations // batch_size))
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,7 @@ class TrainConfig:
     labels: tuple[str, ...] = ()
     overwrite: bool = False
     progress: bool = True
+    synth_backend: str = "auto"            # auto | vllm | hf (see selfstudy.backends)
 
     @property
     def work(self) -> Path:

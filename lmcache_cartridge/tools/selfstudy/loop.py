@@ -77,7 +77,8 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
 
 def heldout_kl(student, convs: list[Conversation], *, pad_id: int, batch_size: int = 8) -> float:
     """Mean full-vocabulary KL(teacher with the window || student with the cartridge) per answer
-    token, on conversations never trained on."""
+    token, on conversations never trained on (answer tokens whatever the loss scores, so the
+    figure compares across runs)."""
     device = student.device
     base = student.get_base_model()
     total, count = 0.0, 0
@@ -168,7 +169,7 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
     with bar:
         for step in bar:
             batch = collate([train[i] for i in batch_indices(step, len(train), cfg.batch_size, cfg.seed)],
-                            teacher=False, pad_id=pad_id, device=student.device)
+                            teacher=False, pad_id=pad_id, device=student.device, questions=cfg.question_loss)
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss = distill_loss(answer_logprobs(student, batch), batch)

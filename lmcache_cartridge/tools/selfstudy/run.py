@@ -18,9 +18,11 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import atomic_open
 from lmcache_cartridge.tools.selfstudy.config import TrainConfig, check_length
 from lmcache_cartridge.tools.selfstudy.loop import LoopResult, build_student, encoder_of, run_loop
-from lmcache_cartridge.tools.selfstudy.synth import SEED_TYPES, Conversation, synthesize
+from lmcache_cartridge.tools.selfstudy.synth import SEED_TYPES, Conversation, HFBackend, ShardStore, synthesize
 
 DATA_NAME = "data.pt"
+SHARDS_NAME = "synth"  # finished synthesis batches of an unfinished data set (resume)
+SYNTH_BACKENDS = ("auto", "vllm", "hf")
 
 
 @dataclass
@@ -49,19 +51,40 @@ def checkpoint_dtype(model_dir: Path) -> torch.dtype:
     return getattr(torch, d) if isinstance(d, str) else d
 
 
-def load_for_training(model_dir: Path, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer): SDPA attention (no FlexAttention, any device), eval mode (no dropout)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
 
     if not (Path(model_dir) / "config.json").is_file():
         raise CartridgeError(f"{model_dir} has no config.json: pass a local HF model directory")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.chat_template is None:
         raise CartridgeError(f"the tokenizer in {model_dir} has no chat template; self-study needs one")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = tokenizer.eos_token_id
+    return tokenizer
+
+
+def load_for_training(model_dir: Path, device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer): SDPA attention (no FlexAttention, any device), eval mode (no dropout)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval(), tokenizer
+
+
+def synth_backend_name(choice: str) -> str:
+    """`auto`: vLLM where it is importable (many conversations in flight), else HF `generate`."""
+    if choice not in SYNTH_BACKENDS:
+        raise CartridgeError(f"--synth-backend must be one of {', '.join(SYNTH_BACKENDS)}, got {choice!r}")
+    from lmcache_cartridge.tools.selfstudy.vllm_synth import vllm_available
+
+    if choice == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if choice == "vllm" and not vllm_available():
+        raise CartridgeError("--synth-backend vllm: vLLM is not installed here (use hf, or install "
+                             "'lmcache-cartridge[cpu]' / vllm)")
+    return choice
 
 
 def export_kv(student) -> torch.Tensor:
@@ -73,9 +96,12 @@ def export_kv(student) -> torch.Tensor:
     return w.view(w.shape[0], cfg.num_layers, 2, heads, cfg.token_dim // heads).permute(2, 1, 0, 3, 4).contiguous()
 
 
-def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str) -> tuple[list[Conversation], list[Conversation]]:
+def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str, *,
+                       backend=None) -> tuple[list[Conversation], list[Conversation]]:
     """The run's conversations: read from the work dir when it holds this run's data, else made
-    and saved there (so a resumed run trains on the same data)."""
+    and saved there (so a resumed run trains on the same data). Batches are saved as they finish
+    (`synth/`), so a stopped synthesis resumes. `model`: the HF model for the HF backend (loaded
+    here when None and needed); `backend`: one to use instead of `cfg.synth_backend`'s."""
     path = cfg.work / DATA_NAME
     fp = cfg.data_fingerprint(text)
     if path.exists():
@@ -83,14 +109,31 @@ def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str) -> tuple[l
         if data.get("fingerprint") == fp:
             return ([Conversation.from_dict(d) for d in data["train"]],
                     [Conversation.from_dict(d) for d in data["heldout"]])
-    train = synthesize(model, tokenizer, text, cfg.synth, count=cfg.conversations, seed=cfg.loop.seed,
-                       tag="train", progress=cfg.progress)
-    heldout = synthesize(model, tokenizer, text, cfg.synth, count=cfg.heldout, seed=cfg.loop.seed,
-                         tag="heldout", exclude_questions={c.question for c in train}, progress=cfg.progress)
+    own = None
+    if backend is None:
+        if synth_backend_name(cfg.synth_backend) == "vllm":
+            from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
+
+            backend = own = VllmBackend(cfg.model_dir, tokenizer, cfg.synth, seed=cfg.loop.seed)
+        else:
+            if model is None:
+                model, _ = load_for_training(cfg.model_dir, resolve_device(cfg.device), torch.float32)
+            backend = HFBackend(model, tokenizer)
+    store = ShardStore(cfg.work / SHARDS_NAME, fp)
+    try:
+        train = synthesize(backend, tokenizer, text, cfg.synth, count=cfg.conversations, seed=cfg.loop.seed,
+                           tag="train", progress=cfg.progress, store=store)
+        heldout = synthesize(backend, tokenizer, text, cfg.synth, count=cfg.heldout, seed=cfg.loop.seed,
+                             tag="heldout", exclude_questions={c.question for c in train}, progress=cfg.progress,
+                             store=store)
+    finally:
+        if own is not None:
+            own.close()  # the engine's memory and cores go back before training
     cfg.work.mkdir(parents=True, exist_ok=True)
     with atomic_open(path) as f:
-        torch.save({"fingerprint": fp, "train": [c.to_dict() for c in train],
+        torch.save({"fingerprint": fp, "backend": backend.name, "train": [c.to_dict() for c in train],
                     "heldout": [c.to_dict() for c in heldout]}, f)
+    store.clear()
     return train, heldout
 
 
@@ -117,8 +160,9 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     kv_dtype = getattr(torch, cfg.kv_dtype) if cfg.kv_dtype else checkpoint_dtype(cfg.model_dir)
 
+    # Synthesis first: a vLLM engine and the training model need not share the memory.
+    train, heldout = load_or_synthesize(cfg, None, load_tokenizer(cfg.model_dir), text)
     model, tokenizer = load_for_training(cfg.model_dir, device, dtype)
-    train, heldout = load_or_synthesize(cfg, model, tokenizer, text)
     student = build_student(model, tokenizer, text, cfg.tokens, cfg.frozen_tokens)
     t0 = time.time()
     result = run_loop(student, train, heldout, cfg.loop, work_dir=cfg.work, fingerprint=cfg.fingerprint(text),
@@ -140,6 +184,7 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
                  "synth": asdict(cfg.synth)},
         "loss": {"last": result.losses[-1] if result.losses else None,
                  "first": result.losses[0] if result.losses and not result.resumed_from else None},
+        "loss_tokens": "question+answer" if cfg.loop.question_loss else "answer",
         "heldout_kl": {"init": kls.get(0), "final": kls.get(cfg.loop.steps)},
         "optimizer": {"name": "Adam", "lr": cfg.loop.lr, "batch_size": cfg.loop.batch_size, "seed": cfg.loop.seed},
         "device": str(device), "train_dtype": str(dtype).removeprefix("torch."),

@@ -2,12 +2,18 @@
 
 Runs once per training run in the `train` process, before the optimisation loop; its output is
 saved in the work directory (`data.pt`, read back with `weights_only=True`) so a resumed run
-trains on the same conversations. Follows the paper's self-study: a random window of the
-document goes into the system prompt; the model, given a seed prompt of one of five types,
-writes a question (sampled, temperature 0.6); the model answers it greedily with the window
-still in context, and per answer token we keep its top-k next-token distribution until the kept
-probability reaches `cover` (the distillation target). The student later sees only the question
-and the answer, after the cartridge.
+trains on the same conversations, and while it runs every finished batch is saved too
+(`synth/`, `ShardStore`), so a stopped synthesis resumes where it stopped. Follows the paper's
+self-study: a window of the document goes into the system prompt (window starts spread evenly
+over the document, `plan`); the model, given a seed prompt of one of five types, writes a
+question (sampled, temperature 0.6); the model answers it greedily with the window still in
+context, and per answer token, and per token of the user turn (the question), we keep its top-k
+next-token distribution until the kept probability reaches `cover` (the distillation target).
+The student later sees only the question and the answer, after the cartridge.
+
+Two backends draw the same conversations (`plan` fixes everything but the model's output): HF
+`generate`, one conversation at a time (`HFBackend`, the fallback), and a vLLM engine with many
+in flight (`selfstudy.vllm_synth`).
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.paths import atomic_open
 from lmcache_cartridge.tools.selfstudy.config import SynthConfig
 
 SYSTEM_TEMPLATE = (
@@ -71,16 +79,68 @@ class Conversation:
     answer: list[int]             # the teacher's greedy answer (EOS included when it stopped)
     topk_ids: torch.Tensor        # [len(answer), k] int64
     topk_logprobs: torch.Tensor   # [len(answer), k] float32; -inf beyond the kept mass
+    # The teacher's targets for the last P tokens of the prompt, the same tokens at the end of
+    # teacher_prefix and of student_prefix (the user turn from its second token on: the student
+    # has no logit for the token right after its cartridge). [P, k]; None in data made before.
+    prompt_topk_ids: torch.Tensor | None = None
+    prompt_topk_logprobs: torch.Tensor | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seed_type": self.seed_type, "window": list(self.window), "question": self.question,
-                "student_prefix": self.student_prefix, "teacher_prefix": self.teacher_prefix,
-                "answer": self.answer, "topk_ids": self.topk_ids, "topk_logprobs": self.topk_logprobs}
+        d = {"seed_type": self.seed_type, "window": list(self.window), "question": self.question,
+             "student_prefix": self.student_prefix, "teacher_prefix": self.teacher_prefix,
+             "answer": self.answer, "topk_ids": self.topk_ids, "topk_logprobs": self.topk_logprobs}
+        if self.prompt_topk_ids is not None:
+            d.update(prompt_topk_ids=self.prompt_topk_ids, prompt_topk_logprobs=self.prompt_topk_logprobs)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Conversation":
         return cls(d["seed_type"], tuple(d["window"]), d["question"], list(d["student_prefix"]),
-                   list(d["teacher_prefix"]), list(d["answer"]), d["topk_ids"], d["topk_logprobs"])
+                   list(d["teacher_prefix"]), list(d["answer"]), d["topk_ids"], d["topk_logprobs"],
+                   d.get("prompt_topk_ids"), d.get("prompt_topk_logprobs"))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything about conversation `index` but the model's output: both backends follow it."""
+
+    index: int
+    window: tuple[int, int]   # [start, end) in the document body
+    seed_type: str
+    seed_prompt: str
+    question_seed: int
+
+
+def plan(n: int, cfg: SynthConfig, seed: int, tag: str, index: int, count: int) -> Spec:
+    """Conversation `index` of a stream of `count` over a body of `n` tokens. Conversations come
+    in groups of `cfg.per_window` on one window; the groups' window starts are spread evenly
+    from the document's first token to its last window (both ends included), each window's
+    length drawn in [window_min, window_max]. Indexes past the last group (redraws) wrap round."""
+    groups = max(1, -(-count // cfg.per_window))
+    group = (index // cfg.per_window) % groups
+    wrng = random.Random(sub_seed(seed, tag, "window", group))
+    length = wrng.randint(min(cfg.window_min, n), min(cfg.window_max, n))
+    start = 0 if groups == 1 else round(group * (n - length) / (groups - 1))
+    rng = random.Random(sub_seed(seed, tag, index))
+    seed_type = rng.choice(SEED_TYPES)
+    return Spec(index, (start, start + length), seed_type, rng.choice(SEED_PROMPTS[seed_type]),
+                sub_seed(seed, tag, index, "question"))
+
+
+def system_message(tokenizer, body: Sequence[int], window: tuple[int, int]) -> dict[str, str]:
+    return {"role": "system", "content": SYSTEM_TEMPLATE.format(window=tokenizer.decode(body[window[0]:window[1]]))}
+
+
+def scored_prompt_tokens(teacher_prefix: Sequence[int], student_prefix: Sequence[int]) -> int:
+    """How many prompt tokens both the teacher and the student score: the tokens the two prefixes
+    end with in common (the user turn and the assistant header), less the first of the student's
+    (predicted by the cartridge's last position, which the student's forward does not compute)."""
+    common = 0
+    for a, b in zip(reversed(teacher_prefix), reversed(student_prefix)):
+        if a != b:
+            break
+        common += 1
+    return max(0, min(common, len(student_prefix) - 1, len(teacher_prefix) - 1))
 
 
 def sub_seed(seed: int, *parts: object) -> int:
@@ -109,18 +169,27 @@ def teacher_topk(logits: torch.Tensor, k: int, cover: float) -> tuple[torch.Tens
     target: top-20 until cumulative p >= 0.99). Dropped entries get -inf, i.e. weight 0."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     lp, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+    return ids.to(torch.int64).cpu(), truncate_cover(lp, cover).cpu()
+
+
+def truncate_cover(lp: torch.Tensor, cover: float) -> torch.Tensor:
+    """Rows of log-probs sorted high to low, -inf after the entry that brings the kept
+    probability to `cover` (that entry is kept)."""
     p = lp.exp()
-    keep = (p.cumsum(-1) - p) < cover  # keep tokens until (and including) the one crossing it
-    return ids.to(torch.int64).cpu(), lp.masked_fill(~keep, float("-inf")).cpu()
+    keep = (p.cumsum(-1) - p) < cover
+    return lp.float().masked_fill(~keep, float("-inf"))
 
 
 def _generate(model, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
-              tokenizer, want_logits: bool):
+              tokenizer, want_logits: bool, past_key_values=None):
+    """`past_key_values`: a cache of `ids[:-1]` already computed (generate prefills the rest)."""
     device = next(model.parameters()).device
     inp = torch.tensor([ids], device=device)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id, return_dict_in_generate=True,
                                   output_logits=want_logits)
+    if past_key_values is not None:
+        kwargs["past_key_values"] = past_key_values
     if temperature > 0:
         kwargs.update(do_sample=True, temperature=temperature)
     else:
@@ -134,30 +203,41 @@ def _generate(model, ids: list[int], *, max_new_tokens: int, temperature: float,
     return new, logits
 
 
-def synthesize_one(model, tokenizer, body: list[int], cfg: SynthConfig, seed: int, tag: str,
-                   index: int) -> Conversation | None:
-    """One conversation, fully determined by (seed, tag, index). None when the question is empty."""
-    rng = random.Random(sub_seed(seed, tag, index))
-    n = len(body)
-    length = rng.randint(min(cfg.window_min, n), min(cfg.window_max, n))
-    start = rng.randint(0, n - length)
-    system = {"role": "system", "content": SYSTEM_TEMPLATE.format(window=tokenizer.decode(body[start:start + length]))}
-    seed_type = rng.choice(SEED_TYPES)
-    seed_prompt = rng.choice(SEED_PROMPTS[seed_type])
-
-    q_ids, _ = _generate(model, chat_ids(tokenizer, [system, {"role": "user", "content": seed_prompt}]),
+def synthesize_one(model, tokenizer, body: list[int], cfg: SynthConfig, spec: Spec) -> Conversation | None:
+    """One conversation by HF `generate`, fully determined by `spec`. None when the question is empty."""
+    system = system_message(tokenizer, body, spec.window)
+    q_ids, _ = _generate(model, chat_ids(tokenizer, [system, {"role": "user", "content": spec.seed_prompt}]),
                          max_new_tokens=cfg.question_tokens, temperature=cfg.question_temperature,
-                         seed=sub_seed(seed, tag, index, "question"), tokenizer=tokenizer, want_logits=False)
+                         seed=spec.question_seed, tokenizer=tokenizer, want_logits=False)
     question = tokenizer.decode(q_ids, skip_special_tokens=True).strip()
     if not question:
         return None
     user = {"role": "user", "content": question}
     teacher_prefix = chat_ids(tokenizer, [system, user])
+    student_prefix = student_prompt_ids(tokenizer, user)
+    # One prefill of the window serves both: the question targets from it, then generate goes on
+    # from its cache (the answer costs no second prefill).
+    (p_ids, p_lp), cache = prompt_targets(model, teacher_prefix,
+                                          scored_prompt_tokens(teacher_prefix, student_prefix), cfg)
     answer, logits = _generate(model, teacher_prefix, max_new_tokens=cfg.answer_tokens, temperature=0.0,
-                               seed=0, tokenizer=tokenizer, want_logits=True)
+                               seed=0, tokenizer=tokenizer, want_logits=True, past_key_values=cache)
     topk_ids, topk_lp = teacher_topk(logits, cfg.top_k, cfg.cover)
-    return Conversation(seed_type, (start, start + length), question,
-                        student_prompt_ids(tokenizer, user), teacher_prefix, answer, topk_ids, topk_lp)
+    return Conversation(spec.seed_type, spec.window, question, student_prefix, teacher_prefix, answer,
+                        topk_ids, topk_lp, p_ids, p_lp)
+
+
+def prompt_targets(model, teacher_prefix: list[int], scored: int, cfg: SynthConfig):
+    """The teacher's top-k targets for the last `scored` tokens of its prompt, and the KV cache
+    of all but the prompt's last token (one forward; row r of it predicts token r + 1, so the
+    rows for the last `scored` tokens are the last `scored` of `teacher_prefix[:-1]`)."""
+    k = cfg.top_k
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([teacher_prefix[:-1]], device=device),
+                    logits_to_keep=max(scored, 1), use_cache=True)
+    if scored == 0:
+        return (torch.zeros((0, k), dtype=torch.int64), torch.zeros((0, k))), out.past_key_values
+    return teacher_topk(out.logits[0, -scored:], k, cfg.cover), out.past_key_values
 
 
 def student_prompt_ids(tokenizer, user: dict[str, str]) -> list[int]:
@@ -169,29 +249,119 @@ def student_prompt_ids(tokenizer, user: dict[str, str]) -> list[int]:
     return PromptBuilder(tokenizer).chat_ids([user], (), after_trained=True)
 
 
-def synthesize(model, tokenizer, text: str, cfg: SynthConfig, *, count: int, seed: int, tag: str,
-               exclude_questions: set[str] = frozenset(), progress: bool = True) -> list[Conversation]:
+class Backend(Protocol):
+    """Turns specs into conversations (None where the question came out empty)."""
+
+    name: str
+    batch: int  # conversations per call (and per saved shard)
+
+    def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec],
+            done: Callable[[Conversation | None], None] | None = None) -> list[Conversation | None]:
+        """`done` is called with each conversation as it is finished (progress)."""
+        ...
+
+
+class HFBackend:
+    """HF transformers `generate`, one conversation at a time: the fallback where vLLM is not
+    installed (and the reference the vLLM backend is tested against)."""
+
+    name = "hf"
+    batch = 8
+
+    def __init__(self, model, tokenizer) -> None:
+        self.model, self.tokenizer = model, tokenizer
+
+    def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec],
+            done: Callable[[Conversation | None], None] | None = None) -> list[Conversation | None]:
+        out = []
+        for s in specs:
+            out.append(synthesize_one(self.model, self.tokenizer, body, cfg, s))
+            if done is not None:
+                done(out[-1])
+        return out
+
+
+class ShardStore:
+    """Finished batches of one synthesis stream, saved as they come (`<tag>-<first index>.pt`),
+    so a stopped synthesis resumes after its last saved batch. Shards of other settings (another
+    fingerprint) are ignored; `clear` removes the directory once the whole data set is saved."""
+
+    def __init__(self, directory: Path, fingerprint: str) -> None:
+        self.dir, self.fingerprint = Path(directory), fingerprint
+
+    def load(self, tag: str) -> tuple[list[tuple[int, Conversation]], int]:
+        """(index, conversation) pairs saved for `tag` and the next index to try."""
+        kept: list[tuple[int, Conversation]] = []
+        nxt = 0
+        shards = []
+        for path in self.dir.glob(f"{tag}-*.pt") if self.dir.is_dir() else ():
+            try:
+                d = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception:  # a shard torn by a kill is redone
+                continue
+            if d.get("fingerprint") == self.fingerprint and d.get("tag") == tag:
+                shards.append(d)
+        for d in sorted(shards, key=lambda d: d["first"]):
+            if d["first"] != nxt:  # a gap: the rest is redone
+                break
+            kept += [(i, Conversation.from_dict(c)) for i, c in zip(d["indices"], d["convs"])]
+            nxt = d["next"]
+        return kept, nxt
+
+    def save(self, tag: str, first: int, nxt: int, items: list[tuple[int, Conversation]]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"{tag}-{first:08d}.pt"
+        with atomic_open(path) as f:
+            torch.save({"fingerprint": self.fingerprint, "tag": tag, "first": first, "next": nxt,
+                        "indices": [i for i, _ in items], "convs": [c.to_dict() for _, c in items]}, f)
+
+    def clear(self) -> None:
+        if self.dir.is_dir():
+            for path in self.dir.iterdir():
+                path.unlink()
+            self.dir.rmdir()
+
+
+def synthesize(backend, tokenizer, text: str, cfg: SynthConfig, *, count: int, seed: int, tag: str,
+               exclude_questions: set[str] = frozenset(), progress: bool = True,
+               store: ShardStore | None = None) -> list[Conversation]:
     """`count` conversations (tag separates the training and held-out streams). Questions in
-    `exclude_questions` are redrawn, so held-out questions are never training questions."""
+    `exclude_questions` are redrawn, so held-out questions are never training questions.
+    `backend`: a `Backend`, or an HF model (then `HFBackend`). Which conversations are kept
+    depends only on their index, not on the backend's batch size or on restarts."""
     from tqdm import tqdm
 
+    if not hasattr(backend, "run"):
+        backend = HFBackend(backend, tokenizer)
     body = document_body(tokenizer, text)
     if not body:
         raise ValueError("the document is empty")
-    out: list[Conversation] = []
-    index, attempts = 0, 0
-    with tqdm(total=count, desc=f"self-study {tag}", unit="conv", disable=not progress) as bar:
-        while len(out) < count:
-            if attempts >= 4 * count + 16:
+    kept, index = store.load(tag) if store is not None else ([], 0)
+    kept = [(i, c) for i, c in kept if c.question not in exclude_questions]
+    limit = 4 * count + 16
+    # smoothing=0: the rate (and ETA) is the average since the start, not of the last update
+    # (a batch of vLLM conversations finishes at once).
+    with tqdm(total=count, initial=min(len(kept), count), desc=f"self-study {tag} ({backend.name})",
+              unit="conv", disable=not progress, dynamic_ncols=True, smoothing=0) as bar:
+        while len(kept) < count:
+            if index >= limit:
                 raise CartridgeError(
-                    f"could not synthesise {count} usable {tag} conversations in {attempts} attempts "
+                    f"could not synthesise {count} usable {tag} conversations in {index} attempts "
                     "(empty or repeated questions): the model does not follow the seed prompts"
                 )
-            conv = synthesize_one(model, tokenizer, body, cfg, seed, tag, index)
-            index += 1
-            attempts += 1
-            if conv is None or conv.question in exclude_questions:
-                continue
-            out.append(conv)
-            bar.update(1)
-    return out
+            n = min(backend.batch, limit - index, max(count - len(kept), 1) + (backend.batch // 8))
+            specs = [plan(len(body), cfg, seed, tag, i, count) for i in range(index, index + n)]
+
+            def done(c: Conversation | None) -> None:
+                if c is not None and c.question not in exclude_questions and bar.n < count:
+                    bar.update(1)
+
+            new = [(s.index, c) for s, c in zip(specs, backend.run(body, cfg, specs, done))
+                   if c is not None and c.question not in exclude_questions]
+            if store is not None:
+                store.save(tag, index, index + n, new)
+            index += n
+            kept += new
+            if min(len(kept), count) > bar.n:  # backends that finish a batch at once report here
+                bar.update(min(len(kept), count) - bar.n)
+    return [c for _, c in kept[:count]]

@@ -1,0 +1,150 @@
+"""Self-study synthesis throughput, HF `generate` against a vLLM engine on the same cores, and
+training steps per second in fp32 against bf16 autocast.
+
+    .venv/bin/python benchmarks/synth_throughput.py [--hf 8] [--vllm 256] [--steps 6]
+        [--out benchmarks/results/synth_throughput.json]
+
+The real model (SmolLM2-135M-Instruct, `tools.realmodel`) and document A of the quality
+benchmark (1,766 tokens), with `make quality`'s synthesis settings (windows of 384-768 tokens,
+questions <= 48 tokens, answers <= 64, top-20 targets, question targets too). Both backends draw
+the same plan (`selfstudy.synth.plan`, seed 0); the vLLM engine's start is timed apart from its
+conversations. Then a PEFT cartridge student (256 tokens) trains a few steps on the vLLM
+conversations (batch 8, question and answer tokens) in fp32 and under bf16 autocast, from the
+same start: seconds per step, and how far the autocast loss and gradient are from fp32's.
+Never run by the test suite (no timings in tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def train_steps(model, tok, text, convs, steps: int, batch_size: int, autocast: bool):
+    """Seconds per step and the first step's loss and gradient, from the first-k start."""
+    from lmcache_cartridge.tools.selfstudy.loop import batch_indices, build_student, encoder_of
+    from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss
+
+    student = build_student(model, tok, text, 256, 1)
+    enc = encoder_of(student)
+    opt = torch.optim.Adam([enc.trainable_embedding], lr=2e-3)
+    times, first = [], None
+    for step in range(steps):
+        batch = collate([convs[i] for i in batch_indices(step, len(convs), batch_size, 0)], teacher=False,
+                        pad_id=tok.pad_token_id, device="cpu", questions=True)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = distill_loss(answer_logprobs(student, batch), batch)
+        loss.backward()
+        if first is None:
+            first = (float(loss.detach()), enc.trainable_embedding.grad.detach().clone())
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times, first, student
+
+
+def main() -> None:
+    from lmcache_cartridge.tools.realmodel import ensure_real_model
+    from lmcache_cartridge.tools.selfstudy.config import SynthConfig
+    from lmcache_cartridge.tools.selfstudy.run import load_for_training, load_tokenizer
+    from lmcache_cartridge.tools.selfstudy.synth import HFBackend, synthesize
+    from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hf", type=int, default=8, help="conversations by HF generate (0: vLLM only, no training)")
+    p.add_argument("--vllm", type=int, default=256, help="conversations by vLLM")
+    p.add_argument("--batch", type=int, default=128, help="vLLM conversations per engine call")
+    p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size")
+    p.add_argument("--steps", type=int, default=6, help="training steps per dtype (first one is warm-up)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model-dir")
+    p.add_argument("--text", default=str(ROOT / "benchmarks/quality/doc_a.txt"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/synth_throughput.json"))
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    model_dir = Path(a.model_dir) if a.model_dir else ensure_real_model()
+    text = Path(a.text).read_text()
+    cfg = SynthConfig(window_min=384, window_max=768, question_tokens=48, answer_tokens=64)
+    tok = load_tokenizer(model_dir)
+    out: dict = {"machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": a.threads},
+                 "model": str(model_dir), "document": Path(a.text).name, "synth": cfg.__dict__}
+
+    # vLLM first (it holds its own process); then HF on the same cores.
+    # The load average beside each phase: another job on the same cores slows either backend.
+    out["load_average_before"] = os.getloadavg()[0]
+    backend = VllmBackend(model_dir, tok, cfg, batch=a.batch, block_size=a.block_size)
+    t0 = time.perf_counter()
+    backend.start()
+    start_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    v_convs = synthesize(backend, tok, text, cfg, count=a.vllm, seed=0, tag="train")
+    v_s = time.perf_counter() - t0
+    backend.close()
+    out["vllm"] = {"conversations": len(v_convs), "seconds": v_s, "engine_start_seconds": start_s,
+                   "load_average_after": os.getloadavg()[0],
+                   "conversations_per_minute": 60 * len(v_convs) / v_s,
+                   "conversations_per_minute_with_start": 60 * len(v_convs) / (v_s + start_s),
+                   "answer_tokens_mean": statistics.mean(len(c.answer) for c in v_convs),
+                   "question_targets_mean": statistics.mean(len(c.prompt_topk_ids) for c in v_convs),
+                   "engine": dict(backend.stats), "batch": a.batch, "block_size": a.block_size}
+    print(json.dumps(out["vllm"], indent=1), flush=True)
+    if not a.hf:  # vLLM alone (settings trials)
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+        return
+
+    model, _ = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    # One untimed conversation first: the first generate pays one-time set-up (as vLLM's start
+    # and warm-up, timed apart above).
+    synthesize(HFBackend(model, tok), tok, text, cfg, count=1, seed=0, tag="warm-up", progress=False)
+    t0 = time.perf_counter()
+    h_convs = synthesize(HFBackend(model, tok), tok, text, cfg, count=a.hf, seed=0, tag="train")
+    h_s = time.perf_counter() - t0
+    out["hf"] = {"conversations": len(h_convs), "seconds": h_s, "dtype": "float32",
+                 "load_average_after": os.getloadavg()[0],
+                 "conversations_per_minute": 60 * len(h_convs) / h_s,
+                 "answer_tokens_mean": statistics.mean(len(c.answer) for c in h_convs)}
+    out["speedup"] = out["vllm"]["conversations_per_minute"] / out["hf"]["conversations_per_minute"]
+    out["speedup_with_engine_start"] = out["vllm"]["conversations_per_minute_with_start"] / out["hf"]["conversations_per_minute"]
+    print(json.dumps(out["hf"], indent=1), f"speedup {out['speedup']:.1f}x", flush=True)
+
+    fp32_t, (fp32_loss, fp32_grad), _ = train_steps(model, tok, text, v_convs, a.steps, 8, autocast=False)
+    bf16_t, (bf16_loss, bf16_grad), _ = train_steps(model, tok, text, v_convs, a.steps, 8, autocast=True)
+    cos = float(torch.nn.functional.cosine_similarity(fp32_grad.flatten(), bf16_grad.flatten(), dim=0))
+    rel = float((bf16_grad - fp32_grad).norm() / fp32_grad.norm())
+    out["train"] = {"batch_size": 8, "cartridge_tokens": 256, "steps_timed": a.steps - 1,
+                    "fp32_seconds_per_step": statistics.median(fp32_t[1:]),
+                    "bf16_autocast_seconds_per_step": statistics.median(bf16_t[1:]),
+                    "first_step_loss": {"fp32": fp32_loss, "bf16_autocast": bf16_loss},
+                    "gradient_cosine": cos, "gradient_relative_error": rel}
+    out["train"]["fp32_steps_per_second"] = 1 / out["train"]["fp32_seconds_per_step"]
+    out["train"]["bf16_autocast_steps_per_second"] = 1 / out["train"]["bf16_autocast_seconds_per_step"]
+    print(json.dumps(out["train"], indent=1))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
