@@ -32,6 +32,9 @@ ROOT = PKG.parent
 ENGINE_MODULES = {"lmcache_cartridge.connector", "lmcache_cartridge.vllm.connector", "lmcache_cartridge.vllm.mp_connector"}
 # The modules that may use vLLM at all (`cpu_kv` does so inside functions: it imports without it).
 ENGINE_STAGE = ENGINE_MODULES | {"lmcache_cartridge.vllm"}  # and every module under it (vLLM's side)
+# Modules that use vLLM only where it is installed, inside functions (they import without it):
+# self-study's vLLM synthesis backend, chosen by `train` when vLLM imports (HF otherwise).
+ENGINE_OPTIONAL = {"lmcache_cartridge.tools.selfstudy.vllm_synth"}
 # Optional features: modules under a prefix may also use their extra's distributions.
 FEATURE_EXTRAS = {"lmcache_cartridge.tools.selfstudy": "train"}
 # Declared although no module of the package names them in an import statement, with why
@@ -78,7 +81,7 @@ def test_every_import_is_a_declared_distribution():
             problems.append(f"{top} (imported by {sorted(users)}) is not installed here")
             continue
         for user in sorted(users):
-            in_engine = user in ENGINE_STAGE or user.startswith("lmcache_cartridge.vllm.")
+            in_engine = user in ENGINE_STAGE | ENGINE_OPTIONAL or user.startswith("lmcache_cartridge.vllm.")
             allowed = base | (engine if in_engine else set())
             for prefix, extra in FEATURE_EXTRAS.items():
                 if user == prefix or user.startswith(prefix + "."):
