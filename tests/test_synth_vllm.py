@@ -22,24 +22,9 @@ from lmcache_cartridge.tools.selfstudy.synth import (
     HFBackend, ShardStore, document_body, plan, scored_prompt_tokens, synthesize,
 )
 
+from test_train import doc, one_thread  # noqa: E402,F401  (fixtures: the document; torch on one thread)
+
 SYNTH = SynthConfig(window_min=128, window_max=256, question_tokens=16, answer_tokens=16, per_window=4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def doc(tmp_path_factory) -> Path:
-    from lmcache_cartridge.tools.testmodel import document_text
-
-    p = tmp_path_factory.mktemp("doc") / "doc.txt"
-    p.write_text(document_text())
-    return p
 
 
 @pytest.fixture(scope="module")
