@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.tools.selfstudy.config import LoopConfig, SynthConfig, TrainConfig, check_length
+from lmcache_cartridge.tools.selfstudy.config import LoopConfig, SynthConfig, TrainConfig, check_length, default_lr
 from lmcache_cartridge.tools.selfstudy.loop import (
     CHECKPOINT_NAME, METRICS_NAME, batch_indices, build_student, encoder_of, run_loop,
 )
@@ -246,6 +246,10 @@ def test_cli_trains_and_reports(model_dir, doc, data_file, tmp_path, capsys):
     assert main(argv) == 0
     said = capsys.readouterr().out
     assert "trained cli-trained: 256 tokens, 2 steps, held-out KL" in said
+    # No --lr: the rate measured for small models, not the paper's for 1B-8B (which erased facts).
+    prov = json.loads((out / "manifest.json").read_text())["provenance"]
+    assert prov["optimizer"]["lr"] == default_lr(1_000_000) == 2e-3
+    assert default_lr(8_000_000_000) == 2e-2
     # The data were reused (same fingerprint), not synthesised again: still the copied file.
     assert (work / DATA_NAME).read_bytes() == data_file.read_bytes()
     assert main(argv) == 2  # the output exists: one-line error, no traceback

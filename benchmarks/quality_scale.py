@@ -1,0 +1,228 @@
+"""Does a trained cartridge learn what lies beyond its window with more self-study data? The
+data-scale curve beside `quality.py`.
+
+For each scale (conversations synthesised per run), `lmcache-cartridge train` trains document A's
+256-token (and, with `--tokens 256 512`, 512-token) cartridge for one epoch over fresh
+conversations, synthesised by vLLM, as users run it. Each cartridge is asked document A's 40
+questions by HF transformers given its KV (the gateway's prompt, greedy, `quality.py`'s scorer:
+`quality_probe.probe`'s method, within a question or two of the served counts), and scored by
+where each question's fact sits in the document (inside the 256-token window, 256-512, beyond
+512). First-k cartridges (vLLM's KV), training's step 0 and the whole document in the prompt
+(ICL) are asked the same way beside them.
+
+The coverage report says, per fact, how often the training data carried it: in how many
+conversations the fact's evidence lay inside the teacher's window, the synthesised question
+stated the fact, and the teacher's answer stated it. A fact the answers never state cannot be
+distilled into the cartridge, whatever the scale.
+
+No choice here reads the held-out split: the learning rate (`--lr`, default 2e-3) was chosen on
+the dev split (docs/benchmarks.md), and both splits are only reported.
+
+    .venv/bin/python benchmarks/quality_scale.py --scales 128 1024          # make quality-scale's first points
+    .venv/bin/python benchmarks/quality_scale.py --scales 4096              # the next point (resumable)
+
+Everything is cached in `--work` (default .cache/quality/scale): rerun to resume; results are
+merged into `--out`.json/.md (default benchmarks/results/quality/scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _common
+import quality as Q
+from quality_probe import greedy
+
+WORK = _common.ROOT / ".cache" / "quality" / "scale"
+OUT = Q.RESULTS / "scale"
+BUCKETS = [name for _, _, name in Q.POSITION_BUCKETS]
+
+
+def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """One epoch over `n` fresh conversations (`train`'s default steps); the 512-token run reuses
+    the 256-token run's conversations (same document, same synthesis settings)."""
+    name = f"tr{tokens}_n{n}"
+    out, work = carts / name, carts / f"{name}.train"
+    if not (out / "manifest.json").exists():
+        first = carts / f"tr256_n{n}.train" / "data.pt"
+        if tokens != 256 and first.exists() and not (work / "data.pt").exists():
+            work.mkdir(parents=True, exist_ok=True)
+            shutil.copy(first, work / "data.pt")
+        text = carts.parent / "doc_a.txt"
+        text.write_text(Q.document("a"), encoding="utf-8")
+        cmd = [str(Path(sys.executable).with_name("lmcache-cartridge")), "train", "--model-dir", str(model_dir),
+               "--model", str(model_dir), "--text", str(text), "-o", str(out), "--id", f"qa-{name}".replace("_", "-"),
+               "--tokens", str(tokens), "--work-dir", str(work), "--overwrite", "-q",
+               "--conversations", str(n), "--heldout", str(a.heldout), "--batch-size", str(a.batch_size),
+               "--lr", str(a.lr), "--eval-every", str(max(1, n // a.batch_size // 4)), "--save-every", "10",
+               "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
+               "--window-min", str(a.window_min), "--window-max", str(a.window_max), "--seed", str(a.seed),
+               "--synth-backend", a.synth_backend] + (["--threads", str(a.threads)] if a.threads else [])
+        print("[scale] " + " ".join(cmd), flush=True)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        (work / "wall_s").write_text(f"{time.perf_counter() - t0:.1f}")
+    summary = Q._train_summary(out, work)
+    wall = work / "wall_s"
+    summary["wall_s"] = float(wall.read_text()) if wall.exists() else None
+    return out, summary
+
+
+def ask_all(model, tok, pb, arm: Q.Arm, carts: Path, qs: list[Q.Question], pos: dict[str, int],
+            max_tokens: int) -> dict[str, Any]:
+    """Every question of `qs` under `arm`: rows and facts stated per split and position bucket."""
+    rows = []
+    for q in qs:
+        kv, ids = Q.hf_prompt(pb, tok, arm, q, carts)
+        text = greedy(model, tok, kv, ids, max_tokens)
+        rows.append({"id": q.id, "split": q.split, "bucket": Q.bucket(pos[q.id]), "text": text,
+                     "correct": Q.fact_found(q.fact, text)})
+    return {"rows": rows, **tally(rows)}
+
+
+def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def count(sel):
+        return [sum(r["correct"] for r in sel), len(sel)]
+
+    return {"facts": count(rows), "dev": count([r for r in rows if r["split"] == "dev"]),
+            "heldout": count([r for r in rows if r["split"] == "heldout"]),
+            "by_position": {b: count([r for r in rows if r["bucket"] == b]) for b in BUCKETS}}
+
+
+def coverage(tok, data_pt: Path, qs: list[Q.Question], pos: dict[str, int]) -> dict[str, Any]:
+    """Per fact: conversations whose window held its evidence, whose question or answer stated it."""
+    import torch
+
+    data = torch.load(data_pt, map_location="cpu", weights_only=True)["train"]
+    body_offset = 0  # windows index the document body (no BOS), as `evidence_position` does
+    answers = [tok.decode(d["answer"], skip_special_tokens=True) for d in data]
+    out = {}
+    for q in qs:
+        p = pos[q.id] - body_offset
+        out[q.id] = {"bucket": Q.bucket(pos[q.id]), "split": q.split,
+                     "in_window": sum(d["window"][0] <= p < d["window"][1] for d in data),
+                     "question": sum(Q.fact_found(q.fact, d["question"]) for d in data),
+                     "answer": sum(Q.fact_found(q.fact, t) for t in answers)}
+    return {"conversations": len(data), "facts": out}
+
+
+def machine(m: dict[str, Any]) -> str:
+    return f"{m.get('cpu')}, {m.get('nproc')} cores, torch {m.get('torch')}, vLLM {m.get('vllm')}"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    def f(c):
+        return f"{c[0]}/{c[1]}"
+
+    lines = [f"# Data scale: {res['meta']['command']}", "",
+             f"{machine(res['meta']['machine'])}; lr {res['meta']['lr']}, batch {res['meta']['batch_size']}, one epoch; "
+             "HF probe of document A's 40 questions (greedy).", "",
+             "| arm | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | held-out KL init -> final | "
+             "train wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in res["arms"].items():
+        t = r.get("training") or {}
+        kl = t.get("heldout_kl") or {}
+        klt = f"{kl.get('init'):.3f} -> {kl.get('final'):.3f}" if kl.get("init") is not None else ""
+        lines.append(f"| {name} | {r.get('conversations', '')} | {f(r['facts'])} | {f(r['dev'])} | {f(r['heldout'])} | "
+                     + " | ".join(f(r["by_position"][b]) for b in BUCKETS)
+                     + f" | {klt} | {t.get('wall_s') or ''} |")
+    for n, cov in sorted(res.get("coverage", {}).items(), key=lambda kv: int(kv[0])):
+        facts = cov["facts"]
+        lines += ["", f"## Coverage at {n} conversations (facts beyond 512 tokens)", "",
+                  "| question | window held the evidence | question stated the fact | answer stated the fact |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {qid} ({c['split']}) | {c['in_window']} | {c['question']} | {c['answer']} |"
+                  for qid, c in facts.items() if c["bucket"] == ">=512"]
+        beyond = [c for c in facts.values() if c["bucket"] == ">=512"]
+        lines.append(f"| **{len(beyond)} facts** | {sum(c['in_window'] for c in beyond)} | "
+                     f"{sum(c['question'] for c in beyond)} | {sum(c['answer'] for c in beyond)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scales", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256])
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--heldout", type=int, default=16)
+    ap.add_argument("--question-tokens", type=int, default=48)
+    ap.add_argument("--answer-tokens", type=int, default=64)
+    ap.add_argument("--window-min", type=int, default=384)
+    ap.add_argument("--window-max", type=int, default=768)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"))
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for training (0: torch's default)")
+    ap.add_argument("--probe-threads", type=int, default=1, help="torch threads for asking the questions (one "
+                    "thread per greedy step avoids OpenMP spinning when other jobs share the cores)")
+    ap.add_argument("--no-baselines", action="store_true", help="skip first-k, step 0 and ICL")
+    ap.add_argument("--work", type=Path, default=WORK)
+    ap.add_argument("--out", type=Path, default=OUT)
+    a = ap.parse_args(argv)
+
+    import torch
+
+    from lmcache_cartridge.api.prompts import PromptBuilder
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.tools.realmodel import ensure_real_model
+
+    torch.set_num_threads(a.probe_threads)  # this process only asks; training runs in `train` subprocesses
+    carts = a.work.resolve() / "carts"
+    carts.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_real_model()
+    qs = [q for q in Q.load_questions() if q.doc == "a"]
+    path = a.out.with_suffix(".json")
+    res = json.loads(path.read_text()) if path.exists() else {"arms": {}, "coverage": {}}
+    res["meta"] = {"command": " ".join([".venv/bin/python", "benchmarks/quality_scale.py", *(argv or sys.argv[1:])]),
+                   "machine": _common.machine_info(), "lr": a.lr, "batch_size": a.batch_size,
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+    def save() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
+        a.out.with_suffix(".md").write_text(markdown(res))
+
+    if not a.no_baselines:
+        Q.make_first_k(model_dir, carts)
+        Q.make_init(model_dir, carts)
+    model, tok = load_model(model_dir)
+    pb = PromptBuilder(tok)
+    pos = {q.id: Q.evidence_position(tok, Q.document("a"), q.evidence) for q in qs}
+
+    def probe(name: str, arm: Q.Arm, **extra) -> None:
+        t0 = time.perf_counter()
+        r = ask_all(model, tok, pb, arm, carts, qs, pos, a.max_tokens)
+        res["arms"][name] = {**r, **extra, "probe_s": round(time.perf_counter() - t0, 1)}
+        print(f"[scale] {name}: facts {r['facts']} by position {r['by_position']}", flush=True)
+        save()
+
+    if not a.no_baselines:
+        for name, kind, cid in (("first_k_256", "first_k", "qa-fk256"), ("first_k_512", "first_k", "qa-fk512"),
+                                ("init_256", "trained", "qa-init256")):
+            if name not in res["arms"]:
+                probe(name, Q.Arm(name, kind, ("a",), (cid,)))
+        if "icl" not in res["arms"]:
+            probe("icl", Q.Arm("icl", "icl", ("a",)))
+    for n in a.scales:
+        for tokens in a.tokens:
+            name = f"trained_{tokens}_n{n}"
+            cart, summary = train(model_dir, carts, n, tokens, a)
+            if tokens == 256:
+                res["coverage"][str(n)] = coverage(tok, carts / f"{cart.name}.train" / "data.pt", qs, pos)
+            if name not in res["arms"]:
+                probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary)
+    save()
+    print(a.out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
