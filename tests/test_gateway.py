@@ -643,15 +643,16 @@ def test_cartridge_list_names_what_a_key_may_use_and_no_paths(tmp_path, settings
 
 
 def test_gateway_keys_from_flags_and_env_and_the_non_loopback_warning(monkeypatch):
-    from lmcache_cartridge.tools.cli import API_KEY_ENV, _loopback, gateway_api_keys
+    from lmcache_cartridge.api.launch import is_loopback
+    from lmcache_cartridge.api.settings import API_KEY_ENV, gateway_api_keys
 
     monkeypatch.setenv(API_KEY_ENV, "env-key-0123456789, other-key-0123456789,")
     assert gateway_api_keys(["flag-key-0123456789"]) == ("flag-key-0123456789", "env-key-0123456789",
                                                          "other-key-0123456789")
     with pytest.raises(ValueError, match="at least 16"):
         gateway_api_keys(["short"])
-    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
-    assert not _loopback("0.0.0.0") and not _loopback("10.0.0.5")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
 
 
 def test_gateway_on_a_public_address_without_keys_warns(tmp_path, model_dir):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shlex
 import shutil
@@ -15,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from lmcache_cartridge.api.settings import API_KEY_ENV, gateway_api_keys
+from lmcache_cartridge.api.settings import API_KEY_ENV
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import default_cache_dir, default_packed_dir, default_registry_path
 
@@ -353,64 +352,19 @@ def _config_chunk_size(args) -> int:
     return 256
 
 
-def _register_s3_input_dir(args, settings, s3_settings, cache_dir) -> int | None:
-    """`s3://bucket/prefix` holding a maker's input directory (PEFT CARTRIDGE adapter, Tokasaurus
-    directory, ...): its files are downloaded and converted once, as the gateway does
-    (`registration.fetch_s3_dir` + `convert_input`), and the packed result is registered. None when
-    the prefix holds a packed cartridge, or nothing (the caller registers it as an S3 origin, or
-    says which manifest is missing)."""
-    from lmcache_cartridge.store.registration import convert_input, fetch_s3_dir, load_vocab
-
-    from lmcache_cartridge.store.s3 import NotFound
-
-    try:
-        listed = fetch_s3_dir(args.path, s3_settings, cache_dir, force=args.force_redownload)
-    except NotFound:  # nothing at the prefix: the packed-cartridge path names the manifest it wanted
-        return None
-    if listed.packed:
-        return None
-    if not args.model_dir:
-        raise CartridgeError(f"{args.path} is an input directory, not a packed cartridge: it is converted on "
-                             "registration, which needs the serving model: pass --model-dir DIR (its vocabulary "
-                             "and dtype; --model NAME if vLLM serves it under another name)")
-    out = convert_input(listed.path, listed.digest, cache_dir, model=args.model or args.model_dir,
-                        chunk_size=args.chunk_size or _config_chunk_size(args),
-                        vocab=lambda: load_vocab(args.model_dir), name=listed.uri.rsplit("/", 1)[-1],
-                        model_dir=args.model_dir)
-    if out.packed_dir is None:
-        raise CartridgeError(f"{args.path} holds token ids only: there is no KV to register "
-                             "(send it in a request's cartridges; vLLM computes and caches it)")
-    entry = _registry(args).register(out.packed_dir, labels=args.label or [], force_redownload=args.force_redownload)
-    print(f"registered {entry.id} ({entry.kind}, {entry.num_tokens} tokens, model {entry.model}) "
-          f"from {args.path} (converted: {listed.downloaded} files downloaded -> {entry.path})")
-    return 0
-
-
 def cmd_register(args) -> int:
     from lmcache_cartridge.cartridge.packed import PackedCartridge, rechunk
-    
-    settings = _plugin_settings(args)
-    if args.path.startswith("s3://"):
-        from lmcache_cartridge.cartridge.compat import EngineShape
-        from lmcache_cartridge.store.registration import register_s3
-        from lmcache_cartridge.store.s3 import S3Settings
 
-        s3 = dict(settings.s3 if settings else {})
-        if args.s3_endpoint:
-            s3["endpoint_url"] = args.s3_endpoint
-        if args.s3_region:
-            s3["region"] = args.s3_region
-        cache_dir = settings.cache_dir if settings else default_cache_dir()
-        s3_settings = S3Settings.from_mapping(s3)
-        if not args.path.endswith(".pt"):
-            converted = _register_s3_input_dir(args, settings, s3_settings, cache_dir)
-            if converted is not None:
-                return converted
-        entry = register_s3(_registry(args), args.path, cache_dir, s3_settings,
-                            labels=args.label or [], force_redownload=args.force_redownload,
-                            engine=EngineShape.partial(chunk_size=args.chunk_size))
-        print(f"registered {entry.id} ({entry.kind}, {entry.num_tokens} tokens, model {entry.model}) "
-              f"from {entry.source_uri}{' (servers will download it again)' if args.force_redownload else ''}")
+    settings = _plugin_settings(args)  # a config that cannot load fails before anything is written
+    if args.path.startswith("s3://"):
+        from lmcache_cartridge.store.s3 import S3Settings
+        from lmcache_cartridge.tools.s3_register import register_s3_uri
+
+        print(register_s3_uri(
+            args.path, lambda: _registry(args), S3Settings.from_mapping(_s3_from_args(args)),
+            settings.cache_dir if settings else default_cache_dir(), model_dir=args.model_dir, model=args.model,
+            chunk_size=args.chunk_size, convert_chunk_size=args.chunk_size or _config_chunk_size(args),
+            labels=args.label or [], force_redownload=args.force_redownload))
         return 0
     path = Path(args.path).resolve()
     with PackedCartridge(path) as packed:
@@ -427,7 +381,6 @@ def cmd_register(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from lmcache_cartridge.paths import default_registry_path
     from lmcache_cartridge.store.registry import RegistryError
 
     try:
@@ -484,18 +437,13 @@ def cmd_doctor(args) -> int:
 def cmd_mp_server(args) -> int:
     """Run `lmcache server` (LMCache's multiprocess mode) with the cartridge L2 adapter, configured
     from the same LMCache YAML the in-process plugin reads: one registry and cache for both modes."""
-    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
-    from lmcache_cartridge.lmcache.settings import PREFIX, find_plugin_name
-    from lmcache_cartridge.tools.lmcache_server import server_command
+    from lmcache_cartridge.tools.lmcache_server import adapter_params, server_command
 
     params: dict = {}
     chunk_size, algo = args.chunk_size or 256, args.hash_algorithm or "sha256_cbor"
     if _server_config(args):
         cfg = _load_lmcache_config(args.config)
-        name = find_plugin_name(cfg, CartridgeStoragePlugin)
-        p = f"{PREFIX}.{name}."
-        params = {k[len(p):]: v for k, v in (cfg.extra_config or {}).items()
-                  if k.startswith(p) and k[len(p):] not in ("module_path", "class_name")}
+        params = adapter_params(cfg)
         chunk_size = args.chunk_size or int(cfg.chunk_size)
         algo = args.hash_algorithm or str(cfg.pre_caching_hash_algorithm or "sha256_cbor")
     cmd = server_command(args.port, args.http_port, params, chunk_size=chunk_size, hash_algorithm=algo,
@@ -532,57 +480,13 @@ def cmd_stats(args) -> int:
     return 0
 
 
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def cmd_gateway(args) -> int:
-    """Serve the OpenAI-compatible gateway in front of a vLLM server."""
-    import uvicorn
+    """Serve the OpenAI-compatible gateway in front of a vLLM server (`api.launch`)."""
+    from lmcache_cartridge.api.launch import gateway_settings, serve
 
-    from lmcache_cartridge.api.gateway import GatewaySettings, create_app
-    from lmcache_cartridge.api.settings import load_tenants, plugin_fields
-
-    if _server_config(args):  # the server's settings, read as the server reads them
-        from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
-        from lmcache_cartridge.lmcache.settings import PluginSettings
-
-        config = _load_lmcache_config(args.config)
-        server = plugin_fields(config, PluginSettings.from_config(config, CartridgeStoragePlugin))
-    else:
-        server = dict(registry=Path(args.registry or default_registry_path()), cache_dir=default_cache_dir(),
-                      chunk_size=args.chunk_size,
-                      s3={"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {})
-    gs = GatewaySettings(
-        upstream=args.upstream.rstrip("/"),
-        model=args.model,
-        tokenizer=args.tokenizer or args.model,
-        local_roots=tuple(Path(r) for r in (args.allow_local or [])),
-        s3_roots=tuple(args.allow_s3 or ()),
-        trained_chat_template=(args.trained_chat_template if args.trained_chat_template in (None, "model")
-                               else Path(args.trained_chat_template).read_text()),
-        max_cartridges=args.max_cartridges,
-        max_body_bytes=args.max_body_bytes, max_cache_bytes=args.max_cache_bytes,
-        serve_timeout=args.serve_timeout,
-        force_redownload_interval=args.force_redownload_interval,
-        **server,
-        api_keys=gateway_api_keys(args.api_key),
-        tenants=load_tenants(args.tenants) if args.tenants else (),
-        upstream_api_key=args.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
-    )
-    if not gs.all_keys() and not _loopback(args.host):
-        print(f"WARNING: the gateway listens on {args.host}, reachable from other hosts, and checks no API key: "
-              "anyone who can reach the port can use it and name every cartridge it may read. Set --api-key "
-              f"(or ${API_KEY_ENV}).", file=sys.stderr, flush=True)
-        logging.getLogger("lmcache_cartridge.gateway").warning("listening on %s without API keys", args.host)
-    uvicorn.run(create_app(gs), host=args.host, port=args.port, log_level="warning")
+    # the server's settings, read as the server reads them
+    config = _load_lmcache_config(args.config) if _server_config(args) else None
+    serve(gateway_settings(args, config), args.host, args.port)
     return 0
 
 
