@@ -503,7 +503,7 @@ class DiskTier:
                             try:
                                 f.unlink()
                                 removed += 1
-                            except FileNotFoundError:
+                            except FileNotFoundError:  # another process removed it first
                                 pass
                             except OSError as e:
                                 logger.warning("lmcache_cartridge: could not delete %s: %s", f, e)

@@ -458,7 +458,7 @@ class S3Origin:
                            "(s3.max_object_bytes)")
 
         class _Known(BaseSubscriber):  # what the HEAD saw: no second HEAD, parts pinned to this ETag
-            def on_queued(self, future, **kwargs):
+            def on_queued(self, future, **kwargs):  # noqa: ARG002 (s3transfer's subscriber signature)
                 future.meta.provide_transfer_size(size)
                 if etag:
                     future.meta.provide_object_etag(etag)
@@ -493,7 +493,7 @@ class S3Origin:
             if tmp:
                 try:
                     os.unlink(tmp)
-                except FileNotFoundError:
+                except FileNotFoundError:  # never created, or already removed
                     pass
         self._count(bytes=size)
         return ObjectInfo(self.uri, size, etag, sha.hexdigest())

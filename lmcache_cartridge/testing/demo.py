@@ -258,13 +258,13 @@ def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family:
     r = DemoResult(model_dir=str(model_dir), work=str(work))
     server = launch_server(work, model_dir) if serve else None
     try:
-        return _steps(work, model_dir, r, real, builtin, family, serve, server, say)
+        return _steps(work, model_dir, r, real, builtin, serve, server, say)
     finally:
         if server is not None and server.alive():
             server.stop()
 
 
-def _steps(work, model_dir, r, real, builtin, family, serve, server, say) -> DemoResult:
+def _steps(work, model_dir, r, real, builtin, serve, server, say) -> DemoResult:
     """Steps 2-5 of `run_demo`; `server`: the serving server, already starting."""
     from lmcache_cartridge.cartridge.manifest import Manifest
     from lmcache_cartridge.testing.answers import questions

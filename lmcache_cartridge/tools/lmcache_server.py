@@ -99,7 +99,7 @@ class LmcacheServer:
                             self.ready = True
                             starts.record("lmcache-server", "", time.time() - self.t0)
                         return self
-            except (urllib.error.URLError, ConnectionError, OSError):
+            except (urllib.error.URLError, ConnectionError, OSError):  # not listening yet: ask again
                 pass
             time.sleep(0.5)
         starts.record("lmcache-server", "", None, ok=False)

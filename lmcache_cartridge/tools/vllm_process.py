@@ -100,11 +100,11 @@ def stop_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         try:
             os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
+        except ProcessLookupError:  # the group has already exited
             pass
         try:
             proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # still running: killed below
             pass
     deadline = time.time() + 10
     while _group_alive(pgid) and time.time() < deadline:
@@ -112,7 +112,7 @@ def stop_group(proc: subprocess.Popen) -> None:
     if _group_alive(pgid):
         try:
             os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
+        except ProcessLookupError:  # exited meanwhile
             pass
     if proc.poll() is None:
         proc.wait(timeout=10)
@@ -221,7 +221,7 @@ class VllmProcess:
                             self.startup_s = time.time() - self.t0
                             starts.record("vllm", self.model, self.startup_s, mode=self.mode)
                         return self
-            except (urllib.error.URLError, ConnectionError, OSError):
+            except (urllib.error.URLError, ConnectionError, OSError):  # not listening yet: ask again
                 pass
             if time.time() >= deadline:
                 break
