@@ -58,7 +58,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface

@@ -209,7 +209,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             return (
                 f"plugin '{self.settings.name}' {'ready' if self.healthy else 'DISABLED'}: "
                 f"{len(st.served)} cartridges ({chunks} chunks) for model {self.shape.model_names[0]!r} "
-                f"rank {self.shape.rank}/{self.shape.world_size}, {sum(1 for n in st.pins.values() if n)} chunks pinned, "
+                f"rank {self.shape.rank}/{self.shape.world_size}, "
+                f"{sum(1 for n in st.pins.values() if n)} chunks pinned, "
                 f"{len(st.skipped)} not served"
                 f"{' (' + '; '.join(f'{k}: {v}' for k, v in sorted(st.skipped.items())) + ')' if st.skipped else ''}; "
                 f"registry {self.settings.registry}, hash {self.config.pre_caching_hash_algorithm}, "

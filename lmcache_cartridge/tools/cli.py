@@ -61,8 +61,7 @@ def cmd_pack(args) -> int:
     from lmcache_cartridge.cartridge.formats import load_input
     from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
     from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv, rechunk
-
-    from lmcache_cartridge.store.registration import model_dtype_for as _model_dtype_for  # one rule, shared with the gateway
+    from lmcache_cartridge.store.registration import model_dtype_for  # one rule, shared with the gateway
 
     src = Path(args.input)
     out = Path(args.output)
@@ -106,7 +105,7 @@ def cmd_pack(args) -> int:
             raise CartridgeError(f"{src}: KV of {have[0]} layers x {have[1]} KV heads x head_dim {have[2]}, but "
                                  f"{args.model_dir} has {g.num_layers} x {g.num_kv_heads} x {g.head_dim}: "
                                  "it was made for another model")
-    dtype = getattr(torch, args.dtype) if args.dtype else _model_dtype_for(kv, args.model_dir)
+    dtype = getattr(torch, args.dtype) if args.dtype else model_dtype_for(kv, args.model_dir)
     if dtype is not None and dtype != kv.dtype:
         provenance["converted_from_dtype"] = str(kv.dtype).removeprefix("torch.")
     m = pack_kv(
@@ -476,7 +475,8 @@ def cmd_stats(args) -> int:
               f"{len(st.cartridges)} cartridges served")
     print(f"{'tier':<8}{'hits':>10}{'misses':>10}{'MiB':>12}{'evictions':>11}{'errors':>8}")
     for tier, t in sorted(totals.tiers.items()):
-        print(f"{tier:<8}{t['hits']:>10}{t['misses']:>10}{t['bytes'] / 2**20:>12.1f}{t['evictions']:>11}{t['errors']:>8}")
+        print(f"{tier:<8}{t['hits']:>10}{t['misses']:>10}{t['bytes'] / 2**20:>12.1f}"
+              f"{t['evictions']:>11}{t['errors']:>8}")
     return 0
 
 
@@ -554,22 +554,26 @@ def build_parser() -> argparse.ArgumentParser:
              "tokenizers without BOS (Qwen2) start with the document's first token. Send requests as\n"
              "the cartridge's token ids followed by your own (the gateway does this for you).",
              "lmcache-cartridge create --model-dir ~/models/Qwen2.5-0.5B-Instruct --text doc.txt -o carts/doc")
-    sp.add_argument("--model-dir", required=True, metavar="DIR", help="local HF model directory (config.json, weights, tokenizer)")
+    sp.add_argument("--model-dir", required=True, metavar="DIR",
+                    help="local HF model directory (config.json, weights, tokenizer)")
     sp.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file: the document")
-    sp.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to create (the packed cartridge); checked before the model is loaded")
+    sp.add_argument("-o", "--output", required=True, metavar="DIR",
+                    help="directory to create (the packed cartridge); checked before the model is loaded")
     sp.add_argument("--model", help="model name servers use (vLLM --model; default: --model-dir)")
     sp.add_argument("--id", help="cartridge id (default: from the text file's name)")
     sp.add_argument("--max-tokens", type=int, metavar="N", help="keep the first N tokens (default: the whole document)")
     sp.add_argument("--sci-chunk", type=int, metavar="N",
                     help="sampled-chunk initialisation: random N-token chunks of the document up to --max-tokens")
     sp.add_argument("--seed", type=int, default=0, help="seed for --sci-chunk (default 0)")
-    sp.add_argument("--chunk-size", type=int, default=256, metavar="N", help="LMCache chunk_size of the serving config (default 256)")
+    sp.add_argument("--chunk-size", type=int, default=256, metavar="N",
+                    help="LMCache chunk_size of the serving config (default 256)")
     sp.add_argument("--kv-from", choices=["vllm", "hf"],
                     help="what computes the KV: vllm (default where installed) or hf (transformers)")
     sp.add_argument("--cpu-bind", default="0-1", metavar="CPUS",
                     help="with --kv-from vllm on CPU: VLLM_CPU_OMP_THREADS_BIND of the private server (default 0-1)")
     sp.add_argument("--device", metavar="DEV",
-                    help="with --kv-from hf: where the model runs, cpu (default), cuda or cuda:N; the KV is kept on CPU")
+                    help="with --kv-from hf: where the model runs, cpu (default), cuda or cuda:N; "
+                         "the KV is kept on CPU")
     sp.add_argument("--prefill-chunk", type=int, metavar="N",
                     help="with --kv-from hf: tokens per forward pass (default 512); attention memory grows with "
                          "N x document tokens")
@@ -649,7 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--label", action="append", help="label (repeatable)")
     sp.add_argument("--chunk-size", type=int, help="serving chunk_size: re-chunk a copy if the cartridge differs")
     sp.add_argument("--packed-dir", help="where re-chunked copies go (default: $LMCACHE_CARTRIDGE_HOME/packed)")
-    sp.add_argument("--force-redownload", action="store_true", help="running servers drop cached copies and fetch again")
+    sp.add_argument("--force-redownload", action="store_true",
+                    help="running servers drop cached copies and fetch again")
     sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL (s3:// paths)")
     sp.add_argument("--s3-region", help="S3 region (s3:// paths)")
     reg_opts(sp)
@@ -668,7 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path", help="packed cartridge directory")
     sp.add_argument("catalog", help="s3://bucket/prefix of the catalog")
     sp.add_argument("--label", action="append", help="label (repeatable)")
-    sp.add_argument("--force-redownload", action="store_true", help="every host drops its cached copies and fetches again")
+    sp.add_argument("--force-redownload", action="store_true",
+                    help="every host drops its cached copies and fetches again")
     catalog_s3_opts(sp)
 
     sp = add("unpublish", cmd_unpublish, "remove a cartridge from a fleet's S3 catalog (its bytes stay)",
@@ -719,7 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", required=True, help="the upstream model name (vLLM --model)")
     sp.add_argument("--tokenizer", help="local tokenizer directory (default: --model)")
     sp.add_argument("--config", default=SERVER_CONFIG,
-                    help="the server's LMCache YAML (registry, cache dir, S3, chunk size); default $LMCACHE_CONFIG_FILE")
+                    help="the server's LMCache YAML (registry, cache dir, S3, chunk size); "
+                         "default $LMCACHE_CONFIG_FILE")
     sp.add_argument("--registry", help="registry database, without --config")
     sp.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk_size, without --config (default 256)")
     sp.add_argument("--allow-local", action="append", metavar="DIR",
@@ -778,7 +785,8 @@ def build_parser() -> argparse.ArgumentParser:
              "lmcache-cartridge stats --config configs/lmcache-cartridge.yaml")
     sp.add_argument("--config", default=SERVER_CONFIG,
                     help="LMCache YAML: use its plugin's cache dir; default $LMCACHE_CONFIG_FILE")
-    sp.add_argument("--cache-dir", help="the plugin's cache dir, without --config (default: $LMCACHE_CARTRIDGE_HOME/cache)")
+    sp.add_argument("--cache-dir",
+                    help="the plugin's cache dir, without --config (default: $LMCACHE_CARTRIDGE_HOME/cache)")
     sp.add_argument("--json", action="store_true", help="as JSON")
     return p
 

@@ -203,7 +203,7 @@ class VllmProcess:
                                      cwd=str(self.root), start_new_session=True)
         self.startup_s: float | None = None
 
-    def wait_healthy(self, timeout: float = 300) -> "VllmServer":
+    def wait_healthy(self, timeout: float = 300) -> VllmProcess:
         """Wait until /health answers 200, at most `timeout` seconds from the launch. /health is
         asked at least once whatever the clock says: a server launched long before (a session's
         KV maker, first used half an hour after its launch) is healthy, not timed out."""
@@ -240,7 +240,7 @@ class VllmProcess:
         if not self._log.closed:
             self._log.close()
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmProcess:
         return self
 
     def __exit__(self, *exc) -> None:
