@@ -35,12 +35,6 @@ def _server_config(args) -> bool:
     return bool(getattr(args, "config", None)) or configured_by_environment()
 
 
-def _default_id(path: Path) -> str:
-    from lmcache_cartridge.cartridge.manifest import id_from_name
-
-    return id_from_name(path.stem if path.is_file() else path.name)
-
-
 def _vocab_from_args(args):
     from lmcache_cartridge.cartridge.packed import VocabInfo
     from lmcache_cartridge.store.registration import load_vocab
@@ -54,79 +48,22 @@ def _vocab_from_args(args):
 
 # --- pack -------------------------------------------------------------------------------------
 def cmd_pack(args) -> int:
-    """Pack any input format (see `cartridge/inputs`) into the packed format. The manifest's
-    provenance says what the input was read as (`source_format`) and the model it names."""
-    import torch
+    """Pack any input format into the packed format, or re-chunk a packed cartridge (`tools.pack`)."""
+    from lmcache_cartridge.tools.pack import pack_input
 
-    from lmcache_cartridge.cartridge.formats import load_input
-    from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
-    from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv, rechunk
-    from lmcache_cartridge.store.registration import model_dtype_for  # one rule, shared with the gateway
-
-    src = Path(args.input)
-    out = Path(args.output)
-    if src.is_dir() and (src / MANIFEST_NAME).exists():
-        m = rechunk(PackedCartridge(src), out, args.chunk_size, overwrite=args.overwrite)
+    src, out = Path(args.input), Path(args.output)
+    p = pack_input(src, out, model=args.model, model_dir=args.model_dir, kind=args.kind, dtype=args.dtype,
+                   cartridge_id=args.id, chunk_size=args.chunk_size, vocab=lambda: _vocab_from_args(args),
+                   labels=args.label, overwrite=args.overwrite, progress=not args.quiet,
+                   check_model=not getattr(args, "allow_model_mismatch", False))
+    m = p.manifest
+    if p.source_format is None:
         print(f"re-chunked {m.cartridge_id}: {m.num_tokens} tokens in {len(m.chunks)} chunks -> {out}")
         return 0
-    # The input's own base model (PEFT, Tokasaurus, meta.json) must be the --model named here.
-    check = None if getattr(args, "allow_model_mismatch", False) else args.model
-    loaded = load_input(src, expected_model=check)
-    meta = loaded.metadata
-    model = args.model or meta.get("model") or loaded.base_model or args.model_dir
-    if not model:
-        raise CartridgeError("name the model the KV belongs to: --model NAME (as vLLM's --model)")
-    kv, kind = loaded.kv, args.kind
-    provenance = {"source": str(src), "source_format": loaded.source_format}
-    if loaded.base_model:
-        provenance["base_model"] = loaded.base_model
-    if loaded.num_frozen_tokens:
-        provenance["num_frozen_tokens"] = loaded.num_frozen_tokens
-    if kv is None:  # token-only cartridge: compute its KV once with the model
-        if not args.model_dir:
-            raise CartridgeError(
-                f"{src} holds only token ids; pass --model-dir DIR to compute its KV with the model"
-            )
-        from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
-
-        hf_model, _ = load_model(args.model_dir)
-        kv = compute_prefix_kv(hf_model, loaded.token_ids)
-        provenance["kv_computed_with"] = str(args.model_dir)
-    if kind is None:
-        kind = "first_k" if loaded.token_ids is not None else "trained"
-    if args.model_dir:  # the KV must be this model's: checked before anything is written
-        from transformers import AutoConfig
-
-        from lmcache_cartridge.cartridge.model_kv import kv_geometry
-
-        g = kv_geometry(AutoConfig.from_pretrained(args.model_dir))
-        have = (int(kv.shape[1]), int(kv.shape[3]), int(kv.shape[4]))
-        if have != (g.num_layers, g.num_kv_heads, g.head_dim):
-            raise CartridgeError(f"{src}: KV of {have[0]} layers x {have[1]} KV heads x head_dim {have[2]}, but "
-                                 f"{args.model_dir} has {g.num_layers} x {g.num_kv_heads} x {g.head_dim}: "
-                                 "it was made for another model")
-    dtype = getattr(torch, args.dtype) if args.dtype else model_dtype_for(kv, args.model_dir)
-    if dtype is not None and dtype != kv.dtype:
-        provenance["converted_from_dtype"] = str(kv.dtype).removeprefix("torch.")
-    m = pack_kv(
-        kv,
-        out,
-        cartridge_id=args.id or loaded.suggested_id or _default_id(src),
-        model=model,
-        kind=kind,
-        token_ids=loaded.token_ids if kind == "first_k" else None,
-        vocab=_vocab_from_args(args) if kind == "trained" else None,
-        chunk_size=args.chunk_size,
-        dtype=dtype,
-        provenance=provenance,
-        labels=args.label or meta.get("labels", []) or [],
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-    )
-    print(f"read {src} as {loaded.source_format}" + (f" (base model {loaded.base_model})" if loaded.base_model else ""))
+    print(f"read {src} as {p.source_format}" + (f" (base model {p.base_model})" if p.base_model else ""))
     print(f"packed {m.cartridge_id} ({m.kind}): {m.num_tokens} tokens, {len(m.chunks)} chunks, "
           f"{m.payload_nbytes / 2**20:.1f} MiB -> {out}")
-    _say_model_name(m.model, given=model != args.model_dir)
+    _say_model_name(m.model, given=m.model != args.model_dir)
     return 0
 
 
@@ -217,7 +154,7 @@ def cmd_verify(args) -> int:
 def cmd_create(args) -> int:
     """Everything a user can get wrong (the text, the options, the output directory) is checked
     before the model is loaded or vLLM started: the forward pass takes minutes."""
-    from lmcache_cartridge.cartridge.manifest import validate_id
+    from lmcache_cartridge.cartridge.manifest import id_from_path, validate_id
     from lmcache_cartridge.cartridge.model_kv import DEFAULT_PREFILL_CHUNK, resolve_device
     from lmcache_cartridge.cartridge.packed import pack_kv
     from lmcache_cartridge.cartridge.packed import check_output_dir
@@ -225,7 +162,7 @@ def cmd_create(args) -> int:
 
     text = Path(args.text).read_text(encoding="utf-8")
     out = Path(args.output)
-    cartridge_id = args.id or _default_id(Path(args.text))
+    cartridge_id = args.id or id_from_path(args.text)
     validate_id(cartridge_id)
     kv_from = args.kv_from or default_kv_from()
     if kv_from == "vllm" and (args.device is not None or args.prefill_chunk is not None):
