@@ -19,7 +19,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv model router test test-quick test-avx2 demo bench bench-ttft fleet soak answers quality clean-venv
+.PHONY: venv model router lint test test-quick test-avx2 demo bench bench-ttft fleet soak answers quality clean-venv
 
 venv: $(STAMP)
 
@@ -51,6 +51,11 @@ $(ROUTER_VENV)/.installed:
 	$(ROUTER_VENV)/bin/pip install -q vllm-router==0.1.17
 	touch $@
 
+# ruff over the package, tests and benchmarks (settings: pyproject.toml's [tool.ruff]; the
+# version: the test extra's pin in setup.cfg). The first step of `make test` and `make test-quick`.
+lint: $(STAMP)
+	@$(PY) -m ruff check . || { echo "make lint: fix the lines above; \`$(PY) -m ruff check --fix .\` fixes the ones marked [*]" >&2; exit 1; }
+
 # The whole suite, the gate CI runs: two xdist workers, each slow group (a stream of real servers,
 # tests/server_pool.py) whole on one worker, the fast tests spread around them; no test may run
 # longer than TEST_TIMEOUT seconds (setup included). The report (junit XML, per-module seconds
@@ -58,12 +63,12 @@ $(ROUTER_VENV)/.installed:
 REPORT ?= $(LMCACHE_CARTRIDGE_HOME)/test-report
 TEST_TIMEOUT ?= 900
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --timeout $(TEST_TIMEOUT)
-test: $(STAMP) $(ROUTER_VENV)/.installed
+test: lint $(STAMP) $(ROUTER_VENV)/.installed
 	LMCACHE_CARTRIDGE_TEST_REPORT=$(REPORT) $(PYTEST) --durations=25 --junitxml=$(REPORT)/junit.xml tests
 
 # The inner loop: the tests that start no server and no torch or vLLM process (`-m "not slow and
 # not heavy"`). `make test` is the gate.
-test-quick: $(STAMP)
+test-quick: lint $(STAMP)
 	$(PYTEST) -m "not slow and not heavy" tests
 
 # The tests whose outcome depends on the CPU, run as on an AVX2-only x86 CPU (an AMD EPYC without

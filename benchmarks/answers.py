@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                 token_ids=made.token_ids, chunk_size=256, provenance=made.provenance)
 
     registry = Registry(work / "registry.db")
-    server = VllmServer(work / "vllm", str(model_dir), lmcache=lmcache_config(work / "registry.db", cache_dir=work / "cache"))
+    server = VllmServer(
+        work / "vllm", str(model_dir), lmcache=lmcache_config(work / "registry.db", cache_dir=work / "cache")
+    )
     results: dict[str, dict] = {}
     try:
         server.wait_healthy()

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [run(args.context, int(r), args.queries, args.layers, args.reps, args.isa) for r in args.requests.split(",")]
-    print(f"| requests | KV read per layer: shared / distinct | shared ms | distinct ms | distinct / shared |")
+    print("| requests | KV read per layer: shared / distinct | shared ms | distinct ms | distinct / shared |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
         kv = r["kv_per_layer_mib"]

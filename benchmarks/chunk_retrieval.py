@@ -905,6 +905,7 @@ def _result(arms, name, batch):
 
 
 def markdown(report: dict) -> str:
+    moto_note = next((n for n in report.get("notes", []) if n.startswith("moto runs")), "moto")
     lines = ["# Chunk retrieval benchmark", "",
              f"mode: {report['mode']}; machine: {report['machine'].get('cpu', '?')}, "
              f"{report['machine']['cpus']} cpus, {report['machine'].get('mem_total_gib')} GiB; "
@@ -912,7 +913,7 @@ def markdown(report: dict) -> str:
              f"elapsed {report['elapsed_s']:.0f}s", "",
              "Per-chunk latency = batch call time / batch (amortised), p50 (p99) over samples; GB/s at the "
              "median call. x-limit = ours/limit throughput, x-LMCache = ours/LMCache built-in. "
-             f"S3 is a moto server on loopback ({next((n for n in report.get('notes', []) if n.startswith('moto runs')), 'moto')}); "
+             f"S3 is a moto server on loopback ({moto_note}); "
              "S3 arms use one object per chunk.", ""]
     lines += ["| shape | tier | batch | ours ms/chunk p50 (p99) | ours GB/s | limit | limit GB/s | x-limit | "
               "LMCache | LMCache GB/s | x-LMCache |",
@@ -964,7 +965,8 @@ def markdown(report: dict) -> str:
     if lk:
         lines += ["", f"Lookup: `batched_contains` over {lk['keys']} keys ({lk['tokens']}-token prompt): "
                   f"{lk['no_pin']['us_per_key_median']:.2f} us/key (pin=True: {lk['pin']['us_per_key_median']:.2f} "
-                  f"us/key); LMCache's own key hashing of the prompt: {lk['lmcache_key_hashing_ms_for_prompt']:.1f} ms."]
+                  f"us/key); LMCache's own key hashing of the prompt: "
+                  f"{lk['lmcache_key_hashing_ms_for_prompt']:.1f} ms."]
     return "\n".join(lines) + "\n"
 
 
@@ -1017,7 +1019,8 @@ def main(argv=None) -> int:
     plan = plan_for(args.quick, args.shapes.split(",") if args.shapes else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="chunk-bench-", dir=os.environ.get("TMPDIR", "/tmp")))
+    workdir = Path(args.workdir) if args.workdir else \
+        Path(tempfile.mkdtemp(prefix="chunk-bench-", dir=os.environ.get("TMPDIR", "/tmp")))
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("LMCACHE_CARTRIDGE_HOME", str(workdir / "home"))
     t_start = time.time()
@@ -1036,7 +1039,8 @@ def main(argv=None) -> int:
                                   "GB = 1e9 bytes; throughput at the median call",
                                   "local arms: batch capped so a batch is <= local_cap_bytes; "
                                   "S3 arms: <= s3_cap_bytes (moto speed and memory)",
-                                  ("moto runs in this process's threads (GIL shared with the client)" if args.moto_thread
+                                  ("moto runs in this process's threads (GIL shared with the client)"
+                                   if args.moto_thread
                                    else "moto runs in its own process (shares the 2 cores, not the GIL)"),
                                   "S3 arms use one object per chunk (moto copies the whole object per ranged GET)",
                                   "ours-s3 runs with cpu_budget_gb 0 and disk_budget_gb 0 (every read is a GET)",

@@ -51,7 +51,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,7 +96,7 @@ class Moto:
                 return
             except OSError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError("moto exited: " + (root / "moto.log").read_text()[-2000:])
+                    raise RuntimeError("moto exited: " + (root / "moto.log").read_text()[-2000:]) from None
                 time.sleep(0.3)
         raise TimeoutError("moto did not start")
 
@@ -275,7 +274,8 @@ def compare(got: dict, ref: dict) -> dict:
         if not by_strings or d <= STRING_MATCH_LOGPROB_TOL:
             return {"equal": True, "max_dlogprob": d, "by_strings": by_strings}
         return {"equal": False, "same_strings_max_dlogprob": round(d, 4)}
-    i = next((k for k, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])) if a != b), min(len(got["tokens"]), len(ref["tokens"])))
+    shorter = min(len(got["tokens"]), len(ref["tokens"]))
+    i = next((k for k, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])) if a != b), shorter)
     out = {"equal": False, "diverges_at": i, "max_dlogprob_before": max(
         (abs(a - b) for a, b in zip(got["logprobs"][:i], ref["logprobs"][:i])), default=0.0)}
     if i < min(len(got["tokens"]), len(ref["tokens"])):
@@ -332,7 +332,9 @@ class Fleet:
         rng = random.Random(1)
         for s in self.instances:
             for _ in range(args.warmup):
-                reference(s, self.model, [rng.randrange(10, 1000) for _ in range(args.cart_tokens + 12)], args.max_tokens)
+                reference(
+                    s, self.model, [rng.randrange(10, 1000) for _ in range(args.cart_tokens + 12)], args.max_tokens
+                )
         # The gateway's own registry, synced from the same catalog (no shared disk with the instances).
         from lmcache_cartridge.store.catalog import CatalogSync
         from lmcache_cartridge.store.registry import Registry
@@ -343,8 +345,9 @@ class Fleet:
         self.gw_registry_path = gw / "registry.db"
         self.gw_cache = gw / "cache"
         self.gw_registry = Registry(self.gw_registry_path)
-        self.gw_sync = CatalogSync(Registry(self.gw_registry_path), CATALOG, S3Settings(endpoint_url=self.proxy.endpoint_url),
-                                   args.catalog_period, cache_dir=self.gw_cache, chunk_size=256).start()
+        self.gw_sync = CatalogSync(Registry(self.gw_registry_path), CATALOG,
+                                   S3Settings(endpoint_url=self.proxy.endpoint_url), args.catalog_period,
+                                   cache_dir=self.gw_cache, chunk_size=256).start()
         self.published = 0
 
     def publish(self, carts: list[dict]) -> float:
@@ -407,7 +410,9 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
                                      token_ids=first_k_ids)
     ref_s = time.time() - t
     # the references left their blocks in the reference instance's prefix cache: the arm starts cold
-    urllib.request.urlopen(urllib.request.Request(ref_inst.url + "/reset_prefix_cache", method="POST"), timeout=60).read()
+    urllib.request.urlopen(
+        urllib.request.Request(ref_inst.url + "/reset_prefix_cache", method="POST"), timeout=60
+    ).read()
     log(f"arm {name}: {len(refs)} references in {ref_s:.1f}s; publishing")
     fleet.proxy.reset()
     publish_s = fleet.publish(carts)
@@ -525,8 +530,10 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
         out["failover"] = {
             "killed": f"inst{kill['instance']}", "killed_after_s": round(t_k - t0, 2),
             "errors_after_kill": len(failed_after),
-            "last_error_sent_after_kill_s": round(max(r["sent"] for r in failed_after) - t_k, 2) if failed_after else 0.0,
-            "last_error_done_after_kill_s": round(max(r["done"] for r in failed_after) - t_k, 2) if failed_after else 0.0,
+            "last_error_sent_after_kill_s": (round(max(r["sent"] for r in failed_after) - t_k, 2)
+                                             if failed_after else 0.0),
+            "last_error_done_after_kill_s": (round(max(r["done"] for r in failed_after) - t_k, 2)
+                                             if failed_after else 0.0),
             "ok_after_kill": sum(1 for r in ok if r["sent"] >= t_k),
             "failed_cartridges": len(back),
             "recovery_s": (None if None in back else round(max(back), 2)) if back else 0.0,
@@ -647,8 +654,9 @@ def kv_aware_probe(args, root: Path) -> dict:
                                             or ln.startswith("vllm_router_policy_decisions")]
         except OSError as e:
             out["router_kv_metrics"] = f"unavailable: {e}"
-        out["router_log_kv_lines"] = [ln[-400:] for ln in router.log_path.read_text(errors="replace").splitlines()
-                                      if ("kv" in ln.lower() or "tokenizer" in ln.lower()) and "spawned" not in ln][-60:]
+        out["router_log_kv_lines"] = [
+            ln[-400:] for ln in router.log_path.read_text(errors="replace").splitlines()
+            if ("kv" in ln.lower() or "tokenizer" in ln.lower()) and "spawned" not in ln][-60:]
     finally:
         if router is not None:
             router.stop()
@@ -686,7 +694,9 @@ def markdown(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--router", default=find_router(), help="vllm-router executable ($VLLM_ROUTER, PATH, .venv-router/)")
+    ap.add_argument(
+        "--router", default=find_router(), help="vllm-router executable ($VLLM_ROUTER, PATH, .venv-router/)"
+    )
     ap.add_argument("--instances", type=int, default=3)
     ap.add_argument("--cartridges", type=int, default=20)
     ap.add_argument("--cart-tokens", type=int, default=512)
@@ -699,7 +709,9 @@ def main() -> None:
     ap.add_argument("--policies", nargs="*", default=["consistent_hash", "kv_aware", "round_robin"])
     ap.add_argument("--trained", type=int, default=5, help="how many of the cartridges are trained (one chunk)")
     ap.add_argument("--failover", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--kill-at", type=float, default=0.4, help="fraction of the failover arm's requests sent before the kill")
+    ap.add_argument(
+        "--kill-at", type=float, default=0.4, help="fraction of the failover arm's requests sent before the kill"
+    )
     ap.add_argument("--catalog-period", type=float, default=1.0)
     ap.add_argument("--warmup", type=int, default=3, help="plain requests per instance before the arms")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,

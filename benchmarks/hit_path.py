@@ -187,7 +187,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"hit_path-cores{'_'.join(map(str, args.cores))}"
     (args.out / f"{name}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
-    lines = [f"Worker cores {args.cores} (main thread on {info['main_thread']}), p50 ms over {args.samples} samples:", "",
+    lines = [f"Worker cores {args.cores} (main thread on {info['main_thread']}), "
+             f"p50 ms over {args.samples} samples:", "",
              "| doc tokens | " + " | ".join(ARMS) + " | first / prefetch off | first / repeat |",
              "|---:|" + "---:|" * (len(ARMS) + 2)]
     for r in rows:

@@ -26,10 +26,11 @@ Same bytes (a cartridge of `--tokens` tokens in 256-token `KV_2LTD` chunks), sam
 - `memcpy`: a plain copy of the same number of bytes (the limit without the layout).
 
 The arms take turns in every repetition (best of `--reps` each), so a load spike on a shared
-machine hits them alike. Torch runs with `--threads` intra-op threads (vLLM's worker in the TTFT benchmark has one core).
-`--isa` picks the layout (default: what vLLM picks here; "amx" is copied by the same kernel,
-`ours-torch` loads it through vLLM's writer). `run(...)` is importable; `tests/test_bench_kv_copy.py` checks at tiny
-sizes that `ours`, `ours-torch` and `vllm-op` leave byte-identical caches.
+machine hits them alike. Torch runs with `--threads` intra-op threads (vLLM's worker in the TTFT
+benchmark has one core). `--isa` picks the layout (default: what vLLM picks here; "amx" is copied
+by the same kernel, `ours-torch` loads it through vLLM's writer). `run(...)` is importable;
+`tests/test_bench_kv_copy.py` checks at tiny sizes that `ours`, `ours-torch` and `vllm-op` leave
+byte-identical caches.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ def run(tokens: int = 8192, layers: int = 8, kv_heads: int = 2, head_dim: int = 
     nbytes = flat_src.numel() * flat_src.element_size()
     out: dict[str, Any] = {"tokens": tokens, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
                            "block_size": block_size, "isa": isa, "bytes": nbytes,
-                           "threads": torch.get_num_threads(), "native": native.kernel() is not None, "simd": native.simd(),
+                           "threads": torch.get_num_threads(), "native": native.kernel() is not None,
+                           "simd": native.simd(),
                            "native_unavailable": native.unavailable_reason(), "arms": {}}
     encode()  # the objects the block arm loads
     arms = [("ours-blocks", ours_blocks), ("encode", encode), ("encode-packed", encode_packed), ("ours", ours),

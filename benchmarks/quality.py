@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import shutil
 import statistics
@@ -46,7 +45,7 @@ import subprocess
 import sys
 import time
 import unicodedata
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -121,7 +120,7 @@ def evidence_position(tokenizer, text: str, evidence: str) -> int:
     first-k cartridge holds them)."""
     at = text.index(evidence)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    for i, (s, e) in enumerate(enc["offset_mapping"]):
+    for i, (_, e) in enumerate(enc["offset_mapping"]):
         if e > at:
             return i
     raise ValueError(evidence)
@@ -257,7 +256,8 @@ def train_args(a: argparse.Namespace) -> list[str]:
             "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--eval-every", str(a.eval_every),
             "--save-every", str(a.save_every), "--question-tokens", str(a.question_tokens),
             "--answer-tokens", str(a.answer_tokens), "--window-min", str(a.window_min),
-            "--window-max", str(a.window_max), "--seed", str(a.seed)] + (["--threads", str(a.threads)] if a.threads else [])
+            "--window-max", str(a.window_max), "--seed", str(a.seed),
+            *(["--threads", str(a.threads)] if a.threads else [])]
 
 
 def train_one(model_dir: Path, carts: Path, name: str, cid: str, doc: str, tokens: int, a: argparse.Namespace,
@@ -270,10 +270,11 @@ def train_one(model_dir: Path, carts: Path, name: str, cid: str, doc: str, token
         prov = json.loads(man.read_text()).get("provenance") or {}
         if prov.get("steps") == a.steps and (prov.get("data") or {}).get("conversations") == a.conversations:
             return {"skipped": True, **_train_summary(out, work)}
-    if share_data_from and not (work / "data.pt").exists() and (carts / f"{share_data_from}.train" / "data.pt").exists():
+    shared = carts / f"{share_data_from}.train" / "data.pt"
+    if share_data_from and not (work / "data.pt").exists() and shared.exists():
         # same document, same synthesis settings: the same conversations (train checks the fingerprint)
         work.mkdir(parents=True, exist_ok=True)
-        shutil.copy(carts / f"{share_data_from}.train" / "data.pt", work / "data.pt")
+        shutil.copy(shared, work / "data.pt")
     text = carts.parent / f"doc_{doc}.txt"
     text.write_text(document(doc), encoding="utf-8")
     cmd = [str(Path(sys.executable).with_name("lmcache-cartridge")), "train", "--model-dir", str(model_dir),
@@ -474,19 +475,22 @@ def fmt_acc(x: tuple[float | None, int]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     m = result["meta"]
-    lines = [f"# Cartridge quality{' — SMOKE RUN (tiny training: proves the code path, not a quality result)' if m['smoke'] else ''}",
+    smoke = " — SMOKE RUN (tiny training: proves the code path, not a quality result)" if m["smoke"] else ""
+    lines = [f"# Cartridge quality{smoke}",
              "", f"Command: `{m['command']}`", "",
-             f"Model {m['model']}; {m['machine'].get('cpu', '?')}, {m['machine'].get('nproc')} cores; git {m['machine'].get('git')}; "
-             f"{m['date']}. Training: {m['train_settings']}.", "",
+             f"Model {m['model']}; {m['machine'].get('cpu', '?')}, {m['machine'].get('nproc')} cores; "
+             f"git {m['machine'].get('git')}; {m['date']}. Training: {m['train_settings']}.", "",
              "Steps (wall s): " + ", ".join(f"{k} {v:.0f}" for k, v in m["timings_s"].items()), "",
-             "| arm | doc | acc (all) | held-out | dev | fact <256 | 256-512 | >=512 | mean LL answer | mean LL fact | KV MiB | TTFT p50 ms |",
+             "| arm | doc | acc (all) | held-out | dev | fact <256 | 256-512 | >=512 | mean LL answer | mean LL fact "
+             "| KV MiB | TTFT p50 ms |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, arm in result["arms"].items():
         for doc, s in arm["summary"].items():
             bp = s["by_position"]
-            lines.append(f"| {name} | {doc} | {fmt_acc((s['accuracy'], s['n']))} | {fmt_acc(s['heldout'])} | {fmt_acc(s['dev'])} | "
-                         f"{fmt_acc(bp['<256'])} | {fmt_acc(bp['256-512'])} | {fmt_acc(bp['>=512'])} | "
-                         f"{_f(s['ll_answer'])} | {_f(s['ll_fact'])} | {s['kv_bytes'] / 2**20:.1f} | "
+            lines.append(f"| {name} | {doc} | {fmt_acc((s['accuracy'], s['n']))} | {fmt_acc(s['heldout'])} | "
+                         f"{fmt_acc(s['dev'])} | {fmt_acc(bp['<256'])} | {fmt_acc(bp['256-512'])} | "
+                         f"{fmt_acc(bp['>=512'])} | {_f(s['ll_answer'])} | {_f(s['ll_fact'])} | "
+                         f"{s['kv_bytes'] / 2**20:.1f} | "
                          f"{'-' if s['ttft_p50_ms'] is None else round(s['ttft_p50_ms'])} |")
     checks = [f"{n}/{d}" for n, arm in result["arms"].items() for d, s in arm["summary"].items()
               if not (s["prompt_tokens_match"] and s["cartridge_tokens_loaded"])]
@@ -496,8 +500,10 @@ def markdown(result: dict[str, Any]) -> str:
     for name, t in m["training"].items():
         kl = t.get("heldout_kl") or {}
         sps = t.get("seconds_per_step")
-        lines.append(f"- {name}: {t.get('steps')} steps, {t.get('conversations')} conversations, KL "
-                     f"{_f(kl.get('init'))} -> {_f(kl.get('final'))}, {_f(sps)} s/step, wall {t.get('wall_s', 0):.0f} s")
+        lines.append(
+            f"- {name}: {t.get('steps')} steps, {t.get('conversations')} conversations, KL "
+            f"{_f(kl.get('init'))} -> {_f(kl.get('final'))}, {_f(sps)} s/step, wall {t.get('wall_s', 0):.0f} s"
+        )
     lines += ["", "Arms: " + "; ".join(f"`{n}` {a['note'] or a['kind']}" for n, a in result["arms"].items()), ""]
     return "\n".join(lines) + "\n"
 
@@ -523,7 +529,9 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     ax2.set_ylabel("mean LL per token, reference answer")
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", rotation=45)
-    fig.suptitle(("SMOKE RUN: " if result["meta"]["smoke"] else "") + "SmolLM2-135M-Instruct, served through vLLM + LMCache")
+    fig.suptitle(
+        ("SMOKE RUN: " if result["meta"]["smoke"] else "") + "SmolLM2-135M-Instruct, served through vLLM + LMCache"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return True
@@ -547,7 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-min", type=int, default=384)
     ap.add_argument("--window-max", type=int, default=768)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads for training and scoring (0: torch's default)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads for training and scoring (0: torch's default)"
+    )
     ap.add_argument("--no-init-arm", action="store_true", help="skip the init_256 arm")
     ap.add_argument("--work", type=Path, help="cartridges, training and server files (default .cache/quality/NAME)")
     ap.add_argument("--out", type=Path, help="output prefix (default benchmarks/results/quality/quality, or smoke)")
@@ -594,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         training[nm]["wall_s"] = time.perf_counter() - t0
     answers = clock.run("serve (vLLM start + all questions)", serve_and_ask, model_dir, work, carts, the_arms, qs, a)
     scored = clock.run("score (HF log-likelihoods)", score, model_dir, carts, the_arms, qs, answers, a.threads or None)
-    meta = {"smoke": a.smoke, "command": " ".join([".venv/bin/python", "benchmarks/quality.py", *(argv or sys.argv[1:])]),
+    command = " ".join([".venv/bin/python", "benchmarks/quality.py", *(argv or sys.argv[1:])])
+    meta = {"smoke": a.smoke, "command": command,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": "SmolLM2-135M-Instruct",
             "machine": _common.machine_info(), "questions": len(qs), "max_tokens": a.max_tokens,
             "train_settings": " ".join(train_args(a)), "training": training,

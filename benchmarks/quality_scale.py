@@ -122,7 +122,8 @@ def markdown(res: dict[str, Any]) -> str:
         return f"{c[0]}/{c[1]}"
 
     lines = [f"# Data scale: {res['meta']['command']}", "",
-             f"{machine(res['meta']['machine'])}; lr {res['meta']['lr']}, batch {res['meta']['batch_size']}, one epoch; "
+             f"{machine(res['meta']['machine'])}; lr {res['meta']['lr']}, batch {res['meta']['batch_size']}, "
+             "one epoch; "
              "HF probe of document A's 40 questions (greedy).", "",
              "| arm | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | held-out KL init -> final | "
              "train wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -105,7 +105,7 @@ def main() -> None:
             except Exception:
                 if proc.poll() is not None:
                     print(open(log.name).read()[-4000:])
-                    raise SystemExit("router exited")
+                    raise SystemExit("router exited") from None
                 time.sleep(0.5)
         for u in ups:
             u.seen.clear()
@@ -133,12 +133,15 @@ def main() -> None:
             print(f"{label:45s} -> {got} forwarded x- headers {fwd}")
         for carrier in ("X-Session-ID", "X-User-ID", "body user", "body session_params.session_id"):
             picks = [results[k][0] for k in results if k.startswith(carrier + " ")]
+            sticky = all(len(set(results[k])) == 1 for k in results if k.startswith(carrier + " "))
             print(f"{carrier}: {len(picks)} keys -> {dict((u.name, picks.count(u.name)) for u in ups)}, "
-                  f"each key always on one upstream: {all(len(set(results[k])) == 1 for k in results if k.startswith(carrier + ' '))}")
+                  f"each key always on one upstream: {sticky}")
         sample = next(s for u in ups for s in u.seen)
         sent = {**base}
         added = {k: v for k, v in sample["body"].items() if k not in sent}
-        changed = {k: (sent[k], sample["body"][k]) for k in sent if k in sample["body"] and sample["body"][k] != sent[k]}
+        changed = {
+            k: (sent[k], sample["body"][k]) for k in sent if k in sample["body"] and sample["body"][k] != sent[k]
+        }
         dropped = [k for k in sent if k not in sample["body"]]
         print("fields added to the forwarded body:", json.dumps(added, sort_keys=True))
         print("fields changed:", json.dumps(changed), "dropped:", dropped)

@@ -29,9 +29,10 @@ What runs (all on 127.0.0.1, stops by itself):
 
 Recorded: requests, errors (non-200 or transport errors), contamination (text != the
 cartridge's reference, unless the first departure is a near tie that batching numerics flipped:
-`near_tie_gap`; those are counted apart as near-tie flips), latency p50/p95, requests/s, vLLM's count of prompt tokens that came from
-the KV connector vs the cartridge tokens sent (a shortfall = chunks that were recomputed), plugin
-tier stats (the serving-state records the plugins publish under <cache_dir>/serving/, deltas over the soak),
+`near_tie_gap`; those are counted apart as near-tie flips), latency p50/p95, requests/s, vLLM's
+count of prompt tokens that came from the KV connector vs the cartridge tokens sent (a shortfall =
+chunks that were recomputed), plugin tier stats (the serving-state records the plugins publish
+under <cache_dir>/serving/, deltas over the soak),
 LMCache's own eviction counters from vLLM's /metrics, and the RSS of the vLLM server process tree
 (psutil, sampled every second; sum over processes, shared pages counted in each): the median
 after warm-up vs the median of the last samples. JSON + markdown go to --out. Exit status 1 on
@@ -411,7 +412,8 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         ref_tokens = sum(manifests[n].num_tokens for n in names)
         distinct = len({r["text"] for r in refs.values()})
         result["references"] = {"count": len(refs), "errors": ref_errors, "distinct_texts": distinct,
-                                "external_kv_tokens": m1.get("vllm:external_kv_tokens", 0) - m0.get("vllm:external_kv_tokens", 0),
+                                "external_kv_tokens": (m1.get("vllm:external_kv_tokens", 0)
+                                                       - m0.get("vllm:external_kv_tokens", 0)),
                                 "cartridge_tokens_sent": ref_tokens,
                                 "answers": {n: r["text"] for n, r in refs.items()}}
         log(f"references: {len(refs)}/{len(names)} ok, {distinct} distinct answers")
@@ -621,7 +623,9 @@ def write_outputs(r: dict[str, Any], out_dir: Path) -> None:
         lines += ["## Tiers (plugin, whole run incl. references)", "",
                   "| tier | hits | misses | MiB | evictions | errors |", "|---|---|---|---|---|---|"]
         for tier, t in sorted(r["plugin_tiers_total"].items()):
-            lines.append(f"| {tier} | {t['hits']} | {t['misses']} | {t['bytes'] / MiB:.1f} | {t['evictions']} | {t['errors']} |")
+            lines.append(
+                f"| {tier} | {t['hits']} | {t['misses']} | {t['bytes'] / MiB:.1f} | {t['evictions']} | {t['errors']} |"
+            )
         e = r["evictions"]
         lines += ["", f"Evictions: plugin CPU {e['plugin_cpu']}, plugin disk {e['plugin_disk']}, "
                       f"LMCache LocalCPUBackend {e['lmcache_local_cpu_keys']:.0f} keys "

@@ -221,8 +221,10 @@ def _register_s3(registry, uri: str, endpoint: str, cache_dir: Path) -> str:
 
 def markdown(r: dict) -> str:
     def row(name, p):
-        return (f"| {name} | {p['n']} | {p['p50_s'] * 1000:.1f} | {p['p95_s'] * 1000:.1f} | {p['max_s'] * 1000:.1f} | "
-                f"{p['external_kv_tokens']:.0f} / {p['expected_external_kv_tokens']} | {p.get('background_requests', 0)} |")
+        return (
+            f"| {name} | {p['n']} | {p['p50_s'] * 1000:.1f} | {p['p95_s'] * 1000:.1f} | {p['max_s'] * 1000:.1f} | "
+            f"{p['external_kv_tokens']:.0f} / {p['expected_external_kv_tokens']} | {p.get('background_requests', 0)} |"
+        )
 
     lines = ["# Local-cartridge TTFT with a stalled S3 origin",
              "",
@@ -230,14 +232,16 @@ def markdown(r: dict) -> str:
              f"{r['args']['local']} local cartridges, bursts of {r['args']['concurrency']}, "
              f"{r['args']['background']} background requests in flight, stall {r['args']['stall_s']:.0f}s",
              "",
-             "| phase | requests | p50 ms | p95 ms | max ms | external-KV tokens (got / expected) | background requests |",
+             "| phase | requests | p50 ms | p95 ms | max ms | external-KV tokens (got / expected) "
+             "| background requests |",
              "|---|---|---|---|---|---|---|"]
     if "healthy" in r:
         lines.append(row("healthy origin (background: plain prefill)", r["healthy"]))
     if "stalled" in r:
         lines.append(row("stalled origin (background: the S3 cartridge)", r["stalled"]))
         lines += ["", f"p50 ratio stalled/healthy {r['p50_ratio']:.2f}, p95 ratio {r['p95_ratio']:.2f}; "
-                      f"GETs held by the proxy: {r['stalled'].get('held_gets')}; engine alive: {r.get('engine_alive')}; "
+                      f"GETs held by the proxy: {r['stalled'].get('held_gets')}; "
+                      f"engine alive: {r.get('engine_alive')}; "
                       f"server log: {r.get('server_log')}; wall {r.get('wall_s', 0):.0f}s"]
     return "\n".join(lines) + "\n"
 

@@ -127,7 +127,9 @@ def main() -> None:
                  "conversations_per_minute": 60 * len(h_convs) / h_s,
                  "answer_tokens_mean": statistics.mean(len(c.answer) for c in h_convs)}
     out["speedup"] = out["vllm"]["conversations_per_minute"] / out["hf"]["conversations_per_minute"]
-    out["speedup_with_engine_start"] = out["vllm"]["conversations_per_minute_with_start"] / out["hf"]["conversations_per_minute"]
+    out["speedup_with_engine_start"] = (
+        out["vllm"]["conversations_per_minute_with_start"] / out["hf"]["conversations_per_minute"]
+    )
     print(json.dumps(out["hf"], indent=1), f"speedup {out['speedup']:.1f}x", flush=True)
 
     fp32_t, (fp32_loss, fp32_grad), _ = train_steps(model, tok, text, v_convs, a.steps, 8, autocast=False)

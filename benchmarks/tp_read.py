@@ -83,7 +83,9 @@ def main(argv=None) -> int:
     rows = []
     try:
         g = torch.Generator().manual_seed(0)
-        kv = torch.empty(2, LAYERS, args.chunks * CHUNK, HEADS, HEAD_DIM, dtype=torch.bfloat16).uniform_(-2, 2, generator=g)
+        kv = torch.empty(2, LAYERS, args.chunks * CHUNK, HEADS, HEAD_DIM, dtype=torch.bfloat16).uniform_(
+            -2, 2, generator=g
+        )
         client = s3_client(url)
         client.create_bucket(Bucket=BUCKET)
         for layout in (LAYOUT_BY_HEAD, LAYOUT_2LTD):
@@ -125,9 +127,11 @@ def main(argv=None) -> int:
              "| layout | tp | heads/rank | MiB read per rank per chunk | share of chunk | local ms/chunk | "
              "S3 MiB per rank per chunk | S3 ms/chunk |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['layout']} | {r['tp']} | {r['heads_per_rank']} | {r['local']['bytes_per_chunk'] / 2**20:.1f} | "
-                     f"{r['share']:.3f} | {r['local']['ms_per_chunk_p50']:.1f} | {r['s3']['bytes_per_chunk'] / 2**20:.1f} | "
-                     f"{r['s3']['ms_per_chunk_p50']:.1f} |")
+        lines.append(
+            f"| {r['layout']} | {r['tp']} | {r['heads_per_rank']} | {r['local']['bytes_per_chunk'] / 2**20:.1f} | "
+            f"{r['share']:.3f} | {r['local']['ms_per_chunk_p50']:.1f} | {r['s3']['bytes_per_chunk'] / 2**20:.1f} | "
+            f"{r['s3']['ms_per_chunk_p50']:.1f} |"
+        )
     (out / "tp_read.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -32,7 +32,9 @@ if str(ROOT) not in sys.path:
 def main() -> None:
     from lmcache_cartridge.tools.selfstudy.config import LoopConfig, SynthConfig, TrainConfig
     from lmcache_cartridge.tools.selfstudy.loop import METRICS_NAME, MetricsLog
-    from lmcache_cartridge.tools.selfstudy.run import load_for_training, load_or_synthesize, resolve_device, train_cartridge
+    from lmcache_cartridge.tools.selfstudy.run import (
+        load_for_training, load_or_synthesize, resolve_device, train_cartridge,
+    )
     from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

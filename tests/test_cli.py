@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ def _paper_pt(path, tokens=64, layers=2, heads=2, dim=8, seed=0):
 
 @pytest.mark.heavy
 def test_pack_inspect_verify_register_list_label_remove(tmp_path):
-    kv = _paper_pt(tmp_path / "paper.pt")
+    _paper_pt(tmp_path / "paper.pt")
     r = cli("pack", tmp_path / "paper.pt", "-o", tmp_path / "p", "--model", "m", "--vocab-size", "500",
             "--special-id", "0", "--chunk-size", "32", "--label", "demo", home=tmp_path)
     assert "packed paper (trained): 64 tokens, 2 chunks" in r.stdout
@@ -115,7 +114,7 @@ def test_user_mistakes_are_one_line_exit_2(tmp_path, args, needle):
     r = cli(*args, home=tmp_path, check=False)
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
-    assert len([l for l in r.stderr.splitlines() if l.startswith("lmcache-cartridge: error")]) == 1
+    assert len([line for line in r.stderr.splitlines() if line.startswith("lmcache-cartridge: error")]) == 1
 
 
 def test_malicious_pickle_via_cli(tmp_path):

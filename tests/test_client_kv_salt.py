@@ -14,7 +14,7 @@ import pytest
 
 from conftest import random_kv
 from test_plugin import CHUNK, D, H, L, MODEL, engine_for, flat
-from lmcache_cartridge.api.gateway import GatewaySettings, RequestError
+from lmcache_cartridge.api.gateway import GatewaySettings
 from lmcache_cartridge.api.requests import CartridgeSpec, check_client_kv_params
 from lmcache_cartridge.api.resolver import Resolver
 from lmcache_cartridge.cartridge.keys import SALT_TAG, client_kv_salt
@@ -102,7 +102,8 @@ def test_the_plan_loads_a_clients_kv_only_as_the_requests_one_kv_cartridge(env):
     assert plan.wanted == [forged.entry] and plan.salt == forged.entry.salt and plan.prefix == list(nxt.token_ids)
     # beside trained KV (keyed without salt) it is computed: a priming request, never a composite part
     plan = r.plan([forged, ta])
-    assert plan.salt == "" and plan.prefix == PROMPT + list(ta.token_ids) and [p.length for p in plan.primes] == [2 * CHUNK]
+    assert plan.salt == "" and plan.prefix == PROMPT + list(ta.token_ids)
+    assert [p.length for p in plan.primes] == [2 * CHUNK]
     assert all("forged" not in (w.id, *w.labels) for w in plan.wanted) and len(plan.wanted) == 1
     # after the operator's first-k (keys without salt), a client's extension is computed
     env["reg"].register(env["allowed"] / "forged")

@@ -67,7 +67,8 @@ def stack(tmp_path_factory, moto_server, tiny_server):
         torch.save(trainable_cache_state(up_kv, 1), carts / "cache-step64.pt")
     torch.save({"token_ids": made.token_ids}, carts / "tokens.pt")  # token-only, the same ids as sys
     # token-only, whole chunks, a text no other cartridge here holds (vLLM computes it; HF's KV is the reference)
-    other_ids = tok("Minutes of the lighthouse board. " + document_text(), add_special_tokens=False)["input_ids"][:CHUNK]
+    minutes = "Minutes of the lighthouse board. " + document_text()
+    other_ids = tok(minutes, add_special_tokens=False)["input_ids"][:CHUNK]
     torch.save({"token_ids": other_ids}, carts / "minutes.pt")
     torch.save({"token_ids": other_ids[:100]}, carts / "short.pt")
 
@@ -82,8 +83,8 @@ def stack(tmp_path_factory, moto_server, tiny_server):
                                    local_roots=(carts,), s3_roots=("compose",),
                                    s3={"endpoint_url": proxy.endpoint_url})
         with GatewayThread(settings) as gw:
-            yield {"server": server, "gw": gw, "root": root, "model_dir": str(model_dir), "proxy": proxy, "model": model, "tok": tok,
-                   "app": gw.server.config.app,
+            yield {"server": server, "gw": gw, "root": root, "model_dir": str(model_dir), "proxy": proxy,
+                   "model": model, "tok": tok, "app": gw.server.config.app,
                    "ids": {"sys": {"id": str(carts / "sys"), "source": "local"},
                            "peft": {"id": "s3://compose/peft/"},
                            "up": {"id": str(carts / "cache-step64.pt"), "source": "local"},

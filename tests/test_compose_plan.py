@@ -34,7 +34,7 @@ def parts(tmp_path):
                                registry=tmp_path / "reg.db", cache_dir=tmp_path / "cache", chunk_size=CHUNK,
                                local_roots=(allowed,))
     reg = Registry(settings.registry)
-    kv, ids = {}, {}
+    kv = {}
     doc_ids = list(range(10, 10 + 2 * CHUNK))
     for name, n, seed, tokens in (("sys", CHUNK, 1, doc_ids[:CHUNK]), ("doc", 2 * CHUNK, 2, doc_ids),
                                   ("other", CHUNK, 3, list(range(300, 300 + CHUNK))),
@@ -67,12 +67,15 @@ def test_first_k_then_trained_is_one_composite_served_by_lmcache_bit_for_bit(par
     comp = plan.wanted[0]
     m = Manifest.load(comp.path)
     assert m.kind == "trained" and m.provenance["composite_of"] == ["doc", "ta", "tb"]
-    assert plan.prefix == m.token_ids == list(res["doc"].token_ids) + list(res["ta"].token_ids) + list(res["tb"].token_ids)
+    assert (
+        plan.prefix == m.token_ids == list(res["doc"].token_ids) + list(res["ta"].token_ids) + list(res["tb"].token_ids)
+    )
     writes = reg.writes
     assert r.plan([res[n] for n in order]).wanted == [comp] and reg.writes == writes  # cached: no write
     # a later token-only part and a first-k one are placed after, as tokens
     tail = r.plan([res["doc"], res["ta"], res["t.pt"], res["other"]])
-    assert tail.prefix == list(res["doc"].token_ids) + list(res["ta"].token_ids) + [7, 8, 9] + list(res["other"].token_ids)
+    assert tail.prefix == (list(res["doc"].token_ids) + list(res["ta"].token_ids) + [7, 8, 9]
+                           + list(res["other"].token_ids))
     assert len(tail.wanted) == 1 and tail.wanted[0].id != comp.id
 
     # LMCache's own lookup and retrieve, the plugin serving the composite from the parts' chunks

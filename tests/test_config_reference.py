@@ -48,7 +48,8 @@ def test_the_reference_is_generated_from_the_table_the_plugin_reads():
          default["reader_cores"])
     assert (s.cpu_budget_bytes, s.disk_budget_bytes) == (int(default["cpu_budget_gb"]) << 30,
                                                          int(default["disk_budget_gb"]) << 30)
-    assert str(s.prefetch).lower() == default["prefetch"] and str(s.allow_unstable_hash).lower() == default["allow_unstable_hash"]
+    assert str(s.prefetch).lower() == default["prefetch"]
+    assert str(s.allow_unstable_hash).lower() == default["allow_unstable_hash"]
 
 
 def test_the_reference_has_the_gateways_flags_the_tenants_file_and_lmcaches_connector_keys(tmp_path):
@@ -104,12 +105,14 @@ def test_every_setting_the_package_names_has_a_row():
     text = "\n".join(sources.values())
     env = {m[0] for m in re.finditer(r"LMCACHE_CARTRIDGE_[A-Z0-9_]*", text)
            if text[m.end():m.end() + 1] != "*"}  # not `LMCACHE_CARTRIDGE_*`, the family
-    assert env and env <= {r.name for r in ref.ENV_VARS}, \
-        f"environment variables without a row in settings_reference.ENV_VARS: {sorted(env - {r.name for r in ref.ENV_VARS})}"
+    rows = {r.name for r in ref.ENV_VARS}
+    assert env and env <= rows, \
+        f"environment variables without a row in settings_reference.ENV_VARS: {sorted(env - rows)}"
     not_keys = {"cartridge.pt"}  # a Tokasaurus file name
     keys = {m[1] for m in re.findall(r"""(["'])(cartridge\.[^"'\s\\]*)\1""", text)} - not_keys
-    assert keys and keys <= {r.name for r in ref.CONNECTOR_KEYS}, \
-        f"connector keys without a row in settings_reference.CONNECTOR_KEYS: {sorted(keys - {r.name for r in ref.CONNECTOR_KEYS})}"
+    rows = {r.name for r in ref.CONNECTOR_KEYS}
+    assert keys and keys <= rows, \
+        f"connector keys without a row in settings_reference.CONNECTOR_KEYS: {sorted(keys - rows)}"
 
     constants = {k: v for k, v in vars(ref).items() if isinstance(v, ref.Setting)}
     rows = ref.ENV_VARS + ref.CONNECTOR_KEYS
@@ -150,7 +153,8 @@ def test_the_readers_fall_back_to_the_tables_defaults(monkeypatch):
 
     assert (readiness.READY_TIMEOUT_KEY, readiness.DEFAULT_READY_TIMEOUT_S) == \
         (ref.READY_TIMEOUT.name, ref.READY_TIMEOUT.default)
-    assert (kv_events.PERIOD_KEY, kv_events.DEFAULT_PERIOD_S, kv_events.REANNOUNCE_KEY, kv_events.DEFAULT_REANNOUNCE_S) \
+    assert (kv_events.PERIOD_KEY, kv_events.DEFAULT_PERIOD_S,
+            kv_events.REANNOUNCE_KEY, kv_events.DEFAULT_REANNOUNCE_S) \
         == (ref.KV_EVENTS_PERIOD.name, ref.KV_EVENTS_PERIOD.default,
             ref.KV_EVENTS_REANNOUNCE.name, ref.KV_EVENTS_REANNOUNCE.default)
     for value in (None, ""):  # unset and empty alike

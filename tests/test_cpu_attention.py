@@ -71,7 +71,8 @@ def kernel_runs(isa: str) -> tuple[bool, str]:
     if isa != "amx":
         return True, ""
     p = subprocess.run([sys.executable, "-c", _AMX_SNIPPET], capture_output=True, text=True, timeout=300)
-    return p.returncode == 0, f"rc {p.returncode} ({'SIGILL: no AMX on this CPU' if p.returncode in (132, -4) else p.stderr[-200:]})"
+    why = "SIGILL: no AMX on this CPU" if p.returncode in (132, -4) else p.stderr[-200:]
+    return p.returncode == 0, f"rc {p.returncode} ({why})"
 
 
 class Obj:

@@ -10,6 +10,11 @@ transposed-K layouts (the native kernel and the pure-torch fallback).
 
 from __future__ import annotations
 
+import functools
+import platform
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,17 +24,11 @@ import torch
 
 vllm_ops = pytest.importorskip("vllm._custom_ops")
 
+# after the skip: these import vLLM
 from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
-
-import functools
-import platform
-import shutil
-import subprocess
-import sys
-
 from lmc_helpers import helpers_take_pieces  # noqa: E402
-from lmcache_cartridge.vllm import cpu_kv, cpu_layout, native
-from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, UnverifiedKVLayout, slot_runs
+from lmcache_cartridge.vllm import cpu_kv, cpu_layout, native  # noqa: E402
+from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, UnverifiedKVLayout, slot_runs  # noqa: E402
 
 L, H, D, BS, NB = 2, 2, 64, 128, 16
 DT = torch.bfloat16

@@ -20,7 +20,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from packaging.requirements import Requirement
 
@@ -29,7 +28,8 @@ from test_layout import PKG, _imports, _modules
 ROOT = PKG.parent
 # The modules that cannot be imported without the `cpu` or `gpu` extra (vLLM); named in setup.cfg's
 # extras comment and the README. Everything else imports with the base install.
-ENGINE_MODULES = {"lmcache_cartridge.connector", "lmcache_cartridge.vllm.connector", "lmcache_cartridge.vllm.mp_connector"}
+ENGINE_MODULES = {"lmcache_cartridge.connector", "lmcache_cartridge.vllm.connector",
+                  "lmcache_cartridge.vllm.mp_connector"}
 # The modules that may use vLLM at all (`cpu_kv` does so inside functions: it imports without it).
 ENGINE_STAGE = ENGINE_MODULES | {"lmcache_cartridge.vllm"}  # and every module under it (vLLM's side)
 # Modules that use vLLM only where it is installed, inside functions (they import without it):
@@ -130,7 +130,8 @@ sys.meta_path.insert(0, NoEngine())
 import lmcache_cartridge
 
 result = {}
-names = ["lmcache_cartridge"] + [m.name for m in pkgutil.walk_packages(lmcache_cartridge.__path__, "lmcache_cartridge.")]
+names = ["lmcache_cartridge",
+         *(m.name for m in pkgutil.walk_packages(lmcache_cartridge.__path__, "lmcache_cartridge."))]
 for name in names:
     try:
         importlib.import_module(name)

@@ -320,9 +320,12 @@ def test_network_policies_admit_only_the_gateway_to_the_router_and_the_router_to
     `servingEngineSpec.labels` / `routerSpec.labels` on the engine / router pods), on the ports
     the pods listen on."""
     values = yaml.safe_load(VALUES.read_text())
-    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "network-policies.yaml").read_text())}
+    policies = (ROOT / "deploy" / "k8s" / "network-policies.yaml").read_text()
+    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(policies)}
     assert {d["kind"] for d in docs.values()} == {"NetworkPolicy"}
-    assert all(d["apiVersion"] == "networking.k8s.io/v1" and d["spec"]["policyTypes"] == ["Ingress"] for d in docs.values())
+    assert all(
+        d["apiVersion"] == "networking.k8s.io/v1" and d["spec"]["policyTypes"] == ["Ingress"] for d in docs.values()
+    )
     engines_labels, router_labels = values["servingEngineSpec"]["labels"], values["routerSpec"]["labels"]
     assert engines_labels != router_labels  # the router finds engines by theirs: it must not match itself
     gateway_labels = _gateway_docs()["Deployment"]["spec"]["template"]["metadata"]["labels"]
@@ -405,8 +408,9 @@ def test_resource_limits_hold_what_the_config_lets_each_store():
     for kind in ("cpu", "memory", "ephemeral-storage"):
         assert quantity(res["limits"][kind]) >= quantity(res["requests"][kind]) > 0, kind
     cfg = yaml.safe_load(_gateway_docs()["ConfigMap"]["data"]["lmcache-cartridge.yaml"])
-    s3 = S3Settings.from_mapping({k.removeprefix("storage_plugin.cartridge.s3."): v for k, v in cfg["extra_config"].items()
-                                  if k.startswith("storage_plugin.cartridge.s3.")})
+    prefix = "storage_plugin.cartridge.s3."
+    s3 = S3Settings.from_mapping({k.removeprefix(prefix): v for k, v in cfg["extra_config"].items()
+                                  if k.startswith(prefix)})
     assert quantity(res["limits"]["memory"]) >= 2 * s3.max_object_bytes
     args = build_parser().parse_args(_gateway_container()["command"][1:])
     assert quantity(res["limits"]["ephemeral-storage"]) >= args.max_cache_bytes + s3.max_object_bytes
@@ -415,7 +419,7 @@ def test_resource_limits_hold_what_the_config_lets_each_store():
     assert quantity(spec["limitMemory"]) >= quantity(spec["requestMemory"])
     env = {e["name"]: e["value"] for e in spec["env"] if "value" in e}
     extra = json.loads(env["LMCACHE_EXTRA_CONFIG"])
-    tiers = float(env["LMCACHE_MAX_LOCAL_CPU_SIZE"]) * 2**30 + float(extra["storage_plugin.cartridge.cpu_budget_gb"]) * 2**30
+    tiers = (float(env["LMCACHE_MAX_LOCAL_CPU_SIZE"]) + float(extra["storage_plugin.cartridge.cpu_budget_gb"])) * 2**30
     assert quantity(spec["limitMemory"]) >= tiers + 16 * 2**30  # and 16 GiB for vLLM's own process
 
 

@@ -47,7 +47,8 @@ def test_pictures_are_shown_where_they_are_cited():
     assert [t for t in text if t in order] == order
     assert {"CPU tier", "disk cache", "origin"} <= set(text)
     for page in ("index.md", "design.md"):
-        assert "![The data path" in (ROOT / "docs" / page).read_text() and "(img/data-path.svg)" in (ROOT / "docs" / page).read_text()
+        page_text = (ROOT / "docs" / page).read_text()
+        assert "![The data path" in page_text and "(img/data-path.svg)" in page_text
     bench = (ROOT / "docs" / "benchmarks.md").read_text()
     pngs = sorted((ROOT / "benchmarks" / "results").rglob("*.png"))
     assert len(pngs) >= 7
@@ -67,7 +68,7 @@ def test_readme_is_short_and_its_links_resolve():
     text = README.read_text()
     assert len(text.splitlines()) < 300
     links = re.findall(r"\]\(([^)\s]+)\)", text)
-    assert any(l.startswith("docs/") for l in links)
+    assert any(link.startswith("docs/") for link in links)
     for link in links:
         if re.match(r"[a-z]+://", link):
             continue
@@ -142,4 +143,5 @@ def test_request_api_examples_are_what_the_gateway_answers(tmp_path):
 
     err, health = asyncio.run(go())
     assert err.status_code == 404 and err.response.json() == documented
-    assert health.status_code == 200 and f"`GET /health`: 200 `{health.text.replace(':', ': ')}`" in page.replace("\n  ", " ")
+    assert health.status_code == 200
+    assert f"`GET /health`: 200 `{health.text.replace(':', ': ')}`" in page.replace("\n  ", " ")

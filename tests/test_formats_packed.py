@@ -141,7 +141,7 @@ def test_token_only_and_malformed_inputs(tmp_path):
         "int_kv": {"trainable_keys": [torch.zeros(1, 2, 4, 8, dtype=torch.int32)],
                    "trainable_values": [torch.zeros(1, 2, 4, 8, dtype=torch.int32)]},
     }
-    for name, obj in bad.items():
+    for obj in bad.values():
         torch.save(obj, p)
         with pytest.raises(CartridgeFormatError):
             load_input(p)

@@ -4,7 +4,6 @@ path and the served KV are exercised against a real vLLM server in test_gateway_
 
 import asyncio
 import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -88,7 +87,9 @@ def test_compatibility_is_the_compat_rule_with_accept_models(tmp_path, settings,
     with pytest.raises(RequestError, match="made for model 'meta-llama/Llama-3.1-8B', engine serves") as e:
         r.resolve(spec(str(tmp_path / "allowed" / "alias"), source="local"))
     assert e.value.status == 400
-    with pytest.raises(RequestError, match="packed with chunk_size 64, engine uses 32; re-register with --chunk-size 32"):
+    with pytest.raises(
+        RequestError, match="packed with chunk_size 64, engine uses 32; re-register with --chunk-size 32"
+    ):
         r.resolve(spec(str(tmp_path / "allowed" / "c64"), source="local"))
     r = Resolver(replace(settings, accept_models=("meta-llama/Llama-3.1-8B",)), Registry(settings.registry))
     assert r.resolve(spec(str(tmp_path / "allowed" / "alias"), source="local")).entry.id == "alias"
@@ -156,7 +157,8 @@ def test_trained_cartridges_compose_into_one_lmcache_cartridge(tmp_path, setting
     m = Manifest.load(comp.path)
     assert plan.prefix == list(ta.token_ids) + list(tb.token_ids) == m.token_ids
     assert m.kind == "trained" and m.num_tokens == 3 * CHUNK and reg.get(comp.id) == comp
-    assert m.segments == [["trained", 2 * CHUNK], ["trained", CHUNK]] and m.vocab == {"vocab_size": 500, "special_ids": [0, 1, 2]}
+    assert m.segments == [["trained", 2 * CHUNK], ["trained", CHUNK]]
+    assert m.vocab == {"vocab_size": 500, "special_ids": [0, 1, 2]}
     # the reference: the concatenated KV packed as one cartridge (the same chunk layout; packed as
     # first-k only because a trained cartridge's ids cannot be given)
     ref = pack_kv(torch.cat([kv_a, kv_b], dim=2), tmp_path / "ref", cartridge_id="ref", model=model_dir,
@@ -283,7 +285,8 @@ def test_chat_after_a_trained_cartridge_is_the_user_turn_only(tmp_path, model_di
     trained = pb.chat_ids(msgs, prefix, after_trained=True)
     assert trained[:2] == prefix
     text = pb.tok.decode(trained[2:])
-    assert text == "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert text == ("<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n")
     first_k = pb.tok.decode(pb.chat_ids(msgs, prefix)[2:])
     assert first_k.startswith("<|start_header_id|>system") and "Cutting Knowledge" in first_k  # unchanged
     assert pb.tok.bos_token not in first_k  # the cartridge owns the BOS slot
@@ -337,13 +340,15 @@ def _call(app, method, path, **kw):
     (json.dumps({"prompt": "x", "cartridges": "ghost"}).encode(), 400, "'cartridges' must be a list of {id, source"),
     (json.dumps({"prompt": "x", "cartridges": [{"id": "a"}] * 9}).encode(), 400, "too many cartridges: 9 (at most 3)"),
     (json.dumps({"prompt": "x", "cartridges": [5]}).encode(), 400, "'cartridges[0]' must be an object"),
-    (json.dumps({"prompt": "x", "cartridges": [{"id": ""}]}).encode(), 400, "'cartridges[0].id' must be a non-empty string"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": ""}]}).encode(), 400,
+     "'cartridges[0].id' must be a non-empty string"),
     (json.dumps({"prompt": "x", "cartridges": [{"id": "a" * 2000}]}).encode(), 400, "longer than 1024 characters"),
     (json.dumps({"prompt": "x", "cartridges": [{"id": "a", "source": "ftp"}]}).encode(), 400,
      "'cartridges[0].source' must be 's3' or 'local', got 'ftp'"),
     (json.dumps({"prompt": "x", "cartridges": [{"id": "a", "force_redownload": "yes"}]}).encode(), 400,
      "'cartridges[0].force_redownload' must be true or false"),
-    (json.dumps({"prompt": "x", "cartridges": [{"id": "a", "extra": 1}]}).encode(), 400, "cartridges[0] has unknown fields ['extra']"),
+    (json.dumps({"prompt": "x", "cartridges": [{"id": "a", "extra": 1}]}).encode(), 400,
+     "cartridges[0] has unknown fields ['extra']"),
     (json.dumps({"prompt": "x" * 30000}).encode(), 413, "over 20000 bytes"),
     (json.dumps({"cartridges": []}).encode(), 400, "'prompt' is required"),
     (json.dumps({"prompt": 3.5}).encode(), 400, "'prompt' must be a string or a list of token ids"),
@@ -368,7 +373,8 @@ def _call(app, method, path, **kw):
      "'lmcache.tag.user' must be a string"),
     (json.dumps({"prompt": "x", "kv_transfer_params": {f"lmcache.tag.t{i}": "v" for i in range(9)}}).encode(), 400,
      "at most 8 entries"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {"do_remote_prefill": True}}).encode(),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}],
+                 "kv_transfer_params": {"do_remote_prefill": True}}).encode(),
      400, "'do_remote_prefill' may not be set"),
 ])
 def test_bad_requests_are_4xx_with_a_message(settings, body, status, needle):
@@ -533,7 +539,6 @@ def test_local_ids_checked_before_the_file_system_is_walked(tmp_path, settings, 
     order walked the whole tree first, 0.6-2.3 s for 30,000 files, and cached an entry per
     spelling); spellings of one allowed file share one cache entry; a symlink inside an allowed
     directory that points outside is refused before it is read."""
-    import lmcache_cartridge.api.resolver as resolver_mod
 
     outside = tmp_path / "outside"
     (outside / "tree").mkdir(parents=True)
@@ -543,7 +548,8 @@ def test_local_ids_checked_before_the_file_system_is_walked(tmp_path, settings, 
     real_rglob = type(outside).rglob
     monkeypatch.setattr(type(outside), "rglob", lambda self, pat: walked.append(self) or real_rglob(self, pat))
     r = Resolver(settings, Registry(settings.registry))
-    for spelling in (str(outside / "tree"), str(outside / "tree") + "/", str(settings.local_roots[0] / ".." / "outside" / "tree")):
+    for spelling in (str(outside / "tree"), str(outside / "tree") + "/",
+                     str(settings.local_roots[0] / ".." / "outside" / "tree")):
         with pytest.raises(RequestError) as e:
             r.resolve(spec(spelling, source="local"))
         assert e.value.status == 403
@@ -551,7 +557,8 @@ def test_local_ids_checked_before_the_file_system_is_walked(tmp_path, settings, 
 
     allowed = settings.local_roots[0]
     torch.save({"token_ids": list(range(1, 40))}, allowed / "tok.pt")
-    for spelling in (str(allowed / "tok.pt"), str(allowed / "." / "tok.pt"), str(allowed / ".." / "allowed" / "tok.pt")):
+    for spelling in (str(allowed / "tok.pt"), str(allowed / "." / "tok.pt"),
+                     str(allowed / ".." / "allowed" / "tok.pt")):
         assert r.resolve(spec(spelling, source="local")).token_ids == tuple(range(1, 40))
     assert len(r._cache) == 1 and r.stats["conversions"] == 1
 
@@ -643,15 +650,16 @@ def test_cartridge_list_names_what_a_key_may_use_and_no_paths(tmp_path, settings
 
 
 def test_gateway_keys_from_flags_and_env_and_the_non_loopback_warning(monkeypatch):
-    from lmcache_cartridge.tools.cli import API_KEY_ENV, _loopback, gateway_api_keys
+    from lmcache_cartridge.api.launch import is_loopback
+    from lmcache_cartridge.api.settings import API_KEY_ENV, gateway_api_keys
 
     monkeypatch.setenv(API_KEY_ENV, "env-key-0123456789, other-key-0123456789,")
     assert gateway_api_keys(["flag-key-0123456789"]) == ("flag-key-0123456789", "env-key-0123456789",
                                                          "other-key-0123456789")
     with pytest.raises(ValueError, match="at least 16"):
         gateway_api_keys(["short"])
-    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
-    assert not _loopback("0.0.0.0") and not _loopback("10.0.0.5")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
 
 
 def test_gateway_on_a_public_address_without_keys_warns(tmp_path, model_dir):
@@ -724,7 +732,9 @@ def test_force_redownload_is_bounded_per_cartridge(tmp_path, settings, model_dir
     assert 3000 < int(statuses[1].headers["Retry-After"]) <= 3600
     assert reg.get("doc").epoch == 1
     reg.label("doc", add=["handbook"])  # another spelling of the same cartridge shares its limit
-    r = _call(app, "POST", "/v1/completions", json={**body, "cartridges": [{"id": "handbook", "force_redownload": True}]})
+    r = _call(
+        app, "POST", "/v1/completions", json={**body, "cartridges": [{"id": "handbook", "force_redownload": True}]}
+    )
     assert r.status_code == 429 and reg.get("doc").epoch == 1, r.text
     # a trained cartridge a client named by path stays the client's (within the cache budget) when forced
     _trained(allowed / "tr", "tr", model_dir)
@@ -950,12 +960,13 @@ def test_openai_chat_requests_pass_whole(tmp_path, settings, model_dir, recordin
 
     url, seen = recording_upstream
     app = create_app(dataclasses.replace(settings, upstream=url))
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "find a fact",
-                                               "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    params = {"type": "object", "properties": {"q": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "find a fact", "parameters": params}}]
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
     body = {"model": model_dir, "messages": [
                 {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-                {"role": "user", "content": [{"type": "text", "text": "Where is it?"}, {"type": "text", "text": "Say."}]}],
+                {"role": "user", "content": [{"type": "text", "text": "Where is it?"},
+                                             {"type": "text", "text": "Say."}]}],
             "tools": tools, "tool_choice": "auto", "parallel_tool_calls": False, "response_format": fmt,
             "max_tokens": 4, "seed": 7, "logit_bias": {"5": -1}}
     r = _call(app, "POST", "/v1/chat/completions", json=body)
@@ -996,10 +1007,12 @@ def test_every_shape_vllm_accepts_passes_whole_without_cartridges(tmp_path, sett
     tool_chat = {"model": model_dir, "max_tokens": 4, "messages": [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}
     image_chat = {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}
     no_content = {"messages": [{"role": "assistant", "tool_calls": []}, {"role": "user", "content": "hi"}]}
     for body in (tool_chat, image_chat, no_content):
         r = _call(app, "POST", "/v1/chat/completions", json=body)
@@ -1037,11 +1050,14 @@ def test_gateway_metrics_count_requests_by_status_and_time_the_waits(tmp_path, s
     url, seen = recording_upstream
     app = create_app(dataclasses.replace(settings, upstream=url))
     _cart(tmp_path / "allowed" / "doc", "doc", list(range(1, 65)), model_dir)
-    ok = {"prompt": [5, 6], "max_tokens": 1, "cartridges": [{"id": str(tmp_path / "allowed" / "doc"), "source": "local"}]}
+    ok = {"prompt": [5, 6], "max_tokens": 1,
+          "cartridges": [{"id": str(tmp_path / "allowed" / "doc"), "source": "local"}]}
     assert _call(app, "POST", "/v1/completions", json=ok).status_code == 200
     assert _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200
     assert _call(app, "POST", "/v1/completions", json={"prompt": 5}).status_code == 400
-    assert _call(app, "POST", "/v1/completions", json={"prompt": [5], "cartridges": [{"id": "nope"}]}).status_code == 404
+    assert (
+        _call(app, "POST", "/v1/completions", json={"prompt": [5], "cartridges": [{"id": "nope"}]}).status_code == 404
+    )
     # three 503s told apart: a cartridge no instance serves yet, a failed trained load, the upstream's own
     from lmcache_cartridge.lmcache.serving import NotServed
 
@@ -1053,7 +1069,8 @@ def test_gateway_metrics_count_requests_by_status_and_time_the_waits(tmp_path, s
     gw.wait_served = not_served
     try:
         _trained(tmp_path / "allowed" / "tr", "tr", model_dir)
-        tr = {"prompt": [5], "max_tokens": 1, "cartridges": [{"id": str(tmp_path / "allowed" / "tr"), "source": "local"}]}
+        tr = {"prompt": [5], "max_tokens": 1,
+              "cartridges": [{"id": str(tmp_path / "allowed" / "tr"), "source": "local"}]}
         assert _call(app, "POST", "/v1/completions", json=tr).status_code == 503
     finally:
         gw.wait_served = real_wait
@@ -1073,5 +1090,6 @@ def test_gateway_metrics_count_requests_by_status_and_time_the_waits(tmp_path, s
     assert requests("404", "other", "other") == 3.0
     assert not any(k[0] == "lmcache_cartridge_gateway_requests_total" and ("endpoint", "/v1/made-up-0") in k[1]
                    for k in samples)
-    assert samples[("lmcache_cartridge_gateway_ready_wait_seconds_count", ())] == 2.0  # the served one and the trained one that no instance served
+    # the served one and the trained one that no instance served
+    assert samples[("lmcache_cartridge_gateway_ready_wait_seconds_count", ())] == 2.0
     assert samples[("lmcache_cartridge_gateway_upstream_seconds_count", (("endpoint", "/v1/completions"),))] == 2.0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -60,7 +59,8 @@ def stack(tmp_path_factory, moto_server, engine_kv, tiny_prefix_server):
     (root / "local").mkdir()
     model, tok = load_model(model_dir)
     g = torch.Generator().manual_seed(3)
-    L, H, D = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    c = model.config
+    L, H, D = c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
     vocab = VocabInfo(len(tok), tuple(tok.all_special_ids))
     carts = {}
     for name in ("alpha", "beta"):  # trained: arbitrary KV, placeholder ids
@@ -88,7 +88,9 @@ def stack(tmp_path_factory, moto_server, engine_kv, tiny_prefix_server):
     ctx_ids = own_ids[:CHUNK + 300]                                           # first-k computed after it
     torch.save({"token_ids": ctx_ids, "kv_cache": _seed000_kv_cache(maker.prefix_kv(ctx_ids))},
                files / "context.pt")
-    trained = {n: torch.randn(2, L, CHUNK, H, D, generator=g).to(torch.bfloat16) for n in ("ta", "tb")}  # as test_vllm_e2e
+    trained = {
+        n: torch.randn(2, L, CHUNK, H, D, generator=g).to(torch.bfloat16) for n in ("ta", "tb")
+    }  # as test_vllm_e2e
     for n, kv in trained.items():
         torch.save(_trainable_cache(kv), files / f"{n}.pt")
     client = s3_client(moto_server)
@@ -160,8 +162,8 @@ def test_interleaved_concurrent_cartridges_never_mix(stack):
 
 def test_chat_and_streaming_match_completions(stack):
     text, _ = complete(stack, [{"id": "alpha"}], prompt="Hi")
-    r = post(stack["gw"], "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                     "max_tokens": 8, "temperature": 0, "cartridges": [{"id": "alpha"}]})
+    r = post(stack["gw"], "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                                                     "temperature": 0, "cartridges": [{"id": "alpha"}]})
     assert r.status_code == 200, r.text
     chat = r.json()
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
@@ -224,13 +226,16 @@ def test_s3_packed_prefix_and_force_redownload(stack, moto_server):
     assert entry.source_uri == uri and entry.epoch == 0
     got = complete(stack, [{"id": uri, "source": "s3", "force_redownload": True}])
     assert stack["reg"].get("beta").epoch == 1 and same(got, ref)
-    r = post(stack["gw"], "/v1/completions", {"prompt": "x", "cartridges": [{"id": "s3://gw-carts/missing", "source": "s3"}]})
+    r = post(
+        stack["gw"], "/v1/completions", {"prompt": "x", "cartridges": [{"id": "s3://gw-carts/missing", "source": "s3"}]}
+    )
     assert r.status_code == 404 and "s3://gw-carts/missing" in r.json()["error"]["message"]
 
 
 def test_several_local_cartridges_and_limits(stack):
     root = stack["root"]
-    chain = [{"id": str(root / "carts" / "sys"), "source": "local"}, {"id": str(root / "carts" / "doc"), "source": "local"}]
+    chain = [{"id": str(root / "carts" / "sys"), "source": "local"},
+             {"id": str(root / "carts" / "doc"), "source": "local"}]
     text_chain = complete(stack, chain)
     text_doc = complete(stack, [{"id": "doc"}])
     assert same(text_chain, text_doc)  # doc extends sys: served as doc, its own KV exact
@@ -301,7 +306,8 @@ def test_guide_chat_example_verbatim_s3_object(stack):
     stack["proxy"].reset()
     body["cartridges"][0]["force_redownload"] = True
     r2 = post(stack["gw"], "/v1/chat/completions", body)
-    assert r2.status_code == 200 and r2.json()["choices"][0]["message"]["content"] == r.json()["choices"][0]["message"]["content"]
+    assert r2.status_code == 200
+    assert r2.json()["choices"][0]["message"]["content"] == r.json()["choices"][0]["message"]["content"]
     assert stack["proxy"].count("GET") == 1 and stack["proxy"].count("HEAD") == 1
 
 
@@ -407,7 +413,8 @@ def test_trained_cartridges_compose_and_match_hf(stack):
         _, lp_fp32, _ = hf_teacher_forced(model, kv, user, gen, torch.float32)
         model.to(torch.bfloat16)
         lp = res["logprobs"]
-        mean, mx = min(mean_diff(lp, lp_bf16), mean_diff(lp, lp_fp32)), min(max_diff(lp, lp_bf16), max_diff(lp, lp_fp32))
+        mean = min(mean_diff(lp, lp_bf16), mean_diff(lp, lp_fp32))
+        mx = min(max_diff(lp, lp_bf16), max_diff(lp, lp_fp32))
         greedy_ok = all(b - x <= HF_MAX_TOL for b, x in zip(best_bf16, lp_bf16))
         print(f"\n[gateway {label}] vLLM vs HF: mean |dlogprob| {mean:.4f}, max {mx:.4f}, greedy ok {greedy_ok}")
         return mean, mx, greedy_ok

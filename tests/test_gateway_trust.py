@@ -292,7 +292,7 @@ def test_a_compressed_pt_is_refused_before_it_is_inflated(tmp_path, settings, mo
     env = {"app": app}
     for cart in (local(bomb), {"id": "s3://gw-unit/ok/bomb.pt"}):
         got = []
-        grew = _peak_rss_growth(lambda: got.append(ask(env, OPERATOR, cart)))
+        grew = _peak_rss_growth(lambda: got.append(ask(env, OPERATOR, cart)))  # noqa: B023 (called here)
         r = got[0]
         assert r.status_code == 400 and "record is compressed" in r.json()["error"]["message"], r.text
         assert grew < nbytes // 4, f"{grew >> 20} MiB"

@@ -252,7 +252,7 @@ def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_resi
     "resident" when done, and `wait_served` answers 503 + Retry-After until then. Old code:
     `wait_served` returned as soon as the cartridge was registered (not resident)."""
     m, kv = _upload(tmp_path, moto_server, "trained-remote", kind="trained", seed=51)
-    first = _upload(tmp_path, moto_server, "firstk-remote", seed=52)[0]
+    _upload(tmp_path, moto_server, "firstk-remote", seed=52)
     cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url)
     stall = s3_proxy.inject(method="GET", path=r"trained-remote/kv\.bin$", delay=2.0, times=None)
     stats, reg = tmp_path / "cache", tmp_path / "reg.db"  # the plugin cache dir: records under serving/

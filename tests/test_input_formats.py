@@ -174,7 +174,9 @@ def test_peft_adapter_bit_exact_against_peft_get_prompt(tmp_path, tiny, frozen):
     from lmcache_cartridge.cartridge.model_kv import cache_to_kv
     from safetensors.torch import load_file
 
-    pm = make_peft_adapter(fresh_model(tiny), tmp_path / "ad", num_virtual_tokens=16, num_frozen_tokens=frozen, seed=frozen)
+    pm = make_peft_adapter(
+        fresh_model(tiny), tmp_path / "ad", num_virtual_tokens=16, num_frozen_tokens=frozen, seed=frozen
+    )
     loaded = load_input(tmp_path / "ad")
     assert loaded.source_format == "peft" and loaded.num_frozen_tokens == frozen and loaded.token_ids is None
     assert loaded.base_model == str(tiny)

@@ -2,9 +2,9 @@
 with the plugin (its serving-state records are the input), checked against vLLM's own code:
 the block hashes equal what vLLM's request block hasher computes for the same prompt, the batch
 encodes with vLLM's publisher encoding, and the media follow the plugin's tiers ("STORAGE" for a
-file on this host, vLLM's "STORAGE" medium; "CPU" once the plugin holds the chunks in memory). Changes only are announced,
-everything again after the re-announce period, removals as `BlockRemoved`; another process's
-records are not this server's."""
+file on this host, vLLM's "STORAGE" medium; "CPU" once the plugin holds the chunks in memory).
+Changes only are announced, everything again after the re-announce period, removals as
+`BlockRemoved`; another process's records are not this server's."""
 
 from __future__ import annotations
 

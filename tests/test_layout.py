@@ -131,8 +131,10 @@ def test_serve_scripts_pass_extra_arguments_and_a_metrics_dir(tmp_path, script, 
     bindir = tmp_path / "bin"
     bindir.mkdir()
     record = tmp_path / "record.json"
-    (bindir / exe).write_text(f"#!{sys.executable}\nimport json, os, sys\n"
-                              f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({str(record)!r}, 'w'))\n")
+    (bindir / exe).write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({str(record)!r}, 'w'))\n"
+    )
     (bindir / exe).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     env["PATH"], env["TMPDIR"] = f"{bindir}:{env['PATH']}", str(tmp_path)

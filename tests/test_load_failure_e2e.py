@@ -88,7 +88,7 @@ def result(r: httpx.Response) -> dict:
 
 
 def test_first_k_load_failure_recomputes_to_the_prefill_answer(stack):
-    server, (model, tok) = stack["server"], stack["hf"]
+    server, (_, tok) = stack["server"], stack["hf"]
     user = user_ids(tok)
     prompt = stack["fk_ids"] + user
     ext0 = server.external_tokens()

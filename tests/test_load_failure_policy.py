@@ -278,7 +278,9 @@ def test_a_waiting_trained_request_is_skipped_by_vllms_scheduler_then_served_or_
                                kv_connector_output=KVConnectorOutput(invalid_block_ids={bad}))
     outputs = [o for g in sched.update_from_output(out, runner).values() for o in g.outputs]
     assert late.status == RequestStatus.FINISHED_ERROR
-    assert [(o.request_id, o.finish_reason) for o in outputs if o.request_id == "late"] == [("late", FinishReason.ERROR)]
+    assert [(o.request_id, o.finish_reason) for o in outputs if o.request_id == "late"] == [
+        ("late", FinishReason.ERROR)
+    ]
     assert GateConnector.gate.waiting() == 0
 
 
@@ -290,7 +292,9 @@ def test_required_tokens_leave_vllm_the_last_prompt_token(trained, prompt, need)
     from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM, required_tokens
 
     params = {NO_RECOMPUTE_PARAM: True, TRAINED_TOKENS_PARAM: trained}
-    req = Request("r", list(range(prompt)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None)
+    req = Request(
+        "r", list(range(prompt)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None
+    )
     assert required_tokens(req) == need
     unmarked = Request("u", list(range(prompt)), SamplingParams(
         max_tokens=1, extra_args={"kv_transfer_params": {TRAINED_TOKENS_PARAM: trained}}), None)

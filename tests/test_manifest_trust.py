@@ -33,7 +33,7 @@ def test_a_claimed_content_hash_is_refused(tmp_path):
     with pytest.raises(ManifestError, match="not the hash of its chunks"):
         Manifest.load(tmp_path / "forger")
     for bad in ("../../../etc/x", "A" * 64, ""):  # also a path component of the disk cache
-        _edit(tmp_path / "forger", lambda d: d.update(content_hash=bad))
+        _edit(tmp_path / "forger", lambda d: d.update(content_hash=bad))  # noqa: B023 (called here)
         with pytest.raises(ManifestError, match="not the hash of its chunks"):
             PackedCartridge(tmp_path / "forger")
     assert forger.content_hash != victim.content_hash
@@ -65,7 +65,10 @@ def test_a_manifest_packed_before_blake3_counted_loads_under_the_derived_hash(tm
 
 
 # --- placeholder ids: derived from the KV, never taken from the manifest ----------------------
-def _trained(tmp_path, name, seed, vocab=VocabInfo(1000, (0, 1, 2)), chunk=32):
+VOCAB = VocabInfo(1000, (0, 1, 2))
+
+
+def _trained(tmp_path, name, seed, vocab=VOCAB, chunk=32):
     return pack_kv(random_kv(2, 64, 2, 8, seed=seed), tmp_path / name, cartridge_id=name, model="m",
                    kind="trained", vocab=vocab, chunk_size=chunk)
 
@@ -77,7 +80,7 @@ def test_trained_ids_claiming_a_prompt_or_another_cartridge_are_refused(tmp_path
     m = _trained(tmp_path, "forger", 2)
     assert Manifest.load(tmp_path / "forger").token_ids == m.token_ids  # its own ids load
     for claimed in (list(range(100, 164)), victim.token_ids, m.token_ids[::-1]):
-        _edit(tmp_path / "forger", lambda d: d.update(token_ids=claimed))
+        _edit(tmp_path / "forger", lambda d: d.update(token_ids=claimed))  # noqa: B023 (called here)
         with pytest.raises(ManifestError, match="not the placeholder ids of its content hash"):
             Manifest.load(tmp_path / "forger")
     # a forger that also copies the victim's hash is caught by the content hash, as before

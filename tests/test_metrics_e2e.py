@@ -4,8 +4,8 @@ The plugin counts in vLLM's engine-core process; `/metrics` is served by the API
 which reads other processes' values through `PROMETHEUS_MULTIPROC_DIR` (set per server by
 `testing.launch.VllmServer`, as the deployment files set it). One cartridge request: vLLM's own
 counter proves its tokens came from LMCache, and ours must have counted exactly those chunk reads,
-under this server's `cartridge_instance` label, and the scheduler's one lookup for it as a hit. The Grafana dashboard's metric names are checked against the
-names this server exposes.
+under this server's `cartridge_instance` label, and the scheduler's one lookup for it as a hit.
+The Grafana dashboard's metric names are checked against the names this server exposes.
 """
 
 from __future__ import annotations

@@ -44,10 +44,11 @@ def test_counters_carry_tier_and_instance_labels():
     m = Metrics(instance="host-a")
     m.hit("disk", 4096, 0.003)
     m.miss("cpu")
-    before = REGISTRY.get_sample_value("lmcache_cartridge_hits_total", {"tier": "disk", "cartridge_instance": "host-a"})
+    disk = {"tier": "disk", "cartridge_instance": "host-a"}
+    before = REGISTRY.get_sample_value("lmcache_cartridge_hits_total", disk)
     m.hit("disk", 4096, 0.004)
-    assert REGISTRY.get_sample_value("lmcache_cartridge_hits_total", {"tier": "disk", "cartridge_instance": "host-a"}) == before + 1
-    assert REGISTRY.get_sample_value("lmcache_cartridge_bytes_total", {"tier": "disk", "cartridge_instance": "host-a"}) >= 8192
+    assert REGISTRY.get_sample_value("lmcache_cartridge_hits_total", disk) == before + 1
+    assert REGISTRY.get_sample_value("lmcache_cartridge_bytes_total", disk) >= 8192
     assert m.snapshot()["instance"] == "host-a" and m.snapshot()["tiers"]["disk"]["hits"] == 2
 
 
@@ -77,7 +78,7 @@ def test_counters_written_in_another_process_are_read_like_vllm_reads_them(tmp_p
     assert reg.get_sample_value("lmcache_cartridge_bytes_total", labels) == 2000
     assert reg.get_sample_value("lmcache_cartridge_errors_total", labels) == 1
     assert reg.get_sample_value("lmcache_cartridge_read_seconds_count", labels) == 2
-    assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": "cpu", "cartridge_instance": "engine-1"}) == 2
+    assert reg.get_sample_value("lmcache_cartridge_evictions_total", {**labels, "tier": "cpu"}) == 2
     lookups = {"outcome": "hit", "cartridge_instance": "engine-1"}
     assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_count", lookups) == 1
     assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_sum", lookups) == pytest.approx(0.003)
@@ -97,8 +98,9 @@ def test_every_series_exists_at_zero_before_the_first_event(tmp_path):
     reg = CollectorRegistry()
     multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
     for tier in ("cpu", "disk", "local", "s3"):
-        assert reg.get_sample_value("lmcache_cartridge_errors_total", {"tier": tier, "cartridge_instance": "idle-1"}) == 0
-        assert reg.get_sample_value("lmcache_cartridge_evictions_total", {"tier": tier, "cartridge_instance": "idle-1"}) == 0
+        idle = {"tier": tier, "cartridge_instance": "idle-1"}
+        assert reg.get_sample_value("lmcache_cartridge_errors_total", idle) == 0
+        assert reg.get_sample_value("lmcache_cartridge_evictions_total", idle) == 0
     for outcome in OUTCOMES:
         assert reg.get_sample_value("lmcache_cartridge_scheduler_lookup_seconds_count",
                                     {"outcome": outcome, "cartridge_instance": "idle-1"}) == 0

@@ -19,8 +19,6 @@ import json
 import threading
 import time
 from argparse import Namespace
-from dataclasses import replace
-from pathlib import Path
 
 import httpx
 import pytest
@@ -259,10 +257,13 @@ def test_fake_without_gateway_keys_vllms_key_guards_cartridges(fake, carts):
 
 def test_fake_metrics_are_vllms_and_the_gateways(fake, carts):
     srv = fake()
-    httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "cartridges": [{"id": carts["pt"], "source": "local"}]})
+    httpx.post(
+        srv.url + "/v1/completions", json={"prompt": "x", "cartridges": [{"id": carts["pt"], "source": "local"}]}
+    )
     text = httpx.get(srv.url + "/metrics").text
     assert "vllm:fake 1.0" in text
-    assert 'lmcache_cartridge_gateway_requests_total{endpoint="/v1/completions",reason="ok",status="200"} 1.0' in text, [l for l in text.splitlines() if "requests_total{" in l]
+    assert ('lmcache_cartridge_gateway_requests_total{endpoint="/v1/completions",reason="ok",status="200"} 1.0'
+            in text), [line for line in text.splitlines() if "requests_total{" in line]
 
 
 def test_fake_unconfigured_answers_501_and_vllm_still_serves(fake, carts, monkeypatch):
@@ -581,8 +582,10 @@ def test_first_k_through_the_middleware_is_the_gateways_answer_and_the_prompts(s
           f"{max(abs(x - y) for x, y in zip(mid[1], ref[1])):.4f}); {ext1 - ext0:.0f} tokens loaded from LMCache")
     # the gateway's metrics are on vLLM's /metrics, beside vLLM's own
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
-    assert "vllm:" in metrics and 'lmcache_cartridge_gateway_requests_total{endpoint="/v1/completions",reason="ok",status="200"}' \
-        in metrics
+    assert (
+        "vllm:" in metrics
+        and 'lmcache_cartridge_gateway_requests_total{endpoint="/v1/completions",reason="ok",status="200"}' in metrics
+    )
     assert "lmcache_cartridge_gateway_upstream_seconds" in metrics
 
 

@@ -39,7 +39,7 @@ def test_adapter_params_are_the_plugin_settings_and_a_typo_is_refused(tmp_path):
 def test_kv_rank_decoding_is_lmcaches_packing(world):
     from lmcache.v1.distributed.api import ObjectKey as OK
 
-    compute = getattr(OK, "ComputeKVRank")
+    compute = OK.ComputeKVRank
     for rank in range(world):
         # local world and rank differ from the global ones (two nodes): the global ones are decoded
         assert kv_world_and_rank(compute(world, rank, max(1, world // 2), rank % max(1, world // 2))) == (world, rank)
@@ -301,7 +301,8 @@ def test_lookup_locks_the_server_never_returns_let_go_after_the_lease(tmp_path, 
     try:
         hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
         adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
-        register_s3(reg, "s3://mp-lease/c/mp-z", tmp_path / "cache", S3Settings.from_mapping({"endpoint_url": s3_proxy.endpoint_url}))
+        register_s3(reg, "s3://mp-lease/c/mp-z", tmp_path / "cache",
+                    S3Settings.from_mapping({"endpoint_url": s3_proxy.endpoint_url}))
         assert adapter.refresh()
         h = adapter._served["mp-z"].handle(1, 0)
         deadline = time.time() + 30

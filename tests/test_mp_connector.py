@@ -69,8 +69,6 @@ def _request(rid: str, prompt: int = TRAINED + 40):
 
 @pytest.fixture
 def make(monkeypatch):
-    from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
-
     from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnectorStats
 
     from lmcache_cartridge.vllm.mp_connector import CartridgeMPConnector

@@ -133,10 +133,9 @@ def test_server_stops_on_one_sigterm_while_an_origin_hangs_mid_download(tmp_path
     with S3Proxy(moto_server) as proxy:
         stall = proxy.inject(method="GET", path=r"c/hangs/kv\.bin$", delay=600, times=None)
         registry = Registry(tmp_path / "registry.db")
-        server = LmcacheServer(tmp_path / "server", {"registry": str(registry.path), "cache_dir": str(tmp_path / "cache"),
-                                                     "refresh_seconds": 0.2, "s3.endpoint_url": proxy.endpoint_url,
-                                                     "s3.max_attempts": 1, "s3.read_timeout": 300},
-                               chunk_size=CHUNK)
+        params = {"registry": str(registry.path), "cache_dir": str(tmp_path / "cache"), "refresh_seconds": 0.2,
+                  "s3.endpoint_url": proxy.endpoint_url, "s3.max_attempts": 1, "s3.read_timeout": 300}
+        server = LmcacheServer(tmp_path / "server", params, chunk_size=CHUNK)
         try:
             server.wait_ready()
             assert cli.main(["register", "s3://mp-stop/c/hangs", "--registry", str(registry.path),

@@ -108,7 +108,7 @@ def hf_close(stack, kv: torch.Tensor, user: list[int], got: dict) -> tuple[float
 def test_stalled_origin_waits_then_fails_and_stalls_nobody_else(stack):
     from lmcache_cartridge.tools import cli
 
-    vllm, proxy, (model, tok) = stack["vllm"], stack["proxy"], stack["hf"]
+    vllm, proxy, (_, tok) = stack["vllm"], stack["proxy"], stack["hf"]
     user = user_ids(tok)
     cfg = ["--registry", str(stack["root"] / "registry.db")]
     stall = proxy.inject(method="GET", path=r"c/stalled/kv\.bin$", delay=STALL_S, times=None)
@@ -157,7 +157,7 @@ def test_stalled_origin_waits_then_fails_and_stalls_nobody_else(stack):
 def test_origin_back_while_waiting_is_answered_from_the_cartridge(stack):
     from lmcache_cartridge.tools import cli
 
-    vllm, proxy, (model, tok) = stack["vllm"], stack["proxy"], stack["hf"]
+    vllm, proxy, (_, tok) = stack["vllm"], stack["proxy"], stack["hf"]
     user = user_ids(tok)
     down = proxy.inject(method="GET", path=r"c/back/kv\.bin$", status=503, times=None)
     assert cli.main(["register", f"s3://{BUCKET}/c/back", "--registry", str(stack["root"] / "registry.db"),
@@ -175,15 +175,15 @@ def test_origin_back_while_waiting_is_answered_from_the_cartridge(stack):
     got = result(box["r"])
     loaded = vllm.external_tokens() - ext0
     mean, mx = hf_close(stack, stack["kvs"]["back"], user, got)
-    print(f"\n[mp trained, {vllm.transfer_mode}] origin back while waiting: HTTP 200, {loaded:.0f} tokens from LMCache, vs HF given the "
-          f"cartridge's KV mean |dlogprob| {mean:.4f} max {mx:.4f}")
+    print(f"\n[mp trained, {vllm.transfer_mode}] origin back while waiting: HTTP 200, {loaded:.0f} tokens from "
+          f"LMCache, vs HF given the cartridge's KV mean |dlogprob| {mean:.4f} max {mx:.4f}")
     assert "still not here" not in vllm.log_text()[at:], vllm.log_tail()
     assert loaded == CHUNK, vllm.log_tail()
     assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
 
 
 def test_composition_of_two_trained_through_the_gateway_matches_hf(stack):
-    vllm, (model, tok) = stack["vllm"], stack["hf"]
+    vllm, (_, tok) = stack["vllm"], stack["hf"]
     user = user_ids(tok)
     c0 = vllm.counters()
     body = {"prompt": user, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
@@ -193,9 +193,9 @@ def test_composition_of_two_trained_through_the_gateway_matches_hf(stack):
     loaded, cached = d["external_tokens"], d["cached_tokens"]
     kv = torch.cat([stack["kvs"]["local"], stack["kvs"]["back"]], dim=2)
     mean, mx = hf_close(stack, kv, user, got)
-    print(f"\n[mp trained, {vllm.transfer_mode}] local + S3 trained composed via the gateway: {loaded:.0f} tokens from LMCache, "
-          f"{cached:.0f} from vLLM's prefix cache (the local one's, loaded before), vs HF given both KVs mean "
-          f"|dlogprob| {mean:.4f} max {mx:.4f}")
+    print(f"\n[mp trained, {vllm.transfer_mode}] local + S3 trained composed via the gateway: {loaded:.0f} tokens "
+          f"from LMCache, {cached:.0f} from vLLM's prefix cache (the local one's, loaded before), vs HF given both "
+          f"KVs mean |dlogprob| {mean:.4f} max {mx:.4f}")
     # none computed: the composite's chunks come from LMCache, the first one maybe from vLLM's own
     # prefix cache (it loaded that cartridge before)
     assert loaded >= CHUNK and loaded + cached >= 2 * CHUNK, vllm.log_tail()

@@ -229,7 +229,6 @@ def test_async_pair(carts):
 
 
 def test_scheduler_side_without_local_cpu_backend(carts):
-    from lmcache.v1.config import LMCacheEngineConfig
 
     cfg = load_config(write_yaml(carts["dir"], carts["reg"].path))
     md = make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK, role="scheduler")

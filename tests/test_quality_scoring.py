@@ -90,7 +90,8 @@ def test_right_cartridge_scores_higher_than_swapped(real_model):
         right.append(Q.reference_loglik(model, tok, kv["a"], ids, q.answer, q.fact))
         swapped.append(Q.reference_loglik(model, tok, kv["b"], ids, q.answer, q.fact))
     mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
-    print(f"\n[quality scoring] mean LL answer right {mean(right, 'll_answer'):.3f} swapped {mean(swapped, 'll_answer'):.3f}; "
+    print(f"\n[quality scoring] mean LL answer right {mean(right, 'll_answer'):.3f} "
+          f"swapped {mean(swapped, 'll_answer'):.3f}; "
           f"fact right {mean(right, 'll_fact'):.3f} swapped {mean(swapped, 'll_fact'):.3f}")
     assert mean(right, "ll_answer") > mean(swapped, "ll_answer") + 0.2
     assert mean(right, "ll_fact") > mean(swapped, "ll_fact") + 0.5

@@ -32,7 +32,8 @@ def test_memory_tier_lru_and_pins():
     assert tier.keys() == [("h", 1), ("h", 0), ("h", 3)]
     assert tier.put(("h", 4), chunk_bytes(100, 4))  # evicts 0; 1 still pinned
     assert ("h", 1) in tier and ("h", 0) not in tier
-    tier.pin(("h", 3)); tier.pin(("h", 4))
+    tier.pin(("h", 3))
+    tier.pin(("h", 4))
     assert not tier.put(("h", 5), chunk_bytes(100, 5))  # everything pinned: not cached
     assert not tier.put(("h", 6), chunk_bytes(400, 6))  # larger than the budget
     assert tier.used == 300 and tier.metrics.tiers["cpu"].evictions == 2
@@ -69,7 +70,9 @@ def test_disk_tier_survives_restart_verifies_and_evicts(tmp_path):
     assert torch.equal(buf, p.read_raw(1))
     # corruption on disk is detected on the first read after a restart: dropped, reported as a miss
     f = tmp_path / "cache" / p.manifest.content_hash / "2.chunk"
-    raw = bytearray(f.read_bytes()); raw[5] ^= 1; f.write_bytes(bytes(raw))
+    raw = bytearray(f.read_bytes())
+    raw[5] ^= 1
+    f.write_bytes(bytes(raw))
     disk3 = DiskTier(tmp_path / "cache", budget_bytes=3 * size)
     assert not disk3.get_into((p.manifest.content_hash, 2), memoryview(buf.numpy()), h)
     assert not f.exists() and (p.manifest.content_hash, 2) not in disk3
@@ -159,7 +162,9 @@ def test_promotion_disk_after_restart_and_prefetch(tmp_path):
 def test_bad_origin_bytes_are_never_cached(tmp_path):
     p = _packed(tmp_path)
     f = p.payload_path
-    raw = bytearray(f.read_bytes()); raw[p.manifest.chunks[1].offset + 3] ^= 0x40; f.write_bytes(bytes(raw))
+    raw = bytearray(f.read_bytes())
+    raw[p.manifest.chunks[1].offset + 3] ^= 0x40
+    f.write_bytes(bytes(raw))
     cpu, disk = MemoryTier("cpu", 1 << 30), DiskTier(tmp_path / "cache", 1 << 30)
     res = Residency(cpu, disk, Metrics(), prefetch=False)
     h = Handle(p.manifest, CountingOrigin(p.directory))

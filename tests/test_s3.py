@@ -17,7 +17,8 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.buffers import as_bytes
 from lmcache_cartridge.cartridge.packed import pack_kv
-from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, S3Origin, S3Settings, Timeout, Unavailable, parse_s3_uri
+from lmcache_cartridge.store.s3 import (AccessDenied, NotFound, OriginError, S3Origin, S3Settings, Timeout, Unavailable,
+                                        parse_s3_uri)
 from s3_server import s3_client, upload_dir
 
 BUCKET, PREFIX = "carts", "models/demo-1"
@@ -90,7 +91,8 @@ def test_chunk_ranged_reads_match_local_and_sha(cartridge, s3_proxy):  # noqa: F
 def test_whole_object_download_identical(moto_server, s3_proxy, tmp_path, part_size):  # noqa: F811
     """A `.pt` object as one object: boto3's transfer manager fetches it, the result is checked
     against the HEAD (size, MD5 ETag) and lands atomically; 12 MiB takes several ranged parts."""
-    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)).numpy().tobytes()
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, generator=g).numpy().tobytes()
     bucket(moto_server).put_object(Bucket=BUCKET, Key="objects/big.pt", Body=data)
     dest = tmp_path / "sub" / "big.pt"
     with origin(s3_proxy.endpoint_url, f"s3://{BUCKET}/objects/big.pt", part_size=part_size, max_concurrency=4) as o:

@@ -70,7 +70,9 @@ def test_s3_cartridge_served_then_from_disk_after_restart_then_force_redownload(
                          "--force-redownload"]) == 0
         plugin2 = eng2.backend("cartridge")
         deadline = time.time() + 5
-        while (plugin2._state.served.get("s3-doc") is None or plugin2._state.served["s3-doc"].entry.epoch == 0) and time.time() < deadline:
+        while (
+            plugin2._state.served.get("s3-doc") is None or plugin2._state.served["s3-doc"].entry.epoch == 0
+        ) and time.time() < deadline:
             time.sleep(0.05)
         assert plugin2._state.served["s3-doc"].entry.epoch == 1, plugin2.summary()
         eng2.clear_local_cpu()

@@ -27,8 +27,8 @@ def test_short_soak_no_errors_no_contamination_evictions_flat_rss(tmp_path):
         lmcache_chunks=8,       # 2 MiB: 8 of the 9 chunks; still holds what 4 clients pin at once
         warmup_requests=10, rss_tolerance=0.30)  # work dir: .cache/soak-* (short: vLLM IPC paths)
     r = soak.run_soak(params, tmp_path / "out")
-    detail = (tmp_path / "out" / "soak.md").read_text() + "\n" + (tmp_path / "out" / "server_log_tail.txt").read_text() \
-        if (tmp_path / "out" / "server_log_tail.txt").exists() else r.get("failure")
+    tail = tmp_path / "out" / "server_log_tail.txt"
+    detail = (tmp_path / "out" / "soak.md").read_text() + "\n" + tail.read_text() if tail.exists() else r.get("failure")
     assert "failure" not in r, detail
     s = r["soak"]
     assert r["references"]["distinct_texts"] == 6, r["references"]  # different KV, different answers

@@ -19,7 +19,7 @@ from lmcache_cartridge.tools.selfstudy.config import LoopConfig, SynthConfig, Tr
 from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss
 from lmcache_cartridge.tools.selfstudy.run import DATA_NAME, SHARDS_NAME, load_for_training, load_or_synthesize
 from lmcache_cartridge.tools.selfstudy.synth import (
-    HFBackend, ShardStore, document_body, plan, scored_prompt_tokens, synthesize,
+    HFBackend, ShardStore, plan, scored_prompt_tokens, synthesize,
 )
 
 from test_train import doc, one_thread  # noqa: E402,F401  (fixtures: the document; torch on one thread)

@@ -15,8 +15,9 @@ from transformers import LlamaForCausalLM
 from lmcache_cartridge.tools.create import CreatedCartridge, create_first_k, sample_chunks
 from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, kv_geometry, kv_to_cache, load_model
 from lmcache_cartridge.errors import CartridgeFormatError
-from lmcache_cartridge.tools.testmodel import (MARKER_NAME, PEAK_LM_HEAD_SCALE, PEAK_Q_K_SCALE, QWEN_CHAT_TEMPLATE, BuildParams,
-                                               build_tokenizer, document_text, ensure_test_model, llama_config, qwen2_config)
+from lmcache_cartridge.tools.testmodel import (MARKER_NAME, PEAK_LM_HEAD_SCALE, PEAK_Q_K_SCALE, QWEN_CHAT_TEMPLATE,
+                                               BuildParams, build_tokenizer, document_text, ensure_test_model,
+                                               llama_config, qwen2_config)
 
 DEFAULTS = BuildParams(
     hidden_size=256,

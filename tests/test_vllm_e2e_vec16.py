@@ -6,10 +6,11 @@ Same tests, same tolerances, same peaked test model recipe (`tools/testmodel.py`
 computed by vLLM itself, as `create` makes it, injected) vs vLLM's own recompute, LMCache
 store/reload, engine health. (With KV computed by HF transformers the first-k answer parted from
 vLLM's at max |dlogprob| 0.72 on an AVX2-only EPYC, 0.04 on AVX-512: KV made elsewhere is a
-numerical claim, checked against HF itself in the trained tests, not against vLLM's recompute.) Not imported: the trained-KV test. On this model vLLM given random trained KV differs
-from HF given the same `past_key_values` by mean 0.24 / max 0.62 |dlogprob| and its greedy token
-departs from HF's at the 5th token (HF bf16 vs HF fp32 alone: 0.14; 0.035 on the head_dim-64
-model): beyond the tolerances calibrated on the head_dim-64 model. The injected bytes equal
+numerical claim, checked against HF itself in the trained tests, not against vLLM's recompute.)
+Not imported: the trained-KV test. On this model vLLM given random trained KV differs from HF given
+the same `past_key_values` by mean 0.24 / max 0.62 |dlogprob| and its greedy token departs from
+HF's at the 5th token (HF bf16 vs HF fp32 alone: 0.14; 0.035 on the head_dim-64 model): beyond the
+tolerances calibrated on the head_dim-64 model. The injected bytes equal
 vLLM's writer's (tests/test_cpu_kv.py), HF-computed KV gives vLLM's own output (first-k,
 0.04), and vLLM's vec16 attention kernel over injected random KV equals fp32 SDPA as closely as
 torch's bf16 SDPA does, with peaked queries and layout-fault controls (tests/test_cpu_attention.py):

@@ -5,9 +5,10 @@ request (a 512-token cartridge, a short suffix, 380 generated tokens) holds 5 bl
 prompt and grows to 7, so once two run together (any second request admitted within the first's
 ~250 decode steps, while 5 blocks are still free) they run out of blocks and vLLM preempts one and
 resumes it later (its own `vllm:num_preemptions` counter proves it). With 160 generated tokens the
-second request had to arrive within ~30 steps, and under load it sometimes did not. A resumed request must get its cartridge's KV
-again, so every answer must still equal its single-request reference. An aborted streaming
-request must leave nothing pinned in the plugin and the engine serving."""
+second request had to arrive within ~30 steps, and under load it sometimes did not. A resumed
+request must get its cartridge's KV again, so every answer must still equal its single-request
+reference. An aborted streaming request must leave nothing pinned in the plugin and the engine
+serving."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ from lmcache_cartridge.store.registry import Registry
 pytestmark = pytest.mark.slow
 CHUNK = 256
 GEN = 380  # 515 + 380 tokens: 7 blocks of 128, within max_model_len 1024
-TIE_TOL = 0.25  # a near tie: logprobs of a peaked bf16 model step by 1/16 to 1/8 here (seen gaps 0, 0.0625, 0.125 on amx)
+TIE_TOL = (
+    0.25  # a near tie: logprobs of a peaked bf16 model step by 1/16 to 1/8 here (seen gaps 0, 0.0625, 0.125 on amx)
+)
 MAX_DEPARTURES = 8  # near ties a 380-token answer may meet (seen up to 4 on amx)
 
 
@@ -108,7 +111,8 @@ def greedy_gaps(s, name: str, suffix: str, answer: list[int]) -> list[float]:
 def metric(s, name):
     with urllib.request.urlopen(s["server"].url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name) and not l.startswith("#"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
 
 
 def test_preempted_requests_get_their_cartridge_again(srv):

@@ -48,7 +48,8 @@ class CartridgeClient:
         return self._post("/v1/completions", {"prompt": prompt, "cartridges": self._refs(cartridges), **params})
 
     def chat(self, messages, *, cartridges=None, **params) -> dict[str, Any]:
-        return self._post("/v1/chat/completions", {"messages": messages, "cartridges": self._refs(cartridges), **params})
+        return self._post("/v1/chat/completions",
+                          {"messages": messages, "cartridges": self._refs(cartridges), **params})
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Yield the JSON events of a streaming request (`stream: true` is set for you)."""

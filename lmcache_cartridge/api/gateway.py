@@ -6,7 +6,8 @@ token ids must be placed first by whoever builds the prompt. The gateway resolve
 registered once so the plugin serves it), places them in order (`Resolver.plan`), builds the
 prompt after them (`api.prompts`), sends the plan's priming requests where tokens vLLM computes
 precede a trained cartridge, forwards a token-id prompt to the upstream `/v1/completions`, and
-answers with ordinary OpenAI responses (chat ones rebuilt from the completion, streaming included). Request bodies are the pydantic models of `api.requests`.
+answers with ordinary OpenAI responses (chat ones rebuilt from the completion, streaming
+included). Request bodies are the pydantic models of `api.requests`.
 
 Runs as its own process (`lmcache-cartridge gateway`), or inside vLLM's API server
 (`api.middleware`, `vllm serve --middleware`). It owns a registry connection, a resolution cache

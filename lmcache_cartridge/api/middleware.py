@@ -309,7 +309,7 @@ def internal_secret(cache_dir: Path) -> bytes:
                 os.close(fd)
             try:
                 os.link(tmp, path)  # atomic, and never over another process's secret
-            except FileExistsError:
+            except FileExistsError:  # another process's secret won: the next round reads it
                 pass
             finally:
                 os.unlink(tmp)

@@ -23,7 +23,8 @@ from lmcache_cartridge.api.settings import RequestError
 # The user turn right after the cartridge: every message as the model family's turn, nothing before.
 LLAMA3_AFTER_TRAINED = (
     "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' "
+    "+ message['content'] | trim + '<|eot_id|>' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )

@@ -209,7 +209,8 @@ class Resolver:
                 raise RequestError(400, f"{cid[:200]!r} is a local path but source is 's3'; send source 'local'")
             return "local"
         if "://" in cid:
-            raise RequestError(400, f"{cid[:200]!r}: only s3:// URIs, absolute local paths and registered ids are understood")
+            raise RequestError(400, f"{cid[:200]!r}: only s3:// URIs, absolute local paths and registered ids "
+                                    "are understood")
         if explicit and spec.source == "local":
             raise RequestError(400, f"local cartridge id must be an absolute path, got {cid[:200]!r}")
         return "registry"

@@ -121,6 +121,13 @@ def id_from_name(name: str, digest: str | None = None, fallback: str | None = "c
     return validate_id(f"{clean}-{digest[:12]}" if digest else clean)
 
 
+def id_from_path(path: str | Path) -> str:
+    """The id of a cartridge made from `path` when none is given: the file's name without its
+    suffix, or the directory's name (`id_from_name`)."""
+    path = Path(path)
+    return id_from_name(path.stem if path.is_file() else path.name)
+
+
 @dataclass(frozen=True)
 class ChunkInfo:
     """Where one chunk lives in the payload and what its bytes must hash to.

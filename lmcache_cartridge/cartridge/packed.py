@@ -8,7 +8,6 @@ readers share no file position and need no locks.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -23,8 +22,9 @@ from lmcache_cartridge.cartridge.integrity import blake3_hex, check_chunk
 from lmcache_cartridge.paths import atomic_dir
 from lmcache_cartridge.errors import CartridgeFormatError, ChecksumError, ManifestError
 from lmcache_cartridge.cartridge.keys import placeholder_token_ids
-from lmcache_cartridge.cartridge.manifest import (KINDS, derive_content_hash, LAYOUT_2LTD, LAYOUT_BY_HEAD, LAYOUTS, MANIFEST_NAME,
-                                                  PAYLOAD_NAME, ChunkInfo, Manifest, Span, dtype_name, validate_id)
+from lmcache_cartridge.cartridge.manifest import (KINDS, LAYOUT_2LTD, LAYOUT_BY_HEAD, LAYOUTS, MANIFEST_NAME,
+                                                  PAYLOAD_NAME, ChunkInfo, Manifest, Span, derive_content_hash,
+                                                  dtype_name, validate_id)
 
 DEFAULT_CHUNK_SIZE = 256
 

@@ -49,10 +49,11 @@ class RankView:
 
     Made by the plugin for each cartridge it serves (one per engine rank), used by `residency`:
     the raw bytes of chunk `i` are `span(i)` (only this rank's heads for a `by_head` payload, one
-    contiguous range), they are cached on disk under the cartridge's key and `heads_suffix` (shared by every process on the
-    host that reads the same heads), and `to_engine` turns them into the rank's `KV_2LTD` chunk,
-    which the CPU tier keeps (so a repeat hit is a plain copy); `engine_view` reads them as those
-    values in place, for an encoder that converts them once (`residency.read_into`).
+    contiguous range), they are cached on disk under the cartridge's key and `heads_suffix`
+    (shared by every process on the host that reads the same heads), and `to_engine` turns them
+    into the rank's `KV_2LTD` chunk, which the CPU tier keeps (so a repeat hit is a plain copy);
+    `engine_view` reads them as those values in place, for an encoder that converts them once
+    (`residency.read_into`).
     """
 
     manifest: Manifest

@@ -58,7 +58,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
@@ -181,7 +180,9 @@ class _Lock:
 class CartridgeL2Adapter(L2AdapterInterface):
     """Read-only `L2AdapterInterface` serving the registry's cartridges to an `lmcache server`."""
 
-    def __init__(self, config: CartridgeL2AdapterConfig | dict, l1_memory_desc=None) -> None:
+    # LMCache's plugin adapter factory passes `l1_memory_desc` (for adapters that register L1 memory
+    # with an RDMA backend); a read-only origin registers none.
+    def __init__(self, config: CartridgeL2AdapterConfig | dict, l1_memory_desc=None) -> None:  # noqa: ARG002
         super().__init__(max_capacity_bytes=0)
         if isinstance(config, dict):
             config = CartridgeL2AdapterConfig.from_dict(config)
@@ -429,7 +430,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
             return self._done[kind].pop(task_id, None)
 
     # --- stores: read-only, done at once with 0 bytes -------------------------------------------
-    def submit_store_task(self, keys, objects) -> int:
+    def submit_store_task(self, keys, objects) -> int:  # noqa: ARG002 (L2AdapterInterface's signature)
         tid = next(self._ids)
         self._complete("store", tid, L2StoreResult(True, 0))
         return tid

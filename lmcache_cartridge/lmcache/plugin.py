@@ -209,7 +209,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             return (
                 f"plugin '{self.settings.name}' {'ready' if self.healthy else 'DISABLED'}: "
                 f"{len(st.served)} cartridges ({chunks} chunks) for model {self.shape.model_names[0]!r} "
-                f"rank {self.shape.rank}/{self.shape.world_size}, {sum(1 for n in st.pins.values() if n)} chunks pinned, "
+                f"rank {self.shape.rank}/{self.shape.world_size}, "
+                f"{sum(1 for n in st.pins.values() if n)} chunks pinned, "
                 f"{len(st.skipped)} not served"
                 f"{' (' + '; '.join(f'{k}: {v}' for k, v in sorted(st.skipped.items())) + ')' if st.skipped else ''}; "
                 f"registry {self.settings.registry}, hash {self.config.pre_caching_hash_algorithm}, "
@@ -537,14 +538,16 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                             st.draining[key] = (sv, i)
         return hits
 
-    async def batched_async_contains(self, lookup_id: str, keys, pin: bool = False) -> int:
+    # LMCache's StorageBackendInterface fixes the signatures below: arguments a read-only origin
+    # has no use for stay unused (noqa: ARG002).
+    async def batched_async_contains(self, lookup_id: str, keys, pin: bool = False) -> int:  # noqa: ARG002
         # LMCache 0.5.6's async path never unpins a plugin's hit keys (it releases memory
         # objects only), so a pin here would last until its lease; the get follows in the same
         # task and a chunk evicted in between is read from a lower local tier, never served wrong.
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._async_pool, self.batched_contains, keys, False)
 
-    def exists_in_put_tasks(self, key) -> bool:
+    def exists_in_put_tasks(self, key) -> bool:  # noqa: ARG002
         return False
 
     def pin(self, key) -> bool:
@@ -718,7 +721,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 if sv.handle.retired:
                     self._close_if_unused(sv)
 
-    async def batched_get_non_blocking(self, lookup_id: str, keys, transfer_spec=None):
+    async def batched_get_non_blocking(self, lookup_id: str, keys, transfer_spec=None):  # noqa: ARG002 (LMCache's)
         loop = asyncio.get_running_loop()
         objs = await loop.run_in_executor(self._async_pool, self.batched_get_blocking, keys)
         got = []
@@ -729,11 +732,12 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         return got
 
     # --- read-only: puts and removals never touch a cartridge ---------------------------------------
-    def batched_submit_put_task(self, keys, objs, transfer_spec=None,
-                                on_complete_callback: Optional[Callable] = None):
+    # LMCache's signatures: their arguments stay unused (noqa: ARG002)
+    def batched_submit_put_task(self, keys, objs, transfer_spec=None,  # noqa: ARG002
+                                on_complete_callback: Optional[Callable] = None):  # noqa: ARG002
         return None
 
-    def remove(self, key, force: bool = True) -> bool:
+    def remove(self, key, force: bool = True) -> bool:  # noqa: ARG002
         return False  # never deletes an origin; registry `remove` is how a cartridge leaves
 
     def get_allocator_backend(self):

@@ -55,12 +55,13 @@ PLUGIN_KEYS: tuple[Setting, ...] = (
             "the SQLite registry the CLI, the gateway and every server share"),
     Setting("cache_dir", "path", "<cache root>", "the host's cache: disk tier, S3 manifests, conversions, "
             "serving-state records; must be private to the serving user"),
-    Setting("refresh_seconds", "float", "1.0", "how often the plugin checks the registry for registrations and removals"),
+    Setting("refresh_seconds", "float", "1.0",
+            "how often the plugin checks the registry for registrations and removals"),
     Setting("preload", "list", "", "ids, labels or `*` whose chunks are read and verified in the background as soon "
             "as served"),
-    Setting("accept_models", "list", "", "other model names (vLLM `--model` strings) whose cartridges this engine serves; "
-            "in MP mode the names of one model's weights, each served the others' cartridges (list the engines' own "
-            "name too)"),
+    Setting("accept_models", "list", "", "other model names (vLLM `--model` strings) whose cartridges this "
+            "engine serves; in MP mode the names of one model's weights, each served the others' cartridges "
+            "(list the engines' own name too)"),
     Setting("allow_unstable_hash", "bool", "false", "serve although the chunk hash depends on PYTHONHASHSEED "
             "(not recommended)"),
     Setting("cpu_budget_gb", "float", "2", "the plugin's CPU tier, per process"),
@@ -71,7 +72,8 @@ PLUGIN_KEYS: tuple[Setting, ...] = (
     Setting("catalog_period", "float", "30", "seconds between catalog syncs"),
     Setting("catalog_allow_uris", "list", "", "S3 prefixes a catalog entry's bytes may be under besides the "
             "catalog's bucket"),
-    Setting("reader_cores", "str", "auto", "where chunk reads run: `auto`, `engine` (the worker's cores) or a cpu list"),
+    Setting("reader_cores", "str", "auto",
+            "where chunk reads run: `auto`, `engine` (the worker's cores) or a cpu list"),
 )
 # LMCache's own keys in vLLM's `kv_connector_extra_config` that serving cartridges depends on (LMCache
 # reads them there, not from its YAML; `doctor` reports them in the YAML as unknown LMCache settings).

@@ -36,7 +36,7 @@ def touch(path: Path) -> None:
     """Mark an item as used now (it is reused from the cache dir)."""
     try:
         os.utime(path)
-    except OSError:
+    except OSError:  # gone meanwhile, or not ours to touch: it is only evicted sooner
         pass
 
 
@@ -46,7 +46,7 @@ def _size(path: Path) -> int:
         for name in files:
             try:
                 total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
+            except OSError:  # removed while walking: it no longer takes space
                 pass
     return total
 
@@ -81,7 +81,7 @@ def _users(registry, item: Path) -> tuple[list, bool]:
         if parts.is_file():
             try:
                 paths += [Path(p["path"]) for p in json.loads(parts.read_text(encoding="utf-8"))]
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError):  # unreadable parts: the entry's own path
                 pass
         if any(p == item or item in p.parents for p in paths):
             users.append(e)

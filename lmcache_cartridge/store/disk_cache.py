@@ -150,9 +150,10 @@ class DiskTier:
     """Byte-budgeted LRU of chunk files under `root`, shared by every process on the host.
 
     Layout: `root/<key>/<index>.chunk` (`ChunkId`), `root/index.sqlite` (the shared index and
-    budget), `root/index.lock` (writers' queue), `root/.owners/` (one lock file per live process). `budget_bytes` is the host's
-    budget: every process enforces it against the shared total (give all instances the same
-    value; with different values each put is held to its own process's value).
+    budget), `root/index.lock` (writers' queue), `root/.owners/` (one lock file per live process).
+    `budget_bytes` is the host's budget: every process enforces it against the shared total (give
+    all instances the same value; with different values each put is held to its own process's
+    value).
     """
 
     def __init__(self, root: str | Path, budget_bytes: int, metrics: Metrics | None = None, *,
@@ -503,7 +504,7 @@ class DiskTier:
                             try:
                                 f.unlink()
                                 removed += 1
-                            except FileNotFoundError:
+                            except FileNotFoundError:  # another process removed it first
                                 pass
                             except OSError as e:
                                 logger.warning("lmcache_cartridge: could not delete %s: %s", f, e)

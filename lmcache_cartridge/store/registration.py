@@ -17,12 +17,16 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest, id_from_name
 from lmcache_cartridge.errors import CartridgeError, ManifestError
 from lmcache_cartridge.paths import atomic_write
 from lmcache_cartridge.store.cache_budget import touch  # reuse refreshes an item's place in the budget
+
+if TYPE_CHECKING:
+    import torch  # for the annotations only: the functions that use torch import it
 
 
 # --- vocabularies -----------------------------------------------------------------------------
@@ -219,7 +223,7 @@ class Converted:
     token_ids: list[int] | None
 
 
-def model_dtype_for(kv, model_dir) -> "torch.dtype | None":
+def model_dtype_for(kv, model_dir) -> torch.dtype | None:
     """float32 KV (PEFT adapters store fp32) packed for a local model: the model's dtype (its
     config.json), as PEFT itself casts the prefix at load; the engine serves only KV of its own
     dtype. Anything else keeps its dtype (None)."""

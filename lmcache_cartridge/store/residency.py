@@ -332,7 +332,8 @@ class Residency:
             t0 = time.perf_counter()
             try:
                 tier = self._fetch(handle, info.index, scratch, background=True, adopt=True)
-                self.metrics.hit(tier, handle.view.span(info.index).nbytes, time.perf_counter() - t0)  # bytes the origin gave
+                # the bytes the origin gave
+                self.metrics.hit(tier, handle.view.span(info.index).nbytes, time.perf_counter() - t0)
                 fetched += 1
             except Exception as e:  # the next lookup (or the plugin's watcher) asks again
                 logger.warning("lmcache_cartridge: download of chunk %d of %r failed: %s",

@@ -157,7 +157,7 @@ class S3Settings:
                 raise ValueError("endpoint_url must not embed credentials; use the standard chain")
             u = urlsplit(self.endpoint_url)
             try:
-                u.port
+                _ = u.port  # parsed on access: ValueError for a port that is not a number
             except ValueError:
                 u = u._replace(netloc="")
             if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query:
@@ -304,12 +304,14 @@ class S3Origin:
             if status in (412, 416) or code in ("PreconditionFailed", "InvalidRange"):
                 return OriginError(f"{where}: object changed or is shorter than expected (S3 {code or status})")
             if status == 429 or status >= 500 or "Throttl" in code or code in ("SlowDown", "RequestTimeout"):
-                return Unavailable(f"{where}: S3 unavailable after {self.settings.max_attempts} attempts (S3 {code or status})")
+                return Unavailable(f"{where}: S3 unavailable after {self.settings.max_attempts} attempts "
+                                   f"(S3 {code or status})")
             return OriginError(f"{where}: S3 error {code or status}")
         if isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError)):
             return AccessDenied(f"{where}: no usable AWS credentials found by the standard chain")
         if isinstance(e, (bx.ConnectTimeoutError, bx.ReadTimeoutError)):
-            return Timeout(f"{where}: timed out ({type(e).__name__}; connect {self.settings.connect_timeout}s, read {self.settings.read_timeout}s)")
+            return Timeout(f"{where}: timed out ({type(e).__name__}; connect {self.settings.connect_timeout}s, "
+                           f"read {self.settings.read_timeout}s)")
         if isinstance(e, (bx.EndpointConnectionError, bx.ConnectionError, bx.HTTPClientError,
                           bx.ResponseStreamingError, bx.IncompleteReadError)):
             return Unavailable(f"{where}: connection failed ({type(e).__name__})")
@@ -458,7 +460,7 @@ class S3Origin:
                            "(s3.max_object_bytes)")
 
         class _Known(BaseSubscriber):  # what the HEAD saw: no second HEAD, parts pinned to this ETag
-            def on_queued(self, future, **kwargs):
+            def on_queued(self, future, **kwargs):  # noqa: ARG002 (s3transfer's subscriber signature)
                 future.meta.provide_transfer_size(size)
                 if etag:
                     future.meta.provide_object_etag(etag)
@@ -493,7 +495,7 @@ class S3Origin:
             if tmp:
                 try:
                     os.unlink(tmp)
-                except FileNotFoundError:
+                except FileNotFoundError:  # never created, or already removed
                     pass
         self._count(bytes=size)
         return ObjectInfo(self.uri, size, etag, sha.hexdigest())

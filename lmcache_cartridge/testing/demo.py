@@ -192,7 +192,8 @@ def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResu
     say(f"  (vLLM, LMCache and plugin log: {server.log_path}; LMCache config: {server.root / 'lmcache.yaml'})")
     try:
         server.wait_healthy()
-        say(f"vLLM healthy, {server.startup_s:.0f}s after its launch at step 1 (it started while the cartridge was made)")
+        say(f"vLLM healthy, {server.startup_s:.0f}s after its launch at step 1 "
+            "(it started while the cartridge was made)")
         gs = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
                              registry=registry, cache_dir=work / "cache", chunk_size=m.chunk_size,
                              local_roots=(work,))
@@ -258,13 +259,13 @@ def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family:
     r = DemoResult(model_dir=str(model_dir), work=str(work))
     server = launch_server(work, model_dir) if serve else None
     try:
-        return _steps(work, model_dir, r, real, builtin, family, serve, server, say)
+        return _steps(work, model_dir, r, real, builtin, serve, server, say)
     finally:
         if server is not None and server.alive():
             server.stop()
 
 
-def _steps(work, model_dir, r, real, builtin, family, serve, server, say) -> DemoResult:
+def _steps(work, model_dir, r, real, builtin, serve, server, say) -> DemoResult:
     """Steps 2-5 of `run_demo`; `server`: the serving server, already starting."""
     from lmcache_cartridge.cartridge.manifest import Manifest
     from lmcache_cartridge.testing.answers import questions
@@ -343,7 +344,8 @@ def summary(r: DemoResult, say: Callable[[str], None], builtin: bool) -> None:
             ("TTFT", f"without cartridge {ms(r.ttft_without_s)}, with {ms(r.ttft_with_s)} (median of 3)"),
         ]
         for i, a in enumerate(r.answers, 1):
-            same = "= vLLM's own cache" if a["with"] == a["own_cache"] else f"DIFFERENT from vLLM's own cache {a['own_cache']!r}"
+            same = ("= vLLM's own cache" if a["with"] == a["own_cache"]
+                    else f"DIFFERENT from vLLM's own cache {a['own_cache']!r}")
             fact = f"; states {a['fact'].split('|')[0]!r}: {'yes' if a['fact_found'] else 'NO'}" if a["fact"] else ""
             rows += [(f"Q{i}", a["question"].removeprefix("Question: ").split("\nAnswer:")[0].strip()),
                      ("  without", repr(a["without"])),

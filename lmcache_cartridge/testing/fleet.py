@@ -68,7 +68,7 @@ class RouterProcess:
                     if r.status == 200:
                         starts.record("vllm-router", "", time.time() - t0, mode=policy)
                         return
-            except OSError:
+            except OSError:  # not listening yet: ask again
                 pass
             time.sleep(0.3)
         self.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shlex
 import shutil
@@ -15,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from lmcache_cartridge.api.settings import API_KEY_ENV, gateway_api_keys
+from lmcache_cartridge.api.settings import API_KEY_ENV
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import default_cache_dir, default_packed_dir, default_registry_path
 
@@ -36,12 +35,6 @@ def _server_config(args) -> bool:
     return bool(getattr(args, "config", None)) or configured_by_environment()
 
 
-def _default_id(path: Path) -> str:
-    from lmcache_cartridge.cartridge.manifest import id_from_name
-
-    return id_from_name(path.stem if path.is_file() else path.name)
-
-
 def _vocab_from_args(args):
     from lmcache_cartridge.cartridge.packed import VocabInfo
     from lmcache_cartridge.store.registration import load_vocab
@@ -55,80 +48,22 @@ def _vocab_from_args(args):
 
 # --- pack -------------------------------------------------------------------------------------
 def cmd_pack(args) -> int:
-    """Pack any input format (see `cartridge/inputs`) into the packed format. The manifest's
-    provenance says what the input was read as (`source_format`) and the model it names."""
-    import torch
+    """Pack any input format into the packed format, or re-chunk a packed cartridge (`tools.pack`)."""
+    from lmcache_cartridge.tools.pack import pack_input
 
-    from lmcache_cartridge.cartridge.formats import load_input
-    from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
-    from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv, rechunk
-
-    from lmcache_cartridge.store.registration import model_dtype_for as _model_dtype_for  # one rule, shared with the gateway
-
-    src = Path(args.input)
-    out = Path(args.output)
-    if src.is_dir() and (src / MANIFEST_NAME).exists():
-        m = rechunk(PackedCartridge(src), out, args.chunk_size, overwrite=args.overwrite)
+    src, out = Path(args.input), Path(args.output)
+    p = pack_input(src, out, model=args.model, model_dir=args.model_dir, kind=args.kind, dtype=args.dtype,
+                   cartridge_id=args.id, chunk_size=args.chunk_size, vocab=lambda: _vocab_from_args(args),
+                   labels=args.label, overwrite=args.overwrite, progress=not args.quiet,
+                   check_model=not getattr(args, "allow_model_mismatch", False))
+    m = p.manifest
+    if p.source_format is None:
         print(f"re-chunked {m.cartridge_id}: {m.num_tokens} tokens in {len(m.chunks)} chunks -> {out}")
         return 0
-    # The input's own base model (PEFT, Tokasaurus, meta.json) must be the --model named here.
-    check = None if getattr(args, "allow_model_mismatch", False) else args.model
-    loaded = load_input(src, expected_model=check)
-    meta = loaded.metadata
-    model = args.model or meta.get("model") or loaded.base_model or args.model_dir
-    if not model:
-        raise CartridgeError("name the model the KV belongs to: --model NAME (as vLLM's --model)")
-    kv, kind = loaded.kv, args.kind
-    provenance = {"source": str(src), "source_format": loaded.source_format}
-    if loaded.base_model:
-        provenance["base_model"] = loaded.base_model
-    if loaded.num_frozen_tokens:
-        provenance["num_frozen_tokens"] = loaded.num_frozen_tokens
-    if kv is None:  # token-only cartridge: compute its KV once with the model
-        if not args.model_dir:
-            raise CartridgeError(
-                f"{src} holds only token ids; pass --model-dir DIR to compute its KV with the model"
-            )
-        from lmcache_cartridge.cartridge.model_kv import compute_prefix_kv, load_model
-
-        hf_model, _ = load_model(args.model_dir)
-        kv = compute_prefix_kv(hf_model, loaded.token_ids)
-        provenance["kv_computed_with"] = str(args.model_dir)
-    if kind is None:
-        kind = "first_k" if loaded.token_ids is not None else "trained"
-    if args.model_dir:  # the KV must be this model's: checked before anything is written
-        from transformers import AutoConfig
-
-        from lmcache_cartridge.cartridge.model_kv import kv_geometry
-
-        g = kv_geometry(AutoConfig.from_pretrained(args.model_dir))
-        have = (int(kv.shape[1]), int(kv.shape[3]), int(kv.shape[4]))
-        if have != (g.num_layers, g.num_kv_heads, g.head_dim):
-            raise CartridgeError(f"{src}: KV of {have[0]} layers x {have[1]} KV heads x head_dim {have[2]}, but "
-                                 f"{args.model_dir} has {g.num_layers} x {g.num_kv_heads} x {g.head_dim}: "
-                                 "it was made for another model")
-    dtype = getattr(torch, args.dtype) if args.dtype else _model_dtype_for(kv, args.model_dir)
-    if dtype is not None and dtype != kv.dtype:
-        provenance["converted_from_dtype"] = str(kv.dtype).removeprefix("torch.")
-    m = pack_kv(
-        kv,
-        out,
-        cartridge_id=args.id or loaded.suggested_id or _default_id(src),
-        model=model,
-        kind=kind,
-        token_ids=loaded.token_ids if kind == "first_k" else None,
-        vocab=_vocab_from_args(args) if kind == "trained" else None,
-        chunk_size=args.chunk_size,
-        dtype=dtype,
-        provenance=provenance,
-        labels=args.label or meta.get("labels", []) or [],
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-    )
-    print(f"read {src} as {loaded.source_format}" + (f" (base model {loaded.base_model})" if loaded.base_model else ""))
+    print(f"read {src} as {p.source_format}" + (f" (base model {p.base_model})" if p.base_model else ""))
     print(f"packed {m.cartridge_id} ({m.kind}): {m.num_tokens} tokens, {len(m.chunks)} chunks, "
           f"{m.payload_nbytes / 2**20:.1f} MiB -> {out}")
-    _say_model_name(m.model, given=model != args.model_dir)
+    _say_model_name(m.model, given=m.model != args.model_dir)
     return 0
 
 
@@ -219,7 +154,7 @@ def cmd_verify(args) -> int:
 def cmd_create(args) -> int:
     """Everything a user can get wrong (the text, the options, the output directory) is checked
     before the model is loaded or vLLM started: the forward pass takes minutes."""
-    from lmcache_cartridge.cartridge.manifest import validate_id
+    from lmcache_cartridge.cartridge.manifest import id_from_path, validate_id
     from lmcache_cartridge.cartridge.model_kv import DEFAULT_PREFILL_CHUNK, resolve_device
     from lmcache_cartridge.cartridge.packed import pack_kv
     from lmcache_cartridge.cartridge.packed import check_output_dir
@@ -227,7 +162,7 @@ def cmd_create(args) -> int:
 
     text = Path(args.text).read_text(encoding="utf-8")
     out = Path(args.output)
-    cartridge_id = args.id or _default_id(Path(args.text))
+    cartridge_id = args.id or id_from_path(args.text)
     validate_id(cartridge_id)
     kv_from = args.kv_from or default_kv_from()
     if kv_from == "vllm" and (args.device is not None or args.prefill_chunk is not None):
@@ -353,64 +288,19 @@ def _config_chunk_size(args) -> int:
     return 256
 
 
-def _register_s3_input_dir(args, settings, s3_settings, cache_dir) -> int | None:
-    """`s3://bucket/prefix` holding a maker's input directory (PEFT CARTRIDGE adapter, Tokasaurus
-    directory, ...): its files are downloaded and converted once, as the gateway does
-    (`registration.fetch_s3_dir` + `convert_input`), and the packed result is registered. None when
-    the prefix holds a packed cartridge, or nothing (the caller registers it as an S3 origin, or
-    says which manifest is missing)."""
-    from lmcache_cartridge.store.registration import convert_input, fetch_s3_dir, load_vocab
-
-    from lmcache_cartridge.store.s3 import NotFound
-
-    try:
-        listed = fetch_s3_dir(args.path, s3_settings, cache_dir, force=args.force_redownload)
-    except NotFound:  # nothing at the prefix: the packed-cartridge path names the manifest it wanted
-        return None
-    if listed.packed:
-        return None
-    if not args.model_dir:
-        raise CartridgeError(f"{args.path} is an input directory, not a packed cartridge: it is converted on "
-                             "registration, which needs the serving model: pass --model-dir DIR (its vocabulary "
-                             "and dtype; --model NAME if vLLM serves it under another name)")
-    out = convert_input(listed.path, listed.digest, cache_dir, model=args.model or args.model_dir,
-                        chunk_size=args.chunk_size or _config_chunk_size(args),
-                        vocab=lambda: load_vocab(args.model_dir), name=listed.uri.rsplit("/", 1)[-1],
-                        model_dir=args.model_dir)
-    if out.packed_dir is None:
-        raise CartridgeError(f"{args.path} holds token ids only: there is no KV to register "
-                             "(send it in a request's cartridges; vLLM computes and caches it)")
-    entry = _registry(args).register(out.packed_dir, labels=args.label or [], force_redownload=args.force_redownload)
-    print(f"registered {entry.id} ({entry.kind}, {entry.num_tokens} tokens, model {entry.model}) "
-          f"from {args.path} (converted: {listed.downloaded} files downloaded -> {entry.path})")
-    return 0
-
-
 def cmd_register(args) -> int:
     from lmcache_cartridge.cartridge.packed import PackedCartridge, rechunk
-    
-    settings = _plugin_settings(args)
-    if args.path.startswith("s3://"):
-        from lmcache_cartridge.cartridge.compat import EngineShape
-        from lmcache_cartridge.store.registration import register_s3
-        from lmcache_cartridge.store.s3 import S3Settings
 
-        s3 = dict(settings.s3 if settings else {})
-        if args.s3_endpoint:
-            s3["endpoint_url"] = args.s3_endpoint
-        if args.s3_region:
-            s3["region"] = args.s3_region
-        cache_dir = settings.cache_dir if settings else default_cache_dir()
-        s3_settings = S3Settings.from_mapping(s3)
-        if not args.path.endswith(".pt"):
-            converted = _register_s3_input_dir(args, settings, s3_settings, cache_dir)
-            if converted is not None:
-                return converted
-        entry = register_s3(_registry(args), args.path, cache_dir, s3_settings,
-                            labels=args.label or [], force_redownload=args.force_redownload,
-                            engine=EngineShape.partial(chunk_size=args.chunk_size))
-        print(f"registered {entry.id} ({entry.kind}, {entry.num_tokens} tokens, model {entry.model}) "
-              f"from {entry.source_uri}{' (servers will download it again)' if args.force_redownload else ''}")
+    settings = _plugin_settings(args)  # a config that cannot load fails before anything is written
+    if args.path.startswith("s3://"):
+        from lmcache_cartridge.store.s3 import S3Settings
+        from lmcache_cartridge.tools.s3_register import register_s3_uri
+
+        print(register_s3_uri(
+            args.path, lambda: _registry(args), S3Settings.from_mapping(_s3_from_args(args)),
+            settings.cache_dir if settings else default_cache_dir(), model_dir=args.model_dir, model=args.model,
+            chunk_size=args.chunk_size, convert_chunk_size=args.chunk_size or _config_chunk_size(args),
+            labels=args.label or [], force_redownload=args.force_redownload))
         return 0
     path = Path(args.path).resolve()
     with PackedCartridge(path) as packed:
@@ -427,7 +317,6 @@ def cmd_register(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from lmcache_cartridge.paths import default_registry_path
     from lmcache_cartridge.store.registry import RegistryError
 
     try:
@@ -484,18 +373,13 @@ def cmd_doctor(args) -> int:
 def cmd_mp_server(args) -> int:
     """Run `lmcache server` (LMCache's multiprocess mode) with the cartridge L2 adapter, configured
     from the same LMCache YAML the in-process plugin reads: one registry and cache for both modes."""
-    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
-    from lmcache_cartridge.lmcache.settings import PREFIX, find_plugin_name
-    from lmcache_cartridge.tools.lmcache_server import server_command
+    from lmcache_cartridge.tools.lmcache_server import adapter_params, server_command
 
     params: dict = {}
     chunk_size, algo = args.chunk_size or 256, args.hash_algorithm or "sha256_cbor"
     if _server_config(args):
         cfg = _load_lmcache_config(args.config)
-        name = find_plugin_name(cfg, CartridgeStoragePlugin)
-        p = f"{PREFIX}.{name}."
-        params = {k[len(p):]: v for k, v in (cfg.extra_config or {}).items()
-                  if k.startswith(p) and k[len(p):] not in ("module_path", "class_name")}
+        params = adapter_params(cfg)
         chunk_size = args.chunk_size or int(cfg.chunk_size)
         algo = args.hash_algorithm or str(cfg.pre_caching_hash_algorithm or "sha256_cbor")
     cmd = server_command(args.port, args.http_port, params, chunk_size=chunk_size, hash_algorithm=algo,
@@ -528,61 +412,18 @@ def cmd_stats(args) -> int:
               f"{len(st.cartridges)} cartridges served")
     print(f"{'tier':<8}{'hits':>10}{'misses':>10}{'MiB':>12}{'evictions':>11}{'errors':>8}")
     for tier, t in sorted(totals.tiers.items()):
-        print(f"{tier:<8}{t['hits']:>10}{t['misses']:>10}{t['bytes'] / 2**20:>12.1f}{t['evictions']:>11}{t['errors']:>8}")
+        print(f"{tier:<8}{t['hits']:>10}{t['misses']:>10}{t['bytes'] / 2**20:>12.1f}"
+              f"{t['evictions']:>11}{t['errors']:>8}")
     return 0
 
 
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def cmd_gateway(args) -> int:
-    """Serve the OpenAI-compatible gateway in front of a vLLM server."""
-    import uvicorn
+    """Serve the OpenAI-compatible gateway in front of a vLLM server (`api.launch`)."""
+    from lmcache_cartridge.api.launch import gateway_settings, serve
 
-    from lmcache_cartridge.api.gateway import GatewaySettings, create_app
-    from lmcache_cartridge.api.settings import load_tenants, plugin_fields
-
-    if _server_config(args):  # the server's settings, read as the server reads them
-        from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
-        from lmcache_cartridge.lmcache.settings import PluginSettings
-
-        config = _load_lmcache_config(args.config)
-        server = plugin_fields(config, PluginSettings.from_config(config, CartridgeStoragePlugin))
-    else:
-        server = dict(registry=Path(args.registry or default_registry_path()), cache_dir=default_cache_dir(),
-                      chunk_size=args.chunk_size,
-                      s3={"endpoint_url": args.s3_endpoint} if args.s3_endpoint else {})
-    gs = GatewaySettings(
-        upstream=args.upstream.rstrip("/"),
-        model=args.model,
-        tokenizer=args.tokenizer or args.model,
-        local_roots=tuple(Path(r) for r in (args.allow_local or [])),
-        s3_roots=tuple(args.allow_s3 or ()),
-        trained_chat_template=(args.trained_chat_template if args.trained_chat_template in (None, "model")
-                               else Path(args.trained_chat_template).read_text()),
-        max_cartridges=args.max_cartridges,
-        max_body_bytes=args.max_body_bytes, max_cache_bytes=args.max_cache_bytes,
-        serve_timeout=args.serve_timeout,
-        force_redownload_interval=args.force_redownload_interval,
-        **server,
-        api_keys=gateway_api_keys(args.api_key),
-        tenants=load_tenants(args.tenants) if args.tenants else (),
-        upstream_api_key=args.upstream_api_key or os.environ.get("VLLM_API_KEY") or None,
-    )
-    if not gs.all_keys() and not _loopback(args.host):
-        print(f"WARNING: the gateway listens on {args.host}, reachable from other hosts, and checks no API key: "
-              "anyone who can reach the port can use it and name every cartridge it may read. Set --api-key "
-              f"(or ${API_KEY_ENV}).", file=sys.stderr, flush=True)
-        logging.getLogger("lmcache_cartridge.gateway").warning("listening on %s without API keys", args.host)
-    uvicorn.run(create_app(gs), host=args.host, port=args.port, log_level="warning")
+    # the server's settings, read as the server reads them
+    config = _load_lmcache_config(args.config) if _server_config(args) else None
+    serve(gateway_settings(args, config), args.host, args.port)
     return 0
 
 
@@ -650,22 +491,26 @@ def build_parser() -> argparse.ArgumentParser:
              "tokenizers without BOS (Qwen2) start with the document's first token. Send requests as\n"
              "the cartridge's token ids followed by your own (the gateway does this for you).",
              "lmcache-cartridge create --model-dir ~/models/Qwen2.5-0.5B-Instruct --text doc.txt -o carts/doc")
-    sp.add_argument("--model-dir", required=True, metavar="DIR", help="local HF model directory (config.json, weights, tokenizer)")
+    sp.add_argument("--model-dir", required=True, metavar="DIR",
+                    help="local HF model directory (config.json, weights, tokenizer)")
     sp.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file: the document")
-    sp.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to create (the packed cartridge); checked before the model is loaded")
+    sp.add_argument("-o", "--output", required=True, metavar="DIR",
+                    help="directory to create (the packed cartridge); checked before the model is loaded")
     sp.add_argument("--model", help="model name servers use (vLLM --model; default: --model-dir)")
     sp.add_argument("--id", help="cartridge id (default: from the text file's name)")
     sp.add_argument("--max-tokens", type=int, metavar="N", help="keep the first N tokens (default: the whole document)")
     sp.add_argument("--sci-chunk", type=int, metavar="N",
                     help="sampled-chunk initialisation: random N-token chunks of the document up to --max-tokens")
     sp.add_argument("--seed", type=int, default=0, help="seed for --sci-chunk (default 0)")
-    sp.add_argument("--chunk-size", type=int, default=256, metavar="N", help="LMCache chunk_size of the serving config (default 256)")
+    sp.add_argument("--chunk-size", type=int, default=256, metavar="N",
+                    help="LMCache chunk_size of the serving config (default 256)")
     sp.add_argument("--kv-from", choices=["vllm", "hf"],
                     help="what computes the KV: vllm (default where installed) or hf (transformers)")
     sp.add_argument("--cpu-bind", default="0-1", metavar="CPUS",
                     help="with --kv-from vllm on CPU: VLLM_CPU_OMP_THREADS_BIND of the private server (default 0-1)")
     sp.add_argument("--device", metavar="DEV",
-                    help="with --kv-from hf: where the model runs, cpu (default), cuda or cuda:N; the KV is kept on CPU")
+                    help="with --kv-from hf: where the model runs, cpu (default), cuda or cuda:N; "
+                         "the KV is kept on CPU")
     sp.add_argument("--prefill-chunk", type=int, metavar="N",
                     help="with --kv-from hf: tokens per forward pass (default 512); attention memory grows with "
                          "N x document tokens")
@@ -745,7 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--label", action="append", help="label (repeatable)")
     sp.add_argument("--chunk-size", type=int, help="serving chunk_size: re-chunk a copy if the cartridge differs")
     sp.add_argument("--packed-dir", help="where re-chunked copies go (default: $LMCACHE_CARTRIDGE_HOME/packed)")
-    sp.add_argument("--force-redownload", action="store_true", help="running servers drop cached copies and fetch again")
+    sp.add_argument("--force-redownload", action="store_true",
+                    help="running servers drop cached copies and fetch again")
     sp.add_argument("--s3-endpoint", help="S3-compatible endpoint URL (s3:// paths)")
     sp.add_argument("--s3-region", help="S3 region (s3:// paths)")
     reg_opts(sp)
@@ -764,7 +610,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path", help="packed cartridge directory")
     sp.add_argument("catalog", help="s3://bucket/prefix of the catalog")
     sp.add_argument("--label", action="append", help="label (repeatable)")
-    sp.add_argument("--force-redownload", action="store_true", help="every host drops its cached copies and fetches again")
+    sp.add_argument("--force-redownload", action="store_true",
+                    help="every host drops its cached copies and fetches again")
     catalog_s3_opts(sp)
 
     sp = add("unpublish", cmd_unpublish, "remove a cartridge from a fleet's S3 catalog (its bytes stay)",
@@ -815,7 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", required=True, help="the upstream model name (vLLM --model)")
     sp.add_argument("--tokenizer", help="local tokenizer directory (default: --model)")
     sp.add_argument("--config", default=SERVER_CONFIG,
-                    help="the server's LMCache YAML (registry, cache dir, S3, chunk size); default $LMCACHE_CONFIG_FILE")
+                    help="the server's LMCache YAML (registry, cache dir, S3, chunk size); "
+                         "default $LMCACHE_CONFIG_FILE")
     sp.add_argument("--registry", help="registry database, without --config")
     sp.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk_size, without --config (default 256)")
     sp.add_argument("--allow-local", action="append", metavar="DIR",
@@ -874,7 +722,8 @@ def build_parser() -> argparse.ArgumentParser:
              "lmcache-cartridge stats --config configs/lmcache-cartridge.yaml")
     sp.add_argument("--config", default=SERVER_CONFIG,
                     help="LMCache YAML: use its plugin's cache dir; default $LMCACHE_CONFIG_FILE")
-    sp.add_argument("--cache-dir", help="the plugin's cache dir, without --config (default: $LMCACHE_CARTRIDGE_HOME/cache)")
+    sp.add_argument("--cache-dir",
+                    help="the plugin's cache dir, without --config (default: $LMCACHE_CARTRIDGE_HOME/cache)")
     sp.add_argument("--json", action="store_true", help="as JSON")
     return p
 

@@ -21,7 +21,8 @@ from lmcache_cartridge.versions import TESTED
 
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 TORCH_CPU = next(t.torch for t in TESTED if t.platform == "cpu")  # "2.13.0+cpu"
-NOT_FOUND = ("No matching distribution found for torch", "Could not find a version that satisfies the requirement torch")
+NOT_FOUND = ("No matching distribution found for torch",
+             "Could not find a version that satisfies the requirement torch")
 
 
 def not_found_message(index_url: str | None, requirement: str) -> str:

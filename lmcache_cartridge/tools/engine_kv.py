@@ -124,7 +124,7 @@ class EngineKVMaker:
             try:
                 with urllib.request.urlopen(self.server.url + "/version", timeout=10) as r:
                     version = json.load(r).get("version")
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # recorded as unknown (None): provenance, not a check
                 pass
         out = {"engine": "vllm", "vllm_version": version, "dtype": "bfloat16",
                "device": "cuda" if torch.cuda.is_available() else "cpu"}

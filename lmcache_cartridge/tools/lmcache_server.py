@@ -38,6 +38,18 @@ def server_command(port: int, http_port: int, adapter_params: dict[str, Any], *,
             "--server-module", json.dumps(SERVER_MODULE)]
 
 
+def adapter_params(config) -> dict[str, Any]:
+    """The cartridge plugin's settings in a loaded LMCache `config` (its `extra_config` under
+    `storage_plugin.<name>.`), by name, as the L2 adapter's `adapter_params`: one YAML configures
+    both modes."""
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+    from lmcache_cartridge.lmcache.settings import PREFIX, find_plugin_name
+
+    p = f"{PREFIX}.{find_plugin_name(config, CartridgeStoragePlugin)}."
+    return {k[len(p):]: v for k, v in (config.extra_config or {}).items()
+            if k.startswith(p) and k[len(p):] not in ("module_path", "class_name")}
+
+
 def mp_connector(port: int, *, transfer_mode: str = "engine_driven", host: str = "127.0.0.1",
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's `--kv-transfer-config` for the cartridge MP connector (`vllm.mp_connector`:
@@ -87,7 +99,7 @@ class LmcacheServer:
                             self.ready = True
                             starts.record("lmcache-server", "", time.time() - self.t0)
                         return self
-            except (urllib.error.URLError, ConnectionError, OSError):
+            except (urllib.error.URLError, ConnectionError, OSError):  # not listening yet: ask again
                 pass
             time.sleep(0.5)
         starts.record("lmcache-server", "", None, ok=False)

@@ -386,7 +386,7 @@ def install_model_dir(root: Path, name: str, wanted: dict, write) -> Path:
                 stale = Path(tempfile.mkdtemp(prefix=f".{name}.stale-", dir=root))
                 try:
                     os.rename(target, stale / name)
-                except FileNotFoundError:
+                except FileNotFoundError:  # another process moved it first
                     pass
                 shutil.rmtree(stale, ignore_errors=True)
         raise RuntimeError(

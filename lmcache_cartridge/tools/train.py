@@ -21,7 +21,7 @@ from lmcache_cartridge.tools.selfstudy.config import (DTYPE_NAMES, PAPER_LR, SMA
                                                       TrainConfig, one_epoch)
 
 
-# --- command line (the lead wires `train` in tools/cli.py with these two) ----------------------
+# --- command line (tools/cli.py's `train`: its arguments and its command) ----------------------
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     d, s = LoopConfig(steps=200), SynthConfig()
     p.add_argument("--model-dir", required=True, help="local HF model directory (the served model)")
@@ -31,21 +31,28 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id", help="cartridge id (default: from the output name)")
     p.add_argument("--tokens", type=int, default=256, help="cartridge length, a multiple of --chunk-size (default 256)")
     p.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk_size of the serving config")
-    p.add_argument("--frozen-tokens", type=int, default=1, help="leading tokens kept fixed (the attention sink; default 1)")
+    p.add_argument("--frozen-tokens", type=int, default=1,
+                   help="leading tokens kept fixed (the attention sink; default 1)")
     p.add_argument("--conversations", type=int, default=256, help="synthesised training conversations")
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations for the KL metric")
     p.add_argument("--steps", type=int, help="optimiser steps (default: one epoch, every conversation once, as the "
                    "paper's scaling runs; more conversations rather than more epochs)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"conversations per step (default {d.batch_size})")
-    p.add_argument("--lr", type=float, help=f"Adam learning rate for the KV (default: {SMALL_MODEL_LR:g} for models "
-                   f"under 1B parameters, measured on SmolLM2-135M, where the paper's {PAPER_LR:g} erased the facts "
-                   f"the first-k start held; {PAPER_LR:g}, the paper's, from 1B up; docs/benchmarks.md)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed for synthesis, batches and initialisation (same seed, same cartridge)")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between held-out KL evaluations (default {d.eval_every})")
-    p.add_argument("--save-every", type=int, default=d.save_every, help=f"steps between checkpoints (default {d.save_every})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help=f"conversations per step (default {d.batch_size})")
+    p.add_argument("--lr", type=float,
+                   help=f"Adam learning rate for the KV (default: {SMALL_MODEL_LR:g} for models under 1B parameters, "
+                   f"measured on SmolLM2-135M, where the paper's {PAPER_LR:g} erased the facts the first-k start "
+                   f"held; {PAPER_LR:g}, the paper's, from 1B up; docs/benchmarks.md)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed for synthesis, batches and initialisation (same seed, same cartridge)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help=f"steps between held-out KL evaluations (default {d.eval_every})")
+    p.add_argument("--save-every", type=int, default=d.save_every,
+                   help=f"steps between checkpoints (default {d.save_every})")
     p.add_argument("--window-min", type=int, default=s.window_min, help="document window, tokens (min)")
     p.add_argument("--window-max", type=int, default=s.window_max, help="document window, tokens (max)")
-    p.add_argument("--question-tokens", type=int, default=s.question_tokens, help="longest synthesised question, tokens")
+    p.add_argument("--question-tokens", type=int, default=s.question_tokens,
+                   help="longest synthesised question, tokens")
     p.add_argument("--answer-tokens", type=int, default=s.answer_tokens, help="longest synthesised answer, tokens")
     p.add_argument("--top-k", type=int, default=s.top_k, help="teacher log-probs kept per scored token")
     p.add_argument("--per-window", type=int, default=s.per_window,

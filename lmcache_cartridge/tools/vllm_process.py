@@ -100,11 +100,11 @@ def stop_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         try:
             os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
+        except ProcessLookupError:  # the group has already exited
             pass
         try:
             proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # still running: killed below
             pass
     deadline = time.time() + 10
     while _group_alive(pgid) and time.time() < deadline:
@@ -112,7 +112,7 @@ def stop_group(proc: subprocess.Popen) -> None:
     if _group_alive(pgid):
         try:
             os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
+        except ProcessLookupError:  # exited meanwhile
             pass
     if proc.poll() is None:
         proc.wait(timeout=10)
@@ -203,7 +203,7 @@ class VllmProcess:
                                      cwd=str(self.root), start_new_session=True)
         self.startup_s: float | None = None
 
-    def wait_healthy(self, timeout: float = 300) -> "VllmServer":
+    def wait_healthy(self, timeout: float = 300) -> VllmProcess:
         """Wait until /health answers 200, at most `timeout` seconds from the launch. /health is
         asked at least once whatever the clock says: a server launched long before (a session's
         KV maker, first used half an hour after its launch) is healthy, not timed out."""
@@ -221,7 +221,7 @@ class VllmProcess:
                             self.startup_s = time.time() - self.t0
                             starts.record("vllm", self.model, self.startup_s, mode=self.mode)
                         return self
-            except (urllib.error.URLError, ConnectionError, OSError):
+            except (urllib.error.URLError, ConnectionError, OSError):  # not listening yet: ask again
                 pass
             if time.time() >= deadline:
                 break
@@ -240,7 +240,7 @@ class VllmProcess:
         if not self._log.closed:
             self._log.close()
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmProcess:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -285,7 +285,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         if first.device.type != "cpu":
             return f"KV cache on {first.device}, this connector is for vLLM's CPU backend"
         if first.dim() != 4:
-            return f"per-layer KV tensor has shape {tuple(first.shape)}, expected [blocks, heads, block_size, 2*head_dim]"
+            return (f"per-layer KV tensor has shape {tuple(first.shape)}, "
+                    "expected [blocks, heads, block_size, 2*head_dim]")
         nb, h, bs, two_d = first.shape
         if h != self.num_kv_heads or two_d != 2 * self.head_dim:
             return (f"per-layer KV tensor {tuple(first.shape)} does not match {self.num_kv_heads} KV heads "
@@ -326,7 +327,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         n = end - start
         t = memory_obj.tensor
         if tuple(t.shape[:2]) != (2, self.num_layers) or t.shape[2] < n or t.shape[3] != self.hidden_dim_size:
-            raise ValueError(f"memory object of shape {tuple(t.shape)} for {n} tokens, expected {tuple(self.get_shape(n))}")
+            raise ValueError(f"memory object of shape {tuple(t.shape)} for {n} tokens, "
+                             f"expected {tuple(self.get_shape(n))}")
         slots = kwargs["slot_mapping"][start:end].to("cpu")
         # Every path, checked once: vLLM's own writer op (the PERMUTED path, and "amx" without the
         # native kernel) does not bound-check a slot and writes past the cache (seen: SIGSEGV).
@@ -762,7 +764,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
     def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs):
         req_id = str(kwargs.get("req_id"))
         try:
-            self._load([self._plan(m, s, e, kwargs, load=True) for m, s, e in zip(memory_objs, starts, ends, strict=True)])
+            self._load([self._plan(m, s, e, kwargs, load=True)
+                        for m, s, e in zip(memory_objs, starts, ends, strict=True)])
         except Exception as e:
             # Do not raise into LMCache (it would leak the memory objects of this retrieve):
             # record the failure; the vLLM connector reports the request's blocks as failed.
@@ -786,7 +789,8 @@ class CpuPagedKVConnector(GPUConnectorInterface):
         if not plans:
             return
         lib = native.kernel() if self.use_native else None
-        if lib is not None and plans[0].layout.kind in _NATIVE_LAYOUT and all(p.layout is plans[0].layout for p in plans):
+        if (lib is not None and plans[0].layout.kind in _NATIVE_LAYOUT
+                and all(p.layout is plans[0].layout for p in plans)):
             kvcaches = plans[0].kvcaches
             self._copy_native(lib, plans[0].layout, kvcaches,
                               self._native_rows([(p.slots, p.obj) for p in plans], kvcaches[0].shape[2]), to_cache=True)

@@ -141,7 +141,7 @@ def capture_publisher(callback: Callable[[Any], None]) -> bool:
     create = original.__get__(None, EventPublisherFactory)
 
     def create_and_hand_over(*args, **kwargs):
-        setattr(EventPublisherFactory, "create", original)  # once: later publishers are not ours
+        EventPublisherFactory.create = original  # once: later publishers are not ours
         publisher = create(*args, **kwargs)
         try:
             callback(publisher)
@@ -149,7 +149,7 @@ def capture_publisher(callback: Callable[[Any], None]) -> bool:
             logger.exception("lmcache_cartridge: handing over the KV event publisher failed")
         return publisher
 
-    setattr(EventPublisherFactory, "create", staticmethod(create_and_hand_over))
+    EventPublisherFactory.create = staticmethod(create_and_hand_over)
     return True
 
 
@@ -330,7 +330,8 @@ class ResidencyAnnouncer:
             self._chains[key] = chain
         return chain[:n_blocks]
 
-    def _wanted(self, prefixes: Iterable[ResidentPrefix]) -> Optional[tuple[dict[bytes, tuple[str, tuple[int, ...]]], list[list[bytes]]]]:
+    def _wanted(self, prefixes: Iterable[ResidentPrefix]
+                ) -> Optional[tuple[dict[bytes, tuple[str, tuple[int, ...]]], list[list[bytes]]]]:
         """(block hash -> (medium, its token ids), the chains of hashes, one per cartridge): the
         union over cartridges, "CPU" winning over "STORAGE" for a block two cartridges share.
         None while vLLM's hashing is not set up."""
@@ -368,7 +369,7 @@ class ResidencyAnnouncer:
         emitted: set[bytes] = set()
         for chain in chains:
             run: list[bytes] = []
-            for b, h in enumerate(chain + [None]):
+            for h in chain + [None]:
                 new = h is not None and h not in emitted and (full or self._announced.get(h) != wanted[h][0])
                 if run and (not new or wanted[h][0] != wanted[run[0]][0]):
                     first = chain.index(run[0])

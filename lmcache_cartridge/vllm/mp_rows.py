@@ -37,7 +37,8 @@ class CpuRowsEncoder:
     def encode(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`src`: the chunk in `KV_2LTD` (any tensor with its bytes) or a `[2, L, T, H, D]` view of
         its values (`RankView.engine_view`); `dst`: the MP object's tensor (same number of bytes)."""
-        L, T, H, D, bs = self.lay.num_layers, self.lay.num_tokens, self.lay.heads, self.lay.head_dim, self.lay.block_size
+        lay = self.lay
+        L, T, H, D, bs = lay.num_layers, lay.num_tokens, lay.heads, lay.head_dim, lay.block_size
         blocks = torch.empty(L * T * H * 2 * D, dtype=self.lay.dtype)
         with self._lock:
             self._conn.convert(blocks, src, to_blocks=True)

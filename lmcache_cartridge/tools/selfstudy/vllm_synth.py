@@ -176,7 +176,7 @@ class VllmBackend:
         return outs
 
     def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec],
-            done=None) -> list[Conversation | None]:
+            done=None) -> list[Conversation | None]:  # noqa: ARG002 (`Backend.run`'s; see the return)
         from vllm import SamplingParams
 
         tok, k = self.tokenizer, cfg.top_k
