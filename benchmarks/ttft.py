@@ -1,4 +1,4 @@
-"""vLLM end to end: time to first token (TTFT) with a document prefix, four ways.
+"""vLLM end to end: time to first token (TTFT) with a document prefix, several ways.
 
     .venv/bin/python benchmarks/ttft.py [--quick] [--out DIR] [--lengths 256,1024,...]
                                         [--concurrency 1,4,16] [--device]
@@ -8,7 +8,8 @@ the prompt's first token and the suffix is always computed), `max_tokens 1`, gre
 TTFT = seconds from sending the request to the first streamed token (as `demo.stream_ttft`).
 `c` requests of a burst are sent at once, each with its own suffix; p50/p95 over all TTFTs.
 
-Arms on four vLLM servers, all started with the SAME `VLLM_CPU_OMP_THREADS_BIND`:
+Arms on one vLLM server each (three in-process, one per LMCache-MP arm), all started with the
+SAME `VLLM_CPU_OMP_THREADS_BIND`:
 
 (a) `full_prefill`: plain vLLM, no KV connector, `--no-enable-prefix-caching`: every document
     token is prefilled on every request. This is the honest baseline (what one runs without
@@ -35,7 +36,15 @@ Arms on four vLLM servers, all started with the SAME `VLLM_CPU_OMP_THREADS_BIND`
     (`lmcache_cartridge.lmcache.mp_adapter`). `first`: removed and registered again before every
     burst (the adapter reads the packed file, verifies it, writes vLLM-CPU rows into the server's
     L1); `repeat`: served once before (with the server's default prefetch policy L1 keeps no L2
-    load, so a repeat reads the adapter again, from the page cache).
+    load, so a repeat reads the adapter again, from the page cache). Two more arms vary one thing
+    each (`MP_ARMS`; the rest of the server's command line is `tools.lmcache_server.server_command`
+    for every MP arm):
+    - `cartridge_mp_retain`: the server's `--l2-prefetch-policy retain` (LMCache's
+      `RetainPrefetchPolicy`: every key loaded from an L2 adapter stays in L1), so a repeat hits L1
+      without asking the adapter; a removal still purges L1, so `first` stays a first hit;
+    - `cartridge_mp_shm`: LMCache-driven transfer (`lmcache.mp.mp_transfer_mode: lmcache_driven`:
+      the server copies into vLLM's KV cache through shared memory) instead of engine-driven (the
+      worker copies over the server's RPC); the server's `--supported-transfer-mode auto` offers both.
 (d) `cartridge_cached`: the arm-(b) server, requests without a salt, as a deployment sends them:
     the warm-up loads the cartridge through LMCache once, vLLM keeps those blocks in its prefix
     cache like any computed ones, and the measured repeats are served from there. Its cells
@@ -44,6 +53,17 @@ Arms on four vLLM servers, all started with the SAME `VLLM_CPU_OMP_THREADS_BIND`
     document lengths are multiples of 256). While vLLM's block pool holds the cartridge this is
     the cartridge's steady state; (b) is what a hit costs after vLLM evicted it (or with prefix
     caching off).
+(f) `mp_l1`: the anchor, what LMCache's MP mode gives without cartridges: the same `lmcache
+    server` command as (e) (adapter present, nothing registered), vLLM on LMCache's own
+    `LMCacheMPConnector` (`lmcache.integration.vllm.lmcache_mp_connector`), prefix caching off
+    as in (e) so vLLM's prefix cache cannot serve a request (a fresh `cache_salt` per request
+    would also change LMCache's MP keys). The warm-up request computes the document and the
+    connector stores its KV into the server's L1; probes then wait until one takes the whole
+    document from LMCache (the store is asynchronous); the measured `repeat` requests read it
+    back from L1. Its cells expect requests x document tokens from external KV, as (b) and (e).
+
+The report puts (f) beside (e), (b) and (c) in a table of its own per concurrency, with the
+ratios MP cartridge repeat / MP anchor (e / f) and MP cartridge / prefix-cache hit (e / c).
 
 Model: a locally made Llama (`ensure_test_model`, random weights, peaked attention) with realistic
 layer shapes, see BENCH_MODEL; `--model-dir` uses any local HF Llama instead (e.g. on a GPU).
@@ -77,10 +97,44 @@ from _common import GiB, ROOT, machine_info  # noqa: E402  (the benchmarks' prea
 
 CHUNK = 256
 SUFFIX_LEN = 8
-ARMS = ("full_prefill", "cartridge", "prefix_cache", "cartridge_cached", "cartridge_mp")
+
+
+@dataclass(frozen=True)
+class MpSetup:
+    """How an LMCache-MP arm's servers run: vLLM's connector (`cartridge`: CartridgeMPConnector;
+    `lmcache`: LMCache's own LMCacheMPConnector), the `lmcache server`'s `--l2-prefetch-policy`
+    and the connector's `lmcache.mp.mp_transfer_mode`. Everything else of the server's command
+    line is `tools.lmcache_server.server_command`, the same for every MP arm."""
+    connector: str = "cartridge"
+    prefetch_policy: str = "default"
+    transfer_mode: str = "engine_driven"
+
+    def describe(self) -> str:
+        who = ("vLLM on CartridgeMPConnector" if self.connector == "cartridge"
+               else "vLLM on LMCache's own LMCacheMPConnector")
+        transfer = {"engine_driven": "engine-driven transfer",
+                    "lmcache_driven": "LMCache-driven transfer (shared memory)"}[self.transfer_mode]
+        return (f"lmcache server (cartridge L2 adapter, `--l2-prefetch-policy {self.prefetch_policy}`) + {who}, "
+                f"{transfer}, prefix caching off")
+
+
+# The LMCache multiprocess-mode arms: (e) and its variants serve the cartridge through the L2
+# adapter; `mp_l1` is the anchor MP users have without cartridges (vLLM's own KV stored into the
+# server's L1 by a first request, read back by the measured ones).
+MP_ARMS = {
+    "cartridge_mp": MpSetup(),
+    "cartridge_mp_retain": MpSetup(prefetch_policy="retain"),
+    "cartridge_mp_shm": MpSetup(transfer_mode="lmcache_driven"),
+    "mp_l1": MpSetup(connector="lmcache"),
+}
+CARTRIDGE_MP_ARMS = ("cartridge_mp", "cartridge_mp_retain", "cartridge_mp_shm")
+ARMS = ("full_prefill", "cartridge", "prefix_cache", "cartridge_cached", *MP_ARMS)
 VARIANTS = {"full_prefill": ("cold",), "cartridge": ("first", "repeat"), "prefix_cache": ("warm",),
-            "cartridge_cached": ("repeat",), "cartridge_mp": ("first", "repeat")}
-CARTRIDGE_ARMS = ("cartridge", "cartridge_cached", "cartridge_mp")
+            "cartridge_cached": ("repeat",), **{a: ("first", "repeat") for a in CARTRIDGE_MP_ARMS},
+            "mp_l1": ("repeat",)}
+CARTRIDGE_ARMS = ("cartridge", "cartridge_cached", *CARTRIDGE_MP_ARMS)
+# Arms whose every request must take the whole document from the KV connector.
+EXTERNAL_ARMS = ("cartridge", *MP_ARMS)
 # Arms whose requests each carry a fresh `cache_salt`: vLLM's prefix cache never serves them
 # (their server may have prefix caching on); the others rely on it.
 SALTED_ARMS = frozenset({"full_prefill", "cartridge"})
@@ -92,6 +146,11 @@ LABELS = {
     ("cartridge_cached", "repeat"): "(d) cartridge, repeat hit from vLLM's prefix cache",
     ("cartridge_mp", "first"): "(e) LMCache MP mode, first hit (L2 adapter)",
     ("cartridge_mp", "repeat"): "(e) LMCache MP mode, repeat hit",
+    ("cartridge_mp_retain", "first"): "(e) LMCache MP mode, retain prefetch policy, first hit (L2 adapter)",
+    ("cartridge_mp_retain", "repeat"): "(e) LMCache MP mode, retain prefetch policy, repeat hit (L1)",
+    ("cartridge_mp_shm", "first"): "(e) LMCache MP mode, LMCache-driven transfer, first hit (L2 adapter)",
+    ("cartridge_mp_shm", "repeat"): "(e) LMCache MP mode, LMCache-driven transfer, repeat hit",
+    ("mp_l1", "repeat"): "(f) LMCache MP mode without a cartridge: vLLM's own KV, repeat hit (L1)",
 }
 
 
@@ -410,11 +469,15 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
     full_prefill / prefix_cache: `server` is plain vLLM (or, for full_prefill with
     `skip_save=True`, the LMCache server with nothing registered); their cells expect no external
     KV tokens at all.
-    cartridge / cartridge_cached: `registry` is the server's Registry, `cartridges` maps each
-    length to its packed cartridge directory; each is registered for its length only and removed
-    afterwards. cartridge's cells expect the document from external KV on every request;
-    cartridge_cached's (server with prefix caching on) none, and the document from vLLM's
-    prefix cache, which the unsalted warm-up (loaded through the connector) filled.
+    cartridge / cartridge_cached / the cartridge MP arms: `registry` is the server's Registry,
+    `cartridges` maps each length to its packed cartridge directory; each is registered for its
+    length only and removed afterwards. cartridge's and the MP arms' cells expect the document
+    from external KV on every request; cartridge_cached's (server with prefix caching on) none,
+    and the document from vLLM's prefix cache, which the unsalted warm-up (loaded through the
+    connector) filled.
+    mp_l1: an MP server (`make_server("mp_l1")`) with nothing registered: the warm-up computes the
+    document and LMCache stores it into the server's L1; the cells start once a probe request
+    takes the whole document from LMCache (the store is asynchronous, `wait_stored`).
     """
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
@@ -433,14 +496,16 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
                                  skip_save=skip_save, timeout=plan.timeout_s, salted=arm in SALTED_ARMS)
             t_ref = warm[0][0]
             log(f"  {arm} L={L}: warm-up TTFT {t_ref * 1e3:.1f} ms")
+            if arm == "mp_l1":
+                wait_stored(server, doc, plan, log=log)
             too_long = arm == "full_prefill" and t_ref > plan.max_burst_s
             for variant in VARIANTS[arm]:
                 before = None
-                if arm in ("cartridge", "cartridge_mp") and variant == "first":
+                if arm in ("cartridge", *CARTRIDGE_MP_ARMS) and variant == "first":
                     def before(cid=cid, path=cartridges[L]):
                         _remove(server, registry, cid)
                         _register(server, registry, path)
-                expect = (L // CHUNK) * CHUNK if arm in ("cartridge", "cartridge_mp") else 0
+                expect = (L // CHUNK) * CHUNK if arm in EXTERNAL_ARMS else 0
                 expect_hits = (L // CHUNK) * CHUNK if arm == "cartridge_cached" else None
                 ref = t_ref
                 for c in plan.concurrencies:
@@ -466,6 +531,29 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
                             f"L={L} already took {t_ref:.0f}s per request > max_burst_s")))
             break
     return cells
+
+
+def wait_stored(server, doc: list[int], plan: Plan, timeout: float = 60.0,
+                log: Callable[[str], None] = print) -> int:
+    """Until an (unmeasured) probe request `doc + its own suffix` takes every whole chunk of `doc`
+    from the KV connector (vLLM's counter): what a store by an earlier request left in LMCache is
+    complete. Returns the probes sent."""
+    want = (len(doc) // CHUNK) * CHUNK
+    deadline = time.perf_counter() + timeout
+    for n in range(1, 10_000):
+        ext0 = _kv_sources(server)[0]
+        measure_burst(server.url, server.model,
+                      [doc + suffix_ids(("stored", len(doc), n), plan.vocab_size, plan.avoid)],
+                      skip_save=False, timeout=plan.timeout_s)
+        got = _kv_sources(server)[0] - ext0
+        if got == want:
+            log(f"  L={len(doc)}: stored, probe {n} took {got:.0f} tokens from LMCache")
+            return n
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"the document's {want} tokens not served from LMCache {timeout:.0f}s after it was "
+                               f"computed (last probe: {got} tokens)")
+        time.sleep(0.5)
+    raise AssertionError("not reached")
 
 
 # --- cartridges -------------------------------------------------------------------------------
@@ -560,9 +648,9 @@ class ServerConfig:
 def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
     """Start (not wait for) one server. kind: `plain` (prefix caching off), `prefix` (plain, prefix
     caching on), `lmcache` (LMCache + plugin + CartridgeConnector, prefix caching on: arms that
-    must not be served by it salt their requests, see SALTED_ARMS) or `mp` (an `lmcache server`
-    with the cartridge adapter and vLLM on CartridgeMPConnector, prefix caching off).
-    Returns (server, registry or None)."""
+    must not be served by it salt their requests, see SALTED_ARMS) or an `MP_ARMS` name (an
+    `lmcache server` with the cartridge adapter and vLLM on the arm's MP connector, prefix caching
+    off; `mp` is `cartridge_mp`). Returns (server, registry or None)."""
     from lmcache_cartridge.testing.launch import MpVllmServer, VllmServer, lmcache_config
     from lmcache_cartridge.store.registry import Registry
 
@@ -573,18 +661,23 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
         registry = Registry(root / "registry.db")
         lmc = lmcache_config(root / "registry.db", chunk_size=CHUNK, cpu_gb=cfg.lmcache_cpu_gb,
                              refresh=0.2, cache_dir=root / "plugin-cache")
-    elif kind not in ("plain", "prefix", "mp"):
+    elif kind == "mp":
+        kind = "cartridge_mp"
+    elif kind not in ("plain", "prefix", *MP_ARMS):
         raise ValueError(kind)
     extra: tuple[str, ...] = ()
     threads = cfg.threads_bind
     if cfg.device:
         threads = "auto"  # VLLM_CPU_* variables are ignored on CUDA
         extra = ("--gpu-memory-utilization", "0.85")
-    if kind == "mp":
+    if kind in MP_ARMS:
+        mp = MP_ARMS[kind]
         registry = Registry(root / "registry.db")
         server = MpVllmServer(root, str(model_dir), registry=registry.path, cache_dir=root / "plugin-cache",
                               chunk_size=CHUNK, l1_size_gb=cfg.lmcache_cpu_gb, max_model_len=cfg.max_model_len,
-                              threads_bind=threads, kv_cache_gb=cfg.kv_cache_gb, extra_args=extra)
+                              threads_bind=threads, kv_cache_gb=cfg.kv_cache_gb, extra_args=extra,
+                              transfer_mode=mp.transfer_mode, prefetch_policy=mp.prefetch_policy,
+                              connector=mp.connector)
         return server, registry
     server = VllmServer(root, str(model_dir), lmcache=lmc, prefix_caching=(kind in ("prefix", "lmcache")),
                         max_model_len=cfg.max_model_len, threads_bind=threads,
@@ -641,6 +734,48 @@ def _fmt(s: Optional[dict]) -> str:
     return f"{s['p50_s'] * 1e3:.1f} / {s['p95_s'] * 1e3:.1f}{ok}"
 
 
+def _ratio(x: Optional[dict], y: Optional[dict], digits: int = 2) -> str:
+    if x and y and x.get("n") and y.get("n"):
+        return f"{x['p50_s'] / y['p50_s']:.{digits}f}x"
+    return "-"
+
+
+def mp_markdown(by: dict, cfg: dict) -> list[str]:
+    """The LMCache MP arms beside the anchor (f), in-process (b) and vLLM's prefix cache (c)."""
+    out = []
+    cols = [("(b) cartridge repeat", "cartridge", "repeat"), ("(c) prefix-cache hit", "prefix_cache", "warm"),
+            ("(f) MP, vLLM's own KV from L1", "mp_l1", "repeat"),
+            ("(e) MP first", "cartridge_mp", "first"), ("(e) MP repeat", "cartridge_mp", "repeat"),
+            ("(e) retain first", "cartridge_mp_retain", "first"),
+            ("(e) retain repeat", "cartridge_mp_retain", "repeat"),
+            ("(e) shm first", "cartridge_mp_shm", "first"), ("(e) shm repeat", "cartridge_mp_shm", "repeat")]
+    ratios = [("e-repeat / f", ("cartridge_mp", "repeat"), ("mp_l1", "repeat")),
+              ("e-retain-repeat / f", ("cartridge_mp_retain", "repeat"), ("mp_l1", "repeat")),
+              ("e-shm-repeat / f", ("cartridge_mp_shm", "repeat"), ("mp_l1", "repeat")),
+              ("e-repeat / c", ("cartridge_mp", "repeat"), ("prefix_cache", "warm")),
+              ("e-retain-repeat / c", ("cartridge_mp_retain", "repeat"), ("prefix_cache", "warm")),
+              ("f / c", ("mp_l1", "repeat"), ("prefix_cache", "warm")),
+              ("e-repeat / b-repeat", ("cartridge_mp", "repeat"), ("cartridge", "repeat")),
+              ("f / b-repeat", ("mp_l1", "repeat"), ("cartridge", "repeat"))]
+    present = {(a, v) for a, v, _L, _c in by}
+    cols = [x for x in cols if x[1:] in present]
+    ratios = [x for x in ratios if x[1] in present and x[2] in present]
+    for c in cfg["concurrency"]:
+        out += [f"## LMCache multiprocess mode, concurrency {c}", "",
+                "(e) the cartridge through the server's L2 adapter (default prefetch policy, engine-driven "
+                "transfer; *retain*: `--l2-prefetch-policy retain`; *shm*: LMCache-driven transfer) beside (f), "
+                "what MP mode gives without a cartridge: vLLM's own KV of the document, stored into the "
+                "server's L1 by a first request and read back. p50 / p95 ms; ratios of p50.", "",
+                "| doc tokens | " + " | ".join(x[0] for x in cols + ratios) + " |",
+                "|---:|" + "---:|" * (len(cols) + len(ratios))]
+        for L in cfg["lengths"]:
+            out.append(f"| {L:,} | " + " | ".join(
+                [_fmt(by.get((a, v, L, c))) for _, a, v in cols]
+                + [_ratio(by.get((*x, L, c)), by.get((*y, L, c))) for _, x, y in ratios]) + " |")
+        out.append("")
+    return out
+
+
 def markdown(result: dict) -> str:
     cells = result["cells"]
     by = {(c["arm"], c["variant"], c["length"], c["concurrency"]): c for c in cells}
@@ -675,7 +810,14 @@ def markdown(result: dict) -> str:
            "then served from vLLM's prefix cache (the steady state while vLLM's block pool holds it);",
            "- (e) LMCache's multiprocess mode: an `lmcache server` with the cartridge L2 adapter, vLLM on "
            "CartridgeMPConnector (engine-driven transfer), prefix caching off; *first hit* right after "
-           "(re-)registration, *repeat* = served once before (the server keeps no L2 load in L1 by default).", "",
+           "(re-)registration, *repeat* = served once before (the server keeps no L2 load in L1 by default); "
+           "variants: *retain* = the server's `--l2-prefetch-policy retain` (a load from the adapter stays in L1: "
+           "a repeat hits L1), *shm* = LMCache-driven transfer (the server copies from vLLM's KV cache in "
+           "shared memory);",
+           "- (f) LMCache's multiprocess mode without a cartridge (the anchor): the same `lmcache server` "
+           "command, nothing registered, vLLM on LMCache's own LMCacheMPConnector, prefix caching off; a "
+           "first request computes the document and the server stores its KV in L1, the measured "
+           "requests read it back from L1.", "",
            "`(!ext)`: vLLM's external-KV token counter (or, for (d), its prefix-cache hit counter) did "
            "not equal requests x document tokens.", ""]
     for c in cfg["concurrency"]:
@@ -702,6 +844,8 @@ def markdown(result: dict) -> str:
                        f"{_fmt(er)} | {ratio(a, br)} | {ratio(br, pc, 2)} | {ratio(bf, br, 2)} | {ratio(d, pc, 2)} | "
                        f"{ratio(er, br, 2)} | {ratio(ef, bf, 2)} |")
         out.append("")
+    if any(c["arm"] in MP_ARMS for c in cells):
+        out += mp_markdown(by, cfg)
     agree = {}
     for (arm, variant, L, c), x in by.items():
         base = by.get(("full_prefill", "cold", L, c))
@@ -761,7 +905,10 @@ def plot(result: dict, path: Path) -> None:
     styles = {("full_prefill", "cold"): ("tab:red", "o"), ("cartridge", "first"): ("tab:orange", "s"),
               ("cartridge", "repeat"): ("tab:blue", "D"), ("prefix_cache", "warm"): ("tab:green", "^"),
               ("cartridge_cached", "repeat"): ("tab:cyan", "v"), ("cartridge_mp", "first"): ("tab:purple", "P"),
-              ("cartridge_mp", "repeat"): ("tab:brown", "X")}
+              ("cartridge_mp", "repeat"): ("tab:brown", "X"),
+              ("cartridge_mp_retain", "first"): ("tab:pink", "p"), ("cartridge_mp_retain", "repeat"): ("magenta", "h"),
+              ("cartridge_mp_shm", "first"): ("tab:olive", "<"), ("cartridge_mp_shm", "repeat"): ("goldenrod", ">"),
+              ("mp_l1", "repeat"): ("darkgreen", "*")}
     for ax, c in zip(axes[0], concs):
         for (arm, variant), (color, marker) in styles.items():
             pts = [x for x in result["cells"] if x["arm"] == arm and x["variant"] == variant
@@ -937,6 +1084,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log(f"{name} server healthy after {server.startup_s:.0f}s")
         result["servers"][name] = {"kind": kind, "startup_s": server.startup_s,
                                    "log": str(server.log_path), "command": server.command}
+        if getattr(server, "lmcache_server", None) is not None:
+            result["servers"][name]["lmcache_server_command"] = server.lmcache_server.command
         warm_server(server, plan, skip_save=(kind == "lmcache"))
         return server, registry
 
@@ -981,13 +1130,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                         cartridges=cartridges, log=log))
             finally:
                 server.stop()
-        if "cartridge_mp" in arms:
-            arms_used["cartridge_mp"] = ("lmcache server (cartridge L2 adapter, engine-driven transfer) + vLLM on "
-                                         "CartridgeMPConnector, prefix caching off")
-            server, registry = serve("mp", "cartridge_mp")
+        for arm in (a for a in MP_ARMS if a in arms):
+            arms_used[arm] = MP_ARMS[arm].describe()
+            server, registry = serve(arm, arm)
             try:
-                record("cartridge_mp", server, run_arm("cartridge_mp", server, docs, plan, registry=registry,
-                                                       cartridges=cartridges, log=log))
+                record(arm, server, run_arm(arm, server, docs, plan, registry=registry, cartridges=cartridges,
+                                            log=log))
             finally:
                 server.stop()
         if "prefix_cache" in arms:

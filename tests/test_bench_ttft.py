@@ -1,19 +1,22 @@
 """The TTFT benchmark's measured code path (`benchmarks/ttft.py: run_arm`) against real vLLM
 servers, at the smallest size: correctness only, no timing is asserted.
 
-Two servers (the default tiny test model; nothing here is timed): (b, d) vLLM + LMCache + plugin +
+Three servers (the default tiny test model; nothing here is timed): (b, d) vLLM + LMCache + plugin +
 CartridgeConnector, prefix caching on, the session's pooled server (`server_pool`); (a, c) plain
-vLLM, prefix caching on, of its own, launched first so that both start together. Arm (a) runs on
-both before anything else: its requests are salted, as in the benchmark, so a prefix cache cannot
-serve them (the benchmark runs it on a third server with
+vLLM, prefix caching on, of its own; (f) an `lmcache server` (LMCache's multiprocess mode, the
+arm-(e) command line) with vLLM on LMCache's own `LMCacheMPConnector`; the two of their own
+launched first so that all start together. Arm (a) runs on the first two before anything else:
+its requests are salted, as in the benchmark, so a prefix cache cannot serve them (the benchmark
+runs it on a third server with
 prefix caching off; a third start-up here cost ~50 s of `make test`). One 512-token document (two
 full LMCache chunks), concurrency 1 and 2. Checks: every arm returns the right number of finite
 positive TTFTs; the cartridge arm's salted requests each took the cartridge's 512 tokens from
 external KV (vLLM's own counter) and none from vLLM's prefix cache, in both its variants; arm (d)'s
 unsalted requests took all 512 from vLLM's prefix cache (filled by a load through the connector)
-and none from the connector; the full-prefill arm took none from either (on plain vLLM and on the
-LMCache server before registration); the greedy first token of every request is the same in all
-arms.
+and none from the connector; the MP anchor's requests (f) each took the 512 tokens its warm-up
+stored into the server's L1 from external KV; the full-prefill arm took none from either (on plain
+vLLM and on the LMCache server before registration); the greedy first token of every request is
+the same in all arms.
 """
 
 import math
@@ -59,10 +62,12 @@ def bench(tmp_path_factory, request):
     # taken after the plain one was launched, so that both start together
     servers = {"prefix": bt.make_server("prefix", work / "prefix", model_dir, cfg)}
     try:
+        servers["mp_l1"] = bt.make_server("mp_l1", work / "mp_l1", model_dir, cfg)
         lmc = request.getfixturevalue("tiny_prefix_server")
         registry = lmc.registry
         servers["lmcache"] = (lmc, registry)
         servers["prefix"][0].wait_healthy(timeout=420)
+        servers["mp_l1"][0].wait_healthy(timeout=420)
         assert "vLLM CPU KV layout verified" in lmc.log_text(), lmc.log_tail()
         cells = {
             # (a) on plain vLLM, salted requests: before (c) warms the document into its prefix cache
@@ -76,14 +81,19 @@ def bench(tmp_path_factory, request):
             "c": bt.run_arm("prefix_cache", servers["prefix"][0], docs, plan),
             "d": bt.run_arm("cartridge_cached", lmc, docs, plan, skip_save=True, registry=registry,
                             cartridges=carts),
+            # (f) the MP anchor: vLLM's own KV stored into the server's L1 by the warm-up, read back
+            "f": bt.run_arm("mp_l1", servers["mp_l1"][0], docs, plan),
         }
         yield SimpleNamespace(cells=cells, servers=servers, docs=docs, carts=carts, plan=plan)
     finally:
-        servers["prefix"][0].stop()
+        for name in ("mp_l1", "prefix"):
+            if name in servers:
+                servers[name][0].stop()
 
 
 def test_each_arm_returns_finite_positive_ttfts(bench):
-    wanted = {"a": {"cold"}, "a_lmc": {"cold"}, "b": {"first", "repeat"}, "c": {"warm"}, "d": {"repeat"}}
+    wanted = {"a": {"cold"}, "a_lmc": {"cold"}, "b": {"first", "repeat"}, "c": {"warm"}, "d": {"repeat"},
+              "f": {"repeat"}}
     for name, cells in bench.cells.items():
         assert {c.variant for c in cells} == wanted[name]
         assert sorted((c.variant, c.concurrency) for c in cells) == sorted(
@@ -107,6 +117,21 @@ def test_cartridge_arm_is_served_by_the_plugin(bench):
     log = lmc.module_log()
     assert "KV load failed" not in log and "EngineDeadError" not in log, lmc.log_tail()
     assert log.count("registry changed:") >= 1 + sum(math.ceil(SAMPLES / c) for c in CONCS)
+
+
+def test_mp_anchor_reads_vllms_own_kv_back_from_the_servers_l1(bench):
+    """(f): LMCache's own MP connector, no cartridge registered: every measured request took the
+    document's two full chunks from LMCache (vLLM's counter), stored there by the warm-up's
+    prefill; prefix caching is off, so none came from vLLM's own cache."""
+    mp = bench.servers["mp_l1"][0]
+    assert mp.connector_name == "lmcache" and "LMCacheMPConnector" in " ".join(mp.command)
+    assert "--l2-prefetch-policy" in mp.lmcache_server.command
+    for cell in bench.cells["f"]:
+        assert cell.ext_tokens == LENGTH * len(cell.shots), (cell.concurrency, cell.ext_tokens, mp.log_tail())
+        assert cell.pc_hit_tokens == 0, (cell.concurrency, cell.pc_hit_tokens)
+        assert cell.summary()["ext_ok"]
+    assert mp.lmcache_server.proc.poll() is None, mp.lmcache_server.log_tail()
+    assert "Traceback" not in mp.lmcache_server.log_text(), mp.lmcache_server.log_tail()
 
 
 def test_the_breakdown_is_the_servers_own_times_for_each_request_of_the_cell(bench):
@@ -176,7 +201,7 @@ def test_greedy_first_token_is_the_same_in_every_arm(bench):
     cart_ref = bt.hf_reference_tokens(ensure_test_model(), bench.carts, {LENGTH: set(by_key)}, bench.plan)
     decisive = 0
     for key, tokens in by_key.items():
-        assert len(tokens) == 6, (key, tokens)  # a, a_lmc, b/first, b/repeat, c, d
+        assert len(tokens) == 7, (key, tokens)  # a, a_lmc, b/first, b/repeat, c, d, f
         logits = hf_last_logits(model, bench.docs[LENGTH] + bt.suffix_ids(key, tok.vocab_size, avoid))
         top2 = logits.topk(2)
         if float(top2.values[0] - top2.values[1]) > TIE_TOL:

@@ -142,22 +142,27 @@ class MpVllmServer(VllmServer):
     def __init__(self, root: Path, model: str, *, registry: Path, cache_dir: Path,
                  transfer_mode: str = "engine_driven", chunk_size: int = 256, l1_size_gb: float = 1.0,
                  refresh: float = 0.2, adapter_extra: dict[str, Any] | None = None,
-                 kv_extra: dict[str, Any] | None = None, **kw) -> None:
+                 kv_extra: dict[str, Any] | None = None, prefetch_policy: str = "default",
+                 connector: str = "cartridge", **kw) -> None:
         """`adapter_extra`: more of the adapter's settings (`s3.*`, ...); `kv_extra`: more of the
-        connector's `kv_connector_extra_config` (`cartridge.ready_timeout_s`, ...)."""
+        connector's `kv_connector_extra_config` (`cartridge.ready_timeout_s`, ...);
+        `prefetch_policy`: the server's `--l2-prefetch-policy`; `connector`: `cartridge`
+        (`CartridgeMPConnector`) or `lmcache` (LMCache's own `LMCacheMPConnector`)."""
         from lmcache_cartridge.tools.lmcache_server import LmcacheServer
 
         self.lmcache_server = LmcacheServer(Path(root) / "lmcache-server",
                                             {"registry": str(registry), "cache_dir": str(cache_dir),
                                              "refresh_seconds": refresh, **(adapter_extra or {})},
-                                            chunk_size=chunk_size, l1_size_gb=l1_size_gb)
+                                            chunk_size=chunk_size, l1_size_gb=l1_size_gb,
+                                            prefetch_policy=prefetch_policy)
         try:
             self.lmcache_server.wait_ready()
-            super().__init__(root, model, connector=self.lmcache_server.connector(transfer_mode, kv_extra), **kw)
+            super().__init__(root, model, connector=self.lmcache_server.connector(transfer_mode, kv_extra, connector),
+                             **kw)
         except BaseException:
             self.lmcache_server.stop()
             raise
-        self.transfer_mode = transfer_mode
+        self.transfer_mode, self.prefetch_policy, self.connector_name = transfer_mode, prefetch_policy, connector
         self.cache_dir = Path(cache_dir)
 
     def _ours(self, state: ServingState) -> bool:

@@ -23,16 +23,31 @@ from lmcache_cartridge.tools.vllm_process import free_port, stop_group
 ADAPTER = {"type": "plugin", "module_path": "lmcache_cartridge.lmcache.mp_adapter",
            "class_name": "CartridgeL2Adapter"}
 SERVER_MODULE = {"module_path": "lmcache_cartridge.vllm.mp_server"}
+# vLLM's `--kv-transfer-config` connector: ours (LMCache's + the trained-cartridge rules) or
+# LMCache's own `LMCacheMPConnector` unchanged (what MP users run without cartridges).
+CONNECTORS = {"cartridge": {"kv_connector": "CartridgeMPConnector",
+                            "kv_connector_module_path": "lmcache_cartridge.vllm.mp_connector"},
+              "lmcache": {"kv_connector": "LMCacheMPConnector",
+                          "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector"}}
+# The server's L2 prefetch policies (`--l2-prefetch-policy`, lmcache 0.5.6's registry in
+# `v1/distributed/storage_controllers/prefetch_policy.py`): `default` keeps nothing loaded from an
+# L2 adapter in L1 once the reader has it (a repeat asks the adapter again); `retain` keeps every
+# loaded key in L1 (a repeat hits L1, until evicted or a removal purges it).
+PREFETCH_POLICIES = ("default", "retain")
 
 
 def server_command(port: int, http_port: int, adapter_params: dict[str, Any], *, chunk_size: int = 256,
                    hash_algorithm: str = "sha256_cbor", l1_size_gb: float = 1.0,
-                   transfer_mode: str = "auto", host: str = "127.0.0.1") -> list[str]:
+                   transfer_mode: str = "auto", host: str = "127.0.0.1",
+                   prefetch_policy: str = "default") -> list[str]:
     """The `lmcache server` command line serving cartridges (`adapter_params`: the plugin's
-    settings by name, e.g. {"registry": ..., "cache_dir": ...})."""
+    settings by name, e.g. {"registry": ..., "cache_dir": ...}; `prefetch_policy`: one of
+    `PREFETCH_POLICIES`)."""
+    if prefetch_policy not in PREFETCH_POLICIES:
+        raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}")
     return ["lmcache", "server", "--host", host, "--port", str(port), "--http-host", host,
             "--http-port", str(http_port), "--chunk-size", str(chunk_size), "--hash-algorithm", hash_algorithm,
-            "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU",
+            "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU", "--l2-prefetch-policy", prefetch_policy,
             "--supported-transfer-mode", transfer_mode, "--max-workers", "1",
             "--l2-adapter", json.dumps({**ADAPTER, "adapter_params": adapter_params}),
             "--server-module", json.dumps(SERVER_MODULE)]
@@ -51,11 +66,11 @@ def adapter_params(config) -> dict[str, Any]:
 
 
 def mp_connector(port: int, *, transfer_mode: str = "engine_driven", host: str = "127.0.0.1",
-                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                 extra: dict[str, Any] | None = None, connector: str = "cartridge") -> dict[str, Any]:
     """vLLM's `--kv-transfer-config` for the cartridge MP connector (`vllm.mp_connector`:
-    LMCache's `LMCacheMPConnector` + the trained-cartridge rules) attached to that server."""
-    return {"kv_connector": "CartridgeMPConnector", "kv_connector_module_path": "lmcache_cartridge.vllm.mp_connector",
-            "kv_role": "kv_both",
+    LMCache's `LMCacheMPConnector` + the trained-cartridge rules) attached to that server;
+    `connector="lmcache"`: LMCache's own connector instead (`CONNECTORS`)."""
+    return {**CONNECTORS[connector], "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port,
                                           "lmcache.mp.mp_transfer_mode": transfer_mode, **(extra or {})}}
 
@@ -65,13 +80,14 @@ class LmcacheServer:
 
     def __init__(self, root: Path, adapter_params: dict[str, Any], *, chunk_size: int = 256,
                  hash_algorithm: str = "sha256_cbor", l1_size_gb: float = 1.0, transfer_mode: str = "auto",
-                 extra_env: dict[str, str] | None = None) -> None:
+                 prefetch_policy: str = "default", extra_env: dict[str, str] | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.port, self.http_port = free_port(), free_port()
         self.http = f"http://127.0.0.1:{self.http_port}"
         cmd = server_command(self.port, self.http_port, adapter_params, chunk_size=chunk_size,
-                             hash_algorithm=hash_algorithm, l1_size_gb=l1_size_gb, transfer_mode=transfer_mode)
+                             hash_algorithm=hash_algorithm, l1_size_gb=l1_size_gb, transfer_mode=transfer_mode,
+                             prefetch_policy=prefetch_policy)
         cmd[0] = str(Path(sys.executable).with_name("lmcache"))
         self.command = cmd
         self.log_path = self.root / "lmcache-server.log"
@@ -82,8 +98,9 @@ class LmcacheServer:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(self.root), start_new_session=True)
 
-    def connector(self, transfer_mode: str = "engine_driven", extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        return mp_connector(self.port, transfer_mode=transfer_mode, extra=extra)
+    def connector(self, transfer_mode: str = "engine_driven", extra: dict[str, Any] | None = None,
+                  connector: str = "cartridge") -> dict[str, Any]:
+        return mp_connector(self.port, transfer_mode=transfer_mode, extra=extra, connector=connector)
 
     def wait_ready(self, timeout: float = 300) -> "LmcacheServer":
         """Until the HTTP admin API answers (the server is up and its modules are built)."""
