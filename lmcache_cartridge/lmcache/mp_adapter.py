@@ -94,6 +94,16 @@ def served_models(model: str, accept_models: tuple[str, ...]) -> frozenset[str]:
     return frozenset((model, *accept_models)) if model in accept_models else frozenset((model,))
 
 
+def server_endpoint(mp_config) -> str:
+    """The request endpoint an `lmcache server` binds, as LMCache spells it (`transport://host:port`,
+    "tcp" for its ZMQ transport); "" when the config does not say."""
+    host, port = getattr(mp_config, "host", None), getattr(mp_config, "port", None)
+    if not host or port is None:
+        return ""
+    scheme = "grpc" if getattr(mp_config, "transport", "zmq") == "grpc" else "tcp"
+    return f"{scheme}://{host}:{int(port)}"
+
+
 def kv_world_and_rank(kv_rank: int) -> tuple[int, int]:
     """(world size, global rank) packed into an MP key's `kv_rank` (LMCache's `ComputeKVRank`)."""
     return (kv_rank >> 24) & 0xFF, (kv_rank >> 16) & 0xFF
@@ -217,7 +227,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
         self.registry = Registry(st.registry)
         self._identity = {"instance": f"{NAME}-mp-pid{os.getpid()}-{uuid.uuid4().hex[:8]}",
                           "host": socket.gethostname(), "pid": os.getpid(),
-                          "pid_start": process_start(os.getpid()), "started": time.time()}
+                          "pid_start": process_start(os.getpid()), "started": time.time(),
+                          "endpoint": ""}  # set by `attach` (the key exists: the watcher unpacks this dict)
         prune(st.cache_dir)
         self._watcher = threading.Thread(target=self._watch, name="cartridge-mp-watch", daemon=True)
         self._watcher.start()
@@ -225,11 +236,14 @@ class CartridgeL2Adapter(L2AdapterInterface):
                     "to attach the server's hasher)", st.registry, st.cache_dir)
 
     # --- server attachment (the server-module factory, once, after the adapters exist) ----------
-    def attach(self, server_context, modules=()) -> None:
+    def attach(self, server_context, modules=(), endpoint: str = "") -> None:
         """Take the server's own token hasher and chunk size, and its engine-driven transfer module
-        (block sizes of vLLM-CPU engines); index the registry with them."""
+        (block sizes of vLLM-CPU engines); index the registry with them. `endpoint`: the server's
+        request endpoint (`server_endpoint`), published so that a vLLM attached to it finds this
+        adapter's record (`vllm.mp_connector` announces what it holds as KV events)."""
         self._transfer_modules = [m for m in modules if type(m).__name__ in
                                   ("EngineDrivenTransferModule", "LMCacheDrivenTransferModule")]
+        self._identity["endpoint"] = str(endpoint or "")
         with self._refresh_lock:
             self._ctx = server_context
             self._version = -1

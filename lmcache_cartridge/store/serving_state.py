@@ -3,9 +3,11 @@
 Every plugin instance (each TP rank of a vLLM server, the scheduler-side instance when LMCache
 runs one, each server on a host) owns one versioned JSON record under
 `<cache_dir>/serving/<instance>.json`: who it is (instance id, host, pid, start time, model
-names, rank / world size, registry), what it serves (each cartridge's content hash, epoch, kind
-and residency: "all" or the list of chunks readable without the network), what it refused and
-why, and its per-tier counters. Readers are the gateway (`lmcache.serving.wait_served`: forward a
+names, rank / world size, registry; an `lmcache server`'s also the endpoint vLLM attaches to),
+what it serves (each cartridge's content hash, epoch, kind and residency: "all" or the list of
+chunks readable without the network), what it refused and why, and its per-tier counters. A field
+added within a version is optional (`endpoint`): older records read as without it, and older
+readers ignore it. Readers are the gateway (`lmcache.serving.wait_served`: forward a
 request only once every instance of its model serves the cartridge), `lmcache-cartridge
 stats` / `doctor` (`store.tier_totals`, the CLI), the test harness and the benchmarks
 (`testing.launch.VllmServer.wait_served`): none of them reads log lines.
@@ -88,6 +90,7 @@ class ServingState:
     skipped: dict[str, str] = field(default_factory=dict)   # id -> why it is not served
     tiers: dict[str, dict[str, Any]] = field(default_factory=dict)  # store.metrics snapshot
     metrics_instance: str = ""  # the `instance` label of its prometheus counters
+    endpoint: str = ""        # an `lmcache server`'s request endpoint as it binds it ("tcp://host:port"); "" in-process
     version: int = VERSION
 
     # --- liveness -------------------------------------------------------------------------------
@@ -137,6 +140,7 @@ class ServingState:
                 registry=str(d["registry"]), healthy=bool(d.get("healthy", True)), problem=d.get("problem"),
                 cartridges=carts, skipped={str(k): str(v) for k, v in dict(d.get("skipped") or {}).items()},
                 tiers=dict(d.get("tiers") or {}), metrics_instance=str(d.get("metrics_instance") or ""),
+                endpoint=str(d.get("endpoint") or ""),
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed serving-state record: {type(e).__name__}: {e}") from None

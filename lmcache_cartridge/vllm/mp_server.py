@@ -5,15 +5,15 @@ adapter (`lmcache.mp_adapter`; `lmcache-cartridge mp-server` passes both).
 The server calls `build_server_modules` once, after its L2 adapters exist. It declares how
 vLLM-CPU rows are written (`vllm.mp_rows`: vLLM knowledge, hence this stage) and hands every
 cartridge adapter the server's context: its token hasher and chunk size (the keys), its storage
-manager (purges of L1) and its engine-driven transfer module (vLLM-CPU block sizes). It adds no
-module of its own.
+manager (purges of L1), its engine-driven transfer module (vLLM-CPU block sizes) and the endpoint
+it binds (published in the adapter's serving-state record). It adds no module of its own.
 """
 
 from __future__ import annotations
 
 import logging
 
-from lmcache_cartridge.lmcache.mp_adapter import CartridgeL2Adapter
+from lmcache_cartridge.lmcache.mp_adapter import CartridgeL2Adapter, server_endpoint
 from lmcache_cartridge.lmcache.mp_layout import declare_rows_encoder
 from lmcache_cartridge.vllm.mp_rows import rows_encoder
 
@@ -25,7 +25,7 @@ def build_server_modules(bctx):
     found = 0
     for _desc, adapter in bctx.server_context.storage_manager.l2_adapters():
         if isinstance(adapter, CartridgeL2Adapter):
-            adapter.attach(bctx.server_context, bctx.modules)
+            adapter.attach(bctx.server_context, bctx.modules, server_endpoint(bctx.mp_config))
             found += 1
     if not found:
         logger.warning("lmcache_cartridge server module: no cartridge L2 adapter configured (--l2-adapter)")
