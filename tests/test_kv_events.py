@@ -4,7 +4,9 @@ the block hashes equal what vLLM's request block hasher computes for the same pr
 encodes with vLLM's publisher encoding, and the media follow the plugin's tiers ("STORAGE" for a
 file on this host, vLLM's "STORAGE" medium; "CPU" once the plugin holds the chunks in memory).
 Changes only are announced, everything again after the re-announce period, removals as
-`BlockRemoved`; another process's records are not this server's."""
+`BlockRemoved`; another process's records are not this server's. In LMCache's multiprocess mode
+the record read is the cartridge adapter's of the server vLLM attaches to (REAL adapters; the
+servers end to end: `tests/test_mp_kv_events.py`)."""
 
 from __future__ import annotations
 
@@ -151,3 +153,83 @@ def test_hashes_follow_vllms_algorithm_whatever_set_none_hash_first(carts):
         e = stored(ann.step(now=0.0), a.token_ids)
     assert e.block_hashes == vllm_block_hashes(a.token_ids, sha256)[: a.num_full_chunks * CHUNK // BS]
     assert e.block_hashes != vllm_block_hashes(a.token_ids, sha256_cbor)[: a.num_full_chunks * CHUNK // BS]
+
+
+def test_in_mp_mode_the_attached_servers_adapter_is_announced(tmp_path):
+    """LMCache's multiprocess mode: the cartridges are the L2 adapter's inside the `lmcache server`
+    vLLM attaches to. Two REAL adapters publish under one cache dir, each for its own server
+    endpoint; a connector attached to one (spelled as vLLM's config spells it: another name of
+    the same address) announces that adapter's cartridge only, with vLLM's block hashes and the
+    disk medium (the adapter holds no memory tier), and its removal; records without an endpoint
+    (an adapter that was not told it) and the in-process selection take none of it."""
+    from types import SimpleNamespace
+
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+    from conftest import random_kv
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.lmcache.mp_adapter import CartridgeL2Adapter
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.store.serving_state import read_states
+    from lmcache_cartridge.vllm.kv_events import mp_server_at
+
+    chunk, cache = 64, tmp_path / "cache"
+    made, adapters = {}, []
+    try:
+        for name, port, seed in (("mine", 5601, 1), ("other", 5602, 2), ("unnamed", 5601, 3)):
+            ids = list(range(100 * seed, 100 * seed + 2 * chunk + 10))
+            pack_kv(random_kv(2, len(ids), 2, 16, seed=seed), tmp_path / name, cartridge_id=name, model="m",
+                    kind="first_k", token_ids=ids, chunk_size=chunk)
+            reg = Registry(tmp_path / f"{name}.db")
+            reg.register(tmp_path / name)
+            ad = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(cache), "refresh_seconds": 60})
+            adapters.append(ad)
+            ad.attach(SimpleNamespace(token_hasher=TokenHasher(chunk_size=chunk, hash_algorithm="sha256_cbor"),
+                                      chunk_size=chunk, storage_manager=None),
+                      endpoint="" if name == "unnamed" else f"tcp://127.0.0.1:{port}")
+            made[name] = (ids, reg, ad)
+        assert {s.endpoint for s in read_states(cache)} == {"tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602", ""}
+
+        settings = SimpleNamespace(cache_dir=cache)
+        ann = ResidencyAnnouncer(lambda: settings, BS, "sha256_cbor", reannounce_s=1000,
+                                 select=mp_server_at("tcp://localhost:5601"))
+        events = ann.step(now=0.0)
+        ids = made["mine"][0]
+        n = 2 * chunk  # whole chunks only (the adapter serves no partial chunk)
+        assert len(events) == 1, events
+        e = stored(events, ids)
+        assert list(e.token_ids) == ids[:n] and e.medium == "STORAGE" and e.parent_block_hash is None
+        assert e.block_hashes == vllm_block_hashes(ids + [7, 8, 9])[: n // BS]
+
+        # the in-process selection (this process's plugin workers) takes no adapter's record
+        assert ResidencyAnnouncer(lambda: settings, BS, "sha256_cbor").step(now=0.0) == []
+
+        _, reg, ad = made["mine"]
+        reg.remove("mine")
+        ad.refresh()
+        events = ann.step(now=1.0)
+        assert events == [BlockRemoved(block_hashes=e.block_hashes, medium="STORAGE", group_idx=0)], events
+    finally:
+        for ad in adapters:
+            ad.close()
+
+
+def test_the_endpoint_in_a_record_is_optional_and_matched_as_the_connector_spells_it():
+    import socket
+
+    from lmcache_cartridge.store.serving_state import ServingState
+    from lmcache_cartridge.vllm.kv_events import same_server
+
+    d = {"version": 1, "instance": "i", "host": "h", "pid": 1, "pid_start": None, "started": 0.0, "updated": 0.0,
+         "refresh_seconds": 1.0, "role": "mp-server", "model": "m", "models": ["m"], "rank": 0, "world_size": 1,
+         "registry": "/r"}
+    assert ServingState.from_json(d).endpoint == ""  # a record written before the field
+    assert ServingState.from_json({**d, "endpoint": "tcp://0.0.0.0:1"}).endpoint == "tcp://0.0.0.0:1"
+    here = socket.gethostname()
+    assert same_server("tcp://127.0.0.1:5555", here, "tcp://localhost:5555")
+    assert same_server("tcp://0.0.0.0:5555", here, "tcp://127.0.0.1:5555")  # bound to every address
+    assert same_server("tcp://127.0.0.1:5555", here, "127.0.0.1:5555")      # LMCache's default scheme
+    assert not same_server("tcp://127.0.0.1:5556", here, "tcp://127.0.0.1:5555")
+    assert not same_server("grpc://127.0.0.1:5555", here, "tcp://127.0.0.1:5555")
+    assert not same_server("tcp://127.0.0.1:5555", "another-host", "tcp://127.0.0.1:5555")  # its loopback
+    assert same_server("tcp://10.9.8.7:5555", "another-host", "tcp://10.9.8.7:5555")

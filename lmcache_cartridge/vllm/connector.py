@@ -210,15 +210,10 @@ class CartridgeConnector(LMCacheConnectorV1):
 
     @staticmethod
     def _why_no_announcements(vllm_config: "VllmConfig", kv_cache_config) -> str | None:
-        """Announced blocks must hash as vLLM's prefix cache hashes them, which `kv_events` does
-        for one full-attention KV cache group at the cache block size: not with decode context
-        parallelism (vLLM then hashes at a multiple of it) or several groups (hybrid models)."""
-        if int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1) > 1:
-            return "decode context parallelism changes vLLM's hash block size"
-        groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups is not None and len(groups) != 1:
-            return f"{len(groups)} KV cache groups (a hybrid model)"
-        return None
+        """Why resident cartridges cannot be announced as vLLM hashes blocks (`kv_events`), or None."""
+        from lmcache_cartridge.vllm.kv_events import why_no_announcements
+
+        return why_no_announcements(vllm_config, kv_cache_config)
 
     def shutdown(self):
         """Both sides, when vLLM shuts the connector down (the scheduler after closing its event

@@ -22,6 +22,15 @@ later loads the blocks and announces them itself ("GPU"), the router sees the sa
 Everything is announced again every `cartridge.kv_events_reannounce_s` (a ZMQ subscriber that
 joins late misses what was published before it).
 
+LMCache's multiprocess mode (`vllm.mp_connector`): the cartridges are served by the L2 adapter
+inside the `lmcache server` vLLM attaches to (`lmcache.mp_adapter`), so the record read is that
+adapter's (role "mp-server", one rank), the one whose `endpoint` is the server the connector's
+`lmcache.mp.host` / `lmcache.mp.port` reach (`mp_server_at`), under the cache dir the connector
+names (`cartridge.cache_dir`). Same hashing, same events. Its tiers are the server's disk cache
+and local origin files: "STORAGE". The server's L1 memory is LMCache's own, whose connector
+announces what is stored there ("CPU", in LMCache's chunk hashes); the adapter cannot tell what L1
+holds or keeps, so it claims none of it.
+
 Where it runs: in the EngineCore process, on one background thread every
 `cartridge.kv_events_period_s` (reading records, the registry and manifests, hashing), never in
 the scheduler's step. vLLM publishes events only from scheduler steps (`Scheduler.update_from_output`
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -90,15 +100,108 @@ def server_pids() -> set[int]:
     return {os.getpid()} | descendants(os.getpid())
 
 
+Select = Callable[[Any], bool]  # which serving-state records are this server's ranks
+
+
+def workers_of(pids: set[int]) -> Select:
+    """In-process: the records of the plugin's worker-role instances in these processes."""
+    return lambda s: s.role == "worker" and s.pid in pids
+
+
+def _endpoint_parts(url: str) -> Optional[tuple[str, str, int]]:
+    """(scheme, host, port) of an LMCache server URL ("tcp://" when it names none), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url if "://" in url else f"tcp://{url}")
+        return (u.scheme, (u.hostname or "").lower(), int(u.port)) if u.port is not None else None
+    except ValueError:
+        return None
+
+
+WILDCARDS = ("", "*", "0.0.0.0", "::")
+
+
+def _addresses(host: str) -> set[str]:
+    if host in WILDCARDS:
+        return set()
+    try:
+        return {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return set()
+
+
+def _on_this_machine(address: str) -> bool:
+    """Whether `address` is one of this machine's own (a socket can be bound to it)."""
+    fam = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(fam, socket.SOCK_DGRAM) as sock:
+            sock.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _machine_local(host: str) -> bool:
+    """Whether `host` means "this machine" wherever it is read (loopback, or every address)."""
+    import ipaddress
+
+    if host in WILDCARDS or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def same_server(bound: str, bound_on: str, url: str) -> bool:
+    """Whether the `lmcache server` that binds `bound` on machine `bound_on` (a record's
+    `endpoint` and `host`) is the one a connector on this machine reaches at `url`
+    (`lmcache.mp.host`:port): the same transport and port, and the same host: spelled alike (a
+    loopback or wildcard address only on this machine), resolving to a common address, or a
+    server bound to every address of this machine reached at one of them."""
+    a, b = _endpoint_parts(bound), _endpoint_parts(url)
+    if a is None or b is None or a[0] != b[0] or a[2] != b[2]:
+        return False
+    if bound_on != socket.gethostname():  # another machine's record (a shared cache dir)
+        return a[1] == b[1] and not _machine_local(a[1])
+    if a[1] == b[1]:
+        return True
+    reached = _addresses(b[1])
+    if a[1] in WILDCARDS:
+        return any(_on_this_machine(x) for x in reached)
+    return bool(reached & _addresses(a[1]))
+
+
+def mp_server_at(url: str) -> Select:
+    """LMCache MP mode: the record of the cartridge adapter inside the `lmcache server` a
+    connector attaches to at `url` (records without an endpoint, of an older adapter, never)."""
+    seen: dict[tuple[str, str], bool] = {}  # resolving is done once per (endpoint, machine)
+
+    def select(s) -> bool:
+        if s.role != "mp-server" or not s.endpoint:
+            return False
+        key = (s.endpoint, s.host)
+        if key not in seen:
+            if len(seen) > 256:
+                seen.clear()
+            seen[key] = same_server(s.endpoint, s.host, url)
+        return seen[key]
+
+    return select
+
+
 def resident_prefixes(cache_dir, tokens_of: Callable[[str, str, int, str], Optional[tuple[tuple[int, ...], int, int]]],
-                      pids: Optional[set[int]] = None) -> list[ResidentPrefix]:
-    """Per cartridge, what every worker rank of this server holds locally (see module doc).
+                      pids: Optional[set[int]] = None, select: Optional[Select] = None) -> list[ResidentPrefix]:
+    """Per cartridge, what every rank of this server holds locally (see module doc): the records
+    `select` takes (default: the plugin's workers in `pids`, default this server's processes).
     `tokens_of(registry, id, epoch, content_hash)` gives (key ids, context chunks, chunk size) or
     None when the cartridge cannot be read here."""
     from lmcache_cartridge.store.serving_state import read_states
 
-    pids = server_pids() if pids is None else pids
-    ranks = [s for s in read_states(cache_dir) if s.role == "worker" and s.pid in pids and s.healthy]
+    if select is None:
+        select = workers_of(server_pids() if pids is None else pids)
+    ranks = [s for s in read_states(cache_dir) if select(s) and s.healthy]
     if not ranks:
         return []
     world = max(s.world_size for s in ranks)
@@ -125,6 +228,19 @@ def resident_prefixes(cache_dir, tokens_of: Callable[[str, str, int, str], Optio
         memory = min(min(leading(c.in_memory, c.chunks) for c in states), local)
         out.append(ResidentPrefix(cid, ids, local, memory, chunk))
     return out
+
+
+def why_no_announcements(vllm_config, kv_cache_config) -> Optional[str]:
+    """Announced blocks must hash as vLLM's prefix cache hashes them, which this module does for
+    one full-attention KV cache group at the cache block size: not with decode context
+    parallelism (vLLM then hashes at a multiple of it) or several groups (hybrid models). None
+    when announcing is sound, else why not."""
+    if int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1) > 1:
+        return "decode context parallelism changes vLLM's hash block size"
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) != 1:
+        return f"{len(groups)} KV cache groups (a hybrid model)"
+    return None
 
 
 def capture_publisher(callback: Callable[[Any], None]) -> bool:
@@ -156,12 +272,14 @@ def capture_publisher(callback: Callable[[Any], None]) -> bool:
 class ResidencyAnnouncer:
     """Scheduler side: the plugin's local residency as vLLM KV events (see module doc).
 
-    `settings` returns the plugin's settings (cache dir) when first needed (None: no cartridge
-    plugin, nothing is announced); `block_size` and `hash_algo` are vLLM's cache config."""
+    `settings` returns the plugin's settings (anything with its `cache_dir`) when first needed
+    (None: no cartridge plugin, nothing is announced); `block_size` and `hash_algo` are vLLM's
+    cache config. Whose records count: the plugin's workers in `pids()` (default this server's
+    processes), or those `select` takes (`mp_server_at`: the attached `lmcache server`'s)."""
 
     def __init__(self, settings: Callable[[], Any], block_size: int, hash_algo: str, *,
                  period_s: float = DEFAULT_PERIOD_S, reannounce_s: float = DEFAULT_REANNOUNCE_S,
-                 pids: Optional[Callable[[], set[int]]] = None) -> None:
+                 pids: Optional[Callable[[], set[int]]] = None, select: Optional[Select] = None) -> None:
         self._settings = settings
         self._settings_value: Any = _UNSET
         self.block_size = int(block_size)
@@ -169,6 +287,7 @@ class ResidencyAnnouncer:
         self.period_s = float(period_s)
         self.reannounce_s = float(reannounce_s)
         self._pids = pids or server_pids
+        self._select = select
         self._lock = threading.Lock()
         self._queue: deque = deque()
         self._announced: dict[bytes, str] = {}   # block hash -> medium, as the router knows it
@@ -230,7 +349,8 @@ class ResidencyAnnouncer:
             return []
         now = time.monotonic() if now is None else now
         full = now - self._last_full >= self.reannounce_s
-        prefixes = resident_prefixes(s.cache_dir, self._tokens_of, self._pids())
+        select = self._select or workers_of(self._pids())
+        prefixes = resident_prefixes(s.cache_dir, self._tokens_of, select=select)
         wanted = self._wanted(prefixes)
         if wanted is None:  # vLLM's hashing is not set up yet: next period
             return []
