@@ -55,7 +55,12 @@ KV_EVENTS_PERIOD = Setting(
 KV_EVENTS_REANNOUNCE = Setting(
     "cartridge.kv_events_reannounce_s", "float", 30.0,
     "seconds after which every resident cartridge is announced again (for late subscribers)")
-CONNECTOR_KEYS: tuple[Setting, ...] = (READY_TIMEOUT, KEEP_LOAD_FAILURE_POLICY, KV_EVENTS_PERIOD, KV_EVENTS_REANNOUNCE)
+MP_CACHE_DIR = Setting(
+    "cartridge.cache_dir", "path", "<cache root>/cache",
+    "LMCache MP mode (`CartridgeMPConnector`): the `cache_dir` of the attached `lmcache server`'s "
+    "cartridge adapter, whose serving-state record says which cartridges to announce as KV events")
+CONNECTOR_KEYS: tuple[Setting, ...] = (READY_TIMEOUT, KEEP_LOAD_FAILURE_POLICY, KV_EVENTS_PERIOD, KV_EVENTS_REANNOUNCE,
+                                       MP_CACHE_DIR)
 
 # --- the environment -----------------------------------------------------------------------------
 # Every process

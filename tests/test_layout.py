@@ -151,3 +151,9 @@ def test_serve_scripts_pass_extra_arguments_and_a_metrics_dir(tmp_path, script, 
 
             ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
             assert ktc == mp_connector(5555)
+    if script == "vllm-serve-mp.sh":  # the server's cache dir, where its records are (KV events)
+        subprocess.run(["bash", str(path), "m"], env={**env, "LMCACHE_MP_CACHE_DIR": "/srv/cache"}, check=True,
+                       timeout=60)
+        argv = json.loads(record.read_text())["argv"]
+        ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert ktc == mp_connector(5555, extra={"cartridge.cache_dir": "/srv/cache"})

@@ -157,6 +157,8 @@ class MpVllmServer(VllmServer):
                                             prefetch_policy=prefetch_policy)
         try:
             self.lmcache_server.wait_ready()
+            if connector == "cartridge":  # the adapter's records are under `cache_dir`: read for KV events
+                kv_extra = {"cartridge.cache_dir": str(cache_dir), **(kv_extra or {})}
             super().__init__(root, model, connector=self.lmcache_server.connector(transfer_mode, kv_extra, connector),
                              **kw)
         except BaseException:

@@ -19,8 +19,8 @@ may happen to a trained cartridge: an error is better than a wrong answer.
 
 Where it runs / who owns what: vLLM builds one instance per role. The scheduler-role instance
 (EngineCore process, inside `Scheduler.__init__`) owns the readiness deadlines of waiting
-requests (`readiness.ReadinessGate`), the lookup histogram (`lookup_metrics`) and the choice of
-vLLM's `kv_load_failure_policy`; LMCache's scheduler adapter owns the lookups and their server
+requests (`readiness.ReadinessGate`), the lookup histogram (`lookup_metrics`), the choice of
+vLLM's `kv_load_failure_policy` and, with KV events on, the announcer's thread (`kv_events`); LMCache's scheduler adapter owns the lookups and their server
 locks. The worker-role instance is `LMCacheMPConnector` unchanged (the server copies the KV). The
 connector holds no KV and no cartridge file.
 
@@ -42,17 +42,28 @@ LMCache's answer as is):
 * a request finished while its load is outstanding (failed so, or aborted) would reach vLLM's
   scheduler with two notices, its receive and LMCache's delayed send: `update_connector_output`
   lets one through (vLLM asserted on the second and the engine died).
+
+KV events (scheduler side, `kv_events`): with vLLM's `--kv-events-config`, the cartridges the
+attached server's adapter can load without the network are announced as the in-process connector
+announces its plugin's ("STORAGE": the server's disk cache or a local file), so a KV-aware router
+sends their requests here before vLLM has ever loaded them. The adapter's serving-state record is
+found under `cartridge.cache_dir` (the adapter's `cache_dir`, default the host's) by the endpoint
+it binds, matched against `lmcache.mp.host` / `lmcache.mp.port` (or a single
+`lmcache.mp.server_urls`); with several servers nothing is announced. LMCache's own events (what
+the server's L1 stores) pass through unchanged, first.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmcache_cartridge import ensure_log_handler
+from lmcache_cartridge import settings_reference as ref
 from lmcache_cartridge.vllm.load_failure import configure_load_failure_policy, must_not_recompute
 from lmcache_cartridge.vllm.lookup_metrics import LookupTimer
 from lmcache_cartridge.vllm.readiness import (ReadinessGate, gated_answer, promised_hit, required_tokens,
@@ -64,6 +75,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lmcache_cartridge.mp_connector")
 ensure_log_handler()
+
+
+def mp_server_urls(extra: dict) -> list[str]:
+    """The LMCache server URLs the connector attaches to, read as `LMCacheMPConnector` reads them:
+    `lmcache.mp.server_urls` (a list or comma-separated), else `lmcache.mp.host`:`lmcache.mp.port`."""
+    urls = extra.get("lmcache.mp.server_urls")
+    if urls:
+        return [u.strip() for u in (urls if isinstance(urls, list) else str(urls).split(",")) if u.strip()]
+    return [f"{extra.get('lmcache.mp.host', 'tcp://localhost')}:{extra.get('lmcache.mp.port', 5555)}"]
 
 
 class CartridgeMPConnector(LMCacheMPConnector):
@@ -90,7 +110,60 @@ class CartridgeMPConnector(LMCacheMPConnector):
         if scheduler:
             configure_load_failure_policy(ktc, kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
+        self._announcer = self._residency_announcer(vllm_config, kv_cache_config, extra) if scheduler else None
         logger.info("lmcache_cartridge: CartridgeMPConnector ready (role %s)", role.name)
+
+    @staticmethod
+    def _residency_announcer(vllm_config: "VllmConfig", kv_cache_config, extra: dict):
+        """Scheduler side, with vLLM's KV events on: the announcer of the attached server's
+        resident cartridges (`kv_events`), publishing through the publisher vLLM creates right
+        after this constructor; None when events are off or cannot be announced soundly."""
+        kec = getattr(vllm_config, "kv_events_config", None)
+        if kec is None or not kec.enable_kv_cache_events:
+            return None
+        from lmcache_cartridge.vllm import kv_events
+
+        urls = mp_server_urls(extra)
+        why_not = kv_events.why_no_announcements(vllm_config, kv_cache_config)
+        if why_not is None and len(urls) != 1:
+            why_not = f"{len(urls)} LMCache servers (lmcache.mp.server_urls): a cartridge is local on none of them alone"
+        if why_not:
+            logger.info("lmcache_cartridge: resident cartridges are not announced as KV events: %s", why_not)
+            return None
+        from types import SimpleNamespace
+
+        from lmcache_cartridge.paths import default_cache_dir
+
+        cache_dir = Path(extra.get(ref.MP_CACHE_DIR.name) or default_cache_dir()).expanduser()
+        announcer = kv_events.ResidencyAnnouncer(
+            lambda: SimpleNamespace(cache_dir=cache_dir), int(vllm_config.cache_config.block_size or 0),
+            str(vllm_config.cache_config.prefix_caching_hash_algo),
+            period_s=float(extra.get(ref.KV_EVENTS_PERIOD.name, ref.KV_EVENTS_PERIOD.default)),
+            reannounce_s=float(extra.get(ref.KV_EVENTS_REANNOUNCE.name, ref.KV_EVENTS_REANNOUNCE.default)),
+            select=kv_events.mp_server_at(urls[0]))
+        kv_events.capture_publisher(announcer.use_publisher)
+        logger.info("lmcache_cartridge: announcing the cartridges of the LMCache server at %s (records under %s) "
+                    "as KV events", urls[0], cache_dir)
+        return announcer
+
+    def take_events(self):
+        """Scheduler side (once per scheduler step when vLLM publishes KV events): LMCache's
+        events, then the attached server's resident cartridges (`kv_events`), computed off this
+        thread."""
+        yield from super().take_events()
+        if self._announcer is not None:
+            try:
+                events = self._announcer.take()
+            except Exception:  # noqa: BLE001 - never stop the engine over an announcement
+                logger.exception("lmcache_cartridge: taking resident-cartridge KV events failed")
+                events = []
+            yield from events
+
+    def shutdown(self):
+        """Both sides, when vLLM shuts the connector down: stop announcing, then LMCache's."""
+        if getattr(self, "_announcer", None) is not None:
+            self._announcer.stop()
+        return super().shutdown()
 
     def must_not_recompute(self, request) -> bool:
         """Scheduler side, asked by the per-request policy (`load_failure`) for each request with a
