@@ -20,9 +20,10 @@ may happen to a trained cartridge: an error is better than a wrong answer.
 Where it runs / who owns what: vLLM builds one instance per role. The scheduler-role instance
 (EngineCore process, inside `Scheduler.__init__`) owns the readiness deadlines of waiting
 requests (`readiness.ReadinessGate`), the lookup histogram (`lookup_metrics`), the choice of
-vLLM's `kv_load_failure_policy` and, with KV events on, the announcer's thread (`kv_events`); LMCache's scheduler adapter owns the lookups and their server
-locks. The worker-role instance is `LMCacheMPConnector` unchanged (the server copies the KV). The
-connector holds no KV and no cartridge file.
+vLLM's `kv_load_failure_policy` and, with KV events on, the announcer's thread (`kv_events`);
+LMCache's scheduler adapter owns the lookups and their server locks. The worker-role instance is
+`LMCacheMPConnector` unchanged (the server copies the KV). The connector holds no KV and no
+cartridge file.
 
 Scheduler side, per request marked by the gateway as carrying a trained cartridge
 (`load_failure.NO_RECOMPUTE_PARAM` + `readiness.TRAINED_TOKENS_PARAM`; unmarked requests are
@@ -126,7 +127,8 @@ class CartridgeMPConnector(LMCacheMPConnector):
         urls = mp_server_urls(extra)
         why_not = kv_events.why_no_announcements(vllm_config, kv_cache_config)
         if why_not is None and len(urls) != 1:
-            why_not = f"{len(urls)} LMCache servers (lmcache.mp.server_urls): a cartridge is local on none of them alone"
+            why_not = (f"{len(urls)} LMCache servers (lmcache.mp.server_urls): a cartridge is local on none "
+                       "of them alone")
         if why_not:
             logger.info("lmcache_cartridge: resident cartridges are not announced as KV events: %s", why_not)
             return None
