@@ -541,8 +541,12 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         return self._take("load", task_id)
 
     def _load(self, keys, objects) -> Bitmap:
+        """Reader thread: fill the server's L1 objects with verified chunks. A chunk whose
+        cartridge was retired (removed, replaced, quarantined) while the batch was read is a miss,
+        as in-process (`CartridgeStoragePlugin.batched_get_blocking`): a batch whose chunk fails
+        verification serves none of that cartridge, and old bytes never reach L1."""
         bits = Bitmap(len(keys))
-        done = []
+        read = []
         for n, (key, obj) in enumerate(zip(keys, objects)):
             hit = self._where(key)
             if hit is None or obj is None or obj.tensor is None:
@@ -562,7 +566,10 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 logger.error("lmcache_cartridge MP adapter: chunk %d of %r not served: %s", i, s.entry.id, e)
                 self._read_failed(s, e)  # bad bytes at a local origin: quarantined
                 continue
-            if s.retired:  # removed while it was read: the old bytes must not reach L1
+            read.append((n, key, s))
+        done = []
+        for n, key, s in read:
+            if s.retired:  # retired while the batch was read: its bytes must not reach L1
                 continue
             bits.set(n)
             done.append(key)
