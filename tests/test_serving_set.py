@@ -228,3 +228,25 @@ def test_both_modes_serve_the_same_through_one_lifecycle(tmp_path, modes):
     step("all removed", {"served": {}, "skipped": [], "quarantined": [],
                          "reads": {"doc": nothing, "bad": nothing, "other": nothing}})
 
+
+def test_both_modes_serve_the_operators_registration_of_bytes_a_client_brought(tmp_path, modes):
+    """A client's first-k KV is keyed under its own tag (`Entry.salt`): it reaches only requests
+    that name it (in MP mode it is not served at all yet). The operator then registers the very
+    same bytes: no tag, the cartridge's keys are the prompt's own. A served cartridge is kept
+    across a refresh only while it would serve the same bytes under the same keys: the plugin
+    kept the tagged keys for ever (same content hash, path and epoch), so the operator's
+    registration never served its prompt in-process while MP mode served it."""
+    reg, both = modes
+    kv = random_kv(L, 2 * CHUNK, H, D, seed=7)
+    pack_kv(kv, tmp_path / "handbook", cartridge_id="handbook", model=MODEL, kind="first_k", token_ids=DOC,
+            chunk_size=CHUNK)
+    assert reg.register(tmp_path / "handbook", client=True).salt
+    for mode in both:
+        assert mode.set.refresh()
+        assert mode.read(DOC) == (0, []), mode.name  # the prompt's own keys: not the client's KV
+    assert not reg.register(tmp_path / "handbook").salt  # the operator's: the same bytes, untagged
+    for mode in both:
+        assert mode.set.refresh()
+        hits, got = mode.read(DOC)
+        assert hits == 2 and len(got) == 2, (mode.name, hits, len(got))
+        assert all(torch.equal(t, c) for t, c in zip(got, chunks(kv))), mode.name

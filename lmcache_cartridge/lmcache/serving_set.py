@@ -13,9 +13,10 @@ decided here, once (the way LMCache's `l2_adapters/base.py` holds what every L2 
   an exception before the swap leaves the old set serving. The version is recorded only once
   the swap is done: a failed refresh is retried.
 - Replacement only when the bytes differ. A cartridge already served is kept, object and all,
-  while its entry names the same bytes (`same_bytes`: content hash, path, epoch); else it is
-  opened again and the old one retired. A re-registration with the same bytes but a new epoch
-  (force_redownload) drops the bytes' local copies before the new epoch is served.
+  while its entry names the same bytes (`same_bytes`: content hash, path, epoch) under the same
+  keys (`keeps`: a client's KV is keyed under its tag); else it is opened again and the old one
+  retired. A re-registration with the same bytes but a new epoch (force_redownload) drops the
+  bytes' local copies before the new epoch is served.
 - Quarantine. A chunk read from a local origin that fails verification (`spoils`) takes its
   cartridge out of service at once, and it stays out, across unrelated registry changes, until
   its registration names other bytes (`Quarantine.matches`, the same `same_bytes`).
@@ -23,7 +24,7 @@ decided here, once (the way LMCache's `l2_adapters/base.py` holds what every L2 
   adapter's bookkeeping: pins drain, tombstones), then, outside the lock, its local copies are
   forgotten unless a served cartridge reads the same bytes, and the adapter purges what LMCache
   holds of it and closes it when nothing reads it any more.
-- Publication. Every refresh that changed something and every quarantine publishes the
+- Publication. Every refresh that read a changed registry and every quarantine publishes the
   adapter's serving state (`store.serving_state`; the record itself is the adapter's: their
   roles and residency differ).
 
@@ -91,9 +92,18 @@ logger = logging.getLogger("lmcache_cartridge.serving_set")
 
 def same_bytes(a: Entry, b: Entry) -> bool:
     """Whether two registrations name the same bytes: the one rule for keeping a served cartridge
-    across a refresh and for a quarantine's end. Content hash, where they are read from (path),
-    and epoch (a force_redownload bumps it: the local copies must be fetched again)."""
+    across a refresh (with its keys: `keeps`) and for a quarantine's end. Content hash, where
+    they are read from (path), and epoch (a force_redownload bumps it: the local copies must be
+    fetched again)."""
     return (a.content_hash, a.path, a.epoch) == (b.content_hash, b.path, b.epoch)
+
+
+def keeps(served: Entry, registered: Entry) -> bool:
+    """Whether a served cartridge stays, object and all, across a refresh: its registration
+    names the same bytes (`same_bytes`) under the same keys. A client's first-k KV is keyed under
+    its own tag (`Entry.salt`); the operator's registration of the very same bytes has none, so
+    it must be opened again to serve the prompt's own keys."""
+    return same_bytes(served, registered) and served.salt == registered.salt
 
 
 def spoils(served, error: BaseException) -> bool:
@@ -189,7 +199,7 @@ class ServingSet:
         with self._lock:
             current = dict(self._state.served)
             quarantined = dict(self._state.quarantined)
-        keep = {cid for cid, s in current.items() if cid in entries and same_bytes(s.entry, entries[cid])}
+        keep = {cid for cid, s in current.items() if cid in entries and keeps(s.entry, entries[cid])}
         opened: dict[str, Any] = {}
         skipped: dict[str, str] = {}
         for cid, entry in entries.items():
