@@ -237,7 +237,7 @@ def test_a_locked_disk_only_chunk_survives_another_cartridges_download_until_unl
                                   "s3.endpoint_url": s3_proxy.endpoint_url})
 
     def resident(name):
-        s = adapter._served[name]
+        s = adapter._state.served[name]
         h = s.handle(1, 0)
         return adapter.residency.resident(h) and not adapter.residency.downloading(h)
 
@@ -257,7 +257,7 @@ def test_a_locked_disk_only_chunk_survives_another_cartridges_download_until_unl
         assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task([key], desc)).popcount() == 1
         register_s3(reg, "s3://mp-hot/c/mp-y", tmp_path / "cache", s3)
         assert adapter.refresh()
-        hy = adapter._served["mp-y"].handle(1, 0)
+        hy = adapter._state.served["mp-y"].handle(1, 0)
         deadline = time.time() + 30
         while (s3_proxy.count("GET", r"mp-y/kv\.bin$") < 1 or adapter.residency.downloading(hy)) \
                 and time.time() < deadline:
@@ -304,7 +304,7 @@ def test_lookup_locks_the_server_never_returns_let_go_after_the_lease(tmp_path, 
         register_s3(reg, "s3://mp-lease/c/mp-z", tmp_path / "cache",
                     S3Settings.from_mapping({"endpoint_url": s3_proxy.endpoint_url}))
         assert adapter.refresh()
-        h = adapter._served["mp-z"].handle(1, 0)
+        h = adapter._state.served["mp-z"].handle(1, 0)
         deadline = time.time() + 30
         while not (adapter.residency.resident(h) and not adapter.residency.downloading(h)) and time.time() < deadline:
             time.sleep(0.02)

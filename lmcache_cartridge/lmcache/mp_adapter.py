@@ -4,9 +4,11 @@ In MP mode one `lmcache server` per host holds L1 memory and L2 adapters; vLLM a
 `LMCacheMPConnector` and never runs LMCache in its own process, so the in-process storage plugin
 (`lmcache.plugin`) is never built. This adapter is the plugin's MP counterpart: the server asks
 it, on a lookup, which keys it has, and fills L1 buffers with a load. Same registry, same tiers
-(disk cache, S3 origin; see below for memory), same byte verification and the same refusal rules
-(`store.origins.load_registered`, `cartridge.compat.mismatch`): only how keys and objects look
-differs.
+(disk cache, S3 origin; see below for memory), same byte verification, the same refusal rules
+(`store.origins.load_registered`, `cartridge.compat.mismatch`) and the same serving set
+(`lmcache.serving_set`: refresh against the registry, replacement only when the bytes differ,
+quarantine, retirement; this class supplies how a cartridge is opened, keyed and purged): only
+how keys and objects look differs.
 
 Keys. The server hashes token ids with its own `TokenHasher` (`--hash-algorithm`, `--chunk-size`)
 into `ObjectKey(chunk_hash, model_name, kv_rank, object_group_id, cache_salt)`. The adapter uses
@@ -67,12 +69,11 @@ from lmcache.v1.platform import create_event_notifier
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.tp import RankView
-from lmcache_cartridge.errors import CartridgeError, ChecksumError
-from lmcache_cartridge.lmcache.plugin import Quarantine
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.lmcache.serving_set import ServingSet, SetState
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_settings
 from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store import threads
-from lmcache_cartridge.store.claims import Claim, settle
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
@@ -171,9 +172,6 @@ class _Served:
         """Its bytes' name in the tiers (`residency.tier_key`), what every handle of it has."""
         return tier_key(self.manifest.content_hash, self.origin.uri)
 
-    def same_bytes(self, e: Entry) -> bool:
-        return (self.entry.content_hash, self.entry.path, self.entry.epoch) == (e.content_hash, e.path, e.epoch)
-
 
 MAX_PENDING_RESULTS = 4096  # results nobody took (a request aborted mid-lookup): oldest dropped beyond this
 
@@ -187,7 +185,7 @@ class _Lock:
     hold: DiskHold | None
 
 
-class CartridgeL2Adapter(L2AdapterInterface):
+class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     """Read-only `L2AdapterInterface` serving the registry's cartridges to an `lmcache server`."""
 
     # LMCache's plugin adapter factory passes `l1_memory_desc` (for adapters that register L1 memory
@@ -204,25 +202,21 @@ class CartridgeL2Adapter(L2AdapterInterface):
                                    DiskTier(st.cache_dir / "chunks", st.disk_budget_bytes, metrics=self.metrics),
                                    self.metrics, prefetch=False)
         self._efd = {k: create_event_notifier() for k in ("store", "lookup", "load")}
-        self._lock = threading.Lock()
+        # The serving set (`lmcache.serving_set`): served cartridges, skipped ones, quarantines, and
+        # the index (chunk hash, model name) -> (cartridge, chunk): the server's hash chains tokens
+        # only, so two models' cartridges of the same tokens share hashes and are told apart by the
+        # key's model.
+        self._init_serving(SetState(), threading.Lock())
         self._ids = itertools.count(1)
         self._done: dict[str, dict[int, Any]] = {"store": {}, "lookup": {}, "load": {}}
-        # (chunk hash, model name) -> (cartridge, chunk): the server's hash chains tokens only, so two
-        # models' cartridges of the same tokens share hashes and are told apart by the key's model.
-        self._index: dict[tuple[bytes, str], tuple[_Served, int]] = {}
-        self._served: dict[str, _Served] = {}
-        self._skipped: dict[str, str] = {}
-        self._quarantined: dict[str, Quarantine] = {}
         self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, salt) of keys answered
         self._tombstones: set[bytes] = set()  # retired chunk hashes to purge from L1 until none is skipped
         self._refused: set[tuple] = set()  # refusals logged once
         # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
         self._locks: dict[Any, deque[_Lock]] = {}
-        self._refresh_lock = threading.Lock()  # one refresh at a time (attach vs. the watcher)
         self._pool = threads.pool(1, "cartridge-mp")
         self._ctx = None
         self._transfer_modules: list = []
-        self._version = -1
         self._closed = threading.Event()
         self.registry = Registry(st.registry)
         self._identity = {"instance": f"{NAME}-mp-pid{os.getpid()}-{uuid.uuid4().hex[:8]}",
@@ -248,91 +242,55 @@ class CartridgeL2Adapter(L2AdapterInterface):
             self._ctx = server_context
             self._version = -1
         self.refresh()
-        logger.info("lmcache_cartridge MP adapter attached: chunk_size %d, %d cartridges served, %d not (%s)",
-                    server_context.chunk_size, len(self._served), len(self._skipped),
-                    "; ".join(f"{k}: {v}" for k, v in sorted(self._skipped.items())) or "-")
+        logger.info("lmcache_cartridge MP adapter attached: %s", self.summary())
 
-    # --- registry -> index (watcher thread; `refresh` also from tests) --------------------------
-    def refresh(self) -> bool:
-        """Re-read the registry if it changed (watcher thread, `attach`; serialized). The new
-        index is built whole and swapped in under the lock; a quarantine that lands meanwhile
-        stays (checked again at the swap)."""
-        with self._refresh_lock:
-            return self._refresh()
+    # --- registry -> index (`ServingSet.refresh`: watcher thread, `attach`, tests) -------------
+    _mode = " in MP mode"
+    _log = logger
 
-    def _refresh(self) -> bool:
-        if self._ctx is None:
-            return False
-        version = self.registry.data_version()
-        if version == self._version:
-            return False
-        entries = {e.id: e for e in self.registry.list()}
+    def summary(self) -> str:
         with self._lock:
-            current = dict(self._served)
-            quarantined = dict(self._quarantined)
-        served, skipped, fresh = {}, {}, []
-        for cid, e in entries.items():
-            old = current.get(cid)
-            if old is not None and old.same_bytes(e):
-                served[cid] = old
-                continue
-            if cid in quarantined and quarantined[cid].matches(e):
-                continue
+            st = self._state
+            skipped = "; ".join(f"{k}: {v}" for k, v in sorted(st.skipped.items())) or "-"
+            return (f"MP adapter {'attached' if self._ctx is not None else 'NOT attached'}: "
+                    f"{len(st.served)} cartridges served, {len(st.skipped)} not ({skipped}); "
+                    f"registry {self.settings.registry}, "
+                    f"chunk_size {self._ctx.chunk_size if self._ctx is not None else '-'}")
+
+    def _can_open(self) -> bool:
+        return self._ctx is not None  # no hasher before the server module attaches: nothing to key by
+
+    def _claims(self, s: _Served) -> list[tuple[Any, int]]:
+        return [((h, model), i) for i, h in enumerate(s.hashes) for model in s.models]
+
+    def _retire_locked(self, s: _Served) -> None:
+        """Lock held: no load fills from it any more; its chunk hashes not served by another
+        cartridge are tombstoned (deleted from L1 until none of their keys is locked)."""
+        s.retire()
+        live = {h for h, _ in self._state.index}
+        self._tombstones |= set(s.hashes) - live
+
+    def _after_retire(self, retired: list[_Served]) -> None:
+        """Outside the lock: each origin is closed on the reader thread, after any load of it
+        already queued there; tombstoned chunks are deleted from L1."""
+        for s in retired:
             try:
-                served[cid] = self._open(e)
-                fresh.append(served[cid])
-            except Exception as ex:  # one bad entry never blocks the rest
-                skipped[cid] = str(ex) if isinstance(ex, CartridgeError) else f"{type(ex).__name__}: {ex}"
-                logger.error("lmcache_cartridge: not serving cartridge %r in MP mode: %s", cid, skipped[cid])
-        # keys several entries claim: the operator's over a catalog's, ambiguity refused (whose
-        # registration it is as the registry says now: a catalog's sync may record it later)
-        index, refused = settle([Claim(s, entries[cid], s.manifest, [((h, model), i) for i, h in enumerate(s.hashes)
-                                                                    for model in s.models])
-                                 for cid, s in served.items()])
-        for cid, why in refused.items():
-            skipped[cid] = why
-            logger.error("lmcache_cartridge: not serving cartridge %r in MP mode: %s", cid, why)
-            if served[cid] in fresh:  # opened for this refresh only
-                fresh.remove(served[cid])
-                served[cid].origin.close()
-            del served[cid]
-        # force_redownload (same bytes, new epoch): drop the disk copies before the new epoch is served
-        for cid, s in served.items():
-            old = current.get(cid)
-            if old is not None and old is not s and old.key == s.key:
-                self.residency.forget(s.key, disk=True)
-        # KV the server's L1 holds under a fresh cartridge's keys was stored before it was served
+                self._pool.submit(s.origin.close)
+            except RuntimeError:  # shut down
+                s.origin.close()
+        self._purge()
+
+    def _started(self, fresh: list[_Served]) -> None:
+        """Cartridges just swapped in: KV the server's L1 holds under their keys was stored before
+        they were served (recomputed from their ids) and goes; a trained request waits for trained
+        ones (`vllm.mp_connector`): fetched now."""
         self._purge_hashes({h for s in fresh for h in s.hashes})
-        for s in fresh:  # a trained request waits for these (`vllm.mp_connector`): fetch now
+        for s in fresh:
             if s.manifest.kind == "trained" and not s.origin.local:
                 self.residency.download_async(s.handle(1, 0), on_done=lambda _h: self.publish())
-        with self._lock:
-            still = {cid: q for cid, q in self._quarantined.items() if cid in entries and q.matches(entries[cid])}
-            served = {cid: s for cid, s in served.items() if cid not in still}
-            index = {k: v for k, v in index.items() if v[0].entry.id in served}
-            retired = [s for cid, s in self._served.items() if served.get(cid) is not s]
-            self._served, self._index, self._quarantined = served, index, still
-            self._skipped = skipped | {cid: q.why for cid, q in still.items()}
-            live = {h for h, _ in index}
-            for s in retired:
-                s.retire()
-                self._tombstones |= set(s.hashes) - live
-        for s in retired:
-            self._after_retire(s, forget=s.key not in {x.key for x in served.values()})
-        self._purge()
-        self._version = version
-        self.publish()
-        return True
 
-    def _after_retire(self, s: _Served, forget: bool = True) -> None:
-        """Outside the lock: its local copies go (unless another entry serves the same bytes) and
-        its origin is closed on the reader thread, after any load of it already queued there."""
-        if forget:
-            self.residency.forget(s.key)
-        try:
-            self._pool.submit(s.origin.close)
-        except RuntimeError:  # shut down
-            s.origin.close()
+    def _publish(self) -> None:
+        self.publish()
 
     def _open(self, e: Entry) -> _Served:
         m = load_registered(e)
@@ -377,7 +335,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
             return
         done = self._purge_hashes(stones)
         with self._lock:
-            live = {h for h, _ in self._index}
+            live = {h for h, _ in self._state.index}
             self._tombstones -= done | live
 
     def _purge_hashes(self, hashes: set[bytes]) -> set[bytes]:
@@ -400,8 +358,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
     # --- published state (gateway, stats, doctor) ------------------------------------------------
     def publish(self) -> None:
         with self._lock:
-            served = list(self._served.values())
-            skipped = dict(self._skipped)
+            served = list(self._state.served.values())
+            skipped = dict(self._state.skipped)
         carts = {}
         for s in served:
             n = len(s.hashes)
@@ -510,7 +468,7 @@ class CartridgeL2Adapter(L2AdapterInterface):
 
     def _where(self, key) -> tuple[_Served, int] | None:
         with self._lock:
-            hit = self._index.get((bytes(key.chunk_hash), key.model_name))
+            hit = self._state.index.get((bytes(key.chunk_hash), key.model_name))
         if hit is None or hit[0].retired or key.cache_salt:
             # A salted request (vLLM cache_salt) keeps its own prefix cache; cartridges are served
             # to requests without one (the gateway sends none for cartridge requests).
@@ -597,8 +555,12 @@ class CartridgeL2Adapter(L2AdapterInterface):
         return self._take("load", task_id)
 
     def _load(self, keys, objects) -> Bitmap:
+        """Reader thread: fill the server's L1 objects with verified chunks. A chunk whose
+        cartridge was retired (removed, replaced, quarantined) while the batch was read is a miss,
+        as in-process (`CartridgeStoragePlugin.batched_get_blocking`): a batch whose chunk fails
+        verification serves none of that cartridge, and old bytes never reach L1."""
         bits = Bitmap(len(keys))
-        done = []
+        read = []
         for n, (key, obj) in enumerate(zip(keys, objects)):
             hit = self._where(key)
             if hit is None or obj is None or obj.tensor is None:
@@ -616,10 +578,12 @@ class CartridgeL2Adapter(L2AdapterInterface):
                 continue
             except Exception as e:  # never hand the server bad bytes
                 logger.error("lmcache_cartridge MP adapter: chunk %d of %r not served: %s", i, s.entry.id, e)
-                if isinstance(e, ChecksumError):
-                    self._quarantine(s, str(e))
+                self._read_failed(s, e)  # bad bytes at a local origin: quarantined
                 continue
-            if s.retired:  # removed while it was read: the old bytes must not reach L1
+            read.append((n, key, s))
+        done = []
+        for n, key, s in read:
+            if s.retired:  # retired while the batch was read: its bytes must not reach L1
                 continue
             bits.set(n)
             done.append(key)
@@ -627,29 +591,11 @@ class CartridgeL2Adapter(L2AdapterInterface):
             self._notify_keys_accessed(done)
         return bits
 
-    def _quarantine(self, s: _Served, why: str) -> None:
-        """Bad bytes at a local origin: not served again until the registered bytes change
-        (sticky across unrelated registry changes, as the plugin's quarantine)."""
-        e = s.entry
-        with self._lock:
-            if self._served.get(e.id) is not s:
-                return
-            s.retire()
-            self._served = {k: v for k, v in self._served.items() if v is not s}
-            self._index = {k: v for k, v in self._index.items() if v[0] is not s}
-            self._quarantined = {**self._quarantined, e.id: Quarantine(e.content_hash, e.epoch, e.path, why)}
-            self._skipped = {**self._skipped, e.id: why}
-            live = {h for h, _ in self._index}
-            self._tombstones |= set(s.hashes) - live
-        self._after_retire(s)
-        self._purge()
-        self.publish()
-
     # --- housekeeping -----------------------------------------------------------------------------
     def report_status(self) -> dict:
         with self._lock:
             return {"is_healthy": self._ctx is not None, "type": "lmcache_cartridge",
-                    "cartridges": len(self._served), "not_served": dict(self._skipped),
+                    "cartridges": len(self._state.served), "not_served": dict(self._state.skipped),
                     "attached": self._ctx is not None}
 
     def close(self) -> None:
@@ -659,8 +605,8 @@ class CartridgeL2Adapter(L2AdapterInterface):
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._watcher.join(timeout=5)
         with self._lock:
-            served = list(self._served.values())
-            self._served, self._index = {}, {}
+            served = list(self._state.served.values())
+            self._state = SetState()
             locks = [lk for taken in self._locks.values() for lk in taken]
             self._locks = {}
         _release(locks)  # file locks other processes' evictions respect: never left to the GC

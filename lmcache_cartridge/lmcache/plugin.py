@@ -8,9 +8,10 @@ storage manager's event loop (the async pair, whose work runs on the plugin's ow
 All state below is guarded by one lock.
 
 What it owns: an index `CacheEngineKey -> (cartridge, chunk)` computed in this process with
-LMCache's own token database (see `keys`), swapped in whole when the registry changes (keys
-several entries claim go to the most trusted one, ambiguous claims are refused: `store.claims`); lookup
-pins (with a lease); quarantines; tombstones of retired keys (re-purged from LMCache's CPU cache
+LMCache's own token database (see `keys`); which cartridges it serves, the refresh against the
+registry, replacement, quarantine and retirement follow the serving set both modes share
+(`lmcache.serving_set`: this class supplies how a cartridge is opened, keyed and purged); lookup
+pins (with a lease); tombstones of retired keys (re-purged from LMCache's CPU cache
 until no in-flight read can write them back). It never owns a cartridge's files: `remove`
 forgets keys, it never deletes anything.
 
@@ -49,18 +50,18 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.tp import RankView
-from lmcache_cartridge.errors import CartridgeError, ChecksumError
+from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.cartridge.keys import ChunkKeyMapper, hash_config_problem
 from lmcache_cartridge.paths import private_dir
-from lmcache_cartridge.store.claims import Claim, settle
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
-from lmcache_cartridge.store.registry import Entry, Registry
+from lmcache_cartridge.store.registry import Entry
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
 from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency
 from lmcache_cartridge.store import threads
 from lmcache_cartridge.lmcache import memory_layout
 from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
+from lmcache_cartridge.lmcache.serving_set import ServingSet, SetState
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_keys
 
 logger = logging.getLogger("lmcache_cartridge.plugin")
@@ -76,6 +77,19 @@ class Served:
     keys: list[Any]
     pins: int = 0     # lookup pins held on its chunks (plugin lock): closing waits for 0
     reads: int = 0    # retrieves reading it right now (plugin lock)
+
+    # what the serving set reads of a served cartridge (`lmcache.serving_set`)
+    @property
+    def manifest(self):
+        return self.handle.manifest
+
+    @property
+    def origin(self):
+        return self.handle.origin
+
+    @property
+    def key(self) -> str:
+        return self.handle.key
 
 
 @dataclass(eq=False)
@@ -100,24 +114,11 @@ class _Tombstone:
     idle_seen: bool = False
 
 
-@dataclass(frozen=True)
-class Quarantine:
-    """Bytes found bad at their origin: not served again until the registered bytes change
-    (the in-process plugin and the MP adapter keep the same record)."""
-
-    content_hash: str
-    epoch: int
-    path: str
-    why: str
-
-    def matches(self, e: Entry) -> bool:
-        return (e.content_hash, e.epoch, e.path) == (self.content_hash, self.epoch, self.path)
-
-
 @dataclass
-class _State:
-    served: dict[str, Served] = field(default_factory=dict)          # id -> Served
-    index: dict[Any, tuple[Served, int]] = field(default_factory=dict)  # key -> (served, chunk)
+class _State(SetState):
+    """The serving set's state (`served`, `index`: key -> (Served, chunk), `skipped`,
+    `quarantined`) and the plugin's own: pins, draining chunks, tombstones."""
+
     draining: dict[Any, tuple[Served, int]] = field(default_factory=dict)  # retired but pinned
     # key -> what each pin was taken on, oldest first: after a re-registration under the same
     # keys, an unpin must release the chunk its lookup pinned, not whatever the key maps to now.
@@ -126,16 +127,10 @@ class _State:
     # pays this debt instead of releasing a newer lookup's pin on the same key. Kept one more
     # lease, so a pin LMCache never releases cannot absorb unpins for ever.
     expired: dict[Any, deque] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)            # id -> why not served
-    quarantined: dict[str, Quarantine] = field(default_factory=dict)
     tombstones: list[_Tombstone] = field(default_factory=list)
 
 
-def _same_bytes(a: Entry, b: Entry) -> bool:
-    return (a.content_hash, a.path, a.epoch) == (b.content_hash, b.path, b.epoch)
-
-
-class CartridgeStoragePlugin(StoragePluginInterface):
+class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
     """Read-only `StoragePluginInterface` mapping LMCache chunk keys to cartridge chunks."""
 
     def __init__(self, dst_device: str = "cpu", config=None, metadata=None,
@@ -148,9 +143,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             for problem in unknown_keys(config, self.settings.name):  # a typo would be ignored silently
                 logger.warning("lmcache_cartridge: %s (ignored; `lmcache-cartridge doctor` fails on it)", problem)
             self.shape = EngineShape.from_lmcache(config, metadata, self.settings.accept_models)
-            self._lock = threading.RLock()
-            self._refresh_lock = threading.Lock()  # one refresh at a time (poller thread vs. callers)
-            self._state = _State()
+            self.registry = None
+            self._init_serving(_State(), threading.RLock())
             self._closed = threading.Event()
             self.healthy = True
             self.problem: str | None = None
@@ -183,8 +177,6 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             # and kept: asking reads every thread's mask from /proc, ~0.1 ms each time.
             self._readers_on: list[int] | None = None
             self._parallel: bool | None = None
-            self.registry: Registry | None = None
-            self._version = -1
             try:
                 self.refresh()
             except CartridgeError as e:  # locked/corrupt registry: serve nothing, keep retrying
@@ -201,7 +193,7 @@ class CartridgeStoragePlugin(StoragePluginInterface):
             logger.error("lmcache_cartridge plugin failed to start: %s: %s", type(e).__name__, e)
             raise
 
-    # --- registry -> index (runs at start and on the watcher thread) --------------------------
+    # --- registry -> index (`ServingSet.refresh`: at start and on the watcher thread) ----------
     def summary(self) -> str:
         with self._lock:
             st = self._state
@@ -218,84 +210,30 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                 f"{'; problem: ' + self.problem if self.problem else ''}"
             )
 
-    def refresh(self) -> bool:
-        """Re-read the registry if another process changed it. Returns True if it did.
+    # --- the serving set's hooks (`lmcache.serving_set`: refresh, quarantine) --------------------
+    _log = logger
 
-        The new state is built completely, then swapped in under the lock in one step (an
-        exception while opening leaves the old state whole); side effects on LMCache's cache and
-        the tiers run after, outside the lock. Refreshes are serialized: two concurrent ones (the
-        poller and a caller) would both open and swap in the same change, and the second would
-        retire the first's fresh state."""
-        with self._refresh_lock:
-            return self._refresh()
+    def _can_open(self) -> bool:
+        return self.healthy  # keys would differ between scheduler and workers: serve nothing
 
-    def _refresh(self) -> bool:
-        if self.registry is None:
-            self.registry = Registry(self.settings.registry)
-        version = self.registry.data_version()
-        if version == self._version:
-            return False
-        entries = {e.id: e for e in self.registry.list()}
-        with self._lock:
-            current = dict(self._state.served)
-            quarantined = dict(self._state.quarantined)
-        keep = {i for i, s in current.items() if i in entries and _same_bytes(entries[i], s.entry)}
-        added: dict[str, Served] = {}
-        skipped: dict[str, str] = {}
-        if self.healthy:
-            for cid, entry in entries.items():
-                if cid in keep or (cid in quarantined and quarantined[cid].matches(entry)):
-                    continue
-                try:
-                    added[cid] = self._open(entry)
-                except Exception as e:  # one bad entry (unreadable manifest, bad S3 settings) never blocks the rest
-                    skipped[cid] = str(e) if isinstance(e, CartridgeError) else f"{type(e).__name__}: {e}"
-                    logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, skipped[cid])
-        # force_redownload (same bytes, new epoch): drop the local copies *before* the new epoch is
-        # visible, so no lookup under the new epoch is answered from the copies it asked to drop.
-        redownload = {s.handle.key for cid, s in current.items()
-                      if cid in added and added[cid].handle.key == s.handle.key
-                      and added[cid].entry.epoch != s.entry.epoch}
-        for key in redownload:
-            self.residency.forget(key, disk=True)
-        with self._lock:
-            st = self._state
-            # Against the state as it is now: a reader may have quarantined a cartridge meanwhile.
-            still = {cid: q for cid, q in st.quarantined.items() if cid in entries and q.matches(entries[cid])}
-            served = {cid: s for cid, s in st.served.items() if cid in keep}
-            served.update({cid: s for cid, s in added.items() if cid not in still})
-            # keys several entries claim: the operator's over a catalog's, ambiguity refused (whose
-            # registration it is as the registry says now: a catalog's sync may record it later)
-            index, refused = settle([Claim(s, entries[cid], s.handle.manifest, [(k, i) for i, k in enumerate(s.keys)])
-                                     for cid, s in served.items()])
-            served = {cid: s for cid, s in served.items() if cid not in refused}
-            dropped = [s for cid, s in added.items() if cid not in served]
-            retired = [s for cid, s in st.served.items() if served.get(cid) is not s]
-            st.served, st.index, st.quarantined = served, index, still
-            st.skipped = skipped | refused | {cid: q.why for cid, q in still.items()}
-            for s in retired:
-                self._retire_locked(s)
-        for cid, why in refused.items():
-            logger.error("lmcache_cartridge: not serving cartridge %r: %s", cid, why)
-        for s in dropped:
-            s.handle.origin.close()
-        for s in retired:
-            self._after_retire(s, forget=s.handle.key not in redownload)
-        fresh = [s for s in added.values() if s not in dropped]
-        # KV that LMCache stored under these keys before we served them was recomputed from the
-        # cartridge's token ids (for a trained cartridge: from placeholders): it must never be
-        # served in place of the cartridge's own KV.
+    def _claims(self, s: Served) -> list[tuple[Any, int]]:
+        return [(k, i) for i, k in enumerate(s.keys)]
+
+    def _started(self, fresh: list[Served]) -> None:
+        """Cartridges just swapped in: KV that LMCache stored under their keys before we served
+        them was recomputed from the cartridge's token ids (for a trained cartridge: from
+        placeholders) and must never be served in place of the cartridge's own KV; trained ones
+        are fetched now (the gateway waits for them to be resident); `preload` ones are read and
+        verified before their first request needs them."""
         self._purge(k for s in fresh for k in s.keys)
         for s in fresh:
-            if s.entry.kind == "trained":  # the gateway waits for these to be resident: fetch now
+            if s.entry.kind == "trained":
                 self._want_download(s)
-            if self._preloaded(s):  # read and verify before its first request needs it
+            if self._preloaded(s):
                 self.residency.prefetch_rest(s.handle, preload=True)
-        self._version = version  # only once the index reflects it: a failed refresh is retried
-        if added or len(keep) != len(current):
-            logger.info("lmcache_cartridge: registry changed: %s", self.summary())
+
+    def _publish(self) -> None:
         self.dump_stats()
-        return True
 
     def _open(self, entry: Entry) -> Served:
         m = load_registered(entry)
@@ -326,14 +264,14 @@ class CartridgeStoragePlugin(StoragePluginInterface):
                         break
         st.tombstones.append(_Tombstone(s))
 
-    def _after_retire(self, s: Served, forget: bool = True) -> None:
-        """The side effects of retiring `s`, outside the plugin lock (`forget=False`: its local
-        copies were already dropped for a force_redownload)."""
-        self._purge(s.keys)
-        if forget:
-            self.residency.forget(s.handle.key)
-        self._close_if_unused(s)
-        logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
+    def _after_retire(self, retired: list[Served]) -> None:
+        """Outside the plugin lock, once the serving set forgot their local copies: purge their
+        keys from LMCache's CPU cache (tombstones purge them again until no read can write them
+        back) and close each origin nothing reads or pins any more."""
+        for s in retired:
+            self._purge(s.keys)
+            self._close_if_unused(s)
+            logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
 
     def _close_if_unused(self, s: Served) -> None:
         with self._lock:
@@ -424,11 +362,6 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         for s in trained:
             if not s.handle.origin.local and not self.residency.resident(s.handle):
                 self._want_download(s)
-
-    def served_now(self) -> dict[str, list]:
-        """`{cartridge id: [content_hash, epoch]}` this instance serves right now."""
-        with self._lock:
-            return {cid: [s.entry.content_hash, s.entry.epoch] for cid, s in self._state.served.items()}
 
     def serving_state(self) -> ServingState:
         """This instance's serving-state record as of now (see `store.serving_state`): who it is,
@@ -627,25 +560,8 @@ class CartridgeStoragePlugin(StoragePluginInterface):
         except Exception as e:  # never let a bad chunk reach LMCache or kill the worker
             logger.error("lmcache_cartridge: chunk %d of %r not served (request recomputes): %s",
                          index, m.cartridge_id, e)
-            if isinstance(e, ChecksumError) and served.handle.origin.local:
-                self._quarantine(served, str(e))
+            self._read_failed(served, e)  # bad bytes at a local origin: quarantined
             return False
-
-    def _quarantine(self, served: Served, why: str) -> None:
-        """A cartridge whose origin bytes are bad is not served again until its registered bytes
-        change (re-registered, repacked): sticky across unrelated registry changes."""
-        with self._lock:
-            st = self._state
-            if st.served.get(served.entry.id) is not served:
-                return
-            e = served.entry
-            served_now = {cid: s for cid, s in st.served.items() if s is not served}
-            index = {k: v for k, v in st.index.items() if v[0] is not served}
-            st.served, st.index = served_now, index
-            st.quarantined = st.quarantined | {e.id: Quarantine(e.content_hash, e.epoch, e.path, why)}
-            st.skipped = st.skipped | {e.id: why}
-            self._retire_locked(served)
-        self._after_retire(served)
 
     def _reader_cores(self) -> list[int]:
         """The cores the reads a retrieve waits on run on (`reader_cores` setting), asked once."""
