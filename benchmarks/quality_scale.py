@@ -82,18 +82,36 @@ def ask_all(model, tok, pb, arm: Q.Arm, carts: Path, qs: list[Q.Question], pos: 
     for q in qs:
         kv, ids = Q.hf_prompt(pb, tok, arm, q, carts)
         text = greedy(model, tok, kv, ids, max_tokens)
+        ll = Q.reference_loglik(model, tok, kv, ids, q.answer, q.fact)
         rows.append({"id": q.id, "split": q.split, "bucket": Q.bucket(pos[q.id]), "text": text,
-                     "correct": Q.fact_found(q.fact, text)})
+                     "correct": Q.fact_found(q.fact, text), **ll})
     return {"rows": rows, **tally(rows)}
+
+
+def add_loglik(model, tok, pb, arm: Q.Arm, carts: Path, qs: list[Q.Question], result: dict[str, Any]) -> None:
+    """The reference answers' log-likelihoods for rows asked before they were recorded."""
+    by_id = {q.id: q for q in qs}
+    for r in result["rows"]:
+        if "ll_answer" not in r:
+            q = by_id[r["id"]]
+            kv, ids = Q.hf_prompt(pb, tok, arm, q, carts)
+            r.update(Q.reference_loglik(model, tok, kv, ids, q.answer, q.fact))
+    result.update(tally(result["rows"]))
 
 
 def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def count(sel):
         return [sum(r["correct"] for r in sel), len(sel)]
 
+    def ll_fact(sel):
+        xs = [r["ll_fact"] for r in sel if "ll_fact" in r]
+        return round(sum(xs) / len(xs), 3) if xs else None
+
     return {"facts": count(rows), "dev": count([r for r in rows if r["split"] == "dev"]),
             "heldout": count([r for r in rows if r["split"] == "heldout"]),
-            "by_position": {b: count([r for r in rows if r["bucket"] == b]) for b in BUCKETS}}
+            "by_position": {b: count([r for r in rows if r["bucket"] == b]) for b in BUCKETS},
+            # mean log-likelihood per token of the reference fact's tokens: moves before a fact is stated
+            "ll_fact_by_position": {b: ll_fact([r for r in rows if r["bucket"] == b]) for b in BUCKETS}}
 
 
 def coverage(tok, data_pt: Path, qs: list[Q.Question], pos: dict[str, int]) -> dict[str, Any]:
@@ -121,19 +139,23 @@ def markdown(res: dict[str, Any]) -> str:
     def f(c):
         return f"{c[0]}/{c[1]}"
 
+    def ll(r, b):
+        x = (r.get("ll_fact_by_position") or {}).get(b)
+        return "" if x is None else f"{x:.2f}"
+
     lines = [f"# Data scale: {res['meta']['command']}", "",
              f"{machine(res['meta']['machine'])}; lr {res['meta']['lr']}, batch {res['meta']['batch_size']}, "
              "one epoch; "
              "HF probe of document A's 40 questions (greedy).", "",
-             "| arm | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | held-out KL init -> final | "
-             "train wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| arm | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | LL fact <256 / >=512 | "
+             "held-out KL init -> final | train wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in res["arms"].items():
         t = r.get("training") or {}
         kl = t.get("heldout_kl") or {}
         klt = f"{kl.get('init'):.3f} -> {kl.get('final'):.3f}" if kl.get("init") is not None else ""
         lines.append(f"| {name} | {r.get('conversations', '')} | {f(r['facts'])} | {f(r['dev'])} | {f(r['heldout'])} | "
                      + " | ".join(f(r["by_position"][b]) for b in BUCKETS)
-                     + f" | {klt} | {t.get('wall_s') or ''} |")
+                     + f" | {ll(r, '<256')} / {ll(r, '>=512')} | {klt} | {t.get('wall_s') or ''} |")
     for n, cov in sorted(res.get("coverage", {}).items(), key=lambda kv: int(kv[0])):
         facts = cov["facts"]
         lines += ["", f"## Coverage at {n} conversations (facts beyond 512 tokens)", "",
@@ -165,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-threads", type=int, default=1, help="torch threads for asking the questions (one "
                     "thread per greedy step avoids OpenMP spinning when other jobs share the cores)")
     ap.add_argument("--no-baselines", action="store_true", help="skip first-k, step 0 and ICL")
+    ap.add_argument("--loglik", action="store_true", help="no training: add the reference log-likelihoods to the "
+                    "arms already asked (their cartridges still in the work directory) and rewrite the report")
     ap.add_argument("--work", type=Path, default=WORK)
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
@@ -205,6 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[scale] {name}: facts {r['facts']} by position {r['by_position']}", flush=True)
         save()
 
+    if a.loglik:
+        kinds = {"first_k_256": ("first_k", "qa-fk256"), "first_k_512": ("first_k", "qa-fk512"),
+                 "init_256": ("trained", "qa-init256"), "icl": ("icl", None)}
+        for name, r in res["arms"].items():
+            kind, cid = kinds.get(name) or ("trained", f"tr{name.split('_')[1]}_{name.split('_')[2]}")
+            add_loglik(model, tok, pb, Q.Arm(name, kind, ("a",), (cid,) if cid else ()), carts, qs, r)
+            print(f"[scale] {name}: LL of the facts by position {r['ll_fact_by_position']}", flush=True)
+        save()
+        print(a.out.with_suffix(".md").read_text())
+        return 0
     if not a.no_baselines:
         for name, kind, cid in (("first_k_256", "first_k", "qa-fk256"), ("first_k_512", "first_k", "qa-fk512"),
                                 ("init_256", "trained", "qa-init256")):

@@ -20,7 +20,7 @@ import torch
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import atomic_open
-from lmcache_cartridge.tools.selfstudy.config import LoopConfig
+from lmcache_cartridge.tools.selfstudy.config import LoopConfig, default_lr
 from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss, kl_sum
 from lmcache_cartridge.tools.selfstudy.synth import Conversation, sub_seed
 
@@ -137,6 +137,11 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
+def learning_rate(cfg: LoopConfig, student) -> float:
+    """`cfg.lr`, or the rate measured for a model of the student's size when none was given."""
+    return cfg.lr if cfg.lr is not None else default_lr(sum(p.numel() for p in student.parameters()))
+
+
 def run_loop(student, train: list[Conversation], heldout: list[Conversation], cfg: LoopConfig, *,
              work_dir: Path, fingerprint: str, pad_id: int, progress: bool = True) -> LoopResult:
     """Train `student`'s cartridge for `cfg.steps` steps in all (resuming from a checkpoint)."""
@@ -144,7 +149,7 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
 
     work_dir.mkdir(parents=True, exist_ok=True)
     encoder = encoder_of(student)
-    optimizer = torch.optim.Adam([encoder.trainable_embedding], lr=cfg.lr)
+    optimizer = torch.optim.Adam([encoder.trainable_embedding], lr=learning_rate(cfg, student))
     ck = load_checkpoint(work_dir, fingerprint)
     start = 0
     if ck is not None:

@@ -16,8 +16,8 @@ import torch
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import atomic_open
-from lmcache_cartridge.tools.selfstudy.config import TrainConfig, check_length, default_lr
-from lmcache_cartridge.tools.selfstudy.loop import LoopResult, build_student, encoder_of, run_loop
+from lmcache_cartridge.tools.selfstudy.config import TrainConfig, check_length
+from lmcache_cartridge.tools.selfstudy.loop import LoopResult, build_student, encoder_of, learning_rate, run_loop
 from lmcache_cartridge.tools.selfstudy.synth import SEED_TYPES, Conversation, HFBackend, ShardStore, synthesize
 
 DATA_NAME = "data.pt"
@@ -163,9 +163,9 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     # Synthesis first: a vLLM engine and the training model need not share the memory.
     train, heldout = load_or_synthesize(cfg, None, load_tokenizer(cfg.model_dir), text)
     model, tokenizer = load_for_training(cfg.model_dir, device, dtype)
-    if cfg.loop.lr is None:  # resolved before the fingerprint: a resumed run keeps its rate
-        cfg = replace(cfg, loop=replace(cfg.loop, lr=default_lr(sum(p.numel() for p in model.parameters()))))
     student = build_student(model, tokenizer, text, cfg.tokens, cfg.frozen_tokens)
+    # the rate is fixed before the fingerprint (a resumed run keeps it) and recorded in provenance
+    cfg = replace(cfg, loop=replace(cfg.loop, lr=learning_rate(cfg.loop, student)))
     t0 = time.time()
     result = run_loop(student, train, heldout, cfg.loop, work_dir=cfg.work, fingerprint=cfg.fingerprint(text),
                       pad_id=tokenizer.pad_token_id, progress=cfg.progress)
