@@ -3,9 +3,10 @@ servers, at the smallest size: correctness only, no timing is asserted.
 
 Three servers (the default tiny test model; nothing here is timed): (b, d) vLLM + LMCache + plugin +
 CartridgeConnector, prefix caching on, the session's pooled server (`server_pool`); (a, c) plain
-vLLM, prefix caching on, of its own; (f) an `lmcache server` (LMCache's multiprocess mode, the
-arm-(e) command line) with vLLM on LMCache's own `LMCacheMPConnector`; the two of their own
-launched first so that all start together. Arm (a) runs on the first two before anything else:
+vLLM, prefix caching on, of its own, launched first so that both start together; (f) an `lmcache
+server` (LMCache's multiprocess mode, the arm-(e) command line) with vLLM on LMCache's own
+`LMCacheMPConnector`, started once the plain server has stopped (memory).
+Arm (a) runs on the first two before anything else:
 its requests are salted, as in the benchmark, so a prefix cache cannot serve them (the benchmark
 runs it on a third server with
 prefix caching off; a third start-up here cost ~50 s of `make test`). One 512-token document (two
@@ -62,12 +63,10 @@ def bench(tmp_path_factory, request):
     # taken after the plain one was launched, so that both start together
     servers = {"prefix": bt.make_server("prefix", work / "prefix", model_dir, cfg)}
     try:
-        servers["mp_l1"] = bt.make_server("mp_l1", work / "mp_l1", model_dir, cfg)
         lmc = request.getfixturevalue("tiny_prefix_server")
         registry = lmc.registry
         servers["lmcache"] = (lmc, registry)
         servers["prefix"][0].wait_healthy(timeout=420)
-        servers["mp_l1"][0].wait_healthy(timeout=420)
         assert "vLLM CPU KV layout verified" in lmc.log_text(), lmc.log_tail()
         cells = {
             # (a) on plain vLLM, salted requests: before (c) warms the document into its prefix cache
@@ -81,9 +80,14 @@ def bench(tmp_path_factory, request):
             "c": bt.run_arm("prefix_cache", servers["prefix"][0], docs, plan),
             "d": bt.run_arm("cartridge_cached", lmc, docs, plan, skip_save=True, registry=registry,
                             cartridges=carts),
-            # (f) the MP anchor: vLLM's own KV stored into the server's L1 by the warm-up, read back
-            "f": bt.run_arm("mp_l1", servers["mp_l1"][0], docs, plan),
         }
+        # (f) the MP anchor: vLLM's own KV stored into the server's L1 by the warm-up, read back.
+        # Started once the plain server is gone: three vLLMs and an lmcache server at once, beside
+        # the other test stream's servers, would not fit a 24 GiB machine.
+        servers["prefix"][0].stop()
+        servers["mp_l1"] = bt.make_server("mp_l1", work / "mp_l1", model_dir, cfg)
+        servers["mp_l1"][0].wait_healthy(timeout=420)
+        cells["f"] = bt.run_arm("mp_l1", servers["mp_l1"][0], docs, plan)
         yield SimpleNamespace(cells=cells, servers=servers, docs=docs, carts=carts, plan=plan)
     finally:
         for name in ("mp_l1", "prefix"):
