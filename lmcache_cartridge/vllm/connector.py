@@ -426,14 +426,10 @@ class CartridgeConnector(LMCacheConnectorV1):
         """Scheduler side (EngineCore process, once per scheduler step when vLLM publishes KV
         events; vLLM publishes what this yields with its block pool's events): LMCache's events,
         then the cartridges resident in the plugin's tiers (`kv_events`), computed off this thread."""
+        from lmcache_cartridge.vllm.kv_events import take_safely
+
         yield from super().take_events()
-        if self._announcer is not None:
-            try:
-                events = self._announcer.take()
-            except Exception:  # noqa: BLE001 - never stop the engine over an announcement
-                logger.exception("lmcache_cartridge: taking resident-cartridge KV events failed")
-                events = []
-            yield from events
+        yield from take_safely(self._announcer)
 
     def request_finished(self, request, block_ids):
         """Scheduler side: a request ended (also one aborted while it waited): drop its deadline."""

@@ -243,6 +243,18 @@ def why_no_announcements(vllm_config, kv_cache_config) -> Optional[str]:
     return None
 
 
+def take_safely(announcer: Optional["ResidencyAnnouncer"]) -> list:
+    """What `announcer` queued for this scheduler step ([] without one); a failure is logged,
+    never raised into the engine. Both connectors' `take_events` end with it."""
+    if announcer is None:
+        return []
+    try:
+        return announcer.take()
+    except Exception:  # noqa: BLE001 - never stop the engine over an announcement
+        logger.exception("lmcache_cartridge: taking resident-cartridge KV events failed")
+        return []
+
+
 def capture_publisher(callback: Callable[[Any], None]) -> bool:
     """Hand the next KV event publisher this process creates (vLLM's `EventPublisherFactory.create`,
     which `Scheduler.__init__` calls right after building the connector) to `callback`, once.

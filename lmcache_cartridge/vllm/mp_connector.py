@@ -152,14 +152,10 @@ class CartridgeMPConnector(LMCacheMPConnector):
         """Scheduler side (once per scheduler step when vLLM publishes KV events): LMCache's
         events, then the attached server's resident cartridges (`kv_events`), computed off this
         thread."""
+        from lmcache_cartridge.vllm.kv_events import take_safely
+
         yield from super().take_events()
-        if self._announcer is not None:
-            try:
-                events = self._announcer.take()
-            except Exception:  # noqa: BLE001 - never stop the engine over an announcement
-                logger.exception("lmcache_cartridge: taking resident-cartridge KV events failed")
-                events = []
-            yield from events
+        yield from take_safely(self._announcer)
 
     def shutdown(self):
         """Both sides, when vLLM shuts the connector down: stop announcing, then LMCache's."""
