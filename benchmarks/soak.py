@@ -26,8 +26,10 @@ What runs (all on 127.0.0.1, stops by itself):
 - `--mode mp` (`make soak MODE=mp`): LMCache's multiprocess mode: one `lmcache server` with the
   cartridge L2 adapter and vLLM on `CartridgeMPConnector` attached to it
   (`launch.MpVllmServer`, the launcher of the MP tests and of benchmarks/ttft.py's MP arms), the
-  gateway in front. The server's L1 is `--lmcache-chunks` chunks (default 64), the adapter's
-  disk tier `--plugin-disk-chunks`; `cartridge.ready_timeout_s` is `--ready-timeout-s` (8 s).
+  gateway in front. The server's L1 is `--lmcache-chunks` chunks (default 256 = 64 MiB: it must
+  hold what the clients' requests store and load at once), the adapter's disk tier
+  `--plugin-disk-chunks` (default 12 = 3 MiB, below the 15 chunks from S3: evicted trained
+  cartridges are fetched again).
   On top of the cartridge requests (its defaults; each can be set in either mode):
     * plain prompts (no cartridge), each with its own `cache_salt`: `--plain-before` of them
       (concurrently) before anything is registered, then a `--plain-fraction` of the soak's
@@ -37,7 +39,8 @@ What runs (all on 127.0.0.1, stops by itself):
       the server's L1 (the per-request count sees a plain prompt's external tokens);
     * `--salted-cartridge-requests` cartridge requests carrying the client's own `cache_salt`:
       MP keys carry the salt and the adapter serves unsalted keys only, so such a trained request
-      waits `ready_timeout_s` on the instance and fails (503), never answered;
+      waits `cartridge.ready_timeout_s` on the instance (`--ready-timeout-s`, default the
+      connector's 30 s) and fails (503), never answered;
     * churn under load (`--churn`): the last cartridge is removed before the soak and registered
       again at a quarter of it (an S3 one, downloaded under load); the first is removed at half
       of it and registered at three quarters with other bytes under the same id (a second
@@ -151,9 +154,12 @@ class SoakParams:
     @classmethod
     def mp(cls, **kw) -> "SoakParams":
         """The MP soak (`--mode mp`): plain prompts from the start, salted cartridge requests, churn
-        under load, the server's L1 at 64 chunks, an 8 s readiness deadline; `kw` overrides."""
+        under load; the server's L1 at 256 chunks (it must hold what the clients' requests store
+        and load at once: below that its allocations fail and trained requests wait out their
+        deadline), the adapter's disk tier at 12 chunks (the in-process soak's CPU + disk tiers);
+        `kw` overrides."""
         defaults = dict(mode="mp", plain_before=8, plain_fraction=0.25, salted_cartridge_requests=4, churn=True,
-                        lmcache_chunks=64, ready_timeout_s=8.0)
+                        lmcache_chunks=256, plugin_disk_chunks=12)
         return cls(**{**defaults, **kw})
 
 
@@ -1161,10 +1167,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="default benchmarks/results/soak (inprocess) or benchmarks/results/soak-mp (mp)")
     ap.add_argument("--no-s3", action="store_true", help="serve every cartridge from a local origin")
     ap.add_argument("--plugin-cpu-chunks", type=int, default=4)
-    ap.add_argument("--plugin-disk-chunks", type=int, default=8)
-    ap.add_argument("--lmcache-chunks", type=int, default=None, help="default 24 (inprocess), 64 (mp)")
-    ap.add_argument("--rss-tolerance", type=float, default=0.10)
     mpd = SoakParams.mp()
+    ap.add_argument("--plugin-disk-chunks", type=int, default=None,
+                    help=f"default 8 (inprocess), {mpd.plugin_disk_chunks} (mp)")
+    ap.add_argument("--lmcache-chunks", type=int, default=None,
+                    help=f"default 24 (inprocess), {mpd.lmcache_chunks} (mp)")
+    ap.add_argument("--rss-tolerance", type=float, default=0.10)
     ap.add_argument("--plain-before", type=int, default=None, help=f"default 0 (inprocess), {mpd.plain_before} (mp)")
     ap.add_argument("--plain-fraction", type=float, default=None,
                     help=f"default 0 (inprocess), {mpd.plain_fraction} (mp)")
@@ -1173,17 +1181,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--churn", action=argparse.BooleanOptionalAction, default=None,
                     help="registrations and removals under load (default: off inprocess, on mp)")
     ap.add_argument("--ready-timeout-s", type=float, default=None,
-                    help=f"the connector's cartridge.ready_timeout_s (default: its own 30 s inprocess, "
-                         f"{mpd.ready_timeout_s:.0f} s mp)")
+                    help="the connector's cartridge.ready_timeout_s (default: its own, 30 s)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory under .cache/")
     a = ap.parse_args(argv)
-    given = {k: v for k, v in (("lmcache_chunks", a.lmcache_chunks), ("plain_before", a.plain_before),
+    given = {k: v for k, v in (("lmcache_chunks", a.lmcache_chunks), ("plugin_disk_chunks", a.plugin_disk_chunks),
+                               ("plain_before", a.plain_before),
                                ("plain_fraction", a.plain_fraction),
                                ("salted_cartridge_requests", a.salted_cartridge_requests), ("churn", a.churn),
                                ("ready_timeout_s", a.ready_timeout_s)) if v is not None}
     common = dict(cartridges=a.cartridges, clients=a.clients, requests=a.requests, max_seconds=a.max_seconds,
                   seed=a.seed, s3=not a.no_s3, plugin_cpu_chunks=a.plugin_cpu_chunks,
-                  plugin_disk_chunks=a.plugin_disk_chunks, rss_tolerance=a.rss_tolerance, keep=a.keep, **given)
+                  rss_tolerance=a.rss_tolerance, keep=a.keep, **given)
     params = SoakParams.mp(**common) if a.mode == "mp" else SoakParams(**common)
     out = a.out or ROOT / "benchmarks" / "results" / ("soak-mp" if a.mode == "mp" else "soak")
     r = run_soak(params, out)

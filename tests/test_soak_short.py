@@ -65,7 +65,8 @@ def test_short_mp_soak_salts_external_tokens_registrations_and_removals_under_lo
         plain_fraction=0.25,        # and a quarter of the soak's requests
         salted_cartridge_requests=2,
         plugin_disk_chunks=3,       # 0.75 MiB: 3 of the 5 S3 chunks
-        lmcache_chunks=32,          # the server's L1: 8 MiB, shared with the plain prompts' chunks
+        lmcache_chunks=32,          # the server's L1: 8 MiB, enough for what 4 clients store and load at once
+        ready_timeout_s=8,          # a salted trained request waits this long, then is refused
         warmup_requests=10, rss_tolerance=0.30)
     r = soak.run_soak(params, tmp_path / "out")
     md = tmp_path / "out" / "soak.md"
