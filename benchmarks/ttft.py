@@ -332,8 +332,20 @@ STAGES = {
     "lmcache_tokens": "lmcache:retrieve_process_tokens_time",  # hashing the tokens, finding objects
     "lmcache_copy": "lmcache:retrieve_to_gpu_time",  # the copy into vLLM's KV cache
 }
+# In LMCache's MP mode, from the `lmcache server`: the cartridge adapter's own stage totals (its
+# serving-state record, `store.metrics.Metrics.stage`; per request: the total over the cell's
+# requests) and the server's transfer to the worker (prepare to commit of each retrieve, from
+# the "Retrieved N tokens in S seconds" line LMCache logs for it).
+MP_STAGES = {
+    "mp_lookup": "the adapter's lookups (index, layout, lock)",
+    "mp_load": "the adapter's loads (read, verify, encode into L1)",
+    "mp_encode": "of which encoding vLLM-CPU rows",
+    "mp_transfer": "the server's retrieve to the worker",
+}
 # The cells `--breakdown` times: (arm, variant), at c=1.
-BREAKDOWN_CELLS = frozenset({("cartridge", "first"), ("cartridge", "repeat"), ("prefix_cache", "warm")})
+BREAKDOWN_CELLS = frozenset({("cartridge", "first"), ("cartridge", "repeat"), ("prefix_cache", "warm"),
+                             ("cartridge_mp", "first"), ("cartridge_mp", "repeat"),
+                             ("cartridge_mp_retain", "repeat"), ("mp_l1", "repeat")})
 LMCACHE_STATS_INTERVAL_S = 10.0  # lmcache 0.5.6: LMCacheEngineBuilder's LMCacheStatsLogger(log_interval=10)
 
 
@@ -347,6 +359,25 @@ def stage_sums(url: str) -> dict[str, tuple[float, float]]:
         base, _, suffix = smp.name.rpartition("_")
         if base in names and suffix in ("sum", "count"):
             acc[names[base]][0 if suffix == "sum" else 1] += smp.value
+    return {k: (v[0], v[1]) for k, v in acc.items()}
+
+
+def mp_stage_sums(server) -> dict[str, tuple[float, float]]:
+    """(seconds, events) of each `MP_STAGES` stage on an MP server (`testing.launch.MpVllmServer`)
+    so far; {} for other servers."""
+    import re
+
+    if not hasattr(server, "lmcache_server"):
+        return {}
+    acc = {k: [0.0, 0.0] for k in MP_STAGES}
+    for st in server.plugin_states():  # the adapter's record (the server's process group)
+        for k, v in st.stages.items():
+            if f"mp_{k}" in acc:
+                acc[f"mp_{k}"][0] += v.get("seconds", 0.0)
+                acc[f"mp_{k}"][1] += v.get("count", 0.0)
+    for m in re.finditer(r"Retrieved \d+ tokens in ([0-9.]+) seconds", server.lmcache_server.log_text()):
+        acc["mp_transfer"][0] += float(m.group(1))
+        acc["mp_transfer"][1] += 1
     return {k: (v[0], v[1]) for k, v in acc.items()}
 
 
@@ -426,7 +457,7 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
     staged = concurrency == 1 and (arm, variant) in plan.breakdown
     if staged:
         time.sleep(LMCACHE_STATS_INTERVAL_S + 1)  # what LMCache measured before this cell is published
-        stages0 = stage_sums(server.url)
+        stages0 = {**stage_sums(server.url), **mp_stage_sums(server)}
     (ext0, pc0), t0 = _kv_sources(server), time.perf_counter()
     burst_s = 0.0
     for b in range(n_bursts):
@@ -446,7 +477,11 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
     cell.wall_s = time.perf_counter() - t0
     if staged:
         time.sleep(LMCACHE_STATS_INTERVAL_S + 1)  # ... and what it measured during it
-        cell.stages = stage_means(stage_sums(server.url), stages0)
+        stages1 = {**stage_sums(server.url), **mp_stage_sums(server)}
+        cell.stages = stage_means(stages1, stages0)
+        for k in MP_STAGES:  # per request, whatever the server's batching: the cell's total / requests
+            if k in cell.stages and cell.shots:
+                cell.stages[k]["mean_ms"] = round((stages1[k][0] - stages0[k][0]) / len(cell.shots) * 1e3, 3)
         log(f"  {arm}/{variant} L={L}: stages (mean ms) "
             + ", ".join(f"{k} {v['mean_ms']:.2f}" for k, v in cell.stages.items()))
     ext1, pc1 = _kv_sources(server)
@@ -891,12 +926,14 @@ def markdown(result: dict) -> str:
                 + "; ".join(f"{k}: {v[0]}/{v[1]}" for k, v in hf.items()) + ".", ""]
     staged = [x for x in cells if x.get("stages")]
     if staged:
-        cols = [k for k in STAGES if any(k in x["stages"] for x in staged)]
+        cols = [k for k in (*STAGES, *MP_STAGES) if any(k in x["stages"] for x in staged)]
         out += ["## Where a request's time goes (`--breakdown`, c=1)", "",
                 "Per-request means in ms from the servers' own histograms over each cell (vLLM's: "
                 "prefill = scheduled to first token, the KV load included; sched_lookup: the "
                 "connector's, per lookup (one per request at c=1), inside prefill; LMCache's, worker side: "
-                "the retrieve a load waits on, its token processing and its copy into vLLM's cache):", "",
+                "the retrieve a load waits on, its token processing and its copy into vLLM's cache; in MP "
+                "mode, totals per request in the `lmcache server`: "
+                + "; ".join(f"{k}: {v}" for k, v in MP_STAGES.items()) + "):", "",
                 "| cell | doc tokens | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
         for x in sorted(staged, key=lambda x: (x["length"], x["arm"])):
             out.append(f"| {x['label']} | {x['length']:,} | " + " | ".join(

@@ -21,6 +21,7 @@ from conftest import random_kv
 from lmcache_cartridge.cartridge.packed import pack_kv
 from lmcache_cartridge.lmcache.mp_adapter import CartridgeL2Adapter, CartridgeL2AdapterConfig, kv_world_and_rank
 from lmcache_cartridge.store.registry import Registry
+from lmcache_cartridge.store.serving_state import read_states
 
 CHUNK = 64
 MODEL = "tiny-mp-model"
@@ -120,6 +121,15 @@ def test_a_tensor_parallel_key_is_served_its_ranks_heads(tmp_path):
             chunk, rank = divmod(n, world)
             want = kv[:, :, chunk * CHUNK:(chunk + 1) * CHUNK, rank * (H // world):(rank + 1) * (H // world)]
             assert torch.equal(obj.tensor, want.reshape(2, L, CHUNK, -1))
+        # where the time went, per stage (`ttft.py --breakdown` reads them from the published record):
+        # two lookup batches and one load of these keys; a KV_2LTD object needs no encoding
+        stages = adapter.metrics.snapshot()["stages"]
+        assert (stages["lookup"]["count"], stages["lookup"]["items"]) == (2, len(keys) + len(others))
+        assert (stages["load"]["count"], stages["load"]["items"]) == (1, len(keys))
+        assert stages["load"]["seconds"] > 0 and "encode" not in stages
+        adapter.publish()
+        (state,) = read_states(tmp_path / "cache")
+        assert state.stages["load"] == stages["load"]
         # removed: no key hits any more
         reg.remove("doc")
         adapter.refresh()

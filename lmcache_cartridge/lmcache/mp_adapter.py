@@ -366,13 +366,14 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             local = ALL if s.origin.local or self.residency.resident(s.any_handle()) else ()
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.manifest.kind, n, local)
         models = sorted({m for s in served for m in s.models} | set(self.settings.accept_models))
+        snap = self.metrics.snapshot()
         state = ServingState(
             **self._identity, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
             role="mp-server", model=models[0] if models else "", models=tuple(models), rank=0, world_size=1,
             registry=str(self.settings.registry.resolve()), healthy=self._ctx is not None,
             problem=None if self._ctx is not None else "not attached: add --server-module '{\"module_path\": "
                     "\"lmcache_cartridge.vllm.mp_server\"}'",
-            cartridges=carts, skipped=skipped, tiers=self.metrics.snapshot()["tiers"],
+            cartridges=carts, skipped=skipped, tiers=snap["tiers"], stages=snap["stages"],
             metrics_instance=self.metrics.instance)
         try:
             publish(self.settings.cache_dir, state)
@@ -519,6 +520,13 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     def _lookup(self, keys, descs) -> Bitmap:
         """Reader thread: which keys this adapter can load now, each locked until the server's
         unlock (`_Lock`: a remote chunk's disk file is held, else it is a miss)."""
+        t0 = time.perf_counter()
+        try:
+            return self._lookup_keys(keys, descs)
+        finally:
+            self.metrics.stage("lookup", time.perf_counter() - t0, len(keys))
+
+    def _lookup_keys(self, keys, descs) -> Bitmap:
         bits = Bitmap(len(keys))
         downloads = {}
         for n, key in enumerate(keys):
@@ -559,6 +567,13 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         cartridge was retired (removed, replaced, quarantined) while the batch was read is a miss,
         as in-process (`CartridgeStoragePlugin.batched_get_blocking`): a batch whose chunk fails
         verification serves none of that cartridge, and old bytes never reach L1."""
+        t0 = time.perf_counter()
+        try:
+            return self._load_keys(keys, objects)
+        finally:
+            self.metrics.stage("load", time.perf_counter() - t0, len(keys))
+
+    def _load_keys(self, keys, objects) -> Bitmap:
         bits = Bitmap(len(keys))
         read = []
         for n, (key, obj) in enumerate(zip(keys, objects)):
@@ -571,8 +586,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 continue
             h, lay = got
             try:
-                self.residency.read_into(h, i, obj.tensor, network=False, encode=encoder_for(lay))  # in the try: a
-                # failed encoder is this key's miss, not the batch's
+                self.residency.read_into(h, i, obj.tensor, network=False, encode=self._timed(encoder_for(lay)))
+                # in the try: a failed encoder is this key's miss, not the batch's
             except NotLocal:
                 self.residency.download_async(h, on_done=lambda _h: self.publish())
                 continue
@@ -590,6 +605,17 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         if done:
             self._notify_keys_accessed(done)
         return bits
+
+    def _timed(self, encode):
+        """`encode` counted as the "encode" stage (the rest of a chunk's read is its tier's latency)."""
+        if encode is None:
+            return None
+
+        def timed(dst, src):
+            t0 = time.perf_counter()
+            encode(dst, src)
+            self.metrics.stage("encode", time.perf_counter() - t0)
+        return timed
 
     # --- housekeeping -----------------------------------------------------------------------------
     def report_status(self) -> dict:
