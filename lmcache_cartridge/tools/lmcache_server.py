@@ -32,9 +32,12 @@ CONNECTORS = {"cartridge": {"kv_connector": "CartridgeMPConnector",
                           "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector"}}
 # The server's L2 prefetch policies (`--l2-prefetch-policy`, lmcache 0.5.6's registry in
 # `v1/distributed/storage_controllers/prefetch_policy.py`): `default` keeps nothing loaded from an
-# L2 adapter in L1 once the reader has it (a repeat asks the adapter again); `retain` keeps every
-# loaded key in L1 (a repeat hits L1, until evicted or a removal purges it).
+# L2 adapter in L1 once the reader has it (a repeat asks the adapter again: read, encode); `retain`
+# keeps every loaded key in L1 (a repeat hits L1, until LRU evicts it or a removal purges it), as
+# in-process LMCache keeps a plugin's hit in its CPU backend. Ours is `retain`: a hot cartridge's
+# repeat is then an L1 hit, as fast as LMCache's own (`benchmarks/ttft.py`, arms e and f).
 PREFETCH_POLICIES = ("default", "retain")
+PREFETCH_POLICY = "retain"
 # LMCache names a shared-memory L1 pool `lmcache_l1_pool_<name>` and unlinks a segment of that name
 # at start (a stale one of a killed server): the name carries the port, one server per port per host.
 SHM_PREFIX = "lmcache_l1_pool_"
@@ -50,7 +53,7 @@ def shm_name(port: int) -> str:
 def server_command(port: int, http_port: int, adapter_params: dict[str, Any], *, chunk_size: int = 256,
                    hash_algorithm: str = "sha256_cbor", l1_size_gb: float = 1.0,
                    transfer_mode: str = "auto", host: str = "127.0.0.1",
-                   prefetch_policy: str = "default", shm: bool = True) -> list[str]:
+                   prefetch_policy: str = PREFETCH_POLICY, shm: bool = True) -> list[str]:
     """The `lmcache server` command line serving cartridges (`adapter_params`: the plugin's
     settings by name, e.g. {"registry": ..., "cache_dir": ...}; `prefetch_policy`: one of
     `PREFETCH_POLICIES`). `shm`: L1 in shared memory (`shm_name`), so engine-driven workers on this
@@ -96,7 +99,7 @@ class LmcacheServer:
 
     def __init__(self, root: Path, adapter_params: dict[str, Any], *, chunk_size: int = 256,
                  hash_algorithm: str = "sha256_cbor", l1_size_gb: float = 1.0, transfer_mode: str = "auto",
-                 prefetch_policy: str = "default", shm: bool = True,
+                 prefetch_policy: str = PREFETCH_POLICY, shm: bool = True,
                  extra_env: dict[str, str] | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
