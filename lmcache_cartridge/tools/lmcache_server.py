@@ -151,6 +151,21 @@ class LmcacheServer:
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read() or b"{}")
 
+    def l1_mapped_by(self, pid: int) -> bool:
+        """Whether a process of `pid`'s tree (a vLLM server) maps this server's L1 in shared
+        memory: LMCache's `EngineDrivenContextShm` does in the worker, its pickle path does not."""
+        from lmcache_cartridge.store.serving_state import descendants
+
+        if not self.shm_name:
+            return False
+        for p in descendants(pid) | {pid}:
+            try:
+                if f"/dev/shm/{self.shm_name}" in Path(f"/proc/{p}/maps").read_text():
+                    return True
+            except OSError:  # exited meanwhile
+                continue
+        return False
+
     def stop(self) -> None:
         stop_group(self.proc)
         if self.shm_name:  # a server killed before its own cleanup leaves its L1 in /dev/shm (RAM)
