@@ -19,7 +19,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv model router lint test test-quick test-avx2 demo bench bench-ttft fleet soak answers quality quality-scale quality-served clean-venv
+.PHONY: venv model router lint test test-quick test-avx2 demo bench bench-ttft bench-ttft-mp fleet soak answers quality quality-scale quality-served clean-venv
 
 venv: $(STAMP)
 
@@ -94,8 +94,14 @@ bench: $(STAMP)
 	$(PY) benchmarks/tp_read.py
 
 bench-ttft: $(STAMP)
-	$(PY) benchmarks/ttft.py --lengths 256,1024,2048,4096,8192,16384 --concurrency 1,4,16 \
+	$(PY) benchmarks/ttft.py --arms full_prefill,cartridge,prefix_cache,cartridge_cached \
+		--lengths 256,1024,2048,4096,8192,16384 --concurrency 1,4,16 \
 		--samples 8 --max-burst-s 120 --cell-budget-s 60 --breakdown
+
+# LMCache's multiprocess mode beside in-process and vLLM's prefix cache (one lmcache server + vLLM per arm)
+bench-ttft-mp: $(STAMP)
+	$(PY) benchmarks/ttft.py --arms cartridge,prefix_cache,cartridge_mp,cartridge_mp_retain,cartridge_mp_shm,cartridge_mp_pickle,mp_l1,mp_l1_pickle \
+		--lengths 1024,4096,16384 --concurrency 1 --samples 6 --out benchmarks/results/ttft_mp
 
 # First-k answers on the real model: vLLM-made KV, HF-made KV and vLLM's own cache vs the plain prompt.
 answers: $(STAMP)
