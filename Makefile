@@ -129,8 +129,10 @@ quality-scale: $(STAMP)
 quality-served: $(STAMP)
 	$(PY) benchmarks/quality.py --conversations 128 --heldout 8 --steps 100 --batch-size 8
 
+# `make fleet MODE=mp`: the same arms in LMCache's multiprocess mode (two vLLMs on one host's
+# `lmcache server`); results in benchmarks/results/fleet/fleet-mp.{md,json}.
 fleet: $(STAMP) $(ROUTER_VENV)/.installed
-	$(PY) benchmarks/fleet.py
+	$(PY) benchmarks/fleet.py $(if $(MODE),--mode $(MODE))
 
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py --cartridges 20 --clients 16 --requests 6000 --max-seconds 300

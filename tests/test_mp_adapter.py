@@ -345,3 +345,44 @@ def test_lookup_locks_the_server_never_returns_let_go_after_the_lease(tmp_path, 
     finally:
         adapter.close()
     assert not open_at_close.held
+
+
+def test_the_adapter_syncs_its_catalog_and_serves_what_is_published(tmp_path, moto_server, s3_proxy):
+    """`catalog_uri` in the adapter's params (the plugin's setting, from the same YAML): once the
+    server attaches it, the adapter syncs the S3 catalog into its registry as the in-process plugin
+    does, so a published cartridge is served and an unpublished one no longer is. The server is
+    the host's only LMCache process in MP mode: without this nothing would sync the catalog."""
+    from lmcache_cartridge.store.catalog import publish, unpublish
+    from lmcache_cartridge.store.s3 import S3Settings
+    from s3_server import s3_client
+
+    s3_client(moto_server).create_bucket(Bucket="mp-catalog")
+    catalog = "s3://mp-catalog/catalog"
+    ids = list(range(100, 100 + 2 * CHUNK))
+    pack_kv(random_kv(2, 2 * CHUNK, 2, 16, seed=91), tmp_path / "doc", cartridge_id="mp-cat", model=MODEL,
+            kind="first_k", token_ids=ids, chunk_size=CHUNK)
+    adapter = CartridgeL2Adapter({"registry": str(tmp_path / "reg.db"), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 0.1, "catalog_uri": catalog, "catalog_period": 0.2,
+                                  "s3.endpoint_url": s3_proxy.endpoint_url})
+
+    def served() -> bool:
+        with adapter._lock:
+            return "mp-cat" in adapter._state.served
+
+    def until(want: bool) -> bool:
+        deadline = time.time() + 30
+        while served() != want and time.time() < deadline:
+            time.sleep(0.05)
+        return served() == want
+
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        publish(tmp_path / "doc", catalog, S3Settings(endpoint_url=s3_proxy.endpoint_url))
+        assert until(True), adapter.summary()
+        assert adapter._state.served["mp-cat"].entry.catalog == catalog
+        unpublish("mp-cat", catalog, S3Settings(endpoint_url=s3_proxy.endpoint_url))
+        assert until(False), adapter.summary()
+    finally:
+        adapter.close()
+    assert adapter._catalog_sync is not None and not adapter._catalog_sync._thread.is_alive()

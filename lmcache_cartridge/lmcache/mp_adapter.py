@@ -43,7 +43,8 @@ which LMCache drops from L1 what it believes an L2 adapter stored.
 Where it runs: in the `lmcache server` process. Who calls it: the server's store controller thread
 (`submit_store_task`, `pop_completed_store_tasks`) and prefetch controller thread (lookups,
 unlocks, loads, their results); the work runs on one reader thread of its own and completes into
-dicts under `_lock`, signalled by event fds; a watcher thread follows the registry. It owns its
+dicts under `_lock`, signalled by event fds; a watcher thread follows the registry, and with
+`catalog_uri` set a catalog sync thread (`lmcache.catalog_sync`, as the plugin's) fills it. It owns its
 index, tiers and records; the cartridges' files stay the operator's.
 """
 
@@ -70,6 +71,7 @@ from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
 from lmcache_cartridge.lmcache.serving_set import ServingSet, SetState
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_settings
 from lmcache_cartridge.paths import private_dir
@@ -218,6 +220,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self._ctx = None
         self._transfer_modules: list = []
         self._closed = threading.Event()
+        self._catalog_sync = None  # started by `attach` when `catalog_uri` is set
         self.registry = Registry(st.registry)
         self._identity = {"instance": f"{NAME}-mp-pid{os.getpid()}-{uuid.uuid4().hex[:8]}",
                           "host": socket.gethostname(), "pid": os.getpid(),
@@ -242,6 +245,12 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             self._ctx = server_context
             self._version = -1
         self.refresh()
+        # A fleet's catalog in S3 (`catalog_uri`), synced into the registry this adapter watches,
+        # as the in-process plugin does: the server is the host's only LMCache process in MP mode,
+        # so nothing else would sync it. Started here, not at construction: the server's chunk size
+        # (checked against each entry as the plugin checks its own) is known once attached.
+        if self._catalog_sync is None and not self._closed.is_set():
+            self._catalog_sync = start_catalog_sync(self.settings, getattr(server_context, "chunk_size", None))
         logger.info("lmcache_cartridge MP adapter attached: %s", self.summary())
 
     # --- registry -> index (`ServingSet.refresh`: watcher thread, `attach`, tests) -------------
@@ -628,6 +637,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         """Called by the server's storage manager before it frees L1: wait for a load in flight
         (it writes into L1 buffers), stop the watcher, close every origin."""
         self._closed.set()
+        if self._catalog_sync is not None:
+            self._catalog_sync.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._watcher.join(timeout=5)
         with self._lock:

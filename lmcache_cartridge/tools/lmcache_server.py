@@ -104,6 +104,7 @@ class LmcacheServer:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.port, self.http_port = free_port(), free_port()
+        self.prefetch_policy = prefetch_policy
         self.http = f"http://127.0.0.1:{self.http_port}"
         cmd = server_command(self.port, self.http_port, adapter_params, chunk_size=chunk_size,
                              hash_algorithm=hash_algorithm, l1_size_gb=l1_size_gb, transfer_mode=transfer_mode,
