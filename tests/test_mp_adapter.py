@@ -139,6 +139,81 @@ def test_a_tensor_parallel_key_is_served_its_ranks_heads(tmp_path):
         adapter.close()
 
 
+class _L1:
+    """The server's L1 as the adapter's purge sees it (`storage_manager.delete_l1_keys`): the keys
+    it was told to delete, none of them locked."""
+
+    def __init__(self) -> None:
+        self.deleted: list = []
+
+    def delete_l1_keys(self, keys, force=False):  # noqa: ARG002 (LMCache's signature)
+        self.deleted += keys
+        return len(keys), 0
+
+
+def test_client_kv_reaches_only_keys_naming_its_salt_and_its_removal_purges_them(tmp_path):
+    """KV a client brought (`Entry.salt`) for a prompt the operator also serves, with other KV (a
+    forged one: the prompt's ids over another text's KV). MP keys carry vLLM's request
+    `cache_salt`: the client's chunks go to keys whose cache_salt is its salt, or the gateway's
+    `salt:<the client's own>`, and to no other key: not unsalted (the operator's chunks go there,
+    as before), not another salt, nor one that only looks like it. Removed, its chunks are purged
+    from L1 under every salted key they were loaded for and the operator's stay."""
+    L, H, D = 2, 2, 16
+    ids = list(range(700, 700 + 2 * CHUNK))
+    kvs = {"handbook": random_kv(L, 2 * CHUNK, H, D, seed=41), "brought": random_kv(L, 2 * CHUNK, H, D, seed=42)}
+    for name, kv in kvs.items():
+        pack_kv(kv, tmp_path / name, cartridge_id=name, model=MODEL, kind="first_k", token_ids=ids,
+                chunk_size=CHUNK)
+    reg = Registry(tmp_path / "reg.db")
+    reg.register(tmp_path / "handbook")
+    salt = reg.register(tmp_path / "brought", client=True).salt
+    assert salt
+    l1 = _L1()
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 3600})
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=l1))
+        assert set(adapter.served_now()) == {"handbook", "brought"}, adapter.report_status()
+        hashes = hasher.compute_chunk_hashes(ids)
+        rank = ObjectKey.ComputeKVRank(1, 0, 1, 0)
+        desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
+
+        def keys(cache_salt: str) -> list:
+            return [ObjectKey(h, MODEL, rank, 0, cache_salt) for h in hashes]
+
+        def whose(cache_salt: str) -> list[str | None]:
+            """As the server asks: lookup and lock, unlock, load; whose KV each chunk got."""
+            ks = keys(cache_salt)
+            hits = _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(ks, desc))
+            adapter.submit_unlock([k for n, k in enumerate(ks) if hits.test(n)])
+            objs = [SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16)) for _ in ks]
+            loaded = _wait(adapter, "load", adapter.submit_load_task(ks, objs))
+            assert hits.popcount() == loaded.popcount(), cache_salt
+            out = []
+            for n, obj in enumerate(objs):
+                got = [name for name, kv in kvs.items()
+                       if torch.equal(obj.tensor, kv[:, :, n * CHUNK:(n + 1) * CHUNK].reshape(2, L, CHUNK, -1))]
+                out.append(got[0] if loaded.test(n) else None)
+            return out
+
+        theirs = f"{salt}:user-7"  # the gateway's form for a client that sets its own cache_salt
+        assert whose(salt) == ["brought", "brought"]
+        assert whose(theirs) == ["brought", "brought"]
+        assert whose("") == ["handbook", "handbook"]  # the prompt's own keys: the operator's, as before
+        for other in ("another-salt", f"another:{salt}", f":{salt}", f"{salt}0", salt[:-1]):
+            assert whose(other) == [None, None], other
+
+        reg.remove("brought")
+        assert adapter.refresh()
+        assert set(l1.deleted) == set(keys(salt) + keys(theirs)), "the purge missed or overreached"
+        assert whose(salt) == [None, None] and whose(theirs) == [None, None]
+        assert whose("") == ["handbook", "handbook"]
+        assert {a[3] for a in adapter._asked} == {""}  # the removed KV's salts are not kept for ever
+    finally:
+        adapter.close()
+
+
 def test_two_models_cartridges_of_the_same_tokens_stay_apart(tmp_path):
     """The server's chunk hash chains token ids only: two models' cartridges of the same tokens
     have the same hashes and are told apart by the key's model name (each gets its own KV)."""

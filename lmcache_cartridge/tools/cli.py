@@ -704,8 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
              "server module, configured from the same LMCache YAML as the in-process plugin (registry,\n"
              "cache_dir, accept_models, s3.*; chunk_size and pre_caching_hash_algorithm become the\n"
              "server's). vLLM: configs/vllm-serve-mp.sh (CartridgeMPConnector: trained cartridges wait\n"
-             "for their KV or fail, never recomputed). KV a client brought: in-process mode only\n"
-             "(docs/deployment.md).",
+             "for their KV or fail, never recomputed). KV a client brought is served only to requests\n"
+             "whose cache_salt names its salt, as the gateway sends them (docs/deployment.md).",
              "lmcache-cartridge mp-server --config configs/lmcache-cartridge.yaml --port 5555")
     sp.add_argument("--config", default=SERVER_CONFIG,
                     help="LMCache YAML with the cartridge plugin's settings; default $LMCACHE_CONFIG_FILE")
