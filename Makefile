@@ -84,10 +84,12 @@ test-avx2: $(STAMP) $(ROUTER_VENV)/.installed
 	PYTHONPATH=$(CURDIR)/tests/emulate_avx2 $(PY) -m pytest -q -p no:cacheprovider -rs $(AVX2_TESTS)
 
 # `make demo` runs it on SmolLM2-135M-Instruct (`make model`); `make demo MODEL_DIR=/path/to/hf-model`
-# on your own model; `make demo FAMILY=llama` (or qwen2) on a tiny random-weight test model. The
-# servers' logs go to files (printed).
+# on your own model; `make demo FAMILY=llama` (or qwen2) on a tiny random-weight test model;
+# `make demo MODE=mp` with LMCache in multiprocess mode (`lmcache server` + the cartridge adapter,
+# vLLM on CartridgeMPConnector). The servers' logs go to files (printed).
 demo: $(STAMP)
-	$(PY) -m lmcache_cartridge.testing.demo $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") $(if $(FAMILY),--family $(FAMILY))
+	$(PY) -m lmcache_cartridge.testing.demo $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") $(if $(FAMILY),--family $(FAMILY)) \
+		$(if $(MODE),--mode $(MODE))
 
 bench: $(STAMP)
 	$(PY) benchmarks/chunk_retrieval.py
