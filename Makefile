@@ -19,7 +19,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv model router lint test test-quick test-avx2 demo bench bench-ttft fleet soak answers quality quality-scale quality-served clean-venv
+.PHONY: venv model router lint test test-quick test-avx2 demo bench bench-ttft bench-ttft-mp fleet soak answers quality quality-scale quality-served clean-venv
 
 venv: $(STAMP)
 
@@ -84,18 +84,26 @@ test-avx2: $(STAMP) $(ROUTER_VENV)/.installed
 	PYTHONPATH=$(CURDIR)/tests/emulate_avx2 $(PY) -m pytest -q -p no:cacheprovider -rs $(AVX2_TESTS)
 
 # `make demo` runs it on SmolLM2-135M-Instruct (`make model`); `make demo MODEL_DIR=/path/to/hf-model`
-# on your own model; `make demo FAMILY=llama` (or qwen2) on a tiny random-weight test model. The
-# servers' logs go to files (printed).
+# on your own model; `make demo FAMILY=llama` (or qwen2) on a tiny random-weight test model;
+# `make demo MODE=mp` with LMCache in multiprocess mode (`lmcache server` + the cartridge adapter,
+# vLLM on CartridgeMPConnector). The servers' logs go to files (printed).
 demo: $(STAMP)
-	$(PY) -m lmcache_cartridge.testing.demo $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") $(if $(FAMILY),--family $(FAMILY))
+	$(PY) -m lmcache_cartridge.testing.demo $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") $(if $(FAMILY),--family $(FAMILY)) \
+		$(if $(MODE),--mode $(MODE))
 
 bench: $(STAMP)
 	$(PY) benchmarks/chunk_retrieval.py
 	$(PY) benchmarks/tp_read.py
 
 bench-ttft: $(STAMP)
-	$(PY) benchmarks/ttft.py --lengths 256,1024,2048,4096,8192,16384 --concurrency 1,4,16 \
+	$(PY) benchmarks/ttft.py --arms full_prefill,cartridge,prefix_cache,cartridge_cached \
+		--lengths 256,1024,2048,4096,8192,16384 --concurrency 1,4,16 \
 		--samples 8 --max-burst-s 120 --cell-budget-s 60 --breakdown
+
+# LMCache's multiprocess mode beside in-process and vLLM's prefix cache (one lmcache server + vLLM per arm)
+bench-ttft-mp: $(STAMP)
+	$(PY) benchmarks/ttft.py --arms cartridge,prefix_cache,cartridge_mp,cartridge_mp_retain,cartridge_mp_shm,cartridge_mp_pickle,mp_l1,mp_l1_pickle \
+		--lengths 1024,4096,16384 --concurrency 1 --samples 6 --out benchmarks/results/ttft_mp
 
 # First-k answers on the real model: vLLM-made KV, HF-made KV and vLLM's own cache vs the plain prompt.
 answers: $(STAMP)
@@ -123,8 +131,10 @@ quality-scale: $(STAMP)
 quality-served: $(STAMP)
 	$(PY) benchmarks/quality.py --conversations 128 --heldout 8 --steps 100 --batch-size 8
 
+# `make fleet MODE=mp`: the same arms in LMCache's multiprocess mode (two vLLMs on one host's
+# `lmcache server`); results in benchmarks/results/fleet/fleet-mp.{md,json}.
 fleet: $(STAMP) $(ROUTER_VENV)/.installed
-	$(PY) benchmarks/fleet.py
+	$(PY) benchmarks/fleet.py $(if $(MODE),--mode $(MODE))
 
 # MODE=mp: the same soak in LMCache's multiprocess mode (lmcache server + cartridge adapter, vLLM on
 # CartridgeMPConnector), with plain prompts under their own cache_salt, salted cartridge requests and

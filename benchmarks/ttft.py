@@ -41,10 +41,14 @@ SAME `VLLM_CPU_OMP_THREADS_BIND`:
     for every MP arm):
     - `cartridge_mp_retain`: the server's `--l2-prefetch-policy retain` (LMCache's
       `RetainPrefetchPolicy`: every key loaded from an L2 adapter stays in L1), so a repeat hits L1
-      without asking the adapter; a removal still purges L1, so `first` stays a first hit;
+      without asking the adapter; a removal still purges L1, so `first` stays a first hit. What
+      `lmcache-cartridge mp-server` runs (`tools.lmcache_server.PREFETCH_POLICY`);
     - `cartridge_mp_shm`: LMCache-driven transfer (`lmcache.mp.mp_transfer_mode: lmcache_driven`:
       the server copies into vLLM's KV cache through shared memory) instead of engine-driven (the
-      worker copies over the server's RPC); the server's `--supported-transfer-mode auto` offers both.
+      worker copies); the server's `--supported-transfer-mode auto` offers both;
+    - `cartridge_mp_pickle`: the server without `--shm-name` (LMCache's default): an engine-driven
+      worker receives every chunk pickled over the server's socket instead of copying it from the
+      server's L1, which every other MP arm keeps in shared memory (`server_command(shm=True)`).
 (d) `cartridge_cached`: the arm-(b) server, requests without a salt, as a deployment sends them:
     the warm-up loads the cartridge through LMCache once, vLLM keeps those blocks in its prefix
     cache like any computed ones, and the measured repeats are served from there. Its cells
@@ -61,6 +65,7 @@ SAME `VLLM_CPU_OMP_THREADS_BIND`:
     connector stores its KV into the server's L1; probes then wait until one takes the whole
     document from LMCache (the store is asynchronous); the measured `repeat` requests read it
     back from L1. Its cells expect requests x document tokens from external KV, as (b) and (e).
+    `mp_l1_pickle` is the same without `--shm-name` (LMCache's default server flags).
 
 The report puts (f) beside (e), (b) and (c) in a table of its own per concurrency, with the
 ratios MP cartridge repeat / MP anchor (e / f) and MP cartridge / prefix-cache hit (e / c).
@@ -106,14 +111,17 @@ class MpSetup:
     and the connector's `lmcache.mp.mp_transfer_mode`. Everything else of the server's command
     line is `tools.lmcache_server.server_command`, the same for every MP arm."""
     connector: str = "cartridge"
-    prefetch_policy: str = "default"
+    prefetch_policy: str = "default"  # LMCache's; `mp-server` runs `retain` (the cartridge_mp_retain arm)
     transfer_mode: str = "engine_driven"
+    shm: bool = True  # the server's L1 in shared memory (`--shm-name`), as `mp-server` runs it
 
     def describe(self) -> str:
         who = ("vLLM on CartridgeMPConnector" if self.connector == "cartridge"
                else "vLLM on LMCache's own LMCacheMPConnector")
         transfer = {"engine_driven": "engine-driven transfer",
                     "lmcache_driven": "LMCache-driven transfer (shared memory)"}[self.transfer_mode]
+        if self.transfer_mode == "engine_driven":
+            transfer += " from L1 in shared memory" if self.shm else " pickled over the socket (no --shm-name)"
         return (f"lmcache server (cartridge L2 adapter, `--l2-prefetch-policy {self.prefetch_policy}`) + {who}, "
                 f"{transfer}, prefix caching off")
 
@@ -125,13 +133,16 @@ MP_ARMS = {
     "cartridge_mp": MpSetup(),
     "cartridge_mp_retain": MpSetup(prefetch_policy="retain"),
     "cartridge_mp_shm": MpSetup(transfer_mode="lmcache_driven"),
+    "cartridge_mp_pickle": MpSetup(shm=False),
     "mp_l1": MpSetup(connector="lmcache"),
+    "mp_l1_pickle": MpSetup(connector="lmcache", shm=False),
 }
-CARTRIDGE_MP_ARMS = ("cartridge_mp", "cartridge_mp_retain", "cartridge_mp_shm")
+CARTRIDGE_MP_ARMS = ("cartridge_mp", "cartridge_mp_retain", "cartridge_mp_shm", "cartridge_mp_pickle")
+ANCHOR_ARMS = ("mp_l1", "mp_l1_pickle")
 ARMS = ("full_prefill", "cartridge", "prefix_cache", "cartridge_cached", *MP_ARMS)
 VARIANTS = {"full_prefill": ("cold",), "cartridge": ("first", "repeat"), "prefix_cache": ("warm",),
             "cartridge_cached": ("repeat",), **{a: ("first", "repeat") for a in CARTRIDGE_MP_ARMS},
-            "mp_l1": ("repeat",)}
+            **{a: ("repeat",) for a in ANCHOR_ARMS}}
 CARTRIDGE_ARMS = ("cartridge", "cartridge_cached", *CARTRIDGE_MP_ARMS)
 # Arms whose every request must take the whole document from the KV connector.
 EXTERNAL_ARMS = ("cartridge", *MP_ARMS)
@@ -150,7 +161,10 @@ LABELS = {
     ("cartridge_mp_retain", "repeat"): "(e) LMCache MP mode, retain prefetch policy, repeat hit (L1)",
     ("cartridge_mp_shm", "first"): "(e) LMCache MP mode, LMCache-driven transfer, first hit (L2 adapter)",
     ("cartridge_mp_shm", "repeat"): "(e) LMCache MP mode, LMCache-driven transfer, repeat hit",
+    ("cartridge_mp_pickle", "first"): "(e) LMCache MP mode, L1 not in shared memory, first hit (L2 adapter)",
+    ("cartridge_mp_pickle", "repeat"): "(e) LMCache MP mode, L1 not in shared memory, repeat hit",
     ("mp_l1", "repeat"): "(f) LMCache MP mode without a cartridge: vLLM's own KV, repeat hit (L1)",
+    ("mp_l1_pickle", "repeat"): "(f) LMCache MP mode without a cartridge, L1 not in shared memory: repeat hit (L1)",
 }
 
 
@@ -319,8 +333,20 @@ STAGES = {
     "lmcache_tokens": "lmcache:retrieve_process_tokens_time",  # hashing the tokens, finding objects
     "lmcache_copy": "lmcache:retrieve_to_gpu_time",  # the copy into vLLM's KV cache
 }
+# In LMCache's MP mode, from the `lmcache server`: the cartridge adapter's own stage totals (its
+# serving-state record, `store.metrics.Metrics.stage`; per request: the total over the cell's
+# requests) and the server's transfer to the worker (prepare to commit of each retrieve, from
+# the "Retrieved N tokens in S seconds" line LMCache logs for it).
+MP_STAGES = {
+    "mp_lookup": "the adapter's lookups (index, layout, lock)",
+    "mp_load": "the adapter's loads (read, verify, encode into L1)",
+    "mp_encode": "of which encoding vLLM-CPU rows",
+    "mp_transfer": "the server's retrieve to the worker",
+}
 # The cells `--breakdown` times: (arm, variant), at c=1.
-BREAKDOWN_CELLS = frozenset({("cartridge", "first"), ("cartridge", "repeat"), ("prefix_cache", "warm")})
+BREAKDOWN_CELLS = frozenset({("cartridge", "first"), ("cartridge", "repeat"), ("prefix_cache", "warm"),
+                             ("cartridge_mp", "first"), ("cartridge_mp", "repeat"),
+                             ("cartridge_mp_retain", "repeat"), ("mp_l1", "repeat")})
 LMCACHE_STATS_INTERVAL_S = 10.0  # lmcache 0.5.6: LMCacheEngineBuilder's LMCacheStatsLogger(log_interval=10)
 
 
@@ -334,6 +360,25 @@ def stage_sums(url: str) -> dict[str, tuple[float, float]]:
         base, _, suffix = smp.name.rpartition("_")
         if base in names and suffix in ("sum", "count"):
             acc[names[base]][0 if suffix == "sum" else 1] += smp.value
+    return {k: (v[0], v[1]) for k, v in acc.items()}
+
+
+def mp_stage_sums(server) -> dict[str, tuple[float, float]]:
+    """(seconds, events) of each `MP_STAGES` stage on an MP server (`testing.launch.MpVllmServer`)
+    so far; {} for other servers."""
+    import re
+
+    if not hasattr(server, "lmcache_server"):
+        return {}
+    acc = {k: [0.0, 0.0] for k in MP_STAGES}
+    for st in server.plugin_states():  # the adapter's record (the server's process group)
+        for k, v in st.stages.items():
+            if f"mp_{k}" in acc:
+                acc[f"mp_{k}"][0] += v.get("seconds", 0.0)
+                acc[f"mp_{k}"][1] += v.get("count", 0.0)
+    for m in re.finditer(r"Retrieved \d+ tokens in ([0-9.]+) seconds", server.lmcache_server.log_text()):
+        acc["mp_transfer"][0] += float(m.group(1))
+        acc["mp_transfer"][1] += 1
     return {k: (v[0], v[1]) for k, v in acc.items()}
 
 
@@ -413,7 +458,7 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
     staged = concurrency == 1 and (arm, variant) in plan.breakdown
     if staged:
         time.sleep(LMCACHE_STATS_INTERVAL_S + 1)  # what LMCache measured before this cell is published
-        stages0 = stage_sums(server.url)
+        stages0 = {**stage_sums(server.url), **mp_stage_sums(server)}
     (ext0, pc0), t0 = _kv_sources(server), time.perf_counter()
     burst_s = 0.0
     for b in range(n_bursts):
@@ -433,7 +478,11 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
     cell.wall_s = time.perf_counter() - t0
     if staged:
         time.sleep(LMCACHE_STATS_INTERVAL_S + 1)  # ... and what it measured during it
-        cell.stages = stage_means(stage_sums(server.url), stages0)
+        stages1 = {**stage_sums(server.url), **mp_stage_sums(server)}
+        cell.stages = stage_means(stages1, stages0)
+        for k in MP_STAGES:  # per request, whatever the server's batching: the cell's total / requests
+            if k in cell.stages and cell.shots:
+                cell.stages[k]["mean_ms"] = round((stages1[k][0] - stages0[k][0]) / len(cell.shots) * 1e3, 3)
         log(f"  {arm}/{variant} L={L}: stages (mean ms) "
             + ", ".join(f"{k} {v['mean_ms']:.2f}" for k, v in cell.stages.items()))
     ext1, pc1 = _kv_sources(server)
@@ -496,7 +545,7 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
                                  skip_save=skip_save, timeout=plan.timeout_s, salted=arm in SALTED_ARMS)
             t_ref = warm[0][0]
             log(f"  {arm} L={L}: warm-up TTFT {t_ref * 1e3:.1f} ms")
-            if arm == "mp_l1":
+            if arm in ANCHOR_ARMS:
                 wait_stored(server, doc, plan, log=log)
             too_long = arm == "full_prefill" and t_ref > plan.max_burst_s
             for variant in VARIANTS[arm]:
@@ -677,7 +726,8 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
                               chunk_size=CHUNK, l1_size_gb=cfg.lmcache_cpu_gb, max_model_len=cfg.max_model_len,
                               threads_bind=threads, kv_cache_gb=cfg.kv_cache_gb, extra_args=extra,
                               transfer_mode=mp.transfer_mode, prefetch_policy=mp.prefetch_policy,
-                              connector=mp.connector)
+                              connector=mp.connector, shm=mp.shm,
+                              server_env={"LMCACHE_LOG_LEVEL": "INFO"})  # its per-retrieve line: `mp_transfer`
         return server, registry
     server = VllmServer(root, str(model_dir), lmcache=lmc, prefix_caching=(kind in ("prefix", "lmcache")),
                         max_model_len=cfg.max_model_len, threads_bind=threads,
@@ -745,16 +795,22 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
     out = []
     cols = [("(b) cartridge repeat", "cartridge", "repeat"), ("(c) prefix-cache hit", "prefix_cache", "warm"),
             ("(f) MP, vLLM's own KV from L1", "mp_l1", "repeat"),
+            ("(f) pickled", "mp_l1_pickle", "repeat"),
             ("(e) MP first", "cartridge_mp", "first"), ("(e) MP repeat", "cartridge_mp", "repeat"),
             ("(e) retain first", "cartridge_mp_retain", "first"),
             ("(e) retain repeat", "cartridge_mp_retain", "repeat"),
-            ("(e) shm first", "cartridge_mp_shm", "first"), ("(e) shm repeat", "cartridge_mp_shm", "repeat")]
+            ("(e) shm first", "cartridge_mp_shm", "first"), ("(e) shm repeat", "cartridge_mp_shm", "repeat"),
+            ("(e) pickled first", "cartridge_mp_pickle", "first"),
+            ("(e) pickled repeat", "cartridge_mp_pickle", "repeat")]
     ratios = [("e-repeat / f", ("cartridge_mp", "repeat"), ("mp_l1", "repeat")),
               ("e-retain-repeat / f", ("cartridge_mp_retain", "repeat"), ("mp_l1", "repeat")),
               ("e-shm-repeat / f", ("cartridge_mp_shm", "repeat"), ("mp_l1", "repeat")),
               ("e-repeat / c", ("cartridge_mp", "repeat"), ("prefix_cache", "warm")),
               ("e-retain-repeat / c", ("cartridge_mp_retain", "repeat"), ("prefix_cache", "warm")),
+              ("e-retain-first / c", ("cartridge_mp_retain", "first"), ("prefix_cache", "warm")),
               ("f / c", ("mp_l1", "repeat"), ("prefix_cache", "warm")),
+              ("e-pickled-repeat / f-pickled", ("cartridge_mp_pickle", "repeat"), ("mp_l1_pickle", "repeat")),
+              ("f-pickled / c", ("mp_l1_pickle", "repeat"), ("prefix_cache", "warm")),
               ("e-repeat / b-repeat", ("cartridge_mp", "repeat"), ("cartridge", "repeat")),
               ("f / b-repeat", ("mp_l1", "repeat"), ("cartridge", "repeat"))]
     present = {(a, v) for a, v, _L, _c in by}
@@ -762,10 +818,13 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
     ratios = [x for x in ratios if x[1] in present and x[2] in present]
     for c in cfg["concurrency"]:
         out += [f"## LMCache multiprocess mode, concurrency {c}", "",
-                "(e) the cartridge through the server's L2 adapter (default prefetch policy, engine-driven "
-                "transfer; *retain*: `--l2-prefetch-policy retain`; *shm*: LMCache-driven transfer) beside (f), "
-                "what MP mode gives without a cartridge: vLLM's own KV of the document, stored into the "
-                "server's L1 by a first request and read back. p50 / p95 ms; ratios of p50.", "",
+                "(e) the cartridge through the server's L2 adapter (LMCache's default prefetch policy, engine-driven "
+                "transfer from the server's L1 in shared memory; *retain*: `--l2-prefetch-policy retain`, what "
+                "`lmcache-cartridge mp-server` runs; "
+                "*shm*: LMCache-driven transfer; *pickled*: L1 not in shared memory, LMCache's default, each "
+                "chunk pickled over the server's socket) beside (f), what MP mode gives without a cartridge: "
+                "vLLM's own KV of the document, stored into the server's L1 by a first request and read "
+                "back. p50 / p95 ms; ratios of p50.", "",
                 "| doc tokens | " + " | ".join(x[0] for x in cols + ratios) + " |",
                 "|---:|" + "---:|" * (len(cols) + len(ratios))]
         for L in cfg["lengths"]:
@@ -870,12 +929,14 @@ def markdown(result: dict) -> str:
                 + "; ".join(f"{k}: {v[0]}/{v[1]}" for k, v in hf.items()) + ".", ""]
     staged = [x for x in cells if x.get("stages")]
     if staged:
-        cols = [k for k in STAGES if any(k in x["stages"] for x in staged)]
+        cols = [k for k in (*STAGES, *MP_STAGES) if any(k in x["stages"] for x in staged)]
         out += ["## Where a request's time goes (`--breakdown`, c=1)", "",
                 "Per-request means in ms from the servers' own histograms over each cell (vLLM's: "
                 "prefill = scheduled to first token, the KV load included; sched_lookup: the "
                 "connector's, per lookup (one per request at c=1), inside prefill; LMCache's, worker side: "
-                "the retrieve a load waits on, its token processing and its copy into vLLM's cache):", "",
+                "the retrieve a load waits on, its token processing and its copy into vLLM's cache; in MP "
+                "mode, totals per request in the `lmcache server`: "
+                + "; ".join(f"{k}: {v}" for k, v in MP_STAGES.items()) + "):", "",
                 "| cell | doc tokens | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
         for x in sorted(staged, key=lambda x: (x["length"], x["arm"])):
             out.append(f"| {x['label']} | {x['length']:,} | " + " | ".join(
@@ -908,7 +969,8 @@ def plot(result: dict, path: Path) -> None:
               ("cartridge_mp", "repeat"): ("tab:brown", "X"),
               ("cartridge_mp_retain", "first"): ("tab:pink", "p"), ("cartridge_mp_retain", "repeat"): ("magenta", "h"),
               ("cartridge_mp_shm", "first"): ("tab:olive", "<"), ("cartridge_mp_shm", "repeat"): ("goldenrod", ">"),
-              ("mp_l1", "repeat"): ("darkgreen", "*")}
+              ("cartridge_mp_pickle", "first"): ("sienna", "d"), ("cartridge_mp_pickle", "repeat"): ("peru", "D"),
+              ("mp_l1", "repeat"): ("darkgreen", "*"), ("mp_l1_pickle", "repeat"): ("lime", "*")}
     for ax, c in zip(axes[0], concs):
         for (arm, variant), (color, marker) in styles.items():
             pts = [x for x in result["cells"] if x["arm"] == arm and x["variant"] == variant

@@ -58,7 +58,8 @@ KV_EVENTS_REANNOUNCE = Setting(
 MP_CACHE_DIR = Setting(
     "cartridge.cache_dir", "path", "<cache root>/cache",
     "LMCache MP mode (`CartridgeMPConnector`): the `cache_dir` of the attached `lmcache server`'s "
-    "cartridge adapter, whose serving-state record says which cartridges to announce as KV events")
+    "cartridge adapter, whose serving-state record says which cartridges to announce as KV events "
+    "and which registry a gateway's composites are built into")
 CONNECTOR_KEYS: tuple[Setting, ...] = (READY_TIMEOUT, KEEP_LOAD_FAILURE_POLICY, KV_EVENTS_PERIOD, KV_EVENTS_REANNOUNCE,
                                        MP_CACHE_DIR)
 

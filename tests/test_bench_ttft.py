@@ -87,7 +87,8 @@ def bench(tmp_path_factory, request):
         servers["prefix"][0].stop()
         servers["mp_l1"] = bt.make_server("mp_l1", work / "mp_l1", model_dir, cfg)
         servers["mp_l1"][0].wait_healthy(timeout=420)
-        cells["f"] = bt.run_arm("mp_l1", servers["mp_l1"][0], docs, plan)
+        cells["f"] = bt.run_arm("mp_l1", servers["mp_l1"][0], docs,
+                                replace(plan, breakdown=frozenset({("mp_l1", "repeat")})))
         yield SimpleNamespace(cells=cells, servers=servers, docs=docs, carts=carts, plan=plan)
     finally:
         for name in ("mp_l1", "prefix"):
@@ -134,6 +135,12 @@ def test_mp_anchor_reads_vllms_own_kv_back_from_the_servers_l1(bench):
         assert cell.ext_tokens == LENGTH * len(cell.shots), (cell.concurrency, cell.ext_tokens, mp.log_tail())
         assert cell.pc_hit_tokens == 0, (cell.concurrency, cell.pc_hit_tokens)
         assert cell.summary()["ext_ok"]
+    # the breakdown's MP stage: the server's own time per retrieve (its log), one per request at c=1
+    (staged,) = [c for c in bench.cells["f"] if c.stages]
+    assert staged.concurrency == 1 and staged.stages["mp_transfer"]["n"] == len(staged.shots), staged.stages
+    assert 0 < staged.stages["mp_transfer"]["mean_ms"] < staged.stages["ttft"]["mean_ms"], staged.stages
+    # engine-driven from L1 in shared memory, as `mp-server` runs it (not pickled over the socket)
+    assert mp.lmcache_server.l1_mapped_by(mp.proc.pid), "no vLLM process maps the server's L1"
     assert mp.lmcache_server.proc.poll() is None, mp.lmcache_server.log_tail()
     assert "Traceback" not in mp.lmcache_server.log_text(), mp.lmcache_server.log_tail()
 

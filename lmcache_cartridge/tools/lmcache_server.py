@@ -7,6 +7,7 @@ attaches to it with `mp_connector(...)` as its `--kv-transfer-config`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -31,24 +32,42 @@ CONNECTORS = {"cartridge": {"kv_connector": "CartridgeMPConnector",
                           "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector"}}
 # The server's L2 prefetch policies (`--l2-prefetch-policy`, lmcache 0.5.6's registry in
 # `v1/distributed/storage_controllers/prefetch_policy.py`): `default` keeps nothing loaded from an
-# L2 adapter in L1 once the reader has it (a repeat asks the adapter again); `retain` keeps every
-# loaded key in L1 (a repeat hits L1, until evicted or a removal purges it).
+# L2 adapter in L1 once the reader has it (a repeat asks the adapter again: read, encode); `retain`
+# keeps every loaded key in L1 (a repeat hits L1, until LRU evicts it or a removal purges it), as
+# in-process LMCache keeps a plugin's hit in its CPU backend. Ours is `retain`: a hot cartridge's
+# repeat is then an L1 hit, as fast as LMCache's own (`benchmarks/ttft.py`, arms e and f).
 PREFETCH_POLICIES = ("default", "retain")
+PREFETCH_POLICY = "retain"
+# LMCache names a shared-memory L1 pool `lmcache_l1_pool_<name>` and unlinks a segment of that name
+# at start (a stale one of a killed server): the name carries the port, one server per port per host.
+SHM_PREFIX = "lmcache_l1_pool_"
+
+
+def shm_name(port: int) -> str:
+    """The shared-memory segment of the server on `port` (`/dev/shm/<name>`): its L1 pool, which
+    an engine-driven vLLM worker on the same host maps and copies from (LMCache's
+    `EngineDrivenContextShm`) instead of receiving each chunk pickled over the server's socket."""
+    return f"{SHM_PREFIX}cartridge_{int(port)}"
 
 
 def server_command(port: int, http_port: int, adapter_params: dict[str, Any], *, chunk_size: int = 256,
                    hash_algorithm: str = "sha256_cbor", l1_size_gb: float = 1.0,
                    transfer_mode: str = "auto", host: str = "127.0.0.1",
-                   prefetch_policy: str = "default") -> list[str]:
+                   prefetch_policy: str = PREFETCH_POLICY, shm: bool = True) -> list[str]:
     """The `lmcache server` command line serving cartridges (`adapter_params`: the plugin's
     settings by name, e.g. {"registry": ..., "cache_dir": ...}; `prefetch_policy`: one of
-    `PREFETCH_POLICIES`)."""
+    `PREFETCH_POLICIES`). `shm`: L1 in shared memory (`shm_name`), so engine-driven workers on this
+    host read chunks where they lie; without it (LMCache's default) every chunk a worker retrieves
+    is pickled, sent over the socket and unpickled. LMCache itself falls back to that when
+    /dev/shm is smaller than L1 or a worker cannot open the segment (another host, another IPC
+    namespace)."""
     if prefetch_policy not in PREFETCH_POLICIES:
         raise ValueError(f"prefetch_policy must be one of {PREFETCH_POLICIES}")
     return ["lmcache", "server", "--host", host, "--port", str(port), "--http-host", host,
             "--http-port", str(http_port), "--chunk-size", str(chunk_size), "--hash-algorithm", hash_algorithm,
             "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU", "--l2-prefetch-policy", prefetch_policy,
             "--supported-transfer-mode", transfer_mode, "--max-workers", "1",
+            *(["--shm-name", shm_name(port)] if shm else []),
             "--l2-adapter", json.dumps({**ADAPTER, "adapter_params": adapter_params}),
             "--server-module", json.dumps(SERVER_MODULE)]
 
@@ -80,14 +99,17 @@ class LmcacheServer:
 
     def __init__(self, root: Path, adapter_params: dict[str, Any], *, chunk_size: int = 256,
                  hash_algorithm: str = "sha256_cbor", l1_size_gb: float = 1.0, transfer_mode: str = "auto",
-                 prefetch_policy: str = "default", extra_env: dict[str, str] | None = None) -> None:
+                 prefetch_policy: str = PREFETCH_POLICY, shm: bool = True,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.port, self.http_port = free_port(), free_port()
+        self.prefetch_policy = prefetch_policy
         self.http = f"http://127.0.0.1:{self.http_port}"
         cmd = server_command(self.port, self.http_port, adapter_params, chunk_size=chunk_size,
                              hash_algorithm=hash_algorithm, l1_size_gb=l1_size_gb, transfer_mode=transfer_mode,
-                             prefetch_policy=prefetch_policy)
+                             prefetch_policy=prefetch_policy, shm=shm)
+        self.shm_name = shm_name(self.port) if shm else ""
         cmd[0] = str(Path(sys.executable).with_name("lmcache"))
         self.command = cmd
         self.log_path = self.root / "lmcache-server.log"
@@ -130,8 +152,26 @@ class LmcacheServer:
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read() or b"{}")
 
+    def l1_mapped_by(self, pid: int) -> bool:
+        """Whether a process of `pid`'s tree (a vLLM server) maps this server's L1 in shared
+        memory: LMCache's `EngineDrivenContextShm` does in the worker, its pickle path does not."""
+        from lmcache_cartridge.store.serving_state import descendants
+
+        if not self.shm_name:
+            return False
+        for p in descendants(pid) | {pid}:
+            try:
+                if f"/dev/shm/{self.shm_name}" in Path(f"/proc/{p}/maps").read_text():
+                    return True
+            except OSError:  # exited meanwhile
+                continue
+        return False
+
     def stop(self) -> None:
         stop_group(self.proc)
+        if self.shm_name:  # a server killed before its own cleanup leaves its L1 in /dev/shm (RAM)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{self.shm_name}")
         if not self._log.closed:
             self._log.close()
 

@@ -10,10 +10,13 @@ ids) in its own registry. The plugin picks it up on its next registry refresh; m
 readiness rule holds the request (it carries `readiness.TRAINED_TOKENS_PARAM`).
 
 Where it runs: the scheduler-role `CartridgeConnector.get_num_new_matched_tokens` (EngineCore
-process) calls `HostComposer.submit` for each waiting request it asks about. Building (a registry
-read, a small directory write, a registry write) runs on one background thread, never in the
-scheduler's step; each recipe is built once per process. It owns that thread and the set of
-recipes done; the registry and the composite directories belong to the host (`store.registry`).
+process) calls `HostComposer.submit` for each waiting request it asks about; in LMCache's
+multiprocess mode `CartridgeMPConnector` (`vllm.mp_connector`) does the same, building into the
+registry the attached `lmcache server`'s adapter follows (it serves the composite on its next
+refresh, as the plugin does). Building (a registry read, a small directory write, a registry
+write) runs on one background thread, never in the scheduler's step; each recipe is built once
+per process. It owns that thread and the set of recipes done; the registry and the composite
+directories belong to the host (`store.registry`).
 
 Limits: only the gateway sets COMPOSE_PARAM (the gateway and the middleware refuse it from
 clients, `api.requests.check_client_kv_params`), and this side bounds what any request can make
@@ -32,6 +35,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
 logger = logging.getLogger("lmcache_cartridge.composites")
@@ -48,6 +52,12 @@ MAX_PENDING_BUILDS = 64         # recipes queued for the build thread
 MAX_REQUESTS_REMEMBERED = 4096  # request ids already looked at: oldest dropped
 
 
+class NoRegistryHere(Exception):
+    """Raised by a `HostComposer`'s settings function when there is no registry to build into now
+    but there may be later (MP mode: the attached server's record is not found), having said why:
+    nothing is built and the recipe is not remembered, so a later request naming it tries again."""
+
+
 def recipes_of(request: Any) -> list[dict]:
     params = getattr(request, "kv_transfer_params", None) or {}
     wire = params.get(COMPOSE_PARAM) if isinstance(params, dict) else None
@@ -57,8 +67,9 @@ def recipes_of(request: Any) -> list[dict]:
 class HostComposer:
     """Builds the composites requests name, in this host's registry, once each (scheduler side).
 
-    `settings` returns the plugin's settings (registry path, cache dir) when first needed; None
-    there (no cartridge plugin configured) turns this off."""
+    `settings` returns the settings to build with (`registry` path, `cache_dir` for the composite
+    directories: the plugin's, or in MP mode the attached server adapter's), asked at each build;
+    None (no cartridge plugin configured) turns this off, `NoRegistryHere` skips the build."""
 
     def __init__(self, settings: Callable[[], Any]) -> None:
         self._settings = settings
@@ -126,12 +137,17 @@ class HostComposer:
             s = self._settings()
             if s is None:
                 return
-            if self._registry is None:
+            if self._registry is None or self._registry.path != Path(s.registry):
+                if self._registry is not None:  # MP mode: a restarted server follows another registry
+                    self._registry.close()
                 self._registry = Registry(s.registry)
             entry = ensure_composite(self._registry, wire, prompt, s.cache_dir)
             self.built += 1
             logger.info("lmcache_cartridge: composite %s of %s is registered on this host", entry.id,
                         [p[0] for p in wire.get("parts", [])])
+        except NoRegistryHere:
+            with self._lock:
+                self._seen.pop(key, None)  # the settings function said why; a later request retries
         except CartridgeError as e:
             logger.error("lmcache_cartridge: cannot build composite here: %s", e)
             with self._lock:

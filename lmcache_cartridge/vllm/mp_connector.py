@@ -20,7 +20,8 @@ may happen to a trained cartridge: an error is better than a wrong answer.
 Where it runs / who owns what: vLLM builds one instance per role. The scheduler-role instance
 (EngineCore process, inside `Scheduler.__init__`) owns the readiness deadlines of waiting
 requests (`readiness.ReadinessGate`), the lookup histogram (`lookup_metrics`), the choice of
-vLLM's `kv_load_failure_policy` and, with KV events on, the announcer's thread (`kv_events`);
+vLLM's `kv_load_failure_policy`, the composer's build thread (`composites`) and, with KV events
+on, the announcer's thread (`kv_events`);
 LMCache's scheduler adapter owns the lookups and their server locks. The worker-role instance is
 `LMCacheMPConnector` unchanged (the server copies the KV). The connector holds no KV and no
 cartridge file.
@@ -52,6 +53,12 @@ found under `cartridge.cache_dir` (the adapter's `cache_dir`, default the host's
 it binds, matched against `lmcache.mp.host` / `lmcache.mp.port` (or a single
 `lmcache.mp.server_urls`); with several servers nothing is announced. LMCache's own events (what
 the server's L1 stores) pass through unchanged, first.
+
+Composites (scheduler side, `composites`): a request naming composites a gateway registered in
+its own registry (`composites.COMPOSE_PARAM`; a gateway on another host) gets them built by the
+same `HostComposer` as in-process, into the registry the attached server's adapter follows: the
+one its serving-state record names, found as the KV events find it (`ServerRegistry`). The
+adapter serves the composite on its next refresh; meanwhile the readiness rule holds the request.
 """
 
 from __future__ import annotations
@@ -87,6 +94,65 @@ def mp_server_urls(extra: dict) -> list[str]:
     return [f"{extra.get('lmcache.mp.host', 'tcp://localhost')}:{extra.get('lmcache.mp.port', 5555)}"]
 
 
+def mp_cache_dir(extra: dict) -> Path:
+    """Where the attached server's adapter publishes its serving-state record (its `cache_dir`):
+    `cartridge.cache_dir`, default the host's."""
+    from lmcache_cartridge.paths import default_cache_dir
+
+    return Path(extra.get(ref.MP_CACHE_DIR.name) or default_cache_dir()).expanduser()
+
+
+class ServerRegistry:
+    """`HostComposer`'s settings in MP mode: the registry the attached `lmcache server`'s adapter
+    follows, and its cache dir for the composite directories. Read from the adapter's
+    serving-state record (under `cartridge.cache_dir`, the one whose endpoint is the server vLLM
+    attaches to, as `kv_events.mp_server_at` picks it) rather than configured again here: a
+    composite built anywhere else would never be served by that adapter. Called on the
+    composer's build thread (it reads files and may resolve host names), again at every build:
+    a restarted server's record counts. No usable record: `composites.NoRegistryHere`, the
+    reason logged once (each time it changes)."""
+
+    def __init__(self, urls: list[str], cache_dir: Path) -> None:
+        from lmcache_cartridge.vllm.kv_events import mp_server_at
+
+        self._urls, self._cache_dir = urls, cache_dir
+        self._select = mp_server_at(urls[0]) if len(urls) == 1 else None
+        self._said = ""  # what was last logged (a reason, or the registry used): build thread only
+
+    def __call__(self):
+        import socket
+        from types import SimpleNamespace
+
+        from lmcache_cartridge.store.serving_state import read_states
+        from lmcache_cartridge.vllm.composites import NoRegistryHere
+
+        state, why = None, ""
+        if self._select is None:
+            why = (f"{len(self._urls)} LMCache servers (lmcache.mp.server_urls): each would need the "
+                   "composite; a gateway sharing their registry must make it")
+        else:
+            mine = [s for s in read_states(self._cache_dir) if self._select(s)]
+            if not mine:
+                why = (f"no cartridge adapter's record for the LMCache server at {self._urls[0]} under "
+                       f"{self._cache_dir} ({ref.MP_CACHE_DIR.name} names the adapter's cache_dir)")
+            else:
+                state = max(mine, key=lambda s: s.started)
+                if state.host != socket.gethostname():
+                    why = (f"the LMCache server at {self._urls[0]} runs on {state.host}: its registry "
+                           f"{state.registry} is not this machine's")
+        if why:
+            if why != self._said:
+                self._said = why
+                logger.error("lmcache_cartridge: composites named by requests are not built here (such a "
+                             "request waits, then fails): %s", why)
+            raise NoRegistryHere(why)
+        if state.registry != self._said:
+            self._said = state.registry
+            logger.info("lmcache_cartridge: composites named by requests are built into %s, the registry of "
+                        "the LMCache server at %s", state.registry, self._urls[0])
+        return SimpleNamespace(registry=Path(state.registry), cache_dir=self._cache_dir)
+
+
 class CartridgeMPConnector(LMCacheMPConnector):
     """`LMCacheMPConnector` + the trained-cartridge readiness rule and load-failure policy."""
 
@@ -112,6 +178,11 @@ class CartridgeMPConnector(LMCacheMPConnector):
             configure_load_failure_policy(ktc, kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         self._announcer = self._residency_announcer(vllm_config, kv_cache_config, extra) if scheduler else None
+        self._composer = None
+        if scheduler:
+            from lmcache_cartridge.vllm.composites import HostComposer
+
+            self._composer = HostComposer(ServerRegistry(mp_server_urls(extra), mp_cache_dir(extra)))
         logger.info("lmcache_cartridge: CartridgeMPConnector ready (role %s)", role.name)
 
     @staticmethod
@@ -134,9 +205,7 @@ class CartridgeMPConnector(LMCacheMPConnector):
             return None
         from types import SimpleNamespace
 
-        from lmcache_cartridge.paths import default_cache_dir
-
-        cache_dir = Path(extra.get(ref.MP_CACHE_DIR.name) or default_cache_dir()).expanduser()
+        cache_dir = mp_cache_dir(extra)
         announcer = kv_events.ResidencyAnnouncer(
             lambda: SimpleNamespace(cache_dir=cache_dir), int(vllm_config.cache_config.block_size or 0),
             str(vllm_config.cache_config.prefix_caching_hash_algo),
@@ -171,8 +240,14 @@ class CartridgeMPConnector(LMCacheMPConnector):
     # --- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """Scheduler side (EngineCore process, inside `Scheduler.schedule`, each step for each
-        waiting request it reaches): LMCache's lookup through the readiness rule, timed."""
+        waiting request it reaches): the composites it names built for the server (off this
+        thread), then LMCache's lookup through the readiness rule, timed."""
         rid = str(request.request_id)
+        if self._composer is not None:
+            try:
+                self._composer.submit(request)
+            except Exception:  # noqa: BLE001 - the readiness rule decides what a missing composite means
+                logger.exception("lmcache_cartridge: composing for request %s failed", rid)
         return gated_answer(self._gate, self._lookups, request, num_computed_tokens,
                             lookup=lambda: self._lookup(request, num_computed_tokens),
                             relookup=lambda: self._relookup(rid),

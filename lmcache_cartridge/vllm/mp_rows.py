@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from lmcache_cartridge.lmcache.mp_layout import ObjectLayout
@@ -32,18 +33,28 @@ class CpuRowsEncoder:
         self._conn = CpuPagedKVConnector(lay.num_layers, lay.heads, lay.head_dim, lay.dtype)
         # Not `declare_engine_blocks`: nothing in this process holds engine blocks; only the conversion.
         self._conn.engine_blocks = EngineBlocks(self._conn, layout, lay.block_size)
-        self._lock = threading.Lock()  # the connector's scratch is not shared between threads
+        self._lock = threading.Lock()  # the connector's and this encoder's scratch are not shared between threads
+        self._blocks = torch.empty(lay.num_layers * lay.num_tokens * lay.heads * 2 * lay.head_dim, dtype=lay.dtype)
+        self._word = _WORDS[lay.dtype.itemsize]
 
     def encode(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`src`: the chunk in `KV_2LTD` (any tensor with its bytes) or a `[2, L, T, H, D]` view of
         its values (`RankView.engine_view`); `dst`: the MP object's tensor (same number of bytes)."""
         lay = self.lay
         L, T, H, D, bs = lay.num_layers, lay.num_tokens, lay.heads, lay.head_dim, lay.block_size
-        blocks = torch.empty(L * T * H * 2 * D, dtype=self.lay.dtype)
-        with self._lock:
-            self._conn.convert(blocks, src, to_blocks=True)
-        out = dst.reshape(-1).view(torch.uint8).view(self.lay.dtype).view(L, T // bs, bs, H, 2 * D)
-        out.copy_(blocks.view(L, T // bs, H, bs, 2 * D).transpose(2, 3))
+        out = dst.reshape(-1).view(torch.uint8).view(self._word).view(L, T // bs, bs, H, 2 * D)
+        with self._lock:  # the kernel runs on this thread alone (one OpenMP thread for a conversion)
+            self._conn.convert(self._blocks, src, to_blocks=True)
+            # The (H, BS) swap by numpy, on this thread: torch's copy splits across its intra-op
+            # threads, and in the server one of them shares a core with vLLM's worker, whose
+            # OpenMP threads spin: 11 ms for a 2 MiB chunk instead of 0.05-0.2 (`mp_encode` in
+            # `benchmarks/ttft.py --breakdown`).
+            rows = self._blocks.view(self._word).view(L, T // bs, H, bs, 2 * D).transpose(2, 3)
+            np.copyto(out.numpy(), rows.numpy())
+
+
+# Same-size integer words for a copy that moves bytes (numpy has no bfloat16).
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 
