@@ -584,11 +584,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     def _lookup(self, keys, descs) -> Bitmap:
         """Reader thread: which keys this adapter can load now, each locked until the server's
         unlock (`_Lock`: a remote chunk's disk file is held, else it is a miss)."""
-        t0 = time.perf_counter()
-        try:
+        with self.metrics.timing("lookup", len(keys)):
             return self._lookup_keys(keys, descs)
-        finally:
-            self.metrics.stage("lookup", time.perf_counter() - t0, len(keys))
 
     def _lookup_keys(self, keys, descs) -> Bitmap:
         bits = Bitmap(len(keys))
@@ -631,11 +628,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         cartridge was retired (removed, replaced, quarantined) while the batch was read is a miss,
         as in-process (`CartridgeStoragePlugin.batched_get_blocking`): a batch whose chunk fails
         verification serves none of that cartridge, and old bytes never reach L1."""
-        t0 = time.perf_counter()
-        try:
+        with self.metrics.timing("load", len(keys)):
             return self._load_keys(keys, objects)
-        finally:
-            self.metrics.stage("load", time.perf_counter() - t0, len(keys))
 
     def _load_keys(self, keys, objects) -> Bitmap:
         bits = Bitmap(len(keys))
@@ -676,9 +670,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             return None
 
         def timed(dst, src):
-            t0 = time.perf_counter()
-            encode(dst, src)
-            self.metrics.stage("encode", time.perf_counter() - t0)
+            with self.metrics.timing("encode"):
+                encode(dst, src)
         return timed
 
     # --- housekeeping -----------------------------------------------------------------------------

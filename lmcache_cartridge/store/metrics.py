@@ -28,6 +28,7 @@ processes (`lmcache-cartridge stats`, benchmarks) read.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import logging
 import os
@@ -146,6 +147,15 @@ class Metrics:
             st["seconds"] += seconds
             st["count"] += 1
             st["items"] += items
+
+    @contextlib.contextmanager
+    def timing(self, name: str, items: int = 1):
+        """Count the time spent in the `with` block as one event of stage `name` (`stage`)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage(name, time.perf_counter() - t0, items)
 
     def snapshot(self) -> dict:
         with self._lock:
