@@ -242,6 +242,42 @@ def test_two_models_cartridges_of_the_same_tokens_stay_apart(tmp_path):
         adapter.close()
 
 
+def test_a_server_serving_no_cartridge_of_its_engines_model_gives_the_refusal_reason(tmp_path):
+    """The only cartridge of the engine's model is refused (another chunk size than the
+    server's). The server still serves that model (a vLLM of it registered its KV layout with the
+    server), so the gateway answers the refusal at once (400, the reason) instead of waiting
+    for an instance of the model and answering 503."""
+    from lmcache.v1.distributed.api import DEFAULT_ATTN_WINDOW_DESC
+    from lmcache.v1.multiprocess.engine_context import LayoutDescRegistry
+
+    from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
+
+    L, H, D = 2, 2, 16
+    pack_kv(random_kv(L, 2 * CHUNK, H, D, seed=9), tmp_path / "doc", cartridge_id="doc", model=MODEL,
+            kind="first_k", token_ids=list(range(2 * CHUNK)), chunk_size=2 * CHUNK)
+    reg = Registry(tmp_path / "reg.db")
+    entry = reg.register(tmp_path / "doc")
+    layouts = LayoutDescRegistry()
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 60})
+    try:
+        adapter.attach(SimpleNamespace(token_hasher=TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor"),
+                                       chunk_size=CHUNK, storage_manager=None, layout_desc_registry=layouts))
+        layouts.register(MODEL, 1, MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16]),
+                         DEFAULT_ATTN_WINDOW_DESC)
+        adapter.publish()
+        (state,) = read_states(tmp_path / "cache")
+        assert state.cartridges == {} and "doc" in state.skipped and MODEL in state.models
+        wanted = [Wanted(entry.id, entry.content_hash, entry.epoch)]
+        t0 = time.monotonic()
+        with pytest.raises(NotServed) as e:
+            wait_served(tmp_path / "cache", reg.path, wanted, timeout=2.0, models=[MODEL])
+        assert e.value.status == 400 and "chunk" in str(e.value), e.value
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        adapter.close()
+
+
 def test_bad_bytes_quarantine_the_cartridge_across_unrelated_registry_changes(tmp_path):
     """A flipped byte in a local payload: the load misses (nothing reaches L1) and the cartridge is
     quarantined with the reason; registering another cartridge does not bring it back."""

@@ -428,7 +428,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             n = len(s.hashes)
             local = ALL if s.origin.local or self.residency.resident(s.any_handle()) else ()
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.manifest.kind, n, local)
-        models = sorted({m for s in served for m in s.models} | set(self.settings.accept_models))
+        models = sorted({m for s in served for m in s.models} | set(self.settings.accept_models)
+                        | self._engine_models())
         snap = self.metrics.snapshot()
         state = ServingState(
             **self._identity, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
@@ -442,6 +443,19 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             publish(self.settings.cache_dir, state)
         except OSError as e:
             logger.debug("lmcache_cartridge MP adapter: cannot publish serving state: %s", e)
+
+    def _engine_models(self) -> set[str]:
+        """The model names of the vLLM engines registered with the server now (its layout
+        registry, keyed by (model, world size)). Published with the cartridges' models: a server
+        serving no cartridge of an attached engine's model is still that model's instance, so the
+        gateway reads the reason a cartridge was refused (400) instead of waiting for an instance
+        of the model that never comes (503). lmcache 0.5.6 has no public listing of it."""
+        registry = getattr(self._ctx, "layout_desc_registry", None)
+        entries, lock = getattr(registry, "_registry", None), getattr(registry, "_lock", None)
+        if not isinstance(entries, dict) or lock is None:
+            return set()
+        with lock:
+            return {str(model) for model, _world in entries if model}
 
     # --- event fds -------------------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
