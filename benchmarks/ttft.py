@@ -278,27 +278,42 @@ async def _one(client, url: str, body: dict) -> tuple[float, Optional[int]]:
     return (first if first is not None else float("nan")), token
 
 
-def request_body(model: str, prompt: list[int], skip_save: bool, salted: bool = False) -> dict:
+def request_body(model: str, prompt: list[int], skip_save: bool, salted: bool = False,
+                 cartridge_tokens: int = 0) -> dict:
     """`salted`: a fresh random `cache_salt` (vLLM's per-request prefix-cache isolation), so
-    vLLM's prefix cache cannot serve this request whatever the server's setting."""
+    vLLM's prefix cache cannot serve this request whatever the server's setting.
+    `cartridge_tokens`: the prompt's leading cartridge tokens (whole chunks), sent as the gateway
+    sends them (`vllm.readiness.CARTRIDGE_TOKENS_PARAM`)."""
+    from lmcache_cartridge.vllm.readiness import CARTRIDGE_TOKENS_PARAM
+
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
             "logprobs": 1, "return_tokens_as_token_ids": True}
-    if skip_save:
-        body["kv_transfer_params"] = {"lmcache.skip_save": True}
+    params = {"lmcache.skip_save": True} if skip_save else {}
+    if cartridge_tokens:
+        params[CARTRIDGE_TOKENS_PARAM] = cartridge_tokens
+    if params:
+        body["kv_transfer_params"] = params
     if salted:
         body["cache_salt"] = os.urandom(8).hex()
     return body
 
 
+def cartridge_tokens(arm: str, length: int) -> int:
+    """What the gateway would tell the instance of a cartridge arm's requests: their first
+    `length` tokens (whole chunks) are the cartridge's."""
+    return (length // CHUNK) * CHUNK if arm in CARTRIDGE_ARMS else 0
+
+
 def measure_burst(url: str, model: str, prompts: Sequence[list[int]], *, skip_save: bool,
-                  timeout: float = 1800, salted: bool = False) -> list[tuple[float, Optional[int]]]:
+                  timeout: float = 1800, salted: bool = False,
+                  cartridge_tokens: int = 0) -> list[tuple[float, Optional[int]]]:
     """Send all prompts at once; (TTFT seconds, first token id) per prompt, in order."""
     import httpx
 
     async def main():
         limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            return await asyncio.gather(*[_one(client, url, request_body(model, p, skip_save, salted))
+            return await asyncio.gather(*[_one(client, url, request_body(model, p, skip_save, salted, cartridge_tokens))
                                           for p in prompts])
 
     return list(asyncio.run(main()))
@@ -472,7 +487,8 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
         tb = time.perf_counter()
         for k, (ttft, tok) in zip(keys, measure_burst(server.url, server.model, prompts,
                                                       skip_save=skip_save, timeout=plan.timeout_s,
-                                                      salted=arm in SALTED_ARMS)):
+                                                      salted=arm in SALTED_ARMS,
+                                                      cartridge_tokens=cartridge_tokens(arm, L))):
             cell.shots.append(Shot(ttft, tok, k))
         burst_s = time.perf_counter() - tb
     cell.wall_s = time.perf_counter() - t0
@@ -542,7 +558,8 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
             # the cartridge's first use, one-time allocations; its TTFT sizes the cells.
             warm = measure_burst(server.url, server.model,
                                  [doc + suffix_ids(("warm", L), plan.vocab_size, plan.avoid)],
-                                 skip_save=skip_save, timeout=plan.timeout_s, salted=arm in SALTED_ARMS)
+                                 skip_save=skip_save, timeout=plan.timeout_s, salted=arm in SALTED_ARMS,
+                                 cartridge_tokens=cartridge_tokens(arm, L))
             t_ref = warm[0][0]
             log(f"  {arm} L={L}: warm-up TTFT {t_ref * 1e3:.1f} ms")
             if arm in ANCHOR_ARMS:
@@ -1055,7 +1072,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if any(a not in ARMS for a in arms):
         ap.error(f"--arms: choose from {ARMS}")
     out = args.out or (ROOT / "benchmarks" / "results" / ("quick" if args.quick else ""))
-    work = args.work or (ROOT / ".cache" / "bench-ttft")
+    work = (args.work or (ROOT / ".cache" / "bench-ttft")).resolve()  # servers run with other working dirs
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")

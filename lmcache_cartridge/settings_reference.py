@@ -45,6 +45,12 @@ def table(rows, first: str = "key") -> str:
 READY_TIMEOUT = Setting(
     "cartridge.ready_timeout_s", "float", 30.0,
     "seconds a request carrying a trained cartridge waits on this instance for its KV, then fails")
+FIRST_K_WAIT = Setting(
+    "cartridge.first_k_wait_s", "float", 2.0,
+    "seconds a request whose prompt starts with cartridge tokens (first-k, or past a trained "
+    "cartridge's) waits on this instance while LMCache finds less of their KV than the cartridges "
+    "hold (another request's load of the same chunks in flight), asking again every 0.25 s; then "
+    "it is computed as usual. 0: no wait")
 KEEP_LOAD_FAILURE_POLICY = Setting(
     "cartridge.keep_load_failure_policy", "bool", False,
     "leave vLLM's `kv_load_failure_policy` as configured, without the per-request one (trained: "
@@ -60,8 +66,8 @@ MP_CACHE_DIR = Setting(
     "LMCache MP mode (`CartridgeMPConnector`): the `cache_dir` of the attached `lmcache server`'s "
     "cartridge adapter, whose serving-state record says which cartridges to announce as KV events "
     "and which registry a gateway's composites are built into")
-CONNECTOR_KEYS: tuple[Setting, ...] = (READY_TIMEOUT, KEEP_LOAD_FAILURE_POLICY, KV_EVENTS_PERIOD, KV_EVENTS_REANNOUNCE,
-                                       MP_CACHE_DIR)
+CONNECTOR_KEYS: tuple[Setting, ...] = (READY_TIMEOUT, FIRST_K_WAIT, KEEP_LOAD_FAILURE_POLICY, KV_EVENTS_PERIOD,
+                                       KV_EVENTS_REANNOUNCE, MP_CACHE_DIR)
 
 # --- the environment -----------------------------------------------------------------------------
 # Every process

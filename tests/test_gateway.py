@@ -516,6 +516,7 @@ def test_a_clients_first_k_kv_goes_upstream_under_its_salt(tmp_path, settings, m
 
     from lmcache_cartridge.cartridge.keys import SALT_TAG, client_kv_salt
     from lmcache_cartridge.cartridge.manifest import Manifest
+    from lmcache_cartridge.vllm.readiness import CARTRIDGE_TOKENS_PARAM
 
     url, seen = recording_upstream
     app = create_app(dataclasses.replace(settings, upstream=url))
@@ -526,7 +527,9 @@ def test_a_clients_first_k_kv_goes_upstream_under_its_salt(tmp_path, settings, m
     for extra, cache_salt in (({}, salt), ({"cache_salt": "mine"}, f"{salt}:mine")):
         r = _call(app, "POST", "/v1/completions", json={"prompt": [5, 6], "max_tokens": 1, "cartridges": fk, **extra})
         assert r.status_code == 200, r.text
-        assert seen[-1][1]["kv_transfer_params"] == {SALT_TAG: salt} and seen[-1][1]["cache_salt"] == cache_salt
+        # and the cartridge tokens LMCache can serve (whole chunks), which the instance waits for briefly
+        assert seen[-1][1]["kv_transfer_params"] == {SALT_TAG: salt, CARTRIDGE_TOKENS_PARAM: CHUNK}
+        assert seen[-1][1]["cache_salt"] == cache_salt
     r = _call(app, "POST", "/v1/completions", json={"prompt": list(range(20, 20 + CHUNK)), "max_tokens": 1})
     assert r.status_code == 200 and "kv_transfer_params" not in seen[-1][1] and "cache_salt" not in seen[-1][1]
     r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1, "cartridges": fk,

@@ -284,6 +284,58 @@ def test_a_waiting_trained_request_is_skipped_by_vllms_scheduler_then_served_or_
     assert GateConnector.gate.waiting() == 0
 
 
+def test_a_first_k_request_waits_briefly_for_its_cartridge_then_is_computed():
+    """The soft rule, in vLLM's real Scheduler: a request whose first EXTERNAL tokens are first-k
+    cartridge tokens (the gateway's CARTRIDGE_TOKENS_PARAM) and which LMCache finds short (in MP
+    mode: another request's load of the same chunks in flight) is not scheduled for up to
+    `first_k_wait_s`, LMCache asked again every RELOOKUP_INTERVAL_S; found then, it is scheduled
+    with its KV. One whose KV never comes is scheduled after the wait and computed (no error);
+    a request without the parameter is never held."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request, RequestStatus
+
+    from lmcache_cartridge.vllm.readiness import CARTRIDGE_TOKENS_PARAM, RELOOKUP_INTERVAL_S, ReadinessGate
+
+    def first_k(name: str, first: int) -> Request:
+        extra = {"kv_transfer_params": {CARTRIDGE_TOKENS_PARAM: EXTERNAL}}
+        return Request(name, list(range(first, first + PROMPT)), SamplingParams(max_tokens=4, extra_args=extra),
+                       None, block_hasher=get_request_block_hasher(BS, sha256))
+
+    now = [0.0]
+    GateConnector.gate, GateConnector.resident = ReadinessGate(30.0, clock=lambda: now[0], first_k_wait_s=2.0), False
+    GateConnector.lookups = GateConnector.relookups = 0
+    sched = _scheduler(connector="GateConnector")
+    plain, soon = _request("plain", 10, False), first_k("soon", 300)
+    for r in (soon, plain):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"plain": PROMPT}                # held; the plain one is not
+    assert soon.status == RequestStatus.WAITING and GateConnector.gate.waiting() == 1
+    now[0] += RELOOKUP_INTERVAL_S
+    GateConnector.resident = True                                        # the other load landed
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["soon"] == PROMPT - EXTERNAL         # loaded, not recomputed
+    assert GateConnector.gate.waiting() == 0
+
+    never = first_k("never", 600)
+    GateConnector.resident = False
+    sched.add_request(never)
+    for _ in range(3):
+        assert "never" not in sched.schedule().num_scheduled_tokens
+        now[0] += RELOOKUP_INTERVAL_S
+    now[0] += 2.0                                                        # the wait is over
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["never"] == PROMPT                   # computed, as without cartridges
+    assert never.status == RequestStatus.RUNNING and GateConnector.gate.waiting() == 0
+
+    off = first_k("off", 900)                                            # first_k_wait_s 0: not held
+    GateConnector.gate = ReadinessGate(30.0, clock=lambda: now[0], first_k_wait_s=0.0)
+    sched.add_request(off)
+    assert sched.schedule().num_scheduled_tokens["off"] == PROMPT
+
+
 @pytest.mark.parametrize("trained, prompt, need", [(64, 96, 64), (96, 96, 95), (128, 96, 95), (0, 96, 0)])
 def test_required_tokens_leave_vllm_the_last_prompt_token(trained, prompt, need):
     from vllm import SamplingParams

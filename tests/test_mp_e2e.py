@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.servers("maker:real")]
 CHUNK = 256
 ASKED = 3
 MAX_TOKENS = 12
+FIRST_K_WAIT_S = 15.0
 
 
 @pytest.fixture(scope="module", params=["engine_driven", "lmcache_driven"])
@@ -50,7 +51,9 @@ def mp(request, tmp_path_factory, engine_kv):
     registry = Registry(root / "registry.db")
     cache = root / "cache"
     vllm = MpVllmServer(root / "vllm", str(model_dir), registry=registry.path, cache_dir=cache,
-                        transfer_mode=request.param, chunk_size=CHUNK)
+                        transfer_mode=request.param, chunk_size=CHUNK,
+                        # a first load may take seconds on busy cores: wait for it whatever the load
+                        kv_extra={"cartridge.first_k_wait_s": FIRST_K_WAIT_S})
     try:
         made = create_first_k(model_dir, document_text(), engine=engine_kv(model_dir))
         pack_kv(made.kv, root / "carts" / "doc", cartridge_id="mp-doc", model=str(model_dir), kind="first_k",
@@ -173,3 +176,49 @@ def test_client_kv_in_mp_mode_reaches_only_the_requests_that_name_it(mp):
         n, _ = taken(vllm.url, {"prompt": doc + users[0], "max_tokens": 1, "cache_salt": salt, **unstored})
         assert n == 0, f"removed KV a client brought was loaded under {salt!r}"
     reg.remove("mp-handbook")
+
+
+def test_requests_arriving_together_for_a_new_cartridge_all_load_it(mp):
+    """Four requests through the gateway at once, the first use of a just-registered first-k
+    cartridge: each takes all of its chunks from LMCache (none recomputes the document). LMCache
+    0.5.6 loads the chunks for one of them and finds none for a request whose lookup passed L1
+    before that load landed; the gateway marks the cartridge tokens and the connector waits for
+    them briefly, asking again (`cartridge.first_k_wait_s`)."""
+    import concurrent.futures as cf
+
+    vllm, reg, tok, gw = mp["vllm"], mp["registry"], mp["tok"], mp["gw"]
+    full = len(mp["made"].token_ids) // CHUNK * CHUNK
+    users = [tok(f"Question {n}: what is this document about?", add_special_tokens=False)["input_ids"]
+             for n in range(4)]
+    entry = reg.register(mp["carts"] / "doc")
+    vllm.wait_served([entry])  # served again: the server's L1 purged of the document's keys
+    ext0 = vllm.external_tokens()
+    body = {"model": mp["model_dir"], "max_tokens": 1, "cartridges": [{"id": entry.id}]}
+    with cf.ThreadPoolExecutor(len(users)) as pool:
+        list(pool.map(lambda u: complete(gw.url, {**body, "prompt": u}), users))
+    got = vllm.external_tokens() - ext0
+    ours = [ln for ln in vllm.log_text().splitlines() if "lmcache_cartridge: request" in ln]
+    assert got == len(users) * full, (got, full, ours[-8:], mp["server"].log_tail(12))
+    assert reg.remove(entry.id)
+    vllm.wait_not_served(entry.id)
+
+
+def test_skip_save_alone_stores_nothing_in_mp_mode(mp):
+    """`lmcache.skip_save`, the option in-process LMCache honours and the gateway lets clients
+    send, stores nothing in MP mode too (LMCache's MP connector reads only
+    `lmcache.max_offload_tokens`; `CartridgeMPConnector` reads one as the other). The control: the
+    same prompt under another salt without it is stored, and its repeat loads it from the server."""
+    vllm, doc = mp["vllm"], mp["made"].token_ids[::-1]  # no cartridge's tokens: only a store could hit
+    full = len(doc) // CHUNK * CHUNK
+
+    def loaded(body: dict) -> int:
+        ext = vllm.external_tokens()
+        complete(vllm.url, {"model": mp["model_dir"], "max_tokens": 1, **body})
+        return vllm.external_tokens() - ext
+
+    for salt, params, expected in ((f"skip-{mp['mode']}", {"lmcache.skip_save": True}, 0),
+                                   (f"save-{mp['mode']}", {}, full)):
+        assert loaded({"prompt": doc, "cache_salt": salt, "kv_transfer_params": params}) == 0
+        time.sleep(1.0)  # the server's store is asynchronous
+        again = loaded({"prompt": doc + [13], "cache_salt": salt, "kv_transfer_params": params})
+        assert again == expected, (salt, params, again, mp["server"].log_tail())

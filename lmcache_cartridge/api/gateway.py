@@ -36,7 +36,7 @@ from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store.registry import Registry
 from lmcache_cartridge.vllm.composites import COMPOSE_PARAM
 from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
-from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM
+from lmcache_cartridge.vllm.readiness import CARTRIDGE_TOKENS_PARAM, TRAINED_TOKENS_PARAM
 
 __all__ = ["GatewaySettings", "RequestError", "create_app"]
 
@@ -140,9 +140,13 @@ def prompt_text(body: CompletionRequest | ChatRequest, chat: bool):
                                 "are not parsed and only text is rendered (send it without cartridges)") from None
 
 
-def completion_body(body: CompletionRequest | ChatRequest, chat: bool, plan: Plan, ids: list[int], model: str) -> dict:
+def completion_body(body: CompletionRequest | ChatRequest, chat: bool, plan: Plan, ids: list[int], model: str,
+                    chunk_size: int = 0) -> dict:
     """The /v1/completions body for a request with cartridges: the client's fields (chat's
-    translated), the token-id prompt `ids`, and the kv_transfer_params the plan needs."""
+    translated), the token-id prompt `ids`, and the kv_transfer_params the plan needs. With the
+    engine's LMCache `chunk_size`: the cartridge tokens LMCache can serve (whole chunks), which
+    the instance briefly waits for while another request's load of them is in flight
+    (`vllm.readiness`)."""
     upstream = {k: v for k, v in body.model_dump(exclude_unset=True).items()
                 if k not in _CHAT_ONLY and k not in ("prompt", "cartridges")}
     tags = [k for k in (body.kv_transfer_params or {}) if k.startswith("lmcache.tag.")]
@@ -175,6 +179,9 @@ def completion_body(body: CompletionRequest | ChatRequest, chat: bool, plan: Pla
         upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), "lmcache.skip_save": True,
                                           "lmcache.max_offload_tokens": 0, NO_RECOMPUTE_PARAM: True,
                                           TRAINED_TOKENS_PARAM: plan.kv_end, COMPOSE_PARAM: plan.recipes()}
+    whole = len(plan.prefix) // chunk_size * chunk_size if chunk_size > 0 else 0
+    if whole:
+        upstream["kv_transfer_params"] = {**(upstream.get("kv_transfer_params") or {}), CARTRIDGE_TOKENS_PARAM: whole}
     return upstream
 
 
@@ -383,8 +390,8 @@ def create_app(settings: GatewaySettings, *, transport=None):
                                     f"max_model_len of {limit}")
         route = {SESSION_HEADER: session_key([route_id(r.entry.id if r.entry else None, r.token_ids)
                                               for r in resolved if r.entry is not None or r.token_ids])}
-        return Upstream(completion_body(body, chat, plan, ids, settings.model), "/v1/completions", route, plan,
-                        translate=chat)
+        return Upstream(completion_body(body, chat, plan, ids, settings.model, settings.chunk_size),
+                        "/v1/completions", route, plan, translate=chat)
 
     async def relay(up: Upstream):
         """Send the prepared request upstream and answer with what comes back: JSON, or the

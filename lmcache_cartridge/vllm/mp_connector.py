@@ -74,8 +74,7 @@ from lmcache_cartridge import ensure_log_handler
 from lmcache_cartridge import settings_reference as ref
 from lmcache_cartridge.vllm.load_failure import configure_load_failure_policy, must_not_recompute
 from lmcache_cartridge.vllm.lookup_metrics import LookupTimer
-from lmcache_cartridge.vllm.readiness import (ReadinessGate, gated_answer, promised_hit, required_tokens,
-                                               trained_length)
+from lmcache_cartridge.vllm.readiness import ReadinessGate, gated_answer, promised_hit
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,6 +91,12 @@ def mp_server_urls(extra: dict) -> list[str]:
     if urls:
         return [u.strip() for u in (urls if isinstance(urls, list) else str(urls).split(",")) if u.strip()]
     return [f"{extra.get('lmcache.mp.host', 'tcp://localhost')}:{extra.get('lmcache.mp.port', 5555)}"]
+
+
+def skip_save(request_configs: dict | None) -> bool:
+    """Whether a request's LMCache configs set `lmcache.skip_save`, read as in-process LMCache
+    reads it (`vllm_v1_adapter`: any truthy value skips the save)."""
+    return bool((request_configs or {}).get("lmcache.skip_save", False))
 
 
 def mp_cache_dir(extra: dict) -> Path:
@@ -238,6 +243,17 @@ class CartridgeMPConnector(LMCacheMPConnector):
         return must_not_recompute(request)
 
     # --- scheduler side -------------------------------------------------------------------
+    def _get_or_create_request_tracker(self, request):
+        """Scheduler side: LMCache's tracker, with `lmcache.skip_save` honoured. In-process LMCache
+        stores nothing of a request that sets it; `LMCacheMPConnector` reads only
+        `lmcache.max_offload_tokens` and would store the request's KV in the server (for a
+        trained cartridge's prompt: KV computed from placeholder tokens, under keys other
+        requests share). Here skip_save means `max_offload_tokens: 0` unless that is set too."""
+        tracker = super()._get_or_create_request_tracker(request)
+        if tracker.max_offload_tokens is None and skip_save(tracker.request_configs):
+            tracker.max_offload_tokens = 0
+        return tracker
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """Scheduler side (EngineCore process, inside `Scheduler.schedule`, each step for each
         waiting request it reaches): the composites it names built for the server (off this
@@ -256,8 +272,9 @@ class CartridgeMPConnector(LMCacheMPConnector):
     def _lookup(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
         rid = str(request.request_id)
-        if answer[0] is not None and trained_length(request):
-            if num_computed_tokens + answer[0] < required_tokens(request):
+        target = self._gate.target(request)
+        if answer[0] is not None and target:
+            if num_computed_tokens + answer[0] < target:
                 # finished short: remember the hit it locked on the server, to release it
                 # (a miss leaves the tracker's hit at 0)
                 self._short[rid] = int(self._get_request_tracker(request.request_id).num_lmcache_hit_tokens)

@@ -30,7 +30,16 @@ it reaches) answers through `ReadinessGate.match`, after LMCache's lookup:
   per-request policy (`load_failure`) finishes the request with an error (vLLM's HTTP 500, the
   gateway's 503 + Retry-After). Were the chunks resident by then, the load simply succeeds. So
   a marked request is never scheduled with its placeholder tokens to compute.
-Unmarked requests (no trained cartridge, first-k cartridges) are not looked at.
+
+First-k cartridges (and cartridge tokens after a trained cartridge's) get a short, soft wait: the
+gateway sends `CARTRIDGE_TOKENS_PARAM` = the prompt's cartridge tokens LMCache can serve (whole
+chunks). While LMCache finds fewer, for at most `cartridge.first_k_wait_s`, the request waits
+as above; then it gets LMCache's answer, and vLLM computes the rest (exact, only slower). Why: in
+LMCache's multiprocess mode requests arriving together for a cartridge's chunks race; LMCache
+0.5.6 loads them for the first and finds none for a request whose lookup passed L1 before that
+load landed and whose own load then finds the key resident (its L1 reservation refused): without
+the wait that request recomputes the whole document (seconds) where a lookup 0.25 s later is an
+L1 hit. Requests without either parameter are LMCache's answer as is.
 
 A repeated lookup re-pins (worker side, `release_pins_on_relookup`): each lookup the gate repeats
 reaches the worker's LMCache lookup server, whose `LMCacheEngine.lookup(pin=True)` records the new
@@ -48,7 +57,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from lmcache_cartridge.settings_reference import READY_TIMEOUT
+from lmcache_cartridge.settings_reference import FIRST_K_WAIT, READY_TIMEOUT
 from lmcache_cartridge.vllm.load_failure import must_not_recompute
 
 logger = logging.getLogger("lmcache_cartridge.readiness")
@@ -56,10 +65,14 @@ logger = logging.getLogger("lmcache_cartridge.readiness")
 # kv_transfer_params key (int): how many leading prompt tokens are a trained cartridge's
 # placeholders, whose KV must be loaded, never computed. Set by the gateway with NO_RECOMPUTE_PARAM.
 TRAINED_TOKENS_PARAM = "lmcache_cartridge.trained_tokens"
+# kv_transfer_params key (int): how many leading prompt tokens are cartridge tokens LMCache can
+# serve (whole chunks). Set by the gateway on every request with cartridges; a soft target.
+CARTRIDGE_TOKENS_PARAM = "lmcache_cartridge.cartridge_tokens"
 # kv_connector_extra_config key: seconds a marked request may wait on this instance for its
 # trained cartridge's KV before it fails.
 READY_TIMEOUT_KEY = READY_TIMEOUT.name
 DEFAULT_READY_TIMEOUT_S = float(READY_TIMEOUT.default)
+DEFAULT_FIRST_K_WAIT_S = float(FIRST_K_WAIT.default)
 # While a request waits, LMCache's lookup (which also restarts a failed download in the plugin)
 # is repeated at most this often. vLLM re-asks every engine step, and while only waiting requests
 # are left its engine loop steps without pause: in between, the connector answers None at once.
@@ -89,6 +102,17 @@ def required_tokens(request: Any) -> int:
     return min(n, total - 1)
 
 
+def cartridge_tokens(request: Any) -> int:
+    """How many leading tokens of `request` LMCache should find in cartridges (0: not said): its
+    `CARTRIDGE_TOKENS_PARAM`, at most the prompt less its last token (vLLM computes that one)."""
+    try:
+        n = max(0, int((getattr(request, "kv_transfer_params", None) or {}).get(CARTRIDGE_TOKENS_PARAM) or 0))
+    except (TypeError, ValueError, AttributeError):
+        return 0
+    total = int(getattr(request, "num_tokens", 0) or 0)
+    return min(n, total - 1) if n > 0 and total > 0 else 0
+
+
 def promised_hit(request: Any, need: int) -> int:
     """The LMCache hit (tokens) a promise of `need` tokens stands for: the cartridge's length, or,
     when the prompt is exactly the cartridge (`need` = the prompt less its last token), the whole
@@ -103,8 +127,9 @@ class ReadinessGate:
     Thread-safe; the scheduler calls it from its own thread only, but the cost is nil."""
 
     def __init__(self, timeout_s: float = DEFAULT_READY_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, first_k_wait_s: float = DEFAULT_FIRST_K_WAIT_S) -> None:
         self.timeout_s = max(0.0, float(timeout_s))
+        self.first_k_wait_s = max(0.0, float(first_k_wait_s))
         self._clock = clock
         self._since: dict[str, float] = {}
         self._looked: dict[str, float] = {}
@@ -113,21 +138,35 @@ class ReadinessGate:
     @classmethod
     def from_extra(cls, extra: dict) -> "ReadinessGate":
         """The gate with the connector's `cartridge.ready_timeout_s` (kv_connector_extra_config)."""
-        return cls(float(extra.get(READY_TIMEOUT_KEY, DEFAULT_READY_TIMEOUT_S)))
+        return cls(float(extra.get(READY_TIMEOUT_KEY, DEFAULT_READY_TIMEOUT_S)),
+                   first_k_wait_s=float(extra.get(FIRST_K_WAIT.name, DEFAULT_FIRST_K_WAIT_S)))
+
+    def wanted(self, request: Any) -> int:
+        """The soft target: cartridge tokens LMCache should find (0: no soft wait here)."""
+        return cartridge_tokens(request) if self.first_k_wait_s > 0 else 0
+
+    def target(self, request: Any) -> int:
+        """Leading tokens the gate waits for LMCache to cover (0: the request is not gated)."""
+        return max(required_tokens(request), self.wanted(request))
+
+    def _limit(self, request: Any) -> float:
+        return self.timeout_s if required_tokens(request) else self.first_k_wait_s
 
     def match(self, request: Any, num_computed_tokens: int, lookup: Callable[[], tuple[int | None, bool]],
               relookup: Callable[[], None], promise: Callable[[int], tuple[int, bool]]) -> tuple[int | None, bool]:
         """The answer to vLLM's `get_num_new_matched_tokens` for `request`, given LMCache's
         `lookup` (its answer), `relookup` (forget LMCache's cached lookup result so the next
         `lookup` asks again) and `promise` (report `need` tokens as an external hit whose load
-        must happen; returns the answer). Unmarked requests: `lookup()` as is."""
-        if not required_tokens(request):
+        must happen; returns the answer). Requests with no target: `lookup()` as is."""
+        if not self.target(request):
             return lookup()
         if self.hold(request):
             return None, False
         try:
             ext, load_async = lookup()
         except Exception:  # noqa: BLE001 - a marked request is never recomputed: it waits
+            if not required_tokens(request):
+                raise
             logger.exception("lmcache_cartridge: lookup for request %s raised; it waits for its trained "
                              "cartridge", getattr(request, "request_id", "?"))
             ext, load_async = None, False
@@ -144,20 +183,33 @@ class ReadinessGate:
         return None, False
 
     def decide(self, request: Any, num_computed_tokens: int, num_external_tokens: int | None) -> tuple[str, int]:
-        """(verdict, required tokens) for `request` after a lookup: READY, WAIT or FAIL."""
+        """(verdict, required tokens) for `request` after a lookup: READY, WAIT or FAIL. A trained
+        cartridge's tokens not covered by `cartridge.ready_timeout_s` fail; cartridge tokens only
+        wanted (`wanted`) are waited for `cartridge.first_k_wait_s`, then READY with what there is."""
         need = required_tokens(request)
+        want = max(need, self.wanted(request))
         rid = str(request.request_id)
-        if not need or num_computed_tokens >= need \
-                or (num_external_tokens is not None and num_computed_tokens + num_external_tokens >= need):
+
+        def covers(n: int) -> bool:
+            return num_computed_tokens >= n or (num_external_tokens is not None
+                                                and num_computed_tokens + num_external_tokens >= n)
+        if not want or covers(want):
             self.forget(rid)
             return READY, need
         now = self._clock()
         with self._lock:
             since = self._since.setdefault(rid, now)
-        if now - since < self.timeout_s:
+        if need and not covers(need):
+            if now - since < self.timeout_s:
+                return WAIT, need
+            self.forget(rid)
+            return FAIL, need
+        if now - since < self.first_k_wait_s:
             return WAIT, need
         self.forget(rid)
-        return FAIL, need
+        logger.info("lmcache_cartridge: request %s: LMCache found %s of its %d cartridge tokens after %.1f s; "
+                    "the rest is computed", rid, num_external_tokens, want - num_computed_tokens, now - since)
+        return READY, need
 
     def hold(self, request: Any) -> bool:
         """True: `request` already waits, its deadline has not passed and its next lookup is not
@@ -166,7 +218,7 @@ class ReadinessGate:
         now = self._clock()
         with self._lock:
             since, looked = self._since.get(rid), self._looked.get(rid)
-        return since is not None and looked is not None and now - since < self.timeout_s \
+        return since is not None and looked is not None and now - since < self._limit(request) \
             and now - looked < RELOOKUP_INTERVAL_S
 
     def relookup_due(self, request_id: str) -> bool:
