@@ -532,6 +532,17 @@ def test_a_clients_first_k_kv_goes_upstream_under_its_salt(tmp_path, settings, m
         assert seen[-1][1]["cache_salt"] == cache_salt
     r = _call(app, "POST", "/v1/completions", json={"prompt": list(range(20, 20 + CHUNK)), "max_tokens": 1})
     assert r.status_code == 200 and "kv_transfer_params" not in seen[-1][1] and "cache_salt" not in seen[-1][1]
+    # the operator's registration of the same KV, with the client's own cache_salt: after an empty
+    # cartridge salt (MP keys carry cache_salt; the adapter serves the operator's chunks to ":...")
+    pack_kv(random_kv(2, CHUNK, 2, 32), tmp_path / "op", cartridge_id="op", model=model_dir,
+            kind="first_k", token_ids=list(range(20, 20 + CHUNK)), chunk_size=CHUNK)
+    Registry(settings.registry).register(tmp_path / "op")
+    for extra, cache_salt in (({}, None), ({"cache_salt": "mine"}, ":mine"), ({"cache_salt": salt}, f":{salt}")):
+        r = _call(app, "POST", "/v1/completions", json={"prompt": [5, 6], "max_tokens": 1,
+                                                        "cartridges": [{"id": "op"}], **extra})
+        assert r.status_code == 200, r.text
+        assert seen[-1][1].get("cache_salt") == cache_salt
+        assert seen[-1][1]["kv_transfer_params"] == {CARTRIDGE_TOKENS_PARAM: CHUNK}
     r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1, "cartridges": fk,
                                                     "kv_transfer_params": {SALT_TAG: salt}})
     assert r.status_code == 400

@@ -201,15 +201,23 @@ def test_client_kv_reaches_only_keys_naming_its_salt_and_its_removal_purges_them
         assert whose(salt) == ["brought", "brought"]
         assert whose(theirs) == ["brought", "brought"]
         assert whose("") == ["handbook", "handbook"]  # the prompt's own keys: the operator's, as before
-        for other in ("another-salt", f"another:{salt}", f":{salt}", f"{salt}0", salt[:-1]):
+        # the gateway's form for the operator's cartridges and a client's own cache_salt: an empty
+        # cartridge salt, then the client's (its own prefix cache; the operator's chunks, never a client's)
+        assert whose(":user-7") == ["handbook", "handbook"] and whose(f":{salt}") == ["handbook", "handbook"]
+        for other in ("another-salt", f"another:{salt}", f"{salt}0", salt[:-1]):
             assert whose(other) == [None, None], other
 
         reg.remove("brought")
         assert adapter.refresh()
         assert set(l1.deleted) == set(keys(salt) + keys(theirs)), "the purge missed or overreached"
         assert whose(salt) == [None, None] and whose(theirs) == [None, None]
-        assert whose("") == ["handbook", "handbook"]
-        assert {a[3] for a in adapter._asked} == {""}  # the removed KV's salts are not kept for ever
+        assert whose("") == ["handbook", "handbook"] and whose(":user-7") == ["handbook", "handbook"]
+        # the removed KV's salts are not kept for ever; the operator's keys (any ":<client's>") are
+        assert {a[3] for a in adapter._asked} == {"", ":user-7", f":{salt}"}
+        l1.deleted.clear()
+        reg.remove("handbook")
+        assert adapter.refresh()
+        assert set(l1.deleted) == set(keys("") + keys(":user-7") + keys(f":{salt}")), "the purge missed a key"
     finally:
         adapter.close()
 

@@ -199,6 +199,11 @@ def test_requests_arriving_together_for_a_new_cartridge_all_load_it(mp):
     got = vllm.external_tokens() - ext0
     ours = [ln for ln in vllm.log_text().splitlines() if "lmcache_cartridge: request" in ln]
     assert got == len(users) * full, (got, full, ours[-8:], mp["server"].log_tail(12))
+    # a client's own cache_salt (its own prefix cache): the gateway sends it after an empty
+    # cartridge salt, which the server's adapter serves the operator's chunks, as in-process
+    ext1 = vllm.external_tokens()
+    complete(gw.url, {**body, "prompt": users[0], "cache_salt": "tenant-9"})
+    assert vllm.external_tokens() - ext1 == full
     assert reg.remove(entry.id)
     vllm.wait_not_served(entry.id)
 

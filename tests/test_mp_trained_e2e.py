@@ -203,6 +203,24 @@ def test_composition_of_two_trained_through_the_gateway_matches_hf(stack):
     assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
 
 
+def test_a_clients_own_cache_salt_still_loads_the_trained_cartridge(stack):
+    """A tenant sets vLLM's `cache_salt` (its own prefix cache) on a request with the operator's
+    trained cartridge. MP keys carry cache_salt: the gateway sends it after an empty cartridge
+    salt (`:tenant-9`), which the adapter serves the operator's chunks, so the request loads the
+    cartridge as in-process (before: a miss under `tenant-9`, the wait, then 503)."""
+    vllm, (_, tok) = stack["vllm"], stack["hf"]
+    user = user_ids(tok)
+    c0 = vllm.counters()
+    body = {"prompt": user, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+            "cache_salt": "tenant-9", "cartridges": [{"id": str(stack["root"] / "local"), "source": "local"}]}
+    got = result(httpx.post(stack["gw"].url + "/v1/completions", json=body, timeout=300))
+    d = counters_delta(vllm.counters(), c0)
+    # its own cache_salt: nothing from vLLM's prefix cache of other requests; all from LMCache
+    assert d["external_tokens"] >= len(stack["ids"]["local"]) // CHUNK * CHUNK and d["cached_tokens"] == 0, d
+    mean, mx = hf_close(stack, stack["kvs"]["local"], user, got)
+    assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
+
+
 def test_composite_a_gateway_on_another_host_made_is_built_for_the_server(stack, tmp_path):
     """A gateway with its OWN registry and cache dir (as on another host: it shares no file with the
     instance) composes two trained cartridges that the server's registry holds too, but not their

@@ -162,6 +162,12 @@ def completion_body(body: CompletionRequest | ChatRequest, chat: bool, plan: Pla
         upstream["kv_transfer_params"] = {**(body.kv_transfer_params or {}), SALT_TAG: plan.salt}
         upstream["cache_salt"] = plan.salt if "cache_salt" not in upstream \
             else f"{plan.salt}:{upstream['cache_salt']}"[:128]
+    elif plan.wanted and upstream.get("cache_salt"):
+        # the client's own cache_salt on the operator's cartridges: after an empty cartridge salt.
+        # vLLM's prefix cache keeps the request apart as before; in MP mode, whose keys carry
+        # cache_salt, the server's adapter serves the operator's chunks to it
+        # (`lmcache.mp_adapter.salt_of`), as in-process, and a client's salt is never named by it
+        upstream["cache_salt"] = f":{upstream['cache_salt']}"[:128]
     upstream.update(model=model, prompt=ids)
     if chat:  # chat's logprobs: bool + top_logprobs: int -> completions' logprobs: int
         if body.logprobs:

@@ -25,9 +25,12 @@ Salts. The key's `cache_salt` is vLLM's request `cache_salt`, part of LMCache's 
 is what keeps KV a client brought (`Entry.salt`) to the requests that name it, as the plugin's
 key tag does in-process. The gateway sends such a request with `cache_salt` = the entry's salt,
 or `"{salt}:{the client's own cache_salt}"`; those keys, and only those, get that entry's chunks.
-The operator's cartridges (and a catalog's) have no salt and serve keys without one: a salted
-request keeps its own prefix cache. A salt no served entry has is a miss (vLLM computes the
-tokens, and LMCache keeps what it stores under that salt apart as for any salted request).
+The operator's cartridges (and a catalog's) have no salt and serve keys without one, or with an
+empty salt before the ":": the gateway sends a client's own `cache_salt` on a request for the
+operator's cartridges as `":{the client's}"`, so that the request keeps its own prefix cache and
+its own stored KV, and loads the cartridge as in-process (where LMCache's keys carry no salt). A
+salt no served entry has is a miss (vLLM computes the tokens, and LMCache keeps what it stores
+under that salt apart as for any salted request).
 
 Objects. GPU engines hold `KV_2LTD`, vLLM-CPU its own block bytes (`lmcache.mp_layout`); the block
 size of a vLLM-CPU engine comes from the server's registration of it (engine-driven or
@@ -106,14 +109,12 @@ def served_models(model: str, accept_models: tuple[str, ...]) -> frozenset[str]:
     return frozenset((model, *accept_models)) if model in accept_models else frozenset((model,))
 
 
-def salt_of(cache_salt: str) -> str | None:
-    """The cartridge salt a key's `cache_salt` names (see Salts above): "" for none (the
-    operator's cartridges), `salt` for `salt` and for the gateway's `salt:<the client's own>`,
-    None for one that names none (`:x`), which is served nothing: a salted key never reaches the
-    operator's unsalted chunks."""
-    if not cache_salt:
-        return ""
-    return cache_salt.partition(":")[0] or None
+def salt_of(cache_salt: str) -> str:
+    """The cartridge salt a key's `cache_salt` names (see Salts above): `salt` for `salt` and
+    for the gateway's `salt:<the client's own>`; "" (the operator's cartridges) for none and for
+    the gateway's `:<the client's own>`. Anyone may send the latter straight to vLLM: it reaches
+    only what a request without a salt reaches, never a client's KV."""
+    return cache_salt.partition(":")[0]
 
 
 def server_endpoint(mp_config) -> str:
@@ -546,8 +547,6 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
 
     def _where(self, key) -> tuple[_Served, int] | None:
         salt = salt_of(key.cache_salt)
-        if salt is None:
-            return None
         with self._lock:
             hit = self._state.index.get((bytes(key.chunk_hash), key.model_name, salt))
         if hit is None or hit[0].retired:
