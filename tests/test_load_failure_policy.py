@@ -213,6 +213,7 @@ class GateConnector(HitConnector):
     tokens as an external hit, as `CartridgeConnector._promise_trained` does for LMCache)."""
 
     resident = False
+    pending = 0  # lookups that answer None first (still running, as LMCache MP's do), then the hit
     gate = None
     lookups = 0
     relookups = 0
@@ -220,6 +221,9 @@ class GateConnector(HitConnector):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         def lookup():
             GateConnector.lookups += 1
+            if GateConnector.pending:
+                GateConnector.pending -= 1
+                return None, False
             return (max(0, EXTERNAL - num_computed_tokens) if GateConnector.resident else 0), False
 
         def relookup():
@@ -330,8 +334,20 @@ def test_a_first_k_request_waits_briefly_for_its_cartridge_then_is_computed():
     assert out.num_scheduled_tokens["never"] == PROMPT                   # computed, as without cartridges
     assert never.status == RequestStatus.RUNNING and GateConnector.gate.waiting() == 0
 
+    # a lookup still running (None, LMCache MP's asynchronous lookup) is asked again every step:
+    # the request is scheduled on the step its result arrives, not a relookup interval later
+    GateConnector.resident, GateConnector.pending = True, 2
+    polled = first_k("polled", 1200)
+    sched.add_request(polled)
+    steps = 0
+    while "polled" not in (out := sched.schedule()).num_scheduled_tokens:
+        steps += 1
+        assert steps < 3, "a pending lookup was held"
+    assert out.num_scheduled_tokens["polled"] == PROMPT - EXTERNAL and GateConnector.pending == 0
+
     off = first_k("off", 900)                                            # first_k_wait_s 0: not held
     GateConnector.gate = ReadinessGate(30.0, clock=lambda: now[0], first_k_wait_s=0.0)
+    GateConnector.resident = False
     sched.add_request(off)
     assert sched.schedule().num_scheduled_tokens["off"] == PROMPT
 

@@ -178,7 +178,10 @@ class ReadinessGate:
                          "not here (%d + %s of %d tokens); failing it (never recomputed from placeholder tokens)",
                          request.request_id, self.timeout_s, num_computed_tokens, ext, need)
             return promise(need)
-        if self.relookup_due(request.request_id):
+        # A lookup still running (None) is asked for again next step, as LMCache's own connector
+        # polls it; only a finished short one is released and asked anew, at most every
+        # RELOOKUP_INTERVAL_S (holding a pending one would add that interval to every request).
+        if ext is not None and self.relookup_due(request.request_id):
             relookup()
         return None, False
 
