@@ -38,9 +38,9 @@ What runs (all on 127.0.0.1, stops by itself):
       the same prefix twice without a salt, until the second receives the prefix's chunks from
       the server's L1 (the per-request count sees a plain prompt's external tokens);
     * `--salted-cartridge-requests` cartridge requests carrying the client's own `cache_salt`:
-      MP keys carry the salt and the adapter serves unsalted keys only, so such a trained request
-      waits `cartridge.ready_timeout_s` on the instance (`--ready-timeout-s`, default the
-      connector's 30 s) and fails (503), never answered;
+      MP keys carry the salt; the gateway sends it after an empty cartridge salt, which the
+      adapter serves the operator's chunks, so each is judged as any cartridge request (its
+      reference's answer, its cartridge's tokens from LMCache);
     * churn under load (`--churn`): the last cartridge is removed before the soak and registered
       again at a quarter of it (an S3 one, downloaded under load); the first is removed at half
       of it and registered at three quarters with other bytes under the same id (a second
@@ -63,7 +63,7 @@ External tokens per request: vLLM runs with `--enable-prompt-tokens-details`, so
 prefix caching off all of them came from the KV connector (LMCache). A plain prompt with its own
 salt may receive 0; a cartridge request at most its cartridge's full-chunk tokens, and a trained
 one answered with fewer would have computed placeholder ids (a shortfall); a salted cartridge
-request 0. Any other count (or none reported) is a violation, listed with examples.
+request the same. Any other count (or none reported) is a violation, listed with examples.
 
 Recorded: requests by kind, errors (non-200 or transport errors where an answer was due),
 refusals where one was due, contamination (text != the cartridge's reference, unless the first
@@ -375,21 +375,19 @@ RACING_REFUSED = (404, 503)  # mid-change also: the gateway's serving wait, the 
 def judge(kind: str, reply: Reply, possible: set, refs: dict, full_tokens: dict, name: str | None,
           check_ext: bool = True) -> dict[str, Any]:
     """The verdict on one answer. `kind`: "plain" (no cartridge, its own salt), "cartridge", or
-    "salted_cartridge" (the client's own cache_salt: never served in MP mode). `possible`: the
+    "salted_cartridge" (with the client's own cache_salt: judged as "cartridge"). `possible`: the
     versions of `name` registered at some time between the request's send and its answer (None:
     not registered); `refs[(name, version)]`: that version's reference answer; `full_tokens[(name,
     version)]`: its full-chunk tokens, the most external tokens such a request may receive.
 
     verdict: ok | error (no answer where one was due) | refused (no answer where none was due) |
-    contaminated | near_tie | served_unregistered | served_salted. ext_violation: why the
+    contaminated | near_tie | served_unregistered. ext_violation: why the
     request's external-token count is not what it may receive (None: fine or not checked)."""
     out: dict[str, Any] = {"status": reply.status, "ext": reply.ext, "ext_violation": None}
     versions = sorted(v for v in possible if v)
     allowed, due = 0, 0  # most / fewest external tokens for an answer
     if kind == "plain":
         out["verdict"] = "ok" if reply.status == 200 else "error"
-    elif kind == "salted_cartridge":
-        out["verdict"] = "served_salted" if reply.status == 200 else "refused"
     elif reply.status != 200:
         racing = len(possible) > 1
         out["verdict"] = ("refused" if (not versions and reply.status in REFUSED)
@@ -830,7 +828,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         # -- the verdicts ------------------------------------------------------------------------
         judged = [r for r in records if r["phase"] in ("before_registration", "soak", "probe")]
         by = {v: [r for r in judged if r["verdict"] == v] for v in
-              ("ok", "error", "refused", "contaminated", "near_tie", "served_unregistered", "served_salted")}
+              ("ok", "error", "refused", "contaminated", "near_tie", "served_unregistered")}
         ext_bad = [r for r in judged if r["ext_violation"]]
         ok_recs = [r for r in soak_recs if r["status"] == 200]
         lat = [r["latency_s"] for r in ok_recs]
@@ -838,7 +836,8 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         ext_sum = sum(r["ext"] or 0 for r in soak_recs + probes if r["status"] == 200)
         ext_counter = m2.get("vllm:external_kv_tokens", 0) - m1.get("vllm:external_kv_tokens", 0)
         sent_tokens = sum(carts.manifests[(r["cartridge"], r["version"])].num_tokens
-                          for r in soak_recs + probes if r["kind"] == "cartridge" and r.get("version"))
+                          for r in soak_recs + probes
+                          if r["kind"] in ("cartridge", "salted_cartridge") and r.get("version"))
         soak_delta = st2.minus(st1)
         total_delta = st2.minus(st0)
         lmc_delta = metric_delta(m1, m2)
@@ -881,8 +880,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
                                                                    for k in ("cartridge", "salted_cartridge")},
                 "contamination": len(by["contaminated"]), "contamination_examples": strip(by["contaminated"]),
                 "served_unregistered": len(by["served_unregistered"]),
-                "served_salted": len(by["served_salted"]),
-                "served_examples": strip(by["served_unregistered"] + by["served_salted"]),
+                "served_examples": strip(by["served_unregistered"]),
                 "near_tie_flips": len(by["near_tie"]), "near_tie_examples": strip(by["near_tie"]),
                 "latency_s": {"p50": percentile(lat, 0.5), "p95": percentile(lat, 0.95),
                               "max": max(lat) if lat else None, "mean": statistics.fmean(lat) if lat else None},
@@ -894,8 +892,8 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
             },
             "external_tokens": {
                 "checked": check_ext,
-                "rule": "plain prompt (own salt) 0; cartridge request its cartridge's full-chunk tokens; "
-                        "salted cartridge request 0",
+                "rule": "plain prompt (own salt) 0; cartridge request (with or without the client's own salt) "
+                        "its cartridge's full-chunk tokens",
                 "violations": len(ext_bad),
                 "examples": strip(ext_bad),
                 "per_request_sum_soak": ext_sum, "vllm_counter_soak": ext_counter,
@@ -934,7 +932,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         })
         control_ok = "control" not in result or result["control"].get("seen")
         result["ok"] = bool(not by["error"] and not by["contaminated"] and not by["served_unregistered"]
-                            and not by["served_salted"] and not ext_bad and not result["references"]["ext_violations"]
+                            and not ext_bad and not result["references"]["ext_violations"]
                             and control_ok and (not p.churn or result["churn"]["complete_under_load"])
                             and result["server_alive"])
         log(f"soak: {len(soak_recs)} requests in {soak_s:.1f}s, {len(by['error'])} errors, "
@@ -1068,11 +1066,9 @@ def write_outputs(r: dict[str, Any], out_dir: Path) -> None:
                   f"{' (stopped by time)' if s['stopped_by_time'] else ''} |",
                   f"| by kind | {kinds} |",
                   f"| errors (no answer where one was due) | {s['errors']} |",
-                  f"| refused where due (unregistered cartridge; salted cartridge request) | "
-                  f"{s['refused_by_kind'].get('cartridge', 0)}; {s['refused_by_kind'].get('salted_cartridge', 0)} |",
+                  f"| refused where due (unregistered cartridge) | {s['refused']} |",
                   f"| contamination (answer != reference, not a near tie) | {s['contamination']} |",
-                  f"| answered while not registered / with a salt | {s['served_unregistered']} / "
-                  f"{s['served_salted']} |",
+                  f"| answered while not registered | {s['served_unregistered']} |",
                   f"| near-tie flips (batching numerics) | {s['near_tie_flips']} |",
                   f"| external-token violations (per request) | "
                   f"{e['violations'] if e['checked'] else 'not checked (prefix caching on)'} |",

@@ -116,3 +116,11 @@ def test_clients_may_not_set_the_salt_tag(env):
     with pytest.raises(ValueError, match="gateway's to set"):
         check_client_kv_params({SALT_TAG: "x"})
     assert check_client_kv_params({"lmcache.tag.team": "x"}) == {"lmcache.tag.team": "x"}
+    # the cartridge-token count a standalone gateway sends through a vLLM running the middleware:
+    # an integer in range only (set by anyone else it only delays that request, bounded)
+    from lmcache_cartridge.vllm.readiness import CARTRIDGE_TOKENS_PARAM
+
+    assert check_client_kv_params({CARTRIDGE_TOKENS_PARAM: 512}) == {CARTRIDGE_TOKENS_PARAM: 512}
+    for bad in (True, -1, 1 << 30, "512", 1.5, None):
+        with pytest.raises(ValueError, match="must be an integer"):
+            check_client_kv_params({CARTRIDGE_TOKENS_PARAM: bad})

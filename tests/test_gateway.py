@@ -364,7 +364,7 @@ def _call(app, method, path, **kw):
     (json.dumps({"prompt": "x", "kv_transfer_params": {"lmcache_cartridge.trained_tokens": 10**9}}).encode(), 400,
      "'lmcache_cartridge.trained_tokens' may not be set"),
     (json.dumps({"prompt": "x", "kv_transfer_params": {"disagg_spec": {"req_id": 5}}}).encode(), 400,
-     "'disagg_spec' may not be set by a client (allowed: lmcache.skip_save, lmcache.tag.<name>)"),
+     "'disagg_spec' may not be set by a client (allowed: lmcache.skip_save, lmcache.tag.<name>, "),
     (json.dumps({"prompt": "x", "vllm_xargs": {"kv_transfer_params": "disagg_spec"}}).encode(), 400,
      "'vllm_xargs': may not carry 'kv_transfer_params'"),
     (json.dumps({"prompt": "x", "kv_transfer_params": {"lmcache.skip_save": "no"}}).encode(), 400,
@@ -527,8 +527,8 @@ def test_a_clients_first_k_kv_goes_upstream_under_its_salt(tmp_path, settings, m
     for extra, cache_salt in (({}, salt), ({"cache_salt": "mine"}, f"{salt}:mine")):
         r = _call(app, "POST", "/v1/completions", json={"prompt": [5, 6], "max_tokens": 1, "cartridges": fk, **extra})
         assert r.status_code == 200, r.text
-        # and the cartridge tokens LMCache can serve (whole chunks), which the instance waits for briefly
-        assert seen[-1][1]["kv_transfer_params"] == {SALT_TAG: salt, CARTRIDGE_TOKENS_PARAM: CHUNK}
+        # (no cartridge-token count: no LMCache MP server publishes here)
+        assert seen[-1][1]["kv_transfer_params"] == {SALT_TAG: salt}
         assert seen[-1][1]["cache_salt"] == cache_salt
     r = _call(app, "POST", "/v1/completions", json={"prompt": list(range(20, 20 + CHUNK)), "max_tokens": 1})
     assert r.status_code == 200 and "kv_transfer_params" not in seen[-1][1] and "cache_salt" not in seen[-1][1]
@@ -542,7 +542,7 @@ def test_a_clients_first_k_kv_goes_upstream_under_its_salt(tmp_path, settings, m
                                                         "cartridges": [{"id": "op"}], **extra})
         assert r.status_code == 200, r.text
         assert seen[-1][1].get("cache_salt") == cache_salt
-        assert seen[-1][1]["kv_transfer_params"] == {CARTRIDGE_TOKENS_PARAM: CHUNK}
+        assert CARTRIDGE_TOKENS_PARAM not in (seen[-1][1].get("kv_transfer_params") or {})
     r = _call(app, "POST", "/v1/completions", json={"prompt": [5], "max_tokens": 1, "cartridges": fk,
                                                     "kv_transfer_params": {SALT_TAG: salt}})
     assert r.status_code == 400

@@ -31,7 +31,7 @@ from lmcache_cartridge.api.routing import SESSION_HEADER, route_id, session_key
 from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.cartridge.keys import SALT_TAG
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
+from lmcache_cartridge.lmcache.serving import NotServed, Wanted, live_instances, wait_served
 from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store.registry import Registry
 from lmcache_cartridge.vllm.composites import COMPOSE_PARAM
@@ -396,7 +396,13 @@ def create_app(settings: GatewaySettings, *, transport=None):
                                     f"max_model_len of {limit}")
         route = {SESSION_HEADER: session_key([route_id(r.entry.id if r.entry else None, r.token_ids)
                                               for r in resolved if r.entry is not None or r.token_ids])}
-        return Upstream(completion_body(body, chat, plan, ids, settings.model, settings.chunk_size),
+        # The cartridge-token count only where an `lmcache server` serves the engines (MP mode),
+        # whose concurrent first hits race (`vllm.readiness`); in-process lookups do not, and
+        # vllm-router's kv_aware policy stops routing a request by KV once it carries
+        # kv_transfer_params (tests/test_fleet.py).
+        mp = plan.wanted and any(st.role == "mp-server" for st in await asyncio.to_thread(
+            live_instances, settings.cache_dir, settings.registry, (settings.model, *settings.accept_models)))
+        return Upstream(completion_body(body, chat, plan, ids, settings.model, settings.chunk_size if mp else 0),
                         "/v1/completions", route, plan, translate=chat)
 
     async def relay(up: Upstream):

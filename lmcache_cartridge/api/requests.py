@@ -14,16 +14,22 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from lmcache_cartridge.cartridge.keys import SALT_TAG
+from lmcache_cartridge.vllm.readiness import CARTRIDGE_TOKENS_PARAM
 
 MAX_ID_LENGTH = 1024
 SOURCES = ("s3", "local")
 
 # What a client may put in `kv_transfer_params`: LMCache's per-request options that only narrow
-# what is stored or partition keys (`lmcache.skip_save`, `lmcache.tag.<name>`). Everything else is
-# refused: the connector's own keys (`lmcache_cartridge.*`: composite registrations, the trained
+# what is stored or partition keys (`lmcache.skip_save`, `lmcache.tag.<name>`), and the count of
+# leading cartridge tokens the instance briefly waits for (`vllm.readiness.CARTRIDGE_TOKENS_PARAM`:
+# a standalone gateway in front of a vLLM running the middleware sends it; set by anyone else it
+# only delays that request, by at most `cartridge.first_k_wait_s`). Everything else is refused:
+# the connector's other keys (`lmcache_cartridge.*`: composite registrations, the trained
 # readiness and no-recompute rules) are the gateway's to set, and LMCache's scheduler reads
 # `disagg_spec` without a guard (a malformed one is engine-fatal).
-CLIENT_KV_PARAMS = ("lmcache.skip_save", "lmcache.tag.<name>")
+CARTRIDGE_TOKENS_KEY = CARTRIDGE_TOKENS_PARAM
+MAX_CARTRIDGE_TOKENS = 1 << 24
+CLIENT_KV_PARAMS = ("lmcache.skip_save", "lmcache.tag.<name>", CARTRIDGE_TOKENS_KEY)
 _TAG_KEY = re.compile(r"lmcache\.tag\.[A-Za-z0-9_.-]{1,64}\Z")
 MAX_KV_PARAMS = 8
 MAX_TAG_VALUE = 256
@@ -40,6 +46,9 @@ def check_client_kv_params(params: dict[str, Any] | None) -> dict[str, Any] | No
         if key == "lmcache.skip_save":
             if not isinstance(value, bool):
                 raise ValueError("'lmcache.skip_save' must be true or false")
+        elif key == CARTRIDGE_TOKENS_KEY:
+            if type(value) is not int or not 0 <= value <= MAX_CARTRIDGE_TOKENS:
+                raise ValueError(f"{key!r} must be an integer from 0 to {MAX_CARTRIDGE_TOKENS}")
         elif key == SALT_TAG:
             raise ValueError(f"{key!r} is the gateway's to set (it keys KV a client brought)")
         elif _TAG_KEY.match(key):
