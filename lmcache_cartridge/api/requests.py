@@ -27,9 +27,8 @@ SOURCES = ("s3", "local")
 # the connector's other keys (`lmcache_cartridge.*`: composite registrations, the trained
 # readiness and no-recompute rules) are the gateway's to set, and LMCache's scheduler reads
 # `disagg_spec` without a guard (a malformed one is engine-fatal).
-CARTRIDGE_TOKENS_KEY = CARTRIDGE_TOKENS_PARAM
 MAX_CARTRIDGE_TOKENS = 1 << 24
-CLIENT_KV_PARAMS = ("lmcache.skip_save", "lmcache.tag.<name>", CARTRIDGE_TOKENS_KEY)
+CLIENT_KV_PARAMS = ("lmcache.skip_save", "lmcache.tag.<name>", CARTRIDGE_TOKENS_PARAM)
 _TAG_KEY = re.compile(r"lmcache\.tag\.[A-Za-z0-9_.-]{1,64}\Z")
 MAX_KV_PARAMS = 8
 MAX_TAG_VALUE = 256
@@ -46,7 +45,7 @@ def check_client_kv_params(params: dict[str, Any] | None) -> dict[str, Any] | No
         if key == "lmcache.skip_save":
             if not isinstance(value, bool):
                 raise ValueError("'lmcache.skip_save' must be true or false")
-        elif key == CARTRIDGE_TOKENS_KEY:
+        elif key == CARTRIDGE_TOKENS_PARAM:
             if type(value) is not int or not 0 <= value <= MAX_CARTRIDGE_TOKENS:
                 raise ValueError(f"{key!r} must be an integer from 0 to {MAX_CARTRIDGE_TOKENS}")
         elif key == SALT_TAG:
