@@ -138,6 +138,37 @@ def test_the_announcer_publishes_through_vllms_publisher_without_a_scheduler_ste
         ctx.term()
 
 
+def test_kv_a_client_brought_is_announced_under_its_salt_as_vllm_hashes_its_requests(carts):
+    """KV a client brought is reached only by requests whose `cache_salt` is its salt: announced
+    under the prompt's unsalted hashes it would draw every request for those tokens to KV none of
+    them can use. Its blocks hash as vLLM hashes a request carrying that salt (the salt in the
+    first block's extra keys), and the event's `extra_keys` carry the salt as vLLM publishes it."""
+    from conftest import random_kv
+    from test_plugin import D, H, L, MODEL
+    from lmcache_cartridge.cartridge.packed import pack_kv
+
+    d = carts["dir"]
+    kv = random_kv(L, 2 * CHUNK, H, D, seed=7)
+    ids = list(range(300, 300 + 2 * CHUNK))
+    c = pack_kv(kv, d / "c", cartridge_id="client-c", model=MODEL, kind="first_k", token_ids=ids, chunk_size=CHUNK)
+    salt = carts["reg"].register(d / "c", client=True).salt
+    assert salt
+    with engine_for(d, carts["reg"].path) as eng:
+        plugin = eng.backend("cartridge")
+        plugin.dump_stats()
+        ann = ResidencyAnnouncer(lambda: plugin.settings, BS, "sha256_cbor", reannounce_s=1000)
+        e = stored(ann.step(now=0.0), c.token_ids)
+    n = 2 * CHUNK // BS
+    kcu.init_none_hash(sha256_cbor)
+    req = Request("r", ids + [900], SamplingParams(max_tokens=1), None, cache_salt=salt,
+                  block_hasher=kcu.get_request_block_hasher(BS, sha256_cbor))
+    assert e.block_hashes == [kcu.maybe_convert_block_hash(h) for h in req.block_hashes][:n]
+    assert e.block_hashes[0] not in vllm_block_hashes(ids)  # never under the unsalted prompt's
+    assert e.extra_keys == [(salt,)] + [None] * (n - 1)
+    a = stored(ann.step(now=2000.0), carts["a"][0].token_ids)  # the operator's: no extra keys
+    assert a.extra_keys is None
+
+
 def test_hashes_follow_vllms_algorithm_whatever_set_none_hash_first(carts):
     """The announcer starts inside `Scheduler.__init__`, before vLLM's EngineCore runs
     `init_none_hash`, and LMCache may have run it with its own function (sha256_cbor here) while

@@ -17,8 +17,13 @@ this vLLM server can read without the network (from the ranks' serving-state rec
 `store.serving_state`, the one place residency is published), cut to whole vLLM blocks. Cartridges
 keyed after computed context (`Manifest.context_ids`) are not announced: their context is not in
 the plugin. Block hashes are `kv_cache_utils.hash_block_tokens` chained from this process's
-`NONE_HASH` with vLLM's configured `prefix_caching_hash_algo` and no extra keys, so when vLLM
-later loads the blocks and announces them itself ("GPU"), the router sees the same blocks.
+`NONE_HASH` with vLLM's configured `prefix_caching_hash_algo`, so when vLLM later loads the
+blocks and announces them itself ("GPU"), the router sees the same blocks. The operator's
+cartridges carry no extra keys. KV a client brought (`Entry.salt`) is reached only by requests
+whose `cache_salt` is its salt (the gateway sends it), so it is announced as vLLM announces such
+a request's blocks: the salt in the first block's hash (`generate_block_hash_extra_keys`) and in
+the event's `extra_keys`, never under the prompt's unsalted hashes, which would draw every
+request for those tokens to KV none of them can use.
 Everything is announced again every `cartridge.kv_events_reannounce_s` (a ZMQ subscriber that
 joins late misses what was published before it).
 
@@ -78,6 +83,19 @@ class ResidentPrefix:
     local_chunks: int            # leading chunks every rank holds locally (memory or disk)
     memory_chunks: int           # leading chunks every rank holds in the plugin's CPU tier
     chunk_size: int
+    salt: str = ""               # a client's KV (`Entry.salt`): the `cache_salt` its requests carry
+
+
+def _extra_keys(salt: str, block: int) -> Optional[tuple]:
+    """A block's extra hash keys as vLLM's `generate_block_hash_extra_keys` makes them for a
+    request whose `cache_salt` is `salt` (the salt tags the first block only)."""
+    return (("cache_salt", salt),) if salt and block == 0 else None
+
+
+def _event_keys(salt: str, block: int) -> Optional[tuple]:
+    """The same block's entry in a `BlockStored`'s `extra_keys`, untagged as vLLM publishes it
+    (`kv_cache_utils.to_event_extra_keys`)."""
+    return (salt,) if salt and block == 0 else None
 
 
 def leading(indices, total: int) -> int:
@@ -195,8 +213,8 @@ def resident_prefixes(cache_dir, tokens_of: Callable[[str, str, int, str], Optio
                       pids: Optional[set[int]] = None, select: Optional[Select] = None) -> list[ResidentPrefix]:
     """Per cartridge, what every rank of this server holds locally (see module doc): the records
     `select` takes (default: the plugin's workers in `pids`, default this server's processes).
-    `tokens_of(registry, id, epoch, content_hash)` gives (key ids, context chunks, chunk size) or
-    None when the cartridge cannot be read here."""
+    `tokens_of(registry, id, epoch, content_hash)` gives (key ids, context chunks, chunk size,
+    salt) or None when the cartridge cannot be read here."""
     from lmcache_cartridge.store.serving_state import read_states
 
     if select is None:
@@ -222,11 +240,11 @@ def resident_prefixes(cache_dir, tokens_of: Callable[[str, str, int, str], Optio
         got = tokens_of(latest[0].registry, cid, first.epoch, first.content_hash)
         if got is None:
             continue
-        ids, context_chunks, chunk = got
+        ids, context_chunks, chunk, salt = got
         if context_chunks:
             continue
         memory = min(min(leading(c.in_memory, c.chunks) for c in states), local)
-        out.append(ResidentPrefix(cid, ids, local, memory, chunk))
+        out.append(ResidentPrefix(cid, ids, local, memory, chunk, salt))
     return out
 
 
@@ -303,7 +321,7 @@ class ResidencyAnnouncer:
         self._lock = threading.Lock()
         self._queue: deque = deque()
         self._announced: dict[bytes, str] = {}   # block hash -> medium, as the router knows it
-        self._tokens: dict[tuple, Optional[tuple[tuple[int, ...], int, int]]] = {}
+        self._tokens: dict[tuple, Optional[tuple[tuple[int, ...], int, int, str]]] = {}
         self._chains: dict[tuple, list[bytes]] = {}
         self._hash_fn = None
         self._thread: Optional[threading.Thread] = None
@@ -406,7 +424,7 @@ class ResidencyAnnouncer:
                     reg.close()
                 if e is not None and e.content_hash == content_hash:
                     m = Manifest.load(e.path)
-                    got = (tuple(m.key_token_ids), m.context_chunks, m.chunk_size)
+                    got = (tuple(m.key_token_ids), m.context_chunks, m.chunk_size, e.salt)
             except Exception as ex:  # noqa: BLE001 - unreadable here: not announced, retried later
                 logger.debug("lmcache_cartridge: cannot read cartridge %s for KV events: %s", cid, ex)
                 return None
@@ -441,21 +459,22 @@ class ResidencyAnnouncer:
 
         return getattr(kcu, "_NONE_HASH_SEED", None) is not None
 
-    def _block_hashes(self, ids: tuple[int, ...], n_blocks: int) -> Optional[list[bytes]]:
-        """vLLM's prefix-cache hashes of the first `n_blocks` blocks of `ids` (None: not
-        computable yet). Chains are cached per token sequence: a resident cartridge is hashed
-        once, not every period."""
+    def _block_hashes(self, ids: tuple[int, ...], n_blocks: int, salt: str = "") -> Optional[list[bytes]]:
+        """vLLM's prefix-cache hashes of the first `n_blocks` blocks of `ids` for a request whose
+        `cache_salt` is `salt` (None: not computable yet). Chains are cached per token sequence
+        and salt: a resident cartridge is hashed once, not every period."""
         from vllm.v1.core import kv_cache_utils as kcu
 
         root = self._none_hash()
         if root is None:
             return None
-        key = (root, ids)
+        key = (root, ids, salt)
         chain = self._chains.get(key)
         if chain is None:  # every whole block of the cartridge, once
             chain, parent, bs = [], root, self.block_size
             for b in range(len(ids) // bs):
-                parent = kcu.hash_block_tokens(self._hash_fn, parent, ids[b * bs:(b + 1) * bs], None)
+                parent = kcu.hash_block_tokens(self._hash_fn, parent, ids[b * bs:(b + 1) * bs],
+                                               _extra_keys(salt, b))
                 chain.append(parent)
             if len(self._chains) > 4096:
                 self._chains.clear()
@@ -464,22 +483,22 @@ class ResidencyAnnouncer:
 
     def _wanted(self, prefixes: Iterable[ResidentPrefix]
                 ) -> Optional[tuple[dict[bytes, tuple[str, tuple[int, ...]]], list[list[bytes]]]]:
-        """(block hash -> (medium, its token ids), the chains of hashes, one per cartridge): the
-        union over cartridges, "CPU" winning over "STORAGE" for a block two cartridges share.
-        None while vLLM's hashing is not set up."""
+        """(block hash -> (medium, its token ids, its event extra keys), the chains of hashes,
+        one per cartridge): the union over cartridges, "CPU" winning over "STORAGE" for a block
+        two cartridges share. None while vLLM's hashing is not set up."""
         wanted: dict = {}
         chains = []
         bs = self.block_size
         for p in prefixes:
             n_blocks = min(p.local_chunks * p.chunk_size, len(p.token_ids)) // bs
             in_memory = p.memory_chunks * p.chunk_size // bs
-            hashes = self._block_hashes(p.token_ids, n_blocks)
+            hashes = self._block_hashes(p.token_ids, n_blocks, p.salt)
             if hashes is None:
                 return None
             for b, h in enumerate(hashes):
                 medium = CPU if b < in_memory else DISK
                 if h not in wanted or (medium == CPU and wanted[h][0] == DISK):
-                    wanted[h] = (medium, p.token_ids[b * bs:(b + 1) * bs])
+                    wanted[h] = (medium, p.token_ids[b * bs:(b + 1) * bs], _event_keys(p.salt, b))
             chains.append(hashes)
         return wanted, chains
 
@@ -505,11 +524,13 @@ class ResidencyAnnouncer:
                 new = h is not None and h not in emitted and (full or self._announced.get(h) != wanted[h][0])
                 if run and (not new or wanted[h][0] != wanted[run[0]][0]):
                     first = chain.index(run[0])
+                    extra = [wanted[x][2] for x in run]
                     events.append(BlockStored(
                         block_hashes=[ext(x) for x in run],
                         parent_block_hash=ext(chain[first - 1]) if first else None,
                         token_ids=[t for x in run for t in wanted[x][1]], block_size=self.block_size,
-                        lora_id=None, medium=wanted[run[0]][0], lora_name=None, group_idx=0))
+                        lora_id=None, medium=wanted[run[0]][0], lora_name=None, group_idx=0,
+                        extra_keys=extra if any(k is not None for k in extra) else None))
                     emitted.update(run)
                     run = []
                 if new:
