@@ -685,17 +685,26 @@ def test_gateway_on_a_public_address_without_keys_warns(tmp_path, model_dir):
 
     from lmcache_cartridge.tools.vllm_process import free_port
 
-    def start(host):
+    import httpx
+
+    def start(host, port):
         env = {k: v for k, v in __import__("os").environ.items() if k != "LMCACHE_CARTRIDGE_API_KEYS"}
         return subprocess.Popen(
             [sys.executable, "-m", "lmcache_cartridge.tools.cli", "gateway", "--upstream", "http://127.0.0.1:9",
              "--model", model_dir, "--registry", str(tmp_path / f"{host}.db"), "--host", host,
-             "--port", str(free_port())], stderr=subprocess.PIPE, text=True, env=env)
+             "--port", str(port)], stderr=subprocess.PIPE, text=True, env=env)
 
     for host, warns in (("0.0.0.0", True), ("127.0.0.1", False)):
-        p = start(host)
-        try:
-            time.sleep(8)
+        port = free_port()
+        p = start(host, port)
+        try:  # until it serves (a loaded machine starts it slowly): the warning comes before
+            deadline = time.time() + 120
+            while p.poll() is None and time.time() < deadline:
+                try:
+                    httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
             assert p.poll() is None, p.stderr.read()
         finally:
             p.terminate()

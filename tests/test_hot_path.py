@@ -273,7 +273,7 @@ def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_resi
         assert wait_served(stats, reg, [Wanted(f.id, f.content_hash, f.epoch, "first_k")], timeout=5)
         assert s3_proxy.count("GET", r"firstk-remote/kv\.bin$") == 0  # and nothing fetched it eagerly
         s3_proxy.clear_faults()
-        assert wait_served(stats, reg, [want], timeout=30) is True
+        assert wait_served(stats, reg, [want], timeout=30)
         state = live_instances(stats, reg)[0]
         assert state.cartridges["trained-remote"].all_resident
         eng.clear_local_cpu()

@@ -1,6 +1,7 @@
 """The plugin, built by LMCache's own loader from YAML, serves cartridges through a real engine."""
 
 import json
+import os
 import logging
 import time
 from pathlib import Path
@@ -519,9 +520,10 @@ def test_published_serving_state_and_wait_served(carts):
     stats = tmp / "cache"  # the plugin's cache dir: its serving-state record is under it
     a = reg.resolve("doc-a")
     want_a = Wanted(a.id, a.content_hash, a.epoch)
-    assert wait_served(stats, reg.path, [want_a], timeout=1) is False  # no engine is running
+    assert wait_served(stats, reg.path, [want_a], timeout=1) == []  # no engine is running
     with engine_for(tmp, reg.path) as eng:
-        assert wait_served(stats, reg.path, [want_a], timeout=5) is True
+        served = wait_served(stats, reg.path, [want_a], timeout=5)  # the records that serve it
+        assert [(s.role, s.pid) for s in served] == [("worker", os.getpid())]
         c = pack_kv(random_kv(L, CHUNK, H, D, seed=13), tmp / "c", cartridge_id="new-c", model=MODEL,
                     kind="trained", vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
         e = Registry(reg.path).register(tmp / "c")

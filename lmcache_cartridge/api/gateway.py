@@ -31,7 +31,7 @@ from lmcache_cartridge.api.routing import SESSION_HEADER, route_id, session_key
 from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.cartridge.keys import SALT_TAG
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.lmcache.serving import NotServed, Wanted, live_instances, wait_served
+from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store.registry import Registry
 from lmcache_cartridge.vllm.composites import COMPOSE_PARAM
@@ -379,9 +379,10 @@ def create_app(settings: GatewaySettings, *, transport=None):
                             {SESSION_HEADER: session_key([])})
         resolved = [await asyncio.to_thread(resolver.resolve, s, tenant) for s in specs]
         plan = await asyncio.to_thread(resolver.plan, resolved)
+        serving = []  # the records of the instances that serve the wanted cartridges
         if plan.wanted:
             with metrics.timed(metrics.ready_wait):
-                await asyncio.to_thread(
+                serving = await asyncio.to_thread(
                     wait_served, settings.cache_dir, settings.registry,
                     [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
                     models=(settings.model, *settings.accept_models))  # another model's instances never serve it
@@ -400,8 +401,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
         # whose concurrent first hits race (`vllm.readiness`); in-process lookups do not, and
         # vllm-router's kv_aware policy stops routing a request by KV once it carries
         # kv_transfer_params (tests/test_fleet.py).
-        mp = plan.wanted and any(st.role == "mp-server" for st in await asyncio.to_thread(
-            live_instances, settings.cache_dir, settings.registry, (settings.model, *settings.accept_models)))
+        mp = any(st.role == "mp-server" for st in serving)
         return Upstream(completion_body(body, chat, plan, ids, settings.model, settings.chunk_size if mp else 0),
                         "/v1/completions", route, plan, translate=chat)
 

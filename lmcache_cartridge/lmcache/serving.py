@@ -91,10 +91,11 @@ def _missing(states: list[ServingState], wanted: list[Wanted]) -> list[tuple[Wan
 
 
 def wait_served(cache_dir: Path, registry: Path | None, wanted: list[Wanted], timeout: float, *,
-                models=None, select: Callable[[ServingState], bool] | None = None) -> bool:
+                models=None, select: Callable[[ServingState], bool] | None = None) -> list[ServingState]:
     """Return once every live plugin instance (of `registry`, serving one of `models`, passing
-    `select`: see `live_instances`) serves every wanted cartridge. Returns False when no instance
-    publishes anything (no plugin: nothing to wait for). Raises `NotServed` when an instance
+    `select`: see `live_instances`) serves every wanted cartridge: the records of those instances
+    (what the caller may go on to read, e.g. whether they run in an `lmcache server`). Returns []
+    when no instance publishes anything (no plugin: nothing to wait for). Raises `NotServed` when an instance
     refused a cartridge (400, its reason), or on timeout (503), also when instances of other
     models publish but none of `models` does.
     `models` is matched against each instance's names (`ServingState.models`)."""
@@ -104,7 +105,7 @@ def wait_served(cache_dir: Path, registry: Path | None, wanted: list[Wanted], ti
         if not states:
             others = live_instances(cache_dir, registry, None, select) if models is not None else []
             if not others:
-                return False
+                return []
             # Engines of other models serve this registry, none of ours does (yet): forwarding
             # now could recompute a trained cartridge's placeholders.
             if time.monotonic() >= deadline:
@@ -116,7 +117,7 @@ def wait_served(cache_dir: Path, registry: Path | None, wanted: list[Wanted], ti
             continue
         missing = _missing(states, wanted)
         if not missing:
-            return True
+            return states
         for w, _, why, _ in missing:
             if why:
                 raise NotServed(400, f"cartridge {w.id!r} cannot be served by this engine: {why}")
