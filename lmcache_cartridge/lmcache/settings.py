@@ -74,6 +74,10 @@ PLUGIN_KEYS: tuple[Setting, ...] = (
             "catalog's bucket"),
     Setting("reader_cores", "str", "auto",
             "where chunk reads run: `auto`, `engine` (the worker's cores) or a cpu list"),
+    Setting("prefault_l1", "bool", "true",
+            "MP mode: fault the `lmcache server`'s L1 memory in at start, in the background, so a "
+            "cartridge's first load does not wait for the kernel to allocate L1 pages (Linux 5.14+; "
+            "commits L1's size at start)"),
 )
 # LMCache's own keys in vLLM's `kv_connector_extra_config` that serving cartridges depends on (LMCache
 # reads them there, not from its YAML; `doctor` reports them in the YAML as unknown LMCache settings).
@@ -164,6 +168,8 @@ class PluginSettings:
     # Those of them that are not the worker's also take pieces of the copies into and out of
     # vLLM's KV cache (`vllm.cpu_kv`, `store.threads.helper_cores`).
     reader_cores: str = "auto"
+    # MP mode: the server's L1 arena faulted in at start (`lmcache.l1_prefault`).
+    prefault_l1: bool = True
 
     @classmethod
     def from_config(cls, config, plugin_cls: type) -> "PluginSettings":
@@ -200,6 +206,7 @@ class PluginSettings:
                 catalog_period=float(get("catalog_period", 30.0)),
                 catalog_allow_uris=tuple(_as_list(get("catalog_allow_uris"))),
                 reader_cores=cores_setting(get("reader_cores", "auto")),
+                prefault_l1=_as_bool(get("prefault_l1", True)),
             )
         except (TypeError, ValueError) as e:
             raise CartridgeError(f"bad setting under {where or name}: {e}") from e

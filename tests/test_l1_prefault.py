@@ -1,0 +1,63 @@
+"""The `lmcache server`'s L1 faulted in at start (`lmcache.l1_prefault`): the pages of a real
+/dev/shm segment are allocated without changing a byte, and a REAL `lmcache server` with the
+cartridge adapter has its whole shared-memory L1 allocated shortly after start (with
+`prefault_l1: false`, as LMCache leaves it, only what was written)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import time
+from multiprocessing import shared_memory
+
+import pytest
+
+from lmcache_cartridge.lmcache.l1_prefault import populate
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+
+
+def allocated(path: str) -> int:
+    """Bytes the kernel holds for a /dev/shm file (its pages that were faulted in)."""
+    return os.stat(path).st_blocks * 512
+
+
+def test_populate_allocates_every_page_and_keeps_the_bytes():
+    size = 64 * mmap.PAGESIZE
+    shm = shared_memory.SharedMemory(create=True, size=size)
+    try:
+        path = f"/dev/shm/{shm.name}"
+        shm.buf[5 * mmap.PAGESIZE:5 * mmap.PAGESIZE + 4] = b"kept"
+        assert allocated(path) == mmap.PAGESIZE  # only the page written
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
+        assert populate(ptr, size, step=16 * mmap.PAGESIZE) == size
+        assert allocated(path) == size
+        assert bytes(shm.buf[5 * mmap.PAGESIZE:5 * mmap.PAGESIZE + 4]) == b"kept"
+        assert not any(shm.buf[:5 * mmap.PAGESIZE])  # the others as they were: zero
+        # a range not on page boundaries: only the whole pages inside it
+        assert populate(ptr + 1, 3 * mmap.PAGESIZE) == 2 * mmap.PAGESIZE
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_an_mp_server_faults_its_l1_in_at_start(tmp_path, prefault):
+    from lmcache_cartridge.tools.lmcache_server import LmcacheServer
+
+    params = {"registry": str(tmp_path / "registry.db"), "cache_dir": str(tmp_path / "cache"),
+              **({} if prefault else {"prefault_l1": False})}
+    size = 1 << 28
+    with LmcacheServer(tmp_path / "server", params, l1_size_gb=size / (1 << 30)) as server:
+        server.wait_ready()
+        path = f"/dev/shm/{server.shm_name}"
+        deadline = time.time() + (60 if prefault else 3)
+        while allocated(path) < size and time.time() < deadline:
+            time.sleep(0.2)
+        if prefault:
+            assert allocated(path) >= size, server.log_tail()
+            assert "faulted in 0.25 GiB of L1" in server.log_text()
+        else:
+            assert allocated(path) < size // 10, server.log_tail()
