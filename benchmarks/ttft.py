@@ -36,7 +36,7 @@ SAME `VLLM_CPU_OMP_THREADS_BIND`:
     (`lmcache_cartridge.lmcache.mp_adapter`). `first`: removed and registered again before every
     burst (the adapter reads the packed file, verifies it, writes vLLM-CPU rows into the server's
     L1); `repeat`: served once before (with the server's default prefetch policy L1 keeps no L2
-    load, so a repeat reads the adapter again, from the page cache). Two more arms vary one thing
+    load, so a repeat reads the adapter again, from the page cache). More arms vary one thing
     each (`MP_ARMS`; the rest of the server's command line is `tools.lmcache_server.server_command`
     for every MP arm):
     - `cartridge_mp_retain`: the server's `--l2-prefetch-policy retain` (LMCache's
@@ -48,7 +48,10 @@ SAME `VLLM_CPU_OMP_THREADS_BIND`:
       worker copies); the server's `--supported-transfer-mode auto` offers both;
     - `cartridge_mp_pickle`: the server without `--shm-name` (LMCache's default): an engine-driven
       worker receives every chunk pickled over the server's socket instead of copying it from the
-      server's L1, which every other MP arm keeps in shared memory (`server_command(shm=True)`).
+      server's L1, which every other MP arm keeps in shared memory (`server_command(shm=True)`);
+    - `cartridge_mp_lazy_l1`: `cartridge_mp_retain` with the adapter's `prefault_l1: false`: L1's
+      pages are allocated by the kernel when first written, as LMCache leaves them, instead of
+      faulted in at start (every other MP arm).
 (d) `cartridge_cached`: the arm-(b) server, requests without a salt, as a deployment sends them:
     the warm-up loads the cartridge through LMCache once, vLLM keeps those blocks in its prefix
     cache like any computed ones, and the measured repeats are served from there. Its cells
@@ -114,6 +117,7 @@ class MpSetup:
     prefetch_policy: str = "default"  # LMCache's; `mp-server` runs `retain` (the cartridge_mp_retain arm)
     transfer_mode: str = "engine_driven"
     shm: bool = True  # the server's L1 in shared memory (`--shm-name`), as `mp-server` runs it
+    prefault_l1: bool = True  # the adapter's `prefault_l1`: L1 faulted in at start, as `mp-server` runs it
 
     def describe(self) -> str:
         who = ("vLLM on CartridgeMPConnector" if self.connector == "cartridge"
@@ -122,8 +126,9 @@ class MpSetup:
                     "lmcache_driven": "LMCache-driven transfer (shared memory)"}[self.transfer_mode]
         if self.transfer_mode == "engine_driven":
             transfer += " from L1 in shared memory" if self.shm else " pickled over the socket (no --shm-name)"
-        return (f"lmcache server (cartridge L2 adapter, `--l2-prefetch-policy {self.prefetch_policy}`) + {who}, "
-                f"{transfer}, prefix caching off")
+        l1 = "" if self.prefault_l1 else ", L1 pages allocated on first write (`prefault_l1: false`)"
+        return (f"lmcache server (cartridge L2 adapter, `--l2-prefetch-policy {self.prefetch_policy}`{l1}) + "
+                f"{who}, {transfer}, prefix caching off")
 
 
 # The LMCache multiprocess-mode arms: (e) and its variants serve the cartridge through the L2
@@ -134,10 +139,12 @@ MP_ARMS = {
     "cartridge_mp_retain": MpSetup(prefetch_policy="retain"),
     "cartridge_mp_shm": MpSetup(transfer_mode="lmcache_driven"),
     "cartridge_mp_pickle": MpSetup(shm=False),
+    "cartridge_mp_lazy_l1": MpSetup(prefetch_policy="retain", prefault_l1=False),
     "mp_l1": MpSetup(connector="lmcache"),
     "mp_l1_pickle": MpSetup(connector="lmcache", shm=False),
 }
-CARTRIDGE_MP_ARMS = ("cartridge_mp", "cartridge_mp_retain", "cartridge_mp_shm", "cartridge_mp_pickle")
+CARTRIDGE_MP_ARMS = ("cartridge_mp", "cartridge_mp_retain", "cartridge_mp_shm", "cartridge_mp_pickle",
+                     "cartridge_mp_lazy_l1")
 ANCHOR_ARMS = ("mp_l1", "mp_l1_pickle")
 ARMS = ("full_prefill", "cartridge", "prefix_cache", "cartridge_cached", *MP_ARMS)
 VARIANTS = {"full_prefill": ("cold",), "cartridge": ("first", "repeat"), "prefix_cache": ("warm",),
@@ -163,6 +170,8 @@ LABELS = {
     ("cartridge_mp_shm", "repeat"): "(e) LMCache MP mode, LMCache-driven transfer, repeat hit",
     ("cartridge_mp_pickle", "first"): "(e) LMCache MP mode, L1 not in shared memory, first hit (L2 adapter)",
     ("cartridge_mp_pickle", "repeat"): "(e) LMCache MP mode, L1 not in shared memory, repeat hit",
+    ("cartridge_mp_lazy_l1", "first"): "(e) LMCache MP mode, retain, L1 not faulted in, first hit (L2 adapter)",
+    ("cartridge_mp_lazy_l1", "repeat"): "(e) LMCache MP mode, retain, L1 not faulted in, repeat hit (L1)",
     ("mp_l1", "repeat"): "(f) LMCache MP mode without a cartridge: vLLM's own KV, repeat hit (L1)",
     ("mp_l1_pickle", "repeat"): "(f) LMCache MP mode without a cartridge, L1 not in shared memory: repeat hit (L1)",
 }
@@ -744,6 +753,7 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
                               threads_bind=threads, kv_cache_gb=cfg.kv_cache_gb, extra_args=extra,
                               transfer_mode=mp.transfer_mode, prefetch_policy=mp.prefetch_policy,
                               connector=mp.connector, shm=mp.shm,
+                              adapter_extra=None if mp.prefault_l1 else {"prefault_l1": False},
                               server_env={"LMCACHE_LOG_LEVEL": "INFO"})  # its per-retrieve line: `mp_transfer`
         return server, registry
     server = VllmServer(root, str(model_dir), lmcache=lmc, prefix_caching=(kind in ("prefix", "lmcache")),
