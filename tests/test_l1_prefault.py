@@ -61,3 +61,45 @@ def test_an_mp_server_faults_its_l1_in_at_start(tmp_path, prefault):
             assert "faulted in 0.25 GiB of L1" in server.log_text()
         else:
             assert allocated(path) < size // 10, server.log_tail()
+
+
+def rss(start: int) -> int:
+    """Bytes of this process's mapping at `start` that are mapped in (/proc/self/smaps)."""
+    found = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if not found and "-" in line.split()[0] and int(line.split("-")[0], 16) == start:
+                found = True
+            elif found and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {start:#x}")
+
+
+@pytest.mark.parametrize("allocated_first", [True, False])
+def test_a_worker_maps_the_servers_l1_pages_once_the_server_allocated_them(allocated_first):
+    """The worker's side (`map_l1_pages`, started by CartridgeMPConnector once LMCache mapped the
+    server's L1): its mapping of a fully allocated segment is set up in the background; a
+    segment the server leaves to be allocated as written (`prefault_l1: false`) stays as it is."""
+    from uuid import uuid4
+
+    from lmcache_cartridge.lmcache.l1_prefault import MADV_POPULATE_WRITE, L1_SEGMENT, l1_mappings, map_l1_pages
+
+    size = 256 * mmap.PAGESIZE
+    name = f"{L1_SEGMENT.rsplit('/', 1)[1]}test_{uuid4().hex[:8]}"
+    server = shared_memory.SharedMemory(name=name, create=True, size=size)
+    worker = shared_memory.SharedMemory(name=name)  # a second mapping, as the worker's
+    try:
+        if allocated_first:
+            populate(ctypes.addressof(ctypes.c_char.from_buffer(server.buf)), size, advice=MADV_POPULATE_WRITE)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(worker.buf))
+        assert any(s == start and path == f"/dev/shm/{name}" for s, _, path in l1_mappings())
+        assert rss(start) == 0
+        map_l1_pages(wait_s=2.0, poll_s=0.1).join(timeout=30)
+        if allocated_first:
+            assert rss(start) == size
+        else:
+            assert rss(start) == 0 and allocated(f"/dev/shm/{name}") == 0
+    finally:
+        worker.close()
+        server.close()
+        server.unlink()

@@ -13,9 +13,17 @@ arena's memory is committed at start instead of as it fills (`--l1-size-gb` is w
 set aside for it). Where the call is not supported (another OS, an older kernel) nothing happens
 but a log line.
 
+A vLLM worker attached to the server maps the same segment (LMCache's engine-driven transfer in
+shared memory) and pays a smaller cost on its first read of each page, whose mapping it sets up
+then (a minor fault, no allocation): about a third of the server's. `map_l1_pages` sets them up
+in the background once the server has faulted its L1 in (the segment fully allocated), so a
+worker never allocates L1 pages the server left to be allocated as they are written.
+
 Where it runs: inside the `lmcache server`, on one daemon thread the server module starts
-(`vllm.mp_server`), in `STEP`-sized calls. It reads the arena's address from LMCache's
-`StorageManager.l1_memory_desc` and owns nothing.
+(`vllm.mp_server`), in `STEP`-sized calls, reading the arena's address from LMCache's
+`StorageManager.l1_memory_desc`; and in each vLLM worker on `CartridgeMPConnector`
+(`vllm.mp_connector`), on one daemon thread after its KV caches are registered, reading its
+mappings of the server's segment from /proc/self/maps. It owns nothing.
 """
 
 from __future__ import annotations
@@ -30,13 +38,15 @@ import time
 
 logger = logging.getLogger("lmcache_cartridge.l1_prefault")
 
-MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # <linux/mman.h>, Linux 5.14
+L1_SEGMENT = "/dev/shm/lmcache_l1_pool_"  # LMCache's name for a shared-memory L1 (`--shm-name`)
 STEP = 64 << 20  # bytes per madvise call: the thread gives up the mm's lock between calls
 
 
-def populate(ptr: int, size: int, step: int = STEP) -> int:
-    """Fault in the whole pages of [ptr, ptr + size) for writing, contents unchanged; return the
-    bytes populated. `OSError` (errno of the failing call) where the kernel refuses."""
+def populate(ptr: int, size: int, step: int = STEP, advice: int = MADV_POPULATE_WRITE) -> int:
+    """Fault in the whole pages of [ptr, ptr + size) (for writing, or reading with
+    `MADV_POPULATE_READ`), contents unchanged; return the bytes populated. `OSError` (errno of
+    the failing call) where the kernel refuses."""
     if not sys.platform.startswith("linux"):
         raise OSError(0, "MADV_POPULATE_WRITE is Linux's")
     page = mmap.PAGESIZE
@@ -47,9 +57,9 @@ def populate(ptr: int, size: int, step: int = STEP) -> int:
     done = 0
     for at in range(start, end, step):
         n = min(step, end - at)
-        if libc.madvise(at, n, MADV_POPULATE_WRITE) != 0:
+        if libc.madvise(at, n, advice) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+            raise OSError(err, f"madvise({advice}): {os.strerror(err)}")
         done += n
     return done
 
@@ -75,5 +85,51 @@ def prefault_l1(storage_manager) -> threading.Thread | None:
                     time.perf_counter() - t0)
 
     thread = threading.Thread(target=run, name="cartridge-l1-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
+def l1_mappings(maps: str = "/proc/self/maps") -> list[tuple[int, int, str]]:
+    """(start, length, path) of this process's mappings of a server's shared-memory L1."""
+    out = []
+    with open(maps, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip().startswith(L1_SEGMENT):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi - lo, parts[5].strip()))
+    return out
+
+
+def map_l1_pages(wait_s: float = 120.0, poll_s: float = 0.5) -> threading.Thread:
+    """A vLLM worker's side (see module doc): in the background, once each mapped L1 segment is
+    fully allocated (the server faulted it in; waited for at most `wait_s`), set up this
+    process's mappings of its pages. Segments the server leaves unallocated are left alone."""
+
+    def run() -> None:
+        deadline = time.monotonic() + wait_s
+        try:
+            pending = {(start, length): path for start, length, path in l1_mappings()}
+        except OSError as e:  # no /proc: pages are mapped as they are read
+            logger.info("lmcache_cartridge: the server's L1 is mapped as it is read: %s", e)
+            return
+        while pending:
+            for (start, length), path in list(pending.items()):
+                try:
+                    st = os.stat(path)
+                    if st.st_blocks * 512 < st.st_size:
+                        continue  # the server is still faulting it in (or leaves it lazy)
+                    t0 = time.perf_counter()
+                    populate(start, length, advice=MADV_POPULATE_READ)
+                    logger.info("lmcache_cartridge: mapped %.2f GiB of the server's L1 (%s) in %.1f s",
+                                length / (1 << 30), path, time.perf_counter() - t0)
+                except OSError as e:
+                    logger.info("lmcache_cartridge: the server's L1 (%s) is mapped as it is read: %s", path, e)
+                del pending[(start, length)]
+            if pending and time.monotonic() >= deadline:
+                return
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=run, name="cartridge-l1-map", daemon=True)
     thread.start()
     return thread

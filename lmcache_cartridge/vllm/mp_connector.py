@@ -23,8 +23,10 @@ requests (`readiness.ReadinessGate`), the lookup histogram (`lookup_metrics`), t
 vLLM's `kv_load_failure_policy`, the composer's build thread (`composites`) and, with KV events
 on, the announcer's thread (`kv_events`);
 LMCache's scheduler adapter owns the lookups and their server locks. The worker-role instance is
-`LMCacheMPConnector` unchanged (the server copies the KV). The connector holds no KV and no
-cartridge file.
+`LMCacheMPConnector` plus the scheduler's failed loads and, once its KV caches are registered, one
+thread that maps the server's shared-memory L1 pages into the worker (`lmcache.l1_prefault`), so a
+cartridge's first load is not slowed by the worker's page faults. The connector holds no KV and
+no cartridge file.
 
 Scheduler side, per request marked by the gateway as carrying a trained cartridge
 (`load_failure.NO_RECOMPUTE_PARAM` + `readiness.TRAINED_TOKENS_PARAM`; unmarked requests are
@@ -385,6 +387,14 @@ class CartridgeMPConnector(LMCacheMPConnector):
         return delay, params
 
     # --- worker side ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        """Worker side, once: LMCache's registration (which maps the server's L1 where it is in
+        shared memory), then this worker's mapping of its pages set up in the background."""
+        super().register_kv_caches(kv_caches)
+        from lmcache_cartridge.lmcache.l1_prefault import map_l1_pages
+
+        map_l1_pages()
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Worker side, before the forward pass: the scheduler's failed loads are recorded (their
         blocks reported by `get_block_ids_with_load_errors`, their requests as received by
