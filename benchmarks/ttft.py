@@ -170,6 +170,9 @@ LABELS = {
     ("cartridge_mp_shm", "repeat"): "(e) LMCache MP mode, LMCache-driven transfer, repeat hit",
     ("cartridge_mp_pickle", "first"): "(e) LMCache MP mode, L1 not in shared memory, first hit (L2 adapter)",
     ("cartridge_mp_pickle", "repeat"): "(e) LMCache MP mode, L1 not in shared memory, repeat hit",
+    **{(a, "cold"): f"(e) {a}: the first load of each length into the server's L1 (the warm-up, 1 request)"
+       for a in ("cartridge_mp", "cartridge_mp_retain", "cartridge_mp_shm", "cartridge_mp_pickle",
+                 "cartridge_mp_lazy_l1")},
     ("cartridge_mp_lazy_l1", "first"): "(e) LMCache MP mode, retain, L1 not faulted in, first hit (L2 adapter)",
     ("cartridge_mp_lazy_l1", "repeat"): "(e) LMCache MP mode, retain, L1 not faulted in, repeat hit (L1)",
     ("mp_l1", "repeat"): "(f) LMCache MP mode without a cartridge: vLLM's own KV, repeat hit (L1)",
@@ -571,6 +574,8 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
                                  cartridge_tokens=cartridge_tokens(arm, L))
             t_ref = warm[0][0]
             log(f"  {arm} L={L}: warm-up TTFT {t_ref * 1e3:.1f} ms")
+            if arm in CARTRIDGE_MP_ARMS:  # its first load into L1 pages this length did not use before
+                cells.append(Cell(arm, "cold", L, 1, shots=[Shot(t_ref, warm[0][1], ("warm", L))]))
             if arm in ANCHOR_ARMS:
                 wait_stored(server, doc, plan, log=log)
             too_long = arm == "full_prefill" and t_ref > plan.max_burst_s
@@ -700,7 +705,7 @@ def hf_reference_tokens(model_dir: Path, cartridges: dict[int, Path], keys_by_le
         with PackedCartridge(cartridges[L]) as pc:
             cache = kv_to_cache(pc.load_kv(), model.config)
         t = time.perf_counter()
-        for key in sorted(keys):
+        for key in sorted(keys, key=repr):  # cells keys (L, c, burst, i) and warm-ups ("warm", L)
             suffix = torch.tensor([suffix_ids(key, plan.vocab_size, plan.avoid)])
             with torch.inference_mode():
                 logits = model(input_ids=suffix, past_key_values=cache, use_cache=True).logits[0, -1]
@@ -828,7 +833,11 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
             ("(e) retain repeat", "cartridge_mp_retain", "repeat"),
             ("(e) shm first", "cartridge_mp_shm", "first"), ("(e) shm repeat", "cartridge_mp_shm", "repeat"),
             ("(e) pickled first", "cartridge_mp_pickle", "first"),
-            ("(e) pickled repeat", "cartridge_mp_pickle", "repeat")]
+            ("(e) pickled repeat", "cartridge_mp_pickle", "repeat"),
+            ("(e) retain cold", "cartridge_mp_retain", "cold"),
+            ("(e) L1 not faulted in: cold", "cartridge_mp_lazy_l1", "cold"),
+            ("(e) L1 not faulted in: first", "cartridge_mp_lazy_l1", "first"),
+            ("(e) L1 not faulted in: repeat", "cartridge_mp_lazy_l1", "repeat")]
     ratios = [("e-repeat / f", ("cartridge_mp", "repeat"), ("mp_l1", "repeat")),
               ("e-retain-repeat / f", ("cartridge_mp_retain", "repeat"), ("mp_l1", "repeat")),
               ("e-shm-repeat / f", ("cartridge_mp_shm", "repeat"), ("mp_l1", "repeat")),
@@ -839,7 +848,9 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
               ("e-pickled-repeat / f-pickled", ("cartridge_mp_pickle", "repeat"), ("mp_l1_pickle", "repeat")),
               ("f-pickled / c", ("mp_l1_pickle", "repeat"), ("prefix_cache", "warm")),
               ("e-repeat / b-repeat", ("cartridge_mp", "repeat"), ("cartridge", "repeat")),
-              ("f / b-repeat", ("mp_l1", "repeat"), ("cartridge", "repeat"))]
+              ("f / b-repeat", ("mp_l1", "repeat"), ("cartridge", "repeat")),
+              ("lazy-cold / retain-cold", ("cartridge_mp_lazy_l1", "cold"), ("cartridge_mp_retain", "cold")),
+              ("retain-cold / f", ("cartridge_mp_retain", "cold"), ("mp_l1", "repeat"))]
     present = {(a, v) for a, v, _L, _c in by}
     cols = [x for x in cols if x[1:] in present]
     ratios = [x for x in ratios if x[1] in present and x[2] in present]
@@ -849,7 +860,9 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
                 "transfer from the server's L1 in shared memory; *retain*: `--l2-prefetch-policy retain`, what "
                 "`lmcache-cartridge mp-server` runs; "
                 "*shm*: LMCache-driven transfer; *pickled*: L1 not in shared memory, LMCache's default, each "
-                "chunk pickled over the server's socket) beside (f), what MP mode gives without a cartridge: "
+                "chunk pickled over the server's socket; *not faulted in*: retain with the adapter's "
+                "`prefault_l1: false`; *cold*: the warm-up, one request, the first load of that length "
+                "into L1 pages not used before) beside (f), what MP mode gives without a cartridge: "
                 "vLLM's own KV of the document, stored into the server's L1 by a first request and read "
                 "back. p50 / p95 ms; ratios of p50.", "",
                 "| doc tokens | " + " | ".join(x[0] for x in cols + ratios) + " |",
@@ -997,7 +1010,8 @@ def plot(result: dict, path: Path) -> None:
               ("cartridge_mp_retain", "first"): ("tab:pink", "p"), ("cartridge_mp_retain", "repeat"): ("magenta", "h"),
               ("cartridge_mp_shm", "first"): ("tab:olive", "<"), ("cartridge_mp_shm", "repeat"): ("goldenrod", ">"),
               ("cartridge_mp_pickle", "first"): ("sienna", "d"), ("cartridge_mp_pickle", "repeat"): ("peru", "D"),
-              ("mp_l1", "repeat"): ("darkgreen", "*"), ("mp_l1_pickle", "repeat"): ("lime", "*")}
+              ("mp_l1", "repeat"): ("darkgreen", "*"), ("mp_l1_pickle", "repeat"): ("lime", "*"),
+              ("cartridge_mp_lazy_l1", "first"): ("slateblue", "1"), ("cartridge_mp_lazy_l1", "repeat"): ("navy", "2")}
     for ax, c in zip(axes[0], concs):
         for (arm, variant), (color, marker) in styles.items():
             pts = [x for x in result["cells"] if x["arm"] == arm and x["variant"] == variant

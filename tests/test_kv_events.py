@@ -151,22 +151,38 @@ def test_kv_a_client_brought_is_announced_under_its_salt_as_vllm_hashes_its_requ
     kv = random_kv(L, 2 * CHUNK, H, D, seed=7)
     ids = list(range(300, 300 + 2 * CHUNK))
     c = pack_kv(kv, d / "c", cartridge_id="client-c", model=MODEL, kind="first_k", token_ids=ids, chunk_size=CHUNK)
-    salt = carts["reg"].register(d / "c", client=True).salt
+    client = carts["reg"].register(d / "c", client=True)
+    salt = client.salt
     assert salt
     with engine_for(d, carts["reg"].path) as eng:
         plugin = eng.backend("cartridge")
         plugin.dump_stats()
         ann = ResidencyAnnouncer(lambda: plugin.settings, BS, "sha256_cbor", reannounce_s=1000)
         e = stored(ann.step(now=0.0), c.token_ids)
-    n = 2 * CHUNK // BS
-    kcu.init_none_hash(sha256_cbor)
-    req = Request("r", ids + [900], SamplingParams(max_tokens=1), None, cache_salt=salt,
-                  block_hasher=kcu.get_request_block_hasher(BS, sha256_cbor))
-    assert e.block_hashes == [kcu.maybe_convert_block_hash(h) for h in req.block_hashes][:n]
-    assert e.block_hashes[0] not in vllm_block_hashes(ids)  # never under the unsalted prompt's
-    assert e.extra_keys == [(salt,)] + [None] * (n - 1)
-    a = stored(ann.step(now=2000.0), carts["a"][0].token_ids)  # the operator's: no extra keys
-    assert a.extra_keys is None
+        n = 2 * CHUNK // BS
+        kcu.init_none_hash(sha256_cbor)
+        req = Request("r", ids + [900], SamplingParams(max_tokens=1), None, cache_salt=salt,
+                      block_hasher=kcu.get_request_block_hasher(BS, sha256_cbor))
+        assert e.block_hashes == [kcu.maybe_convert_block_hash(h) for h in req.block_hashes][:n]
+        assert e.block_hashes[0] not in vllm_block_hashes(ids)  # never under the unsalted prompt's
+        assert e.extra_keys == [(salt,)] + [None] * (n - 1)
+        a = stored(ann.step(now=2000.0), carts["a"][0].token_ids)  # the operator's: no extra keys
+        assert a.extra_keys is None
+
+        # the operator registers the same bytes: the same version, no salt any more; from the next
+        # round on they are announced as a plain prompt's, and the salted blocks are removed
+        op = carts["reg"].register(d / "c")
+        assert op.salt == "" and (op.content_hash, op.epoch) == (client.content_hash, client.epoch)
+        deadline = time.time() + 10
+        events = []
+        while time.time() < deadline and not any(isinstance(x, BlockStored) for x in events):
+            plugin.dump_stats()
+            events = ann.step(now=2001.0)
+            time.sleep(0.1)
+        plain = vllm_block_hashes(ids)[:n]
+        assert [x for x in events if isinstance(x, BlockStored)][0].block_hashes == plain, events
+        removed = [h for x in events if isinstance(x, BlockRemoved) for h in x.block_hashes]
+        assert removed == e.block_hashes, events
 
 
 def test_hashes_follow_vllms_algorithm_whatever_set_none_hash_first(carts):

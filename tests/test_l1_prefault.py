@@ -46,7 +46,7 @@ def test_populate_allocates_every_page_and_keeps_the_bytes():
     try:
         path = f"/dev/shm/{shm.name}"
         shm.buf[5 * mmap.PAGESIZE:5 * mmap.PAGESIZE + 4] = b"kept"
-        assert allocated(path) == mmap.PAGESIZE  # only the page written
+        assert allocated(path) <= 2 << 20  # only the page written (a huge page where /dev/shm uses them)
         ptr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
         assert populate(ptr, size, step=16 * mmap.PAGESIZE) == size
         assert allocated(path) == size
@@ -61,6 +61,10 @@ def test_populate_allocates_every_page_and_keeps_the_bytes():
 
 @pytest.mark.parametrize("prefault", [True, False])
 def test_an_mp_server_faults_its_l1_in_at_start(tmp_path, prefault):
+    import torch
+
+    if not prefault and torch.cuda.is_available():
+        pytest.skip("LMCache pins a shared-memory L1 where CUDA is present, which allocates it at start")
     from lmcache_cartridge.tools.lmcache_server import LmcacheServer
 
     params = {"registry": str(tmp_path / "registry.db"), "cache_dir": str(tmp_path / "cache"),
@@ -70,11 +74,12 @@ def test_an_mp_server_faults_its_l1_in_at_start(tmp_path, prefault):
         server.wait_ready()
         path = f"/dev/shm/{server.shm_name}"
         deadline = time.time() + (60 if prefault else 3)
-        while allocated(path) < size and time.time() < deadline:
+        line = "faulted in 0.25 GiB of L1"  # logged once the last call returned
+        while (allocated(path) < size or line not in server.log_text()) and time.time() < deadline:
             time.sleep(0.2)
         if prefault:
             assert allocated(path) >= size, server.log_tail()
-            assert "faulted in 0.25 GiB of L1" in server.log_text()
+            assert line in server.log_text(), server.log_tail()
         else:
             assert allocated(path) < size // 10, server.log_tail()
 

@@ -454,7 +454,7 @@ def test_fake_the_gateways_own_kv_transfer_params_reach_vllm(fake, carts, monkey
     from lmcache_cartridge.vllm.load_failure import NO_RECOMPUTE_PARAM
     from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM
 
-    monkeypatch.setattr(gateway_module, "wait_served", lambda *a, **kw: None)  # no engine plugins here
+    monkeypatch.setattr(gateway_module, "wait_served", lambda *a, **kw: [])  # no engine plugins here: none to wait for
     root = carts["root"] / "carts"
     kv = random_kv(layers=2, tokens=64, heads=2, dim=64)
     torch.save(trainable_cache_state(kv, 1), root / "trained.pt")

@@ -1,13 +1,14 @@
 """The `lmcache server`'s L1 memory faulted in at start, so a cartridge's first load does not pay
 for the kernel's page allocation.
 
-Why: LMCache maps its L1 arena (a `/dev/shm` segment under `lmcache-cartridge mp-server`) without
-touching it, and the kernel allocates and zeroes each page the first time something writes it. A
-cartridge's first load writes chunks into L1 pages nobody used before: at 16K tokens of
-SmolLM2-135M (377 MB) that cost more than the load itself (0.3-0.6 s on two cores;
-docs/benchmarks.md). vLLM's own KV that the server stores pays it when stored, off the hit. With
-`prefault_l1` on (the default) the whole arena is faulted in once, in the background, right after
-the server starts: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14) allocates the pages without
+Why: on a CPU host LMCache maps its L1 arena (a `/dev/shm` segment under
+`lmcache-cartridge mp-server`) without touching it (with CUDA it pins it, which allocates it at
+start), and the kernel allocates and zeroes each page the first time something writes it. A
+cartridge's first load writes chunks into L1 pages nobody used before: writing 377 MB (16K tokens
+of SmolLM2-135M) into fresh shared-memory pages took 0.58 s against 0.05 s into used ones on two
+shared cores (see also docs/benchmarks.md). vLLM's own KV that the server stores pays it when
+stored, off the hit. With `prefault_l1` on (the default) the whole arena is faulted in once, in
+the background, right after the server starts: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14) allocates the pages without
 changing their contents, so it is safe beside a server that already stores and loads. The
 arena's memory is committed at start instead of as it fills (`--l1-size-gb` is what the operator
 set aside for it). Where the call is not supported (another OS, an older kernel) nothing happens
@@ -127,6 +128,8 @@ def map_l1_pages(wait_s: float = 120.0, poll_s: float = 0.5) -> threading.Thread
                     logger.info("lmcache_cartridge: the server's L1 (%s) is mapped as it is read: %s", path, e)
                 del pending[(start, length)]
             if pending and time.monotonic() >= deadline:
+                logger.info("lmcache_cartridge: the server's L1 (%s) is not allocated after %.0f s: its pages "
+                            "are mapped as they are read", ", ".join(sorted(set(pending.values()))), wait_s)
                 return
             time.sleep(poll_s)
 

@@ -321,7 +321,8 @@ class ResidencyAnnouncer:
         self._lock = threading.Lock()
         self._queue: deque = deque()
         self._announced: dict[bytes, str] = {}   # block hash -> medium, as the router knows it
-        self._tokens: dict[tuple, Optional[tuple[tuple[int, ...], int, int, str]]] = {}
+        self._tokens: dict[tuple, tuple[tuple[int, ...], int, int]] = {}  # manifest ids per version
+        self._registries: dict[str, Any] = {}  # registry path -> an open `Registry` (this thread's)
         self._chains: dict[tuple, list[bytes]] = {}
         self._hash_fn = None
         self._thread: Optional[threading.Thread] = None
@@ -410,28 +411,45 @@ class ResidencyAnnouncer:
         return events
 
     def _tokens_of(self, registry: str, cid: str, epoch: int, content_hash: str):
+        """(key ids, context chunks, chunk size, salt) of a served cartridge, None where it cannot
+        be read here. The manifest's part is cached per version; the salt is read from the
+        registry every round: registering a client's bytes as the operator's keeps the version
+        (content hash, epoch) and drops the salt."""
+        from lmcache_cartridge.cartridge.manifest import Manifest
+        from lmcache_cartridge.store.registry import Registry
+
+        try:
+            reg = self._registries.get(registry)
+            if reg is None:
+                if len(self._registries) > 16:
+                    self._close_registries()
+                reg = self._registries[registry] = Registry(registry)
+            e = reg.get(cid)
+        except Exception as ex:  # noqa: BLE001 - a registry unreadable now: not announced, retried later
+            logger.debug("lmcache_cartridge: cannot read registry %s for KV events: %s", registry, ex)
+            self._close_registries()
+            return None
+        if e is None or e.content_hash != content_hash:
+            return None
         key = (registry, cid, epoch, content_hash)
         if key not in self._tokens:
-            from lmcache_cartridge.cartridge.manifest import Manifest
-            from lmcache_cartridge.store.registry import Registry
-
-            got = None
             try:
-                reg = Registry(registry)
-                try:
-                    e = reg.get(cid)
-                finally:
-                    reg.close()
-                if e is not None and e.content_hash == content_hash:
-                    m = Manifest.load(e.path)
-                    got = (tuple(m.key_token_ids), m.context_chunks, m.chunk_size, e.salt)
+                m = Manifest.load(e.path)
             except Exception as ex:  # noqa: BLE001 - unreadable here: not announced, retried later
                 logger.debug("lmcache_cartridge: cannot read cartridge %s for KV events: %s", cid, ex)
                 return None
             if len(self._tokens) > 4096:
                 self._tokens.clear()
-            self._tokens[key] = got
-        return self._tokens[key]
+            self._tokens[key] = (tuple(m.key_token_ids), m.context_chunks, m.chunk_size)
+        return (*self._tokens[key], e.salt)
+
+    def _close_registries(self) -> None:
+        for reg in self._registries.values():
+            try:
+                reg.close()
+            except Exception:  # noqa: BLE001 - a broken handle is dropped all the same
+                pass
+        self._registries = {}
 
     def _none_hash(self) -> Optional[bytes]:
         """The root of vLLM's hash chains for this engine's hash function, or None while it
