@@ -107,6 +107,9 @@ def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(m
     assert any(q.answered_by(a.text) for q, a in zip(qs, served))
     if mp["mode"] == "engine_driven":  # the worker copied from the server's L1 in shared memory
         assert mp["server"].l1_mapped_by(vllm.proc.pid), "no vLLM process maps the server's L1"
+        if "faulted in" in mp["server"].log_text():  # a kernel with MADV_POPULATE_WRITE (`l1_prefault`)
+            # the worker mapped the server's L1 pages ahead of its reads, once they were allocated
+            assert "of the server's L1 (/dev/shm/lmcache_l1_pool_" in vllm.log_text(), vllm.log_tail()
 
 
 def test_client_kv_in_mp_mode_reaches_only_the_requests_that_name_it(mp):
