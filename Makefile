@@ -118,7 +118,7 @@ answers: $(STAMP)
 quality: $(STAMP)
 	$(PY) benchmarks/quality_scale.py --scales 128 1024 --tokens 256 512
 
-# The curve's next point: 4,096 conversations (on 2 cores ~40 min of synthesis and ~40 min of
+# The curve's next point: 4,096 conversations (on 2 cores 36 min of synthesis and 47 min of
 # training for the 256-token cartridge).
 quality-scale: $(STAMP)
 	$(PY) benchmarks/quality_scale.py --scales 4096 --tokens 256
