@@ -40,7 +40,10 @@ import time
 logger = logging.getLogger("lmcache_cartridge.l1_prefault")
 
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # <linux/mman.h>, Linux 5.14
-L1_SEGMENT = "/dev/shm/lmcache_l1_pool_"  # LMCache's name for a shared-memory L1 (`--shm-name`)
+# LMCache names a shared-memory L1 pool `lmcache_l1_pool_<--shm-name>` (and unlinks a stale segment
+# of that name at start); `tools.lmcache_server` names its servers' pools after it.
+SHM_PREFIX = "lmcache_l1_pool_"
+L1_SEGMENT = f"/dev/shm/{SHM_PREFIX}"
 STEP = 64 << 20  # bytes per madvise call: the thread gives up the mm's lock between calls
 
 

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from lmcache_cartridge.lmcache.l1_prefault import SHM_PREFIX, l1_mappings
 from lmcache_cartridge.tools import starts
 from lmcache_cartridge.tools.vllm_process import free_port, stop_group
 
@@ -38,16 +39,13 @@ CONNECTORS = {"cartridge": {"kv_connector": "CartridgeMPConnector",
 # repeat is then an L1 hit, as fast as LMCache's own (`benchmarks/ttft.py`, arms e and f).
 PREFETCH_POLICIES = ("default", "retain")
 PREFETCH_POLICY = "retain"
-# LMCache names a shared-memory L1 pool `lmcache_l1_pool_<name>` and unlinks a segment of that name
-# at start (a stale one of a killed server): the name carries the port, one server per port per host.
-SHM_PREFIX = "lmcache_l1_pool_"
 
 
 def shm_name(port: int) -> str:
     """The shared-memory segment of the server on `port` (`/dev/shm/<name>`): its L1 pool, which
     an engine-driven vLLM worker on the same host maps and copies from (LMCache's
     `EngineDrivenContextShm`) instead of receiving each chunk pickled over the server's socket."""
-    return f"{SHM_PREFIX}cartridge_{int(port)}"
+    return f"{SHM_PREFIX}cartridge_{int(port)}"  # the port: one server per port per host
 
 
 def server_command(port: int, http_port: int, adapter_params: dict[str, Any], *, chunk_size: int = 256,
@@ -161,7 +159,7 @@ class LmcacheServer:
             return False
         for p in descendants(pid) | {pid}:
             try:
-                if f"/dev/shm/{self.shm_name}" in Path(f"/proc/{p}/maps").read_text():
+                if any(path == f"/dev/shm/{self.shm_name}" for *_, path in l1_mappings(f"/proc/{p}/maps")):
                     return True
             except OSError:  # exited meanwhile
                 continue
