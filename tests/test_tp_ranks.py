@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -112,8 +113,11 @@ def test_each_rank_downloads_exactly_its_heads_from_s3_and_caches_them_per_rank(
     m, kv = _pack(tmp_path, heads, name="src")
     client = s3_client(moto_server)
     client.create_bucket(Bucket=BUCKET)
-    upload_dir(client, BUCKET, "c/doc", tmp_path / "src")
-    assert cli.main(["register", f"s3://{BUCKET}/c/doc", "--registry", str(tmp_path / "reg.db"),
+    # a prefix of this test's own: `register` keeps S3 manifests in the host cache by URI, which
+    # the other parameters' runs on the other test worker share (same URI, other bytes)
+    prefix = f"c/doc-{heads}-{tp}-{uuid.uuid4().hex[:8]}"
+    upload_dir(client, BUCKET, prefix, tmp_path / "src")
+    assert cli.main(["register", f"s3://{BUCKET}/{prefix}", "--registry", str(tmp_path / "reg.db"),
                      "--s3-endpoint", s3_proxy.endpoint_url]) == 0
     n, total = 3 * CHUNK, m.payload_nbytes
     chunks_dir = tmp_path / "cache" / "chunks"
