@@ -50,25 +50,16 @@ from test_vllm_e2e import \
 
 
 class CudaServer(e2e.Server):
-    """The same server as the CPU tests, with a small GPU memory share (tiny model).
+    """The same server as the CPU tests, with a small GPU memory share (tiny model; the first-k
+    test's KV maker runs beside it, `tools.vllm_process.side_server_gpu_args`).
 
     `register` (the CPU harness's) waits on the serving state the plugins publish, not on a log
     line: on vLLM 0.26 (CUDA, H100) no `lmcache_cartridge` log line reached the server log."""
 
-    cpu_kv_threads = 0  # LMCache's CUDA connector copies, not the CPU one
-
     def __init__(self, root, model_dir) -> None:
-        from lmcache_cartridge.store.registry import Registry
-        from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
-
-        self.model_dir = model_dir
-        self.registry_path = root / "registry.db"
-        self.cache_dir = root / "plugin-cache"
-        self.registry = Registry(self.registry_path)
-        VllmServer.__init__(self, root, str(model_dir),
-                            lmcache=lmcache_config(self.registry_path, chunk_size=e2e.CHUNK,
-                                                   cache_dir=self.cache_dir),
-                            extra_args=("--gpu-memory-utilization", "0.3"))
+        super().__init__(root, model_dir, cache_dir=root / "plugin-cache",
+                         extra_args=("--gpu-memory-utilization", "0.3"))
+        self.cpu_kv_threads = 0  # LMCache's CUDA connector copies, not the CPU one
 
 
 @pytest.fixture(scope="module")

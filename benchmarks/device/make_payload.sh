@@ -1,26 +1,32 @@
 #!/bin/bash
-# Build, on the no-GPU host, the files the CUDA box lacks, as <=60 MiB pieces the device tool can
-# carry one per call (64 MiB per call, the repo included). Recorded run: 2026-11-22, see
-# benchmarks/results/cuda-h100/README.md. Usage (from the repo root):
-#   benchmarks/device/make_payload.sh /tmp/gpuwheels  DEST_DIR_INSIDE_THE_LEADS_CHECKOUT
+# Build, on the no-GPU host, what the CUDA box lacks, in pieces the device tool can carry one per
+# call (64 MiB per call with the working tree, which travels every call):
+#   c00/lmc.tar          LMCache 0.5.6 built for the box's torch (build_lmcache.sh) + what it imports
+#   c01, c02/rest.tar.NN vLLM 0.26.0 trimmed (tar.xz) + the wheels vLLM imports that the box lacks
+# Usage (from the repo root):
+#   benchmarks/device/make_payload.sh SCRATCH_DIR  DEST_DIR_INSIDE_THE_CHECKOUT  LMCACHE_WHEEL
 # The box (image 'cuda'): Python 3.12, torch 2.11.0+cu130, transformers 5.17, numpy 2.5.2, no vllm,
 # no lmcache. vllm 0.26.0 is the newest vLLM that pins torch 2.11.0 (0.27.1-0.32.0 pin 2.13.0,
-# 0.33.0 pins 2.14.0); lmcache 0.5.6 has one cp312 wheel (17.7 MB, CUDA 13.0 ops).
+# 0.33.0 pins 2.14.0).
 set -euo pipefail
-W=${1:?scratch dir}; DEST=${2:?dest dir}
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+W=${1:?scratch dir}; DEST=${2:?dest dir}; LMC=$(realpath "${3:?lmcache wheel built by build_lmcache.sh}")
+PIECE=${PIECE:-55M}  # + the working tree (~6 MiB) stays under the 64 MiB a call carries
 PIP="python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp"
 for n in 5 17 24 26 27 28 31 34 35; do PIP="$PIP --platform manylinux_2_${n}_x86_64"; done
 PIP="$PIP --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
-mkdir -p "$W"/stage/a_lmc "$W"/stage/b_vdeps "$W"/stage/repo && cd "$W"
-# LMCache and what it imports (cachetools: lmcache.utils imports it at module level)
-$PIP -d stage/a_lmc lmcache==0.5.6 cachetools aiofile caio blake3 awscrt cryptography cffi pycparser \
+mkdir -p "$W"/a_lmc "$W"/b_vdeps && cd "$W"
+# What LMCache imports that the box lacks (cachetools: lmcache.utils imports it at module level)
+$PIP -d a_lmc cachetools aiofile caio blake3 awscrt cryptography cffi pycparser \
   cufile-python fastapi starlette pydantic pydantic-core annotated-types typing-inspection msgspec \
   nvtx==0.2.15 opentelemetry-api==1.40.0 opentelemetry-sdk==1.40.0 opentelemetry-proto==1.40.0 \
   opentelemetry-semantic-conventions==0.61b0 opentelemetry-exporter-prometheus==0.61b0 \
-  googleapis-common-protos importlib-metadata pyzmq redis uvicorn httptools python-multipart sniffio
+  googleapis-common-protos pyzmq redis uvicorn httptools python-multipart sniffio
+# importlib-metadata (opentelemetry imports it) after 8.7 imports `lazy_importer`, which nothing here brings
+rm -f a_lmc/importlib_metadata-*.whl && $PIP -d a_lmc importlib-metadata==8.7.0
+cp "$LMC" a_lmc/  # LMCache itself, built for torch 2.11 by build_lmcache.sh
+tar -cf lmc.tar a_lmc
 # vLLM 0.26.0's imports that the box lacks (jmespath: model_hosting_container_standards needs it)
-$PIP -d stage/b_vdeps lm-format-enforcer==0.11.3 outlines-core==0.2.14 lark==1.2.2 compressed-tensors==0.17.0 \
+$PIP -d b_vdeps lm-format-enforcer==0.11.3 outlines-core==0.2.14 lark==1.2.2 compressed-tensors==0.17.0 \
   depyf==0.20.0 openai prometheus-fastapi-instrumentator llguidance==1.7.6 xgrammar==0.2.8 \
   partial-json-parser jsonschema jsonschema-specifications referencing rpds-py mistral-common pycountry \
   pydantic-extra-types watchfiles python-json-logger pybase64 cbor2 ijson setproctitle openai-harmony \
@@ -31,15 +37,19 @@ $PIP -d stage/b_vdeps lm-format-enforcer==0.11.3 outlines-core==0.2.14 lark==1.2
   sse-starlette pydantic-settings python-dotenv email-validator dnspython websockets httpx-sse pyjwt \
   httpx2 httpcore2
 # vLLM 0.26.0 without what a dense Llama on FLASH_ATTN (FA3 on Hopper) never loads: FA2, MoE,
-# FlashMLA, qutlass, DeepGEMM builds, the Rust front end, CUTLASS headers (303 MB -> 104 MB gz).
-$PIP -d . vllm==0.26.0 && rm -rf v26 && mkdir v26 && (cd v26 && unzip -q ../vllm-0.26.0-*.whl && \
-  rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs \
-        vllm/_flashmla_C.abi3.so vllm/_flashmla_extension_C.abi3.so vllm/third_party/deep_gemm/_C.*.so \
-        vllm/_qutlass_C.abi3.so && rm -rf vllm/third_party/deep_gemm/include vllm/third_party/fmha_sm100/cutlass && \
-  tar -cf - vllm vllm-0.26.0.dist-info | gzip -6 > ../stage/vllm026.tar.gz)
-(cd "$ROOT" && git ls-files && ls tests/test_cuda_*.py) | sort -u | (cd "$ROOT" && tar -cf - -T -) | tar -xf - -C stage/repo
-(cd stage && tar -cf ../payload.tar a_lmc repo b_vdeps vllm026.tar.gz)
-rm -f piece.* && split -b 60M -d payload.tar piece.
-for p in piece.*; do mkdir -p "$DEST/c${p#piece.}"; cp "$p" "$DEST/c${p#piece.}/"; done
-cp "$ROOT"/benchmarks/device/on_device.sh "$DEST"/c00/
-ls -la piece.*
+# FlashMLA, qutlass, DeepGEMM builds, the Rust front end, CUTLASS headers (303 MB wheel -> ~80 MB xz).
+if [ ! -s vllm026.tar.xz ]; then
+  $PIP -d . vllm==0.26.0 && rm -rf v26 && mkdir v26 && (cd v26 && unzip -q ../vllm-0.26.0-*.whl && \
+    rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs \
+          vllm/_flashmla_C.abi3.so vllm/_flashmla_extension_C.abi3.so vllm/third_party/deep_gemm/_C.*.so \
+          vllm/_qutlass_C.abi3.so && rm -rf vllm/third_party/deep_gemm/include vllm/third_party/fmha_sm100/cutlass && \
+    tar -cf - vllm vllm-0.26.0.dist-info | xz -9e -T2 > ../vllm026.tar.xz)
+fi
+tar -cf rest.tar b_vdeps vllm026.tar.xz
+rm -rf "$DEST" && mkdir -p "$DEST/c00" "$DEST/c01" "$DEST/c02"
+cp lmc.tar "$DEST/c00/"
+split -b "$PIECE" -d -a 2 rest.tar "$DEST/rest.tar."
+n=$(ls "$DEST"/rest.tar.* | wc -l)
+[ "$n" -le 2 ] || { echo "rest.tar needs $n pieces: raise PIECE or add a call"; exit 1; }
+mv "$DEST/rest.tar.00" "$DEST/c01/"; mv "$DEST/rest.tar.01" "$DEST/c02/" 2>/dev/null || true
+du -b "$DEST"/c0*/*

@@ -1,40 +1,70 @@
 #!/bin/bash
-# Runs ON the CUDA box (device tool), from the lead's checkout root, with the payload pieces of
-# make_payload.sh carried one per call as .devcarry/cNN/piece.NN. A warm box keeps /root and /tmp
+# Runs ON the CUDA box (device tool), from the checkout root that the tool sends every call, with
+# the pieces of make_payload.sh carried one per call as .devcarry/cNN/. A warm box keeps /root
 # only if the next call comes within 30 s, so the calls are chained quickly:
-#   call 1: bash .devcarry/c00/on_device.sh stash 00 lmcache   (stash, install LMCache, CUDA LMCache tests, non-vLLM suite)
-#   call 2: bash .devcarry/c01/on_device.sh stash 01            (just stash; the script travels in c00 only: copy it)
-#   call 3: bash /root/on_device.sh stash 02 install e2e         (install vLLM, CUDA end-to-end tests)
-#   call 4: bash /root/on_device.sh ttft                          (benchmarks/ttft.py --device)
+#   call 1 (carry .devcarry/c00): bash benchmarks/device/on_device.sh stash 00 env lmcache models pack
+#   call 2 (carry .devcarry/c01): bash benchmarks/device/on_device.sh stash 01
+#   call 3 (carry .devcarry/c02): DEADLINE_S=330 bash benchmarks/device/on_device.sh stash 02 install e2e pack
+#   call 4:                       DEADLINE_S=400 bash benchmarks/device/on_device.sh ttft pack
+#   (TTFT_ARGS replaces the TTFT stage's default arms, lengths and concurrency)
+# Every stage appends to /root/res (a log per stage, the benchmark's JSON); `pack` puts it all in
+# $OUT/res.tgz and the one-line results in $OUT/summary.txt (at most 8 files come back per call).
+# DEADLINE_S: seconds this call may use in all; the TTFT stage is given what is left of it.
+T0=$(date +%s); DEADLINE=$((T0 + ${DEADLINE_S:-560}))
+REPO=$PWD
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0   # flashinfer is not carried: vLLM 0.26 imports it for its sampler unless this is 0
-export PYTHONPATH=/tmp/site:/root/x/repo LMCACHE_CARTRIDGE_HOME=/root/x/repo/.cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH=/tmp/site:$REPO LMCACHE_CARTRIDGE_HOME=/root/x/home HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PATH=/tmp/site/bin:$PATH LMCACHE_DISABLE_BANNER=1
 PIPI="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site"
-cp "$0" /root/on_device.sh 2>/dev/null
-mkdir -p /root/p /root/x
+mkdir -p /root/p /root/x /root/res /tmp/site
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a /root/res/summary.txt; }
+left() { echo $(( DEADLINE - $(date +%s) )); }
 while [ $# -gt 0 ]; do
   case $1 in
-    stash) cp .devcarry/c$2/piece.$2 /root/p/; shift ;;
+    stash) cp .devcarry/c$2/* /root/p/; say "stashed piece $2: $(ls /root/p | tr '\n' ' ')"; shift ;;
+    env)
+      { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -V; nproc
+        python3 -c "import torch;print('torch',torch.__version__,torch.version.cuda,torch.cuda.is_available())"
+        python3 -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|triton|numpy|numba|peft) "; } > /root/res/env.txt 2>&1
+      say "env: $(tr '\n' ' ' < /root/res/env.txt)"
+      # page cache for the big imports every server process makes (torch, CUDA libraries), in the background
+      sp=$(python3 -c "import torch,os;print(os.path.dirname(os.path.dirname(torch.__file__)))")
+      setsid sh -c "find $sp/torch $sp/nvidia $sp/transformers $sp/triton -type f -print0 | xargs -0 cat > /dev/null" \
+        > /dev/null 2>&1 < /dev/null & ;;
     lmcache)
-      { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -V
-        python3 -c "import torch;print('torch',torch.__version__,torch.version.cuda,torch.cuda.is_available())"; } | tee $OUT/env.txt
-      (cd /root/x && tar -xf /root/p/piece.00 2>/dev/null); $PIPI /root/x/a_lmc/*.whl
-      (cd /root/x/repo && timeout 200 python3 -m pytest -q -p no:cacheprovider -s -rs tests/test_cuda_lmcache_engine.py \
-         "tests/test_residency.py::test_memory_tier_on_cuda" 2>&1 | tee $OUT/cuda_lmcache_tests.txt | tail -20
-       timeout 200 python3 -m pytest -q -p no:cacheprovider -n 12 -m "not slow" -rfEs --tb=line --ignore=tests/test_cpu_kv.py \
-         --ignore=tests/test_s3.py --ignore=tests/test_s3_serving.py --ignore=tests/test_bench_chunk_retrieval.py \
-         --ignore=tests/test_cuda_vllm_e2e.py --ignore=tests/test_cuda_lmcache_engine.py tests 2>&1 | tee $OUT/nonvllm_suite.txt | tail -30) ;;
+      (cd /root/x && tar -xf /root/p/lmc.tar && $PIPI a_lmc/*.whl) || { say "lmcache install failed"; exit 3; }
+      python3 -c "import torch, lmcache.cuda_ops as c; print('lmcache.cuda_ops loaded from', c.__file__)" > /root/res/cuda_ops.txt 2>&1
+      say "$(tail -1 /root/res/cuda_ops.txt)"
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -s -rfEs --tb=short tests/test_cuda_lmcache_engine.py \
+        "tests/test_residency.py::test_memory_tier_on_cuda" > /root/res/cuda_lmcache_tests.txt 2>&1
+      say "LMCache CUDA tests: $(grep -E '(passed|failed|error|skipped)' /root/res/cuda_lmcache_tests.txt | tail -1)" ;;
+    models)  # the tests' and the benchmark's local models (random weights), made once per box
+      python3 -c "from lmcache_cartridge.tools.testmodel import ensure_test_model as e; print(e())
+import sys; sys.path.insert(0, 'benchmarks'); from ttft import BENCH_MODEL; print(BENCH_MODEL.ensure())" \
+        > /root/res/models.txt 2>&1
+      say "models: $(tail -2 /root/res/models.txt | tr '\n' ' ')" ;;
     install)
-      (cd /root/x && rm -rf a_lmc repo b_vdeps && cat /root/p/piece.* | tar -xf - && $PIPI a_lmc/*.whl b_vdeps/*.whl \
-        && tar -xzf vllm026.tar.gz -C /tmp/site && rm vllm026.tar.gz) || exit 3 ;;
+      (cd /root/x && cat /root/p/rest.tar.* | tar -xf - && $PIPI b_vdeps/*.whl && tar -xJf vllm026.tar.xz -C /tmp/site \
+        && rm vllm026.tar.xz) || { say "vLLM install failed"; exit 3; }
+      python3 -m compileall -q -j 0 /tmp/site/vllm /tmp/site/lmcache "$REPO/lmcache_cartridge" > /dev/null 2>&1
+      python3 -c "import vllm, lmcache.cuda_ops; print('vllm', vllm.__version__)" > /root/res/vllm_import.txt 2>&1
+      say "installed: $(tail -1 /root/res/vllm_import.txt)" ;;
     e2e)
-      (cd /root/x/repo && timeout 420 python3 -m pytest -q -p no:cacheprovider -s -rfEs --tb=short --basetemp=/root/x/pt3 \
-         tests/test_cuda_vllm_e2e.py 2>&1 | tee $OUT/cuda_vllm_e2e.txt | grep -E "\[|passed|failed|^E " | tail -40)
-      for f in $(find /root/x/pt3 -name server.log); do tail -c 3000000 $f > $OUT/e2e_server.log; done ;;
+      timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -p no:cacheprovider -s -rfEs --tb=short \
+        --basetemp=/root/x/pt3 tests/test_cuda_vllm_e2e.py > /root/res/cuda_vllm_e2e.txt 2>&1
+      say "vLLM CUDA e2e: $(grep -E '(passed|failed|error|skipped)' /root/res/cuda_vllm_e2e.txt | tail -1)"
+      grep -E "^\[(e2e|cuda e2e)" /root/res/cuda_vllm_e2e.txt | tee -a /root/res/summary.txt
+      i=0; for f in $(find /root/x/pt3 -name server.log); do i=$((i+1)); tail -c 2000000 "$f" > /root/res/e2e_server_$i.log; done ;;
     ttft)
-      mkdir -p $OUT/ttft
-      (cd /root/x/repo && timeout ${TTFT_S:-540} python3 benchmarks/ttft.py --device --baseline lmcache --out $OUT/ttft \
-         --work /root/x/bench ${TTFT_ARGS:-} 2>&1 | tee $OUT/ttft/ttft_log.txt | grep -E "^\[ *[0-9]" | tail -60)
-      for f in $(find /root/x/bench/servers -name server.log); do n=$(basename $(dirname $f)); tail -c 3000000 $f > $OUT/ttft/server_$n.log; done ;;
+      n=ttft$([ -n "${TTFT_ARGS:-}" ] && echo "_$(echo "$TTFT_ARGS" | md5sum | cut -c1-6)")
+      mkdir -p /root/res/$n
+      timeout $(( $(left) - 15 )) python3 benchmarks/ttft.py --device --baseline lmcache --out /root/res/$n \
+        --work /root/x/bench ${TTFT_ARGS:---arms full_prefill,cartridge,prefix_cache --lengths 4096,8192,16384 --concurrency 1,4 --samples 8} \
+        > /root/res/$n/ttft_log.txt 2>&1
+      say "TTFT ($n): rc=$? $(grep -c '' /root/res/$n/ttft_log.txt) log lines; $(tail -1 /root/res/$n/ttft_log.txt)"
+      for f in $(find /root/x/bench/servers -name server.log); do
+        tail -c 2000000 "$f" > /root/res/$n/server_$(basename "$(dirname "$f")").log; done ;;
+    pack) tar -czf "$OUT/res.tgz" -C /root res; cp /root/res/summary.txt "$OUT/" ;;
   esac
   shift
 done

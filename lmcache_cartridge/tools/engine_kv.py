@@ -78,13 +78,14 @@ class EngineKVMaker:
         """Start the private server (once) without waiting for it: callers with other servers to
         start let them all come up together."""
         if self.server is None:
-            from lmcache_cartridge.tools.vllm_process import VllmProcess
+            from lmcache_cartridge.tools.vllm_process import VllmProcess, side_server_gpu_args
 
             self.disk.mkdir(parents=True, exist_ok=True)
             self.max_model_len = self.max_model_len or 2048
             self.server = VllmProcess(self.work / "vllm", self.model_dir, lmcache=self.config,
                                      max_model_len=self.max_model_len, threads_bind=self.threads_bind,
-                                     kv_cache_gb=self.kv_cache_gb)
+                                     kv_cache_gb=self.kv_cache_gb,
+                                     extra_args=side_server_gpu_args(self.kv_cache_gb))
         return self
 
     def start(self, timeout: float = 600) -> "EngineKVMaker":

