@@ -14,12 +14,11 @@ tensor in one of vLLM's FLASH_ATTN KV cache layouts:
 The slot mapping scatters tokens over blocks in a shuffled order, as a real block table does, so
 a copy that ignored paging would put bytes in the wrong place.
 
-Seen on an H100 (2026-11-22, torch 2.11.0+cu130, LMCache 0.5.6): `lmcache.cuda_ops` does not
-load for torch 2.11 (undefined symbol), so LMCache copies with its torch baseline; the "split"
-tests passed there. The "fused" case was not run on a device: LMCache 0.5.6's torch baseline
-(`platform/torch_ops/mem_kernels.py`) addresses a fused-packed layer as `(2, slots, hidden)`,
-and vLLM 0.26's own KV stored and reloaded through LMCache gave different text
-(test_cuda_vllm_e2e), so expect "fused" to fail there until the compiled ops load.
+Each layout runs with the factory as `CartridgeConnector` leaves it (`install_cuda_connector_hook`:
+`vllm.fused_kv` copies fused caches) and with LMCache's own. Seen on an H200 with LMCache 0.5.6
+built for the box's torch 2.11 (`benchmarks/device/build_lmcache.sh`, so `lmcache.cuda_ops`
+loads): LMCache's own copy passes "split" and fails "fused" (`LMCACHE_FUSED_DEFECT`, an expected
+failure here, strict so that a fixed LMCache shows).
 
 Oracle: the cartridge's own KV `[2, L, T, H, D]` read at slot s of block s // block_size,
 offset s % block_size, compared as bytes.
@@ -64,20 +63,27 @@ def _yaml(tmp_path, registry):
 class CudaEngine:
     """LMCacheEngine with LMCache's own vLLM GPU connector over a flash-attention paged cache."""
 
-    def __init__(self, tmp_path, registry, layout: str = "split") -> None:
+    def __init__(self, tmp_path, registry, layout: str = "split", connector: str = "cartridge") -> None:
         import lmcache
+        import lmcache.v1.gpu_connector as gc
         from lmcache.utils import EngineType
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
-        from lmcache.v1.gpu_connector import CreateGPUConnector
         from lmcache.v1.metadata import LMCacheMetadata
+
+        from lmcache_cartridge.vllm.connector import install_cuda_connector_hook
+
+        # "cartridge": the factory as CartridgeConnector leaves it (fused_kv's copies for fused
+        # caches); "lmcache": LMCache's own factory and copies
+        assert install_cuda_connector_hook()
+        factory = gc.CreateGPUConnector if connector == "cartridge" else gc.CreateGPUConnector.__wrapped__
 
         assert getattr(lmcache, "torch_device_type", "cuda") == "cuda", lmcache.torch_device_type
         config = LMCacheEngineConfig.from_file(str(_yaml(tmp_path, registry)))
         md = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
                              local_worker_id=0, kv_dtype=torch.bfloat16,
                              kv_shape=(L, 2, CHUNK, H, D), chunk_size=CHUNK)
-        self.connector = CreateGPUConnector(config, md, EngineType.VLLM)
+        self.connector = factory(config, md, EngineType.VLLM)
         self.instance_id = f"cuda-test-{id(self)}"
         self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, config, md, self.connector,
                                                          None, None)
@@ -128,7 +134,16 @@ def _paged_slots(n: int, seed: int) -> torch.Tensor:
     return (blocks.repeat_interleave(BLOCK) * BLOCK + torch.arange(BLOCK).repeat(len(blocks)))[:n]
 
 
-@pytest.fixture(params=["split", "fused"])
+LMCACHE_FUSED_DEFECT = (
+    "LMCache 0.5.6's in-process connector keeps KV_2LTD memory objects but copies a fused layout "
+    "as one plane of heads*head_size values per token at that token stride: half of each row, at "
+    "the wrong offsets, V never filled (seen with the compiled cuda_ops on an H200)")
+
+
+@pytest.fixture(params=[("split", "cartridge"), ("fused", "cartridge"), ("split", "lmcache"),
+                        pytest.param(("fused", "lmcache"),
+                                     marks=pytest.mark.xfail(strict=True, reason=LMCACHE_FUSED_DEFECT))],
+                ids=lambda p: "-".join(p))
 def carts(tmp_path, request):
     from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
     from lmcache_cartridge.store.registry import Registry
@@ -142,7 +157,7 @@ def carts(tmp_path, request):
                 vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
     reg.register(tmp_path / "a")
     reg.register(tmp_path / "b")
-    eng = CudaEngine(tmp_path, reg.path, request.param)
+    eng = CudaEngine(tmp_path, reg.path, *request.param)
     try:
         yield {"eng": eng, "a": (a, kv_a), "b": (b, kv_b)}
     finally:

