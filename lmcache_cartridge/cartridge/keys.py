@@ -29,6 +29,20 @@ SALT_TAG = "lmcache.tag.lmcache_cartridge_salt"
 _SEED_DEPENDENT = {"builtin", "xxhash", "xxhash_cbor"}
 
 
+def vllm_seeds_every_hash_randomly() -> bool:
+    """Whether the installed vLLM starts every prefix-hash chain (`NONE_HASH`) from random bytes
+    unless PYTHONHASHSEED is set, sha256_cbor included: vLLMs without `resolve_none_hash_seed`
+    (0.26 among them: `init_none_hash` takes `os.urandom(32)`; later ones derive a fixed seed for
+    cryptographic hashes). LMCache re-initialises `NONE_HASH` through vLLM in every process, so
+    there every process, and every LMCache token database, keys chunks differently. False where
+    vLLM is not installed."""
+    try:
+        from vllm.v1.core import kv_cache_utils as kcu
+    except Exception:  # noqa: BLE001 - no vLLM (or a broken one): nothing hashes here
+        return False
+    return hasattr(kcu, "init_none_hash") and not hasattr(kcu, "resolve_none_hash_seed")
+
+
 def hash_config_problem(hash_algorithm: str, env: dict[str, str] | None = None) -> str | None:
     """Explain why scheduler and workers would hash differently, or None when they agree.
 
@@ -38,6 +52,13 @@ def hash_config_problem(hash_algorithm: str, env: dict[str, str] | None = None) 
     env = os.environ if env is None else env
     algo = (hash_algorithm or "builtin").strip()
     if algo in {"sha256", "sha256_cbor", "sha256_cbor_64bit"}:
+        if env.get("PYTHONHASHSEED") is None and vllm_seeds_every_hash_randomly():
+            return (
+                f"pre_caching_hash_algorithm {algo!r} with PYTHONHASHSEED unset on this vLLM (no "
+                "resolve_none_hash_seed: every process starts its chunk hashes from random bytes): "
+                "cartridge keys differ between processes. Export PYTHONHASHSEED=0 for vLLM and for "
+                "every process that makes cartridges (vLLM 0.32 needs neither)."
+            )
         return None
     if algo not in _SEED_DEPENDENT:
         return (

@@ -149,7 +149,13 @@ class EngineKVMaker:
             from lmcache.v1.config import LMCacheEngineConfig
             from lmcache.v1.metadata import LMCacheMetadata
 
-            from lmcache_cartridge.cartridge.keys import ChunkKeyMapper
+            from lmcache_cartridge.cartridge.keys import ChunkKeyMapper, vllm_seeds_every_hash_randomly
+            from lmcache_cartridge.tools.vllm_process import SHARED_HASH_SEED
+
+            if vllm_seeds_every_hash_randomly():
+                # the server's seed (`server_environment`): vLLM reads it when LMCache's token
+                # database initialises NONE_HASH, just below; without it the keys are random here
+                os.environ.setdefault("PYTHONHASHSEED", SHARED_HASH_SEED)
 
             g = self._geo()
             config = LMCacheEngineConfig.from_dict({k: self.config[k] for k in (

@@ -123,6 +123,11 @@ def stop_group(proc: subprocess.Popen) -> None:
         unlink_lmcache_shm(members)
 
 
+# PYTHONHASHSEED given to servers (and taken by the KV maker's own process) on a vLLM whose
+# prefix hashes are random per process without one (`keys.vllm_seeds_every_hash_randomly`)
+SHARED_HASH_SEED = "0"
+
+
 def server_environment(tmp: Path, prom: Path, *, threads_bind: str = "0-1", kv_cache_gb: int = 1,
                        extra_env: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a vLLM server we start: `base` (this process's) with the server's own
@@ -134,7 +139,12 @@ def server_environment(tmp: Path, prom: Path, *, threads_bind: str = "0-1", kv_c
     inductor's own cache, kept outside the private temp dir (`paths.inductor_cache_dir`). The
     kernels are the same either way (a cached start gives bit-identical logprobs)."""
     env = dict(os.environ if base is None else base)
-    env.pop("PYTHONHASHSEED", None)
+    from lmcache_cartridge.cartridge.keys import vllm_seeds_every_hash_randomly
+
+    if vllm_seeds_every_hash_randomly():  # the seed is what makes chunk keys agree across processes
+        env.setdefault("PYTHONHASHSEED", SHARED_HASH_SEED)
+    else:  # sha256_cbor keys are the same in every process without it, as users run vLLM
+        env.pop("PYTHONHASHSEED", None)
     env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),

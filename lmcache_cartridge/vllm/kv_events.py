@@ -464,6 +464,9 @@ class ResidencyAnnouncer:
         if self._hash_fn is None:
             self._hash_fn = get_hash_fn_by_name(self.hash_algo)
         fn = self._hash_fn
+        if not hasattr(kcu, "resolve_none_hash_seed"):  # vLLM <= 0.26: seeded, or random per process
+            seed = os.getenv("PYTHONHASHSEED")
+            return None if seed is None else kcu.BlockHash(fn(seed))
         if fn in getattr(kcu, "_NON_CRYPTO_HASH_FUNCTIONS", ()) and os.getenv("PYTHONHASHSEED") is None:
             if getattr(kcu, "NONE_HASH", None) is None or not self._engine_started():
                 return None
