@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -58,7 +59,8 @@ class CudaServer(e2e.Server):
 
     def __init__(self, root, model_dir) -> None:
         super().__init__(root, model_dir, cache_dir=root / "plugin-cache",
-                         extra_args=("--gpu-memory-utilization", "0.3"))
+                         extra_args=("--gpu-memory-utilization", "0.3",
+                                     *os.environ.get("CUDA_E2E_VLLM_ARGS", "").split()))
         self.cpu_kv_threads = 0  # LMCache's CUDA connector copies, not the CPU one
 
 

@@ -44,8 +44,10 @@ import sys; sys.path.insert(0, 'benchmarks'); from ttft import BENCH_MODEL; prin
         > /root/res/models.txt 2>&1
       say "models: $(tail -2 /root/res/models.txt | tr '\n' ' ')" ;;
     install)
-      (cd /root/x && cat /root/p/rest.tar.* | tar -xf - && $PIPI b_vdeps/*.whl && tar -xJf vllm026.tar.xz -C /tmp/site \
-        && rm vllm026.tar.xz) || { say "vLLM install failed"; exit 3; }
+      # one pip run for both sets: `--target --upgrade` replaces a top-level folder another wheel shares
+      # (opentelemetry/: the api's `context` would be lost under the exporters')
+      (cd /root/x && cat /root/p/rest.tar.* | tar -xf - && rm -rf /tmp/site/opentelemetry && $PIPI a_lmc/*.whl b_vdeps/*.whl \
+        && { [ ! -f vllm026.tar.xz ] || tar -xJf vllm026.tar.xz -C /tmp/site; } && rm -f vllm026.tar.xz) || { say "vLLM install failed"; exit 3; }
       python3 -m compileall -q -j 0 /tmp/site/vllm /tmp/site/lmcache "$REPO/lmcache_cartridge" > /dev/null 2>&1
       python3 -c "import vllm, lmcache.cuda_ops; print('vllm', vllm.__version__)" > /root/res/vllm_import.txt 2>&1
       say "installed: $(tail -1 /root/res/vllm_import.txt)" ;;
