@@ -146,6 +146,8 @@ def _define():
             if "slot_mapping" not in kwargs:
                 raise ValueError("'slot_mapping' should be provided in kwargs.")
             slots = kwargs["slot_mapping"][start:end]
+            # the side stream reads what vLLM's forward wrote on the current stream: after it
+            self.store_stream.wait_stream(torch.cuda.current_stream(self.kvcaches[0].device))
             with torch.cuda.stream(self.store_stream):
                 buf = torch.empty(memory_obj.tensor.shape, dtype=memory_obj.tensor.dtype,
                                   device=self.kvcaches[0].device)
