@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_cartridge.vllm.fused_kv import FUSED_HND, FUSED_NHD, fused_format_name, load_fused, store_fused
+from lmcache_cartridge.vllm.fused_kv import (FUSED_HND, FUSED_NHD, fused_format_name, load_chunk, load_fused,
+                                              store_fused)
 
 L, H, D, BS, NB = 3, 2, 8, 16, 12
 SENTINEL = 7.0
@@ -114,3 +115,49 @@ def test_only_lmcaches_fused_formats_are_taken_over():
     assert fused_format_name(fmts.NL_X_NB_NH_BS_CS) == FUSED_HND
     assert fused_format_name(fmts.NL_X_TWO_NB_BS_NH_HS) is None  # split K/V: LMCache's own copy
     assert fused_format_name(fmts.NL_X_NB_TWO_BS_NH_HS) is None
+
+
+@pytest.mark.parametrize("cached", [0, 5, 16, 40])
+def test_a_chunk_leaves_vllms_cached_prefix_and_blockless_tokens_alone(cached):
+    """`to_gpu`'s part for one memory object: the chunk holds request tokens [16, 32); vLLM's own
+    cached prefix (`vllm_cached_tokens`) is not overwritten (as LMCache's kernel skips it), and a
+    token without a block (slot -1) is skipped, never written to the last block."""
+    start, end = 16, 32
+    slot_mapping = _slots(48, seed=3)
+    slot_mapping[start + 11] = -1
+    chunk = _kv2ltd(end - start, seed=4)
+    layers = [_cache(FUSED_NHD, SENTINEL) for _ in range(L)]
+    load_chunk(chunk, layers, slot_mapping, start, end, FUSED_NHD, vllm_cached_tokens=cached)
+    k, v = _vllm_k_v(layers[1], FUSED_NHD)
+    written = 0
+    for t in range(start, end):
+        s = int(slot_mapping[t])
+        if s < 0:
+            continue
+        got = k[s // BS, s % BS]
+        if t < cached:
+            assert bool((got == SENTINEL).all()), t
+        else:
+            assert torch.equal(got, chunk[0, 1, t - start].view(H, D)), t
+            assert torch.equal(v[s // BS, s % BS], chunk[1, 1, t - start].view(H, D)), t
+            written += 1
+    assert written == len([t for t in range(max(start, cached), end) if t != start + 11])
+    assert bool((k[NB - 1, BS - 1] == SENTINEL).all())  # where slot -1 would have landed
+
+
+def test_bits_are_moved_not_values_converted_and_nothing_is_half_written():
+    """A chunk of another dtype of the same width (fp8 caches are uint8 tensors) is copied as bits;
+    another width, or any layer of another layout, is refused before a layer is written."""
+    n = 8
+    kv, slots = _kv2ltd(n), _slots(n)
+    layers = [_cache(FUSED_NHD, 0.0).view(torch.int16) for _ in range(L)]
+    load_fused(kv, layers, slots, FUSED_NHD)
+    k, _ = _vllm_k_v(layers[0], FUSED_NHD)
+    s = int(slots[0])
+    assert torch.equal(k[s // BS, s % BS], kv[0, 0, 0].view(H, D).view(torch.int16))
+    with pytest.raises(ValueError, match="does not fit a cache of"):
+        load_fused(kv.float(), [t.view(torch.bfloat16) for t in layers], slots, FUSED_NHD)
+    mixed = [_cache(FUSED_NHD, SENTINEL) for _ in range(L - 1)] + [_cache(FUSED_HND, SENTINEL)]
+    with pytest.raises(ValueError, match="another layout"):
+        load_fused(kv, mixed, slots, FUSED_NHD)
+    assert all(bool((t == SENTINEL).all()) for t in mixed)

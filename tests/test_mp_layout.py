@@ -16,7 +16,7 @@ from lmcache.v1.multiprocess.transfer_context.base import gather_paged_kv_to_cpu
 
 from lmcache_cartridge.errors import CartridgeError  # noqa: E402
 from lmcache_cartridge.lmcache import mp_layout  # noqa: E402
-from lmcache_cartridge.lmcache.mp_layout import CPU_ROWS, KV_2LTD, classify  # noqa: E402
+from lmcache_cartridge.lmcache.mp_layout import CPU_ROWS, FUSED_ROWS, KV_2LTD, classify  # noqa: E402
 from lmcache_cartridge.vllm.mp_rows import CpuRowsEncoder  # noqa: E402
 from test_cpu_kv import writer_in_subprocess  # noqa: E402
 
@@ -83,3 +83,67 @@ def test_classify_tells_layouts_apart_and_refuses_the_rest():
         classify((L, T, 2 * H * D), DT, block_size=48, **geo)
     with pytest.raises(CartridgeError, match="fits neither"):
         classify((L, T, H * D), DT, block_size=BS, **geo)  # another head count (a rank's half)
+
+
+def gpu_fused_objects(kv: torch.Tensor, fmt: str) -> list[torch.Tensor]:
+    """The MP objects of `kv`'s two chunks as a CUDA vLLM (>= 0.26, fused K|V cache) and LMCache's
+    MP gather make them: the cache written as vLLM's attention reads it (`kv_cache.transpose(1,
+    2).split(head_size, -1)` of the logical (NB, H, BS, 2D) tensor; NHD stores it (NB, BS, H, 2D)),
+    then LMCache's fused-format transfer (`_transfer_per_layer_fused`, its torch kernel) gathers
+    the blocks into objects. On CPU tensors: the copy is the same on a GPU."""
+    import lmcache.lmcache_native as native
+    from lmcache.v1.gpu_connector.kv_format.specs.registry import get_spec_class
+    from lmcache.v1.platform.torch_ops.mp_mem_kernels import _transfer_per_layer_fused
+
+    nhd = fmt == "NL_X_NB_BS_NH_CS"
+    layers = [torch.zeros((NB, BS, H, 2 * D) if nhd else (NB, H, BS, 2 * D), dtype=DT) for _ in range(L)]
+    for i, layer in enumerate(layers):
+        logical = layer.permute(0, 2, 1, 3) if nhd else layer
+        kc, vc = logical.transpose(1, 2).split(D, dim=-1)  # [NB, BS, H, D] views
+        for t in range(2 * T):
+            b, o = TABLE[t // BS], t % BS
+            kc[b, o] = kv[0, i, t]
+            vc[b, o] = kv[1, i, t]
+    objs = [torch.zeros(L, T, H * 2 * D, dtype=DT) for _ in range(2)]
+    spec = get_spec_class(getattr(native.EngineKVFormat, fmt))
+    _transfer_per_layer_fused(layers, objs, TABLE, len(TABLE), T // BS, BS, spec, is_d2h=True, skip_prefix_n_blocks=0)
+    return objs
+
+
+@pytest.mark.parametrize("fmt", ["NL_X_NB_BS_NH_CS", "NL_X_NB_NH_BS_CS"])
+def test_gpu_fused_rows_are_what_a_cuda_vllm_and_lmcache_write(fmt):
+    """A GPU engine's MP objects (LMCache-driven transfer of vLLM's fused K|V cache) are plain
+    per-head K|V rows: the adapter's encoding of the cartridge's chunk equals LMCache's own gather
+    of the same KV, byte for byte, for NHD and HND caches alike; vLLM-CPU's rows of the same shape
+    are other bytes (so the engine's kind, not the shape, decides)."""
+    kv = torch.randn(2, L, 2 * T, H, D, generator=torch.Generator().manual_seed(8)).to(DT)
+    objs = gpu_fused_objects(kv, fmt)
+    asked = []
+    lay = classify(objs[0].shape, DT, num_layers=L, num_tokens=T, heads=H, head_dim=D,
+                   block_size=lambda: asked.append(1) or BS, gpu=lambda: True)
+    assert lay.kind == FUSED_ROWS and not asked  # a GPU engine's rows need no block size
+    enc = mp_layout.encoder_for(lay)
+    for c, obj in enumerate(objs):
+        chunk = kv[:, :, c * T:(c + 1) * T]
+        dst = torch.full_like(obj, 7.0)
+        enc(dst, chunk.contiguous().view(torch.uint8))  # the chunk's KV_2LTD bytes
+        assert torch.equal(dst.view(torch.uint8), obj.view(torch.uint8))
+        dst.fill_(7.0)
+        enc(dst.unsqueeze(0), chunk)  # a [2, L, T, H, D] view; LMCache-driven objects [1, L, T, H*2D]
+        assert torch.equal(dst.view(torch.uint8), obj.view(torch.uint8))
+    runnable("vec")
+    cpu = classify(objs[0].shape, DT, num_layers=L, num_tokens=T, heads=H, head_dim=D, block_size=BS, gpu=False)
+    dst = torch.empty_like(objs[0])
+    CpuRowsEncoder(cpu, isa="vec").encode(dst, kv[:, :, :T].contiguous())
+    assert not torch.equal(dst.view(torch.uint8), objs[0].view(torch.uint8))
+
+
+def test_a_rank_of_a_gpu_engine_gets_its_own_heads():
+    """Tensor parallelism: a rank's object holds its heads only; the adapter encodes from a view
+    of those heads (`RankView.engine_view`, not contiguous)."""
+    kv = torch.randn(2, L, T, 2 * H, D, generator=torch.Generator().manual_seed(9)).to(DT)
+    lay = classify((L, T, H * 2 * D), DT, num_layers=L, num_tokens=T, heads=H, head_dim=D, block_size=None, gpu=True)
+    dst = torch.empty(L, T, H * 2 * D, dtype=DT)
+    mp_layout.encoder_for(lay)(dst, kv[:, :, :, H:])  # rank 1 of 2
+    rows = dst.view(L, T, H, 2 * D)
+    assert torch.equal(rows[..., :D], kv[0, :, :, H:]) and torch.equal(rows[..., D:], kv[1, :, :, H:])

@@ -29,6 +29,7 @@ SALT_TAG = "lmcache.tag.lmcache_cartridge_salt"
 _SEED_DEPENDENT = {"builtin", "xxhash", "xxhash_cbor"}
 
 
+@functools.lru_cache(maxsize=1)  # once per process: importing vLLM costs seconds where nothing has yet
 def vllm_seeds_every_hash_randomly() -> bool:
     """Whether the installed vLLM starts every prefix-hash chain (`NONE_HASH`) from random bytes
     unless PYTHONHASHSEED is set, sha256_cbor included: vLLMs without `resolve_none_hash_seed`

@@ -565,7 +565,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             heads = h.view.heads[1] - h.view.heads[0]
             lay = classify(shape, dtype, num_layers=m.num_layers, num_tokens=m.chunks[index].num_tokens,
                            heads=heads, head_dim=m.head_dim,
-                           block_size=lambda: self._block_size(key.model_name, world))
+                           block_size=lambda: self._block_size(key.model_name, world),
+                           gpu=lambda: self._gpu_engine(key.model_name, world))
             return h, lay
         except Exception as e:
             once = (s.entry.id, key.model_name, world, tuple(shape), type(e).__name__)
@@ -574,6 +575,25 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 logger.warning("lmcache_cartridge MP adapter: %r not served to %s (world %d, object %s): %s",
                                m.cartridge_id, key.model_name, world, list(shape), e)
             return None
+
+    def _gpu_engine(self, model: str, world: int) -> bool:
+        """Whether the engine of (model, world) registered with the server is a GPU one (its fused
+        rows are plain K|V values, `mp_layout.FUSED_ROWS`): an LMCache-driven context that is not
+        LMCache's CPU one (engine-driven contexts are all non-CUDA). Asked per lookup of rows, never
+        kept. A GPU and a vLLM-CPU engine of the same (model, world) would read the same rows
+        differently: refused."""
+        from lmcache.v1.platform.devices.cpu.cache_context import CPUCacheContext
+
+        gpu = False
+        for mod in self._transfer_modules:
+            if hasattr(mod, "context_entries_snapshot"):
+                gpu = gpu or any(not isinstance(e.cache_context, CPUCacheContext)
+                                 for e in mod.context_entries_snapshot().values()
+                                 if e.model_name == model and int(e.world_size) == world)
+        if gpu and self._block_size(model, world) is not None:
+            raise CartridgeError(f"a GPU engine and a vLLM-CPU engine of {model!r} (world {world}) are both "
+                                 "registered: their MP objects hold different bytes")
+        return gpu
 
     def _block_size(self, model: str, world: int) -> int | None:
         """The block size the server's registration of a vLLM-CPU engine of (model, world) declares

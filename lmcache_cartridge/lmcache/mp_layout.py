@@ -6,7 +6,10 @@ whole blocks between its KV cache and those objects. The server registers the ob
 (`MemoryLayoutDesc`) and gives it to an L2 adapter at lookup; the shape says which bytes it holds:
 
 * `[2, L, T, H*D]`: `KV_2LTD` (vLLM on GPU, split K/V): the cartridge's own chunk bytes.
-* `[L, T, H*2D]` (engine-driven transfer) or `[1, L, T, H*2D]` (LMCache-driven): vLLM-CPU's own
+* `[L, T, H*2D]` of a GPU engine whose cache is fused K|V (vLLM >= 0.26 on CUDA: FLASH_ATTN,
+  TRITON_ATTN; LMCache-driven transfer): `FUSED_ROWS`, token-major rows, per head K then V, plain
+  values (LMCache's fused gather copies each token's `[H, 2D]` cache row as it is).
+* `[L, T, H*2D]` (engine-driven transfer) or `[1, L, T, H*2D]` (LMCache-driven) of vLLM-CPU: its own
   paged block bytes. vLLM-CPU's per-layer cache is `[blocks, H, BS, 2D]`; LMCache's gather
   (`_transfer_per_layer_fused`) writes `obj[l, j*BS + o, h*2D:(h+1)*2D] = cache_l[j, h, o, :]`, so
   the object viewed `[L, nb, BS, H, 2D]` is the cache's blocks `[L, nb, H, BS, 2D]` with the (H, BS)
@@ -21,16 +24,19 @@ vLLM-CPU rows are written is vLLM knowledge, declared by the server module
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from lmcache_cartridge.errors import CartridgeError
 
 KV_2LTD = "kv_2ltd"
 CPU_ROWS = "vllm_cpu_rows"
+FUSED_ROWS = "gpu_fused_rows"
 
 
 @dataclass(frozen=True)
@@ -47,16 +53,20 @@ class ObjectLayout:
 
 
 def classify(shape, dtype: torch.dtype, *, num_layers: int, num_tokens: int, heads: int, head_dim: int,
-             block_size: "int | Callable[[], int | None] | None") -> ObjectLayout:
+             block_size: "int | Callable[[], int | None] | None",
+             gpu: "bool | Callable[[], bool]" = False) -> ObjectLayout:
     """The layout an MP object of `shape`/`dtype` holds for a chunk of this geometry (this rank's
     `heads`), or `CartridgeError` saying why the chunk cannot fill it. `block_size` is the vLLM-CPU
     engine's block size (from the server's registration of it), None where unknown, or a callable
-    asked only for vLLM-CPU rows."""
+    asked only for vLLM-CPU rows; `gpu` (or a callable asked only for rows): the engine of this
+    key is a GPU one, whose rows are plain fused K|V values."""
     shape = tuple(int(x) for x in shape)
     if shape == (2, num_layers, num_tokens, heads * head_dim):
         return ObjectLayout(KV_2LTD, num_layers, num_tokens, heads, head_dim, dtype)
     rows = shape[1:] if len(shape) == 4 and shape[0] == 1 else shape
     if rows == (num_layers, num_tokens, heads * 2 * head_dim):
+        if gpu() if callable(gpu) else gpu:
+            return ObjectLayout(FUSED_ROWS, num_layers, num_tokens, heads, head_dim, dtype)
         if callable(block_size):
             block_size = block_size()
         if not block_size:
@@ -91,6 +101,8 @@ def encoder_for(lay: ObjectLayout) -> Optional[Encode]:
     `CartridgeError` for vLLM-CPU rows when no rows encoder was declared in this process."""
     if lay.kind == KV_2LTD:
         return None
+    if lay.kind == FUSED_ROWS:
+        return functools.partial(encode_fused_rows, lay)
     with _lock:
         enc = _encoders.get(lay)
         if enc is None:
@@ -99,3 +111,23 @@ def encoder_for(lay: ObjectLayout) -> Optional[Encode]:
                                      "lmcache_cartridge.vllm.mp_server declares it)")
             enc = _encoders[lay] = _rows_factory(lay)
     return enc
+
+
+def encode_fused_rows(lay: ObjectLayout, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Write a chunk into an MP object of a GPU engine's fused K|V rows (`FUSED_ROWS`):
+    `dst[l, t, h*2D:(h+1)*2D] = [K[l, t, h], V[l, t, h]]`. `src`: the chunk in `KV_2LTD` (any
+    tensor with its bytes) or a `[2, L, T, H, D]` view of its values (`RankView.engine_view`);
+    `dst`: the object's tensor (`[L, T, H*2D]` or `[1, L, T, H*2D]`, contiguous). Copied by numpy on
+    the calling thread (the adapter's reader), as the vLLM-CPU rows are."""
+    L, T, H, D = lay.num_layers, lay.num_tokens, lay.heads, lay.head_dim
+    if not dst.is_contiguous() or dst.numel() != L * T * H * 2 * D:
+        raise CartridgeError(f"MP object {list(dst.shape)} is not {L}x{T}x{H * 2 * D} contiguous values")
+    word = _WORDS[lay.dtype.itemsize]
+    kv = src if src.dim() == 5 else src.reshape(-1).view(torch.uint8).view(lay.dtype).view(2, L, T, H, D)
+    out = dst.view(word).view(L, T, H, 2 * D)
+    np.copyto(out[..., :D].numpy(), kv[0].view(word).numpy())
+    np.copyto(out[..., D:].numpy(), kv[1].view(word).numpy())
+
+
+# Same-size integer words for copies that move bytes (numpy has no bfloat16).
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -46,50 +46,91 @@ def token_view(layer: torch.Tensor, fmt: str) -> torch.Tensor:
     raise ValueError(f"not a fused K|V format: {fmt}")
 
 
-def _check_width(values_per_token: int, view: torch.Tensor, fmt: str) -> None:
-    heads, width = view.shape[2], view.shape[3]
-    if width % 2 or heads * (width // 2) != values_per_token:
-        raise ValueError(f"KV of {values_per_token} values per token per layer does not fit a {fmt} "
-                         f"layer read as {heads} heads of {width // 2} (K) + {width // 2} (V): "
-                         "the cache is in another layout")
+def _check_layers(values_per_token: int, dtype: torch.dtype, layers: list[torch.Tensor], fmt: str) -> None:
+    """Every layer read as `fmt` holds `values_per_token` per token (heads x (K + V)) of a dtype of
+    the same width, checked before anything is written."""
+    for layer in layers:
+        view = token_view(layer, fmt)
+        heads, width = view.shape[2], view.shape[3]
+        if width % 2 or heads * (width // 2) != values_per_token:
+            raise ValueError(f"KV of {values_per_token} values per token per layer does not fit a {fmt} "
+                             f"layer read as {heads} heads of {width // 2} (K) + {width // 2} (V): "
+                             "the cache is in another layout")
+        if layer.dtype.itemsize != dtype.itemsize:
+            raise ValueError(f"KV of {dtype} does not fit a cache of {layer.dtype}")
+
+
+def _same_bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as `dtype` without converting values (a copy moves bits, as LMCache's kernels do)."""
+    return t if t.dtype == dtype else t.view(dtype)
 
 
 def _where(view: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block_size = view.shape[1]
-    slots = slots.to(device=view.device, dtype=torch.long)
     return torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
+
+
+def _valid(slots: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots on `device` and, where some are negative (no block: LMCache's kernels skip
+    those tokens), the mask of the others; None when all are valid."""
+    slots = slots.to(device=device, dtype=torch.long)
+    keep = slots >= 0
+    return (slots, None) if bool(keep.all()) else (slots[keep], keep)
 
 
 def load_fused(kv: torch.Tensor, layers: list[torch.Tensor], slots: torch.Tensor, fmt: str) -> None:
     """Write `kv` (LMCache's `KV_2LTD` `[2, L, T, heads * head_size]`, any device) into the
     fused cache `layers` (L tensors) at the T token `slots` (vLLM slot ids: block * block_size +
-    offset). Nothing else of the cache is touched."""
+    offset; a negative one is skipped). Nothing else of the cache is touched."""
     if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != len(layers) or kv.shape[2] != len(slots):
         raise ValueError(f"KV {tuple(kv.shape)} does not fit {len(layers)} layers and {len(slots)} slots")
+    _check_layers(kv.shape[3], kv.dtype, layers, fmt)
+    if not layers or not len(slots):
+        return
+    device = layers[0].device
+    kv = _same_bits(kv.to(device=device, non_blocking=True), layers[0].dtype)  # one copy, not one per layer
+    slots, keep = _valid(slots, device)
+    if keep is not None:
+        kv = kv[:, :, keep]
     for i, layer in enumerate(layers):
         view = token_view(layer, fmt)
-        heads, width = view.shape[2], view.shape[3]
-        d = width // 2
-        _check_width(kv.shape[3], view, fmt)
-        src = kv[:, i].to(device=layer.device, dtype=layer.dtype, non_blocking=True)  # [2, T, H*D]
-        rows = torch.cat([src[0].reshape(-1, heads, d), src[1].reshape(-1, heads, d)], dim=-1)
+        heads, d = view.shape[2], view.shape[3] // 2
+        rows = torch.cat([kv[0, i].reshape(-1, heads, d), kv[1, i].reshape(-1, heads, d)], dim=-1)
         b, o = _where(view, slots)
         view[b, o] = rows
 
 
+def load_chunk(chunk: torch.Tensor, layers: list[torch.Tensor], slot_mapping: torch.Tensor, start: int,
+               end: int, fmt: str, vllm_cached_tokens: int = 0) -> None:
+    """What `FusedKVGPUConnector.to_gpu` writes for one memory object: `chunk` (`KV_2LTD`) holds
+    the request's tokens [start, end), `slot_mapping` is the whole request's; vLLM's own cached
+    prefix (`vllm_cached_tokens`) stays as vLLM wrote it, as LMCache's kernel leaves it."""
+    skip = min(end - start, max(0, int(vllm_cached_tokens) - start))
+    load_fused(chunk[:, :, skip:end - start], layers, slot_mapping[start + skip:end], fmt)
+
+
 def store_fused(layers: list[torch.Tensor], slots: torch.Tensor, fmt: str, out: torch.Tensor) -> None:
     """Read the T token `slots` of the fused cache `layers` into `out` (`KV_2LTD`
-    `[2, L, T, heads * head_size]`, any device)."""
+    `[2, L, T, heads * head_size]`, any device; the rows of negative slots are left as they are)."""
     if out.dim() != 4 or out.shape[0] != 2 or out.shape[1] != len(layers) or out.shape[2] != len(slots):
         raise ValueError(f"buffer {tuple(out.shape)} does not fit {len(layers)} layers and {len(slots)} slots")
+    _check_layers(out.shape[3], out.dtype, layers, fmt)
+    if not layers or not len(slots):
+        return
+    slots, keep = _valid(slots, layers[0].device)
+    dst = _same_bits(out, layers[0].dtype)
     for i, layer in enumerate(layers):
         view = token_view(layer, fmt)
         d = view.shape[3] // 2
-        _check_width(out.shape[3], view, fmt)
         b, o = _where(view, slots)
         rows = view[b, o]  # [T, H, 2D], a copy
-        out[0, i].copy_(rows[..., :d].reshape(len(slots), -1))
-        out[1, i].copy_(rows[..., d:].reshape(len(slots), -1))
+        k, v = rows[..., :d].reshape(len(slots), -1), rows[..., d:].reshape(len(slots), -1)
+        if keep is None:
+            dst[0, i].copy_(k)
+            dst[1, i].copy_(v)
+        else:
+            dst[0, i][keep.to(dst.device)] = k.to(dst.device)
+            dst[1, i][keep.to(dst.device)] = v.to(dst.device)
 
 
 def fused_format_name(fmt) -> str | None:
@@ -134,10 +175,8 @@ def _define():
                                  "processed by VLLMPagedMemGPUConnector")
             if "slot_mapping" not in kwargs:
                 raise ValueError("'slot_mapping' should be provided in kwargs.")
-            # vLLM's own cached prefix of this chunk stays as vLLM wrote it (as LMCache skips it)
-            skip = min(end - start, max(0, int(kwargs.get("vllm_cached_tokens", 0)) - start))
-            slots = kwargs["slot_mapping"][start + skip:end]
-            load_fused(memory_obj.tensor[:, :, skip:end - start], list(self.kvcaches), slots, fmt)
+            load_chunk(memory_obj.tensor, list(self.kvcaches), kwargs["slot_mapping"], start, end, fmt,
+                       kwargs.get("vllm_cached_tokens", 0))
 
         def from_gpu(self, memory_obj, start: int, end: int, **kwargs):
             fmt = self._fused(kwargs)
@@ -148,9 +187,15 @@ def _define():
             slots = kwargs["slot_mapping"][start:end]
             # the side stream reads what vLLM's forward wrote on the current stream: after it
             self.store_stream.wait_stream(torch.cuda.current_stream(self.kvcaches[0].device))
+            n = end - start
             with torch.cuda.stream(self.store_stream):
-                buf = torch.empty(memory_obj.tensor.shape, dtype=memory_obj.tensor.dtype,
-                                  device=self.kvcaches[0].device)
+                gb = self.gpu_buffer  # LMCache's preallocated chunk buffer where it made one
+                if (gb is not None and gb.shape[:2] == memory_obj.tensor.shape[:2] and gb.shape[2] >= n
+                        and gb.shape[3] == memory_obj.tensor.shape[3] and gb.dtype == memory_obj.tensor.dtype):
+                    buf = gb[:, :, :n]
+                else:
+                    buf = torch.empty(memory_obj.tensor.shape, dtype=memory_obj.tensor.dtype,
+                                      device=self.kvcaches[0].device)
                 store_fused(list(self.kvcaches), slots, fmt, buf)
                 memory_obj.tensor.copy_(buf, non_blocking=True)
             self.store_stream.synchronize()
