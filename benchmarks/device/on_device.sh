@@ -4,7 +4,7 @@
 # only if the next call comes within 30 s, so the calls are chained quickly:
 #   call 1 (carry .devcarry/c00): bash benchmarks/device/on_device.sh stash 00 env lmcache models pack
 #   call 2 (carry .devcarry/c01): bash benchmarks/device/on_device.sh stash 01
-#   call 3 (carry .devcarry/c02): DEADLINE_S=330 bash benchmarks/device/on_device.sh stash 02 install e2e pack
+#   call 3 (carry .devcarry/c02): DEADLINE_S=450 bash benchmarks/device/on_device.sh stash 02 install e2e pack
 #   call 4:                       DEADLINE_S=400 bash benchmarks/device/on_device.sh ttft pack
 #   (TTFT_ARGS replaces the TTFT stage's default arms, lengths and concurrency)
 # Every stage appends to /root/res (a log per stage, the benchmark's JSON); `pack` puts it all in
@@ -52,10 +52,10 @@ import sys; sys.path.insert(0, 'benchmarks'); from ttft import BENCH_MODEL; prin
       python3 -c "import vllm, lmcache.cuda_ops; print('vllm', vllm.__version__)" > /root/res/vllm_import.txt 2>&1
       say "installed: $(tail -1 /root/res/vllm_import.txt)" ;;
     e2e)
-      timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -p no:cacheprovider -s -rfEs --tb=short \
-        --basetemp=/root/x/pt3 tests/test_cuda_vllm_e2e.py > /root/res/cuda_vllm_e2e.txt 2>&1
+      timeout $(( $(left) < 420 ? $(left) : 420 )) python3 -m pytest -q -p no:cacheprovider -s -rfEs --tb=short \
+        --basetemp=/root/x/pt3 tests/test_cuda_vllm_e2e.py tests/test_cuda_mp_e2e.py > /root/res/cuda_vllm_e2e.txt 2>&1
       say "vLLM CUDA e2e: $(grep -E '(passed|failed|error|skipped)' /root/res/cuda_vllm_e2e.txt | tail -1)"
-      grep -E "^\[(e2e|cuda e2e)" /root/res/cuda_vllm_e2e.txt | tee -a /root/res/summary.txt
+      grep -E "^\[(e2e|cuda)" /root/res/cuda_vllm_e2e.txt | tee -a /root/res/summary.txt
       i=0; for f in $(find /root/x/pt3 -name server.log); do i=$((i+1)); tail -c 2000000 "$f" > /root/res/e2e_server_$i.log; done ;;
     ttft)
       n=ttft$([ -n "${TTFT_ARGS:-}" ] && echo "_$(echo "$TTFT_ARGS" | md5sum | cut -c1-6)")
