@@ -161,3 +161,15 @@ def test_bits_are_moved_not_values_converted_and_nothing_is_half_written():
     with pytest.raises(ValueError, match="another layout"):
         load_fused(kv, mixed, slots, FUSED_NHD)
     assert all(bool((t == SENTINEL).all()) for t in mixed)
+
+
+def test_doctor_on_cuda_fails_a_config_whose_connector_gets_no_fused_copies():
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    from lmcache_cartridge.vllm.fused_kv import cuda_connector_finding
+
+    base = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 1}
+    assert cuda_connector_finding(LMCacheEngineConfig.from_dict(base))[0] == "OK"
+    level, msg = cuda_connector_finding(LMCacheEngineConfig.from_dict({**base, "use_gpu_connector_v3": True}))
+    assert level == "FAIL" and "use_gpu_connector_v3" in msg
+    assert cuda_connector_finding(LMCacheEngineConfig.from_dict({**base, "use_layerwise": True}))[0] == "FAIL"

@@ -93,6 +93,10 @@ def diagnose(config: str | Path | None, *, model: str | None = None, verify: boo
     if lmc.store_location != "LocalCPUBackend":
         check("WARN", f"store_location is {lmc.store_location!r}; set it to LocalCPUBackend so puts never reach "
                       "the read-only plugin")
+    if cuda:
+        from lmcache_cartridge.vllm.fused_kv import cuda_connector_finding
+
+        check(*cuda_connector_finding(lmc))
     problem = hash_config_problem(lmc.pre_caching_hash_algorithm)
     check("FAIL" if problem and not settings.allow_unstable_hash else "OK",
           problem or f"hash {lmc.pre_caching_hash_algorithm}: scheduler and workers agree on keys")

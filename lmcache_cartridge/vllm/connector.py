@@ -154,6 +154,7 @@ def install_cuda_connector_hook() -> bool:
         original = current
 
         def CreateGPUConnector(config, metadata, engine, layout_hints=None):  # noqa: N802
+            from lmcache.utils import EngineType
             from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemGPUConnectorV2
 
             from lmcache_cartridge.vllm import fused_kv
@@ -163,6 +164,10 @@ def install_cuda_connector_hook() -> bool:
                 conn.__class__ = fused_kv.connector_class()
                 logger.info("lmcache_cartridge: LMCache's CUDA connector copies fused K|V caches with "
                             "fused_kv.FusedKVGPUConnector")
+            elif engine == EngineType.VLLM:
+                logger.warning("lmcache_cartridge: LMCache built %s (V3 or layerwise): it copies vLLM's fused "
+                               "K|V cache (vLLM >= 0.26) with LMCache 0.5.6's own kernels, which misaddress it",
+                               type(conn).__name__)
             return conn
 
         CreateGPUConnector._cartridge_cuda_hook = True  # type: ignore[attr-defined]

@@ -133,6 +133,19 @@ def store_fused(layers: list[torch.Tensor], slots: torch.Tensor, fmt: str, out: 
             dst[1, i][keep.to(dst.device)] = v.to(dst.device)
 
 
+def cuda_connector_finding(config) -> tuple[str, str]:
+    """`doctor`'s finding on a CUDA machine for the LMCache config `config`: (level, message).
+    Only LMCache's default in-process connector gets this module's copies; its V3 and layerwise
+    connectors copy vLLM's fused cache with LMCache's own kernels."""
+    other = [name for name in ("use_gpu_connector_v3", "use_layerwise") if getattr(config, name, False)]
+    if other:
+        return ("FAIL", f"{' and '.join(other)}: LMCache's own copy then moves vLLM's fused K|V cache "
+                        "(vLLM >= 0.26), which LMCache 0.5.6 misaddresses; CartridgeConnector corrects only "
+                        "its default connector: turn them off, or serve in LMCache's multiprocess mode")
+    return ("OK", "CUDA: vLLM's fused K|V cache (vLLM >= 0.26) is copied by CartridgeConnector "
+                  "(kv_connector CartridgeConnector; LMCache's own LMCacheConnectorV1 misaddresses it)")
+
+
 def fused_format_name(fmt) -> str | None:
     """The name of LMCache's EngineKVFormat `fmt` if it is one of the fused K|V formats handled
     here, else None."""
