@@ -34,7 +34,9 @@ ENGINE_MODULES = {"lmcache_cartridge.connector", "lmcache_cartridge.vllm.connect
 ENGINE_STAGE = ENGINE_MODULES | {"lmcache_cartridge.vllm"}  # and every module under it (vLLM's side)
 # Modules that use vLLM only where it is installed, inside functions (they import without it):
 # self-study's vLLM synthesis backend, chosen by `train` when vLLM imports (HF otherwise).
-ENGINE_OPTIONAL = {"lmcache_cartridge.tools.selfstudy.vllm_synth"}
+# And the chunk-key checks, which ask the installed vLLM how it seeds its hash chains
+# (`keys.vllm_seeds_every_hash_randomly`: False where vLLM is absent).
+ENGINE_OPTIONAL = {"lmcache_cartridge.tools.selfstudy.vllm_synth", "lmcache_cartridge.cartridge.keys"}
 # Optional features: modules under a prefix may also use their extra's distributions.
 FEATURE_EXTRAS = {"lmcache_cartridge.tools.selfstudy": "train"}
 # Declared although no module of the package names them in an import statement, with why
