@@ -122,7 +122,7 @@ def encode_fused_rows(lay: ObjectLayout, dst: torch.Tensor, src: torch.Tensor) -
     L, T, H, D = lay.num_layers, lay.num_tokens, lay.heads, lay.head_dim
     if not dst.is_contiguous() or dst.numel() != L * T * H * 2 * D:
         raise CartridgeError(f"MP object {list(dst.shape)} is not {L}x{T}x{H * 2 * D} contiguous values")
-    word = _WORDS[lay.dtype.itemsize]
+    word = WORDS[lay.dtype.itemsize]
     kv = src if src.dim() == 5 else src.reshape(-1).view(torch.uint8).view(lay.dtype).view(2, L, T, H, D)
     out = dst.view(word).view(L, T, H, 2 * D)
     np.copyto(out[..., :D].numpy(), kv[0].view(word).numpy())
@@ -130,4 +130,4 @@ def encode_fused_rows(lay: ObjectLayout, dst: torch.Tensor, src: torch.Tensor) -
 
 
 # Same-size integer words for copies that move bytes (numpy has no bfloat16).
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

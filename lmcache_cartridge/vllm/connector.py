@@ -97,6 +97,26 @@ def _on_cpu_backend(vllm_config: "VllmConfig") -> bool:
     return str(getattr(vllm_config.device_config, "device", "")).startswith("cpu")
 
 
+def _wrap_connector_factory(device_type: str, marker: str, wrap) -> bool:
+    """Replace LMCache's `CreateGPUConnector` by `wrap(original)`, once per `marker`, where LMCache
+    runs on `device_type`; False (nothing changed) elsewhere. LMCache's vLLM service factory
+    resolves the function at call time, so it takes the wrapper."""
+    import lmcache
+    import lmcache.v1.gpu_connector as gc
+
+    if getattr(lmcache, "torch_device_type", None) != device_type:
+        return False
+    with _hook_lock:
+        original = gc.CreateGPUConnector
+        if getattr(original, marker, False):
+            return True
+        wrapper = wrap(original)
+        setattr(wrapper, marker, True)
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        gc.CreateGPUConnector = wrapper
+    return True
+
+
 def install_cpu_connector_hook(kv_cache_dtype: str = "auto") -> bool:
     """Make LMCache build `CpuPagedKVConnector` for vLLM on its "cpu" device type. Idempotent.
 
@@ -104,16 +124,8 @@ def install_cpu_connector_hook(kv_cache_dtype: str = "auto") -> bool:
     (then nothing is changed).
     """
     import lmcache
-    import lmcache.v1.gpu_connector as gc
 
-    if getattr(lmcache, "torch_device_type", None) != "cpu":
-        return False
-    with _hook_lock:
-        current = gc.CreateGPUConnector
-        if getattr(current, "_cartridge_cpu_hook", False):
-            return True
-        original = current
-
+    def wrap(original):
         def CreateGPUConnector(config, metadata, engine, layout_hints=None):  # noqa: N802
             from lmcache.utils import EngineType
 
@@ -127,11 +139,9 @@ def install_cpu_connector_hook(kv_cache_dtype: str = "auto") -> bool:
                 logger.info("lmcache_cartridge: LMCache on vLLM's CPU backend uses CpuPagedKVConnector")
                 return CpuPagedKVConnector.from_metadata(metadata, kv_cache_dtype=kv_cache_dtype, config=config)
             return original(config, metadata, engine, layout_hints=layout_hints)
+        return CreateGPUConnector
 
-        CreateGPUConnector._cartridge_cpu_hook = True  # type: ignore[attr-defined]
-        CreateGPUConnector.__wrapped__ = original  # type: ignore[attr-defined]
-        gc.CreateGPUConnector = CreateGPUConnector
-    return True
+    return _wrap_connector_factory("cpu", "_cartridge_cpu_hook", wrap)
 
 
 def install_cuda_connector_hook() -> bool:
@@ -142,17 +152,7 @@ def install_cuda_connector_hook() -> bool:
     `VLLMPagedMemGPUConnectorV2` gets the class `fused_kv.FusedKVGPUConnector`, which keeps its
     state and copies every other layout as before. Returns True if the hook is (now) installed,
     False if LMCache is not on CUDA (then nothing is changed)."""
-    import lmcache
-    import lmcache.v1.gpu_connector as gc
-
-    if getattr(lmcache, "torch_device_type", None) != "cuda":
-        return False
-    with _hook_lock:
-        current = gc.CreateGPUConnector
-        if getattr(current, "_cartridge_cuda_hook", False):
-            return True
-        original = current
-
+    def wrap(original):
         def CreateGPUConnector(config, metadata, engine, layout_hints=None):  # noqa: N802
             from lmcache.utils import EngineType
             from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemGPUConnectorV2
@@ -169,11 +169,9 @@ def install_cuda_connector_hook() -> bool:
                                "K|V cache (vLLM >= 0.26) with LMCache 0.5.6's own kernels, which misaddress it",
                                type(conn).__name__)
             return conn
+        return CreateGPUConnector
 
-        CreateGPUConnector._cartridge_cuda_hook = True  # type: ignore[attr-defined]
-        CreateGPUConnector.__wrapped__ = original  # type: ignore[attr-defined]
-        gc.CreateGPUConnector = CreateGPUConnector
-    return True
+    return _wrap_connector_factory("cuda", "_cartridge_cuda_hook", wrap)
 
 
 def why_not_engine_blocks(lmcache_engine) -> str | None:

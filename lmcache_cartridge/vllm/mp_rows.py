@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import torch
 
-from lmcache_cartridge.lmcache.mp_layout import ObjectLayout
+from lmcache_cartridge.lmcache.mp_layout import WORDS, ObjectLayout
 from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, EngineBlocks, current_attn_isa
 from lmcache_cartridge.vllm.cpu_layout import derive_layout
 
@@ -35,7 +35,7 @@ class CpuRowsEncoder:
         self._conn.engine_blocks = EngineBlocks(self._conn, layout, lay.block_size)
         self._lock = threading.Lock()  # the connector's and this encoder's scratch are not shared between threads
         self._blocks = torch.empty(lay.num_layers * lay.num_tokens * lay.heads * 2 * lay.head_dim, dtype=lay.dtype)
-        self._word = _WORDS[lay.dtype.itemsize]
+        self._word = WORDS[lay.dtype.itemsize]
 
     def encode(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`src`: the chunk in `KV_2LTD` (any tensor with its bytes) or a `[2, L, T, H, D]` view of
@@ -53,8 +53,6 @@ class CpuRowsEncoder:
             np.copyto(out.numpy(), rows.numpy())
 
 
-# Same-size integer words for a copy that moves bytes (numpy has no bfloat16).
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 
