@@ -359,6 +359,7 @@ STAGES = {
     "lmcache_retrieve": "lmcache:time_to_retrieve",  # the whole retrieve a load waits on
     "lmcache_tokens": "lmcache:retrieve_process_tokens_time",  # hashing the tokens, finding objects
     "lmcache_copy": "lmcache:retrieve_to_gpu_time",  # the copy into vLLM's KV cache
+    "plugin_read": "lmcache_cartridge_read_seconds",  # the plugin's chunk reads: one per chunk it serves
 }
 # In LMCache's MP mode, from the `lmcache server`: the cartridge adapter's own stage totals (its
 # serving-state record, `store.metrics.Metrics.stage`; per request: the total over the cell's

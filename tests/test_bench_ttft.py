@@ -154,14 +154,13 @@ def test_the_breakdown_is_the_servers_own_times_for_each_request_of_the_cell(ben
         st, n = cell.stages, len(cell.shots)
         for stage in ("ttft", "prefill", "sched_lookup", "lmcache_retrieve", "lmcache_tokens", "lmcache_copy"):
             assert st[stage]["n"] == n and st[stage]["mean_ms"] > 0, (cell.variant, stage, st)
-        # the copy is part of the retrieve; the retrieve and the scheduler's lookup (one per request
-        # at c=1) are parts of the prefill
+        # the copy is timed inside the retrieve (LMCache's own nesting); nothing else is compared
         assert st["lmcache_copy"]["mean_ms"] <= st["lmcache_retrieve"]["mean_ms"], st
-        assert st["sched_lookup"]["mean_ms"] + st["lmcache_retrieve"]["mean_ms"] < st["prefill"]["mean_ms"], st
-    # a first hit's retrieve also reads and checks the file: longer than a repeat's, same copy size
-    assert (
-        staged["first"].stages["lmcache_retrieve"]["mean_ms"] > staged["repeat"].stages["lmcache_retrieve"]["mean_ms"]
-    )
+    # a first hit's retrieve reads every chunk through the plugin; a repeat's is served by LMCache's
+    # own CPU backend (the plugin's hit written back), so the plugin reads nothing. Counts, not times.
+    first, repeat = staged["first"], staged["repeat"]
+    assert first.stages["plugin_read"]["n"] == (LENGTH // bt.CHUNK) * len(first.shots), first.stages
+    assert "plugin_read" not in repeat.stages, repeat.stages
     assert all(c.stages is None for c in bench.cells["c"])  # not asked for
 
 
