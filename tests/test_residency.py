@@ -172,7 +172,7 @@ def test_bad_origin_bytes_are_never_cached(tmp_path):
     with pytest.raises(ChecksumError):
         res.read_into(h, 1, out)
     time.sleep(0.2)
-    assert (h.key, 1) not in cpu and h.disk_id(1) not in disk
+    assert (h.key, 1) not in cpu and h.chunk_id(1) not in disk
     assert res.read_into(h, 0, out) == "s3"  # other chunks still fine
     res.close()
 
@@ -391,16 +391,49 @@ def test_hold_local_holds_only_what_the_disk_tier_alone_has(tmp_path):
     res = Residency(MemoryTier("cpu", 1 << 20), DiskTier(tmp_path / "cache", 2 * size), Metrics(), prefetch=False)
     local, remote = Handle(p.manifest, LocalOrigin(p.directory)), Handle(p.manifest, _RemoteOrigin(p.directory))
     assert res.hold_local(local, 3) == (True, None)
-    res.disk.put(remote.disk_id(0), memoryview(p.read_raw(0).numpy()))
-    res.disk.put(remote.disk_id(1), memoryview(p.read_raw(1).numpy()))
+    res.disk.put(remote.chunk_id(0), memoryview(p.read_raw(0).numpy()))
+    res.disk.put(remote.chunk_id(1), memoryview(p.read_raw(1).numpy()))
     res.cpu.put((remote.key, 1), torch.empty(size, dtype=torch.uint8))
     assert res.hold_local(remote, 1) == (True, None)  # the CPU tier has it (the caller pinned it there)
     ok, hold = res.hold_local(remote, 0)
     assert ok and hold is not None and hold.held
     assert res.hold_local(remote, 2) == (False, None)
-    assert res.disk.put(remote.disk_id(2), memoryview(p.read_raw(2).numpy()))
-    assert remote.disk_id(0) in res.disk and remote.disk_id(1) not in res.disk  # 0 is the LRU, but held
+    assert res.disk.put(remote.chunk_id(2), memoryview(p.read_raw(2).numpy()))
+    assert remote.chunk_id(0) in res.disk and remote.chunk_id(1) not in res.disk  # 0 is the LRU, but held
     hold.release()
-    assert res.disk.put(remote.disk_id(3), memoryview(p.read_raw(3).numpy()))
-    assert remote.disk_id(0) not in res.disk  # released: the LRU victim now
+    assert res.disk.put(remote.chunk_id(3), memoryview(p.read_raw(3).numpy()))
+    assert remote.chunk_id(0) not in res.disk  # released: the LRU victim now
+    res.close()
+
+
+def test_ranks_served_by_one_process_get_and_verify_their_own_heads(tmp_path):
+    """MP mode serves every rank from one process, so one `Residency`: a rank's chunk in the CPU
+    tier is its heads only, and a span's check covers only its heads' bytes. Each rank gets its
+    own heads, and a rank whose heads are bad is refused even after another rank verified its
+    own heads of the same chunk (keyed by content and origin alone, rank 1 got rank 0's bytes
+    from the CPU tier, and its bad heads were served unchecked)."""
+    from lmcache_cartridge.cartridge.tp import RankView
+
+    p = _packed(tmp_path, tokens=2 * CHUNK)  # two heads, by head
+    m, d = p.manifest, p.manifest.head_dim
+    whole = torch.empty(Handle(m, LocalOrigin(p.directory)).view.engine_shape(0), dtype=torch.bfloat16)
+    Residency(MemoryTier("cpu", 0), None, Metrics(), prefetch=False).read_into(
+        Handle(m, LocalOrigin(p.directory)), 0, whole, network=False)
+    res = Residency(MemoryTier("cpu", 1 << 24), None, Metrics(), prefetch=False)
+    for r, tier in ((0, "local"), (1, "local"), (0, "cpu"), (1, "cpu")):
+        h = Handle(m, LocalOrigin(p.directory), view=RankView.of(m, 2, r))
+        out = torch.empty(h.view.engine_shape(0), dtype=torch.bfloat16)
+        assert res.read_into(h, 0, out, network=False) == tier
+        assert torch.equal(out, whole[..., r * d:(r + 1) * d]), (r, tier)
+    res.close()
+
+    raw = bytearray(p.payload_path.read_bytes())  # head 1 of chunk 1: the second half, by head
+    info = m.chunks[1]
+    raw[info.offset + info.nbytes // 2 + 3] ^= 0x40
+    p.payload_path.write_bytes(bytes(raw))
+    res = Residency(MemoryTier("cpu", 0), None, Metrics(), prefetch=False)  # MP mode: no CPU tier
+    h0, h1 = (Handle(m, LocalOrigin(p.directory), view=RankView.of(m, 2, r)) for r in (0, 1))
+    assert res.read_into(h0, 1, torch.empty(h0.view.engine_shape(1), dtype=torch.bfloat16), network=False) == "local"
+    with pytest.raises(ChecksumError):
+        res.read_into(h1, 1, torch.empty(h1.view.engine_shape(1), dtype=torch.bfloat16), network=False)
     res.close()

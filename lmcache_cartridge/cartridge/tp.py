@@ -78,7 +78,7 @@ class RankView:
     @property
     def heads_suffix(self) -> str:
         """What the disk cache appends to a cartridge's key for this rank's raw bytes: nothing for
-        whole chunks, the head range when the rank reads only some heads (`Handle.disk_id`)."""
+        whole chunks, the head range when the rank reads only some heads (`Handle.chunk_id`)."""
         if self.all_heads or self.manifest.layout == LAYOUT_2LTD:
             return ""
         return f".h{self.heads[0]}-{self.heads[1]}"

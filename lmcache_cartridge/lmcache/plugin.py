@@ -377,7 +377,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
             n = len(s.keys)
             local = range(n) if s.handle.origin.local else \
                 tuple(i for i in range(n) if self.residency.is_local(s.handle, i))
-            mem = tuple(i for i in range(n) if (s.handle.key, i) in self.residency.cpu)
+            mem = tuple(i for i in range(n) if s.handle.chunk_id(i) in self.residency.cpu)
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.entry.kind, n,
                                                ALL if len(local) == n else local, mem)
         return ServingState(
@@ -445,7 +445,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         if not taken:
             return 0
         pin = pin and self.local_cpu_backend is not None
-        cids = [(sv.handle.key, i) for sv, i in taken]
+        cids = [sv.handle.chunk_id(i) for sv, i in taken]
         if pin:  # before the locality check, so a chunk found in memory cannot be evicted after it
             self.residency.cpu.pin_many(cids)
         holds: list[DiskHold | None] = []
@@ -522,7 +522,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
     def _release_tiers(self, pins: list[_Pin]) -> None:
         """What released pins kept in the tiers: their CPU-tier pins and disk holds (outside the
         plugin lock: the tiers take their own locks)."""
-        self.residency.cpu.unpin_many((p.served.handle.key, p.index) for p in pins)
+        self.residency.cpu.unpin_many(p.served.handle.chunk_id(p.index) for p in pins)
         for p in pins:
             if p.hold is not None:
                 p.hold.release()

@@ -63,7 +63,7 @@ logger = logging.getLogger("lmcache_cartridge.store.disk_cache")
 
 # (key, chunk index). The key is the handle's `residency.tier_key` (`<content_hash>.o<origin
 # tag>`: one origin's bytes) for whole chunks, with `.h<start>-<end>` appended for the heads one
-# tensor-parallel rank reads of a `by_head` payload (`Handle.disk_id`): ranks holding the same
+# tensor-parallel rank reads of a `by_head` payload (`Handle.chunk_id`): ranks holding the same
 # heads share one file. Directories named by a content hash alone are an older version's: still
 # indexed (and evicted in LRU order), never read.
 ChunkId = tuple[str, int]

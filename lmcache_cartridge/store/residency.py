@@ -11,7 +11,7 @@ Who owns what: each tier owns its bytes and its LRU order; `Residency` owns the 
 (single flight: N concurrent misses on one chunk make one origin read; a local chunk encoded in
 place is read by each reader, which only happens across retrieves, and LMCache runs those one at
 a time on the worker thread) and the set of chunks this process has verified. A chunk is
-identified by `(handle.key, index)`: the content hash and the origin (`tier_key`), so two
+identified by `Handle.chunk_id`: the content hash and the origin (`tier_key`) and the rank's heads, so two
 cartridges never share bytes, a re-packed cartridge never reuses stale ones, and a cartridge is
 served only bytes verified against its own origin. (The content hash alone is derived from chunk
 digests, which anyone can copy into a manifest of their own: keyed by it, a forged manifest over
@@ -19,7 +19,7 @@ a payload of zeros was served another cartridge's cached bytes.)
 
 Per rank: a handle's `RankView` says which KV heads this process serves. Only those heads' bytes
 are read (one contiguous range of a `by_head` chunk) and cached on disk (under
-`Handle.disk_id`, shared by the host's processes that read the same heads); the CPU tier keeps them
+`Handle.chunk_id`, shared by the host's processes that read the same heads); the CPU tier keeps them
 already in LMCache's layout for this rank (`RankView.to_engine`, once, when they enter it), so
 budgets count what a rank holds and a repeat hit is one plain copy. Where memory objects hold an
 engine layout, a local origin's chunk is encoded from its payload bytes in place instead
@@ -93,9 +93,16 @@ class Handle:
     def content_hash(self) -> str:
         return self.manifest.content_hash
 
-    def disk_id(self, index: int) -> ChunkId:
-        """This rank's bytes of chunk `index` in the disk cache (its heads: `RankView.heads_suffix`)."""
-        return (self.key + self.view.heads_suffix, index)
+    @property
+    def rank_key(self) -> str:
+        """`key` and the rank's heads: what `chunk_id`s of this handle start with."""
+        return self.key + self.view.heads_suffix
+
+    def chunk_id(self, index: int) -> ChunkId:
+        """Every tier's name for this rank's bytes of chunk `index`: the cartridge's `key` and the
+        rank's heads (`RankView.heads_suffix`), so that ranks served by one process (MP mode) never
+        take each other's bytes, nor each other's verification."""
+        return (self.rank_key, index)
 
 
 # --- memory tier ------------------------------------------------------------------------------
@@ -234,9 +241,11 @@ class Residency:
         self.cpu, self.disk, self.metrics, self.prefetch = cpu, disk, metrics, prefetch
         self._lock = threading.Lock()
         self._flights: dict[ChunkId, _Flight] = {}
-        self._verified: set[ChunkId] = set()  # origin chunks verified in this process
+        # Origin chunks verified in this process, by `Handle.chunk_id`: a rank's heads. One process
+        # serves every rank in MP mode, and a span's check covers only its own heads' bytes.
+        self._verified: set[ChunkId] = set()
         self._prefetched: set[str] = set()
-        self._downloading: set[str] = set()  # handle keys with a download under way
+        self._downloading: set[str] = set()  # `Handle.rank_key`s with a download under way
         self._spare: list[torch.Tensor] = []  # scratch buffers (`_into_engine`, local reads in `read_into`)
         self._pool = threads.pool(prefetch_workers, "cartridge-prefetch")
         # Downloads may hang on a stalled origin for minutes: their own threads, so prefetch and
@@ -256,7 +265,7 @@ class Residency:
         """Whether chunk `index` can be read without the network (what a lookup may promise)."""
         if handle.origin.local:
             return True
-        return (handle.key, index) in self.cpu or (self.disk is not None and handle.disk_id(index) in self.disk)
+        return handle.chunk_id(index) in self.cpu or (self.disk is not None and handle.chunk_id(index) in self.disk)
 
     def hold_local(self, handle: Handle, index: int) -> tuple[bool, DiskHold | None]:
         """`is_local` for a lookup that promises the chunk (the plugin's pin=True, the MP
@@ -266,11 +275,11 @@ class Residency:
         ends. A disk copy that cannot be held is not local: promised unheld, any download could
         evict it before the retrieve, which then returns fewer tokens than the lookup said (a
         trained request fails). Runs on the lookup's thread."""
-        if handle.origin.local or (handle.key, index) in self.cpu:
+        if handle.origin.local or handle.chunk_id(index) in self.cpu:
             return True, None
         if self.disk is None:
             return False, None
-        hold = self.disk.hold(handle.disk_id(index))
+        hold = self.disk.hold(handle.chunk_id(index))
         return hold is not None, hold
 
     def local_prefix(self, handle: Handle, indices) -> int:
@@ -289,7 +298,7 @@ class Residency:
 
     def downloading(self, handle: Handle) -> bool:
         with self._lock:
-            return handle.key in self._downloading
+            return handle.rank_key in self._downloading
 
     def download_async(self, handle: Handle, on_done=None):
         """Bring every servable chunk of a remote cartridge to a local tier in the background
@@ -299,13 +308,13 @@ class Residency:
         if handle.origin.local or handle.retired:
             return None
         with self._lock:
-            if handle.key in self._downloading:
+            if handle.rank_key in self._downloading:
                 return None
-            self._downloading.add(handle.key)
+            self._downloading.add(handle.rank_key)
 
         def finished(_fut) -> None:
             with self._lock:
-                self._downloading.discard(handle.key)
+                self._downloading.discard(handle.rank_key)
             if on_done is not None:
                 try:
                     on_done(handle)
@@ -316,7 +325,7 @@ class Residency:
             fut = self._downloads.submit(self._download, handle)
         except RuntimeError:  # shut down
             with self._lock:
-                self._downloading.discard(handle.key)
+                self._downloading.discard(handle.rank_key)
             return None
         fut.add_done_callback(finished)
         return fut
@@ -362,7 +371,7 @@ class Residency:
         a miss and the request recomputes.
         """
         flat = out.reshape(-1).view(torch.uint8)
-        cid = (handle.key, index)
+        cid = handle.chunk_id(index)
         t0 = time.perf_counter()
         if self.cpu.get_into(cid, flat if encode is None else out, copy=encode or copy_into):
             self.metrics.hit("cpu", flat.numel(), time.perf_counter() - t0)
@@ -413,7 +422,7 @@ class Residency:
         if handle.origin.local:  # single flight among local readers only: no network involved
             return self._fetch(handle, index, flat, adopt=adopt)
         if self.disk is not None and self._into_engine(
-                handle, index, flat, lambda raw: self.disk.get_into(handle.disk_id(index), as_bytes(raw), handle),
+                handle, index, flat, lambda raw: self.disk.get_into(handle.chunk_id(index), as_bytes(raw), handle),
                 adopt=adopt):
             return "disk"
         if self.disk is not None:
@@ -423,7 +432,7 @@ class Residency:
     def _fetch(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False,
                adopt: bool = False) -> str:
         """Single flight: the first caller reads; concurrent callers wait and copy its bytes."""
-        cid = (handle.key, index)
+        cid = handle.chunk_id(index)
         with self._lock:
             flight = self._flights.get(cid)
             leader = flight is None
@@ -478,7 +487,7 @@ class Residency:
                 if got:
                     view.to_engine(index, raw, flat)
         if got:
-            self.cpu.put((handle.key, index), flat, adopt=adopt)
+            self.cpu.put(handle.chunk_id(index), flat, adopt=adopt)
         return got
 
     def _read_below_cpu(self, handle: Handle, index: int, flat: torch.Tensor, *, background: bool = False,
@@ -489,7 +498,7 @@ class Residency:
     def _read_raw(self, handle: Handle, index: int, raw: torch.Tensor, *, background: bool = False) -> str:
         """This rank's verified payload bytes of chunk `index` (`view.span`) from the disk cache or
         the origin into `raw`; remote bytes are also written to the disk cache."""
-        cid, dcid = (handle.key, index), handle.disk_id(index)
+        dcid = handle.chunk_id(index)
         buf = as_bytes(raw)
         if self.disk is not None and not handle.origin.local:
             if self.disk.get_into(dcid, buf, handle):
@@ -502,12 +511,12 @@ class Residency:
             with self._lock:
                 self.origin_reads += 1
                 # a local origin's chunk is verified once per process; remote bytes every time
-                verify = not handle.origin.local or cid not in self._verified
+                verify = not handle.origin.local or dcid not in self._verified
             if verify:
                 check_chunk(info, buf, handle.origin.uri, dtype)
                 if handle.origin.local:
                     with self._lock:
-                        self._verified.add(cid)
+                        self._verified.add(dcid)
         except Exception:
             self.metrics.error(tier)
             raise
@@ -557,9 +566,9 @@ class Residency:
         bound to one, joining its reads (a copy each), and took that core from the retrieve
         (`benchmarks/hit_path.py`)."""
         with self._lock:
-            if not preload and (not self.prefetch or handle.key in self._prefetched):
+            if not preload and (not self.prefetch or handle.rank_key in self._prefetched):
                 return
-            self._prefetched.add(handle.key)
+            self._prefetched.add(handle.rank_key)
         self._pool.submit(self.warm, handle, preload=preload)
 
     def warm(self, handle: Handle, *, preload: bool = False) -> int:
@@ -570,9 +579,9 @@ class Residency:
         checked, in the CPU tier. A preload keeps every chunk in memory."""
         warmed = 0
         for info in handle.manifest.chunks[: handle.servable]:
-            cid, nbytes = (handle.key, info.index), handle.view.engine_nbytes(info.index)
+            cid, nbytes = handle.chunk_id(info.index), handle.view.engine_nbytes(info.index)
             if cid in self.cpu or (self.disk is not None and not handle.origin.local
-                                   and handle.disk_id(info.index) in self.disk
+                                   and handle.chunk_id(info.index) in self.disk
                                    and self.cpu.used + nbytes > self.cpu.budget):
                 continue
             if not preload and handle.origin.local:
