@@ -51,7 +51,11 @@ SAME `VLLM_CPU_OMP_THREADS_BIND`:
       server's L1, which every other MP arm keeps in shared memory (`server_command(shm=True)`);
     - `cartridge_mp_lazy_l1`: `cartridge_mp_retain` with the adapter's `prefault_l1: false`: L1's
       pages are allocated by the kernel when first written, as LMCache leaves them, instead of
-      faulted in at start (every other MP arm).
+      faulted in at start (every other MP arm);
+    - `cartridge_mp_preload`: `cartridge_mp_retain` with the adapter's `preload: ["*"]`: once
+      served, each cartridge is loaded into the server's L1 (the server's own prefetch); `first`
+      waits for that after each registration (`_register`), so its requests are the first ones
+      the cartridge gets, with the adapter's work done before them.
 (d) `cartridge_cached`: the arm-(b) server, requests without a salt, as a deployment sends them:
     the warm-up loads the cartridge through LMCache once, vLLM keeps those blocks in its prefix
     cache like any computed ones, and the measured repeats are served from there. Its cells
@@ -118,6 +122,7 @@ class MpSetup:
     transfer_mode: str = "engine_driven"
     shm: bool = True  # the server's L1 in shared memory (`--shm-name`), as `mp-server` runs it
     prefault_l1: bool = True  # the adapter's `prefault_l1`: L1 faulted in at start, as `mp-server` runs it
+    preload: bool = False  # the adapter's `preload: ["*"]`: each cartridge loaded into L1 once served
 
     def describe(self) -> str:
         who = ("vLLM on CartridgeMPConnector" if self.connector == "cartridge"
@@ -127,6 +132,7 @@ class MpSetup:
         if self.transfer_mode == "engine_driven":
             transfer += " from L1 in shared memory" if self.shm else " pickled over the socket (no --shm-name)"
         l1 = "" if self.prefault_l1 else ", L1 pages allocated on first write (`prefault_l1: false`)"
+        l1 += ", `preload: [\"*\"]`" if self.preload else ""
         return (f"lmcache server (cartridge L2 adapter, `--l2-prefetch-policy {self.prefetch_policy}`{l1}) + "
                 f"{who}, {transfer}, prefix caching off")
 
@@ -140,12 +146,14 @@ MP_ARMS = {
     "cartridge_mp_shm": MpSetup(transfer_mode="lmcache_driven"),
     "cartridge_mp_pickle": MpSetup(shm=False),
     "cartridge_mp_lazy_l1": MpSetup(prefetch_policy="retain", prefault_l1=False),
+    "cartridge_mp_preload": MpSetup(prefetch_policy="retain", preload=True),
     "mp_l1": MpSetup(connector="lmcache"),
     "mp_l1_pickle": MpSetup(connector="lmcache", shm=False),
 }
 CARTRIDGE_MP_ARMS = ("cartridge_mp", "cartridge_mp_retain", "cartridge_mp_shm", "cartridge_mp_pickle",
-                     "cartridge_mp_lazy_l1")
+                     "cartridge_mp_lazy_l1", "cartridge_mp_preload")
 ANCHOR_ARMS = ("mp_l1", "mp_l1_pickle")
+PRELOAD_ARMS = frozenset(a for a, mp in MP_ARMS.items() if mp.preload)
 ARMS = ("full_prefill", "cartridge", "prefix_cache", "cartridge_cached", *MP_ARMS)
 VARIANTS = {"full_prefill": ("cold",), "cartridge": ("first", "repeat"), "prefix_cache": ("warm",),
             "cartridge_cached": ("repeat",), **{a: ("first", "repeat") for a in CARTRIDGE_MP_ARMS},
@@ -171,10 +179,11 @@ LABELS = {
     ("cartridge_mp_pickle", "first"): "(e) LMCache MP mode, L1 not in shared memory, first hit (L2 adapter)",
     ("cartridge_mp_pickle", "repeat"): "(e) LMCache MP mode, L1 not in shared memory, repeat hit",
     **{(a, "cold"): f"(e) {a}: the first load of each length into the server's L1 (the warm-up, 1 request)"
-       for a in ("cartridge_mp", "cartridge_mp_retain", "cartridge_mp_shm", "cartridge_mp_pickle",
-                 "cartridge_mp_lazy_l1")},
+       for a in CARTRIDGE_MP_ARMS},
     ("cartridge_mp_lazy_l1", "first"): "(e) LMCache MP mode, retain, L1 not faulted in, first hit (L2 adapter)",
     ("cartridge_mp_lazy_l1", "repeat"): "(e) LMCache MP mode, retain, L1 not faulted in, repeat hit (L1)",
+    ("cartridge_mp_preload", "first"): "(e) LMCache MP mode, retain, preloaded: first hit (L1)",
+    ("cartridge_mp_preload", "repeat"): "(e) LMCache MP mode, retain, preloaded: repeat hit (L1)",
     ("mp_l1", "repeat"): "(f) LMCache MP mode without a cartridge: vLLM's own KV, repeat hit (L1)",
     ("mp_l1_pickle", "repeat"): "(f) LMCache MP mode without a cartridge, L1 not in shared memory: repeat hit (L1)",
 }
@@ -527,11 +536,24 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
     return cell
 
 
-def _register(server, registry, path: Path) -> str:
-    """Register and wait until the server's plugins serve it (their serving-state records)."""
+def _register(server, registry, path: Path, *, preloaded: bool = False) -> str:
+    """Register and wait until the server's plugins serve it (their serving-state records); with
+    `preloaded`, also until the adapter has preloaded it (one more `preload` stage event)."""
+    before = _stage_count(server, "preload")
     e = registry.register(path)
     server.wait_served([e], timeout=60)
+    deadline = time.monotonic() + 120
+    while preloaded and _stage_count(server, "preload") == before:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{e.id}: not preloaded after 120 s")
+        time.sleep(0.1)
     return e.id
+
+
+def _stage_count(server, stage: str) -> float:
+    """Events of one of the adapter's stages so far (its serving-state records)."""
+    states = server.plugin_states() if hasattr(server, "plugin_states") else []
+    return sum(st.stages.get(stage, {}).get("count", 0) for st in states)
 
 
 def _remove(server, registry, cid: str) -> None:
@@ -565,7 +587,7 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
         doc = docs[L]
         cid = None
         if arm in CARTRIDGE_ARMS:
-            cid = _register(server, registry, cartridges[L])
+            cid = _register(server, registry, cartridges[L], preloaded=arm in PRELOAD_ARMS)
         try:
             # Warm-up at this length (not measured): the prefix-cache arm's "sent once to warm",
             # the cartridge's first use, one-time allocations; its TTFT sizes the cells.
@@ -585,7 +607,7 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
                 if arm in ("cartridge", *CARTRIDGE_MP_ARMS) and variant == "first":
                     def before(cid=cid, path=cartridges[L]):
                         _remove(server, registry, cid)
-                        _register(server, registry, path)
+                        _register(server, registry, path, preloaded=arm in PRELOAD_ARMS)
                 expect = (L // CHUNK) * CHUNK if arm in EXTERNAL_ARMS else 0
                 expect_hits = (L // CHUNK) * CHUNK if arm == "cartridge_cached" else None
                 ref = t_ref
@@ -759,7 +781,8 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
                               threads_bind=threads, kv_cache_gb=cfg.kv_cache_gb, extra_args=extra,
                               transfer_mode=mp.transfer_mode, prefetch_policy=mp.prefetch_policy,
                               connector=mp.connector, shm=mp.shm,
-                              adapter_extra=None if mp.prefault_l1 else {"prefault_l1": False},
+                              adapter_extra={**({} if mp.prefault_l1 else {"prefault_l1": False}),
+                                             **({"preload": ["*"]} if mp.preload else {})} or None,
                               server_env={"LMCACHE_LOG_LEVEL": "INFO"})  # its per-retrieve line: `mp_transfer`
         return server, registry
     server = VllmServer(root, str(model_dir), lmcache=lmc, prefix_caching=(kind in ("prefix", "lmcache")),
@@ -838,7 +861,9 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
             ("(e) retain cold", "cartridge_mp_retain", "cold"),
             ("(e) L1 not faulted in: cold", "cartridge_mp_lazy_l1", "cold"),
             ("(e) L1 not faulted in: first", "cartridge_mp_lazy_l1", "first"),
-            ("(e) L1 not faulted in: repeat", "cartridge_mp_lazy_l1", "repeat")]
+            ("(e) L1 not faulted in: repeat", "cartridge_mp_lazy_l1", "repeat"),
+            ("(e) preloaded: first", "cartridge_mp_preload", "first"),
+            ("(e) preloaded: repeat", "cartridge_mp_preload", "repeat")]
     ratios = [("e-repeat / f", ("cartridge_mp", "repeat"), ("mp_l1", "repeat")),
               ("e-retain-repeat / f", ("cartridge_mp_retain", "repeat"), ("mp_l1", "repeat")),
               ("e-shm-repeat / f", ("cartridge_mp_shm", "repeat"), ("mp_l1", "repeat")),
@@ -851,7 +876,10 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
               ("e-repeat / b-repeat", ("cartridge_mp", "repeat"), ("cartridge", "repeat")),
               ("f / b-repeat", ("mp_l1", "repeat"), ("cartridge", "repeat")),
               ("lazy-cold / retain-cold", ("cartridge_mp_lazy_l1", "cold"), ("cartridge_mp_retain", "cold")),
-              ("retain-cold / f", ("cartridge_mp_retain", "cold"), ("mp_l1", "repeat"))]
+              ("retain-cold / f", ("cartridge_mp_retain", "cold"), ("mp_l1", "repeat")),
+              ("e-retain-first / f", ("cartridge_mp_retain", "first"), ("mp_l1", "repeat")),
+              ("e-preload-first / f", ("cartridge_mp_preload", "first"), ("mp_l1", "repeat")),
+              ("e-preload-first / c", ("cartridge_mp_preload", "first"), ("prefix_cache", "warm"))]
     present = {(a, v) for a, v, _L, _c in by}
     cols = [x for x in cols if x[1:] in present]
     ratios = [x for x in ratios if x[1] in present and x[2] in present]
@@ -1012,7 +1040,8 @@ def plot(result: dict, path: Path) -> None:
               ("cartridge_mp_shm", "first"): ("tab:olive", "<"), ("cartridge_mp_shm", "repeat"): ("goldenrod", ">"),
               ("cartridge_mp_pickle", "first"): ("sienna", "d"), ("cartridge_mp_pickle", "repeat"): ("peru", "D"),
               ("mp_l1", "repeat"): ("darkgreen", "*"), ("mp_l1_pickle", "repeat"): ("lime", "*"),
-              ("cartridge_mp_lazy_l1", "first"): ("slateblue", "1"), ("cartridge_mp_lazy_l1", "repeat"): ("navy", "2")}
+              ("cartridge_mp_lazy_l1", "first"): ("slateblue", "1"), ("cartridge_mp_lazy_l1", "repeat"): ("navy", "2"),
+              ("cartridge_mp_preload", "first"): ("teal", "3"), ("cartridge_mp_preload", "repeat"): ("black", "4")}
     for ax, c in zip(axes[0], concs):
         for (arm, variant), (color, marker) in styles.items():
             pts = [x for x in result["cells"] if x["arm"] == arm and x["variant"] == variant

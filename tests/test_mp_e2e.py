@@ -15,6 +15,10 @@ shared memory; LMCache-driven: the server copies them into vLLM's cache in share
   carry its salt as vLLM's `cache_salt` (the gateway's), answering as the operator's cartridge of
   the same KV and as vLLM's own KV do; the same prompt without the salt or under another salt
   takes nothing from LMCache, and once removed nothing of it is loaded under its salt either.
+* `preload` (the adapter's setting, here by label): a cartridge it names is in the server's L1
+  before its first request, which takes every chunk from LMCache while the adapter loads nothing
+  (the server's own prefetch loaded it, once served, for the attached engine); removed, it is
+  purged from L1 as any cartridge.
 Trained cartridges in MP mode: `test_mp_trained_e2e.py`.
 """
 
@@ -32,6 +36,7 @@ CHUNK = 256
 ASKED = 3
 MAX_TOKENS = 12
 FIRST_K_WAIT_S = 15.0
+PRELOAD_LABEL = "keep-warm"
 
 
 @pytest.fixture(scope="module", params=["engine_driven", "lmcache_driven"])
@@ -52,6 +57,7 @@ def mp(request, tmp_path_factory, engine_kv):
     cache = root / "cache"
     vllm = MpVllmServer(root / "vllm", str(model_dir), registry=registry.path, cache_dir=cache,
                         transfer_mode=request.param, chunk_size=CHUNK,
+                        adapter_extra={"preload": [PRELOAD_LABEL]},
                         # a first load may take seconds on busy cores: wait for it whatever the load
                         kv_extra={"cartridge.first_k_wait_s": FIRST_K_WAIT_S})
     try:
@@ -64,12 +70,16 @@ def mp(request, tmp_path_factory, engine_kv):
         for name in ("brought", "handbook"):
             pack_kv(brought.kv, root / "carts" / name, cartridge_id=f"mp-{name}", model=str(model_dir),
                     kind="first_k", token_ids=brought.token_ids, chunk_size=CHUNK)
+        # a document nothing else here sends, for the cartridge `preload` names (by its label)
+        warm = create_first_k(model_dir, "Kept warm. " + document_text(), engine=engine_kv(model_dir))
+        pack_kv(warm.kv, root / "carts" / "warm", cartridge_id="mp-warm", model=str(model_dir), kind="first_k",
+                token_ids=warm.token_ids, chunk_size=CHUNK)
         vllm.wait_healthy()
         gs = GatewaySettings(upstream=vllm.url, model=str(model_dir), tokenizer=str(model_dir),
                              registry=registry.path, cache_dir=cache, chunk_size=CHUNK, local_roots=(root / "carts",))
         with GatewayThread(gs) as gw:
             yield {"mode": request.param, "server": vllm.lmcache_server, "vllm": vllm, "registry": registry,
-                   "cache": cache, "made": made, "brought": brought, "carts": root / "carts",
+                   "cache": cache, "made": made, "brought": brought, "warm": warm, "carts": root / "carts",
                    "model_dir": str(model_dir), "tok": AutoTokenizer.from_pretrained(str(model_dir)), "gw": gw}
     finally:
         vllm.stop()
@@ -230,3 +240,35 @@ def test_skip_save_alone_stores_nothing_in_mp_mode(mp):
         time.sleep(1.0)  # the server's store is asynchronous
         again = loaded({"prompt": doc + [13], "cache_salt": salt, "kv_transfer_params": params})
         assert again == expected, (salt, params, again, mp["server"].log_tail())
+
+
+def _stage_count(vllm, stage: str) -> float:
+    return sum(st.stages.get(stage, {}).get("count", 0) for st in vllm.plugin_states())
+
+
+def test_a_preloaded_cartridge_is_in_l1_before_its_first_request(mp):
+    vllm, reg, tok = mp["vllm"], mp["registry"], mp["tok"]
+    doc = mp["warm"].token_ids
+    full = len(doc) // CHUNK * CHUNK
+    prompt = doc + tok(questions()[0].prompt(), add_special_tokens=False)["input_ids"]
+    body = {"model": mp["model_dir"], "prompt": prompt, "max_tokens": 1}
+    preloads = _stage_count(vllm, "preload")
+    entry = reg.register(mp["carts"] / "warm", labels=[PRELOAD_LABEL])
+    vllm.wait_served([entry])
+    deadline = time.time() + 60
+    while _stage_count(vllm, "preload") == preloads:  # the adapter publishes it each refresh period
+        assert time.time() < deadline, mp["server"].log_tail()
+        time.sleep(0.2)
+    assert "preloaded %d of %d chunks of 'mp-warm'" % (full // CHUNK, full // CHUNK) in mp["server"].log_text(), \
+        mp["server"].log_tail()
+    loads, ext0 = _stage_count(vllm, "load"), vllm.external_tokens()
+    complete(vllm.url, body)
+    assert vllm.external_tokens() - ext0 == full, mp["server"].log_tail()
+    time.sleep(1.0)  # a load during the request would be published by now (refresh 0.2 s)
+    assert _stage_count(vllm, "load") == loads, "the first request loaded through the adapter: not preloaded"
+
+    assert reg.remove(entry.id)
+    vllm.wait_not_served(entry.id)
+    ext1 = vllm.external_tokens()
+    complete(vllm.url, {**body, "prompt": prompt + [13]})
+    assert vllm.external_tokens() == ext1, "a removed preloaded cartridge was served from L1"

@@ -55,7 +55,9 @@ which LMCache drops from L1 what it believes an L2 adapter stored.
 Where it runs: in the `lmcache server` process. Who calls it: the server's store controller thread
 (`submit_store_task`, `pop_completed_store_tasks`) and prefetch controller thread (lookups,
 unlocks, loads, their results); the work runs on one reader thread of its own and completes into
-dicts under `_lock`, signalled by event fds; a watcher thread follows the registry, and with
+dicts under `_lock`, signalled by event fds; a watcher thread follows the registry and asks the
+server to preload what `preload` names into L1 (`_preload_due`, through the server's own prefetch,
+which calls this adapter's lookup and load like a request's), and with
 `catalog_uri` set a catalog sync thread (`lmcache.catalog_sync`, as the plugin's) fills it. It owns its
 index, tiers and records; the cartridges' files stay the operator's.
 """
@@ -98,6 +100,9 @@ from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for
 logger = logging.getLogger("lmcache_cartridge.mp_adapter")
 
 NAME = "cartridge"
+PRELOAD_DONE = -1
+PRELOAD_TRIES = 5  # a preload that left chunks out (a download under way) is asked again, this often
+PRELOAD_WAIT_S = 120.0  # longest a preload's prefetch is waited for
 
 
 def served_models(model: str, accept_models: tuple[str, ...]) -> frozenset[str]:
@@ -166,6 +171,9 @@ class _Served:
     models: frozenset[str]
     handles: dict[tuple[int, int], Handle] = field(default_factory=dict)
     retired: bool = False
+    # `preload`: (model, world size) -> tries so far (`PRELOAD_DONE` once L1 holds every chunk,
+    # or it never can); the watcher's only, as `_preload_due` runs there
+    preloads: dict[tuple[str, int], int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def handle(self, world: int, rank: int) -> Handle:
@@ -367,6 +375,10 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 self._keep_resident()
             except Exception as e:
                 logger.warning("lmcache_cartridge MP adapter: keeping trained cartridges resident failed: %s", e)
+            try:
+                self._preload_due()
+            except Exception as e:
+                logger.warning("lmcache_cartridge MP adapter: preload failed: %s", e)
 
     def _keep_resident(self) -> None:
         """Watcher thread, every refresh period: a served trained cartridge on a remote origin whose
@@ -381,6 +393,79 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             h = s.handle(1, 0)
             if not self.residency.resident(h):
                 self.residency.download_async(h, on_done=lambda _h: self.publish())
+
+    # --- `preload`: the server's own prefetch into L1 (watcher thread) ----------------------------
+    def _preload_due(self) -> None:
+        """Watcher thread, every refresh period: load each served cartridge `preload` names into
+        the server's L1 for every engine attached to the server whose model it serves, once per
+        (cartridge, model, world size), so that its first request is an L1 hit. What it asks is
+        what a first request's lookup asks (`StorageManager.submit_prefetch_task`: the server's
+        lookup and load through this adapter, under the cartridge's keys and salt), unlocked
+        (`NO_LOCK`): the chunks stay in L1 as anything stored there does, until evicted; a request
+        after that is an ordinary first hit. A cartridge served before an engine attached is
+        preloaded once it does. Purges of L1 (removal, replacement) reach preloaded chunks as any
+        (their lookups recorded the keys)."""
+        sm = getattr(self._ctx, "storage_manager", None)
+        if sm is None or not self.settings.preload:
+            return
+        with self._lock:
+            wanted = [s for s in self._state.served.values() if not s.retired and self.preloaded(s)]
+        if not wanted:
+            return
+        engines = self._engines()
+        for s in wanted:
+            for model, world in sorted(engines):
+                tries = s.preloads.get((model, world), 0)
+                if model not in s.models or tries == PRELOAD_DONE or self._closed.is_set() or s.retired:
+                    continue
+                got, asked = self._preload(sm, s, model, world)
+                with s.lock:
+                    handles = list(s.handles.values())
+                if got < asked and any(self.residency.downloading(h) for h in handles):
+                    continue  # its lookups started the download: asked again, not counted, once it is local
+                s.preloads[(model, world)] = PRELOAD_DONE if got == asked or tries + 1 >= PRELOAD_TRIES else tries + 1
+                if s.preloads[(model, world)] == PRELOAD_DONE and got < asked:
+                    logger.warning("lmcache_cartridge MP adapter: preload of %r for %s (world size %d) left %d of "
+                                   "%d chunks out of L1 after %d tries: their requests load them as first hits",
+                                   s.entry.id, model, world, asked - got, asked, tries + 1)
+
+    def _preload(self, sm, s: _Served, model: str, world: int) -> tuple[int, int]:
+        """(chunks in L1, chunks asked) of one preload of `s` for the engines of (model, world)."""
+        from lmcache.v1.distributed.api import GroupedObjectKeys, ObjectKey, PrefetchLockMode, PrefetchTaskSpec
+
+        registry = self._ctx.layout_desc_registry
+        try:
+            s.handle(world, 0)  # an engine whose world size does not split the heads is never served
+            attn = registry.find_attn_desc(model, world)
+            whole = registry.find(model, world)
+            descs = registry.find_group_layout_descs(model, world) or {
+                g: whole for g in range(attn.num_object_groups) if whole is not None}
+        except Exception as e:  # noqa: BLE001 (the engine left, or its heads do not split: nothing to ask)
+            logger.info("lmcache_cartridge MP adapter: no preload of %r for %s (world size %d): %s",
+                        s.entry.id, model, world, e)
+            return 0, 0
+        rows = [GroupedObjectKeys(keys=[ObjectKey(h, model, rank, group, s.salt) for h in s.hashes],
+                                  object_group_id=group, layout_desc=descs[group],
+                                  sliding_window_size=attn.num_chunks_in_sw[group])
+                for group in range(attn.num_object_groups) if group in descs
+                for rank in (ObjectKey.ComputeKVRank(world_size=world, global_rank=r, local_world_size=world,
+                                                     local_rank=r) for r in range(world))]
+        if not rows:
+            return 0, 0
+        asked = sum(len(r.keys) for r in rows)
+        with self.metrics.timing("preload", asked):
+            handle = sm.submit_prefetch_task(
+                PrefetchTaskSpec(key_groups=rows, fetching_policy="prefix", lock_mode=PrefetchLockMode.NO_LOCK),
+                external_request_id=f"cartridge-preload-{s.entry.id}")
+            deadline = time.monotonic() + PRELOAD_WAIT_S
+            while not sm.wait_prefetch_status(handle, 0.5):
+                if self._closed.is_set() or time.monotonic() > deadline:
+                    return 0, asked  # its result, when it comes, stays with the server's controller
+            result = sm.query_prefetch_status(handle)
+        got = sum(row.popcount() for row in result.hit_cells) if result is not None else 0
+        logger.info("lmcache_cartridge MP adapter: preloaded %d of %d chunks of %r into L1 for %s (world size %d)",
+                    got, asked, s.entry.id, model, world)
+        return got, asked
 
     def _purge(self) -> None:
         """Delete retired chunks from the server's L1 under every (model, rank, group, cache_salt)
@@ -446,17 +531,21 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             logger.debug("lmcache_cartridge MP adapter: cannot publish serving state: %s", e)
 
     def _engine_models(self) -> set[str]:
-        """The model names of the vLLM engines registered with the server now (its layout
-        registry, keyed by (model, world size)). Published with the cartridges' models: a server
-        serving no cartridge of an attached engine's model is still that model's instance, so the
-        gateway reads the reason a cartridge was refused (400) instead of waiting for an instance
-        of the model that never comes (503). lmcache 0.5.6 has no public listing of it."""
+        """The model names of the vLLM engines registered with the server now. Published with the
+        cartridges' models: a server serving no cartridge of an attached engine's model is still
+        that model's instance, so the gateway reads the reason a cartridge was refused (400)
+        instead of waiting for an instance of the model that never comes (503)."""
+        return {model for model, _world in self._engines()}
+
+    def _engines(self) -> set[tuple[str, int]]:
+        """(model, world size) of the vLLM engines registered with the server now: its layout
+        registry's keys (lmcache 0.5.6 has no public listing of them)."""
         registry = getattr(self._ctx, "layout_desc_registry", None)
         entries, lock = getattr(registry, "_registry", None), getattr(registry, "_lock", None)
         if not isinstance(entries, dict) or lock is None:
             return set()
         with lock:
-            return {str(model) for model, _world in entries if model}
+            return {(str(model), int(world)) for model, world in entries if model}
 
     # --- event fds -------------------------------------------------------------------------------
     def get_store_event_fd(self) -> int:

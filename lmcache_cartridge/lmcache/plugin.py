@@ -184,7 +184,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
             self._watcher = threading.Thread(target=self._watch, name="cartridge-registry-watch",
                                              daemon=True)
             self._watcher.start()
-            self._preload()
+            self.warn_unmatched_preloads()
             # A fleet's catalog in S3 (storage_plugin.<name>.catalog_uri), synced into the same
             # registry this plugin watches: published cartridges arrive by the ordinary refresh.
             self._catalog_sync = start_catalog_sync(self.settings, self.shape.chunk_size)
@@ -229,7 +229,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         for s in fresh:
             if s.entry.kind == "trained":
                 self._want_download(s)
-            if self._preloaded(s):
+            if self.preloaded(s):
                 self.residency.prefetch_rest(s.handle, preload=True)
 
     def _publish(self) -> None:
@@ -290,24 +290,6 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         """Start fetching a remote cartridge to this host's tiers (no-op if local or under way);
         publish the new state when it ends so the gateway sees it resident promptly."""
         self.residency.download_async(s.handle, on_done=lambda _h: self.dump_stats())
-
-    @staticmethod
-    def _names(name: str, s: Served) -> bool:
-        """A `preload` name: a cartridge id, a label, or "*" (every cartridge)."""
-        return name == "*" or name == s.entry.id or name in s.entry.labels
-
-    def _preloaded(self, s: Served) -> bool:
-        return any(self._names(name, s) for name in self.settings.preload)
-
-    def _preload(self) -> None:
-        """At start-up: say which `preload` names match nothing. (Refresh warms every cartridge
-        `preload` names, in the background, when it starts serving it: the first refresh did
-        so for the ones registered before this process started.)"""
-        with self._lock:
-            served = list(self._state.served.values())
-        for name in self.settings.preload:
-            if name != "*" and not any(self._names(name, s) for s in served):
-                logger.warning("lmcache_cartridge: preload %r: no such served cartridge (yet)", name)
 
     def _watch(self) -> None:
         while not self._closed.wait(self.settings.refresh_seconds):

@@ -46,6 +46,10 @@ Provided here, called by the adapter:
         from `_read_failed`; takes the lock, then retires and publishes outside it.
     served_now() -> {id: [content_hash, epoch]}
         any thread (serving state, tests).
+    preloaded(served) -> bool
+        any thread: whether the `preload` setting names it (an id, a label, or `*`).
+    warn_unmatched_preloads()
+        the adapter's start, after its first refresh: say which `preload` names match nothing.
 
 Supplied by each adapter, called from here:
     _can_open() -> bool
@@ -285,3 +289,23 @@ class ServingSet:
         """`{cartridge id: [content_hash, epoch]}` served right now."""
         with self._lock:
             return {cid: [s.entry.content_hash, s.entry.epoch] for cid, s in self._state.served.items()}
+
+    # --- `preload`: what each adapter warms ahead of its first request -----------------------------
+    @staticmethod
+    def _names(name: str, served) -> bool:
+        """A `preload` name: a cartridge id, a label, or "*" (every cartridge)."""
+        return name == "*" or name == served.entry.id or name in served.entry.labels
+
+    def preloaded(self, served) -> bool:
+        return any(self._names(name, served) for name in self.settings.preload)
+
+    def warn_unmatched_preloads(self) -> None:
+        """Say which `preload` names match nothing served (yet): a typo otherwise passes silently.
+        (A cartridge `preload` names is warmed when it starts being served, so one registered
+        later is still preloaded.)"""
+        with self._lock:
+            served = list(self._state.served.values())
+        for name in self.settings.preload:
+            if name != "*" and not any(self._names(name, s) for s in served):
+                self._log.warning("lmcache_cartridge%s: preload %r: no such served cartridge (yet)",
+                                  self._mode, name)

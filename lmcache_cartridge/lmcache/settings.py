@@ -58,7 +58,7 @@ PLUGIN_KEYS: tuple[Setting, ...] = (
     Setting("refresh_seconds", "float", "1.0",
             "how often the plugin checks the registry for registrations and removals"),
     Setting("preload", "list", "", "ids, labels or `*` whose chunks are read and verified in the background as soon "
-            "as served"),
+            "as served (in MP mode: loaded into the server's L1 for every attached engine)"),
     Setting("accept_models", "list", "", "other model names (vLLM `--model` strings) whose cartridges this "
             "engine serves; in MP mode the names of one model's weights, each served the others' cartridges "
             "(list the engines' own name too)"),
