@@ -89,3 +89,36 @@ def test_with_the_variable_naming_an_index_that_holds_it_it_resolves(tmp_path):
     assert item["metadata"]["name"] == "torch" and item["metadata"]["version"] == "2.13.0+cpu"
     assert item["download_info"]["url"].startswith((tmp_path / "wheels").as_uri())
     assert "was not found" not in r.stderr
+
+
+def test_a_build_pips_own_sources_hold_is_installed_without_asking_the_index(tmp_path):
+    """pip configured with a directory holding the build (`PIP_FIND_LINKS`, as on a machine with
+    the wheel on disk): it resolves from there, and the index `TORCH_INDEX_URL` names gets no
+    request (asked as well, pip may download the same wheel from it: minutes of `make venv`)."""
+    import http.server
+    import threading
+
+    hits = []
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            hits.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        wheels = fake_torch_wheel(tmp_path / "wheels").parent
+        report = tmp_path / "report.json"
+        cmd = torch_step(tmp_path, f"TORCH_INDEX_URL=http://127.0.0.1:{server.server_port}/whl/cpu")
+        r = run([*cmd, "--find-links", str(wheels), "--report", str(report)], tmp_path)
+    finally:
+        server.shutdown()
+    assert r.returncode == 0, r.stdout + r.stderr
+    [item] = json.loads(report.read_text())["install"]
+    assert item["download_info"]["url"].startswith(wheels.as_uri())
+    assert hits == [], hits

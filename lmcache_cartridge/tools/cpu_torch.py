@@ -42,15 +42,26 @@ def not_found_message(index_url: str | None, requirement: str) -> str:
     )
 
 
-def install(index_url: str | None, pip_args: list[str], version: str = TORCH_CPU) -> int:
-    """pip install torch==`version` (with `index_url` as an extra index); 2 and the message above
-    when pip finds no such build, pip's own status for any other failure."""
-    requirement = f"torch=={version}"
+def _pip_install(requirement: str, index_url: str | None, pip_args: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pip", "install", "-q"]
     if index_url:
         cmd += ["--extra-index-url", index_url]
-    cmd += [*pip_args, requirement]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    return subprocess.run([*cmd, *pip_args, requirement], capture_output=True, text=True)
+
+
+def install(index_url: str | None, pip_args: list[str], version: str = TORCH_CPU) -> int:
+    """pip install torch==`version`; 2 and the message above when pip finds no such build, pip's
+    own status for any other failure. pip's configured sources are tried first, alone: a machine
+    whose pip already holds the build (a find-links directory, a mirror) installs it from there
+    without a request to `index_url`, which pip would otherwise also ask, and might download the
+    same 200 MB wheel from; only when they do not hold it is `index_url` added."""
+    requirement = f"torch=={version}"
+    if index_url:
+        local = _pip_install(requirement, None, pip_args)
+        if local.returncode == 0:
+            sys.stdout.write(local.stdout)
+            return 0
+    r = _pip_install(requirement, index_url, pip_args)
     sys.stdout.write(r.stdout)
     sys.stderr.write(r.stderr)  # pip's own words first (an index it could not reach says why)
     if r.returncode != 0 and any(n in r.stderr for n in NOT_FOUND):
