@@ -539,21 +539,15 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
 def _register(server, registry, path: Path, *, preloaded: bool = False) -> str:
     """Register and wait until the server's plugins serve it (their serving-state records); with
     `preloaded`, also until the adapter has preloaded it (one more `preload` stage event)."""
-    before = _stage_count(server, "preload")
+    before = server.stage_count("preload") if preloaded else 0
     e = registry.register(path)
     server.wait_served([e], timeout=60)
     deadline = time.monotonic() + 120
-    while preloaded and _stage_count(server, "preload") == before:
+    while preloaded and server.stage_count("preload") == before:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{e.id}: not preloaded after 120 s")
         time.sleep(0.1)
     return e.id
-
-
-def _stage_count(server, stage: str) -> float:
-    """Events of one of the adapter's stages so far (its serving-state records)."""
-    states = server.plugin_states() if hasattr(server, "plugin_states") else []
-    return sum(st.stages.get(stage, {}).get("count", 0) for st in states)
 
 
 def _remove(server, registry, cid: str) -> None:

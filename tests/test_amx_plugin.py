@@ -39,6 +39,5 @@ def test_vllm_loads_the_plugin_and_on_an_amx_cpu_it_grants_the_tile_state():
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert "lmcache_cartridge_amx" in got["plugins"], got
-    if not got["amx"]:
-        pytest.skip("this CPU has no AMX: nothing to grant (the plugin is still loaded, checked above)")
-    assert not got["before"] and got["after"], got
+    # granted where the CPU has AMX (vLLM's import alone does not ask); elsewhere nothing to grant
+    assert not got["before"] and got["after"] == got["amx"], got

@@ -242,30 +242,26 @@ def test_skip_save_alone_stores_nothing_in_mp_mode(mp):
         assert again == expected, (salt, params, again, mp["server"].log_tail())
 
 
-def _stage_count(vllm, stage: str) -> float:
-    return sum(st.stages.get(stage, {}).get("count", 0) for st in vllm.plugin_states())
-
-
 def test_a_preloaded_cartridge_is_in_l1_before_its_first_request(mp):
     vllm, reg, tok = mp["vllm"], mp["registry"], mp["tok"]
     doc = mp["warm"].token_ids
     full = len(doc) // CHUNK * CHUNK
     prompt = doc + tok(questions()[0].prompt(), add_special_tokens=False)["input_ids"]
     body = {"model": mp["model_dir"], "prompt": prompt, "max_tokens": 1}
-    preloads = _stage_count(vllm, "preload")
+    preloads = vllm.stage_count("preload")
     entry = reg.register(mp["carts"] / "warm", labels=[PRELOAD_LABEL])
     vllm.wait_served([entry])
     deadline = time.time() + 60
-    while _stage_count(vllm, "preload") == preloads:  # the adapter publishes it each refresh period
+    while vllm.stage_count("preload") == preloads:  # the adapter publishes it each refresh period
         assert time.time() < deadline, mp["server"].log_tail()
         time.sleep(0.2)
     assert "preloaded %d of %d chunks of 'mp-warm'" % (full // CHUNK, full // CHUNK) in mp["server"].log_text(), \
         mp["server"].log_tail()
-    loads, ext0 = _stage_count(vllm, "load"), vllm.external_tokens()
+    loads, ext0 = vllm.stage_count("load"), vllm.external_tokens()
     complete(vllm.url, body)
     assert vllm.external_tokens() - ext0 == full, mp["server"].log_tail()
     time.sleep(1.0)  # a load during the request would be published by now (refresh 0.2 s)
-    assert _stage_count(vllm, "load") == loads, "the first request loaded through the adapter: not preloaded"
+    assert vllm.stage_count("load") == loads, "the first request loaded through the adapter: not preloaded"
 
     assert reg.remove(entry.id)
     vllm.wait_not_served(entry.id)

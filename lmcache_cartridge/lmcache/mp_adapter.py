@@ -281,6 +281,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             self._ctx = server_context
             self._version = -1
         self.refresh()
+        self.warn_unmatched_preloads()
         # A fleet's catalog in S3 (`catalog_uri`), synced into the registry this adapter watches,
         # as the in-process plugin does: the server is the host's only LMCache process in MP mode,
         # so nothing else would sync it. Started here, not at construction: the server's chunk size

@@ -265,7 +265,8 @@ class Residency:
         """Whether chunk `index` can be read without the network (what a lookup may promise)."""
         if handle.origin.local:
             return True
-        return handle.chunk_id(index) in self.cpu or (self.disk is not None and handle.chunk_id(index) in self.disk)
+        cid = handle.chunk_id(index)
+        return cid in self.cpu or (self.disk is not None and cid in self.disk)
 
     def hold_local(self, handle: Handle, index: int) -> tuple[bool, DiskHold | None]:
         """`is_local` for a lookup that promises the chunk (the plugin's pin=True, the MP
@@ -498,10 +499,10 @@ class Residency:
     def _read_raw(self, handle: Handle, index: int, raw: torch.Tensor, *, background: bool = False) -> str:
         """This rank's verified payload bytes of chunk `index` (`view.span`) from the disk cache or
         the origin into `raw`; remote bytes are also written to the disk cache."""
-        dcid = handle.chunk_id(index)
+        cid = handle.chunk_id(index)
         buf = as_bytes(raw)
         if self.disk is not None and not handle.origin.local:
-            if self.disk.get_into(dcid, buf, handle):
+            if self.disk.get_into(cid, buf, handle):
                 return "disk"  # counted by read_into, with the whole read's latency
             self.metrics.miss("disk")
         tier = "local" if handle.origin.local else "s3"
@@ -511,20 +512,20 @@ class Residency:
             with self._lock:
                 self.origin_reads += 1
                 # a local origin's chunk is verified once per process; remote bytes every time
-                verify = not handle.origin.local or dcid not in self._verified
+                verify = not handle.origin.local or cid not in self._verified
             if verify:
                 check_chunk(info, buf, handle.origin.uri, dtype)
                 if handle.origin.local:
                     with self._lock:
-                        self._verified.add(dcid)
+                        self._verified.add(cid)
         except Exception:
             self.metrics.error(tier)
             raise
         if self.disk is not None and not handle.origin.local and buf.nbytes <= self.disk.budget:
             if background:  # a download: write it here, the chunk is then local for good
-                self.disk.put(dcid, buf)
+                self.disk.put(cid, buf)
             else:
-                self._write_behind(dcid, raw)
+                self._write_behind(cid, raw)
         return tier
 
     def _write_behind(self, cid: ChunkId, flat: torch.Tensor) -> None:
@@ -581,7 +582,7 @@ class Residency:
         for info in handle.manifest.chunks[: handle.servable]:
             cid, nbytes = handle.chunk_id(info.index), handle.view.engine_nbytes(info.index)
             if cid in self.cpu or (self.disk is not None and not handle.origin.local
-                                   and handle.chunk_id(info.index) in self.disk
+                                   and cid in self.disk
                                    and self.cpu.used + nbytes > self.cpu.budget):
                 continue
             if not preload and handle.origin.local:

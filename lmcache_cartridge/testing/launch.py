@@ -78,6 +78,11 @@ class VllmServer(VllmProcess):
             return []
         return live_instances(self.cache_dir, select=self._ours)
 
+    def stage_count(self, stage: str) -> float:
+        """Events of one stage the plugins (or the MP adapter) inside have timed so far (their
+        serving-state records' `stages`: "load", "preload", ...)."""
+        return sum(st.stages.get(stage, {}).get("count", 0) for st in self.plugin_states())
+
     def _wait(self, what: str, done, timeout: float) -> None:
         deadline = time.time() + timeout
         while True:
