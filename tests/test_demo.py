@@ -83,12 +83,11 @@ def _processes_under(root: Path) -> list[str]:
 def test_mp_server_command_is_the_one_that_ran(tmp_path):
     from types import SimpleNamespace
 
-    from lmcache_cartridge.tools.lmcache_server import adapter_params, server_command
+    from lmcache_cartridge.tools.lmcache_server import adapter_params, runnable, server_command
 
     loaded = demo.write_serve_yaml(tmp_path)
-    ran = server_command(5601, 5602, adapter_params(loaded), chunk_size=int(loaded.chunk_size),
-                         l1_size_gb=demo.MP_L1_GB)
-    ran[0] = "/some/venv/bin/lmcache"
+    ran = runnable(server_command(5601, 5602, adapter_params(loaded), chunk_size=int(loaded.chunk_size),
+                                  l1_size_gb=demo.MP_L1_GB))
     server = SimpleNamespace(lmcache_server=SimpleNamespace(port=5601, http_port=5602, command=ran))
     assert demo.mp_server_command(tmp_path, server) == [
         "lmcache-cartridge", "mp-server", "--config", str(demo.serve_yaml(tmp_path)), "--port", "5601",

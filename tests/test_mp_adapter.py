@@ -559,3 +559,34 @@ def test_a_trained_cartridge_evicted_from_the_disk_tier_is_downloaded_again(tmp_
         assert s3_proxy.count("GET", r"mp-ev-x/kv\.bin$") >= 2  # fetched again, not kept
     finally:
         adapter.close()
+
+
+def test_the_server_runs_under_this_interpreter_without_an_lmcache_script_beside_it(tmp_path, monkeypatch):
+    """As where LMCache was installed with `pip install --target` (the CUDA box): no `lmcache`
+    console script beside the interpreter, and the `lmcache` PATH finds first is another
+    environment's, which cannot import the adapter. The server still starts, from this interpreter,
+    and its adapter publishes what it serves."""
+    import os
+    import site
+    import sys
+    from pathlib import Path
+
+    from lmcache_cartridge.tools.lmcache_server import LmcacheServer
+
+    bare, other = tmp_path / "bin", tmp_path / "other-env"
+    bare.mkdir(), other.mkdir()
+    (bare / "python3").symlink_to(os.path.realpath(sys.executable))
+    (other / "lmcache").write_text("#!/bin/sh\necho another environment >&2\nexit 3\n")
+    (other / "lmcache").chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(sys, "executable", str(bare / "python3"))
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root), *site.getsitepackages()]))
+    params = {"registry": str(tmp_path / "registry.db"), "cache_dir": str(tmp_path / "cache"), "prefault_l1": False}
+    with LmcacheServer(tmp_path / "server", params, l1_size_gb=0.0625) as server:
+        server.wait_ready()
+        assert server.command[0] == str(bare / "python3")
+        deadline = time.time() + 60
+        while not [s for s in read_states(tmp_path / "cache") if s.role == "mp-server"] and time.time() < deadline:
+            time.sleep(0.2)
+        assert [s for s in read_states(tmp_path / "cache") if s.role == "mp-server"], server.log_tail()

@@ -231,13 +231,15 @@ def mp_server_command(work: Path, server) -> list[str]:
     """The user's command that starts the demo's `lmcache server` (`server.lmcache_server`): `mp-server
     --config` on the serving YAML with the ports it took and its L1 size. Checked against the one
     that ran (`mp-server --print`), so what the demo prints is the command, not a paraphrase."""
+    from lmcache_cartridge.tools.lmcache_server import runnable
+
     ls = server.lmcache_server
     args = ["mp-server", "--config", str(serve_yaml(work)), "--port", str(ls.port), "--http-port", str(ls.http_port),
             "--l1-size-gb", str(MP_L1_GB)]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = cli.main([*args, "--print"])
-    if rc != 0 or not _same_argv(shlex.split(out.getvalue())[1:], ls.command[1:]):
+    if rc != 0 or not _same_argv(runnable(shlex.split(out.getvalue())), ls.command):
         raise RuntimeError(f"`lmcache-cartridge {' '.join(args)}` would run {out.getvalue().strip()!r}, "
                            f"not the demo's server {ls.command!r}")
     return ["lmcache-cartridge", *args]

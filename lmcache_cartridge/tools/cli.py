@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import sys
 from pathlib import Path
 from typing import Callable
@@ -373,7 +372,7 @@ def cmd_doctor(args) -> int:
 def cmd_mp_server(args) -> int:
     """Run `lmcache server` (LMCache's multiprocess mode) with the cartridge L2 adapter, configured
     from the same LMCache YAML the in-process plugin reads: one registry and cache for both modes."""
-    from lmcache_cartridge.tools.lmcache_server import adapter_params, server_command
+    from lmcache_cartridge.tools.lmcache_server import adapter_params, runnable, server_command
 
     params: dict = {}
     chunk_size, algo = args.chunk_size or 256, args.hash_algorithm or "sha256_cbor"
@@ -388,8 +387,7 @@ def cmd_mp_server(args) -> int:
     if args.print:
         print(" ".join(shlex.quote(c) for c in cmd))
         return 0
-    lmcache = shutil.which("lmcache") or str(Path(sys.executable).with_name("lmcache"))
-    os.execv(lmcache, [lmcache, *cmd[1:]])
+    os.execv(sys.executable, runnable(cmd))
     return 1  # not reached
 
 

@@ -70,6 +70,15 @@ def server_command(port: int, http_port: int, adapter_params: dict[str, Any], *,
             "--server-module", json.dumps(SERVER_MODULE)]
 
 
+def runnable(cmd: list[str]) -> list[str]:
+    """`cmd` (`server_command`'s `lmcache server ...`, as users type it) as this process runs it:
+    LMCache's CLI module under this interpreter. The server must import the cartridge adapter from
+    the environment that holds this package, so neither the `lmcache` PATH finds first (another
+    environment's) nor a console script beside the interpreter (none where LMCache was installed
+    with `pip install --target`) will do."""
+    return [sys.executable, "-m", "lmcache.cli.main", *cmd[1:]]
+
+
 def adapter_params(config) -> dict[str, Any]:
     """The cartridge plugin's settings in a loaded LMCache `config` (its `extra_config` under
     `storage_plugin.<name>.`), by name, as the L2 adapter's `adapter_params`: one YAML configures
@@ -108,8 +117,7 @@ class LmcacheServer:
                              hash_algorithm=hash_algorithm, l1_size_gb=l1_size_gb, transfer_mode=transfer_mode,
                              prefetch_policy=prefetch_policy, shm=shm)
         self.shm_name = shm_name(self.port) if shm else ""
-        cmd[0] = str(Path(sys.executable).with_name("lmcache"))
-        self.command = cmd
+        self.command = cmd = runnable(cmd)
         self.log_path = self.root / "lmcache-server.log"
         self._log = open(self.log_path, "wb")
         env = {**os.environ, **(extra_env or {})}
