@@ -9,7 +9,7 @@
 # no lmcache. vllm 0.26.0 is the newest vLLM that pins torch 2.11.0 (0.27.1-0.32.0 pin 2.13.0,
 # 0.33.0 pins 2.14.0).
 set -euo pipefail
-W=${1:?scratch dir}; DEST=${2:?dest dir}; LMC=$(realpath "${3:?lmcache wheel built by build_lmcache.sh}")
+W=${1:?scratch dir}; DEST=$(realpath "${2:?dest dir}"); LMC=$(realpath "${3:?lmcache wheel built by build_lmcache.sh}")
 PIECE=${PIECE:-55M}  # + the working tree (~6 MiB) stays under the 64 MiB a call carries
 PIP="python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp"
 for n in 5 17 24 26 27 28 31 34 35; do PIP="$PIP --platform manylinux_2_${n}_x86_64"; done
