@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# `lmcache-cartridge` as this interpreter runs it: also where the package is on PYTHONPATH with no
+# console script installed (the CUDA box, `benchmarks/device/`)
+CLI = [sys.executable, "-m", "lmcache_cartridge.tools.cli"]
 GiB = 1 << 30
 ENV_DEFAULTS = {
     "LMCACHE_CARTRIDGE_HOME": str(ROOT / ".cache"),  # as the Makefile does

@@ -277,7 +277,7 @@ def train_one(model_dir: Path, carts: Path, name: str, cid: str, doc: str, token
         shutil.copy(shared, work / "data.pt")
     text = carts.parent / f"doc_{doc}.txt"
     text.write_text(document(doc), encoding="utf-8")
-    cmd = [str(Path(sys.executable).with_name("lmcache-cartridge")), "train", "--model-dir", str(model_dir),
+    cmd = [*_common.CLI, "train", "--model-dir", str(model_dir),
            "--model", str(model_dir), "--text", str(text), "-o", str(out), "--id", cid, "--tokens", str(tokens),
            "--work-dir", str(work), "--overwrite", "-q", *train_args(a)]
     print("[quality] " + " ".join(cmd), flush=True)

@@ -82,7 +82,7 @@ def train(model_dir: Path, name: str, lr: float, steps: int, tokens: int, a) -> 
     args = Q.train_args(argparse.Namespace(conversations=128, heldout=8, steps=steps, batch_size=8, lr=lr,
                                            eval_every=1000, save_every=5, question_tokens=48, answer_tokens=64,
                                            window_min=384, window_max=768, seed=0, threads=a.threads))
-    cmd = [str(Path(sys.executable).with_name("lmcache-cartridge")), "train", "--model-dir", str(model_dir),
+    cmd = [*_common.CLI, "train", "--model-dir", str(model_dir),
            "--model", str(model_dir), "--text", str(a.work / "doc_a.txt"), "-o", str(out), "--id", f"probe-{name}",
            "--tokens", str(tokens), "--work-dir", str(work), "--overwrite", "-q", *args]
     print("[probe] " + " ".join(cmd), flush=True)

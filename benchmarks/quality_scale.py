@@ -57,7 +57,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
             shutil.copy(first, work / "data.pt")
         text = carts.parent / "doc_a.txt"
         text.write_text(Q.document("a"), encoding="utf-8")
-        cmd = [str(Path(sys.executable).with_name("lmcache-cartridge")), "train", "--model-dir", str(model_dir),
+        cmd = [*_common.CLI, "train", "--model-dir", str(model_dir),
                "--model", str(model_dir), "--text", str(text), "-o", str(out), "--id", f"qa-{name}".replace("_", "-"),
                "--tokens", str(tokens), "--work-dir", str(work), "--overwrite", "-q",
                "--conversations", str(n), "--heldout", str(a.heldout), "--batch-size", str(a.batch_size),

