@@ -73,13 +73,12 @@ import sys; sys.path.insert(0, 'benchmarks'); from ttft import BENCH_MODEL; prin
       for f in $(find /root/x/bench/servers -name server.log); do
         tail -c 2000000 "$f" > /root/res/$n/server_$(basename "$(dirname "$f")").log; done ;;
     quality)  # the data-scale curve's largest point on the GPU (payload made with QUALITY=1):
-      # the real model converted from its carried wheel, then quality_scale.py (train on CUDA,
+      # the real model's carried wheel where `ensure_real_model` looks, then quality_scale.py (which converts it) (train on CUDA,
       # synthesis by vLLM on the same GPU); resumable, so a later call within 30 s goes on
       mkdir -p /root/res/quality "$LMCACHE_CARTRIDGE_HOME/downloads" && cp /root/x/c_model/*.whl "$LMCACHE_CARTRIDGE_HOME/downloads/"
       timeout $(( $(left) - 20 )) python3 benchmarks/quality_scale.py --work /root/x/quality --out /root/res/quality/scale_gpu \
         ${QUALITY_ARGS:---scales 16384 --tokens 256 --no-baselines --probe-threads 8} > /root/res/quality/log.txt 2>&1
-      say "quality: rc=$? $(grep '^\[scale\]' /root/res/quality/log.txt | tail -2 | cut -c1-300 | tr '\n' ' ')"
-      find /root/x/quality -name "*.log" -newer /root/res/summary.txt -exec cp {} /root/res/quality/ \; 2>/dev/null ;;
+      say "quality: rc=$? $(grep '^\[scale\]' /root/res/quality/log.txt | tail -2 | cut -c1-300 | tr '\n' ' ')" ;;
     pack) tar -czf "$OUT/res.tgz" -C /root res; cp /root/res/summary.txt "$OUT/" ;;
   esac
   shift
