@@ -236,3 +236,58 @@ def test_vllm_teacher_targets_match_hf_on_the_same_conversations(hf, vllm_data):
     assert not passes(off_by_one) and not passes(off_by_minus_one)
     assert off_by_one["mean_kl"] > 100 * MAX_MEAN_KL and off_by_minus_one["mean_kl"] > 100 * MAX_MEAN_KL
     assert not passes(no_window), no_window
+
+
+def _kill_engine_core(backend) -> None:
+    """SIGKILL the backend's vLLM engine core process (as the kernel's OOM killer would) and wait
+    until vLLM's own monitor has seen it die."""
+    import os
+    import signal
+    import time
+
+    core = backend.llm.llm_engine.engine_core
+    (proc,) = core.resources.engine_manager.processes
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not core.resources.engine_dead:
+        assert time.monotonic() < deadline, "vLLM never noticed its engine core died"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_is_replaced_once_and_the_batch_comes_out_the_same(hf, doc):
+    """A real engine core killed between batches: the next batch starts a new engine and gives
+    the same conversations (seeded questions, greedy answers; tied top-k entries may come in
+    another order); killed in both tries, a clear error that says how to resume."""
+    pytest.importorskip("vllm")
+    from lmcache_cartridge.errors import CartridgeError
+    from lmcache_cartridge.tools.selfstudy.synth import document_body
+    from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
+
+    model_dir, _, tok = hf
+    body = document_body(tok, doc.read_text())
+    specs = [plan(len(body), SYNTH, 0, "train", i, 4) for i in range(4)]
+    with VllmBackend(model_dir, tok, SYNTH, batch=4) as backend:
+        first = backend.run(body, SYNTH, specs)
+        _kill_engine_core(backend)
+        again = backend.run(body, SYNTH, specs)
+        assert backend.stats["engine_restarts"] == 1 and backend.llm is not None
+        assert sum(c is not None for c in first) >= 2
+        assert [c and c.question for c in again] == [c and c.question for c in first]
+        for a, b in zip(again, first):  # the same text; targets equal up to the order of tied top-k entries
+            if a is not None:
+                assert a.answer == b.answer
+                torch.testing.assert_close(a.topk_logprobs, b.topk_logprobs, rtol=0, atol=1e-3)
+
+        # Killed in the batch and again in the retry: every engine dies as soon as it is asked.
+        start = backend.start
+
+        def start_dead():
+            llm = start()
+            _kill_engine_core(backend)
+            return llm
+
+        backend.start = start_dead
+        with pytest.raises(CartridgeError, match="stopped twice in the same batch.*rerun the same `train`"):
+            backend.run(body, SYNTH, specs)
+        assert backend.stats["engine_restarts"] == 2 and backend.llm is None

@@ -20,19 +20,28 @@ written at their absolute positions from the first token not served by the cache
 (`num_cached_tokens`), and only the user turn's rows are read, after the window. A request whose
 cache hit reached into those rows (the same question twice on one window) is asked again
 without the cache.
+
+An engine that dies in a batch (its core process killed, or an error inside it: vLLM logged the
+cause above) is replaced once and the batch asked again: questions are seeded and answers
+greedy, so the batch comes out the same. A second death in the same batch is an error; the
+batches already written are kept, and rerunning `train` resumes after them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
 
+from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.tools.selfstudy.config import SynthConfig
 from lmcache_cartridge.tools.selfstudy.synth import (
     Conversation, Spec, chat_ids, scored_prompt_tokens, student_prompt_ids, system_message, truncate_cover,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def vllm_available() -> bool:
@@ -90,7 +99,7 @@ class VllmBackend:
         # system wording and chat template, the question twice (seed prompt, then question), the answer.
         self.max_model_len = cfg.window_max + 512 + 2 * cfg.question_tokens + cfg.answer_tokens
         self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "retried_uncached": 0,
-                      "too_long": 0}
+                      "too_long": 0, "engine_restarts": 0}
 
     def __enter__(self) -> "VllmBackend":
         return self
@@ -155,11 +164,19 @@ class VllmBackend:
 
     def close(self) -> None:
         """Stop the engine core (its process and memory) before training starts."""
-        if self.llm is None:
-            return
+        self._discard(dead=False)
+
+    def _discard(self, dead: bool = True) -> None:
+        """Stop and drop the engine; `start` makes a new one. A dead engine's client has shut
+        itself down already: what its second shutdown raises is ignored."""
         llm, self.llm = self.llm, None
+        if llm is None:
+            return
         try:
             llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            if not dead:
+                raise
         finally:
             del llm
             import gc
@@ -168,8 +185,26 @@ class VllmBackend:
 
     def _generate(self, prompts: list[list[int]], params: list) -> list:
         from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
 
-        outs = self.start().generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        def ask():
+            return self.start().generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+        try:
+            outs = ask()
+        except EngineDeadError:
+            logger.warning("vLLM's synthesis engine stopped in a batch of %d requests (its cause is logged above); "
+                           "starting a new engine and asking the batch again", len(prompts))
+            self._discard()
+            self.stats["engine_restarts"] += 1
+            try:
+                outs = ask()
+            except EngineDeadError as e:
+                self._discard()
+                raise CartridgeError(
+                    "vLLM's synthesis engine stopped twice in the same batch (the cause is in vLLM's log "
+                    "above). The batches already written are kept: rerun the same `train` command to resume, "
+                    "or pass --synth-backend hf to synthesise with transformers instead") from e
         self.stats["requests"] += len(outs)
         self.stats["prompt_tokens"] += sum(len(p) for p in prompts)
         self.stats["cached_tokens"] += sum(o.num_cached_tokens or 0 for o in outs)
