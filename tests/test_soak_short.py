@@ -66,7 +66,8 @@ def test_short_mp_soak_salts_external_tokens_registrations_and_removals_under_lo
         salted_cartridge_requests=2,
         plugin_disk_chunks=3,       # 0.75 MiB: 3 of the 5 S3 chunks
         lmcache_chunks=32,          # the server's L1: 8 MiB, enough for what 4 clients store and load at once
-        ready_timeout_s=8,          # a trained request waits at most this long on the instance
+        # ready_timeout_s: the connector's default (30 s). Every request here is due an answer; a
+        # shorter deadline only turns a slow load under a loaded machine into a 503.
         warmup_requests=10, rss_tolerance=0.30)
     r = soak.run_soak(params, tmp_path / "out")
     md = tmp_path / "out" / "soak.md"
@@ -76,7 +77,7 @@ def test_short_mp_soak_salts_external_tokens_registrations_and_removals_under_lo
     assert r["references"]["count"] == r["references"]["distinct_texts"] == 6, r["references"]  # 5 + a 2nd version
     assert not r["references"]["ext_violations"], r["references"]
     assert s["requests_done"] == 60, detail
-    assert s["errors"] == 0, s["error_examples"]
+    assert s["errors"] == 0, one_line_errors(r)
     assert s["contamination"] == 0, s["contamination_examples"]
     assert s["served_unregistered"] == 0, s["served_examples"]
     assert ext["checked"] and ext["violations"] == 0, ext["examples"]
@@ -89,6 +90,18 @@ def test_short_mp_soak_salts_external_tokens_registrations_and_removals_under_lo
     assert churn["removal_observed"], churn["events"]
     assert churn["answered_by_version"]["soak00/v2"] >= 1, churn  # the new bytes, after re-registration
     assert r["server_alive"] and r["ok"], detail
+
+
+def one_line_errors(r: dict) -> str:
+    """What each failed request got and what the servers logged, on the one line pytest's summary
+    keeps: a CI failure must say why without the rest of the output."""
+    s = r["soak"]
+    errs = "; ".join(f"#{e['i']} {e['kind']} {e.get('cartridge')} possible {e.get('possible')} status {e['status']} "
+                     f"after {e.get('latency_s', 0):.1f}s: {str(e.get('error'))[:200]!r}"
+                     for e in s["error_examples"])
+    churn = [{k: ev.get(k) for k in ("cartridge", "version", "at_request", "t", "took_s", "probe", "failure")}
+             for ev in r.get("churn", {}).get("events", [])]
+    return f"{s['errors']} errors: {errs} | churn {churn} | logs {r.get('server_log')}".replace("\n", " ")
 
 
 def _reply(status=200, text="a b", ext=0, lp=None):
