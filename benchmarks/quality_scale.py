@@ -45,14 +45,20 @@ OUT = Q.RESULTS / "scale"
 BUCKETS = [name for _, _, name in Q.POSITION_BUCKETS]
 
 
+def run_name(tokens: int, n: int, schedule: str) -> str:
+    """The cartridge's name in the work directory (`tr256_n8192`; `_cos` for a cosine schedule)."""
+    return f"tr{tokens}_n{n}" + ("" if schedule == "constant" else f"_{schedule[:3]}")
+
+
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
-    """One epoch over `n` fresh conversations (`train`'s default steps); the 512-token run reuses
-    the 256-token run's conversations (same document, same synthesis settings)."""
-    name = f"tr{tokens}_n{n}"
+    """One epoch over `n` fresh conversations (`train`'s default steps); other runs at the same
+    scale (512 tokens, another schedule) reuse the first 256-token run's conversations (same
+    document, same synthesis settings)."""
+    name = run_name(tokens, n, a.lr_schedule)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
         first = carts / f"tr256_n{n}.train" / "data.pt"
-        if tokens != 256 and first.exists() and not (work / "data.pt").exists():
+        if first.parent != work and first.exists() and not (work / "data.pt").exists():
             work.mkdir(parents=True, exist_ok=True)
             shutil.copy(first, work / "data.pt")
         text = carts.parent / "doc_a.txt"
@@ -61,7 +67,8 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--model", str(model_dir), "--text", str(text), "-o", str(out), "--id", f"qa-{name}".replace("_", "-"),
                "--tokens", str(tokens), "--work-dir", str(work), "--overwrite", "-q",
                "--conversations", str(n), "--heldout", str(a.heldout), "--batch-size", str(a.batch_size),
-               "--lr", str(a.lr), "--eval-every", str(max(1, n // a.batch_size // 4)), "--save-every", "10",
+               "--lr", str(a.lr), "--lr-schedule", a.lr_schedule,
+               "--eval-every", str(max(1, n // a.batch_size // 4)), "--save-every", "10",
                "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
                "--window-min", str(a.window_min), "--window-max", str(a.window_max), "--seed", str(a.seed),
                "--synth-backend", a.synth_backend] + (["--threads", str(a.threads)] if a.threads else [])
@@ -174,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scales", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--tokens", type=int, nargs="+", default=[256])
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
+                    help="train's --lr-schedule (a cosine run's arm and cartridge are named with _cos)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--heldout", type=int, default=16)
     ap.add_argument("--question-tokens", type=int, default=48)
@@ -233,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         kinds = {"first_k_256": ("first_k", "qa-fk256"), "first_k_512": ("first_k", "qa-fk512"),
                  "init_256": ("trained", "qa-init256"), "icl": ("icl", None)}
         for name, r in res["arms"].items():
-            kind, cid = kinds.get(name) or ("trained", f"tr{name.split('_')[1]}_{name.split('_')[2]}")
+            kind, cid = kinds.get(name) or ("trained", "tr" + "_".join(name.split("_")[1:]))
             add_loglik(model, tok, pb, Q.Arm(name, kind, ("a",), (cid,) if cid else ()), carts, qs, r)
             print(f"[scale] {name}: LL of the facts by position {r['ll_fact_by_position']}", flush=True)
         save()
@@ -248,12 +257,13 @@ def main(argv: list[str] | None = None) -> int:
             probe("icl", Q.Arm("icl", "icl", ("a",)))
     for n in a.scales:
         for tokens in a.tokens:
-            name = f"trained_{tokens}_n{n}"
             cart, summary = train(model_dir, carts, n, tokens, a)
-            if tokens == 256:
+            name = "trained_" + cart.name.removeprefix("tr")
+            if cart.name == f"tr256_n{n}":
                 res["coverage"][str(n)] = coverage(tok, carts / f"{cart.name}.train" / "data.pt", qs, pos)
             if name not in res["arms"]:
-                probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary)
+                probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
+                      lr=a.lr, lr_schedule=a.lr_schedule)
     save()
     print(a.out.with_suffix(".md").read_text())
     return 0

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.tools.selfstudy.config import LoopConfig, SynthConfig, TrainConfig, check_length, default_lr
+from lmcache_cartridge.tools.selfstudy.config import (COSINE_FLOOR, LoopConfig, SynthConfig, TrainConfig, check_length,
+                                                      default_lr, scheduled_lr)
 from lmcache_cartridge.tools.selfstudy.loop import (
     CHECKPOINT_NAME, METRICS_NAME, batch_indices, build_student, encoder_of, run_loop,
 )
@@ -232,6 +233,46 @@ def test_resume_continues_exactly(model_dir, doc, data_file, tmp_path):
     other = replace(half, loop=replace(half.loop, steps=4, lr=1e-3), overwrite=True)
     with pytest.raises(CartridgeError, match="other settings"):
         train_cartridge(other)
+
+
+def test_cosine_schedule_decays_to_its_floor_and_resumes_on_the_same_curve(model_dir, doc, data_file, tmp_path,
+                                                                          monkeypatch):
+    assert scheduled_lr(1.0, "cosine", 0, 5) == 1.0
+    assert scheduled_lr(1.0, "cosine", 4, 5) == pytest.approx(COSINE_FLOOR)
+    rates = [scheduled_lr(1.0, "cosine", s, 5) for s in range(5)]
+    assert rates == sorted(rates, reverse=True) and len(set(rates)) == 5
+    assert {scheduled_lr(1.0, "constant", s, 5) for s in range(5)} == {1.0}
+
+    def cosine(out, steps):
+        cfg = config(model_dir, doc, tmp_path / out, steps=steps, kv_dtype="float32", save_every=2)
+        return with_data(replace(cfg, loop=replace(cfg.loop, lr_schedule="cosine")), data_file)
+
+    straight = cosine("a", 4)
+    first = train_cartridge(straight)
+    constant = train_cartridge(with_data(config(model_dir, doc, tmp_path / "c", steps=4, kv_dtype="float32"),
+                                         data_file))
+    assert first.loop.losses[0] == constant.loop.losses[0]   # the same first rate
+    assert first.loop.losses[2:] != constant.loop.losses[2:]  # then a lower one
+    # Stopped after step 2's checkpoint (as by Ctrl-C) and rerun: the rest of the same curve.
+    from lmcache_cartridge.tools.selfstudy import loop as loop_mod
+
+    half, real_save = cosine("b", 4), loop_mod.save_checkpoint
+
+    def save_then_stop(work_dir, **kw):
+        real_save(work_dir, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop_mod, "save_checkpoint", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train_cartridge(half)
+    monkeypatch.setattr(loop_mod, "save_checkpoint", real_save)
+    resumed = train_cartridge(half)
+    assert resumed.loop.resumed_from == 2 and resumed.loop.losses == first.loop.losses[2:]
+    # A cosine run's length is part of it: another --steps is another run, refused.
+    with pytest.raises(CartridgeError, match="other settings"):
+        train_cartridge(replace(half, loop=replace(half.loop, steps=6), overwrite=True))
+    assert json.loads((straight.output / "manifest.json").read_text())["provenance"]["optimizer"]["lr_schedule"] \
+        == "cosine"
 
 
 def test_cli_trains_and_reports(model_dir, doc, data_file, tmp_path, capsys):

@@ -17,8 +17,9 @@ import argparse
 from pathlib import Path
 
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.tools.selfstudy.config import (DTYPE_NAMES, PAPER_LR, SMALL_MODEL_LR, LoopConfig, SynthConfig,
-                                                      TrainConfig, one_epoch)
+from lmcache_cartridge.tools.selfstudy.config import (COSINE_FLOOR, DTYPE_NAMES, LR_SCHEDULES, PAPER_LR,
+                                                      SMALL_MODEL_LR, LoopConfig, SynthConfig, TrainConfig,
+                                                      one_epoch)
 
 
 # --- command line (tools/cli.py's `train`: its arguments and its command) ----------------------
@@ -43,6 +44,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"Adam learning rate for the KV (default: {SMALL_MODEL_LR:g} for models under 1B parameters, "
                    f"measured on SmolLM2-135M, where the paper's {PAPER_LR:g} erased the facts the first-k start "
                    f"held; {PAPER_LR:g}, the paper's, from 1B up; docs/benchmarks.md)")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=d.lr_schedule,
+                   help=f"constant (the paper's; default {d.lr_schedule}) or cosine: from --lr down to "
+                   f"{COSINE_FLOOR:g}x --lr at the last step")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed for synthesis, batches and initialisation (same seed, same cartridge)")
     p.add_argument("--eval-every", type=int, default=d.eval_every,
@@ -84,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                           per_window=args.per_window),
         loop=LoopConfig(steps=args.steps or one_epoch(args.conversations, args.batch_size), batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
-                        question_loss=args.question_loss),
+                        question_loss=args.question_loss, lr_schedule=args.lr_schedule),
         device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads,
         work_dir=Path(args.work_dir) if args.work_dir else None,
         adapter_dir=Path(args.adapter_dir) if args.adapter_dir else None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,24 @@ class LoopConfig:
     # The paper's objective sums over question and answer tokens (the student learns the
     # document's questions too, not only the answers); False scores answer tokens only.
     question_loss: bool = True
+    # "constant" (the paper's) or "cosine": from `lr` down to `lr * COSINE_FLOOR` at the last
+    # step, so a long run moves the KV early and settles late instead of drifting from its start.
+    lr_schedule: str = "constant"
+
+
+LR_SCHEDULES = ("constant", "cosine")
+COSINE_FLOOR = 0.1  # the cosine schedule's last rate, as a fraction of the first
+
+
+def scheduled_lr(lr: float, schedule: str, step: int, steps: int) -> float:
+    """The rate for optimiser step `step` (0-based) of `steps`: a pure function of the step, so
+    a resumed run continues the same schedule."""
+    if schedule == "constant" or steps <= 1:
+        return lr
+    if schedule != "cosine":
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
+    done = min(step, steps - 1) / (steps - 1)
+    return lr * (COSINE_FLOOR + (1 - COSINE_FLOOR) * 0.5 * (1 + math.cos(math.pi * done)))
 
 
 # Adam's learning rate for the cartridge's KV by model size, as measured: on SmolLM2-135M the
@@ -108,6 +127,10 @@ class TrainConfig:
 
     def fingerprint(self, text: str) -> str:
         loop = {k: v for k, v in asdict(self.loop).items() if k not in ("steps", "eval_every", "save_every")}
+        if loop["lr_schedule"] == "constant":
+            del loop["lr_schedule"]  # checkpoints of runs from before the option stay resumable
+        else:
+            loop["steps"] = self.loop.steps  # the schedule depends on the run's length
         return _digest({"data": self.data_fingerprint(text), "tokens": self.tokens,
                         "frozen_tokens": self.frozen_tokens, "loop": loop})
 

@@ -20,7 +20,7 @@ import torch
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import atomic_open
-from lmcache_cartridge.tools.selfstudy.config import LoopConfig, default_lr
+from lmcache_cartridge.tools.selfstudy.config import LoopConfig, default_lr, scheduled_lr
 from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss, kl_sum
 from lmcache_cartridge.tools.selfstudy.synth import Conversation, sub_seed
 
@@ -149,7 +149,8 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
 
     work_dir.mkdir(parents=True, exist_ok=True)
     encoder = encoder_of(student)
-    optimizer = torch.optim.Adam([encoder.trainable_embedding], lr=learning_rate(cfg, student))
+    base_lr = learning_rate(cfg, student)
+    optimizer = torch.optim.Adam([encoder.trainable_embedding], lr=base_lr)
     ck = load_checkpoint(work_dir, fingerprint)
     start = 0
     if ck is not None:
@@ -176,6 +177,8 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
             batch = collate([train[i] for i in batch_indices(step, len(train), cfg.batch_size, cfg.seed)],
                             teacher=False, pad_id=pad_id, device=student.device, questions=cfg.question_loss)
             t0 = time.perf_counter()
+            for group in optimizer.param_groups:  # set every step: a resumed run's saved rate is not trusted
+                group["lr"] = scheduled_lr(base_lr, cfg.lr_schedule, step, cfg.steps)
             optimizer.zero_grad(set_to_none=True)
             loss = distill_loss(answer_logprobs(student, batch), batch)
             loss.backward()
