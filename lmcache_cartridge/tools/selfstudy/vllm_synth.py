@@ -183,6 +183,17 @@ class VllmBackend:
 
             gc.collect()
 
+    def _exit(self) -> str:
+        """How the engine core process ended, as far as vLLM's process handle says (a negative
+        code is the signal that killed it: -9 is SIGKILL, the kernel's OOM killer among others)."""
+        try:
+            procs = self.llm.llm_engine.engine_core.resources.engine_manager.processes
+            for p in procs:
+                p.join(timeout=5)
+            return ", ".join(f"engine core exit code {p.exitcode}" for p in procs)
+        except Exception:  # another vLLM's internals: say nothing rather than fail here
+            return "engine core exit code unknown"
+
     def _generate(self, prompts: list[list[int]], params: list) -> list:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -193,17 +204,18 @@ class VllmBackend:
         try:
             outs = ask()
         except EngineDeadError:
-            logger.warning("vLLM's synthesis engine stopped in a batch of %d requests (its cause is logged above); "
-                           "starting a new engine and asking the batch again", len(prompts))
+            logger.warning("vLLM's synthesis engine stopped in a batch of %d requests (%s; vLLM logged the cause "
+                           "above); starting a new engine and asking the batch again", len(prompts), self._exit())
             self._discard()
             self.stats["engine_restarts"] += 1
             try:
                 outs = ask()
             except EngineDeadError as e:
+                how = self._exit()
                 self._discard()
                 raise CartridgeError(
-                    "vLLM's synthesis engine stopped twice in the same batch (the cause is in vLLM's log "
-                    "above). The batches already written are kept: rerun the same `train` command to resume, "
+                    f"vLLM's synthesis engine stopped twice in the same batch ({how}; the cause is in vLLM's "
+                    "log above). The batches already written are kept: rerun the same `train` command to resume, "
                     "or pass --synth-backend hf to synthesise with transformers instead") from e
         self.stats["requests"] += len(outs)
         self.stats["prompt_tokens"] += sum(len(p) for p in prompts)
