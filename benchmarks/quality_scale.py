@@ -20,6 +20,8 @@ the dev split (docs/benchmarks.md), and both splits are only reported.
 
     .venv/bin/python benchmarks/quality_scale.py --scales 128 1024          # make quality-scale's first points
     .venv/bin/python benchmarks/quality_scale.py --scales 4096              # the next point (resumable)
+    .venv/bin/python benchmarks/quality_scale.py --scales 8192 --no-baselines --lr-schedule cosine
+                                            # the same conversations, a decaying rate (arm trained_256_n8192_cos)
 
 Everything is cached in `--work` (default .cache/quality/scale): rerun to resume; results are
 merged into `--out`.json/.md (default benchmarks/results/quality/scale).
