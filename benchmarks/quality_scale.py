@@ -42,6 +42,8 @@ import _common
 import quality as Q
 from quality_probe import greedy
 
+from lmcache_cartridge.tools.selfstudy.config import LR_SCHEDULES
+
 WORK = _common.ROOT / ".cache" / "quality" / "scale"
 OUT = Q.RESULTS / "scale"
 BUCKETS = [name for _, _, name in Q.POSITION_BUCKETS]
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scales", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--tokens", type=int, nargs="+", default=[256])
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
+    ap.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
                     help="train's --lr-schedule (a cosine run's arm and cartridge are named with _cos)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--heldout", type=int, default=16)

@@ -23,7 +23,8 @@ without the cache.
 
 An engine that dies in a batch (its core process killed, or an error inside it: vLLM logged the
 cause above) is replaced once and the batch asked again: questions are seeded and answers
-greedy, so the batch comes out the same. A second death in the same batch is an error; the
+greedy, so each conversation keeps its plan and its seeds (a sampled draw may still flip on the
+new engine's bf16 rounding). A second death in the same batch is an error; the
 batches already written are kept, and rerunning `train` resumes after them.
 """
 
