@@ -22,6 +22,8 @@ the dev split (docs/benchmarks.md), and both splits are only reported.
     .venv/bin/python benchmarks/quality_scale.py --scales 4096              # the next point (resumable)
     .venv/bin/python benchmarks/quality_scale.py --scales 8192 --no-baselines --lr-schedule cosine
                                             # the same conversations, a decaying rate (arm trained_256_n8192_cos)
+    .venv/bin/python benchmarks/quality_scale.py --scales 2048 --no-baselines --answer-tokens 256
+                                            # longer teacher answers (arm trained_256_n2048_a256)
 
 Everything is cached in `--work` (default .cache/quality/scale): rerun to resume; results are
 merged into `--out`.json/.md (default benchmarks/results/quality/scale).
@@ -49,19 +51,28 @@ OUT = Q.RESULTS / "scale"
 BUCKETS = [name for _, _, name in Q.POSITION_BUCKETS]
 
 
-def run_name(tokens: int, n: int, schedule: str) -> str:
-    """The cartridge's name in the work directory (`tr256_n8192`; `_cos` for a cosine schedule)."""
-    return f"tr{tokens}_n{n}" + ("" if schedule == "constant" else f"_{schedule[:3]}")
+ANSWER_TOKENS = 64  # the curve's answer length; other lengths are other arms
+
+
+def scale_key(n: int, answer_tokens: int) -> str:
+    """One set of conversations: `8192`, or `2048_a256` for answers of up to 256 tokens."""
+    return f"{n}" + ("" if answer_tokens == ANSWER_TOKENS else f"_a{answer_tokens}")
+
+
+def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOKENS) -> str:
+    """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
+    256 tokens, `_cos` for a cosine schedule)."""
+    return f"tr{tokens}_n{scale_key(n, answer_tokens)}" + ("" if schedule == "constant" else f"_{schedule[:3]}")
 
 
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     """One epoch over `n` fresh conversations (`train`'s default steps); other runs at the same
     scale (512 tokens, another schedule) reuse the first 256-token run's conversations (same
     document, same synthesis settings)."""
-    name = run_name(tokens, n, a.lr_schedule)
+    name = run_name(tokens, n, a.lr_schedule, a.answer_tokens)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
-        first = carts / f"tr256_n{n}.train" / "data.pt"
+        first = carts / f"{run_name(256, n, 'constant', a.answer_tokens)}.train" / "data.pt"
         if first.parent != work and first.exists() and not (work / "data.pt").exists():
             work.mkdir(parents=True, exist_ok=True)
             shutil.copy(first, work / "data.pt")
@@ -167,9 +178,11 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {name} | {r.get('conversations', '')} | {f(r['facts'])} | {f(r['dev'])} | {f(r['heldout'])} | "
                      + " | ".join(f(r["by_position"][b]) for b in BUCKETS)
                      + f" | {ll(r, '<256')} / {ll(r, '>=512')} | {klt} | {t.get('wall_s') or ''} |")
-    for n, cov in sorted(res.get("coverage", {}).items(), key=lambda kv: int(kv[0])):
+    for key, cov in sorted(res.get("coverage", {}).items(), key=lambda kv: (int(kv[0].split("_")[0]), kv[0])):
         facts = cov["facts"]
-        lines += ["", f"## Coverage at {n} conversations (facts beyond 512 tokens)", "",
+        n, _, answers = key.partition("_a")
+        title = f"{n} conversations" + (f", answers up to {answers} tokens" if answers else "")
+        lines += ["", f"## Coverage at {title} (facts beyond 512 tokens)", "",
                   "| question | window held the evidence | question stated the fact | answer stated the fact |",
                   "|---|---:|---:|---:|"]
         lines += [f"| {qid} ({c['split']}) | {c['in_window']} | {c['question']} | {c['answer']} |"
@@ -190,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--heldout", type=int, default=16)
     ap.add_argument("--question-tokens", type=int, default=48)
-    ap.add_argument("--answer-tokens", type=int, default=64)
+    ap.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
+                    help=f"longest teacher answer (another length than {ANSWER_TOKENS} names its arms _a<N>)")
     ap.add_argument("--window-min", type=int, default=384)
     ap.add_argument("--window-max", type=int, default=768)
     ap.add_argument("--seed", type=int, default=0)
@@ -263,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in a.tokens:
             cart, summary = train(model_dir, carts, n, tokens, a)
             name = "trained_" + cart.name.removeprefix("tr")
-            if cart.name == f"tr256_n{n}":
-                res["coverage"][str(n)] = coverage(tok, carts / f"{cart.name}.train" / "data.pt", qs, pos)
+            if cart.name == run_name(256, n, "constant", a.answer_tokens):
+                res["coverage"][scale_key(n, a.answer_tokens)] = coverage(
+                    tok, carts / f"{cart.name}.train" / "data.pt", qs, pos)
             if name not in res["arms"]:
                 probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
-                      lr=a.lr, lr_schedule=a.lr_schedule)
+                      lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens)
     save()
     print(a.out.with_suffix(".md").read_text())
     return 0

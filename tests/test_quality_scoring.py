@@ -111,3 +111,23 @@ def test_the_benchmarks_run_the_cli_under_their_own_interpreter(tmp_path):
     r = subprocess.run([*_common.CLI, "train", "--help"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PATH": str(tmp_path)})
     assert r.returncode == 0 and "--conversations" in r.stdout, r.stderr
+
+
+def test_scale_arms_are_named_by_the_conversations_they_train_on():
+    """`quality_scale.py`: conversations drawn with another answer length are another arm, with
+    its own cartridge, its own data to reuse and its own coverage section, so a run with
+    `--answer-tokens 256` never reports the 64-token cartridge already in the work directory."""
+    import quality_scale as S
+
+    assert S.run_name(256, 8192, "constant") == "tr256_n8192"          # the curve's names stay
+    assert S.run_name(512, 8192, "cosine") == "tr512_n8192_cos"
+    assert S.run_name(256, 2048, "constant", 256) == "tr256_n2048_a256"
+    assert S.run_name(512, 2048, "cosine", 256) == "tr512_n2048_a256_cos"
+    assert S.run_name(256, 2048, "constant", S.ANSWER_TOKENS) != S.run_name(256, 2048, "constant", 256)
+    cov = {"facts": {"a16": {"bucket": ">=512", "split": "dev", "in_window": 3, "question": 1, "answer": 2}}}
+    md = S.markdown({"meta": {"command": "c", "machine": {}, "lr": 2e-3, "batch_size": 8}, "arms": {},
+                     "coverage": {"2048_a256": cov, "1024": cov, "128": cov}})
+    titles = [line for line in md.splitlines() if line.startswith("## Coverage")]
+    assert titles == ["## Coverage at 128 conversations (facts beyond 512 tokens)",
+                      "## Coverage at 1024 conversations (facts beyond 512 tokens)",
+                      "## Coverage at 2048 conversations, answers up to 256 tokens (facts beyond 512 tokens)"]
