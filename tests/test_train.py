@@ -275,6 +275,26 @@ def test_cosine_schedule_decays_to_its_floor_and_resumes_on_the_same_curve(model
         == "cosine"
 
 
+def test_bf16_autocast_trains_close_to_fp32_and_is_its_own_run(model_dir, doc, data_file, tmp_path):
+    """`--autocast bfloat16`: the steps run in bf16 (the losses are not fp32's bit for bit) and
+    stay close to fp32's; a checkpoint of one is not resumed as the other; provenance says which."""
+    def run(out, autocast):
+        cfg = config(model_dir, doc, tmp_path / out, steps=3, kv_dtype="float32", save_every=1)
+        return with_data(replace(cfg, loop=replace(cfg.loop, autocast=autocast)), data_file)
+
+    fp32 = train_cartridge(run("fp32", None))
+    bf16_cfg = run("bf16", "bfloat16")
+    bf16 = train_cartridge(bf16_cfg)
+    print("fp32", fp32.loop.losses, "bf16 autocast", bf16.loop.losses)
+    assert bf16.loop.losses != fp32.loop.losses
+    assert bf16.loop.losses == pytest.approx(fp32.loop.losses, rel=0.01)
+    prov = json.loads((bf16_cfg.output / "manifest.json").read_text())["provenance"]
+    assert prov["autocast"] == "bfloat16" and prov["train_dtype"] == "float32"
+    # The bf16 run's checkpoint under the fp32 settings: another run, refused.
+    with pytest.raises(CartridgeError, match="other settings"):
+        train_cartridge(replace(bf16_cfg, loop=replace(bf16_cfg.loop, autocast=None, steps=4), overwrite=True))
+
+
 def test_cli_trains_and_reports(model_dir, doc, data_file, tmp_path, capsys):
     out = tmp_path / "cli-cart"
     work = tmp_path / "cli-work"

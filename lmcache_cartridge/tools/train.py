@@ -17,9 +17,9 @@ import argparse
 from pathlib import Path
 
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.tools.selfstudy.config import (COSINE_FLOOR, DTYPE_NAMES, LR_SCHEDULES, PAPER_LR,
-                                                      SMALL_MODEL_LR, LoopConfig, SynthConfig, TrainConfig,
-                                                      one_epoch)
+from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, COSINE_FLOOR, DTYPE_NAMES, LR_SCHEDULES,
+                                                      PAPER_LR, SMALL_MODEL_LR, LoopConfig, SynthConfig,
+                                                      TrainConfig, one_epoch)
 
 
 # --- command line (tools/cli.py's `train`: its arguments and its command) ----------------------
@@ -69,6 +69,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "(transformers generate, one at a time); auto: vllm where installed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="training dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--autocast", choices=AUTOCAST_DTYPES,
+                   help="run each step's forward pass and loss under torch.autocast to this dtype (CPUs with "
+                   "bf16 instructions: AMX, AVX-512 BF16; default: off, the training dtype throughout)")
     p.add_argument("--kv-dtype", choices=DTYPE_NAMES, help="packed KV dtype (default: the model's)")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
     p.add_argument("--work-dir", help="data, checkpoint and metrics.jsonl (default: OUTPUT.train); rerun to resume")
@@ -88,7 +91,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                           per_window=args.per_window),
         loop=LoopConfig(steps=args.steps or one_epoch(args.conversations, args.batch_size), batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
-                        question_loss=args.question_loss, lr_schedule=args.lr_schedule),
+                        question_loss=args.question_loss, lr_schedule=args.lr_schedule,
+                        autocast=args.autocast),
         device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads,
         work_dir=Path(args.work_dir) if args.work_dir else None,
         adapter_dir=Path(args.adapter_dir) if args.adapter_dir else None,

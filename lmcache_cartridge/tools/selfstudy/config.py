@@ -50,10 +50,15 @@ class LoopConfig:
     # "constant" (the paper's) or "cosine": from `lr` down to `lr * COSINE_FLOOR` at the last
     # step, so a long run moves the KV early and settles late instead of drifting from its start.
     lr_schedule: str = "constant"
+    # "bfloat16": each step's forward pass and loss under `torch.autocast` (the weights and the
+    # KV stay in the training dtype), for CPUs with bf16 instructions (AMX, AVX-512 BF16); None:
+    # the training dtype throughout. Held-out KL is computed without it either way.
+    autocast: str | None = None
 
 
 LR_SCHEDULES = ("constant", "cosine")
 COSINE_FLOOR = 0.1  # the cosine schedule's last rate, as a fraction of the first
+AUTOCAST_DTYPES = ("bfloat16",)
 
 
 def scheduled_lr(lr: float, schedule: str, step: int, steps: int) -> float:
@@ -131,6 +136,8 @@ class TrainConfig:
             del loop["lr_schedule"]  # checkpoints of runs from before the option stay resumable
         else:
             loop["steps"] = self.loop.steps  # the schedule depends on the run's length
+        if loop["autocast"] is None:
+            del loop["autocast"]  # likewise: runs without it keep their fingerprint
         return _digest({"data": self.data_fingerprint(text), "tokens": self.tokens,
                         "frozen_tokens": self.frozen_tokens, "loop": loop})
 

@@ -9,6 +9,7 @@ an uninterrupted run computes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -142,6 +143,13 @@ def learning_rate(cfg: LoopConfig, student) -> float:
     return cfg.lr if cfg.lr is not None else default_lr(sum(p.numel() for p in student.parameters()))
 
 
+def autocast(device: torch.device, dtype: str | None):
+    """`torch.autocast` to `dtype` on `device`, or nothing when `dtype` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
 def run_loop(student, train: list[Conversation], heldout: list[Conversation], cfg: LoopConfig, *,
              work_dir: Path, fingerprint: str, pad_id: int, progress: bool = True) -> LoopResult:
     """Train `student`'s cartridge for `cfg.steps` steps in all (resuming from a checkpoint)."""
@@ -180,7 +188,8 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
             for group in optimizer.param_groups:  # set every step: a resumed run's saved rate is not trusted
                 group["lr"] = scheduled_lr(base_lr, cfg.lr_schedule, step, cfg.steps)
             optimizer.zero_grad(set_to_none=True)
-            loss = distill_loss(answer_logprobs(student, batch), batch)
+            with autocast(student.device, cfg.autocast):
+                loss = distill_loss(answer_logprobs(student, batch), batch)
             loss.backward()
             optimizer.step()
             seconds = time.perf_counter() - t0

@@ -190,7 +190,7 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
         "heldout_kl": {"init": kls.get(0), "final": kls.get(cfg.loop.steps)},
         "optimizer": {"name": "Adam", "lr": cfg.loop.lr, "lr_schedule": cfg.loop.lr_schedule,
                       "batch_size": cfg.loop.batch_size, "seed": cfg.loop.seed},
-        "device": str(device), "train_dtype": str(dtype).removeprefix("torch."),
+        "device": str(device), "train_dtype": str(dtype).removeprefix("torch."), "autocast": cfg.loop.autocast,
         "seconds_per_step": (sum(result.step_seconds) / len(result.step_seconds)) if result.step_seconds else None,
         "train_wall_seconds": wall,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
