@@ -24,6 +24,8 @@ the dev split (docs/benchmarks.md), and both splits are only reported.
                                             # the same conversations, a decaying rate (arm trained_256_n8192_cos)
     .venv/bin/python benchmarks/quality_scale.py --scales 2048 --no-baselines --answer-tokens 256
                                             # longer teacher answers (arm trained_256_n2048_a256)
+    .venv/bin/python benchmarks/quality_scale.py --scales 2048 --no-baselines --answer-tokens 256 --trim-repeats 16
+                                            # the same, answers cut where they loop (arm trained_256_n2048_a256_t16)
     .venv/bin/python benchmarks/quality_scale.py --scales 1024 --no-baselines --autocast bfloat16
                                             # training steps under bf16 autocast (arm trained_256_n1024_bf16)
 
@@ -62,18 +64,19 @@ def scale_key(n: int, answer_tokens: int) -> str:
 
 
 def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOKENS,
-             autocast: str | None = None) -> str:
+             autocast: str | None = None, trim_repeats: int = 0) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
-    256 tokens, `_cos` for a cosine schedule, `_bf16` for steps under bf16 autocast)."""
+    256 tokens, `_cos` for a cosine schedule, `_t16` for answers trimmed where they repeat a run
+    of 16 tokens, `_bf16` for steps under bf16 autocast)."""
     return (f"tr{tokens}_n{scale_key(n, answer_tokens)}" + ("" if schedule == "constant" else f"_{schedule[:3]}")
-            + ("" if autocast is None else "_bf16"))
+            + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16"))
 
 
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     """One epoch over `n` fresh conversations (`train`'s default steps); other runs at the same
     scale (512 tokens, another schedule) reuse the first 256-token run's conversations (same
     document, same synthesis settings)."""
-    name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast)
+    name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
         first = carts / f"{run_name(256, n, 'constant', a.answer_tokens)}.train" / "data.pt"
@@ -91,7 +94,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
                "--window-min", str(a.window_min), "--window-max", str(a.window_max), "--seed", str(a.seed),
                "--synth-backend", a.synth_backend] + (["--threads", str(a.threads)] if a.threads else []) \
-            + (["--autocast", a.autocast] if a.autocast else [])
+            + (["--autocast", a.autocast] if a.autocast else []) + ["--trim-repeats", str(a.trim_repeats)]
         print("[scale] " + " ".join(cmd), flush=True)
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
@@ -207,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="train's --lr-schedule (a cosine run's arm and cartridge are named with _cos)")
     ap.add_argument("--autocast", choices=AUTOCAST_DTYPES,
                     help="train's --autocast (arms and cartridges named with _bf16; the same conversations)")
+    ap.add_argument("--trim-repeats", type=int, default=0, metavar="N",
+                    help="train's --trim-repeats (arms and cartridges named with _tN; the same conversations)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--heldout", type=int, default=16)
     ap.add_argument("--question-tokens", type=int, default=48)
@@ -289,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                     tok, carts / f"{cart.name}.train" / "data.pt", qs, pos)
             if name not in res["arms"]:
                 probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
-                      lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens, autocast=a.autocast)
+                      lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens, autocast=a.autocast,
+                      trim_repeats=a.trim_repeats)
     save()
     print(a.out.with_suffix(".md").read_text())
     return 0

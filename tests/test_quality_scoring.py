@@ -125,6 +125,7 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     assert S.run_name(512, 2048, "cosine", 256) == "tr512_n2048_a256_cos"
     assert S.run_name(256, 2048, "constant", S.ANSWER_TOKENS) != S.run_name(256, 2048, "constant", 256)
     assert S.run_name(256, 1024, "constant", autocast="bfloat16") == "tr256_n1024_bf16"
+    assert S.run_name(256, 2048, "constant", 256, trim_repeats=16) == "tr256_n2048_a256_t16"
     cov = {"facts": {"a16": {"bucket": ">=512", "split": "dev", "in_window": 3, "question": 1, "answer": 2}}}
     md = S.markdown({"meta": {"command": "c", "machine": {}, "lr": 2e-3, "batch_size": 8}, "arms": {},
                      "coverage": {"2048_a256": cov, "1024": cov, "128": cov}})

@@ -295,6 +295,42 @@ def test_bf16_autocast_trains_close_to_fp32_and_is_its_own_run(model_dir, doc, d
         train_cartridge(replace(bf16_cfg, loop=replace(bf16_cfg.loop, autocast=None, steps=4), overwrite=True))
 
 
+def test_trim_repeats_cuts_a_looping_answer_before_its_first_repeat():
+    from lmcache_cartridge.tools.selfstudy.synth import Conversation, trim_repeats
+
+    answer = [7, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    ids = torch.arange(len(answer) * 2).reshape(len(answer), 2)
+    conv = Conversation("question", (0, 8), "q?", [1], [1, 2], answer, ids, ids.float())
+    cut = trim_repeats(conv, 3)
+    assert cut.answer == [7, 1, 2, 3, 4]                  # (1, 2, 3) came back at index 5
+    assert torch.equal(cut.topk_ids, ids[:5]) and torch.equal(cut.topk_logprobs, ids[:5].float())
+    assert trim_repeats(conv, 0) is conv and trim_repeats(conv, 6).answer == answer[:5]
+    assert trim_repeats(conv, 7) is conv                   # no run of 7 tokens comes back
+    assert conv.answer == answer                           # the data itself is not changed
+
+
+def test_trim_repeats_trains_on_the_cut_answers_and_is_its_own_run(model_dir, doc, data_file, tmp_path):
+    from lmcache_cartridge.tools.selfstudy.synth import Conversation, trim_repeats
+
+    data = torch.load(data_file, weights_only=True)["train"]
+    convs = [Conversation.from_dict(d) for d in data]
+    whole = sum(len(c.answer) for c in convs)
+    kept = sum(len(trim_repeats(c, 2).answer) for c in convs)
+    assert kept < whole  # the tiny model's 16-token answers repeat themselves
+    cfg = config(model_dir, doc, tmp_path / "trim", steps=2, kv_dtype="float32", save_every=1)
+    cfg = with_data(replace(cfg, loop=replace(cfg.loop, trim_repeats=2)), data_file)
+    out = train_cartridge(cfg)
+    plain = train_cartridge(with_data(config(model_dir, doc, tmp_path / "plain", steps=2, kv_dtype="float32"),
+                                      data_file))
+    assert out.loop.losses != plain.loop.losses
+    prov = json.loads((cfg.output / "manifest.json").read_text())["provenance"]["data"]
+    assert (prov["answer_tokens"], prov["answer_tokens_trained"], prov["trim_repeats"]) == (whole, kept, 2)
+    with pytest.raises(CartridgeError, match="other settings"):  # its checkpoint is not a whole-answer run's
+        train_cartridge(replace(cfg, loop=replace(cfg.loop, trim_repeats=0, steps=3), overwrite=True))
+    with pytest.raises(CartridgeError, match="trim-repeats"):
+        train_cartridge(replace(cfg, loop=replace(cfg.loop, trim_repeats=-1), overwrite=True))
+
+
 def test_cli_trains_and_reports(model_dir, doc, data_file, tmp_path, capsys):
     out = tmp_path / "cli-cart"
     work = tmp_path / "cli-work"

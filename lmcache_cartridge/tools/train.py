@@ -69,6 +69,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "(transformers generate, one at a time); auto: vllm where installed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="training dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--trim-repeats", type=int, default=d.trim_repeats, metavar="N",
+                   help="train on each answer up to where it starts repeating itself (before the first run of N "
+                   "tokens seen earlier in it); 0: whole answers (default %(default)s)")
     p.add_argument("--autocast", choices=AUTOCAST_DTYPES,
                    help="run each step's forward pass and loss under torch.autocast to this dtype (CPUs with "
                    "bf16 instructions: AMX, AVX-512 BF16; default: off, the training dtype throughout)")
@@ -92,7 +95,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         loop=LoopConfig(steps=args.steps or one_epoch(args.conversations, args.batch_size), batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
                         question_loss=args.question_loss, lr_schedule=args.lr_schedule,
-                        autocast=args.autocast),
+                        autocast=args.autocast, trim_repeats=args.trim_repeats),
         device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads,
         work_dir=Path(args.work_dir) if args.work_dir else None,
         adapter_dir=Path(args.adapter_dir) if args.adapter_dir else None,

@@ -54,6 +54,10 @@ class LoopConfig:
     # KV stay in the training dtype), for CPUs with bf16 instructions (AMX, AVX-512 BF16); None:
     # the training dtype throughout. Held-out KL is computed without it either way.
     autocast: str | None = None
+    # Train on each answer up to where it starts repeating itself (`synth.trim_repeats`: cut
+    # before the first run of this many tokens seen earlier in the answer); 0: whole answers.
+    # Held-out KL is computed on whole answers either way, so it compares across runs.
+    trim_repeats: int = 0
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -136,8 +140,9 @@ class TrainConfig:
             del loop["lr_schedule"]  # checkpoints of runs from before the option stay resumable
         else:
             loop["steps"] = self.loop.steps  # the schedule depends on the run's length
-        if loop["autocast"] is None:
-            del loop["autocast"]  # likewise: runs without it keep their fingerprint
+        for name, off in (("autocast", None), ("trim_repeats", 0)):
+            if loop[name] == off:
+                del loop[name]  # likewise: runs without them keep their fingerprint
         return _digest({"data": self.data_fingerprint(text), "tokens": self.tokens,
                         "frozen_tokens": self.frozen_tokens, "loop": loop})
 

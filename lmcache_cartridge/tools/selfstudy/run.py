@@ -18,7 +18,8 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import atomic_open
 from lmcache_cartridge.tools.selfstudy.config import TrainConfig, check_length
 from lmcache_cartridge.tools.selfstudy.loop import LoopResult, build_student, encoder_of, learning_rate, run_loop
-from lmcache_cartridge.tools.selfstudy.synth import SEED_TYPES, Conversation, HFBackend, ShardStore, synthesize
+from lmcache_cartridge.tools.selfstudy.synth import (SEED_TYPES, Conversation, HFBackend, ShardStore, synthesize,
+                                                     trim_repeats)
 
 DATA_NAME = "data.pt"
 SHARDS_NAME = "synth"  # finished synthesis batches of an unfinished data set (resume)
@@ -151,6 +152,9 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
         raise CartridgeError(f"{cfg.output} already exists (use --overwrite to replace it)")
     if cfg.conversations < 1 or cfg.loop.batch_size < 1 or cfg.loop.steps < 1:
         raise CartridgeError("--conversations, --batch-size and --steps must be positive")
+    if cfg.loop.trim_repeats < 0:
+        raise CartridgeError(f"--trim-repeats must be 0 (whole answers) or a positive run length, "
+                             f"got {cfg.loop.trim_repeats}")
     text = Path(cfg.text_path).read_text(encoding="utf-8")
     if not text.strip():
         raise CartridgeError(f"{cfg.text_path} is empty: give the document the cartridge should hold")
@@ -162,6 +166,8 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
 
     # Synthesis first: a vLLM engine and the training model need not share the memory.
     train, heldout = load_or_synthesize(cfg, None, load_tokenizer(cfg.model_dir), text)
+    whole_answer_tokens = sum(len(c.answer) for c in train)
+    train = [trim_repeats(c, cfg.loop.trim_repeats) for c in train]
     model, tokenizer = load_for_training(cfg.model_dir, device, dtype)
     student = build_student(model, tokenizer, text, cfg.tokens, cfg.frozen_tokens)
     # the rate is fixed before the fingerprint (a resumed run keeps it) and recorded in provenance
@@ -182,7 +188,8 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
         "steps": cfg.loop.steps,
         "data": {"source": str(cfg.text_path), "source_sha256": hashlib.sha256(text.encode()).hexdigest(),
                  "conversations": len(train), "heldout_conversations": len(heldout),
-                 "answer_tokens": sum(len(c.answer) for c in train), "seed_types": seed_types,
+                 "answer_tokens": whole_answer_tokens, "answer_tokens_trained": sum(len(c.answer) for c in train),
+                 "trim_repeats": cfg.loop.trim_repeats, "seed_types": seed_types,
                  "synth": asdict(cfg.synth)},
         "loss": {"last": result.losses[-1] if result.losses else None,
                  "first": result.losses[0] if result.losses and not result.resumed_from else None},

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
@@ -98,6 +98,24 @@ class Conversation:
         return cls(d["seed_type"], tuple(d["window"]), d["question"], list(d["student_prefix"]),
                    list(d["teacher_prefix"]), list(d["answer"]), d["topk_ids"], d["topk_logprobs"],
                    d.get("prompt_topk_ids"), d.get("prompt_topk_logprobs"))
+
+
+def trim_repeats(conv: Conversation, n: int) -> Conversation:
+    """`conv` with its answer cut where it starts repeating itself: before the first run of `n`
+    answer tokens that already occurred earlier in the answer (0: unchanged). A small model's
+    greedy answers often loop until the length limit ("The Lost Ship: The Lost Ship: ..."); the
+    loop's tokens cost training time and say nothing new about the document. The targets of the
+    tokens kept are the teacher's, unchanged; the question's are untouched."""
+    if n <= 0:
+        return conv
+    seen: set[tuple[int, ...]] = set()
+    for i in range(len(conv.answer) - n + 1):
+        gram = tuple(conv.answer[i:i + n])
+        if gram in seen:
+            return replace(conv, answer=conv.answer[:i], topk_ids=conv.topk_ids[:i],
+                           topk_logprobs=conv.topk_logprobs[:i])
+        seen.add(gram)
+    return conv
 
 
 @dataclass(frozen=True)
