@@ -73,9 +73,9 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
 
 
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
-    """One epoch over `n` fresh conversations (`train`'s default steps); other runs at the same
-    scale (512 tokens, another schedule) reuse the first 256-token run's conversations (same
-    document, same synthesis settings)."""
+    """One epoch over `n` fresh conversations (`train`'s default steps); other runs on the same
+    conversations (512 tokens, another schedule, trimmed answers, autocast) reuse the 256-token
+    run's data of that scale and answer length (same document, same synthesis settings)."""
     name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
