@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -426,21 +427,35 @@ def judge(kind: str, reply: Reply, possible: set, refs: dict, full_tokens: dict,
 
 class Timeline:
     """Which version of each cartridge is registered when: the state at the soak's start and each
-    change's window, from the call that makes it until it took effect."""
+    change's window, from the call that makes it until it took effect.
+
+    A change is in the timeline from the moment its call starts (`start`), with no end until
+    `finish`: a request judged while the change is still under way may see either version. Only a
+    change recorded before the requests beside it are judged keeps them from being judged against
+    the state before it."""
 
     def __init__(self, initial: dict[str, str | None]) -> None:
         self.initial = dict(initial)
-        self.changes: list[tuple[float, float, str, str | None]] = []  # (begin, end, name, version)
+        self.changes: list[list] = []  # [begin, end, name, version]; end is inf while under way
         self._lock = threading.Lock()
 
-    def record(self, name: str, version: str | None, begin: float, end: float) -> None:
+    def start(self, name: str, version: str | None, begin: float) -> int:
+        """Record a change whose call starts at `begin`; returns the handle `finish` takes."""
         with self._lock:
-            self.changes.append((begin, end, name, version))
+            self.changes.append([begin, math.inf, name, version])
+            return len(self.changes) - 1
+
+    def finish(self, handle: int, end: float) -> None:
+        with self._lock:
+            self.changes[handle][1] = end
+
+    def record(self, name: str, version: str | None, begin: float, end: float) -> None:
+        self.finish(self.start(name, version, begin), end)
 
     def possible(self, name: str, t0: float, t1: float) -> set:
         """The versions (None: not registered) in effect at some time in [t0, t1]."""
         with self._lock:
-            changes = sorted(c for c in self.changes if c[2] == name)
+            changes = sorted((tuple(c) for c in self.changes if c[2] == name), key=lambda c: c[0])
         cur, out = self.initial.get(name), set()
         for begin, end, _, version in changes:
             if end < t0:
@@ -790,20 +805,22 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
                     ev = {"cartridge": name, "version": version, "under_load": not soak_over.is_set(),
                           "at_request": len(soak_recs)}
                     begin = time.time()
-                    try:
+                    change = timeline.start(name, version, begin)  # before the call: requests beside it
+                    try:                                             # may see either version
                         if version is None:
                             reg.remove(name)
                             end = time.time()
+                            timeline.finish(change, end)
                             server.wait_not_served(name, timeout=60)
                             ev["not_served_after_s"] = time.time() - begin
                         else:
                             server.wait_served([register(reg, carts, name, version, cache_dir, s3_cfg)], timeout=120)
                             end = time.time()
+                            timeline.finish(change, end)
                     except Exception as e:
                         ev["failure"] = f"{type(e).__name__}: {e}"
                         events.append(ev)
                         return
-                    timeline.record(name, version, begin, end)
                     ev.update(t=round(begin - t_soak, 2), took_s=round(end - begin, 2))
                     probe = one(client, "probe", "cartridge", name, -2)
                     ev["probe"] = {k: probe.get(k) for k in ("status", "verdict", "ext", "ext_violation")}

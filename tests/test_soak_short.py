@@ -168,6 +168,21 @@ def test_timeline_tells_which_versions_a_request_may_see():
     assert t.possible("c", 32, 40) == {"v2"}
 
 
+def test_a_change_under_way_lets_the_requests_beside_it_see_either_version():
+    """A request that ends while a removal is still being made (the churn waits for the server to
+    stop serving before it would know the change is done) may get a 404: it is judged against a
+    timeline that already holds the change, with no end yet."""
+    t = soak.Timeline({"c": "v1"})
+    removal = t.start("c", None, 20.0)
+    assert t.possible("c", 19, 19.5) == {"v1"}
+    assert t.possible("c", 20.1, 20.2) == {"v1", None}   # judged before the removal is finished
+    t.finish(removal, 20.5)
+    assert t.possible("c", 20.1, 20.2) == {"v1", None}
+    assert t.possible("c", 21, 22) == {None}
+    t.start("c", "v2", 30.0)                              # a re-registration under way
+    assert t.possible("c", 30.5, 31) == {None, "v2"}
+
+
 def test_a_departure_is_forgiven_only_at_a_near_tie():
     """The soak's contamination rule: an answer that departs from its reference at a near tie
     (batching moved bf16 rounding) is a flip; any other departure is contamination."""
