@@ -331,6 +331,40 @@ def test_trim_repeats_trains_on_the_cut_answers_and_is_its_own_run(model_dir, do
         train_cartridge(replace(cfg, loop=replace(cfg.loop, trim_repeats=-1), overwrite=True))
 
 
+def test_seed_types_draw_training_conversations_from_those_types_only(model_dir, doc, data_file, tmp_path, capsys):
+    """`--seed-types question`: every training conversation from a question seed prompt, the
+    held-out ones the same as a run with all five (their KL compares), other data than the
+    default's; the default keeps the fingerprint of data drawn before the option existed."""
+    import hashlib
+    from dataclasses import asdict
+
+    from lmcache_cartridge.tools.selfstudy.config import SEED_TYPES, _digest, parse_seed_types
+
+    default = config(model_dir, doc, tmp_path / "all", steps=1)
+    only = replace(default, output=tmp_path / "q", synth=replace(SYNTH, seed_types=("question",)))
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    train, heldout = load_or_synthesize(only, model, tok, doc.read_text())
+    assert [c.seed_type for c in train] == ["question"] * 8
+    reference = torch.load(data_file, weights_only=True)
+    assert len({d["seed_type"] for d in reference["train"]}) > 1  # the default mix draws several types
+    assert [c.question for c in heldout] == [d["question"] for d in reference["heldout"]]
+    text = doc.read_text()
+    assert only.data_fingerprint(text) != default.data_fingerprint(text)
+    synth = asdict(default.synth)
+    del synth["seed_types"]
+    assert default.data_fingerprint(text) == _digest({
+        "model_dir": str(model_dir.resolve()), "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "conversations": 8, "heldout": 2, "synth": synth, "seed": 0})
+    assert reference["fingerprint"] == default.data_fingerprint(text)
+    assert parse_seed_types("question, structuring") == ("structuring", "question")  # one order: one draw
+    assert parse_seed_types(",".join(SEED_TYPES)) == SEED_TYPES
+    argv = ["--model-dir", str(model_dir), "--text", str(doc), "-o", str(tmp_path / "cli"), "--device", "cpu", "-q"]
+    assert main([*argv, "--seed-types", "question,quiz"]) == 2
+    assert "'quiz' is not one" in capsys.readouterr().err
+    assert main([*argv, "--seed-types", ""]) == 2
+    assert "give one or more of structuring,summarization" in capsys.readouterr().err
+
+
 def test_cli_trains_and_reports(model_dir, doc, data_file, tmp_path, capsys):
     out = tmp_path / "cli-cart"
     work = tmp_path / "cli-work"

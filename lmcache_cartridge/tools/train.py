@@ -19,7 +19,7 @@ from pathlib import Path
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, COSINE_FLOOR, DTYPE_NAMES, LR_SCHEDULES,
                                                       PAPER_LR, SMALL_MODEL_LR, LoopConfig, SynthConfig,
-                                                      TrainConfig, one_epoch)
+                                                      TrainConfig, one_epoch, parse_seed_types)
 
 
 # --- command line (tools/cli.py's `train`: its arguments and its command) ----------------------
@@ -62,6 +62,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-window", type=int, default=s.per_window,
                    help=f"conversations per document window (default {s.per_window}); window starts are spread "
                    "evenly over the document, both ends included")
+    p.add_argument("--seed-types", default=",".join(s.seed_types), metavar="TYPES",
+                   help="seed prompt types the training conversations are drawn from, comma-separated (default: "
+                   "all five, the paper's mix: %(default)s); held-out conversations always use all five")
     p.add_argument("--no-question-loss", dest="question_loss", action="store_false",
                    help="score answer tokens only (default: question and answer tokens, the paper's objective)")
     p.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"),
@@ -91,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         frozen_tokens=args.frozen_tokens, conversations=args.conversations, heldout=args.heldout,
         synth=SynthConfig(window_min=args.window_min, window_max=args.window_max,
                           question_tokens=args.question_tokens, answer_tokens=args.answer_tokens, top_k=args.top_k,
-                          per_window=args.per_window),
+                          per_window=args.per_window, seed_types=parse_seed_types(args.seed_types)),
         loop=LoopConfig(steps=args.steps or one_epoch(args.conversations, args.batch_size), batch_size=args.batch_size,
                         lr=args.lr, seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
                         question_loss=args.question_loss, lr_schedule=args.lr_schedule,

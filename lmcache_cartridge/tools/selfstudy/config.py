@@ -11,11 +11,13 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from lmcache_cartridge.errors import CartridgeError
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
+# The five seed prompt types of self-study (paper section 4.1; their prompts: `synth.SEED_PROMPTS`).
+SEED_TYPES = ("structuring", "summarization", "question", "use_case", "creative")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,20 @@ class SynthConfig:
     # document, both ends included, so every part of it is asked about as often (uniform random
     # starts under-sample the ends); sharing a window lets vLLM's prefix cache prefill it once.
     per_window: int = 8
+    # The seed prompt types training conversations are drawn from, uniformly (default: all five,
+    # the paper's mix). Held-out conversations always use all five, so held-out KL compares.
+    seed_types: tuple[str, ...] = SEED_TYPES
+
+
+def parse_seed_types(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """`question,summarization` (or a sequence of names) as `SynthConfig.seed_types`: known
+    types only, each once, in `SEED_TYPES` order (the same choice draws the same conversations)."""
+    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec)]
+    unknown = [n for n in names if n not in SEED_TYPES]
+    if unknown or not any(names):
+        raise CartridgeError(f"--seed-types {','.join(names)!r}: give one or more of {','.join(SEED_TYPES)}, "
+                             "comma-separated" + (f" ({', '.join(map(repr, unknown))} is not one)" if unknown else ""))
+    return tuple(t for t in SEED_TYPES if t in names)
 
 
 @dataclass(frozen=True)
@@ -129,10 +145,13 @@ class TrainConfig:
         return self.work_dir or self.output.with_name(self.output.name + ".train")
 
     def data_fingerprint(self, text: str) -> str:
+        synth = asdict(self.synth)
+        if tuple(synth["seed_types"]) == SEED_TYPES:
+            del synth["seed_types"]  # data drawn from all five before the option stay reusable
         return _digest({"model_dir": str(Path(self.model_dir).resolve()),
                         "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
                         "conversations": self.conversations, "heldout": self.heldout,
-                        "synth": asdict(self.synth), "seed": self.loop.seed})
+                        "synth": synth, "seed": self.loop.seed})
 
     def fingerprint(self, text: str) -> str:
         loop = {k: v for k, v in asdict(self.loop).items() if k not in ("steps", "eval_every", "save_every")}

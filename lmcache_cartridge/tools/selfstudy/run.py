@@ -16,7 +16,7 @@ import torch
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import atomic_open
-from lmcache_cartridge.tools.selfstudy.config import TrainConfig, check_length
+from lmcache_cartridge.tools.selfstudy.config import TrainConfig, check_length, parse_seed_types
 from lmcache_cartridge.tools.selfstudy.loop import LoopResult, build_student, encoder_of, learning_rate, run_loop
 from lmcache_cartridge.tools.selfstudy.synth import (SEED_TYPES, Conversation, HFBackend, ShardStore, synthesize,
                                                      trim_repeats)
@@ -124,7 +124,9 @@ def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str, *,
     try:
         train = synthesize(backend, tokenizer, text, cfg.synth, count=cfg.conversations, seed=cfg.loop.seed,
                            tag="train", progress=cfg.progress, store=store)
-        heldout = synthesize(backend, tokenizer, text, cfg.synth, count=cfg.heldout, seed=cfg.loop.seed,
+        # held-out from all five seed types, whatever training draws from: its KL compares across runs
+        heldout = synthesize(backend, tokenizer, text, replace(cfg.synth, seed_types=SEED_TYPES),
+                             count=cfg.heldout, seed=cfg.loop.seed,
                              tag="heldout", exclude_questions={c.question for c in train}, progress=cfg.progress,
                              store=store)
     finally:
@@ -152,6 +154,8 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
         raise CartridgeError(f"{cfg.output} already exists (use --overwrite to replace it)")
     if cfg.conversations < 1 or cfg.loop.batch_size < 1 or cfg.loop.steps < 1:
         raise CartridgeError("--conversations, --batch-size and --steps must be positive")
+    # known types, in canonical order: the same choice draws the same conversations
+    cfg = replace(cfg, synth=replace(cfg.synth, seed_types=parse_seed_types(cfg.synth.seed_types)))
     if cfg.loop.trim_repeats < 0:
         raise CartridgeError(f"--trim-repeats must be 0 (whole answers) or a positive run length, "
                              f"got {cfg.loop.trim_repeats}")

@@ -28,7 +28,7 @@ import torch
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import atomic_open
-from lmcache_cartridge.tools.selfstudy.config import SynthConfig
+from lmcache_cartridge.tools.selfstudy.config import SEED_TYPES, SynthConfig
 
 SYSTEM_TEMPLATE = (
     "You are in a conversation about the document below. Answer from its content, without "
@@ -64,7 +64,7 @@ SEED_PROMPTS: dict[str, tuple[str, ...]] = {
         "question for your partner. Output only the question.",
     ),
 }
-SEED_TYPES = tuple(SEED_PROMPTS)
+assert tuple(SEED_PROMPTS) == SEED_TYPES, "config.SEED_TYPES names the prompts above, in order"
 
 
 @dataclass
@@ -140,7 +140,7 @@ def plan(n: int, cfg: SynthConfig, seed: int, tag: str, index: int, count: int) 
     length = wrng.randint(min(cfg.window_min, n), min(cfg.window_max, n))
     start = 0 if groups == 1 else round(group * (n - length) / (groups - 1))
     rng = random.Random(sub_seed(seed, tag, index))
-    seed_type = rng.choice(SEED_TYPES)
+    seed_type = rng.choice(cfg.seed_types)
     return Spec(index, (start, start + length), seed_type, rng.choice(SEED_PROMPTS[seed_type]),
                 sub_seed(seed, tag, index, "question"))
 
