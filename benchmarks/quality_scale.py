@@ -28,6 +28,8 @@ the dev split (docs/benchmarks.md), and both splits are only reported.
                                             # the same, answers cut where they loop (arm trained_256_n2048_a256_t16)
     .venv/bin/python benchmarks/quality_scale.py --scales 1024 --no-baselines --autocast bfloat16
                                             # training steps under bf16 autocast (arm trained_256_n1024_bf16)
+    .venv/bin/python benchmarks/quality_scale.py --scales 2048 --no-baselines --seed-types question,summarization
+                                            # conversations from two seed types only (arm trained_256_n2048_seeds-su-qu)
 
 Everything is cached in `--work` (default .cache/quality/scale): rerun to resume; results are
 merged into `--out`.json/.md (default benchmarks/results/quality/scale).
@@ -48,7 +50,8 @@ import _common
 import quality as Q
 from quality_probe import greedy
 
-from lmcache_cartridge.tools.selfstudy.config import AUTOCAST_DTYPES, LR_SCHEDULES
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.tools.selfstudy.config import AUTOCAST_DTYPES, LR_SCHEDULES, SEED_TYPES, parse_seed_types
 
 WORK = _common.ROOT / ".cache" / "quality" / "scale"
 OUT = Q.RESULTS / "scale"
@@ -58,17 +61,36 @@ BUCKETS = [name for _, _, name in Q.POSITION_BUCKETS]
 ANSWER_TOKENS = 64  # the curve's answer length; other lengths are other arms
 
 
-def scale_key(n: int, answer_tokens: int) -> str:
-    """One set of conversations: `8192`, or `2048_a256` for answers of up to 256 tokens."""
-    return f"{n}" + ("" if answer_tokens == ANSWER_TOKENS else f"_a{answer_tokens}")
+# Two letters per seed prompt type, for names: `_seeds-qu-su` is question and summarization only.
+SEED_CODES = {"structuring": "st", "summarization": "su", "question": "qu", "use_case": "uc", "creative": "cr"}
+assert tuple(SEED_CODES) == SEED_TYPES
+
+
+def scale_key(n: int, answer_tokens: int, seed_types: tuple[str, ...] = SEED_TYPES) -> str:
+    """One set of conversations: `8192`; `2048_a256` for answers of up to 256 tokens;
+    `2048_seeds-qu-su` for conversations drawn from some seed types only."""
+    return (f"{n}" + ("" if answer_tokens == ANSWER_TOKENS else f"_a{answer_tokens}")
+            + ("" if tuple(seed_types) == SEED_TYPES else "_seeds-" + "-".join(SEED_CODES[t] for t in seed_types)))
+
+
+def scale_title(key: str) -> str:
+    """`2048_a256_seeds-qu-su` as "2048 conversations, answers up to 256 tokens, seed types
+    question, summarization"."""
+    rest, _, seeds = key.partition("_seeds-")
+    n, _, answers = rest.partition("_a")
+    names = {c: t for t, c in SEED_CODES.items()}
+    return (f"{n} conversations" + (f", answers up to {answers} tokens" if answers else "")
+            + (", seed types " + ", ".join(names[c] for c in seeds.split("-")) if seeds else ""))
 
 
 def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOKENS,
-             autocast: str | None = None, trim_repeats: int = 0) -> str:
+             autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
-    256 tokens, `_cos` for a cosine schedule, `_t16` for answers trimmed where they repeat a run
-    of 16 tokens, `_bf16` for steps under bf16 autocast)."""
-    return (f"tr{tokens}_n{scale_key(n, answer_tokens)}" + ("" if schedule == "constant" else f"_{schedule[:3]}")
+    256 tokens, `_seeds-qu-su` for conversations from some seed types only, `_cos` for a cosine
+    schedule, `_t16` for answers trimmed where they repeat a run of 16 tokens, `_bf16` for steps
+    under bf16 autocast)."""
+    return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types)}"
+            + ("" if schedule == "constant" else f"_{schedule[:3]}")
             + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16"))
 
 
@@ -76,10 +98,10 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
     """One epoch over `n` fresh conversations (`train`'s default steps); other runs on the same
     conversations (512 tokens, another schedule, trimmed answers, autocast) reuse the 256-token
     run's data of that scale and answer length (same document, same synthesis settings)."""
-    name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats)
+    name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
-        first = carts / f"{run_name(256, n, 'constant', a.answer_tokens)}.train" / "data.pt"
+        first = carts / f"{run_name(256, n, 'constant', a.answer_tokens, seed_types=a.seed_types)}.train" / "data.pt"
         if first.parent != work and first.exists() and not (work / "data.pt").exists():
             work.mkdir(parents=True, exist_ok=True)
             shutil.copy(first, work / "data.pt")
@@ -94,7 +116,8 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
                "--window-min", str(a.window_min), "--window-max", str(a.window_max), "--seed", str(a.seed),
                "--synth-backend", a.synth_backend] + (["--threads", str(a.threads)] if a.threads else []) \
-            + (["--autocast", a.autocast] if a.autocast else []) + ["--trim-repeats", str(a.trim_repeats)]
+            + (["--autocast", a.autocast] if a.autocast else []) + ["--trim-repeats", str(a.trim_repeats)] \
+            + ["--seed-types", ",".join(a.seed_types)]
         print("[scale] " + " ".join(cmd), flush=True)
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
@@ -158,7 +181,24 @@ def coverage(tok, data_pt: Path, qs: list[Q.Question], pos: dict[str, int]) -> d
                      "in_window": sum(d["window"][0] <= p < d["window"][1] for d in data),
                      "question": sum(Q.fact_found(q.fact, d["question"]) for d in data),
                      "answer": sum(Q.fact_found(q.fact, t) for t in answers)}
-    return {"conversations": len(data), "facts": out}
+    return {"conversations": len(data), "facts": out, "by_seed_type": by_seed_type(data, answers, qs, pos)}
+
+
+def by_seed_type(data: list[dict[str, Any]], answers: list[str], qs: list[Q.Question],
+                 pos: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Per seed prompt type, over the dev facts beyond 512 tokens only (a choice of seed types
+    may read it; the held-out facts stay unread): conversations, (conversation, fact) pairs whose
+    window held the fact's evidence, and how many of those answers stated the fact."""
+    dev = [q for q in qs if q.split == "dev" and Q.bucket(pos[q.id]) == ">=512"]
+    out = {t: {"conversations": 0, "windows": 0, "answer": 0} for t in SEED_TYPES}
+    for d, text in zip(data, answers):
+        row = out[d["seed_type"]]
+        row["conversations"] += 1
+        for q in dev:
+            if d["window"][0] <= pos[q.id] < d["window"][1]:
+                row["windows"] += 1
+                row["answer"] += Q.fact_found(q.fact, text)
+    return out
 
 
 def machine(m: dict[str, Any]) -> str:
@@ -188,9 +228,7 @@ def markdown(res: dict[str, Any]) -> str:
                      + f" | {ll(r, '<256')} / {ll(r, '>=512')} | {klt} | {t.get('wall_s') or ''} |")
     for key, cov in sorted(res.get("coverage", {}).items(), key=lambda kv: (int(kv[0].split("_")[0]), kv[0])):
         facts = cov["facts"]
-        n, _, answers = key.partition("_a")
-        title = f"{n} conversations" + (f", answers up to {answers} tokens" if answers else "")
-        lines += ["", f"## Coverage at {title} (facts beyond 512 tokens)", "",
+        lines += ["", f"## Coverage at {scale_title(key)} (facts beyond 512 tokens)", "",
                   "| question | window held the evidence | question stated the fact | answer stated the fact |",
                   "|---|---:|---:|---:|"]
         lines += [f"| {qid} ({c['split']}) | {c['in_window']} | {c['question']} | {c['answer']} |"
@@ -198,7 +236,21 @@ def markdown(res: dict[str, Any]) -> str:
         beyond = [c for c in facts.values() if c["bucket"] == ">=512"]
         lines.append(f"| **{len(beyond)} facts** | {sum(c['in_window'] for c in beyond)} | "
                      f"{sum(c['question'] for c in beyond)} | {sum(c['answer'] for c in beyond)} |")
+        if cov.get("by_seed_type"):
+            lines += ["", "By seed prompt type, dev facts beyond 512 tokens only:", "",
+                      "| seed type | conversations | window held a fact's evidence | answer stated it | rate |",
+                      "|---|---:|---:|---:|---:|"]
+            lines += [f"| {t} | {r['conversations']} | {r['windows']} | {r['answer']} | "
+                      f"{r['answer'] / r['windows'] if r['windows'] else 0:.3f} |"
+                      for t, r in cov["by_seed_type"].items() if r["conversations"]]
     return "\n".join(lines) + "\n"
+
+
+def seed_types_arg(text: str) -> tuple[str, ...]:
+    try:
+        return parse_seed_types(text)
+    except CartridgeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="train's --autocast (arms and cartridges named with _bf16; the same conversations)")
     ap.add_argument("--trim-repeats", type=int, default=0, metavar="N",
                     help="train's --trim-repeats (arms and cartridges named with _tN; the same conversations)")
+    ap.add_argument("--seed-types", type=seed_types_arg, default=SEED_TYPES, metavar="TYPES",
+                    help="train's --seed-types (other conversations: arms, cartridges and coverage named "
+                    "with _seeds-<codes>, two letters per type)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--heldout", type=int, default=16)
     ap.add_argument("--question-tokens", type=int, default=48)
@@ -289,13 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in a.tokens:
             cart, summary = train(model_dir, carts, n, tokens, a)
             name = "trained_" + cart.name.removeprefix("tr")
-            if cart.name == run_name(256, n, "constant", a.answer_tokens):
-                res["coverage"][scale_key(n, a.answer_tokens)] = coverage(
+            if cart.name == run_name(256, n, "constant", a.answer_tokens, seed_types=a.seed_types):
+                res["coverage"][scale_key(n, a.answer_tokens, a.seed_types)] = coverage(
                     tok, carts / f"{cart.name}.train" / "data.pt", qs, pos)
             if name not in res["arms"]:
                 probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
                       lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens, autocast=a.autocast,
-                      trim_repeats=a.trim_repeats)
+                      trim_repeats=a.trim_repeats, seed_types=list(a.seed_types))
     save()
     print(a.out.with_suffix(".md").read_text())
     return 0

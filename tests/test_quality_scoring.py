@@ -126,10 +126,39 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     assert S.run_name(256, 2048, "constant", S.ANSWER_TOKENS) != S.run_name(256, 2048, "constant", 256)
     assert S.run_name(256, 1024, "constant", autocast="bfloat16") == "tr256_n1024_bf16"
     assert S.run_name(256, 2048, "constant", 256, trim_repeats=16) == "tr256_n2048_a256_t16"
+    qs = ("summarization", "question")
+    assert S.run_name(256, 2048, "constant", seed_types=qs) == "tr256_n2048_seeds-su-qu"
+    assert S.run_name(256, 2048, "constant", seed_types=S.SEED_TYPES) == "tr256_n2048"
+    assert S.scale_key(2048, 256, qs) == "2048_a256_seeds-su-qu"
     cov = {"facts": {"a16": {"bucket": ">=512", "split": "dev", "in_window": 3, "question": 1, "answer": 2}}}
     md = S.markdown({"meta": {"command": "c", "machine": {}, "lr": 2e-3, "batch_size": 8}, "arms": {},
-                     "coverage": {"2048_a256": cov, "1024": cov, "128": cov}})
+                     "coverage": {"2048_a256": cov, "1024": cov, "128": cov, "2048_seeds-su-qu": cov}})
     titles = [line for line in md.splitlines() if line.startswith("## Coverage")]
     assert titles == ["## Coverage at 128 conversations (facts beyond 512 tokens)",
                       "## Coverage at 1024 conversations (facts beyond 512 tokens)",
-                      "## Coverage at 2048 conversations, answers up to 256 tokens (facts beyond 512 tokens)"]
+                      "## Coverage at 2048 conversations, answers up to 256 tokens (facts beyond 512 tokens)",
+                      "## Coverage at 2048 conversations, seed types summarization, question "
+                      "(facts beyond 512 tokens)"]
+
+
+def test_coverage_by_seed_type_counts_dev_facts_beyond_the_window_only():
+    """The per-seed-type coverage a choice of `--seed-types` may read: dev facts past 512 tokens,
+    counted where the conversation's window held the evidence; a held-out fact, a fact inside the
+    window's first 512 tokens and an answer whose window did not hold the evidence count nothing."""
+    import quality_scale as S
+
+    q = lambda i, split: Q.Question(i, "a", split, "?", "x", f"fact{i}", "e")  # noqa: E731
+    qs = [q("d", "dev"), q("h", "heldout"), q("w", "dev")]
+    pos = {"d": 600, "h": 600, "w": 100}
+    data = [{"seed_type": "question", "window": [500, 700]},     # holds d (stated), h (stated), w (no)
+            {"seed_type": "question", "window": [550, 650]},     # holds d, not stated
+            {"seed_type": "creative", "window": [0, 300]},       # holds only w, stated
+            {"seed_type": "creative", "window": [0, 300]}]       # says d's fact without its evidence
+    answers = ["factd and facth", "nothing", "factw", "factd"]
+    got = S.by_seed_type(data, answers, qs, pos)
+    assert got["question"] == {"conversations": 2, "windows": 2, "answer": 1}
+    assert got["creative"] == {"conversations": 2, "windows": 0, "answer": 0}
+    assert got["structuring"] == {"conversations": 0, "windows": 0, "answer": 0}
+    md = S.markdown({"meta": {"command": "c", "machine": {}, "lr": 2e-3, "batch_size": 8}, "arms": {},
+                     "coverage": {"8192": {"facts": {}, "by_seed_type": got}}})
+    assert "| question | 2 | 2 | 1 | 0.500 |" in md and "| structuring |" not in md
