@@ -59,6 +59,7 @@ BUCKETS = [name for _, _, name in Q.POSITION_BUCKETS]
 
 
 ANSWER_TOKENS = 64  # the curve's answer length; other lengths are other arms
+LR = 2e-3  # the curve's learning rate (chosen on the dev split); other rates are other arms
 
 
 # Two letters per seed prompt type, for names: `_seeds-qu-su` is question and summarization only.
@@ -84,12 +85,13 @@ def scale_title(key: str) -> str:
 
 
 def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOKENS,
-             autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES) -> str:
+             autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES,
+             lr: float = LR) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
-    256 tokens, `_seeds-qu-su` for conversations from some seed types only, `_cos` for a cosine
-    schedule, `_t16` for answers trimmed where they repeat a run of 16 tokens, `_bf16` for steps
-    under bf16 autocast)."""
-    return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types)}"
+    256 tokens, `_seeds-qu-su` for conversations from some seed types only, `_lr0.004` for
+    another rate than the curve's, `_cos` for a cosine schedule, `_t16` for answers trimmed where
+    they repeat a run of 16 tokens, `_bf16` for steps under bf16 autocast)."""
+    return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types)}" + ("" if lr == LR else f"_lr{lr:g}")
             + ("" if schedule == "constant" else f"_{schedule[:3]}")
             + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16"))
 
@@ -98,7 +100,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
     """One epoch over `n` fresh conversations (`train`'s default steps); other runs on the same
     conversations (512 tokens, another schedule, trimmed answers, autocast) reuse the 256-token
     run's data of that scale and answer length (same document, same synthesis settings)."""
-    name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types)
+    name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
         first = carts / f"{run_name(256, n, 'constant', a.answer_tokens, seed_types=a.seed_types)}.train" / "data.pt"
@@ -257,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scales", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--tokens", type=int, nargs="+", default=[256])
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=LR,
+                    help=f"train's --lr (default {LR:g}, the curve's; another names its arms _lr<rate>)")
     ap.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
                     help="train's --lr-schedule (a cosine run's arm and cartridge are named with _cos)")
     ap.add_argument("--autocast", choices=AUTOCAST_DTYPES,

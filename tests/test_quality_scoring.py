@@ -129,6 +129,8 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     qs = ("summarization", "question")
     assert S.run_name(256, 2048, "constant", seed_types=qs) == "tr256_n2048_seeds-su-qu"
     assert S.run_name(256, 2048, "constant", seed_types=S.SEED_TYPES) == "tr256_n2048"
+    assert S.run_name(256, 2048, "constant", seed_types=qs, lr=4e-3) == "tr256_n2048_seeds-su-qu_lr0.004"
+    assert S.run_name(256, 2048, "constant", lr=2e-3) == "tr256_n2048"
     assert S.scale_key(2048, 256, qs) == "2048_a256_seeds-su-qu"
     cov = {"facts": {"a16": {"bucket": ">=512", "split": "dev", "in_window": 3, "question": 1, "answer": 2}}}
     md = S.markdown({"meta": {"command": "c", "machine": {}, "lr": 2e-3, "batch_size": 8}, "arms": {},
