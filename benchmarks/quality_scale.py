@@ -62,21 +62,22 @@ ANSWER_TOKENS = 64  # the curve's answer length; other lengths are other arms
 LR = 2e-3  # the curve's learning rate (chosen on the dev split); other rates are other arms
 
 
-# Two letters per seed prompt type, for names: `_seeds-qu-su` is question and summarization only.
+# Two letters per seed prompt type, for names, in SEED_TYPES order: `_seeds-su-qu` is summarization
+# and question only.
 SEED_CODES = {"structuring": "st", "summarization": "su", "question": "qu", "use_case": "uc", "creative": "cr"}
 assert tuple(SEED_CODES) == SEED_TYPES
 
 
 def scale_key(n: int, answer_tokens: int, seed_types: tuple[str, ...] = SEED_TYPES) -> str:
     """One set of conversations: `8192`; `2048_a256` for answers of up to 256 tokens;
-    `2048_seeds-qu-su` for conversations drawn from some seed types only."""
+    `2048_seeds-su-qu` for conversations drawn from some seed types only."""
     return (f"{n}" + ("" if answer_tokens == ANSWER_TOKENS else f"_a{answer_tokens}")
             + ("" if tuple(seed_types) == SEED_TYPES else "_seeds-" + "-".join(SEED_CODES[t] for t in seed_types)))
 
 
 def scale_title(key: str) -> str:
-    """`2048_a256_seeds-qu-su` as "2048 conversations, answers up to 256 tokens, seed types
-    question, summarization"."""
+    """`2048_a256_seeds-su-qu` as "2048 conversations, answers up to 256 tokens, seed types
+    summarization, question"."""
     rest, _, seeds = key.partition("_seeds-")
     n, _, answers = rest.partition("_a")
     names = {c: t for t, c in SEED_CODES.items()}
@@ -88,7 +89,7 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
              autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES,
              lr: float = LR) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
-    256 tokens, `_seeds-qu-su` for conversations from some seed types only, `_lr0.004` for
+    256 tokens, `_seeds-su-qu` for conversations from some seed types only, `_lr0.004` for
     another rate than the curve's, `_cos` for a cosine schedule, `_t16` for answers trimmed where
     they repeat a run of 16 tokens, `_bf16` for steps under bf16 autocast)."""
     return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types)}" + ("" if lr == LR else f"_lr{lr:g}")
@@ -98,8 +99,9 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
 
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     """One epoch over `n` fresh conversations (`train`'s default steps); other runs on the same
-    conversations (512 tokens, another schedule, trimmed answers, autocast) reuse the 256-token
-    run's data of that scale and answer length (same document, same synthesis settings)."""
+    conversations (512 tokens, another rate or schedule, trimmed answers, autocast) reuse the
+    256-token run's data of that scale, answer length and seed types (same document, same
+    synthesis settings)."""
     name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
