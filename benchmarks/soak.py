@@ -430,9 +430,8 @@ class Timeline:
     change's window, from the call that makes it until it took effect.
 
     A change is in the timeline from the moment its call starts (`start`), with no end until
-    `finish`: a request judged while the change is still under way may see either version. Only a
-    change recorded before the requests beside it are judged keeps them from being judged against
-    the state before it."""
+    `finish`: a request judged while the change is under way may see either version, never only
+    the one before it."""
 
     def __init__(self, initial: dict[str, str | None]) -> None:
         self.initial = dict(initial)
