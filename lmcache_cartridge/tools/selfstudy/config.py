@@ -37,7 +37,7 @@ class SynthConfig:
     # starts under-sample the ends); sharing a window lets vLLM's prefix cache prefill it once.
     per_window: int = 8
     # The seed prompt types training conversations are drawn from, uniformly (default: all five,
-    # the paper's mix). Held-out conversations always use all five, so held-out KL compares.
+    # the paper's mix). Held-out conversations always use all five: held-out KL measures the mix.
     seed_types: tuple[str, ...] = SEED_TYPES
 
 
