@@ -119,7 +119,10 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--eval-every", str(max(1, n // a.batch_size // 4)), "--save-every", "10",
                "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
                "--window-min", str(a.window_min), "--window-max", str(a.window_max), "--seed", str(a.seed),
-               "--synth-backend", a.synth_backend] + (["--threads", str(a.threads)] if a.threads else []) \
+               "--synth-backend", a.synth_backend, "--synth-batch", str(a.synth_batch),
+               # the curve trains in fp32 on every device (train's CUDA default is bf16)
+               "--dtype", "float32"] + (["--synth-eager"] if a.synth_eager else []) \
+            + (["--threads", str(a.threads)] if a.threads else []) \
             + (["--autocast", a.autocast] if a.autocast else []) + ["--trim-repeats", str(a.trim_repeats)] \
             + ["--seed-types", ",".join(a.seed_types)]
         print("[scale] " + " ".join(cmd), flush=True)
@@ -281,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-max", type=int, default=768)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"))
+    ap.add_argument("--synth-batch", type=int, default=128,
+                    help="train's --synth-batch: conversations per vLLM engine call (1024 on a GPU)")
+    ap.add_argument("--synth-eager", action="store_true", help="train's --synth-eager (a faster engine start)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=0, help="torch threads for training (0: torch's default)")
     ap.add_argument("--probe-threads", type=int, default=1, help="torch threads for asking the questions (one "

@@ -183,7 +183,8 @@ def vllm_data(hf, doc, tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm-synth")
     cfg = TrainConfig(model_dir=model_dir, text_path=doc, output=work / "c", conversations=12, heldout=4,
                       synth=SYNTH, loop=LoopConfig(steps=3, batch_size=4), device="cpu", progress=False,
-                      synth_backend="vllm")
+                      # the engine as a GPU run starts it (eager), asked in batches that split both streams
+                      synth_backend="vllm", synth_batch=5, synth_eager=True)
     train, heldout = load_or_synthesize(cfg, None, tok, doc.read_text())
     return cfg, train, heldout
 

@@ -387,6 +387,31 @@ def test_cli_trains_and_reports(model_dir, doc, data_file, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+def test_synthesis_options_reach_the_vllm_engine_and_a_zero_batch_is_refused(model_dir, doc, tmp_path, capsys):
+    """`--synth-batch` and `--synth-eager` are the engine's (its start is left to first use);
+    they decide how the conversations are made, not which: no fingerprint holds them."""
+    import argparse
+
+    from lmcache_cartridge.tools.selfstudy.run import vllm_backend
+    from lmcache_cartridge.tools.train import add_train_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    base = ["--model-dir", str(model_dir), "--text", str(doc), "-o", str(tmp_path / "o")]
+    cfg = config_from_args(p.parse_args(base + ["--synth-batch", "1024", "--synth-eager"]))
+    backend = vllm_backend(cfg, None)
+    assert (backend.batch, backend.enforce_eager, backend.llm) == (1024, True, None)
+    default = config_from_args(p.parse_args(base))
+    assert (vllm_backend(default, None).batch, vllm_backend(default, None).enforce_eager) == (128, False)
+    text = doc.read_text()
+    assert cfg.data_fingerprint(text) == default.data_fingerprint(text)
+    assert cfg.fingerprint(text) == default.fingerprint(text)
+    assert main(base + ["--synth-batch", "0", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "--synth-batch must be positive" in err and "Traceback" not in err
+    assert not (tmp_path / "o.train").exists()  # refused before any work
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_student_is_trained_on_the_prompt_the_gateway_serves_after_a_trained_cartridge(family, doc):
     """The student's prompt after its cartridge is the gateway's chat prompt after a trained

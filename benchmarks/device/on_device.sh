@@ -6,10 +6,12 @@
 #   call 2 (carry .devcarry/c01): bash benchmarks/device/on_device.sh stash 01
 #   call 3 (carry .devcarry/c02): DEADLINE_S=570 bash benchmarks/device/on_device.sh stash 02 install engine e2e ttft pack
 #   (TTFT_ARGS replaces the TTFT stage's default arms, lengths and concurrency; a call runs 600 s at most)
-# The self-study data-scale point on the GPU (payload made with QUALITY=1: pieces c03, c04 too):
-#   calls 1-2 as above, then `stash 02`, `stash 03`, and
-#   (carry .devcarry/c04): DEADLINE_S=570 bash benchmarks/device/on_device.sh stash 04 install quality pack
-#   (QUALITY_ARGS replaces `--scales 16384 --tokens 256 --no-baselines`; rerun `quality pack` to resume)
+# The self-study data-scale point on the GPU (payload made with QUALITY=1: pieces c03, c04 too), in
+# four calls (c00 and c04 fit one call together):
+#   call 1 (carry .devcarry/c00 .devcarry/c04): bash benchmarks/device/on_device.sh stash 00 stash 04 env lmcache pack
+#   call 2 (carry .devcarry/c01): ... stash 01;  call 3 (carry .devcarry/c02): ... stash 02
+#   call 4 (carry .devcarry/c03): DEADLINE_S=585 bash benchmarks/device/on_device.sh stash 03 install quality pack
+#   (QUALITY_ARGS replaces the quality stage's arguments below; rerun `quality pack` to resume)
 # Every stage appends to /root/res (a log per stage, the benchmark's JSON); `pack` puts it all in
 # $OUT/res.tgz and the one-line results in $OUT/summary.txt (at most 8 files come back per call).
 # DEADLINE_S: seconds this call may use in all; the TTFT stage is given what is left of it.
@@ -77,8 +79,13 @@ import sys; sys.path.insert(0, 'benchmarks'); from ttft import BENCH_MODEL; prin
       # synthesis by vLLM on the same GPU); resumable, so a later call within 30 s goes on
       mkdir -p /root/res/quality "$LMCACHE_CARTRIDGE_HOME/downloads" && cp /root/x/c_model/*.whl "$LMCACHE_CARTRIDGE_HOME/downloads/"
       timeout $(( $(left) - 20 )) python3 benchmarks/quality_scale.py --work /root/x/quality --out /root/res/quality/scale_gpu \
-        ${QUALITY_ARGS:---scales 16384 --tokens 256 --no-baselines --probe-threads 8} > /root/res/quality/log.txt 2>&1
-      say "quality: rc=$? $(grep '^\[scale\]' /root/res/quality/log.txt | tail -2 | cut -c1-300 | tr '\n' ' ')" ;;
+        ${QUALITY_ARGS:---scales 16384 --tokens 256 --no-baselines --probe-threads 8 --synth-batch 1024 --synth-eager} \
+        > /root/res/quality/log.txt 2>&1
+      say "quality: rc=$? $(grep '^\[scale\]' /root/res/quality/log.txt | tail -2 | cut -c1-300 | tr '\n' ' ')"
+      # how far each stage got, for a run stopped by the deadline: saved batches and checkpoints with their times
+      find /root/x/quality -name metrics.jsonl -exec cp {} /root/res/quality/ \;
+      find /root/x/quality -type f -printf '%TT %s %p\n' 2>/dev/null \
+        | sort > /root/res/quality/files.txt ;;
     pack) tar -czf "$OUT/res.tgz" -C /root res; cp /root/res/summary.txt "$OUT/" ;;
   esac
   shift

@@ -70,6 +70,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"),
                    help="who writes the conversations: vllm (an in-process engine, many in flight), hf "
                    "(transformers generate, one at a time); auto: vllm where installed")
+    p.add_argument("--synth-batch", type=int, default=128, metavar="N",
+                   help="conversations per vLLM engine call (default %(default)s, for two CPU cores; ~1024 on a "
+                   "GPU); the conversations are the same at any size")
+    p.add_argument("--synth-eager", action="store_true",
+                   help="run vLLM's synthesis engine without torch.compile and CUDA graphs: it starts in seconds "
+                   "rather than a minute, and steps of more sequences than vLLM captures graphs for (512) run "
+                   "uncaptured anyway")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="training dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--trim-repeats", type=int, default=d.trim_repeats, metavar="N",
@@ -103,7 +110,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         work_dir=Path(args.work_dir) if args.work_dir else None,
         adapter_dir=Path(args.adapter_dir) if args.adapter_dir else None,
         labels=tuple(args.label or ()), overwrite=args.overwrite, progress=not args.quiet,
-        synth_backend=args.synth_backend,
+        synth_backend=args.synth_backend, synth_batch=args.synth_batch, synth_eager=args.synth_eager,
     )
 
 

@@ -139,6 +139,8 @@ class TrainConfig:
     overwrite: bool = False
     progress: bool = True
     synth_backend: str = "auto"            # auto | vllm | hf (see selfstudy.backends)
+    synth_batch: int = 128                 # conversations per vLLM engine call (the same data at any size)
+    synth_eager: bool = False              # vLLM without torch.compile and CUDA graphs (a faster start)
 
     @property
     def work(self) -> Path:

@@ -97,6 +97,14 @@ def export_kv(student) -> torch.Tensor:
     return w.view(w.shape[0], cfg.num_layers, 2, heads, cfg.token_dim // heads).permute(2, 1, 0, 3, 4).contiguous()
 
 
+def vllm_backend(cfg: TrainConfig, tokenizer):
+    """The run's vLLM synthesis engine, not yet started (it starts on first use)."""
+    from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
+
+    return VllmBackend(cfg.model_dir, tokenizer, cfg.synth, seed=cfg.loop.seed, batch=cfg.synth_batch,
+                       enforce_eager=cfg.synth_eager)
+
+
 def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str, *,
                        backend=None) -> tuple[list[Conversation], list[Conversation]]:
     """The run's conversations: read from the work dir when it holds this run's data, else made
@@ -113,9 +121,7 @@ def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str, *,
     own = None
     if backend is None:
         if synth_backend_name(cfg.synth_backend) == "vllm":
-            from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
-
-            backend = own = VllmBackend(cfg.model_dir, tokenizer, cfg.synth, seed=cfg.loop.seed)
+            backend = own = vllm_backend(cfg, tokenizer)
         else:
             if model is None:
                 model, _ = load_for_training(cfg.model_dir, resolve_device(cfg.device), torch.float32)
@@ -154,6 +160,9 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
         raise CartridgeError(f"{cfg.output} already exists (use --overwrite to replace it)")
     if cfg.conversations < 1 or cfg.loop.batch_size < 1 or cfg.loop.steps < 1:
         raise CartridgeError("--conversations, --batch-size and --steps must be positive")
+    if cfg.synth_batch < 1:
+        raise CartridgeError(f"--synth-batch must be positive (conversations per vLLM engine call), "
+                             f"got {cfg.synth_batch}")
     # known types, in canonical order: the same choice draws the same conversations
     cfg = replace(cfg, synth=replace(cfg.synth, seed_types=parse_seed_types(cfg.synth.seed_types)))
     if cfg.loop.trim_repeats < 0:
