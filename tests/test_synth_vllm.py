@@ -128,6 +128,49 @@ def test_a_stopped_synthesis_resumes_after_its_last_saved_batch(hf, doc, tmp_pat
     assert ShardStore(tmp_path / "synth", "other").load("train") == ([], 0)
 
 
+def test_vllm_flat_log_probs_read_back_as_its_per_position_dicts():
+    """The synthesis asks vLLM for flat log-prob lists (far fewer objects in its frontend); the
+    targets read from them are those read from the dicts vLLM makes otherwise, with vLLM's own
+    writer filling both from the same rows (ties, and the chosen token below the top k)."""
+    pytest.importorskip("vllm")
+    from vllm.logprobs import FlatLogprobs, append_logprobs_for_next_position
+
+    from lmcache_cartridge.tools.selfstudy.vllm_synth import _flat_logprobs, _rows
+
+    assert _flat_logprobs() == {"flat_logprobs": True}  # this vLLM has them: the synthesis uses them
+    k, g = 4, torch.Generator().manual_seed(0)
+    dicts, flat = [None], FlatLogprobs()
+    flat.append(None)  # as vLLM starts prompt log-probs: no row for the first token
+    chosen = []
+    for pos in range(12):
+        top = torch.randperm(50, generator=g)[:k].tolist()
+        lps = sorted(torch.randn(k, generator=g).tolist(), reverse=True)
+        if pos % 3 == 0:
+            lps[2] = lps[1]  # a bf16 tie
+        own = top[pos % k] if pos % 2 else 60 + pos  # the position's token: in the top k, or below it
+        own_lp = lps[pos % k] if pos % 2 else lps[-1] - 1.0
+        chosen.append(own)
+        for container in (dicts, flat):
+            append_logprobs_for_next_position(container, [own, *top], [own_lp, *lps], [None] * (k + 1),
+                                              (pos % k) + 1 if pos % 2 else k + 3, k)
+    for a, b in ((dicts[1:], flat[1:]), (dicts[5:], flat[5:])):
+        ids_d, lps_d = _rows(list(a), k, chosen[-len(a):])
+        ids_f, lps_f = _rows(list(b), k, chosen[-len(b):])
+        assert torch.equal(ids_d, ids_f) and torch.equal(lps_d, lps_f)
+
+
+def test_the_students_prompt_builder_is_made_once_per_tokenizer(hf):
+    from lmcache_cartridge.api.prompts import PromptBuilder
+    from lmcache_cartridge.tools.selfstudy.synth import _BUILDERS, student_prompt_ids
+
+    _, _, tok = hf
+    user = {"role": "user", "content": "What is the ferry called?"}
+    first = student_prompt_ids(tok, user)
+    builder = _BUILDERS[tok]
+    assert student_prompt_ids(tok, user) == first == PromptBuilder(tok).chat_ids([user], (), after_trained=True)
+    assert _BUILDERS[tok] is builder  # not made again (each one reads the whole vocabulary)
+
+
 # --- vLLM against HF ---------------------------------------------------------------------------
 
 def coarse_kl(ref_ids: torch.Tensor, ref_lp: torch.Tensor, other_full: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
@@ -258,13 +259,20 @@ def prompt_targets(model, teacher_prefix: list[int], scored: int, cfg: SynthConf
     return teacher_topk(out.logits[0, -scored:], k, cfg.cover), out.past_key_values
 
 
+_BUILDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its PromptBuilder
+
+
 def student_prompt_ids(tokenizer, user: dict[str, str]) -> list[int]:
     """The student's prompt after its cartridge: exactly what the gateway sends after a trained
     cartridge (`api.prompts`: the user turn right after the sink token, no BOS, no default system
     block), so the cartridge is trained on the prompt it will be served with."""
-    from lmcache_cartridge.api.prompts import PromptBuilder
+    builder = _BUILDERS.get(tokenizer)
+    if builder is None:  # one per tokenizer: making one reads the whole vocabulary (~13 ms here)
+        from lmcache_cartridge.api.prompts import PromptBuilder
 
-    return PromptBuilder(tokenizer).chat_ids([user], (), after_trained=True)
+        builder = _BUILDERS[tokenizer] = PromptBuilder(tokenizer)
+    return builder.chat_ids([user], (), after_trained=True)
+
 
 
 class Backend(Protocol):

@@ -53,6 +53,18 @@ def vllm_available() -> bool:
     return True
 
 
+def _flat_logprobs() -> dict[str, bool]:
+    """`flat_logprobs=True` where this vLLM has it: its frontend then stores each request's
+    log-probs in a few flat lists rather than a dict of objects per position. A prompt-logprob
+    request gets a row for every prompt position (the window's too, though the prefix cache
+    served them), and building those objects took half the CPU of the process that runs vLLM's
+    frontend (this one): on a GPU that process, not the GPU, sets the pace. The positions read
+    back (`_rows`) are the same either way."""
+    from vllm import SamplingParams
+
+    return {"flat_logprobs": True} if "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()) else {}
+
+
 def _rows(entries: list[dict[int, Any]], k: int, chosen: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`[T, k]` ids and log-probs (high to low) from vLLM's per-position dicts: the top k (each
     dict may also hold the sampled or prompt token below them). vLLM gives tied log-probs the
@@ -229,6 +241,7 @@ class VllmBackend:
 
         tok, k = self.tokenizer, cfg.top_k
         eos = [tok.eos_token_id]
+        flat = _flat_logprobs()
         systems = [system_message(tok, body, s.window) for s in specs]
         q_prompts = [chat_ids(tok, [sys, {"role": "user", "content": s.seed_prompt}]) for s, sys in zip(specs, systems)]
         fits = [len(p) + cfg.question_tokens <= self.max_model_len for p in q_prompts]
@@ -257,7 +270,7 @@ class VllmBackend:
         def answer_params(scored: int, use_cache: bool):
             return SamplingParams(temperature=0.0, max_tokens=cfg.answer_tokens, logprobs=k,
                                   prompt_logprobs=k if scored else None, stop_token_ids=eos,
-                                  skip_reading_prefix_cache=not use_cache)
+                                  skip_reading_prefix_cache=not use_cache, **flat)
 
         outs = self._generate([p[2] for p in pending], [answer_params(p[4], True) for p in pending])
         # Prompt-logprob rows are valid from the first token the cache did not serve: row i (the
