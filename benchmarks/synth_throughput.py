@@ -1,7 +1,7 @@
 """Self-study synthesis throughput, HF `generate` against a vLLM engine on the same cores, and
 training steps per second in fp32 against bf16 autocast.
 
-    .venv/bin/python benchmarks/synth_throughput.py [--hf 8] [--vllm 256] [--steps 6]
+    .venv/bin/python benchmarks/synth_throughput.py [--hf 8] [--vllm 256] [--steps 6] [--dict-logprobs]
         [--out benchmarks/results/synth_throughput.json]
 
 The real model (SmolLM2-135M-Instruct, `tools.realmodel`) and document A of the quality
@@ -78,6 +78,10 @@ def main() -> None:
     p.add_argument("--vllm", type=int, default=256, help="conversations by vLLM")
     p.add_argument("--batch", type=int, default=128, help="vLLM conversations per engine call")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size")
+    p.add_argument("--eager", action="store_true", help="vLLM without torch.compile (train --synth-eager)")
+    p.add_argument("--dict-logprobs", action="store_true",
+                   help="first, the same conversations with vLLM's per-position log-prob dicts (its default) "
+                   "rather than the flat lists the synthesis asks for: the frontend's CPU side by side")
     p.add_argument("--steps", type=int, default=6, help="training steps per dtype (first one is warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model-dir")
@@ -95,21 +99,36 @@ def main() -> None:
     # vLLM first (it holds its own process); then HF on the same cores.
     # The load average beside each phase: another job on the same cores slows either backend.
     out["load_average_before"] = os.getloadavg()[0]
-    backend = VllmBackend(model_dir, tok, cfg, batch=a.batch, block_size=a.block_size)
-    t0 = time.perf_counter()
-    backend.start()
-    start_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    v_convs = synthesize(backend, tok, text, cfg, count=a.vllm, seed=0, tag="train")
-    v_s = time.perf_counter() - t0
-    backend.close()
-    out["vllm"] = {"conversations": len(v_convs), "seconds": v_s, "engine_start_seconds": start_s,
-                   "load_average_after": os.getloadavg()[0],
-                   "conversations_per_minute": 60 * len(v_convs) / v_s,
-                   "conversations_per_minute_with_start": 60 * len(v_convs) / (v_s + start_s),
-                   "answer_tokens_mean": statistics.mean(len(c.answer) for c in v_convs),
-                   "question_targets_mean": statistics.mean(len(c.prompt_topk_ids) for c in v_convs),
-                   "engine": dict(backend.stats), "batch": a.batch, "block_size": a.block_size}
+
+    def vllm_arm() -> tuple[dict, list]:
+        backend = VllmBackend(model_dir, tok, cfg, batch=a.batch, block_size=a.block_size, enforce_eager=a.eager)
+        t0 = time.perf_counter()
+        backend.start()
+        start_s = time.perf_counter() - t0
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        convs = synthesize(backend, tok, text, cfg, count=a.vllm, seed=0, tag="train")
+        v_s, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        backend.close()
+        return {"conversations": len(convs), "seconds": v_s, "engine_start_seconds": start_s,
+                "load_average_after": os.getloadavg()[0],
+                "conversations_per_minute": 60 * len(convs) / v_s,
+                "conversations_per_minute_with_start": 60 * len(convs) / (v_s + start_s),
+                # this process: vLLM's frontend and ours (the engine core is a child process); on a
+                # GPU it is what sets the pace
+                "frontend_cpu_ms_per_conversation": 1000 * cpu / len(convs),
+                "answer_tokens_mean": statistics.mean(len(c.answer) for c in convs),
+                "question_targets_mean": statistics.mean(len(c.prompt_topk_ids) for c in convs),
+                "engine": dict(backend.stats), "batch": a.batch, "block_size": a.block_size,
+                "enforce_eager": a.eager}, convs
+
+    if a.dict_logprobs:  # vLLM's default containers first, on a fresh engine of its own
+        from lmcache_cartridge.tools.selfstudy import vllm_synth
+
+        flat, vllm_synth._flat_logprobs = vllm_synth._flat_logprobs, lambda: {}
+        out["vllm_dict_logprobs"], _ = vllm_arm()
+        vllm_synth._flat_logprobs = flat
+        print(json.dumps(out["vllm_dict_logprobs"], indent=1), flush=True)
+    out["vllm"], v_convs = vllm_arm()
     print(json.dumps(out["vllm"], indent=1), flush=True)
     if not a.hf:  # vLLM alone (settings trials)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
