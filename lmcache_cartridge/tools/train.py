@@ -74,9 +74,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="conversations per vLLM engine call (default %(default)s, for two CPU cores; ~1024 on a "
                    "GPU); the conversations are the same at any size")
     p.add_argument("--synth-eager", action="store_true",
-                   help="run vLLM's synthesis engine without torch.compile and CUDA graphs: it starts in seconds "
-                   "rather than a minute, and steps of more sequences than vLLM captures graphs for (512) run "
-                   "uncaptured anyway")
+                   help="run vLLM's synthesis engine without torch.compile and CUDA graphs: a faster start, and "
+                   "a step of more sequences than vLLM captures graphs for (512) runs without one anyway")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="training dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--trim-repeats", type=int, default=d.trim_repeats, metavar="N",

@@ -274,7 +274,6 @@ def student_prompt_ids(tokenizer, user: dict[str, str]) -> list[int]:
     return builder.chat_ids([user], (), after_trained=True)
 
 
-
 class Backend(Protocol):
     """Turns specs into conversations (None where the question came out empty)."""
 

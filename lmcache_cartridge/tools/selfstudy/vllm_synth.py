@@ -57,9 +57,9 @@ def _flat_logprobs() -> dict[str, bool]:
     """`flat_logprobs=True` where this vLLM has it: its frontend then stores each request's
     log-probs in a few flat lists rather than a dict of objects per position. A prompt-logprob
     request gets a row for every prompt position (the window's too, though the prefix cache
-    served them), and building those objects took half the CPU of the process that runs vLLM's
-    frontend (this one): on a GPU that process, not the GPU, sets the pace. The positions read
-    back (`_rows`) are the same either way."""
+    served them), and building those objects was two thirds of the CPU of the process that runs
+    vLLM's frontend (this one): on a GPU that process, not the GPU, sets the pace. The positions
+    read back (`_rows`) are the same either way."""
     from vllm import SamplingParams
 
     return {"flat_logprobs": True} if "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()) else {}
