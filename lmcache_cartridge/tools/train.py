@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, COSINE_FLOOR, DTYPE_NAMES, LR_SCHEDULES,
-                                                      PAPER_LR, SMALL_MODEL_LR, LoopConfig, SynthConfig,
+                                                      PAPER_LR, SMALL_MODEL_LR, SYNTH_BATCH, LoopConfig, SynthConfig,
                                                       TrainConfig, one_epoch, parse_seed_types)
 
 
@@ -70,7 +70,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"),
                    help="who writes the conversations: vllm (an in-process engine, many in flight), hf "
                    "(transformers generate, one at a time); auto: vllm where installed")
-    p.add_argument("--synth-batch", type=int, default=128, metavar="N",
+    p.add_argument("--synth-batch", type=int, default=SYNTH_BATCH, metavar="N",
                    help="conversations per vLLM engine call (default %(default)s, for two CPU cores; ~1024 on a "
                    "GPU); the conversations are the same at any size")
     p.add_argument("--synth-eager", action="store_true",

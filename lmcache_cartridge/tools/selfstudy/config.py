@@ -112,6 +112,9 @@ def one_epoch(conversations: int, batch_size: int) -> int:
     return max(1, -(-conversations // batch_size))
 
 
+SYNTH_BATCH = 128  # conversations per vLLM engine call by default: enough for a few CPU cores
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. Fields marked in `fingerprint` decide the data and the optimisation:
@@ -139,7 +142,7 @@ class TrainConfig:
     overwrite: bool = False
     progress: bool = True
     synth_backend: str = "auto"            # auto | vllm | hf (see selfstudy.backends)
-    synth_batch: int = 128                 # conversations per vLLM engine call (the same data at any size)
+    synth_batch: int = SYNTH_BATCH         # conversations per vLLM engine call (the same data at any size)
     synth_eager: bool = False              # vLLM without torch.compile and CUDA graphs (a faster start)
 
     @property

@@ -30,6 +30,7 @@ batches already written are kept, and rerunning `train` resumes after them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.tools.selfstudy.config import SynthConfig
+from lmcache_cartridge.tools.selfstudy.config import SYNTH_BATCH, SynthConfig
 from lmcache_cartridge.tools.selfstudy.synth import (
     Conversation, Spec, chat_ids, scored_prompt_tokens, student_prompt_ids, system_message, truncate_cover,
 )
@@ -53,6 +54,7 @@ def vllm_available() -> bool:
     return True
 
 
+@functools.cache
 def _flat_logprobs() -> dict[str, bool]:
     """`flat_logprobs=True` where this vLLM has it: its frontend then stores each request's
     log-probs in a few flat lists rather than a dict of objects per position. A prompt-logprob
@@ -100,7 +102,7 @@ class VllmBackend:
 
     name = "vllm"
 
-    def __init__(self, model_dir, tokenizer, cfg: SynthConfig, *, batch: int = 128, dtype: str = "auto",
+    def __init__(self, model_dir, tokenizer, cfg: SynthConfig, *, batch: int = SYNTH_BATCH, dtype: str = "auto",
                  kv_cache_gb: int = 2, enforce_eager: bool = False, max_num_seqs: int | None = None,
                  seed: int = 0, block_size: int = 32) -> None:
         self.model_dir, self.tokenizer, self.cfg = str(model_dir), tokenizer, cfg
