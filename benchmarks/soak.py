@@ -44,7 +44,8 @@ What runs (all on 127.0.0.1, stops by itself):
     * churn under load (`--churn`): the last cartridge is removed before the soak and registered
       again at a quarter of it (an S3 one, downloaded under load); the first is removed at half
       of it and registered at three quarters with other bytes under the same id (a second
-      version, whose reference was taken alone before the soak). A cartridge request sent while
+      version, whose reference was taken alone before the soak); the requests past the next quarter
+      wait until a change has landed, so each starts under load on any machine. A cartridge request sent while
       its id is not registered must be refused (404); one sent and answered while one version is
       registered must get that version's answer; one overlapping a change (from the call that
       makes it until it is served, or until the removal returned) may get the answer of a version
@@ -84,6 +85,7 @@ tests/test_soak_short.py runs short ones).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -571,6 +573,94 @@ def plain_prompts(p: SoakParams, vocab) -> tuple[list[int], Callable[[int], list
 
 
 # --- the run --------------------------------------------------------------------------------------
+CHURN_AT = (0.25, 0.5, 0.75)  # when the churn's changes start: fractions of the soak's requests
+
+
+def drive(n: int, clients: int, request: Callable[[Any, int], dict[str, Any]], max_seconds: float,
+          changes: list[Callable[[Any], dict[str, Any]]] | None = None,
+          session: Callable[[], Any] = contextlib.nullcontext) -> tuple[list[dict], list[dict], float]:
+    """The soak's phase 2: requests 0..n-1 on `clients` threads (`request(client, i)` -> its record),
+    for at most `max_seconds`, and the churn's `changes` (at most len(CHURN_AT); `change(client)` ->
+    its event, with "failure" if it failed) one after another on a thread of their own; each thread
+    has its own `session()` as `client`. Returns the records in the order they completed, the events
+    and the seconds the requests took.
+
+    Change k starts once CHURN_AT[k] of the requests are done; the requests from there + `clients`
+    on wait until it has started, and those from CHURN_AT[k+1] on until it has landed (or failed, or
+    the time is up). So requests run beside every change, whatever the machine's speed: on the
+    clock alone a fast machine ran out of requests while the first registration waited to be
+    served, and the other two came after the soak. Each event gets `under_load` (requests were
+    still due when it started), `at_request` (requests done then) and `requests_during` (done while
+    it ran)."""
+    changes = list(changes or [])
+    if len(changes) > len(CHURN_AT):
+        raise ValueError(f"at most {len(CHURN_AT)} changes, got {len(changes)}")
+    at = [math.ceil(f * n) for f in CHURN_AT[:len(changes)]]
+    started = [threading.Event() for _ in changes]
+    landed = [threading.Event() for _ in changes]
+    over = threading.Event()
+    lock = threading.Lock()
+    recs: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    nxt = [0]
+    t0 = time.time()
+    deadline = t0 + max_seconds
+
+    def worker() -> None:
+        with session() as client:
+            while True:
+                with lock:
+                    i = nxt[0]
+                    if i >= n or time.time() >= deadline:
+                        return
+                    nxt[0] += 1
+                for k in range(len(changes)):
+                    if i >= at[k] + clients:
+                        started[k].wait(max(0.0, deadline - time.time()))
+                    if k + 1 < len(changes) and i >= at[k + 1]:
+                        landed[k].wait(max(0.0, deadline - time.time()))
+                rec = request(client, i)
+                with lock:
+                    recs.append(rec)
+
+    def churner() -> None:
+        try:
+            with session() as client:
+                for k, apply in enumerate(changes):
+                    while not over.is_set():
+                        with lock:
+                            done = len(recs)
+                        if done >= at[k] or time.time() - t0 >= CHURN_AT[k] * max_seconds:
+                            break
+                        over.wait(0.02)
+                    with lock:
+                        done = len(recs)
+                    under_load = not over.is_set()
+                    started[k].set()
+                    ev = apply(client)
+                    with lock:
+                        ev.update(under_load=under_load, at_request=done, requests_during=len(recs) - done)
+                    events.append(ev)
+                    landed[k].set()
+                    if "failure" in ev:
+                        return
+        finally:
+            for e in started + landed:  # a failed change holds no request back
+                e.set()
+
+    churn = threading.Thread(target=churner, name="churn", daemon=True) if changes else None
+    if churn is not None:
+        churn.start()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        for f in [pool.submit(worker) for _ in range(clients)]:
+            f.result()
+    soak_s = time.time() - t0
+    over.set()
+    if churn is not None:
+        churn.join(timeout=300)
+    return recs, events, soak_s
+
+
 def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
     """Run one soak; write soak.json + soak.md into `out_dir`; return the result (see `ok`)."""
     import httpx
@@ -769,73 +859,37 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
             jobs[k] = ("salted_cartridge", rng.choice(stable))
         warmup = p.warmup_requests if p.warmup_requests is not None else max(2 * p.clients, p.requests // 10)
         warmup = min(warmup, max(0, p.requests - 1))
-        next_i = [0]
-        soak_recs: list[dict[str, Any]] = []
-        warm_at: list[float] = []
-        events: list[dict[str, Any]] = []
         t_soak = time.time()
-        deadline = t_soak + p.max_seconds
-        soak_over = threading.Event()
 
-        def worker() -> None:
-            with httpx.Client() as client:
-                while True:
-                    with lock:
-                        i = next_i[0]
-                        if i >= len(jobs) or time.time() >= deadline:
-                            return
-                        next_i[0] += 1
-                    rec = one(client, "soak", *jobs[i], i)
-                    with lock:
-                        soak_recs.append(rec)
-                        if len(soak_recs) == warmup:
-                            warm_at.append(time.time())
+        def change(name: str, version: str | None) -> Callable[[Any], dict[str, Any]]:
+            def apply(client) -> dict[str, Any]:
+                ev: dict[str, Any] = {"cartridge": name, "version": version}
+                begin = time.time()
+                pending = timeline.start(name, version, begin)  # before the call: requests beside it
+                try:                                              # may see either version
+                    if version is None:
+                        reg.remove(name)
+                        end = time.time()
+                        timeline.finish(pending, end)
+                        server.wait_not_served(name, timeout=60)
+                        ev["not_served_after_s"] = time.time() - begin
+                    else:
+                        server.wait_served([register(reg, carts, name, version, cache_dir, s3_cfg)], timeout=120)
+                        end = time.time()
+                        timeline.finish(pending, end)
+                except Exception as e:
+                    return {**ev, "failure": f"{type(e).__name__}: {e}"}
+                ev.update(t=round(begin - t_soak, 2), took_s=round(end - begin, 2))
+                probe = one(client, "probe", "cartridge", name, -2)
+                ev["probe"] = {k: probe.get(k) for k in ("status", "verdict", "ext", "ext_violation")}
+                log(f"churn: {name} -> {version or 'removed'}: {ev['probe']}")
+                return ev
+            return apply
 
-        def churner() -> None:
-            steps = [(0.25, names[-1], "v1"), (0.5, names[0], None), (0.75, names[0], "v2")]
-            with httpx.Client() as client:
-                for frac, name, version in steps:
-                    while not soak_over.is_set():
-                        with lock:
-                            done = len(soak_recs)
-                        if done >= frac * len(jobs) or time.time() - t_soak >= frac * p.max_seconds:
-                            break
-                        soak_over.wait(0.02)
-                    ev = {"cartridge": name, "version": version, "under_load": not soak_over.is_set(),
-                          "at_request": len(soak_recs)}
-                    begin = time.time()
-                    change = timeline.start(name, version, begin)  # before the call: requests beside it
-                    try:                                             # may see either version
-                        if version is None:
-                            reg.remove(name)
-                            end = time.time()
-                            timeline.finish(change, end)
-                            server.wait_not_served(name, timeout=60)
-                            ev["not_served_after_s"] = time.time() - begin
-                        else:
-                            server.wait_served([register(reg, carts, name, version, cache_dir, s3_cfg)], timeout=120)
-                            end = time.time()
-                            timeline.finish(change, end)
-                    except Exception as e:
-                        ev["failure"] = f"{type(e).__name__}: {e}"
-                        events.append(ev)
-                        return
-                    ev.update(t=round(begin - t_soak, 2), took_s=round(end - begin, 2))
-                    probe = one(client, "probe", "cartridge", name, -2)
-                    ev["probe"] = {k: probe.get(k) for k in ("status", "verdict", "ext", "ext_violation")}
-                    events.append(ev)
-                    log(f"churn: {name} -> {version or 'removed'} at request {ev['at_request']}: {ev['probe']}")
-
-        churn_thread = threading.Thread(target=churner, name="churn", daemon=True) if p.churn else None
-        if churn_thread is not None:
-            churn_thread.start()
-        with ThreadPoolExecutor(max_workers=p.clients) as pool:
-            for f in [pool.submit(worker) for _ in range(p.clients)]:
-                f.result()
-        soak_s = time.time() - t_soak
-        soak_over.set()
-        if churn_thread is not None:
-            churn_thread.join(timeout=300)
+        changes = [change(names[-1], "v1"), change(names[0], None), change(names[0], "v2")] if p.churn else []
+        soak_recs, events, soak_s = drive(len(jobs), p.clients, lambda client, i: one(client, "soak", *jobs[i], i),
+                                          p.max_seconds, changes, session=httpx.Client)
+        warm_at = [soak_recs[warmup - 1]["t"]] if 0 < warmup <= len(soak_recs) else []
         time.sleep(1.0)  # one more RSS sample and stats dump at rest
         m2 = vllm_metrics(server.url)
         st2 = sum_tier_stats(cache_dir)
@@ -1111,13 +1165,14 @@ def write_outputs(r: dict[str, Any], out_dir: Path) -> None:
         ch = r.get("churn")
         if ch:
             lines += ["## Registrations and removals under load", "",
-                      "| at request | cartridge | change | took (s) | under load | probe |",
-                      "|---|---|---|---|---|---|"]
+                      "| at request | cartridge | change | took (s) | requests done meanwhile | under load | probe |",
+                      "|---|---|---|---|---|---|---|"]
             for ev in ch["events"]:
                 pr = ev.get("probe") or {}
                 lines.append(f"| {ev.get('at_request')} | {ev['cartridge']} | "
                              f"{'removed' if ev['version'] is None else 'registered ' + ev['version']} | "
-                             f"{ev.get('took_s', '-')} | {'yes' if ev.get('under_load') else 'NO'} | "
+                             f"{ev.get('took_s', '-')} | {ev.get('requests_during', '-')} | "
+                             f"{'yes' if ev.get('under_load') else 'NO'} | "
                              f"{ev.get('failure') or str(pr.get('status')) + ' ' + str(pr.get('verdict'))} |")
             lines += ["", f"Removal observed (the adapter stopped serving it, the next request refused): "
                           f"{'yes' if ch['removal_observed'] else 'NO'}; cartridge requests refused while their id "

@@ -21,6 +21,7 @@ request may get) to examples that break them."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,10 +87,17 @@ def test_short_mp_soak_salts_external_tokens_registrations_and_removals_under_lo
     assert s["by_kind"]["plain"]["answered"] == s["by_kind"]["plain"]["requests"] > 0, s["by_kind"]
     # the client's own cache_salt: still the operator's cartridge, its answer and its tokens (judged above)
     assert s["by_kind"]["salted_cartridge"]["answered"] == s["by_kind"]["salted_cartridge"]["requests"] == 2, s
-    assert churn["complete_under_load"], churn["events"]
-    assert churn["removal_observed"], churn["events"]
+    assert churn["complete_under_load"], one_line_churn(r)
+    assert churn["removal_observed"], one_line_churn(r)
     assert churn["answered_by_version"]["soak00/v2"] >= 1, churn  # the new bytes, after re-registration
     assert r["server_alive"] and r["ok"], detail
+
+
+def one_line_churn(r: dict) -> str:
+    """Each change's timing and outcome, on the one line pytest's summary keeps."""
+    keys = ("cartridge", "version", "at_request", "requests_during", "under_load", "t", "took_s", "probe", "failure")
+    return " | ".join(str({k: ev.get(k) for k in keys if k in ev}) for ev in r["churn"]["events"]) \
+        + f" | soak {r['soak']['requests_done']} requests in {r['soak']['seconds']:.1f}s"
 
 
 def one_line_errors(r: dict) -> str:
@@ -196,3 +204,45 @@ def test_a_departure_is_forgiven_only_at_a_near_tie():
     assert soak.near_tie_gap(absent, ref) is None         # not even among the top logprobs
     moved = {**flip, "token_logprobs": [-1.5, -0.6, -0.1]}
     assert soak.near_tie_gap(moved, ref) is None          # an earlier token's logprob moved: other KV
+
+
+def _quick_request(client, i: int) -> dict:
+    time.sleep(0.002)
+    return {"i": i, "t": time.time()}
+
+
+def _slow_change(name: str, seconds: float = 0.3, failure: str | None = None):
+    def apply(client) -> dict:
+        time.sleep(seconds)
+        return {"cartridge": name, "landed": time.time(), **({"failure": failure} if failure else {})}
+    return apply
+
+
+def test_every_churn_change_starts_while_requests_are_still_due_however_fast_they_run():
+    """A change slower than all the remaining requests together (a registration waiting to be
+    served, on a fast machine): each of the three must still start, and run, with requests due,
+    and no request is lost."""
+    recs, events, _ = soak.drive(60, 4, _quick_request, 30.0,
+                                 [_slow_change("a"), _slow_change("b"), _slow_change("c")])
+    assert sorted(r["i"] for r in recs) == list(range(60))
+    assert [e["cartridge"] for e in events] == ["a", "b", "c"]
+    assert [e["under_load"] for e in events] == [True] * 3, events
+    a0, a1, a2 = (e["at_request"] for e in events)
+    assert 15 <= a0 <= 30 <= a1 <= 45 <= a2 < 60, events  # each within its quarter
+    assert all(e["requests_during"] > 0 for e in events), events
+    # the requests past the next quarter waited for the change before it to land
+    assert all(r["t"] > events[0]["landed"] for r in recs if r["i"] >= 30), events
+    assert all(r["t"] > events[1]["landed"] for r in recs if r["i"] >= 45), events
+
+
+def test_a_failed_change_holds_no_request_back_and_ends_the_churn():
+    recs, events, soak_s = soak.drive(60, 4, _quick_request, 30.0,
+                                      [_slow_change("a", 0.05, failure="boom"), _slow_change("b")])
+    assert sorted(r["i"] for r in recs) == list(range(60))
+    assert [(e["cartridge"], e.get("failure")) for e in events] == [("a", "boom")]
+    assert soak_s < 10
+
+
+def test_without_changes_the_requests_run_until_the_time_is_up():
+    recs, events, _ = soak.drive(10_000, 2, _quick_request, 0.3)
+    assert events == [] and 0 < len(recs) < 10_000
