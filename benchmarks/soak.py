@@ -770,21 +770,8 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
             return rec
 
         def concurrently(jobs: list[tuple[str, str | None]], phase: str, i0: int = 0) -> None:
-            nxt = [0]
-
-            def worker() -> None:
-                with httpx.Client() as client:
-                    while True:
-                        with lock:
-                            k = nxt[0]
-                            if k >= len(jobs):
-                                return
-                            nxt[0] += 1
-                        one(client, phase, jobs[k][0], jobs[k][1], i0 + k)
-
-            with ThreadPoolExecutor(max_workers=p.clients) as pool:
-                for f in [pool.submit(worker) for _ in range(p.clients)]:
-                    f.result()
+            drive(len(jobs), p.clients, lambda client, k: one(client, phase, *jobs[k], i0 + k), math.inf,
+                  session=httpx.Client)
 
         m0 = vllm_metrics(server.url)
         # -- phase 0: plain prompts before anything is registered, then the unsalted control -------
