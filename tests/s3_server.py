@@ -67,7 +67,9 @@ class Fault:
     does not match). Applied `times` times (None: until removed).
 
     status: reply with this HTTP status and an S3 XML error (`code`, default per status) instead
-    of forwarding. delay: sleep this long before answering (forwarded or not). cut_after: forward,
+    of forwarding. delay: wait this long before answering (forwarded or not), or until the faults
+    are cleared: a test stalls an origin for longer than any machine needs to look, and lets it
+    go when it is done looking. cut_after: forward,
     but send only this many body bytes, then drop the connection.
     """
 
@@ -80,6 +82,7 @@ class Fault:
     cut_after: int | None = None
     times: int | None = None
     hits: int = 0
+    cleared: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
     def matches(self, method: str, target: str, rng: str | None) -> bool:
         return ((self.method is None or self.method == method)
@@ -126,6 +129,7 @@ class S3Proxy:
         return self
 
     def stop(self) -> None:
+        self.clear_faults()  # no handler thread stays stalled past its test
         self._server.shutdown()
         self._server.server_close()
 
@@ -139,6 +143,8 @@ class S3Proxy:
 
     def clear_faults(self) -> None:
         with self._lock:
+            for f in self._faults:
+                f.cleared.set()  # the requests they hold up go on now
             self._faults.clear()
 
     def _take_fault(self, method: str, target: str, rng: str | None) -> Fault | None:
@@ -205,7 +211,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         body = self._body()
         fault = self.owner._take_fault(method, target, self.headers.get("Range"))
         if fault and fault.delay:
-            time.sleep(fault.delay)
+            fault.cleared.wait(fault.delay)
         if fault and fault.status:
             # recorded before the answer: a client that gives up on it may count at once
             self.owner._record(Record(method, target, self.headers.get("Range"), fault.status, True))

@@ -72,7 +72,7 @@ def test_lookup_of_a_remote_cartridge_misses_and_downloads_in_the_background(tmp
     lookup hits and the bytes are exact; later retrieves make no S3 request at all."""
     m, kv = _upload(tmp_path, moto_server, "remote-doc")
     cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url)
-    stall = s3_proxy.inject(method="GET", path=KV_GET, delay=1.5, times=None)  # a slow origin
+    stall = s3_proxy.inject(method="GET", path=KV_GET, delay=60.0, times=None)  # slow until cleared
     with eng:
         plugin = eng.backend("cartridge")
         assert cli.main(["register", f"s3://{BUCKET}/c/remote-doc", "--config", str(cfg_path)]) == 0
@@ -254,7 +254,8 @@ def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_resi
     m, kv = _upload(tmp_path, moto_server, "trained-remote", kind="trained", seed=51)
     _upload(tmp_path, moto_server, "firstk-remote", seed=52)
     cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url)
-    stall = s3_proxy.inject(method="GET", path=r"trained-remote/kv\.bin$", delay=2.0, times=None)
+    # stalled until cleared: on any machine it is still downloading when wait_served looks
+    stall = s3_proxy.inject(method="GET", path=r"trained-remote/kv\.bin$", delay=60.0, times=None)
     stats, reg = tmp_path / "cache", tmp_path / "reg.db"  # the plugin cache dir: records under serving/
     with eng:
         plugin = eng.backend("cartridge")
