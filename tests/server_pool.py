@@ -91,6 +91,11 @@ def _tiny(ctx: Context) -> Spec:
                 plugin_extra={"s3.endpoint_url": ctx.moto()})
 
 
+# long enough that what runs beside a waiting request (a plain request, a local cartridge's load)
+# finishes first on a slow machine; a test that waits for a request to fail waits this long
+TINY_PREFIX_READY_TIMEOUT_S = 15
+
+
 def _tiny_prefix(ctx: Context) -> Spec:
     """Prefix caching on, as deployments run (test_gateway_e2e, test_load_failure_e2e,
     test_ready_on_instance_e2e, test_bench_ttft's cartridge arms): greedy short answers by default
@@ -102,7 +107,7 @@ def _tiny_prefix(ctx: Context) -> Spec:
                 extra_args=("--override-generation-config", '{"temperature": 0, "max_new_tokens": 16}'),
                 extra_env={"VLLM_SERVER_DEV_MODE": "1", "LMCACHE_CARTRIDGE_INSTANCE": "pool-tiny-prefix",
                            **_s3_env()},
-                kv_extra={READY_TIMEOUT_KEY: 6},
+                kv_extra={READY_TIMEOUT_KEY: TINY_PREFIX_READY_TIMEOUT_S},
                 plugin_extra={"s3.endpoint_url": ctx.s3_proxy().endpoint_url, "s3.max_attempts": "1"})
 
 

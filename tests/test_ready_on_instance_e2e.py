@@ -37,7 +37,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny-prefix")]
 CHUNK = 256
 BUCKET = "ready"
 KV_GET = rf"/{BUCKET}/c/tr/kv\.bin$"  # this module's object only: the proxy is the session's
-READY_TIMEOUT_S = 6  # the pooled server's `cartridge.ready_timeout_s`
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +53,7 @@ def stack(tmp_path_factory, moto_server, tiny_prefix_server, server_s3_proxy):
                 vocab=VocabInfo(model.config.vocab_size, (0, 1, 2, 3)), chunk_size=CHUNK)
     upload_dir(s3_client(moto_server), BUCKET, "c/tr", root / "tr")
     # The pooled server reads S3 through the session's proxy with one attempt, and waits
-    # READY_TIMEOUT_S for a trained cartridge (server_pool.SPECS["tiny-prefix"]).
+    # server_pool.TINY_PREFIX_READY_TIMEOUT_S for a trained cartridge (server_pool.SPECS["tiny-prefix"]).
     server, proxy = tiny_prefix_server, server_s3_proxy
     try:
         # A gateway as on another host (vllm-router between them): it sees no instance's state
