@@ -85,6 +85,25 @@ def mp(request, tmp_path_factory, engine_kv):
         vllm.stop()
 
 
+NOT_STORED = {"lmcache.max_offload_tokens": 0}  # a request whose own KV the server does not store
+
+
+def until_stored(vllm, body: dict, want: int, timeout: float = 60) -> float:
+    """The server's store is asynchronous: sends `body` (with NOT_STORED, one token) until it loads
+    `want` tokens from the server, and returns the seconds that took. A poll, not a sleep: a busy
+    machine stores late, and a probe that stores nothing changes nothing it looks at."""
+    t0 = time.monotonic()
+    while True:
+        ext = vllm.external_tokens()
+        complete(vllm.url, {**body, "max_tokens": 1,
+                            "kv_transfer_params": {**body.get("kv_transfer_params", {}), **NOT_STORED}})
+        got = vllm.external_tokens() - ext
+        if got == want:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, f"stored {got} of {want} tokens after {timeout} s"
+        time.sleep(0.2)
+
+
 def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(mp):
     vllm, reg, tok = mp["vllm"], mp["registry"], mp["tok"]
     doc = mp["made"].token_ids
@@ -106,7 +125,7 @@ def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(m
     assert vllm.external_tokens() == ext1, "a removed cartridge was served"
 
     # vLLM's own KV of the document through the same server: a prefill stores it, then the questions.
-    time.sleep(1.0)  # the prompt above stored its chunks too: the server's store is asynchronous
+    until_stored(vllm, {**common, "prompt": prompts[0]}, full)  # the prompt above stored its chunks too
     ext2 = vllm.external_tokens()
     own = [complete(vllm.url, {**common, "prompt": p}) for p in prompts]
     assert vllm.external_tokens() - ext2 == len(qs) * full
@@ -172,7 +191,7 @@ def test_client_kv_in_mp_mode_reaches_only_the_requests_that_name_it(mp):
     # prefill stores it, then the questions.
     own_salt = {"cache_salt": "own-kv"}
     taken(vllm.url, {"prompt": doc, "max_tokens": 1, **own_salt})
-    time.sleep(1.0)  # the server's store is asynchronous
+    until_stored(vllm, {**common, "prompt": doc + users[0], **own_salt}, full)
     loads = [taken(vllm.url, {"prompt": doc + u, **own_salt}) for u in users]
     assert [n for n, _ in loads] == [full] * len(qs)
     own = [a for _, a in loads]
@@ -234,12 +253,15 @@ def test_skip_save_alone_stores_nothing_in_mp_mode(mp):
         complete(vllm.url, {"model": mp["model_dir"], "max_tokens": 1, **body})
         return vllm.external_tokens() - ext
 
-    for salt, params, expected in ((f"skip-{mp['mode']}", {"lmcache.skip_save": True}, 0),
-                                   (f"save-{mp['mode']}", {}, full)):
-        assert loaded({"prompt": doc, "cache_salt": salt, "kv_transfer_params": params}) == 0
-        time.sleep(1.0)  # the server's store is asynchronous
-        again = loaded({"prompt": doc + [13], "cache_salt": salt, "kv_transfer_params": params})
-        assert again == expected, (salt, params, again, mp["server"].log_tail())
+    # the control first: how long the asynchronous store takes here; then skip_save is given
+    # at least that long (and 1 s) to show it stored nothing
+    save, skip = f"save-{mp['mode']}", f"skip-{mp['mode']}"
+    assert loaded({"prompt": doc, "cache_salt": save}) == 0
+    took = until_stored(vllm, {"model": mp["model_dir"], "prompt": doc + [13], "cache_salt": save}, full)
+    assert loaded({"prompt": doc, "cache_salt": skip, "kv_transfer_params": {"lmcache.skip_save": True}}) == 0
+    time.sleep(max(1.0, 2 * took))
+    again = loaded({"prompt": doc + [13], "cache_salt": skip, "kv_transfer_params": {"lmcache.skip_save": True}})
+    assert again == 0, (again, mp["server"].log_tail())
 
 
 def test_a_preloaded_cartridge_is_in_l1_before_its_first_request(mp):
