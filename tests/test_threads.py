@@ -154,17 +154,22 @@ COPY_CHILD = textwrap.dedent("""
     rows = np.arange(64, dtype=np.int64).reshape(32, 2)
     MIN = conn.PARALLEL_MIN_BYTES
 
-    def run(nbytes, fail=False):
+    def helper_started(seen):  # bounded: a helper that never comes fails the test's assertions
+        t = time.monotonic()
+        while not any(p["thread"] != "MainThread" for p in seen) and time.monotonic() - t < 10:
+            time.sleep(0.001)
+
+    def run(nbytes, fail=False, wait_for_helper=False):
         seen, ended = [], []
         def copy(part, team):  # stands in for one kernel call
             main = threading.current_thread() is threading.main_thread()
             seen.append({"rows": part[:, 0].tolist(), "thread": threading.current_thread().name,
                          "cores": sorted(os.sched_getaffinity(0)), "team": team})
             if fail and main:  # once a helper is mid-piece, this thread's copy raises
-                t = time.monotonic()
-                while not any(p["thread"] != "MainThread" for p in seen) and time.monotonic() - t < 10:
-                    time.sleep(0.001)
+                helper_started(seen)
                 raise OSError("this copy failed")
+            if wait_for_helper and main and len(seen) == 1:  # however busy its core, the helper gets its turn
+                helper_started(seen)
             time.sleep(0.3 if fail else 0.01)  # slow enough that both threads take pieces
             ended.append(part[0, 0])
             return 4 if 40 in part[:, 0] else 0
@@ -174,7 +179,7 @@ COPY_CHILD = textwrap.dedent("""
             rc = "raised"
         return {"rc": rc, "seen": seen, "ended_at_return": len(ended)}
 
-    out = {"split": run(16 * MIN), "small": run(3 * MIN)}
+    out = {"split": run(16 * MIN, wait_for_helper=True), "small": run(3 * MIN)}
     out["helper_pieces"] = conn.stats["helper_pieces"]
     if sys.argv[2] == "fail":
         out["fail"] = run(16 * MIN, fail=True)
