@@ -606,6 +606,9 @@ def drive(n: int, clients: int, request: Callable[[Any, int], dict[str, Any]], m
     t0 = time.time()
     deadline = t0 + max_seconds
 
+    def left() -> float | None:  # Event.wait's timeout: None waits without end (it refuses inf)
+        return None if math.isinf(deadline) else max(0.0, deadline - time.time())
+
     def worker() -> None:
         with session() as client:
             while True:
@@ -616,9 +619,9 @@ def drive(n: int, clients: int, request: Callable[[Any, int], dict[str, Any]], m
                     nxt[0] += 1
                 for k in range(len(changes)):
                     if i >= at[k] + clients:
-                        started[k].wait(max(0.0, deadline - time.time()))
+                        started[k].wait(left())
                     if k + 1 < len(changes) and i >= at[k + 1]:
-                        landed[k].wait(max(0.0, deadline - time.time()))
+                        landed[k].wait(left())
                 rec = request(client, i)
                 with lock:
                     recs.append(rec)

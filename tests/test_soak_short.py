@@ -20,6 +20,7 @@ request may get) to examples that break them."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -233,6 +234,13 @@ def test_every_churn_change_starts_while_requests_are_still_due_however_fast_the
     # the requests past the next quarter waited for the change before it to land
     assert all(r["t"] > events[0]["landed"] for r in recs if r["i"] >= 30), events
     assert all(r["t"] > events[1]["landed"] for r in recs if r["i"] >= 45), events
+
+
+def test_changes_without_a_time_limit_run_as_with_one():
+    """`max_seconds` inf (as the soak's other phases drive requests): the waits have no end, and
+    Event.wait refuses an infinite timeout."""
+    recs, events, _ = soak.drive(20, 2, _quick_request, math.inf, [_slow_change("a", 0.1), _slow_change("b", 0.1)])
+    assert sorted(r["i"] for r in recs) == list(range(20)) and [e["under_load"] for e in events] == [True, True]
 
 
 def test_a_failed_change_holds_no_request_back_and_ends_the_churn():
