@@ -586,16 +586,20 @@ def drive(n: int, clients: int, request: Callable[[Any, int], dict[str, Any]], m
     and the seconds the requests took.
 
     Change k starts once CHURN_AT[k] of the requests are done; the requests from there + `clients`
-    on wait until it has started, and those from CHURN_AT[k+1] on until it has landed (or failed, or
-    the time is up). So requests run beside every change, whatever the machine's speed: on the
-    clock alone a fast machine ran out of requests while the first registration waited to be
-    served, and the other two came after the soak. Each event gets `under_load` (requests were
-    still due when it started), `at_request` (requests done then) and `requests_during` (done while
-    it ran)."""
+    (or the last one, if fewer follow) on wait until it has started, and those from CHURN_AT[k+1]
+    on until it has landed (or failed, or the time is up). So requests are due at every change,
+    and run beside its start, whatever the machine's speed: on the clock alone a fast machine ran
+    out of requests while the first registration waited to be served, and the other two came
+    after the soak. A change that raises is recorded as failed. Each event gets `under_load`
+    (requests were still due when it started), `at_request` (requests done then) and
+    `requests_during` (done while it ran)."""
     changes = list(changes or [])
     if len(changes) > len(CHURN_AT):
         raise ValueError(f"at most {len(CHURN_AT)} changes, got {len(changes)}")
     at = [math.ceil(f * n) for f in CHURN_AT[:len(changes)]]
+    # the requests that wait for change k to start: the last few at least, however few requests
+    # follow its fraction (never one below it: those are what let it start)
+    hold = [max(a, min(a + clients, n - 1)) for a in at]
     started = [threading.Event() for _ in changes]
     landed = [threading.Event() for _ in changes]
     over = threading.Event()
@@ -618,7 +622,7 @@ def drive(n: int, clients: int, request: Callable[[Any, int], dict[str, Any]], m
                         return
                     nxt[0] += 1
                 for k in range(len(changes)):
-                    if i >= at[k] + clients:
+                    if i >= hold[k]:
                         started[k].wait(left())
                     if k + 1 < len(changes) and i >= at[k + 1]:
                         landed[k].wait(left())
@@ -640,7 +644,10 @@ def drive(n: int, clients: int, request: Callable[[Any, int], dict[str, Any]], m
                         done = len(recs)
                     under_load = not over.is_set()
                     started[k].set()
-                    ev = apply(client)
+                    try:
+                        ev = apply(client)
+                    except Exception as e:  # recorded as the change's failure, not lost on this thread
+                        ev = {"failure": f"{type(e).__name__}: {e}"}
                     with lock:
                         ev.update(under_load=under_load, at_request=done, requests_during=len(recs) - done)
                     events.append(ev)

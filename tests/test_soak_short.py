@@ -236,6 +236,19 @@ def test_every_churn_change_starts_while_requests_are_still_due_however_fast_the
     assert all(r["t"] > events[1]["landed"] for r in recs if r["i"] >= 45), events
 
 
+def test_a_change_that_raises_is_its_failure_and_a_short_soak_still_has_requests_at_each_change():
+    def raises(client) -> dict:
+        raise ConnectionError("registry gone")
+
+    recs, events, _ = soak.drive(8, 4, _quick_request, 30.0, [raises, _slow_change("b")])
+    assert sorted(r["i"] for r in recs) == list(range(8))
+    assert [(e.get("failure"), e["under_load"]) for e in events] == [("ConnectionError: registry gone", True)]
+    # 5 requests and 4 clients: fewer than `clients` follow the last change's fraction
+    recs, events, _ = soak.drive(5, 4, _quick_request, 30.0, [_slow_change(c, 0.1) for c in "abc"])
+    assert sorted(r["i"] for r in recs) == list(range(5))
+    assert [e["under_load"] for e in events] == [True] * 3 and events[-1]["requests_during"] >= 1, events
+
+
 def test_changes_without_a_time_limit_run_as_with_one():
     """`max_seconds` inf (as the soak's other phases drive requests): the waits have no end, and
     Event.wait refuses an infinite timeout."""
