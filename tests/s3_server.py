@@ -175,6 +175,8 @@ class S3Proxy:
     def reset(self) -> None:
         with self._lock:
             self._log.clear()
+            for f in self._faults:
+                f.cleared.set()
             self._faults.clear()
 
     def __enter__(self) -> "S3Proxy":
