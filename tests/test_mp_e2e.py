@@ -158,7 +158,7 @@ def test_client_kv_in_mp_mode_reaches_only_the_requests_that_name_it(mp):
     named = [{"id": str(mp["carts"] / "brought"), "source": "local"}]
     # straight to vLLM, as anyone else's request: what it computes is not stored (MP's skip_save),
     # so the server's L1 holds no other KV of the document than what is asked of it
-    unstored = {"kv_transfer_params": {"lmcache.max_offload_tokens": 0}}
+    unstored = {"kv_transfer_params": NOT_STORED}
 
     def taken(url: str, body: dict):
         ext = vllm.external_tokens()

@@ -144,25 +144,25 @@ def test_concurrent_retrieves_during_removal_leave_no_old_bytes(same_doc, how):
         assert not errors and reads[0] > 10
         cpu = eng.backend("LocalCPUBackend")
 
-        def old_bytes_cached() -> bool:
-            found = False
+        old_chunks = [flat(kv1)[:, :, :CHUNK], flat(kv1)[:, :, CHUNK:]]
+
+        def cached() -> list:
+            """Copies of what LocalCPUBackend holds for the cartridge's keys now."""
+            out = []
             for k in keys:
                 obj = cpu.get_blocking(k)
                 if obj is not None:
-                    found |= any(torch.equal(obj.tensor, flat(kv1)[:, :, c]) for c in (slice(None, CHUNK),
-                                                                                       slice(CHUNK, None)))
+                    out.append(obj.tensor.clone())
                     obj.ref_count_down()
-            return found
+            return out
+
+        def holds_old(tensors: list) -> bool:
+            return any(torch.equal(t, old) for t in tensors for old in old_chunks)
 
         # the watcher's next ticks purge them (a wait, not a sleep: a busy machine starves the watcher)
-        assert _until(lambda: not old_bytes_cached(), timeout=3 * REFRESH + 10)
-        for k in keys:
-            obj = cpu.get_blocking(k)
-            if obj is not None:  # only the new bytes may be there (re-registration)
-                assert how == "reregister"
-                assert not torch.equal(obj.tensor, flat(kv1)[:, :, :CHUNK]) and \
-                    not torch.equal(obj.tensor, flat(kv1)[:, :, CHUNK:])
-                obj.ref_count_down()
+        assert _until(lambda: not holds_old(cached()), timeout=3 * REFRESH + 10)
+        left = cached()  # only the new bytes may be there (re-registration), and stay so
+        assert not holds_old(left) and (not left or how == "reregister")
         _expect_after(how, eng, toks, kv2)
         assert not plugin._state.tombstones or _until(lambda: not plugin._state.tombstones)
 
