@@ -61,6 +61,8 @@ BUCKETS = [name for _, _, name in Q.POSITION_BUCKETS]
 
 ANSWER_TOKENS = 64  # the curve's answer length; other lengths are other arms
 LR = 2e-3  # the curve's learning rate (chosen on the dev split); other rates are other arms
+BATCH = 8  # the curve's conversations per step; other batch sizes are other arms
+WINDOWS = (384, 768)  # the curve's teacher windows (tokens, min and max); others are other sets of conversations
 
 
 # Two letters per seed prompt type, for names, in SEED_TYPES order: `_seeds-su-qu` is summarization
@@ -69,33 +71,55 @@ SEED_CODES = {"structuring": "st", "summarization": "su", "question": "qu", "use
 assert tuple(SEED_CODES) == SEED_TYPES
 
 
-def scale_key(n: int, answer_tokens: int, seed_types: tuple[str, ...] = SEED_TYPES) -> str:
+def scale_key(n: int, answer_tokens: int, seed_types: tuple[str, ...] = SEED_TYPES,
+              windows: tuple[int, int] = WINDOWS) -> str:
     """One set of conversations: `8192`; `2048_a256` for answers of up to 256 tokens;
-    `2048_seeds-su-qu` for conversations drawn from some seed types only."""
+    `2048_w128-256` for teacher windows of 128-256 tokens; `2048_seeds-su-qu` for
+    conversations drawn from some seed types only."""
     return (f"{n}" + ("" if answer_tokens == ANSWER_TOKENS else f"_a{answer_tokens}")
+            + ("" if tuple(windows) == WINDOWS else f"_w{windows[0]}-{windows[1]}")
             + ("" if tuple(seed_types) == SEED_TYPES else "_seeds-" + "-".join(SEED_CODES[t] for t in seed_types)))
 
 
 def scale_title(key: str) -> str:
-    """`2048_a256_seeds-su-qu` as "2048 conversations, answers up to 256 tokens, seed types
-    summarization, question"."""
-    rest, _, seeds = key.partition("_seeds-")
-    n, _, answers = rest.partition("_a")
+    """`2048_a256_w128-256_seeds-su-qu` as "2048 conversations, answers up to 256 tokens,
+    windows of 128-256 tokens, seed types summarization, question"."""
+    n, *parts = key.split("_")
     names = {c: t for t, c in SEED_CODES.items()}
-    return (f"{n} conversations" + (f", answers up to {answers} tokens" if answers else "")
-            + (", seed types " + ", ".join(names[c] for c in seeds.split("-")) if seeds else ""))
+    words = [f"{n} conversations"]
+    for part in parts:
+        if part.startswith("seeds-"):
+            words.append("seed types " + ", ".join(names[c] for c in part.removeprefix("seeds-").split("-")))
+        elif part.startswith("w"):
+            words.append(f"windows of {part[1:]} tokens")
+        elif part.startswith("a"):
+            words.append(f"answers up to {part[1:]} tokens")
+    return ", ".join(words)
 
 
 def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOKENS,
              autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES,
-             lr: float = LR) -> str:
+             lr: float = LR, batch_size: int = BATCH,
+             windows: tuple[int, int] = WINDOWS) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
-    256 tokens, `_seeds-su-qu` for conversations from some seed types only, `_lr0.004` for
-    another rate than the curve's, `_cos` for a cosine schedule, `_t16` for answers trimmed where
-    they repeat a run of 16 tokens, `_bf16` for steps under bf16 autocast)."""
-    return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types)}" + ("" if lr == LR else f"_lr{lr:g}")
+    256 tokens, `_w128-256` for teacher windows of 128-256 tokens, `_seeds-su-qu` for
+    conversations from some seed types only, `_lr0.004` for another rate than the curve's,
+    `_b64` for 64 conversations per step, `_cos` for a cosine schedule, `_t16` for answers
+    trimmed where they repeat a run of 16 tokens, `_bf16` for steps under bf16 autocast)."""
+    return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types, windows)}" + ("" if lr == LR else f"_lr{lr:g}")
+            + ("" if batch_size == BATCH else f"_b{batch_size}")
             + ("" if schedule == "constant" else f"_{schedule[:3]}")
             + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16"))
+
+
+def windows(a: argparse.Namespace) -> tuple[int, int]:
+    return a.window_min, a.window_max
+
+
+def data_run(n: int, a: argparse.Namespace) -> str:
+    """The run that synthesises the conversations of `a`'s settings at scale `n` (the curve's
+    256-token cartridge); other runs on them copy its data."""
+    return run_name(256, n, "constant", a.answer_tokens, seed_types=a.seed_types, windows=windows(a))
 
 
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
@@ -103,10 +127,11 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
     conversations (512 tokens, another rate or schedule, trimmed answers, autocast) reuse the
     256-token run's data of that scale, answer length and seed types (same document, same
     synthesis settings)."""
-    name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr)
+    name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr,
+                    a.batch_size, windows(a))
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
-        first = carts / f"{run_name(256, n, 'constant', a.answer_tokens, seed_types=a.seed_types)}.train" / "data.pt"
+        first = carts / f"{data_run(n, a)}.train" / "data.pt"
         if first.parent != work and first.exists() and not (work / "data.pt").exists():
             work.mkdir(parents=True, exist_ok=True)
             shutil.copy(first, work / "data.pt")
@@ -222,8 +247,8 @@ def markdown(res: dict[str, Any]) -> str:
         return "" if x is None else f"{x:.2f}"
 
     lines = [f"# Data scale: {res['meta']['command']}", "",
-             f"{machine(res['meta']['machine'])}; lr {res['meta']['lr']}, batch {res['meta']['batch_size']}, "
-             "one epoch; "
+             f"{machine(res['meta']['machine'])}; lr {LR:g}, batch {BATCH} (where an arm's name says no "
+             "other: `_lr`, `_b`), one epoch; "
              "HF probe of document A's 40 questions (greedy).", "",
              "| arm | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | LL fact <256 / >=512 | "
              "held-out KL init -> final | train wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -276,13 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed-types", type=seed_types_arg, default=SEED_TYPES, metavar="TYPES",
                     help="train's --seed-types (other conversations: arms, cartridges and coverage named "
                     "with _seeds-<codes>, two letters per type)")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=BATCH)
     ap.add_argument("--heldout", type=int, default=16)
     ap.add_argument("--question-tokens", type=int, default=48)
     ap.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
                     help=f"longest teacher answer (another length than {ANSWER_TOKENS} names its arms _a<N>)")
-    ap.add_argument("--window-min", type=int, default=384)
-    ap.add_argument("--window-max", type=int, default=768)
+    ap.add_argument("--window-min", type=int, default=WINDOWS[0])
+    ap.add_argument("--window-max", type=int, default=WINDOWS[1])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"))
     ap.add_argument("--synth-batch", type=int, default=SYNTH_BATCH,
@@ -356,13 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in a.tokens:
             cart, summary = train(model_dir, carts, n, tokens, a)
             name = "trained_" + cart.name.removeprefix("tr")
-            if cart.name == run_name(256, n, "constant", a.answer_tokens, seed_types=a.seed_types):
-                res["coverage"][scale_key(n, a.answer_tokens, a.seed_types)] = coverage(
+            if cart.name == data_run(n, a):
+                res["coverage"][scale_key(n, a.answer_tokens, a.seed_types, windows(a))] = coverage(
                     tok, carts / f"{cart.name}.train" / "data.pt", qs, pos)
             if name not in res["arms"]:
                 probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
                       lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens, autocast=a.autocast,
-                      trim_repeats=a.trim_repeats, seed_types=list(a.seed_types))
+                      trim_repeats=a.trim_repeats, seed_types=list(a.seed_types), batch_size=a.batch_size)
     save()
     print(a.out.with_suffix(".md").read_text())
     return 0

@@ -131,7 +131,13 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     assert S.run_name(256, 2048, "constant", seed_types=S.SEED_TYPES) == "tr256_n2048"
     assert S.run_name(256, 2048, "constant", seed_types=qs, lr=4e-3) == "tr256_n2048_seeds-su-qu_lr0.004"
     assert S.run_name(256, 2048, "constant", lr=2e-3) == "tr256_n2048"
+    assert S.run_name(256, 2048, "constant", lr=2e-2, batch_size=64) == "tr256_n2048_lr0.02_b64"
+    assert S.run_name(256, 2048, "constant", batch_size=S.BATCH) == "tr256_n2048"
     assert S.scale_key(2048, 256, qs) == "2048_a256_seeds-su-qu"
+    assert S.scale_key(2048, S.ANSWER_TOKENS, windows=S.WINDOWS) == "2048"
+    assert S.run_name(256, 2048, "constant", windows=(128, 256)) == "tr256_n2048_w128-256"
+    assert S.scale_title("2048_a256_w128-256_seeds-su-qu") == (
+        "2048 conversations, answers up to 256 tokens, windows of 128-256 tokens, seed types summarization, question")
     cov = {"facts": {"a16": {"bucket": ">=512", "split": "dev", "in_window": 3, "question": 1, "answer": 2}}}
     md = S.markdown({"meta": {"command": "c", "machine": {}, "lr": 2e-3, "batch_size": 8}, "arms": {},
                      "coverage": {"2048_a256": cov, "1024": cov, "128": cov, "2048_seeds-su-qu": cov}})
@@ -164,3 +170,19 @@ def test_coverage_by_seed_type_counts_dev_facts_beyond_the_window_only():
     md = S.markdown({"meta": {"command": "c", "machine": {}, "lr": 2e-3, "batch_size": 8}, "arms": {},
                      "coverage": {"8192": {"facts": {}, "by_seed_type": got}}})
     assert "| question | 2 | 2 | 1 | 0.500 |" in md and "| structuring |" not in md
+
+
+def test_teacher_windows_hold_the_evidence_where_asked_and_stay_inside_the_document():
+    import teacher_window as T
+
+    n = 1000
+    for length in (128, 256, 768):
+        for pos in (0, 5, 500, 990, 999):
+            for place in T.PLACES:
+                lo, hi = T.window_for(n, pos, length, place)
+                assert hi - lo == length and 0 <= lo and hi <= n and lo <= pos < hi
+    assert T.window_for(n, 500, 128, 0.5) == (436, 564)   # the evidence in the middle
+    assert T.window_for(n, 500, 128, 0.1) == (487, 615)   # near the start
+    assert T.window_for(n, 10, 128, 0.9) == (0, 128)      # moved in at the document's start
+    assert T.window_for(n, 995, 128, 0.1) == (872, 1000)  # and at its end
+    assert T.window_for(n, 500, T.WHOLE, 0.5) == (0, n) == T.window_for(n, 500, 4096, 0.5)
