@@ -19,7 +19,7 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.tools.selfstudy.config import (COSINE_FLOOR, LoopConfig, SynthConfig, TrainConfig, check_length,
                                                       default_lr, scheduled_lr)
 from lmcache_cartridge.tools.selfstudy.loop import (
-    CHECKPOINT_NAME, METRICS_NAME, batch_indices, build_student, encoder_of, run_loop,
+    CHECKPOINT_NAME, METRICS_NAME, accumulate_step, batch_indices, build_student, encoder_of, run_loop,
 )
 from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss
 from lmcache_cartridge.tools.selfstudy.run import (
@@ -235,6 +235,54 @@ def test_resume_continues_exactly(model_dir, doc, data_file, tmp_path):
         train_cartridge(other)
 
 
+def test_micro_batches_make_the_step_of_one_whole_batch(model_dir, doc, data_file, tmp_path):
+    """`--micro-batch`: a step of 8 conversations run 3 at a time has the gradient and loss of one
+    forward pass over all 8 (each part weighted by its share of the scored tokens, which differ
+    per conversation), no forward pass sees more than 3, and a run may resume with another value."""
+    cfg = with_data(config(model_dir, doc, tmp_path / "ref", steps=1), data_file)
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    train, _ = load_or_synthesize(cfg, model, tok, doc.read_text())
+    student = build_student(model, tok, doc.read_text(), TOKENS, 1)
+    kv = encoder_of(student).trainable_embedding
+
+    whole = collate(train, teacher=False, pad_id=tok.pad_token_id, device="cpu", questions=True)
+    assert len(set(whole.mask.sum(1).tolist())) > 1  # unequal parts: a plain mean of part means would differ
+    loss = distill_loss(answer_logprobs(student, whole), whole)
+    loss.backward()
+    reference, kv.grad = kv.grad.clone(), None
+
+    rows = []
+    hook = student.get_base_model().register_forward_pre_hook(
+        lambda _m, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        value = accumulate_step(student, train, micro_batch=3, pad_id=tok.pad_token_id, questions=True)
+    finally:
+        hook.remove()
+    assert rows == [3, 3, 2]
+    assert value == pytest.approx(float(loss.detach()), rel=1e-6)
+    # float32 sums in another order: equal to a millionth of the gradient's largest entry
+    torch.testing.assert_close(kv.grad, reference, rtol=1e-5, atol=1e-6 * float(reference.abs().max()))
+
+    def run(out, micro, steps):
+        c = config(model_dir, doc, tmp_path / out, steps=steps, kv_dtype="float32", save_every=1)
+        return with_data(replace(c, loop=replace(c.loop, batch_size=8, micro_batch=micro)), data_file)
+
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+
+    whole_cfg = run("one", 8, 2)
+    one = train_cartridge(whole_cfg)
+    parts = run("parts", 3, 1)
+    train_cartridge(parts)
+    resumed = train_cartridge(replace(parts, loop=replace(parts.loop, micro_batch=5, steps=2), overwrite=True))
+    assert resumed.loop.resumed_from == 1
+    assert resumed.loop.losses == pytest.approx(one.loop.losses[1:], rel=1e-5)
+    # Adam moves an entry whose gradient is rounding noise by up to the rate either way, so the
+    # two runs agree to a small fraction of how far the KV moved, not bit for bit.
+    start = export_kv(student).float()
+    a, b = PackedCartridge(parts.output).load_kv(), PackedCartridge(whole_cfg.output).load_kv()
+    assert float((a - b).norm()) < 1e-3 * float((b - start).norm())
+
+
 def test_cosine_schedule_decays_to_its_floor_and_resumes_on_the_same_curve(model_dir, doc, data_file, tmp_path,
                                                                           monkeypatch):
     assert scheduled_lr(1.0, "cosine", 0, 5) == 1.0
@@ -409,6 +457,9 @@ def test_synthesis_options_reach_the_vllm_engine_and_a_zero_batch_is_refused(mod
     assert main(base + ["--synth-batch", "0", "-q"]) == 2
     err = capsys.readouterr().err
     assert "--synth-batch must be positive" in err and "Traceback" not in err
+    assert main(base + ["--micro-batch", "0", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "--micro-batch and --steps must be positive" in err and "Traceback" not in err
     assert not (tmp_path / "o.train").exists()  # refused before any work
 
 

@@ -40,6 +40,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "paper's scaling runs; more conversations rather than more epochs)")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help=f"conversations per step (default {d.batch_size})")
+    p.add_argument("--micro-batch", type=int, default=d.micro_batch, metavar="N",
+                   help=f"conversations per forward pass (default {d.micro_batch}): a step's gradient is "
+                   "accumulated over parts of at most N, the same step for any N, with memory bounded by N")
     p.add_argument("--lr", type=float,
                    help=f"Adam learning rate for the KV (default: {SMALL_MODEL_LR:g} for models under 1B parameters, "
                    f"measured on SmolLM2-135M, where the paper's {PAPER_LR:g} erased the facts the first-k start "
@@ -102,8 +105,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                           question_tokens=args.question_tokens, answer_tokens=args.answer_tokens, top_k=args.top_k,
                           per_window=args.per_window, seed_types=parse_seed_types(args.seed_types)),
         loop=LoopConfig(steps=args.steps or one_epoch(args.conversations, args.batch_size), batch_size=args.batch_size,
-                        lr=args.lr, seed=args.seed, eval_every=args.eval_every, save_every=args.save_every,
-                        question_loss=args.question_loss, lr_schedule=args.lr_schedule,
+                        micro_batch=args.micro_batch, lr=args.lr, seed=args.seed, eval_every=args.eval_every,
+                        save_every=args.save_every, question_loss=args.question_loss, lr_schedule=args.lr_schedule,
                         autocast=args.autocast, trim_repeats=args.trim_repeats),
         device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads,
         work_dir=Path(args.work_dir) if args.work_dir else None,

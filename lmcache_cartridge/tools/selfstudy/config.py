@@ -56,6 +56,11 @@ def parse_seed_types(spec: str | Sequence[str]) -> tuple[str, ...]:
 class LoopConfig:
     steps: int
     batch_size: int = 8
+    # Conversations per forward pass: a step's gradient is accumulated over micro-batches of at
+    # most this many, each weighted by its share of the step's scored tokens, so the step is the
+    # same for any value (not part of the fingerprint) and memory is bounded by it, not by
+    # batch_size (the full-vocabulary log-probs of a batch of 64 outgrow 24 GiB).
+    micro_batch: int = 8
     lr: float | None = None  # None: `default_lr` for the model being trained
     seed: int = 0
     eval_every: int = 25
@@ -159,7 +164,9 @@ class TrainConfig:
                         "synth": synth, "seed": self.loop.seed})
 
     def fingerprint(self, text: str) -> str:
-        loop = {k: v for k, v in asdict(self.loop).items() if k not in ("steps", "eval_every", "save_every")}
+        # a resumed run may change these: steps may grow, and the others leave every step as it is
+        resumable = ("steps", "eval_every", "save_every", "micro_batch")
+        loop = {k: v for k, v in asdict(self.loop).items() if k not in resumable}
         if loop["lr_schedule"] == "constant":
             del loop["lr_schedule"]  # checkpoints of runs from before the option stay resumable
         else:

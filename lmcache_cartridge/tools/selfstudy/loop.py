@@ -76,6 +76,23 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
     return out
 
 
+def accumulate_step(student, convs: list[Conversation], *, micro_batch: int, pad_id: int, questions: bool,
+                    autocast_dtype: str | None = None) -> float:
+    """Add one step's gradient over `convs` to the cartridge's `.grad` and return the step's loss:
+    the mean over all their scored tokens, computed `micro_batch` conversations at a time (each
+    part's sum divided by the whole step's count, so the parts add up to one whole step)."""
+    parts = [collate(convs[i:i + micro_batch], teacher=False, pad_id=pad_id, device=student.device,
+                     questions=questions) for i in range(0, len(convs), micro_batch)]
+    count = int(sum(p.mask.sum() for p in parts))
+    total = 0.0
+    for part in parts:
+        with autocast(student.device, autocast_dtype):
+            loss = distill_loss(answer_logprobs(student, part), part, count=count)
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
 def heldout_kl(student, convs: list[Conversation], *, pad_id: int, batch_size: int = 8) -> float:
     """Mean full-vocabulary KL(teacher with the window || student with the cartridge) per answer
     token, on conversations never trained on (answer tokens whatever the loss scores, so the
@@ -172,7 +189,7 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
     result.heldout_kl = {r["step"]: r["heldout_kl"] for r in MetricsLog.read(log.path) if "heldout_kl" in r}
 
     def evaluate(step: int) -> None:
-        kl = heldout_kl(student, heldout, pad_id=pad_id, batch_size=cfg.batch_size)
+        kl = heldout_kl(student, heldout, pad_id=pad_id, batch_size=min(cfg.batch_size, cfg.micro_batch))
         result.heldout_kl[step] = kl
         log.write({"step": step, "heldout_kl": kl})
 
@@ -182,18 +199,16 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
                initial=start, total=cfg.steps)
     with bar:
         for step in bar:
-            batch = collate([train[i] for i in batch_indices(step, len(train), cfg.batch_size, cfg.seed)],
-                            teacher=False, pad_id=pad_id, device=student.device, questions=cfg.question_loss)
+            convs = [train[i] for i in batch_indices(step, len(train), cfg.batch_size, cfg.seed)]
             t0 = time.perf_counter()
             for group in optimizer.param_groups:  # set every step: a resumed run's saved rate is not trusted
                 group["lr"] = scheduled_lr(base_lr, cfg.lr_schedule, step, cfg.steps)
             optimizer.zero_grad(set_to_none=True)
-            with autocast(student.device, cfg.autocast):
-                loss = distill_loss(answer_logprobs(student, batch), batch)
-            loss.backward()
+            value = accumulate_step(student, convs, micro_batch=cfg.micro_batch, pad_id=pad_id,
+                                    questions=cfg.question_loss, autocast_dtype=cfg.autocast)
             optimizer.step()
             seconds = time.perf_counter() - t0
-            done, value = step + 1, float(loss.detach())
+            done = step + 1
             result.losses.append(value)
             result.step_seconds.append(seconds)
             log.write({"step": done, "loss": value, "seconds": seconds})

@@ -78,13 +78,15 @@ def answer_logprobs(model, batch: Batch) -> torch.Tensor:
     return torch.log_softmax(logits.gather(1, index).float(), dim=-1)
 
 
-def distill_loss(student_lp: torch.Tensor, batch: Batch) -> torch.Tensor:
+def distill_loss(student_lp: torch.Tensor, batch: Batch, count: int | None = None) -> torch.Tensor:
     """Cross-entropy of the student against the teacher's kept top-k distribution, mean over
-    scored tokens (the paper's objective; equal to the top-k KL up to the teacher's entropy)."""
+    scored tokens (the paper's objective; equal to the top-k KL up to the teacher's entropy).
+    `count`: the scored tokens of the whole step when `batch` is one micro-batch of it, so the
+    micro-batches' losses add up to the step's mean."""
     picked = student_lp.gather(-1, batch.topk_ids)
     weight = batch.topk_logprobs.exp()  # exp(-inf) = 0: dropped entries weigh nothing
     ce = -(weight * picked).sum(-1)
-    return (ce * batch.mask).sum() / batch.mask.sum()
+    return (ce * batch.mask).sum() / (batch.mask.sum() if count is None else count)
 
 
 def kl_sum(teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:

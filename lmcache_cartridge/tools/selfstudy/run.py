@@ -158,8 +158,8 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     cartridge_id = run_id(cfg)  # refused now, not after training
     if cfg.output.exists() and not cfg.overwrite:
         raise CartridgeError(f"{cfg.output} already exists (use --overwrite to replace it)")
-    if cfg.conversations < 1 or cfg.loop.batch_size < 1 or cfg.loop.steps < 1:
-        raise CartridgeError("--conversations, --batch-size and --steps must be positive")
+    if min(cfg.conversations, cfg.loop.batch_size, cfg.loop.micro_batch, cfg.loop.steps) < 1:
+        raise CartridgeError("--conversations, --batch-size, --micro-batch and --steps must be positive")
     if cfg.synth_batch < 1:
         raise CartridgeError(f"--synth-batch must be positive (conversations per vLLM engine call), "
                              f"got {cfg.synth_batch}")
