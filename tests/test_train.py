@@ -19,7 +19,7 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.tools.selfstudy.config import (COSINE_FLOOR, LoopConfig, SynthConfig, TrainConfig, check_length,
                                                       default_lr, scheduled_lr)
 from lmcache_cartridge.tools.selfstudy.loop import (
-    CHECKPOINT_NAME, METRICS_NAME, accumulate_step, batch_indices, build_student, encoder_of, run_loop,
+    CHECKPOINT_NAME, METRICS_NAME, MetricsLog, accumulate_step, batch_indices, build_student, encoder_of, run_loop,
 )
 from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss
 from lmcache_cartridge.tools.selfstudy.run import (
@@ -281,6 +281,23 @@ def test_micro_batches_make_the_step_of_one_whole_batch(model_dir, doc, data_fil
     start = export_kv(student).float()
     a, b = PackedCartridge(parts.output).load_kv(), PackedCartridge(whole_cfg.output).load_kv()
     assert float((a - b).norm()) < 1e-3 * float((b - start).norm())
+
+
+def test_a_run_stopped_before_its_first_checkpoint_logs_each_step_once(model_dir, doc, data_file, tmp_path):
+    cfg = with_data(config(model_dir, doc, tmp_path / "c", steps=2, eval_every=1), data_file)
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    train, heldout = load_or_synthesize(cfg, model, tok, doc.read_text())
+    student = build_student(model, tok, doc.read_text(), TOKENS, 1)
+    work = tmp_path / "loop"
+    run_loop(student, train, heldout, cfg.loop, work_dir=work, fingerprint="fp", pad_id=tok.pad_token_id,
+             progress=False)
+    (work / CHECKPOINT_NAME).unlink()  # as if stopped before it was written
+    student = build_student(model, tok, doc.read_text(), TOKENS, 1)
+    again = run_loop(student, train, heldout, cfg.loop, work_dir=work, fingerprint="fp", pad_id=tok.pad_token_id,
+                     progress=False)
+    assert again.resumed_from == 0
+    records = [(r["step"], "loss" if "loss" in r else "kl") for r in MetricsLog.read(work / METRICS_NAME)]
+    assert records == [(0, "kl"), (1, "loss"), (1, "kl"), (2, "loss"), (2, "kl")]
 
 
 def test_cosine_schedule_decays_to_its_floor_and_resumes_on_the_same_curve(model_dir, doc, data_file, tmp_path,

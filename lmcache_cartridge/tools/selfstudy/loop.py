@@ -137,7 +137,7 @@ def load_checkpoint(work_dir: Path, fingerprint: str) -> dict[str, Any] | None:
 
 class MetricsLog:
     """`metrics.jsonl`: one object per line, `{"step", "loss", "seconds"}` or `{"step", "heldout_kl"}`.
-    On resume, lines after the checkpoint's step are dropped (that work is redone)."""
+    Lines after `keep_until` are dropped (that work is redone): the checkpoint's step on resume."""
 
     def __init__(self, path: Path, keep_until: int) -> None:
         self.path = path
@@ -184,7 +184,8 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
         start = int(ck["step"])
     if start > cfg.steps:
         raise CartridgeError(f"the checkpoint in {work_dir} is at step {start}, past --steps {cfg.steps}")
-    log = MetricsLog(work_dir / METRICS_NAME, keep_until=start)
+    # without a checkpoint every line is from a try that is redone, step 0's held-out KL included
+    log = MetricsLog(work_dir / METRICS_NAME, keep_until=start if ck is not None else -1)
     result = LoopResult(steps=cfg.steps, resumed_from=start)
     result.heldout_kl = {r["step"]: r["heldout_kl"] for r in MetricsLog.read(log.path) if "heldout_kl" in r}
 
