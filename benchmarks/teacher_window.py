@@ -61,19 +61,21 @@ def main() -> None:
     body = document_body(tok, text)
     qs = [q for q in Q.load_questions() if q.doc == "a" and q.split == "dev"]
     pos = {q.id: Q.evidence_position(tok, text, q.evidence) for q in qs}
+    n = len(body)
+    sizes = list(dict.fromkeys(length if 0 < length < n else n for length in a.windows))  # the whole one: n
     asked = []  # (question, window length, place, window, prompt ids)
     for q in qs:
-        for length in a.windows:
-            for place in (PLACES if 0 < length < len(body) else (None,)):
-                w = window_for(len(body), pos[q.id], length, place or 0.0)
+        for size in sizes:
+            for place in (PLACES if size < n else (None,)):
+                w = window_for(n, pos[q.id], size, place or 0.0)
                 ids = chat_ids(tok, [system_message(tok, body, w), {"role": "user", "content": q.question}])
-                asked.append((q, length, place, w, ids))
+                asked.append((q, size, place, w, ids))
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    cfg = SynthConfig(window_max=max(len(body), max(a.windows)), answer_tokens=a.answer_tokens)
+    cfg = SynthConfig(window_max=n, answer_tokens=a.answer_tokens)
     with VllmBackend(model_dir, tok, cfg) as be:
         params = SamplingParams(temperature=0.0, max_tokens=a.answer_tokens, stop_token_ids=[tok.eos_token_id])
         outs = be.start().generate([TokensPrompt(prompt_token_ids=ids) for *_, ids in asked], params,
@@ -81,31 +83,31 @@ def main() -> None:
     seconds = time.perf_counter() - t0
 
     rows = []
-    for (q, length, place, w, _), out in zip(asked, outs):
+    for (q, size, place, w, _), out in zip(asked, outs):
         answer = tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
-        rows.append({"id": q.id, "bucket": Q.bucket(pos[q.id]), "window_tokens": length or len(body),
+        rows.append({"id": q.id, "bucket": Q.bucket(pos[q.id]), "window_tokens": size,
                      "place": place, "window": list(w), "answer": answer, "correct": Q.fact_found(q.fact, answer)})
 
     def acc(sel):
         return [sum(r["correct"] for r in sel), len(sel)]
 
     table = {}
-    for length in a.windows:
-        sel = [r for r in rows if r["window_tokens"] == (length or len(body))]
-        table[length or len(body)] = {b: acc([r for r in sel if r["bucket"] == b]) for _, _, b in Q.POSITION_BUCKETS}
-        table[length or len(body)]["all"] = acc(sel)
+    for size in sizes:
+        sel = [r for r in rows if r["window_tokens"] == size]
+        table[size] = {b: acc([r for r in sel if r["bucket"] == b]) for _, _, b in Q.POSITION_BUCKETS}
+        table[size]["all"] = acc(sel)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(
-        {"model": str(model_dir), "document_tokens": len(body), "questions": len(qs), "split": "dev",
+        {"model": str(model_dir), "document_tokens": n, "questions": len(qs), "split": "dev",
          "places": PLACES, "answer_tokens": a.answer_tokens, "seconds": round(seconds, 1),
          "machine": _common.machine_info(), "table": table, "rows": rows}, indent=1))
     lines = [f"Teacher answers to document A's {len(qs)} dev questions by window length "
-             f"({len(body)}-token document; evidence at {', '.join(f'{p:.0%}' for p in PLACES)} of the window; "
+             f"({n}-token document; evidence at {', '.join(f'{p:.0%}' for p in PLACES)} of the window; "
              f"greedy, {a.answer_tokens} tokens; facts stated / asked)", "",
              "| window (tokens) | all | " + " | ".join(b for _, _, b in Q.POSITION_BUCKETS) + " |",
              "|---:|---:|" + "---:|" * len(Q.POSITION_BUCKETS)]
     for length, t in table.items():
-        lines.append(f"| {length}{' (whole)' if length == len(body) else ''} | {t['all'][0]}/{t['all'][1]} | "
+        lines.append(f"| {length}{' (whole)' if length == n else ''} | {t['all'][0]}/{t['all'][1]} | "
                      + " | ".join(f"{t[b][0]}/{t[b][1]}" for _, _, b in Q.POSITION_BUCKETS) + " |")
     a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
