@@ -100,14 +100,15 @@ def scale_title(key: str) -> str:
 def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOKENS,
              autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES,
              lr: float = LR, batch_size: int = BATCH,
-             windows: tuple[int, int] = WINDOWS) -> str:
+             windows: tuple[int, int] = WINDOWS, question_loss: bool = True) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
     256 tokens, `_w128-256` for teacher windows of 128-256 tokens, `_seeds-su-qu` for
     conversations from some seed types only, `_lr0.004` for another rate than the curve's,
-    `_b64` for 64 conversations per step, `_cos` for a cosine schedule, `_t16` for answers
+    `_b64` for 64 conversations per step, `_ans` for a loss over answer tokens only (the curve's
+    scores question and answer tokens), `_cos` for a cosine schedule, `_t16` for answers
     trimmed where they repeat a run of 16 tokens, `_bf16` for steps under bf16 autocast)."""
     return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types, windows)}" + ("" if lr == LR else f"_lr{lr:g}")
-            + ("" if batch_size == BATCH else f"_b{batch_size}")
+            + ("" if batch_size == BATCH else f"_b{batch_size}") + ("" if question_loss else "_ans")
             + ("" if schedule == "constant" else f"_{schedule[:3]}")
             + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16"))
 
@@ -128,7 +129,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
     256-token run's data of that scale, answer length and seed types (same document, same
     synthesis settings)."""
     name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr,
-                    a.batch_size, windows(a))
+                    a.batch_size, windows(a), a.question_loss)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
         first = carts / f"{data_run(n, a)}.train" / "data.pt"
@@ -150,7 +151,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--dtype", "float32"] + (["--synth-eager"] if a.synth_eager else []) \
             + (["--threads", str(a.threads)] if a.threads else []) \
             + (["--autocast", a.autocast] if a.autocast else []) + ["--trim-repeats", str(a.trim_repeats)] \
-            + ["--seed-types", ",".join(a.seed_types)]
+            + ["--seed-types", ",".join(a.seed_types)] + ([] if a.question_loss else ["--no-question-loss"])
         print("[scale] " + " ".join(cmd), flush=True)
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
@@ -248,7 +249,7 @@ def markdown(res: dict[str, Any]) -> str:
 
     lines = [f"# Data scale: {res['meta']['command']}", "",
              f"{machine(res['meta']['machine'])}; lr {LR:g}, batch {BATCH} (where an arm's name says no "
-             "other: `_lr`, `_b`), one epoch; "
+             "other: `_lr`, `_b`), loss over question and answer tokens (`_ans`: answers only), one epoch; "
              "HF probe of document A's 40 questions (greedy).", "",
              "| arm | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | LL fact <256 / >=512 | "
              "held-out KL init -> final | train wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -302,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="train's --seed-types (other conversations: arms, cartridges and coverage named "
                     "with _seeds-<codes>, two letters per type)")
     ap.add_argument("--batch-size", type=int, default=BATCH)
+    ap.add_argument("--no-question-loss", dest="question_loss", action="store_false",
+                    help="train's --no-question-loss: score answer tokens only (arms and cartridges named with "
+                    "_ans; the same conversations)")
     ap.add_argument("--heldout", type=int, default=16)
     ap.add_argument("--question-tokens", type=int, default=48)
     ap.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
@@ -387,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             if name not in res["arms"]:
                 probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
                       lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens, autocast=a.autocast,
-                      trim_repeats=a.trim_repeats, seed_types=list(a.seed_types), batch_size=a.batch_size)
+                      trim_repeats=a.trim_repeats, seed_types=list(a.seed_types), batch_size=a.batch_size,
+                      question_loss=a.question_loss)
     save()
     print(a.out.with_suffix(".md").read_text())
     return 0

@@ -133,6 +133,7 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     assert S.run_name(256, 2048, "constant", lr=2e-3) == "tr256_n2048"
     assert S.run_name(256, 2048, "constant", lr=2e-2, batch_size=64) == "tr256_n2048_lr0.02_b64"
     assert S.run_name(256, 2048, "constant", batch_size=S.BATCH) == "tr256_n2048"
+    assert S.run_name(256, 2048, "constant", question_loss=False) == "tr256_n2048_ans"
     assert S.scale_key(2048, 256, qs) == "2048_a256_seeds-su-qu"
     assert S.scale_key(2048, S.ANSWER_TOKENS, windows=S.WINDOWS) == "2048"
     assert S.run_name(256, 2048, "constant", windows=(128, 256)) == "tr256_n2048_w128-256"
