@@ -59,7 +59,7 @@ class LoopConfig:
     # Conversations per forward pass: a step's gradient is accumulated over micro-batches of at
     # most this many, each weighted by its share of the step's scored tokens, so the step is the
     # same for any value (not part of the fingerprint) and memory is bounded by it, not by
-    # batch_size (the full-vocabulary log-probs of a batch of 64 outgrow 24 GiB).
+    # batch_size (the full-vocabulary log-probs of a batch of 64 ran a 23.5 GiB machine out of memory).
     micro_batch: int = 8
     lr: float | None = None  # None: `default_lr` for the model being trained
     seed: int = 0
