@@ -290,7 +290,7 @@ def _train_summary(out: Path, work: Path) -> dict[str, Any]:
     metrics = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return {"steps": prov.get("steps"), "heldout_kl": prov.get("heldout_kl"), "loss": prov.get("loss"),
             "seconds_per_step": prov.get("seconds_per_step"), "train_wall_seconds": prov.get("train_wall_seconds"),
-            "conversations": (prov.get("data") or {}).get("conversations"),
+            "conversations": (prov.get("data") or {}).get("conversations"), "device": prov.get("device"),
             "kl_by_step": {r["step"]: r["heldout_kl"] for r in metrics if "heldout_kl" in r}}
 
 

@@ -33,6 +33,12 @@ the dev split (docs/benchmarks.md), and both splits are only reported.
 
 Everything is cached in `--work` (default .cache/quality/scale): rerun to resume; results are
 merged into `--out`.json/.md (default benchmarks/results/quality/scale).
+
+A scale too large for the CPU trains on a GPU machine (`benchmarks/gpu_scale.sh`: `--train-only
+--device cuda`, HF + PEFT where vLLM is not installed); its cartridge, metrics and coverage come
+back into the work directory, and the same command here (without `--train-only`) asks its
+questions as it asks every other arm's: a cartridge already in the work directory is not trained
+again.
 """
 
 from __future__ import annotations
@@ -146,7 +152,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--eval-every", str(max(1, n // a.batch_size // 4)), "--save-every", "10",
                "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
                "--window-min", str(a.window_min), "--window-max", str(a.window_max), "--seed", str(a.seed),
-               "--synth-backend", a.synth_backend, "--synth-batch", str(a.synth_batch),
+               "--synth-backend", a.synth_backend, "--synth-batch", str(a.synth_batch), "--device", a.device,
                # the curve trains in fp32 on every device (train's CUDA default is bf16)
                "--dtype", "float32"] + (["--synth-eager"] if a.synth_eager else []) \
             + (["--threads", str(a.threads)] if a.threads else []) \
@@ -201,8 +207,22 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "ll_fact_by_position": {b: ll_fact([r for r in rows if r["bucket"] == b]) for b in BUCKETS}}
 
 
+COVERAGE_NAME = "coverage.json"  # beside the run's data.pt: the report, kept where the data cannot travel
+
+
 def coverage(tok, data_pt: Path, qs: list[Q.Question], pos: dict[str, int]) -> dict[str, Any]:
-    """Per fact: conversations whose window held its evidence, whose question or answer stated it."""
+    """Per fact: conversations whose window held its evidence, whose question or answer stated it.
+    Computed once from `data_pt` and kept beside it (`COVERAGE_NAME`): a run trained on another
+    machine brings back the report, not its data."""
+    kept = data_pt.with_name(COVERAGE_NAME)
+    if kept.exists():
+        return json.loads(kept.read_text())
+    report = coverage_of(tok, data_pt, qs, pos)
+    kept.write_text(json.dumps(report))
+    return report
+
+
+def coverage_of(tok, data_pt: Path, qs: list[Q.Question], pos: dict[str, int]) -> dict[str, Any]:
     import torch
 
     data = torch.load(data_pt, map_location="cpu", weights_only=True)["train"]
@@ -247,6 +267,9 @@ def markdown(res: dict[str, Any]) -> str:
         x = (r.get("ll_fact_by_position") or {}).get(b)
         return "" if x is None else f"{x:.2f}"
 
+    def wall(t):  # a run trained on a GPU says so (its wall time is that machine's)
+        return f"{t.get('wall_s') or ''}" + (f" ({t['device']})" if str(t.get("device")).startswith("cuda") else "")
+
     lines = [f"# Data scale: {res['meta']['command']}", "",
              f"{machine(res['meta']['machine'])}; lr {LR:g}, batch {BATCH} (where an arm's name says no "
              "other: `_lr`, `_b`), loss over question and answer tokens (`_ans`: answers only), one epoch; "
@@ -259,7 +282,7 @@ def markdown(res: dict[str, Any]) -> str:
         klt = f"{kl.get('init'):.3f} -> {kl.get('final'):.3f}" if kl.get("init") is not None else ""
         lines.append(f"| {name} | {r.get('conversations', '')} | {f(r['facts'])} | {f(r['dev'])} | {f(r['heldout'])} | "
                      + " | ".join(f(r["by_position"][b]) for b in BUCKETS)
-                     + f" | {ll(r, '<256')} / {ll(r, '>=512')} | {klt} | {t.get('wall_s') or ''} |")
+                     + f" | {ll(r, '<256')} / {ll(r, '>=512')} | {klt} | {wall(t)} |")
     for key, cov in sorted(res.get("coverage", {}).items(), key=lambda kv: (int(kv[0].split("_")[0]), kv[0])):
         facts = cov["facts"]
         lines += ["", f"## Coverage at {scale_title(key)} (facts beyond 512 tokens)", "",
@@ -278,6 +301,22 @@ def markdown(res: dict[str, Any]) -> str:
                       f"{r['answer'] / r['windows'] if r['windows'] else 0:.3f} |"
                       for t, r in cov["by_seed_type"].items() if r["conversations"]]
     return "\n".join(lines) + "\n"
+
+
+def train_only(model_dir: Path, carts: Path, qs: list[Q.Question], a: argparse.Namespace) -> int:
+    """`--train-only`: each scale's cartridges trained and its coverage report written, nothing asked."""
+    from lmcache_cartridge.tools.selfstudy.run import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    pos = {q.id: Q.evidence_position(tok, Q.document("a"), q.evidence) for q in qs}
+    for n in a.scales:
+        for tokens in a.tokens:
+            cart, summary = train(model_dir, carts, n, tokens, a)
+            if cart.name == data_run(n, a):
+                coverage(tok, carts / f"{cart.name}.train" / "data.pt", qs, pos)
+            print(f"[scale] trained {cart.name}: {summary['steps']} steps, held-out KL {summary['heldout_kl']}, "
+                  f"{summary['wall_s']} s", flush=True)
+    return 0
 
 
 def seed_types_arg(text: str) -> tuple[str, ...]:
@@ -317,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synth-batch", type=int, default=SYNTH_BATCH,
                     help="train's --synth-batch: conversations per vLLM engine call (1024 on a GPU)")
     ap.add_argument("--synth-eager", action="store_true", help="train's --synth-eager (a faster engine start)")
+    ap.add_argument("--device", default="auto", help="train's --device (auto: cuda where present)")
+    ap.add_argument("--train-only", action="store_true",
+                    help="train the scales' cartridges and write their coverage reports, ask nothing (a GPU "
+                    "machine's part: benchmarks/gpu_scale.sh)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=0, help="torch threads for training (0: torch's default)")
     ap.add_argument("--probe-threads", type=int, default=1, help="torch threads for asking the questions (one "
@@ -339,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     carts.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_real_model()
     qs = [q for q in Q.load_questions() if q.doc == "a"]
+    if a.train_only:
+        return train_only(model_dir, carts, qs, a)
     path = a.out.with_suffix(".json")
     res = json.loads(path.read_text()) if path.exists() else {"arms": {}, "coverage": {}}
     res["meta"] = {"command": " ".join([".venv/bin/python", "benchmarks/quality_scale.py", *(argv or sys.argv[1:])]),

@@ -218,6 +218,31 @@ def passes(r) -> bool:
             and r["top1_agree"] >= MIN_TOP1_AGREEMENT)
 
 
+def test_hf_batches_give_the_one_at_a_time_backends_answers_and_targets(hf, doc):
+    """The GPU fallback (many conversations per `generate`, left-padded) against HF one at a time
+    on the same questions: the same greedy answers, the same answer and question targets, and a
+    plain forward of the teacher's sequence agrees with them (one position off it does not)."""
+    from lmcache_cartridge.tools.selfstudy.synth import HFBatchBackend, _generate, prompt_targets, teacher_topk
+
+    _, model, tok = hf
+    convs = synthesize(HFBatchBackend(model, tok, batch=6), tok, doc.read_text(), SYNTH, count=6, seed=0,
+                       tag="t", progress=False)
+    assert len(convs) == 6 and len({len(c.teacher_prefix) for c in convs}) > 1  # rows were padded
+    for c in convs:
+        assert c.topk_ids[:, 0].tolist() == c.answer  # greedy: the answer is the teacher's own top-1
+        answer, logits = _generate(model, c.teacher_prefix, max_new_tokens=SYNTH.answer_tokens, temperature=0.0,
+                                   seed=0, tokenizer=tok, want_logits=True)
+        assert answer == c.answer
+        ids, lp = teacher_topk(logits, SYNTH.top_k, SYNTH.cover)
+        assert torch.equal(ids[:, :5], c.topk_ids[:, :5])
+        torch.testing.assert_close(lp, c.topk_logprobs, rtol=1e-4, atol=1e-4)
+        (p_ids, p_lp), _ = prompt_targets(model, c.teacher_prefix,
+                                          scored_prompt_tokens(c.teacher_prefix, c.student_prefix), SYNTH)
+        assert torch.equal(p_ids[:, :5], c.prompt_topk_ids[:, :5])
+        torch.testing.assert_close(p_lp, c.prompt_topk_logprobs, rtol=1e-4, atol=1e-4)
+    assert passes(compare(model, tok, convs)) and not passes(compare(model, tok, convs, shift=1))
+
+
 @pytest.fixture(scope="module")
 def vllm_data(hf, doc, tmp_path_factory):
     """Conversations made by `train`'s own path with the vLLM backend (engine started and closed)."""

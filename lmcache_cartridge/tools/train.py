@@ -72,10 +72,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="score answer tokens only (default: question and answer tokens, the paper's objective)")
     p.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"),
                    help="who writes the conversations: vllm (an in-process engine, many in flight), hf "
-                   "(transformers generate, one at a time); auto: vllm where installed")
+                   "(transformers generate: one at a time on CPU, --synth-batch at a time on CUDA); auto: vllm "
+                   "where installed")
     p.add_argument("--synth-batch", type=int, default=SYNTH_BATCH, metavar="N",
-                   help="conversations per vLLM engine call (default %(default)s, for two CPU cores; ~1024 on a "
-                   "GPU); the conversations are the same at any size")
+                   help="conversations per vLLM engine call, or per HF generate call on CUDA (default %(default)s, "
+                   "for two CPU cores; ~1024 on a GPU); vLLM writes the same conversations at any size, HF on "
+                   "CUDA the same ones for the same size")
     p.add_argument("--synth-eager", action="store_true",
                    help="run vLLM's synthesis engine without torch.compile and CUDA graphs: a faster start, and "
                    "a step of more sequences than vLLM captures graphs for (512) runs without one anyway")

@@ -18,8 +18,8 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import atomic_open
 from lmcache_cartridge.tools.selfstudy.config import TrainConfig, check_length, parse_seed_types
 from lmcache_cartridge.tools.selfstudy.loop import LoopResult, build_student, encoder_of, learning_rate, run_loop
-from lmcache_cartridge.tools.selfstudy.synth import (SEED_TYPES, Conversation, HFBackend, ShardStore, synthesize,
-                                                     trim_repeats)
+from lmcache_cartridge.tools.selfstudy.synth import (SEED_TYPES, Conversation, HFBackend, HFBatchBackend, ShardStore,
+                                                     synthesize, trim_repeats)
 
 DATA_NAME = "data.pt"
 SHARDS_NAME = "synth"  # finished synthesis batches of an unfinished data set (resume)
@@ -122,6 +122,11 @@ def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str, *,
     if backend is None:
         if synth_backend_name(cfg.synth_backend) == "vllm":
             backend = own = vllm_backend(cfg, tokenizer)
+        elif resolve_device(cfg.device).type == "cuda":
+            # many at once, in the dtype the model is served in (as vLLM would write them)
+            if model is None:
+                model, _ = load_for_training(cfg.model_dir, resolve_device(cfg.device), checkpoint_dtype(cfg.model_dir))
+            backend = HFBatchBackend(model, tokenizer, batch=cfg.synth_batch)
         else:
             if model is None:
                 model, _ = load_for_training(cfg.model_dir, resolve_device(cfg.device), torch.float32)

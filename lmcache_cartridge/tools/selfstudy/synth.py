@@ -11,9 +11,10 @@ context, and per answer token, and per token of the user turn (the question), we
 next-token distribution until the kept probability reaches `cover` (the distillation target).
 The student later sees only the question and the answer, after the cartridge.
 
-Two backends draw the same conversations (`plan` fixes everything but the model's output): HF
-`generate`, one conversation at a time (`HFBackend`, the fallback), and a vLLM engine with many
-in flight (`selfstudy.vllm_synth`).
+Three backends follow the same plan (`plan` fixes everything but the model's output): HF
+`generate`, one conversation at a time (`HFBackend`, the fallback on CPU), HF `generate` on a
+batch of conversations at once (`HFBatchBackend`, the fallback on a GPU), and a vLLM engine with
+many in flight (`selfstudy.vllm_synth`).
 """
 
 from __future__ import annotations
@@ -222,6 +223,56 @@ def _generate(model, ids: list[int], *, max_new_tokens: int, temperature: float,
     return new, logits
 
 
+def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[B, S]` ids and attention mask, each sequence right-aligned (what `generate` continues)."""
+    S = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), S), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), S), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, S - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[b, S - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _through_eos(tokens: list[int], eos: int) -> list[int]:
+    """A batch row's new tokens up to its first EOS, included (the rest is padding after it)."""
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def _generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int,
+                    tokenizer, want_logits: bool) -> tuple[list[list[int]], torch.Tensor | None]:
+    """`_generate` for many prompts at once (left-padded): each row's new tokens through its EOS
+    and, with `want_logits`, the raw logits `[B, T, V]` (row b's first `len(new[b])` are its own)."""
+    device = next(model.parameters()).device
+    inp, mask = _left_pad(prompts, tokenizer.pad_token_id, device)
+    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, return_dict_in_generate=True,
+                                  output_logits=want_logits)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = model.generate(inp, attention_mask=mask, **kwargs)
+    new = [_through_eos(row, tokenizer.eos_token_id) for row in out.sequences[:, inp.shape[1]:].tolist()]
+    return new, (torch.stack(out.logits, dim=1) if want_logits else None)
+
+
+def _prompt_targets_batch(model, prefixes: list[list[int]], scored: list[int], cfg: SynthConfig,
+                          pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`prompt_targets`' targets for many teacher prompts in one left-padded forward (no cache:
+    `_generate_batch` prefills the answers' prompts itself)."""
+    device = next(model.parameters()).device
+    ids, mask = _left_pad([p[:-1] for p in prefixes], pad_id, device)
+    with torch.inference_mode():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                       logits_to_keep=max(max(scored), 1), use_cache=False).logits
+    empty = (torch.zeros((0, cfg.top_k), dtype=torch.int64), torch.zeros((0, cfg.top_k)))
+    return [teacher_topk(logits[b, -n:], cfg.top_k, cfg.cover) if n else empty for b, n in enumerate(scored)]
+
+
 def synthesize_one(model, tokenizer, body: list[int], cfg: SynthConfig, spec: Spec) -> Conversation | None:
     """One conversation by HF `generate`, fully determined by `spec`. None when the question is empty."""
     system = system_message(tokenizer, body, spec.window)
@@ -303,6 +354,51 @@ class HFBackend:
             out.append(synthesize_one(self.model, self.tokenizer, body, cfg, s))
             if done is not None:
                 done(out[-1])
+        return out
+
+
+class HFBatchBackend:
+    """HF transformers `generate` on `batch` conversations at once, left-padded: the fallback on
+    a GPU, which one conversation at a time leaves nearly idle. Two rounds per batch, as the vLLM
+    backend's: the questions (sampled), then one forward for the question targets and a greedy
+    `generate` for the answers and their targets. Answers and targets are `HFBackend`'s up to
+    rounding (`tests/test_synth_vllm.py`); the questions are sampled with one seed per batch (its
+    first conversation's), so which question a conversation gets depends on the batch it is drawn
+    in: the same `--synth-batch` draws the same data, a resumed run included (it resumes at a batch
+    boundary)."""
+
+    name = "hf-batch"
+
+    def __init__(self, model, tokenizer, batch: int) -> None:
+        self.model, self.tokenizer, self.batch = model, tokenizer, batch
+
+    def run(self, body: list[int], cfg: SynthConfig, specs: list[Spec],
+            done: Callable[[Conversation | None], None] | None = None) -> list[Conversation | None]:
+        tok = self.tokenizer
+        systems = [system_message(tok, body, s.window) for s in specs]
+        q_new, _ = _generate_batch(self.model, [chat_ids(tok, [sy, {"role": "user", "content": s.seed_prompt}])
+                                                for sy, s in zip(systems, specs)],
+                                   max_new_tokens=cfg.question_tokens, temperature=cfg.question_temperature,
+                                   seed=specs[0].question_seed, tokenizer=tok, want_logits=False)
+        questions = [tok.decode(q, skip_special_tokens=True).strip() for q in q_new]
+        live = [i for i, q in enumerate(questions) if q]
+        out: list[Conversation | None] = [None] * len(specs)
+        if live:
+            users = [{"role": "user", "content": questions[i]} for i in live]
+            teacher = [chat_ids(tok, [systems[i], u]) for i, u in zip(live, users)]
+            student = [student_prompt_ids(tok, u) for u in users]
+            prompt = _prompt_targets_batch(self.model, teacher, [scored_prompt_tokens(t, s)
+                                                                 for t, s in zip(teacher, student)],
+                                           cfg, tok.pad_token_id)
+            answers, logits = _generate_batch(self.model, teacher, max_new_tokens=cfg.answer_tokens,
+                                              temperature=0.0, seed=0, tokenizer=tok, want_logits=True)
+            for row, i in enumerate(live):
+                ids, lp = teacher_topk(logits[row, :len(answers[row])], cfg.top_k, cfg.cover)
+                out[i] = Conversation(specs[i].seed_type, specs[i].window, questions[i], student[row], teacher[row],
+                                      answers[row], ids, lp, *prompt[row])
+        if done is not None:
+            for c in out:
+                done(c)
         return out
 
 
