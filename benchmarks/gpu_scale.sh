@@ -3,14 +3,18 @@
 # HF transformers on batches of conversations (vLLM is not needed there), the training by PEFT,
 # with the curve's settings (quality_scale.py's), fp32 training as on the CPU.
 #
-#   benchmarks/gpu_scale.sh 32768            # on the GPU machine, in a checkout with the model
-#   tar -xf gpu_scale_n32768.tar -C .cache/quality/scale/carts   # back here, then ask its questions:
-#   .venv/bin/python benchmarks/quality_scale.py --scales 32768 --no-baselines
+#   benchmarks/gpu_scale.sh 8192                 # on the GPU machine, in a checkout with the model
+#   mkdir -p .cache/quality/scale_gpu/carts       # back here: the tar into a work dir of its own
+#   tar -xf gpu_scale_n8192.tar -C .cache/quality/scale_gpu/carts
+#   .venv/bin/python benchmarks/quality_scale.py --scales 8192 --no-baselines \
+#       --work .cache/quality/scale_gpu --out benchmarks/results/quality/scale_gpu   # asks its questions
 #
-# The model must sit where this checkout's LMCACHE_CARTRIDGE_HOME puts it (`make model`), at the
-# same absolute path as on the machine that asks the questions: the data's fingerprint names it.
-# Leaves gpu_scale_n<N>.tar (the cartridge, its metrics, wall time and coverage report; not the
-# conversations or checkpoints) in $OUT or the current directory.
+# A work dir of its own, because a GPU run's conversations are not the CPU run's of the same scale
+# (HF there, vLLM here) though the cartridge's name is the same. The model must sit where this
+# checkout's LMCACHE_CARTRIDGE_HOME puts it (`make model`; on the GPU box without a network:
+# device/hf_payload.sh and device/hf_on_device.sh). Leaves gpu_scale_n<N>.tar (the cartridge, its
+# metrics, wall time and coverage report; not the conversations or checkpoints) in $OUT or the
+# current directory.
 set -euo pipefail
 N=${1:?usage: benchmarks/gpu_scale.sh CONVERSATIONS [quality_scale.py options]}
 shift
