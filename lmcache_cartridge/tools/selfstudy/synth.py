@@ -200,29 +200,6 @@ def truncate_cover(lp: torch.Tensor, cover: float) -> torch.Tensor:
     return lp.float().masked_fill(~keep, float("-inf"))
 
 
-def _generate(model, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
-              tokenizer, want_logits: bool, past_key_values=None):
-    """`past_key_values`: a cache of `ids[:-1]` already computed (generate prefills the rest)."""
-    device = next(model.parameters()).device
-    inp = torch.tensor([ids], device=device)
-    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, return_dict_in_generate=True,
-                                  output_logits=want_logits)
-    if past_key_values is not None:
-        kwargs["past_key_values"] = past_key_values
-    if temperature > 0:
-        kwargs.update(do_sample=True, temperature=temperature)
-    else:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            out = model.generate(inp, attention_mask=torch.ones_like(inp), **kwargs)
-    new = [int(t) for t in out.sequences[0, len(ids):].tolist()]
-    logits = torch.cat(out.logits, dim=0) if want_logits else None
-    return new, logits
-
-
 def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """`[B, S]` ids and attention mask, each sequence right-aligned (what `generate` continues)."""
     S = max(len(s) for s in seqs)
@@ -239,15 +216,26 @@ def _through_eos(tokens: list[int], eos: int) -> list[int]:
     return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
 
 
+def _generate(model, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
+              tokenizer, want_logits: bool, past_key_values=None):
+    """One prompt's new tokens and, with `want_logits`, their raw logits `[T, V]`.
+    `past_key_values`: a cache of `ids[:-1]` already computed (generate prefills the rest)."""
+    new, logits = _generate_batch(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                  tokenizer=tokenizer, want_logits=want_logits, past_key_values=past_key_values)
+    return new[0], (logits[0] if want_logits else None)
+
+
 def _generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int,
-                    tokenizer, want_logits: bool) -> tuple[list[list[int]], torch.Tensor | None]:
-    """`_generate` for many prompts at once (left-padded): each row's new tokens through its EOS
-    and, with `want_logits`, the raw logits `[B, T, V]` (row b's first `len(new[b])` are its own)."""
+                    tokenizer, want_logits: bool, past_key_values=None) -> tuple[list[list[int]], torch.Tensor | None]:
+    """Many prompts at once (left-padded): each row's new tokens through its EOS and, with
+    `want_logits`, the raw logits `[B, T, V]` (row b's first `len(new[b])` are its own)."""
     device = next(model.parameters()).device
     inp, mask = _left_pad(prompts, tokenizer.pad_token_id, device)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id, return_dict_in_generate=True,
                                   output_logits=want_logits)
+    if past_key_values is not None:
+        kwargs["past_key_values"] = past_key_values
     if temperature > 0:
         kwargs.update(do_sample=True, temperature=temperature)
     else:
