@@ -173,6 +173,31 @@ def test_coverage_by_seed_type_counts_dev_facts_beyond_the_window_only():
     assert "| question | 2 | 2 | 1 | 0.500 |" in md and "| structuring |" not in md
 
 
+def test_a_coverage_report_is_kept_beside_its_data_and_read_back_without_it(tmp_path):
+    """A scale trained on another machine (`gpu_scale.sh`) brings back its coverage report, not
+    its conversations: the report is written beside `data.pt` once and read from there after."""
+    import quality_scale as S
+    import torch
+
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+    from lmcache_cartridge.tools.selfstudy.run import load_tokenizer
+
+    tok = load_tokenizer(ensure_test_model())
+    qs = [Q.Question("d", "a", "dev", "?", "x", "Morrow Bay", "e")]
+    pos = {"d": 600}
+    data_pt = tmp_path / "run.train" / "data.pt"
+    data_pt.parent.mkdir()
+    answer = tok("It went to Morrow Bay.", add_special_tokens=False)["input_ids"]
+    torch.save({"train": [{"seed_type": "question", "window": [500, 700], "question": "Where?", "answer": answer},
+                          {"seed_type": "creative", "window": [0, 300], "question": "Morrow Bay?", "answer": []}]},
+               data_pt)
+    report = S.coverage(tok, data_pt, qs, pos)
+    assert report["conversations"] == 2
+    assert report["facts"]["d"] == {"bucket": ">=512", "split": "dev", "in_window": 1, "question": 1, "answer": 1}
+    data_pt.unlink()  # the data stayed on the GPU machine; the report came back
+    assert (data_pt.parent / S.COVERAGE_NAME).exists() and S.coverage(tok, data_pt, qs, pos) == report
+
+
 def test_teacher_windows_hold_the_evidence_where_asked_and_stay_inside_the_document():
     import teacher_window as T
 
