@@ -122,15 +122,14 @@ def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str, *,
     if backend is None:
         if synth_backend_name(cfg.synth_backend) == "vllm":
             backend = own = vllm_backend(cfg, tokenizer)
-        elif resolve_device(cfg.device).type == "cuda":
-            # many at once, in the dtype the model is served in (as vLLM would write them)
-            if model is None:
-                model, _ = load_for_training(cfg.model_dir, resolve_device(cfg.device), checkpoint_dtype(cfg.model_dir))
-            backend = HFBatchBackend(model, tokenizer, batch=cfg.synth_batch)
         else:
+            device = resolve_device(cfg.device)
+            # on CUDA many at once, in the dtype the model is served in (as vLLM would write them)
+            batched = device.type == "cuda"
             if model is None:
-                model, _ = load_for_training(cfg.model_dir, resolve_device(cfg.device), torch.float32)
-            backend = HFBackend(model, tokenizer)
+                model, _ = load_for_training(cfg.model_dir, device,
+                                             checkpoint_dtype(cfg.model_dir) if batched else torch.float32)
+            backend = HFBatchBackend(model, tokenizer, cfg.synth_batch) if batched else HFBackend(model, tokenizer)
     store = ShardStore(cfg.work / SHARDS_NAME, fp)
     try:
         train = synthesize(backend, tokenizer, text, cfg.synth, count=cfg.conversations, seed=cfg.loop.seed,

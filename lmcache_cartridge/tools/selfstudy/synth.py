@@ -257,8 +257,14 @@ def _prompt_targets_batch(model, prefixes: list[list[int]], scored: list[int], c
     with torch.inference_mode():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                        logits_to_keep=max(max(scored), 1), use_cache=False).logits
-    empty = (torch.zeros((0, cfg.top_k), dtype=torch.int64), torch.zeros((0, cfg.top_k)))
-    return [teacher_topk(logits[b, -n:], cfg.top_k, cfg.cover) if n else empty for b, n in enumerate(scored)]
+    return [last_targets(logits[b], n, cfg) for b, n in enumerate(scored)]
+
+
+def last_targets(logits: torch.Tensor, n: int, cfg: SynthConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`teacher_topk` of the last `n` rows of one prompt's logits (`[0, k]` tensors when `n` is 0)."""
+    if n == 0:
+        return torch.zeros((0, cfg.top_k), dtype=torch.int64), torch.zeros((0, cfg.top_k))
+    return teacher_topk(logits[-n:], cfg.top_k, cfg.cover)
 
 
 def synthesize_one(model, tokenizer, body: list[int], cfg: SynthConfig, spec: Spec) -> Conversation | None:
@@ -288,14 +294,11 @@ def prompt_targets(model, teacher_prefix: list[int], scored: int, cfg: SynthConf
     """The teacher's top-k targets for the last `scored` tokens of its prompt, and the KV cache
     of all but the prompt's last token (one forward; row r of it predicts token r + 1, so the
     rows for the last `scored` tokens are the last `scored` of `teacher_prefix[:-1]`)."""
-    k = cfg.top_k
     device = next(model.parameters()).device
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([teacher_prefix[:-1]], device=device),
                     logits_to_keep=max(scored, 1), use_cache=True)
-    if scored == 0:
-        return (torch.zeros((0, k), dtype=torch.int64), torch.zeros((0, k))), out.past_key_values
-    return teacher_topk(out.logits[0, -scored:], k, cfg.cover), out.past_key_values
+    return last_targets(out.logits[0], scored, cfg), out.past_key_values
 
 
 _BUILDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its PromptBuilder
