@@ -56,8 +56,9 @@ SAME `VLLM_CPU_OMP_THREADS_BIND`:
       served, each cartridge is loaded into the server's L1 (the server's own prefetch); `first`
       waits for that after each registration (`_register`), so its requests are the first ones
       the cartridge gets, with the adapter's work done before them.
-(d) `cartridge_cached`: the arm-(b) server, requests without a salt, as a deployment sends them:
-    the warm-up loads the cartridge through LMCache once, vLLM keeps those blocks in its prefix
+(d) `cartridge_cached`: the arm-(b) server, every request with the cartridge's own `cache_salt`
+    (one per cartridge, as a deployment isolates a trained cartridge's blocks): the warm-up loads
+    the cartridge through LMCache once, vLLM keeps those blocks in its prefix
     cache like any computed ones, and the measured repeats are served from there. Its cells
     expect no external-KV tokens and vLLM's `prompt_tokens_by_source{source="local_cache_hit"}`
     (prompt tokens from its own prefix cache) to grow by the document per request (whole blocks:
@@ -106,6 +107,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from _common import GiB, ROOT, machine_info  # noqa: E402  (the benchmarks' preamble: path, environment)
+
+from lmcache_cartridge.tools.testmodel import SHAPES, ensure_shape_model  # noqa: E402
 
 CHUNK = 256
 SUFFIX_LEN = 8
@@ -162,8 +165,16 @@ CARTRIDGE_ARMS = ("cartridge", "cartridge_cached", *CARTRIDGE_MP_ARMS)
 # Arms whose every request must take the whole document from the KV connector.
 EXTERNAL_ARMS = ("cartridge", *MP_ARMS)
 # Arms whose requests each carry a fresh `cache_salt`: vLLM's prefix cache never serves them
-# (their server may have prefix caching on); the others rely on it.
+# (their server may have prefix caching on); the others rely on it. cartridge_cached's requests
+# carry the cartridge's own salt (`arm_salt`): they share vLLM's cache with each other, not with
+# the plain prompt of the prefix-cache arm, as a trained cartridge is served.
 SALTED_ARMS = frozenset({"full_prefill", "cartridge"})
+
+
+def arm_salt(arm: str, length: int) -> bool | str:
+    if arm in SALTED_ARMS:
+        return True
+    return f"cartridge-{length}" if arm == "cartridge_cached" else False
 LABELS = {
     ("full_prefill", "cold"): "(a) full prefill",
     ("cartridge", "first"): "(b) cartridge, first hit (plugin)",
@@ -299,10 +310,11 @@ async def _one(client, url: str, body: dict) -> tuple[float, Optional[int]]:
     return (first if first is not None else float("nan")), token
 
 
-def request_body(model: str, prompt: list[int], skip_save: bool, salted: bool = False,
+def request_body(model: str, prompt: list[int], skip_save: bool, salted: bool | str = False,
                  cartridge_tokens: int = 0) -> dict:
-    """`salted`: a fresh random `cache_salt` (vLLM's per-request prefix-cache isolation), so
-    vLLM's prefix cache cannot serve this request whatever the server's setting.
+    """`salted`: True for a fresh random `cache_salt` (vLLM's per-request prefix-cache
+    isolation), so vLLM's prefix cache cannot serve this request whatever the server's setting; a
+    string for that salt (a cartridge's own: its requests share vLLM's cache with each other only).
     `cartridge_tokens`: the prompt's leading cartridge tokens (whole chunks), sent as the gateway
     sends them (`vllm.readiness.CARTRIDGE_TOKENS_PARAM`)."""
     from lmcache_cartridge.vllm.readiness import CARTRIDGE_TOKENS_PARAM
@@ -315,7 +327,7 @@ def request_body(model: str, prompt: list[int], skip_save: bool, salted: bool = 
     if params:
         body["kv_transfer_params"] = params
     if salted:
-        body["cache_salt"] = os.urandom(8).hex()
+        body["cache_salt"] = salted if isinstance(salted, str) else os.urandom(8).hex()
     return body
 
 
@@ -326,7 +338,7 @@ def cartridge_tokens(arm: str, length: int) -> int:
 
 
 def measure_burst(url: str, model: str, prompts: Sequence[list[int]], *, skip_save: bool,
-                  timeout: float = 1800, salted: bool = False,
+                  timeout: float = 1800, salted: bool | str = False,
                   cartridge_tokens: int = 0) -> list[tuple[float, Optional[int]]]:
     """Send all prompts at once; (TTFT seconds, first token id) per prompt, in order."""
     import httpx
@@ -509,7 +521,7 @@ def run_cell(server, arm: str, variant: str, doc: list[int], concurrency: int, p
         tb = time.perf_counter()
         for k, (ttft, tok) in zip(keys, measure_burst(server.url, server.model, prompts,
                                                       skip_save=skip_save, timeout=plan.timeout_s,
-                                                      salted=arm in SALTED_ARMS,
+                                                      salted=arm_salt(arm, L),
                                                       cartridge_tokens=cartridge_tokens(arm, L))):
             cell.shots.append(Shot(ttft, tok, k))
         burst_s = time.perf_counter() - tb
@@ -587,7 +599,7 @@ def run_arm(arm: str, server, docs: dict[int, list[int]], plan: Plan, *, skip_sa
             # the cartridge's first use, one-time allocations; its TTFT sizes the cells.
             warm = measure_burst(server.url, server.model,
                                  [doc + suffix_ids(("warm", L), plan.vocab_size, plan.avoid)],
-                                 skip_save=skip_save, timeout=plan.timeout_s, salted=arm in SALTED_ARMS,
+                                 skip_save=skip_save, timeout=plan.timeout_s, salted=arm_salt(arm, L),
                                  cartridge_tokens=cartridge_tokens(arm, L))
             t_ref = warm[0][0]
             log(f"  {arm} L={L}: warm-up TTFT {t_ref * 1e3:.1f} ms")
@@ -704,6 +716,39 @@ def make_cartridges(model_dir: Path, docs: dict[int, list[int]], out_dir: Path, 
     return out
 
 
+def make_random_cartridges(model_dir: Path, docs: dict[int, list[int]], out_dir: Path, *, model_name: str,
+                           device: str = "cpu", log: Callable[[str], None] = print) -> dict[int, Path]:
+    """A packed first-k cartridge per document with random KV of the model's geometry: for a
+    model served with random weights (`--shape`), where no other engine can compute its KV. What
+    the arms time (reads, copies, the paged cache) does not depend on the values; answers are
+    then not compared with a reference."""
+    import torch
+
+    from lmcache_cartridge.cartridge.manifest import Manifest
+    from lmcache_cartridge.cartridge.packed import pack_kv
+
+    info = model_info(model_dir)
+    out: dict[int, Path] = {}
+    for L, doc in sorted(docs.items()):
+        digest = hashlib.sha256((model_name + json.dumps(doc)).encode()).hexdigest()[:12]
+        d = Path(out_dir) / f"ttft-random-{L}-{digest}"
+        try:
+            if Manifest.load(d).token_ids == doc:
+                out[L] = d
+                continue
+        except Exception:
+            shutil.rmtree(d, ignore_errors=True)
+        t = time.perf_counter()
+        g = torch.Generator(device=device).manual_seed(L)
+        kv = torch.randn(2, info["num_layers"], L, info["num_kv_heads"], info["head_dim"], generator=g,
+                         device=device, dtype=torch.bfloat16).cpu()
+        pack_kv(kv, d, cartridge_id=d.name, model=model_name, kind="first_k", token_ids=doc,
+                chunk_size=CHUNK, provenance={"method": "random", "benchmark": "ttft"})
+        log(f"cartridge {d.name}: {L} tokens, random KV, {kv.nbytes / 2**20:.0f} MiB, {time.perf_counter() - t:.1f}s")
+        out[L] = d
+    return out
+
+
 def hf_reference_tokens(model_dir: Path, cartridges: dict[int, Path], keys_by_length: dict[int, set],
                         plan: Plan, log: Callable[[str], None] = print) -> dict[tuple, int]:
     """Greedy first token HF transformers computes for `document + suffix` given the cartridge's
@@ -740,6 +785,7 @@ class ServerConfig:
     kv_cache_gb: int = 1
     lmcache_cpu_gb: float = 1
     device: bool = False
+    extra_args: tuple[str, ...] = ()  # appended to every vLLM command line (`--server-arg`)
 
 
 def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
@@ -767,6 +813,7 @@ def make_server(kind: str, root: Path, model_dir: Path, cfg: ServerConfig):
     if cfg.device:
         threads = "auto"  # VLLM_CPU_* variables are ignored on CUDA
         extra = ("--gpu-memory-utilization", "0.85")
+    extra = (*extra, *cfg.extra_args)
     if kind in MP_ARMS:
         mp = MP_ARMS[kind]
         registry = Registry(root / "registry.db")
@@ -926,9 +973,11 @@ def markdown(result: dict) -> str:
            "serve it); *first hit* = burst right after (re-)registration "
            "(plugin reads the packed file, page cache warm); *repeat* = LMCache's LocalCPUBackend "
            "copy written back by the first hit;",
-           "- (c) plain vLLM with prefix caching, the document sent once before: only the suffix is "
-           "computed (the limit for any KV injection);",
-           "- (d) the (b) server, requests without a salt: the cartridge loaded through LMCache once, "
+           "- (c) " + result["arms_used"].get("prefix_cache", "plain vLLM with prefix caching, the document "
+                                              "sent once before") + ": "
+           "only the suffix is computed (the limit for any KV injection);",
+           "- (d) the (b) server, requests with the cartridge's own `cache_salt`: the cartridge loaded through "
+           "LMCache once, "
            "then served from vLLM's prefix cache (the steady state while vLLM's block pool holds it);",
            "- (e) LMCache's multiprocess mode: an `lmcache server` with the cartridge L2 adapter, vLLM on "
            "CartridgeMPConnector (engine-driven transfer), prefix caching off; *first hit* right after "
@@ -1095,6 +1144,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(default with --quick: saves one server start)")
     ap.add_argument("--device", action="store_true", help="CUDA machine with vllm + LMCache's CUDA path")
     ap.add_argument("--model-dir", type=Path, help="a local HF Llama instead of the synthetic one")
+    ap.add_argument("--shape", choices=sorted(SHAPES),
+                    help="a published model's geometry with random weights (vLLM's `--load-format dummy`; "
+                         "cartridges of random KV, answers not compared): what a user's model moves")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="an argument for every vLLM server (repeatable; e.g. --server-arg=--enforce-eager)")
+    ap.add_argument("--prefix-on-lmcache", action="store_true",
+                    help="arm (c) on the arm-(b) server (LMCache loaded, nothing registered, no stores) "
+                         "instead of its own plain server: one server start fewer")
     ap.add_argument("--threads-bind", default="1",
                     help="VLLM_CPU_OMP_THREADS_BIND for every arm (default 1: compute on core 1, "
                          "API server and client on core 0)")
@@ -1103,6 +1160,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="skip a cell whose one burst is estimated longer (c x c=1 TTFT)")
     ap.add_argument("--cell-budget-s", type=float, default=240.0)
     ap.add_argument("--kv-cache-gb-max", type=int, default=6)
+    ap.add_argument("--lmcache-gb", type=int,
+                    help="LMCache's CPU tier (in-process) or L1 (MP) in GiB; default c x the longest "
+                         "document's KV, at most --kv-cache-gb-max")
     ap.add_argument("--breakdown", action="store_true",
                     help="per-request stage times (vLLM's and LMCache's histograms) for the c=1 cartridge "
                          "first-hit, repeat and prefix-cache cells (waits 2 x 11 s per cell)")
@@ -1130,7 +1190,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
     machine = machine_info(args.device)
-    model_dir = args.model_dir.resolve() if args.model_dir else BENCH_MODEL.ensure()
+    if args.shape and args.model_dir:
+        ap.error("--shape and --model-dir: choose one")
+    model_dir = (args.model_dir.resolve() if args.model_dir else ensure_shape_model(args.shape) if args.shape
+                 else BENCH_MODEL.ensure())
+    server_args = tuple(args.server_arg) + (("--load-format", "dummy") if args.shape else ())
     minfo = model_info(model_dir)
     log(f"model {model_dir}: {minfo}")
 
@@ -1155,14 +1219,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     kvb = minfo["kv_bytes_per_token_bf16"]
     need = max(concs) * (max(lengths) + SUFFIX_LEN + 128) * kvb
     kv_gb = max(1, min(args.kv_cache_gb_max, math.ceil(need * 1.25 / GiB)))
-    lmc_gb = max(1, min(args.kv_cache_gb_max, math.ceil(max(concs) * max(lengths) * kvb * 1.25 / GiB)))
+    lmc_gb = args.lmcache_gb or max(1, min(args.kv_cache_gb_max,
+                                           math.ceil(max(concs) * max(lengths) * kvb * 1.25 / GiB)))
     scfg = ServerConfig(threads_bind=args.threads_bind, max_model_len=max_model_len, kv_cache_gb=kv_gb,
-                        lmcache_cpu_gb=lmc_gb, device=args.device)
+                        lmcache_cpu_gb=lmc_gb, device=args.device, extra_args=server_args)
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    vocab = minfo["vocab_size"]
+    vocab = min(minfo["vocab_size"], len(tok))  # a shape's embedding is larger than its local tokenizer
     avoid = frozenset(int(i) for i in tok.all_special_ids) | frozenset(range(4))
     plan = Plan(lengths, concs, samples=samples, max_burst_s=args.max_burst_s,
                 cell_budget_s=args.cell_budget_s, vocab_size=vocab, avoid=avoid,
@@ -1176,12 +1241,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     result: dict[str, Any] = {
         "started": started, "machine": machine, "model": minfo,
-        "model_spec": BENCH_MODEL.describe() if not args.model_dir else None,
+        "model_spec": (BENCH_MODEL.describe() if not (args.model_dir or args.shape)
+                       else {"shape": args.shape, "weights": "random (vLLM --load-format dummy)"} if args.shape
+                       else None),
         "config": {"quick": args.quick, "device": args.device, "lengths": lengths, "concurrency": concs,
                    "samples": samples, "baseline": baseline, "threads_bind": None if args.device else args.threads_bind,
                    "max_model_len": max_model_len, "kv_cache_gb": kv_gb, "lmcache_cpu_gb": lmc_gb,
                    "max_burst_s": args.max_burst_s, "cell_budget_s": args.cell_budget_s,
-                   "suffix_len": SUFFIX_LEN, "chunk_size": CHUNK, "argv": sys.argv[1:]},
+                   "suffix_len": SUFFIX_LEN, "chunk_size": CHUNK, "server_args": list(server_args),
+                   "prefix_on_lmcache": args.prefix_on_lmcache, "argv": sys.argv[1:]},
         "arms_used": arms_used, "capped": capped, "servers": {}, "cells": [], "cartridges": {},
     }
 
@@ -1193,8 +1261,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     cartridges: dict[int, Path] = {}
     if set(CARTRIDGE_ARMS) & set(arms):
         t = time.perf_counter()
-        cartridges = make_cartridges(model_dir, docs, work / "cartridges", model_name=str(model_dir),
-                                     device="cuda" if args.device else "cpu", log=log)
+        make = make_random_cartridges if args.shape else make_cartridges
+        cartridges = make(model_dir, docs, work / "cartridges", model_name=str(model_dir),
+                          device="cuda" if args.device else "cpu", log=log)
         result["cartridges"] = {str(L): str(p) for L, p in cartridges.items()}
         result["cartridge_build_s"] = round(time.perf_counter() - t, 1)
 
@@ -1226,7 +1295,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for c in result["cells"]:
             for k in c.get("keys", []):
                 keys.setdefault(c["length"], set()).add(tuple(k))
-        if not cartridges or not keys:
+        if not cartridges or not keys or args.shape:  # random weights: no HF model to ask
             return
         t = time.perf_counter()
         ref = hf_reference_tokens(model_dir, cartridges, keys, plan, log=log)
@@ -1241,7 +1310,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 record("full_prefill", server, run_arm("full_prefill", server, docs, plan, log=log))
             finally:
                 server.stop()
-        if ({"cartridge", "cartridge_cached"} & set(arms)
+        prefix_here = "prefix_cache" in arms and args.prefix_on_lmcache
+        if ({"cartridge", "cartridge_cached"} & set(arms) or prefix_here
                 or ("full_prefill" in arms and baseline == "lmcache")):
             server, registry = serve("lmcache", "cartridge")
             try:
@@ -1255,6 +1325,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     record("cartridge", server, run_arm("cartridge_cached", server, docs, plan,
                                                         skip_save=True, registry=registry,
                                                         cartridges=cartridges, log=log))
+                if prefix_here:  # after the cartridges are removed; no store, so LMCache holds nothing of it
+                    arms_used["prefix_cache"] = ("the arm-(b) server, nothing registered, `lmcache.skip_save`: "
+                                                 "vLLM's prefix cache, the document sent once before")
+                    record("cartridge", server, run_arm("prefix_cache", server, docs, plan, skip_save=True,
+                                                        log=log))
             finally:
                 server.stop()
         for arm in (a for a in MP_ARMS if a in arms):
@@ -1265,7 +1340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                             log=log))
             finally:
                 server.stop()
-        if "prefix_cache" in arms:
+        if "prefix_cache" in arms and not prefix_here:
             arms_used["prefix_cache"] = "plain vLLM, prefix caching on, document sent once before"
             server, _ = serve("prefix", "prefix_cache")
             try:

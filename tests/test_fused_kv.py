@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_cartridge.vllm.fused_kv import (FUSED_HND, FUSED_NHD, fused_format_name, load_chunk, load_fused,
-                                              store_fused)
+from lmcache_cartridge.vllm.fused_kv import (FUSED_HND, FUSED_NHD, fused_format_name, load_chunk, load_chunks,
+                                              load_fused, store_fused)
 
 L, H, D, BS, NB = 3, 2, 8, 16, 12
 SENTINEL = 7.0
@@ -143,6 +143,79 @@ def test_a_chunk_leaves_vllms_cached_prefix_and_blockless_tokens_alone(cached):
             written += 1
     assert written == len([t for t in range(max(start, cached), end) if t != start + 11])
     assert bool((k[NB - 1, BS - 1] == SENTINEL).all())  # where slot -1 would have landed
+
+
+@pytest.mark.parametrize("fmt", [FUSED_NHD, FUSED_HND])
+@pytest.mark.parametrize("cached", [0, 21])
+@pytest.mark.parametrize("group_bytes", [1, 3 * 16 * 2 * L * H * D * 2, 2**30])
+def test_a_requests_chunks_load_at_once_as_each_would_alone(fmt, cached, group_bytes):
+    """`batched_to_gpu`'s load (`load_chunks`) writes the cache exactly as `to_gpu` would chunk by
+    chunk: whatever the grouping (one chunk per group, a group across chunks, all at once), with
+    vLLM's cached prefix left alone and a blockless token skipped; the last chunk is partial."""
+    bounds = [(0, 16), (16, 32), (32, 48), (48, 57)]
+    slot_mapping = _slots(57, seed=8)
+    slot_mapping[40] = -1
+    chunks = [_kv2ltd(e - s, seed=20 + i) for i, (s, e) in enumerate(bounds)]
+    one_by_one = [_cache(fmt, SENTINEL) for _ in range(L)]
+    for c, (s, e) in zip(chunks, bounds):
+        load_chunk(c, one_by_one, slot_mapping, s, e, fmt, vllm_cached_tokens=cached)
+    batched = [_cache(fmt, SENTINEL) for _ in range(L)]
+    load_chunks(chunks, [s for s, _ in bounds], [e for _, e in bounds], batched, slot_mapping, fmt,
+                vllm_cached_tokens=cached, group_bytes=group_bytes)
+    for a, b in zip(one_by_one, batched):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    # and what was written is the chunks' KV where vLLM reads it (not only "the same as before")
+    k, v = _vllm_k_v(batched[2], fmt)
+    for t in (cached, 33, 56):
+        s = int(slot_mapping[t])
+        i = next(j for j, (a, e) in enumerate(bounds) if a <= t < e)
+        assert torch.equal(k[s // BS, s % BS], chunks[i][0, 2, t - bounds[i][0]].view(H, D))
+        assert torch.equal(v[s // BS, s % BS], chunks[i][1, 2, t - bounds[i][0]].view(H, D))
+
+
+@pytest.mark.parametrize("fmt", [FUSED_NHD, FUSED_HND])
+def test_whole_blocks_and_stray_tokens_each_land_where_vllm_reads_them(fmt):
+    """Whole blocks are copied as blocks, anything else token by token: a block whose slots come
+    reversed, a block split around a blockless token, a block starting mid-way, a repeated
+    block id with its tokens out of order; every token ends where vLLM's split reads it."""
+    blocks = torch.randperm(NB, generator=torch.Generator().manual_seed(9))
+    b = blocks.tolist()
+    slots = torch.cat([
+        b[0] * BS + torch.arange(BS),                        # whole, in order
+        b[1] * BS + torch.arange(BS).flip(0),                # reversed: not a whole block in order
+        b[2] * BS + torch.arange(3, BS),                     # starts mid-block
+        torch.tensor([-1]),                                  # no block
+        b[3] * BS + torch.arange(BS),                        # whole again, not at a block boundary of the input
+        b[4] * BS + torch.tensor([1, 0, 2]),                 # a few, out of order
+    ])
+    n = len(slots)
+    kv = _kv2ltd(n, seed=11)
+    layers = [_cache(fmt, SENTINEL) for _ in range(L)]
+    load_fused(kv, layers, slots, fmt)
+    written = 0
+    for i, layer in enumerate(layers):
+        k, v = _vllm_k_v(layer, fmt)
+        for t, s in enumerate(slots.tolist()):
+            if s < 0:
+                continue
+            assert torch.equal(k[s // BS, s % BS], kv[0, i, t].view(H, D)), (i, t)
+            assert torch.equal(v[s // BS, s % BS], kv[1, i, t].view(H, D)), (i, t)
+            written += 1
+        untouched = torch.ones(NB, BS, dtype=torch.bool)
+        valid = slots[slots >= 0]
+        untouched[valid // BS, valid % BS] = False
+        assert bool((k[untouched] == SENTINEL).all()) and bool((v[untouched] == SENTINEL).all())
+    assert written == L * (n - 1)
+
+
+def test_a_request_whose_chunks_disagree_is_refused_before_anything_is_written():
+    layers = [_cache(FUSED_NHD, SENTINEL) for _ in range(L)]
+    chunks = [_kv2ltd(16), _kv2ltd(16).float()]
+    with pytest.raises(ValueError, match="does not match"):
+        load_chunks(chunks, [0, 16], [16, 32], layers, _slots(32), FUSED_NHD)
+    assert all(bool((t == SENTINEL).all()) for t in layers)
+    with pytest.raises(ValueError, match="2 chunks for 1 starts"):
+        load_chunks(chunks, [0], [16, 32], layers, _slots(32), FUSED_NHD)
 
 
 def test_bits_are_moved_not_values_converted_and_nothing_is_half_written():

@@ -6,6 +6,10 @@
 #   call 2 (carry .devcarry/c01): bash benchmarks/device/on_device.sh stash 01
 #   call 3 (carry .devcarry/c02): DEADLINE_S=570 bash benchmarks/device/on_device.sh stash 02 install engine e2e ttft pack
 #   (TTFT_ARGS replaces the TTFT stage's default arms, lengths and concurrency; a call runs 600 s at most)
+# The production-shape table (fused_copy.py and ttft.py --shape; no model weights travel):
+#   call 1 (carry .devcarry/c00): bash benchmarks/device/on_device.sh stash 00 env lmcache shapes copybench pack
+#   call 2 (carry .devcarry/c01): bash benchmarks/device/on_device.sh stash 01
+#   call 3 (carry .devcarry/c02): DEADLINE_S=585 bash benchmarks/device/on_device.sh stash 02 install engine prod pack
 # The self-study data-scale point on the GPU (payload made with QUALITY=1: pieces c03, c04 too), in
 # four calls (c00 and c04 fit one call together):
 #   call 1 (carry .devcarry/c00 .devcarry/c04): bash benchmarks/device/on_device.sh stash 00 stash 04 env lmcache pack
@@ -74,6 +78,25 @@ import sys; sys.path.insert(0, 'benchmarks'); from ttft import BENCH_MODEL; prin
       say "TTFT ($n): rc=$? $(grep -c '' /root/res/$n/ttft_log.txt) log lines; $(tail -1 /root/res/$n/ttft_log.txt)"
       for f in $(find /root/x/bench/servers -name server.log); do
         tail -c 2000000 "$f" > /root/res/$n/server_$(basename "$(dirname "$f")").log; done ;;
+    copybench)  # the fused K|V load against the bus (torch and LMCache only: runs before vLLM is installed)
+      mkdir -p /root/res/fused_copy
+      timeout $(( $(left) - 10 )) python3 benchmarks/fused_copy.py --device cuda --shapes llama-3.1-8b,llama-3.2-1b,bench \
+        --tokens 4096,16384,32768 --reps 4 --profile --out /root/res/fused_copy > /root/res/fused_copy/log.txt 2>&1
+      say "fused copy: rc=$? $(grep -c '^{' /root/res/fused_copy/log.txt) cells" ;;
+    shapes)  # the production shapes' config and tokenizer (no weights), made before the TTFT stage needs them
+      python3 -c "from lmcache_cartridge.tools.testmodel import ensure_shape_model as e; print(e('llama-3.1-8b')); print(e('llama-3.2-1b'))" \
+        > /root/res/shapes.txt 2>&1
+      say "shapes: $(tail -2 /root/res/shapes.txt | tr '\n' ' ')" ;;
+    prod)  # TTFT at a production shape (random weights, vLLM's --load-format dummy): PROD_SHAPE, PROD_ARGS
+      n=ttft_${PROD_SHAPE:-llama-3.1-8b}; mkdir -p /root/res/$n
+      timeout $(( $(left) - 15 )) python3 benchmarks/ttft.py --device --shape ${PROD_SHAPE:-llama-3.1-8b} \
+        --baseline lmcache --prefix-on-lmcache --lmcache-gb ${PROD_LMCACHE_GB:-16} --out /root/res/$n --work /root/x/bench \
+        ${PROD_ARGS:---arms full_prefill,cartridge,cartridge_cached,prefix_cache,cartridge_mp,mp_l1 --lengths 4096,16384,32768 --concurrency 1,8 --samples 4} \
+        > /root/res/$n/ttft_log.txt 2>&1
+      say "TTFT ($n): rc=$? $(tail -1 /root/res/$n/ttft_log.txt | cut -c1-300)"
+      grep -E "p50|healthy|cartridge ttft" /root/res/$n/ttft_log.txt | tail -40 >> /root/res/summary.txt
+      for f in $(find /root/x/bench/servers -name server.log); do
+        tail -c 1000000 "$f" > /root/res/$n/server_$(basename "$(dirname "$f")").log; done ;;
     quality)  # the data-scale curve's largest point on the GPU (payload made with QUALITY=1):
       # the real model's carried wheel where `ensure_real_model` looks, then quality_scale.py (which converts it) (train on CUDA,
       # synthesis by vLLM on the same GPU); resumable, so a later call within 30 s goes on

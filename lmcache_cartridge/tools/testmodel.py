@@ -359,6 +359,46 @@ def ensure_test_model(
     return install_model_dir(root, name, wanted, lambda d: _write_model(d, params))
 
 
+# Published geometries served with vLLM's `--load-format dummy` (random weights made by vLLM at
+# start: no weights on disk, no download): the config of meta-llama/Llama-3.1-8B and
+# Llama-3.2-1B (their `config.json`), positions capped at what the benchmarks use. Their KV per
+# token is what a user's model moves: 128 KiB (8B) and 32 KiB (1B) in bf16.
+SHAPES = {
+    "llama-3.1-8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                         intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
+    "llama-3.2-1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                         intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
+}
+SHAPE_TOKENIZER_VOCAB = 8192  # the local tokenizer's; the model's embedding is the shape's (larger)
+
+
+def ensure_shape_model(shape: str, root: Path | None = None, max_position_embeddings: int = 40960) -> Path:
+    """`root/shape-<shape>`: a `config.json` of a published model's geometry and a local tokenizer,
+    no weights: for vLLM's `--load-format dummy` only (HF transformers cannot load it). Prompts
+    use token ids below the tokenizer's vocabulary (`SHAPE_TOKENIZER_VOCAB`)."""
+    from transformers import LlamaConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"shape {shape!r} is not one of {sorted(SHAPES)}")
+    geo = SHAPES[shape]
+    wanted = {"shape": shape, **geo, "max_position_embeddings": max_position_embeddings,
+              "tokenizer_vocab": SHAPE_TOKENIZER_VOCAB, "recipe_version": RECIPE_VERSION}
+
+    def write(d: Path) -> None:
+        build_tokenizer(SHAPE_TOKENIZER_VOCAB, max_position_embeddings).save_pretrained(d)
+        LlamaConfig(vocab_size=geo["vocab_size"], hidden_size=geo["hidden_size"],
+                    intermediate_size=geo["intermediate_size"], num_hidden_layers=geo["num_layers"],
+                    num_attention_heads=geo["num_heads"], num_key_value_heads=geo["num_kv_heads"],
+                    head_dim=geo["head_dim"], max_position_embeddings=max_position_embeddings,
+                    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=geo["tie_word_embeddings"],
+                    bos_token_id=SPECIAL_TOKENS.index(BOS), eos_token_id=SPECIAL_TOKENS.index(EOS),
+                    pad_token_id=SPECIAL_TOKENS.index(PAD), dtype="bfloat16").save_pretrained(d)
+        (d / MARKER_NAME).write_text(json.dumps(wanted, indent=1) + "\n", "utf-8")
+
+    root = Path(root) if root is not None else models_dir()
+    return install_model_dir(root, f"shape-{shape}", wanted, write)
+
+
 def install_model_dir(root: Path, name: str, wanted: dict, write) -> Path:
     """`root/name`, written by `write(dir)` unless its marker already reads `wanted`.
 

@@ -19,8 +19,9 @@ cartridge's KV lands in the wrong places. LMCache's multiprocess kernels handle 
 
 What runs where: `FusedKVGPUConnector` is the connector LMCache's factory built (the CUDA hook in
 `vllm.connector` changes only its class), in the vLLM worker process; for a fused format its
-`to_gpu` / `from_gpu` copy with the torch functions below (one gather or scatter per layer on the
-cache's device), for every other format they are LMCache's own. The functions are device-agnostic
+`batched_to_gpu` (a request's chunks: `load_chunks`, one copy and one scatter per layer per
+group of chunks), `to_gpu` and `from_gpu` copy with the torch functions below, for every other
+format they are LMCache's own. The functions are device-agnostic
 and tested on CPU tensors against vLLM's split.
 """
 
@@ -78,10 +79,31 @@ def _valid(slots: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor | No
     return (slots, None) if bool(keep.all()) else (slots[keep], keep)
 
 
+def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For host `slots`: the positions that start a whole block written in order (slots b*bs,
+    b*bs+1, ..., b*bs+bs-1 at consecutive positions) and those blocks' ids. One pass over the
+    slots (each window is checked once)."""
+    n = len(slots)
+    if n < block_size:
+        return slots.new_empty(0), slots.new_empty(0)
+    cand = torch.nonzero((slots[: n - block_size + 1] % block_size) == 0).flatten()
+    cand = cand[slots[cand] >= 0]
+    if not len(cand):
+        return cand, cand
+    windows = slots[cand.unsqueeze(1) + torch.arange(block_size)]
+    whole = cand[(windows == slots[cand].unsqueeze(1) + torch.arange(block_size)).all(dim=1)]
+    return whole, torch.div(slots[whole], block_size, rounding_mode="floor")
+
+
 def load_fused(kv: torch.Tensor, layers: list[torch.Tensor], slots: torch.Tensor, fmt: str) -> None:
     """Write `kv` (LMCache's `KV_2LTD` `[2, L, T, heads * head_size]`, any device) into the
     fused cache `layers` (L tensors) at the T token `slots` (vLLM slot ids: block * block_size +
-    offset; a negative one is skipped). Nothing else of the cache is touched."""
+    offset; a negative one is skipped). Nothing else of the cache is touched.
+
+    The work is one host-to-device copy, one interleave of K and V for every layer at once, and
+    per layer one copy of the whole blocks (`index_copy_` of block-sized rows, as the cache holds
+    them) plus one scatter of the tokens of partial blocks: the layers are separate allocations,
+    so no copy can span them. The slots are read on the host once (one synchronisation)."""
     if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != len(layers) or kv.shape[2] != len(slots):
         raise ValueError(f"KV {tuple(kv.shape)} does not fit {len(layers)} layers and {len(slots)} slots")
     _check_layers(kv.shape[3], kv.dtype, layers, fmt)
@@ -89,15 +111,34 @@ def load_fused(kv: torch.Tensor, layers: list[torch.Tensor], slots: torch.Tensor
         return
     device = layers[0].device
     kv = _same_bits(kv.to(device=device, non_blocking=True), layers[0].dtype)  # one copy, not one per layer
-    slots, keep = _valid(slots, device)
-    if keep is not None:
-        kv = kv[:, :, keep]
+    host = slots.to(device="cpu", dtype=torch.long)
+    view0 = token_view(layers[0], fmt)
+    heads, bs, d = view0.shape[2], view0.shape[1], view0.shape[3] // 2
+    n, nl = kv.shape[2], len(layers)
+    # [L, T, heads, 2D]: each head's K then its V, as the cache row holds them
+    rows = torch.cat([kv[0].reshape(nl, n, heads, d), kv[1].reshape(nl, n, heads, d)], dim=-1)
+    starts, blocks = _whole_blocks(host, bs)
+    rest = torch.ones(n, dtype=torch.bool)
+    if len(starts):
+        rest[(starts.unsqueeze(1) + torch.arange(bs)).flatten()] = False
+        if torch.equal(starts, torch.arange(0, len(starts) * bs, bs)):
+            full = rows[:, : len(starts) * bs]  # the whole blocks lead, in order: a view
+        else:
+            full = rows[:, (starts.unsqueeze(1) + torch.arange(bs)).flatten().to(device)]
+        full = full.reshape(nl, len(starts), bs, heads, 2 * d)
+        if fmt == FUSED_HND:
+            full = full.transpose(2, 3)  # a block of the HND cache is [heads, block_size, 2D]
+        blocks = blocks.to(device=device, non_blocking=True)
+    rest &= host >= 0  # a token without a block (negative slot) is skipped, as LMCache's kernels do
+    idx = torch.nonzero(rest).flatten()
+    if len(idx):
+        b, o = _where(view0, host[idx].to(device=device, non_blocking=True))
+        part = rows[:, idx.to(device=device, non_blocking=True)]
     for i, layer in enumerate(layers):
-        view = token_view(layer, fmt)
-        heads, d = view.shape[2], view.shape[3] // 2
-        rows = torch.cat([kv[0, i].reshape(-1, heads, d), kv[1, i].reshape(-1, heads, d)], dim=-1)
-        b, o = _where(view, slots)
-        view[b, o] = rows
+        if len(starts):
+            layer.index_copy_(0, blocks, full[i])
+        if len(idx):
+            token_view(layer, fmt)[b, o] = part[i]
 
 
 def load_chunk(chunk: torch.Tensor, layers: list[torch.Tensor], slot_mapping: torch.Tensor, start: int,
@@ -107,6 +148,53 @@ def load_chunk(chunk: torch.Tensor, layers: list[torch.Tensor], slot_mapping: to
     prefix (`vllm_cached_tokens`) stays as vLLM wrote it, as LMCache's kernel leaves it."""
     skip = min(end - start, max(0, int(vllm_cached_tokens) - start))
     load_fused(chunk[:, :, skip:end - start], layers, slot_mapping[start + skip:end], fmt)
+
+
+# A request's chunks are moved in groups of about this many bytes: one copy and one scatter per
+# layer per group, while the device memory a load borrows beside vLLM's cache stays bounded.
+LOAD_GROUP_BYTES = 256 * 2**20
+
+
+def load_chunks(chunks: list[torch.Tensor], starts: list[int], ends: list[int], layers: list[torch.Tensor],
+                slot_mapping: torch.Tensor, fmt: str, vllm_cached_tokens: int = 0,
+                group_bytes: int = LOAD_GROUP_BYTES) -> None:
+    """What `FusedKVGPUConnector.batched_to_gpu` writes for one request: every memory object's
+    `chunk` (`KV_2LTD`, tokens [start, end) of the request) at once, as `load_chunk` writes each.
+    The chunks are joined on the cache's device in groups of about `group_bytes`, so the fixed
+    cost of a copy (kernel launches, one check of the slots) is paid per group, not per layer per
+    chunk."""
+    if not (len(chunks) == len(starts) == len(ends)):
+        raise ValueError(f"{len(chunks)} chunks for {len(starts)} starts and {len(ends)} ends")
+    cached = int(vllm_cached_tokens)
+    device = layers[0].device if layers else None
+    group: list[torch.Tensor] = []
+    ranges: list[tuple[int, int]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal group, ranges, size
+        if group:
+            kv = group[0] if len(group) == 1 else torch.cat(group, dim=2)
+            slots = torch.cat([slot_mapping[a:b] for a, b in ranges]) if len(ranges) > 1 else \
+                slot_mapping[ranges[0][0]:ranges[0][1]]
+            load_fused(kv, layers, slots, fmt)
+        group, ranges, size = [], [], 0
+
+    for chunk, start, end in zip(chunks, starts, ends):
+        skip = min(end - start, max(0, cached - start))
+        if skip == end - start:
+            continue
+        part = chunk[:, :, skip:end - start]
+        if group and (part.shape[:2] != group[0].shape[:2] or part.shape[3] != group[0].shape[3]
+                      or part.dtype != group[0].dtype):
+            raise ValueError(f"chunk {tuple(part.shape)} {part.dtype} does not match the request's first "
+                             f"{tuple(group[0].shape)} {group[0].dtype}")
+        group.append(part.to(device=device, non_blocking=True) if device is not None else part)
+        ranges.append((start + skip, end))
+        size += part.nbytes
+        if size >= group_bytes:
+            flush()
+    flush()
 
 
 def store_fused(layers: list[torch.Tensor], slots: torch.Tensor, fmt: str, out: torch.Tensor) -> None:
@@ -153,6 +241,26 @@ def fused_format_name(fmt) -> str | None:
     return name if name in FUSED_FORMATS else None
 
 
+_PAGEABLE_WARNED = False
+
+
+def _warn_if_pageable(memory_objs) -> None:
+    """Log once when LMCache hands over chunks in pageable host memory: their copies to the GPU
+    then go through a staging buffer synchronously, at a fraction of the bus's speed (a pin that
+    failed falls back to this silently)."""
+    global _PAGEABLE_WARNED
+    if _PAGEABLE_WARNED or not memory_objs:
+        return
+    t = memory_objs[0].tensor
+    if t.device.type == "cpu" and not t.is_pinned():
+        _PAGEABLE_WARNED = True
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "lmcache_cartridge: LMCache's chunks are in pageable host memory: copies to the GPU are "
+            "synchronous; check that LMCache's local CPU backend could pin its buffer")
+
+
 def connector_class():
     """`FusedKVGPUConnector`, defined on first use (it subclasses LMCache's CUDA connector)."""
     global _CLASS
@@ -190,6 +298,23 @@ def _define():
                 raise ValueError("'slot_mapping' should be provided in kwargs.")
             load_chunk(memory_obj.tensor, list(self.kvcaches), kwargs["slot_mapping"], start, end, fmt,
                        kwargs.get("vllm_cached_tokens", 0))
+
+        def batched_to_gpu(self, memory_objs, starts, ends, **kwargs):
+            """A request's chunks in one batched load (`load_chunks`), where LMCache's own loops
+            `to_gpu` over them (a copy and a sync per chunk, a scatter per layer per chunk)."""
+            fmt = self._fused(kwargs)
+            if fmt is None:
+                return super().batched_to_gpu(memory_objs, starts, ends, **kwargs)
+            if any(m.metadata.fmt != MemoryFormat.KV_2LTD for m in memory_objs):
+                raise ValueError("The memory object should be in KV_2LTD format in order to be "
+                                 "processed by VLLMPagedMemGPUConnector")
+            if "slot_mapping" not in kwargs:
+                raise ValueError("'slot_mapping' should be provided in kwargs.")
+            _warn_if_pageable(memory_objs)
+            with torch.cuda.stream(self.load_stream):
+                load_chunks([m.tensor for m in memory_objs], list(starts), list(ends), list(self.kvcaches),
+                            kwargs["slot_mapping"], fmt, kwargs.get("vllm_cached_tokens", 0))
+            self.load_stream.synchronize()
 
         def from_gpu(self, memory_obj, start: int, end: int, **kwargs):
             fmt = self._fused(kwargs)
