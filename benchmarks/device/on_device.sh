@@ -95,8 +95,9 @@ import sys; sys.path.insert(0, 'benchmarks'); from ttft import BENCH_MODEL; prin
         > /root/res/$n/ttft_log.txt 2>&1
       say "TTFT ($n): rc=$? $(tail -1 /root/res/$n/ttft_log.txt | cut -c1-300)"
       grep -E "p50|healthy|cartridge ttft" /root/res/$n/ttft_log.txt | tail -40 >> /root/res/summary.txt
-      for f in $(find /root/x/bench/servers -name server.log); do
-        tail -c 1000000 "$f" > /root/res/$n/server_$(basename "$(dirname "$f")").log; done ;;
+      for f in $(find /root/x/bench/servers -name server.log -o -name lmcache-server.log); do
+        tail -c 1000000 "$f" > /root/res/$n/$(basename "$(dirname "$f")")_$(basename "$f"); done
+      df -h /dev/shm > /root/res/$n/shm.txt 2>&1 ;;
     quality)  # the data-scale curve's largest point on the GPU (payload made with QUALITY=1):
       # the real model's carried wheel where `ensure_real_model` looks, then quality_scale.py (which converts it) (train on CUDA,
       # synthesis by vLLM on the same GPU); resumable, so a later call within 30 s goes on
