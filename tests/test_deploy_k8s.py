@@ -112,7 +112,7 @@ def restricted_problems(pod: dict) -> list[str]:
     for c in (pod.get("initContainers") or []) + pod["containers"]:
         sc = c.get("securityContext") or {}
         name = c["name"]
-        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+        if sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
             out.append(f"{name}: runAsNonRoot is not true")
         if sc.get("runAsUser", psc.get("runAsUser")) == 0:
             out.append(f"{name}: runAsUser 0")
