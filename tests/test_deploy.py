@@ -422,12 +422,14 @@ def test_resource_limits_hold_what_the_config_lets_each_store():
     args = build_parser().parse_args(_gateway_container()["command"][1:])
     assert quantity(res["limits"]["ephemeral-storage"]) >= args.max_cache_bytes + s3.max_object_bytes
     spec = model_spec()
-    assert quantity(spec["limitCPU"]) >= quantity(spec["requestCPU"])
-    assert quantity(spec["limitMemory"]) >= quantity(spec["requestMemory"])
+    engine = spec["resources"]  # replaces the chart's requestCPU/limitMemory/... fields
+    for kind in ("cpu", "memory", "ephemeral-storage", "nvidia.com/gpu"):
+        assert quantity(engine["limits"][kind]) >= quantity(engine["requests"][kind]) > 0, kind
+    assert not {"requestCPU", "requestMemory", "limitCPU", "limitMemory", "requestGPU"} & set(spec)  # ignored
     env = {e["name"]: e["value"] for e in spec["env"] if "value" in e}
     extra = json.loads(env["LMCACHE_EXTRA_CONFIG"])
     tiers = (float(env["LMCACHE_MAX_LOCAL_CPU_SIZE"]) + float(extra["storage_plugin.cartridge.cpu_budget_gb"])) * 2**30
-    assert quantity(spec["limitMemory"]) >= tiers + 16 * 2**30  # and 16 GiB for vLLM's own process
+    assert quantity(engine["limits"]["memory"]) >= tiers + 16 * 2**30  # and 16 GiB for vLLM's own process
 
 
 def test_the_gateways_readiness_does_not_follow_its_upstream(gateway_get):
