@@ -485,6 +485,8 @@ def test_trained_after_token_only_system_prompt_with_prefix_caching(stack):
 def shape(obj, path: str = "") -> set[str]:
     """The key paths of a JSON value (lists as `[]`, every element's keys merged): what a client
     that reads the response can find in it."""
+    if isinstance(obj, dict) and path.endswith("logprobs.top_logprobs[]") and "logprob" not in obj:
+        return {path, path + ".<token>"}  # completions' {token: logprob}: the keys are data
     if isinstance(obj, dict):
         return {path} | {p for k, v in obj.items() for p in shape(v, f"{path}.{k}")}
     if isinstance(obj, list):
@@ -496,8 +498,10 @@ def sdk_call(client, chat: bool, kw: dict, cartridges=None):
     """One SDK call (streamed when kw says so): the SDK's objects and the JSON they were read from
     (each chunk's, for a stream), the SDK's own parse of the raw bytes."""
     api = client.chat.completions if chat else client.completions
-    extra = {"extra_body": {"cartridges": cartridges}} if cartridges else {}
-    raw = api.with_raw_response.create(**kw, **extra)
+    kw = dict(kw)
+    body = {"response_format": kw.pop("response_format")} if not chat and "response_format" in kw else {}
+    body |= {"cartridges": cartridges} if cartridges else {}  # vLLM's fields the SDK's completions lack
+    raw = api.with_raw_response.create(**kw, **({"extra_body": body} if body else {}))
     parsed = raw.parse()
     if not kw.get("stream"):
         return [parsed], [raw.http_response.json()]
@@ -566,7 +570,7 @@ def test_the_openai_sdk_sees_vllms_schema_through_the_gateway(stack, call, chat)
             else:
                 assert all(len(c.logprobs.top_logprobs[0]) >= 2 for c in choices if c.logprobs)
         if kw.get("stream_options"):
-            assert objs[-1].usage is not None and objs[-1].usage.completion_tokens == 4 and not objs[-1].choices
+            assert objs[-1].usage is not None and 0 < objs[-1].usage.completion_tokens <= 4 and not objs[-1].choices
         if chat:
             roles = {c.index for o in objs for c in o.choices if (c.delta.role if kw.get("stream") else
                                                                    c.message.role) == "assistant"}
