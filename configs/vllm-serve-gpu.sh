@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # vLLM (CUDA) + LMCache + the cartridge plugin. LMCache's own GPU connector and kernels move the
-# chunks; the cartridge glue connector adds nothing on CUDA but its error containment.
+# chunks, except into vLLM's fused K|V cache, which the cartridge connector copies itself (LMCache
+# 0.5.6's copy misaddresses it); it also adds the load-failure policy and the readiness rule.
 # Usage: configs/vllm-serve-gpu.sh MODEL [PORT] [more vllm serve arguments, e.g. --tensor-parallel-size 2]
 set -euo pipefail
 MODEL=${1:?model name or path}; shift

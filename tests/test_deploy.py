@@ -305,7 +305,9 @@ def _admits(policy: dict, pod_labels: dict, namespace_labels: dict, port: int) -
     for rule in policy["spec"].get("ingress", []):
         if not any(p.get("port") == port for p in rule.get("ports", [{"port": port}])):
             continue
-        for peer in rule.get("from", []):
+        if "from" not in rule:  # every source
+            return True
+        for peer in rule["from"]:
             ns = peer.get("namespaceSelector")
             in_ns = _selects(ns, namespace_labels) if ns is not None else namespace_labels.get("same", False)
             if in_ns and ("podSelector" not in peer or _selects(peer["podSelector"], pod_labels)):
@@ -318,14 +320,17 @@ def test_network_policies_admit_only_the_gateway_to_the_router_and_the_router_to
     only the gateway may reach it; the engines admit the router (and Prometheus in `monitoring`
     for /metrics). The policies select the pods by the labels the values give them (the chart puts
     `servingEngineSpec.labels` / `routerSpec.labels` on the engine / router pods), on the ports
-    the pods listen on."""
+    the pods listen on. (Egress and the default deny: tests/test_deploy_k8s.py.)"""
     values = yaml.safe_load(VALUES.read_text())
     policies = (ROOT / "deploy" / "k8s" / "network-policies.yaml").read_text()
-    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(policies)}
-    assert {d["kind"] for d in docs.values()} == {"NetworkPolicy"}
-    assert all(
-        d["apiVersion"] == "networking.k8s.io/v1" and d["spec"]["policyTypes"] == ["Ingress"] for d in docs.values()
-    )
+    everything = {d["metadata"]["name"]: d for d in yaml.safe_load_all(policies)}
+    assert {d["kind"] for d in everything.values()} == {"NetworkPolicy"}
+    assert all(d["apiVersion"] == "networking.k8s.io/v1" for d in everything.values())
+    # the policies of one kind of pod (the namespace-wide ones, default deny and DNS, admit nothing)
+    docs = {n: d for n, d in everything.items() if d["spec"]["podSelector"]}
+    for d in everything.values():
+        if not d["spec"]["podSelector"]:
+            assert not d["spec"].get("ingress"), d["metadata"]["name"]
     engines_labels, router_labels = values["servingEngineSpec"]["labels"], values["routerSpec"]["labels"]
     assert engines_labels != router_labels  # the router finds engines by theirs: it must not match itself
     gateway_labels = _gateway_docs()["Deployment"]["spec"]["template"]["metadata"]["labels"]
@@ -336,9 +341,11 @@ def test_network_policies_admit_only_the_gateway_to_the_router_and_the_router_to
     assert router["spec"]["podSelector"]["matchLabels"] == router_labels
     e_port, r_port = values["servingEngineSpec"]["containerPort"], values["routerSpec"]["containerPort"]
     same = {"same": True}
-    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring", "lmcache-cartridge/scrape": "true"}
     stranger = {"app": "anything-else"}
     assert _admits(router, gateway_labels, same, r_port)
+    gateway = next(d for d in docs.values() if _selects(d["spec"]["podSelector"], gateway_labels))
+    assert _admits(gateway, stranger, same, 8100) and _admits(gateway, stranger, monitoring, 8100)
     assert not _admits(router, stranger, same, r_port) and not _admits(router, engines_labels, same, r_port)
     assert not _admits(router, stranger, monitoring, r_port)
     assert _admits(engines, router_labels, same, e_port)
@@ -415,12 +422,14 @@ def test_resource_limits_hold_what_the_config_lets_each_store():
     args = build_parser().parse_args(_gateway_container()["command"][1:])
     assert quantity(res["limits"]["ephemeral-storage"]) >= args.max_cache_bytes + s3.max_object_bytes
     spec = model_spec()
-    assert quantity(spec["limitCPU"]) >= quantity(spec["requestCPU"])
-    assert quantity(spec["limitMemory"]) >= quantity(spec["requestMemory"])
+    engine = spec["resources"]  # replaces the chart's requestCPU/limitMemory/... fields
+    for kind in ("cpu", "memory", "ephemeral-storage", "nvidia.com/gpu"):
+        assert quantity(engine["limits"][kind]) >= quantity(engine["requests"][kind]) > 0, kind
+    assert not {"requestCPU", "requestMemory", "limitCPU", "limitMemory", "requestGPU"} & set(spec)  # ignored
     env = {e["name"]: e["value"] for e in spec["env"] if "value" in e}
     extra = json.loads(env["LMCACHE_EXTRA_CONFIG"])
     tiers = (float(env["LMCACHE_MAX_LOCAL_CPU_SIZE"]) + float(extra["storage_plugin.cartridge.cpu_budget_gb"])) * 2**30
-    assert quantity(spec["limitMemory"]) >= tiers + 16 * 2**30  # and 16 GiB for vLLM's own process
+    assert quantity(engine["limits"]["memory"]) >= tiers + 16 * 2**30  # and 16 GiB for vLLM's own process
 
 
 def test_the_gateways_readiness_does_not_follow_its_upstream(gateway_get):

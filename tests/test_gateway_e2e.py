@@ -479,3 +479,114 @@ def test_trained_after_token_only_system_prompt_with_prefix_caching(stack):
     c2 = again.json()["choices"][0]["logprobs"]
     assert c2["tokens"] == res["tokens"] and max_diff(c2["token_logprobs"], lp) <= LOGPROB_TOL
     assert stack["server"].alive()
+
+
+# --- the OpenAI SDK sees vLLM's schema, with and without cartridges ------------------------------
+def shape(obj, path: str = "") -> set[str]:
+    """The key paths of a JSON value (lists as `[]`, every element's keys merged): what a client
+    that reads the response can find in it."""
+    if isinstance(obj, dict) and path.endswith("logprobs.top_logprobs[]") and "logprob" not in obj:
+        return {path, path + ".<token>"}  # completions' {token: logprob}: the keys are data
+    if isinstance(obj, dict):
+        return {path} | {p for k, v in obj.items() for p in shape(v, f"{path}.{k}")}
+    if isinstance(obj, list):
+        return {path} | {p for v in obj for p in shape(v, path + "[]")}
+    return {path}
+
+
+def sdk_call(client, chat: bool, kw: dict, cartridges=None):
+    """One SDK call (streamed when kw says so): the SDK's objects and the JSON they were read from
+    (each chunk's, for a stream), the SDK's own parse of the raw bytes."""
+    api = client.chat.completions if chat else client.completions
+    kw = dict(kw)
+    body = {"response_format": kw.pop("response_format")} if not chat and "response_format" in kw else {}
+    body |= {"cartridges": cartridges} if cartridges else {}  # vLLM's fields the SDK's completions lack
+    raw = api.with_raw_response.create(**kw, **({"extra_body": body} if body else {}))
+    parsed = raw.parse()
+    if not kw.get("stream"):
+        return [parsed], [raw.http_response.json()]
+    chunks = list(parsed)
+    return chunks, [c.model_dump(exclude_unset=True) for c in chunks]
+
+
+SDK_CALLS = {  # the calls a client makes, in both APIs (chat's and completions' own spellings)
+    "plain": {"max_tokens": 6},
+    "logprobs": {"max_tokens": 4, "logprobs": True, "top_logprobs": 2},
+    "n_seed": {"max_tokens": 4, "n": 2, "seed": 7, "temperature": 0.9},
+    "stop_max_completion_tokens": {"max_completion_tokens": 6, "stop": ["."]},
+    "response_format": {"max_tokens": 8, "response_format": {"type": "json_object"}},
+    "stream_usage_logprobs": {"max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+                              "logprobs": True, "top_logprobs": 2},
+    "stream_n": {"max_tokens": 4, "n": 2, "stream": True, "seed": 3, "temperature": 0.9},
+}
+
+
+def _completion_kw(kw: dict) -> dict:
+    out = {k: v for k, v in kw.items() if k not in ("logprobs", "top_logprobs", "max_completion_tokens")}
+    if kw.get("logprobs"):
+        out["logprobs"] = kw["top_logprobs"]
+    if "max_completion_tokens" in kw:
+        out["max_tokens"] = kw["max_completion_tokens"]
+    return out
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+@pytest.mark.parametrize("call", list(SDK_CALLS))
+def test_the_openai_sdk_sees_vllms_schema_through_the_gateway(stack, call, chat):
+    """The real OpenAI SDK, call by call, against vLLM itself, the gateway without cartridges, and
+    the gateway with a cartridge (a chat one is answered by rebuilding a completion): every
+    response (every chunk of a stream, together) has the key paths vLLM's own answer has, and the
+    SDK reads what it promises from it (chat's logprobs as `content[]` with `top_logprobs`, the
+    usage chunk asked for, `system_fingerprint`, vLLM's `stop_reason` and `token_ids`)."""
+    from openai import OpenAI
+
+    kw = dict(SDK_CALLS[call])
+    kw = {**kw, "model": stack["model"]} if chat else {**_completion_kw(kw), "model": stack["model"]}
+    if chat:
+        kw["messages"] = [{"role": "user", "content": "Say something about the sea."}]
+    else:
+        kw["prompt"] = "Say something about the sea."
+    vllm = OpenAI(base_url=stack["server"].url + "/v1", api_key="unused", max_retries=0)
+    gw = OpenAI(base_url=stack["gw"].url + "/v1", api_key="unused", max_retries=0)
+    ref_objs, ref = sdk_call(vllm, chat, kw)
+    bare_objs, bare = sdk_call(gw, chat, kw)
+    with_objs, with_cart = sdk_call(gw, chat, kw, cartridges=[{"id": "alpha"}])
+    want = set().union(*map(shape, ref))
+    for label, got in (("without cartridges", bare), ("with a cartridge", with_cart)):
+        have = set().union(*map(shape, got))
+        assert have == want, (label, sorted(want - have), sorted(have - want))
+    for objs in (ref_objs, bare_objs, with_objs):
+        choices = [c for o in objs for c in o.choices]
+        assert choices and all(c.finish_reason in (None, "stop", "length") for c in choices)
+        assert any(c.finish_reason for c in choices)
+        if not kw.get("stream"):
+            assert "system_fingerprint" in objs[0].model_fields_set
+        if kw.get("n"):
+            assert {c.index for c in choices} == {0, 1}
+        if kw.get("logprobs"):
+            if chat:
+                content = [t for c in choices if c.logprobs for t in c.logprobs.content]
+                assert content and all(len(t.top_logprobs) == 2 and t.bytes for t in content)
+            else:
+                assert all(len(c.logprobs.top_logprobs[0]) >= 2 for c in choices if c.logprobs)
+        if kw.get("stream_options"):
+            assert objs[-1].usage is not None and 0 < objs[-1].usage.completion_tokens <= 4 and not objs[-1].choices
+        if chat:
+            roles = {c.index for o in objs for c in o.choices if (c.delta.role if kw.get("stream") else
+                                                                   c.message.role) == "assistant"}
+            assert roles == {c.index for c in choices}  # every choice says who speaks
+    if call == "logprobs" and chat:  # the same numbers as vLLM's chat gives for the same tokens
+        def content(objs):
+            return [(t.token, round(t.logprob, 3), [a.token for a in t.top_logprobs])
+                    for t in objs[0].choices[0].logprobs.content]
+        assert content(bare_objs) == content(ref_objs)
+        cart = with_objs[0].choices[0].logprobs.content
+        assert all(t.logprob == max(a.logprob for a in [t, *t.top_logprobs]) for t in cart)  # greedy: the top one
+
+
+def test_chat_echo_with_cartridges_is_refused(stack):
+    """Chat's `echo` (repeat the last message) is not completions' (repeat the whole prompt, the
+    cartridge's tokens included): with cartridges it is refused, never passed on."""
+    r = post(stack["gw"], "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True,
+                                                     "max_tokens": 4, "cartridges": [{"id": "alpha"}]})
+    assert r.status_code == 400 and "'echo'" in r.json()["error"]["message"], r.text

@@ -53,35 +53,84 @@ def _without_credentials(url: str) -> str:
 
 
 # --- responses --------------------------------------------------------------------------------
-def completion_to_chat(resp: dict) -> dict:
-    """Rewrite an upstream /v1/completions response as a chat.completion."""
-    return {
-        "id": "chatcmpl-" + str(resp.get("id", uuid.uuid4().hex)).removeprefix("cmpl-"),
-        "object": "chat.completion",
-        "created": resp.get("created", int(time.time())),
-        "model": resp.get("model"),
-        "choices": [
-            {"index": c.get("index", 0), "message": {"role": "assistant", "content": c.get("text", "")},
-             "finish_reason": c.get("finish_reason"), "logprobs": c.get("logprobs")}
-            for c in resp.get("choices", [])
-        ],
-        "usage": resp.get("usage"),
-    }
+# A chat request with cartridges is answered by vLLM's /v1/completions and rebuilt here in the
+# shape vLLM's own /v1/chat/completions gives (vllm/entrypoints/openai/chat_completion/protocol.py):
+# every field of the completion is carried over but the completion's own (its text and logprobs,
+# rebuilt; the prompt's ids and logprobs, which chat puts at the top level).
+_COMPLETION_CHOICE_ONLY = ("index", "text", "logprobs", "finish_reason", "prompt_logprobs", "prompt_token_ids")
+_CHAT_TOP_FROM_CHOICE = ("prompt_logprobs", "prompt_token_ids")
+# vLLM's chat message: `tool_calls` is left out when empty (never filled here: tools are refused)
+_MESSAGE = {"refusal": None, "annotations": None, "audio": None, "function_call": None, "reasoning": None}
 
 
-def completion_chunk_to_chat(chunk: dict, first: bool) -> dict:
-    return {
-        "id": "chatcmpl-" + str(chunk.get("id", "")).removeprefix("cmpl-"),
-        "object": "chat.completion.chunk",
-        "created": chunk.get("created", int(time.time())),
-        "model": chunk.get("model"),
-        "choices": [
-            {"index": c.get("index", 0),
-             "delta": ({"role": "assistant"} if first else {}) | {"content": c.get("text", "")},
-             "finish_reason": c.get("finish_reason")}
-            for c in chunk.get("choices", [])
-        ],
-    }
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(lp: dict | None, top: int | None) -> dict | None:
+    """Completions' logprobs (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}) as
+    chat's (`content`: per token its logprob, bytes and its `top` alternatives). Both endpoints
+    list a step's alternatives in vLLM's order (the sampled token first, then by rank), the
+    completion `top` + 1 of them and chat the first `top` (all of them for -1)."""
+    if not lp:
+        return None
+    content = []
+    tops = lp.get("top_logprobs") or []
+    for i, (token, logprob) in enumerate(zip(lp.get("tokens") or [], lp.get("token_logprobs") or [])):
+        alternatives = list((tops[i] if i < len(tops) and tops[i] else {}).items())
+        if top is not None and top >= 0:
+            alternatives = alternatives[:top]
+        content.append({"token": token, "logprob": -9999.0 if logprob is None else logprob,
+                        "bytes": _token_bytes(token),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": _token_bytes(t)}
+                                         for t, v in alternatives]})
+    return {"content": content}
+
+
+def _chat_fields(resp: dict, kind: str) -> dict:
+    """The top-level fields of a chat answer or chunk built from completion `resp`: its id as
+    chat's, `kind`, and every other field of the completion's carried over (usage,
+    system_fingerprint, kv_transfer_params, ...); the prompt's ids and logprobs from its first
+    choice, where chat puts them."""
+    out = {"id": "chatcmpl-" + str(resp.get("id") or uuid.uuid4().hex).removeprefix("cmpl-"), "object": kind,
+           "created": resp.get("created", int(time.time())), "model": resp.get("model"), "choices": []}
+    out.update((k, v) for k, v in resp.items() if k not in out)
+    first = (resp.get("choices") or [{}])[0]
+    out.update((k, first[k]) for k in _CHAT_TOP_FROM_CHOICE if k in first)
+    return out
+
+
+def _choice_extras(c: dict) -> dict:
+    """A completion choice's fields beyond the ones rebuilt (stop_reason, token_ids, ...)."""
+    return {k: v for k, v in c.items() if k not in _COMPLETION_CHOICE_ONLY}
+
+
+def completion_to_chat(resp: dict, top_logprobs: int | None = None) -> dict:
+    """Rewrite an upstream /v1/completions response as a chat.completion (`top_logprobs`: the
+    chat request's, for its logprobs)."""
+    out = _chat_fields(resp, "chat.completion")
+    out.setdefault("prompt_text", None)  # chat's own: the rendered prompt, sent only when asked for
+    out["choices"] = [
+        {"index": c.get("index", 0), "message": {"role": "assistant", "content": c.get("text", ""), **_MESSAGE},
+         "logprobs": chat_logprobs(c.get("logprobs"), top_logprobs), "finish_reason": c.get("finish_reason"),
+         **_choice_extras(c)}
+        for c in resp.get("choices") or []]
+    return out
+
+
+def completion_chunk_to_chat(chunk: dict, seen: set[int], top_logprobs: int | None = None) -> dict:
+    """Rewrite an upstream completion stream chunk as a chat.completion.chunk. `seen`: the choice
+    indices already sent (a choice's first delta carries the assistant role); chunks without
+    choices (the usage chunk of `stream_options.include_usage`) keep their fields."""
+    out = _chat_fields(chunk, "chat.completion.chunk")
+    for c in chunk.get("choices") or []:
+        index = c.get("index", 0)
+        delta = ({} if index in seen else {"role": "assistant"}) | {"content": c.get("text", "")}
+        seen.add(index)
+        out["choices"].append({"index": index, "delta": delta,
+                               "logprobs": chat_logprobs(c.get("logprobs"), top_logprobs),
+                               "finish_reason": c.get("finish_reason"), **_choice_extras(c)})
+    return out
 
 
 def cartridge_list(entries, tenant=None) -> dict:
@@ -95,24 +144,30 @@ def cartridge_list(entries, tenant=None) -> dict:
 
 
 # --- the app ----------------------------------------------------------------------------------
-_CHAT_ONLY = {"messages", "top_logprobs"}  # chat's own fields, translated for /v1/completions
+# chat's own fields, translated for /v1/completions
+_CHAT_ONLY = {"messages", "top_logprobs", "max_completion_tokens"}
 # Chat fields that need vLLM's chat endpoint itself (its tool-call parser turns the output into
 # `tool_calls`): a chat request without cartridges goes there whole; with cartridges (sent as
 # token ids to /v1/completions) they are refused, never dropped.
 _CHAT_ENDPOINT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+# Chat fields whose meaning /v1/completions does not share (there `echo` repeats the whole
+# prompt, cartridges included): refused with cartridges when set.
+_CHAT_MEANING_ONLY = ("echo",)
 
 
 @dataclass
 class Upstream:
     """A request as the gateway sends it on: `body` to `path` with the router's session header
     (`route`). `plan`: its cartridges' (None: a request without any, passed whole). `translate`:
-    a chat request sent to /v1/completions, whose answers are rebuilt in chat's shape."""
+    a chat request sent to /v1/completions, whose answers are rebuilt in chat's shape
+    (`top_logprobs`: the chat request's, for its logprobs)."""
 
     body: dict
     path: str
     route: dict
     plan: Plan | None = None
     translate: bool = False
+    top_logprobs: int | None = None
 
 
 def whole_body(body: CompletionRequest | ChatRequest, model: str) -> dict:
@@ -130,6 +185,7 @@ def prompt_text(body: CompletionRequest | ChatRequest, chat: bool):
     try:
         if chat:
             needs = [k for k in _CHAT_ENDPOINT_ONLY if k in body.model_fields_set or k in (body.model_extra or {})]
+            needs += [k for k in _CHAT_MEANING_ONLY if (body.model_extra or {}).get(k)]
             if needs:
                 raise ValueError(repr(needs[0]))
             return [m.as_text() for m in body.messages]
@@ -171,9 +227,11 @@ def completion_body(body: CompletionRequest | ChatRequest, chat: bool, plan: Pla
     upstream.update(model=model, prompt=ids)
     if chat:  # chat's logprobs: bool + top_logprobs: int -> completions' logprobs: int
         if body.logprobs:
-            upstream["logprobs"] = max(1, body.top_logprobs or 1)
+            upstream["logprobs"] = body.top_logprobs or 0
         else:
             upstream.pop("logprobs", None)
+        if body.max_completion_tokens is not None:  # chat's name for it, over the deprecated one
+            upstream["max_tokens"] = body.max_completion_tokens
     if plan.trained:
         assert not plan.salt  # a client's KV is never loaded beside trained KV (Resolver._tail)
         # Placeholder tokens' KV must never be stored where LMCache would serve it, and a
@@ -191,10 +249,10 @@ def completion_body(body: CompletionRequest | ChatRequest, chat: bool, plan: Pla
     return upstream
 
 
-async def relay_events(r, translate: bool):
+async def relay_events(r, translate: bool, top_logprobs: int | None = None):
     """The upstream's event stream `r` line by line as it arrives; completion chunks rebuilt as
     chat ones where `translate`. Closes `r` at the end (or when the client goes)."""
-    first = True
+    seen: set[int] = set()
     try:
         async for line in r.aiter_lines():
             if not translate or not line.startswith("data: ") or line == "data: [DONE]":
@@ -205,8 +263,7 @@ async def relay_events(r, translate: bool):
             except ValueError:  # not an event we can translate: pass it on as is
                 yield line + "\n"
                 continue
-            yield "data: " + json.dumps(completion_chunk_to_chat(chunk, first)) + "\n"
-            first = False
+            yield "data: " + json.dumps(completion_chunk_to_chat(chunk, seen, top_logprobs)) + "\n"
     finally:
         await r.aclose()
 
@@ -390,11 +447,11 @@ def create_app(settings: GatewaySettings, *, transport=None):
         ids = prompts.chat_ids(text, plan.prefix, after_trained=plan.trained) if chat \
             else prompts.completion_ids(text, plan.prefix)
         limit = await max_model_len()
-        if limit is not None and len(ids) + (body.max_tokens or 0) > limit:
+        wanted = (body.max_completion_tokens if chat else None) or body.max_tokens or 0
+        if limit is not None and len(ids) + wanted > limit:
             raise RequestError(400, f"cartridges ({len(plan.prefix)} tokens) + prompt ({len(ids) - len(plan.prefix)} "
-                                    f"tokens) + max_tokens ({body.max_tokens or 0}) = "
-                                    f"{len(ids) + (body.max_tokens or 0)} tokens, over the model's "
-                                    f"max_model_len of {limit}")
+                                    f"tokens) + max_tokens ({wanted}) = {len(ids) + wanted} tokens, over the "
+                                    f"model's max_model_len of {limit}")
         route = {SESSION_HEADER: session_key([route_id(r.entry.id if r.entry else None, r.token_ids)
                                               for r in resolved if r.entry is not None or r.token_ids])}
         # The cartridge-token count only where an `lmcache server` serves the engines (MP mode),
@@ -403,7 +460,8 @@ def create_app(settings: GatewaySettings, *, transport=None):
         # kv_transfer_params (tests/test_fleet.py).
         mp = any(st.role == "mp-server" for st in serving)
         return Upstream(completion_body(body, chat, plan, ids, settings.model, settings.chunk_size if mp else 0),
-                        "/v1/completions", route, plan, translate=chat)
+                        "/v1/completions", route, plan, translate=chat,
+                        top_logprobs=(body.top_logprobs or 0) if chat else None)
 
     async def relay(up: Upstream):
         """Send the prepared request upstream and answer with what comes back: JSON, or the
@@ -420,7 +478,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
                     return trained_failed(data)
                 if r.status_code != 200:
                     return upstream_answer(data, r.status_code)
-                return JSONResponse(completion_to_chat(data) if up.translate else data)
+                return JSONResponse(completion_to_chat(data, up.top_logprobs) if up.translate else data)
             req = client.build_request("POST", up.path, json=up.body, headers=up.route)
             with metrics.timed(metrics.upstream, up.path):
                 r = await client.send(req, stream=True)
@@ -433,7 +491,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
                 return upstream_answer(json.loads(content or b"{}"), r.status_code)
             except ValueError:
                 return error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {content[:200]!r}")
-        return StreamingResponse(relay_events(r, up.translate), media_type="text/event-stream")
+        return StreamingResponse(relay_events(r, up.translate, up.top_logprobs), media_type="text/event-stream")
 
     async def handle(body: CompletionRequest | ChatRequest, chat: bool, tenant=None):
         try:

@@ -150,7 +150,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = Field(None, ge=0)
+    top_logprobs: StrictInt | None = Field(None, ge=-1, description="-1: every token's (vLLM's rule)")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="chat's max_tokens (which it deprecates)")
 
 
 # --- messages ---------------------------------------------------------------------------------

@@ -433,7 +433,7 @@ and the storage plugin inside every vLLM server that reads the same registry ser
 restart). A cartridge is a KV cache computed or trained offline for a document; a request that
 starts with the cartridge's tokens loads that KV instead of prefilling it.
 
-The first five minutes (`make demo` runs all of this on a built-in tiny model):
+The first five minutes (`make demo` runs these steps on SmolLM2-135M-Instruct from PyPI):
   lmcache-cartridge test-model                                # a tiny local model, no download
   lmcache-cartridge create --model-dir MODEL --text doc.txt -o carts/doc
   lmcache-cartridge verify carts/doc

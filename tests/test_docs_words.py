@@ -1,0 +1,52 @@
+"""README, docs/ and the benchmarks' READMEs speak to users: what a figure means and the machine
+and command it came from, never how a run went (time limits of a borrowed machine, runs
+resumed or paused, the lock files of the machines the project is built on, its own history).
+A short list of words that only such narration uses is kept out."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "device" / "README.md",
+                *(ROOT / "docs").glob("*.md")])
+
+# (pattern, what to write instead)
+BANNED = [
+    (r"heavy\.lock|flock /tmp", "a command users copy runs as is: no lock file of the build machines"),
+    (r"\bthe box\b", "name the machine (GPU, CPU, cores)"),
+    (r"\bthe seed's\b|\bseed 000\b", "name what the figure is (a reference, a specification)"),
+    (r"\bsittings?\b|\bresumed from where\b", "give the figure and its command, not how the run went"),
+    (r"\bdevice time\b|\b(?:gpu|minute) lease\b|\btime ran out\b|\bran out\b", "say what was measured, not the "
+                                                                                "machine's time limits"),
+    (r"\bpaused\b|\bSIGSTOP\b|\bwhile the (?:clean-clone )?suite ran\b", "say what ran beside the measurement"),
+    (r"\bworkplace\b", "name the machine"),
+    (r"\bissue #?\d+\b|\bcommit [0-9a-f]{7,40}\b", "no issue numbers or commit ids"),
+]
+
+
+def offences(text: str) -> list[tuple[int, str, str]]:
+    """(line number, the words, the fix) for every banned phrase in `text`."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for pattern, fix in BANNED:
+            m = re.search(pattern, line, re.I)
+            if m:
+                out.append((n, m.group(0), fix))
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_speak_to_users(page):
+    found = offences(page.read_text())
+    assert not found, "\n".join(f"{page.relative_to(ROOT)}:{n}: {w!r}: {fix}" for n, w, fix in found)
+
+
+def test_each_banned_phrase_is_caught():
+    """Lines of the kind the list is for are found (the check is really looking)."""
+    for line in ("flock /tmp/heavy.lock .venv/bin/python benchmarks/hit_path.py", "The box has Python 3.12",
+                 "the seed's figures are lower", "resumed across three sittings", "in the device time left",
+                 "a 29-minute pause (SIGSTOP while the clean-clone suite ran)", "fixed in issue 68"):
+        assert offences(line), line
+    assert not offences("The cache dir's lock is a shared `flock` on the file; pin_lease_seconds: 120")
