@@ -16,10 +16,12 @@ registry.
 """
 
 import asyncio
+import functools
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lmcache_cartridge.api.asgi import BodyTooLarge, error_response, read_body, replay
@@ -95,6 +97,12 @@ def cartridge_list(entries, tenant=None) -> dict:
 
 
 # --- the app ----------------------------------------------------------------------------------
+# Threads for a request's cartridge work (resolving, planning, waiting until served): their own
+# pool, so that however many clients keep it busy (large files, slow S3, engines not serving
+# yet), the rest of the gateway (`GET /v1/cartridges`, requests without cartridges) keeps the
+# event loop's default pool; beyond it, cartridge requests wait their turn.
+CARTRIDGE_THREADS = 8
+
 _CHAT_ONLY = {"messages", "top_logprobs"}  # chat's own fields, translated for /v1/completions
 # Chat fields that need vLLM's chat endpoint itself (its tool-call parser turns the output into
 # `tool_calls`): a chat request without cartridges goes there whole; with cartridges (sent as
@@ -270,6 +278,10 @@ def create_app(settings: GatewaySettings, *, transport=None):
     private_dir(settings.cache_dir)  # downloads and conversions land here and are served from it
     registry = Registry(settings.registry)
     resolver = Resolver(settings, registry)
+    work = ThreadPoolExecutor(CARTRIDGE_THREADS, thread_name_prefix="cartridge-work")
+
+    async def cartridge_work(fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(work, functools.partial(fn, *args, **kwargs))
     prompts = PromptBuilder(settings.tokenizer, settings.trained_chat_template)
     client = httpx.AsyncClient(base_url=settings.upstream, timeout=settings.upstream_timeout, transport=transport,
                                headers={"Authorization": f"Bearer {settings.upstream_api_key}"}
@@ -377,12 +389,12 @@ def create_app(settings: GatewaySettings, *, transport=None):
         if not specs:  # nothing to put first: vLLM's own endpoint takes the request as it is
             return Upstream(whole_body(body, settings.model), "/v1/chat/completions" if chat else "/v1/completions",
                             {SESSION_HEADER: session_key([])})
-        resolved = [await asyncio.to_thread(resolver.resolve, s, tenant) for s in specs]
-        plan = await asyncio.to_thread(resolver.plan, resolved)
+        resolved = [await cartridge_work(resolver.resolve, s, tenant) for s in specs]
+        plan = await cartridge_work(resolver.plan, resolved)
         serving = []  # the records of the instances that serve the wanted cartridges
         if plan.wanted:
             with metrics.timed(metrics.ready_wait):
-                serving = await asyncio.to_thread(
+                serving = await cartridge_work(
                     wait_served, settings.cache_dir, settings.registry,
                     [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
                     models=(settings.model, *settings.accept_models))  # another model's instances never serve it
@@ -504,6 +516,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
         if sync is not None:
             sync.stop()
         await client.aclose()
+        work.shutdown(wait=False, cancel_futures=True)
         registry.close()
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
