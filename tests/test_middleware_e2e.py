@@ -353,6 +353,32 @@ def test_fake_clients_kv_transfer_params_are_held_to_the_gateways_rule(fake, car
     assert r.status_code == 200, r.text
 
 
+def test_fake_generates_extra_args_are_held_to_the_same_rule(fake, carts):
+    """vLLM's token-in route (/inference/v1/generate, with --enable-scale-out or --tokens-only)
+    hands the connector the `kv_transfer_params` inside `sampling_params.extra_args`: the rule
+    held for the body's own field was not held there (the trained readiness count, the salt tag
+    reached the engine). The same rule, the same 400; what a client may set passes."""
+    from lmcache_cartridge.cartridge.keys import SALT_TAG
+    from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM
+
+    srv = fake()
+    n = len(srv.received)
+    where = "'sampling_params.extra_args.kv_transfer_params'"
+    for params, words in [({TRAINED_TOKENS_PARAM: 10**9}, "may not be set by a client"),
+                          ({SALT_TAG: "0" * 32}, "is the gateway's to set"),
+                          ({"lmcache.tag.user": 5}, "must be a string"),
+                          (["disagg_spec"], "must be an object")]:
+        r = httpx.post(srv.url + "/inference/v1/generate", json={
+            "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "extra_args": {"kv_transfer_params": params}}})
+        assert r.status_code == 400, (params, r.text)
+        message = r.json()["error"]["message"]
+        assert message.startswith(where) and words in message, r.text
+    assert len(srv.received) == n  # none of them reached vLLM
+    ok = {"token_ids": [1, 2, 3], "sampling_params": {"extra_args": {"kv_transfer_params": {"lmcache.tag.user": "u"}}}}
+    r = httpx.post(srv.url + "/inference/v1/generate", json=ok)
+    assert len(srv.received) == n + 1 and srv.received[-1][0] == "/inference/v1/generate", r.text
+
+
 def test_fake_utf16_and_utf32_json_is_refused_before_vllm(fake, carts):
     """vLLM parses a body with `json.loads` on its bytes, which decodes UTF-16 and UTF-32 JSON as
     well as UTF-8. A byte search for the fields the middleware checks finds nothing in them: a

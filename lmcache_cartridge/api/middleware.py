@@ -272,13 +272,19 @@ def check_client_body(data: Any) -> str | None:
         return None
     from lmcache_cartridge.api.requests import check_client_kv_params
 
-    params = data.get("kv_transfer_params")
-    if params is not None and not isinstance(params, dict):
-        return "'kv_transfer_params' must be an object"
-    try:
-        check_client_kv_params(params)
-    except ValueError as e:
-        return f"'kv_transfer_params': {e}"
+    # vLLM hands the connector `kv_transfer_params` from the body, and on its token-in route
+    # (/inference/v1/generate) from `sampling_params.extra_args`: one rule for both
+    sampling = data.get("sampling_params")
+    extra = sampling.get("extra_args") if isinstance(sampling, dict) else None
+    for where, holder in (("kv_transfer_params", data),
+                          ("sampling_params.extra_args.kv_transfer_params", extra)):
+        params = holder.get("kv_transfer_params") if isinstance(holder, dict) else None
+        if params is not None and not isinstance(params, dict):
+            return f"'{where}' must be an object"
+        try:
+            check_client_kv_params(params)
+        except ValueError as e:
+            return f"'{where}': {e}"
     xargs = data.get("vllm_xargs")
     if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
         return "'vllm_xargs' may not carry 'kv_transfer_params' (send 'kv_transfer_params' itself)"
