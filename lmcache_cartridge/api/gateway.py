@@ -32,6 +32,7 @@ from lmcache_cartridge.api.resolver import Plan, Resolver
 from lmcache_cartridge.api.routing import SESSION_HEADER, route_id, session_key
 from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.cartridge.keys import SALT_TAG
+from lmcache_cartridge.cartridge.manifest import MAX_ID_LENGTH
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 from lmcache_cartridge.paths import private_dir
@@ -86,14 +87,31 @@ def completion_chunk_to_chat(chunk: dict, first: bool) -> dict:
     }
 
 
-def cartridge_list(entries, tenant=None) -> dict:
-    """`GET /v1/cartridges`: the registered cartridges `tenant` may name (None: an operator's key,
-    or no keys at all: every registered id), as an OpenAI list. Only what a request may use to
-    name and size one: never its path or source URI, never an entry outside the tenant's ids."""
+# `GET /v1/cartridges` pages: the items one answers when the request sets no `limit`, and the
+# most a `limit` may ask for (an answer's size never grows with the registry).
+LIST_LIMIT = 100
+LIST_LIMIT_MAX = 1000
+
+
+def cartridge_list(entries, models: tuple[str, ...], tenant=None, limit: int = LIST_LIMIT) -> dict:
+    """`GET /v1/cartridges`: a page of the registered cartridges `tenant` may name (None: an
+    operator's key, or no keys at all: every registered id) that this server serves, as an
+    OpenAI list. `entries`: the registry's, in id order from the page's cursor on (read only as
+    far as the page needs); `models`: the names of the served weights, the first the one
+    requests use. Only what a request may use to name and size one: never its path or source
+    URI, never the model name its manifest was made under (often the operator's model
+    directory), never an entry outside the tenant's ids."""
+    page = []
+    for e in entries:
+        if e.model in models and (tenant is None or tenant.may_name(e.id)):
+            page.append(e)
+            if len(page) > limit:
+                break
+    more, page = len(page) > limit, page[:limit]
     return {"object": "list", "data": [
-        {"id": e.id, "object": "cartridge", "labels": list(e.labels), "model": e.model, "tokens": e.num_tokens,
-         "kind": e.kind}
-        for e in entries if tenant is None or tenant.may_name(e.id)]}
+        {"id": e.id, "object": "cartridge", "labels": list(e.labels), "model": models[0], "tokens": e.num_tokens,
+         "kind": e.kind} for e in page],
+        "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None, "has_more": more}
 
 
 # --- the app ----------------------------------------------------------------------------------
@@ -271,7 +289,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
     with (default: plain HTTP to `settings.upstream`; `api.middleware` passes one for a Unix socket
     or its own server's TLS)."""
     import httpx
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Query, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -485,10 +503,12 @@ def create_app(settings: GatewaySettings, *, transport=None):
             return error(502, f"upstream {shown_upstream}: {type(e).__name__}")
 
     @app.get("/v1/cartridges")
-    async def cartridges(request: Request):
-        """The registered cartridges the caller may name (`cartridge_list`)."""
-        entries = await asyncio.to_thread(registry.list)
-        return JSONResponse(cartridge_list(entries, getattr(request.state, "tenant", None)))
+    async def cartridges(request: Request, limit: int = Query(LIST_LIMIT, ge=1, le=LIST_LIMIT_MAX),
+                         after: str | None = Query(None, max_length=MAX_ID_LENGTH)):
+        """A page of the registered cartridges the caller may name (`cartridge_list`): `limit`
+        items whose ids sort after `after` (the previous page's `last_id`)."""
+        tenant, models = getattr(request.state, "tenant", None), (settings.model, *settings.accept_models)
+        return JSONResponse(await asyncio.to_thread(cartridge_list, registry.after(after), models, tenant, limit))
 
     @app.get("/health")
     async def health():

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from lmcache_cartridge.errors import CartridgeError, ManifestError
 from lmcache_cartridge.cartridge.keys import client_kv_salt
@@ -295,3 +295,14 @@ class Registry:
     def list(self) -> list[Entry]:
         rows = self._q(f"SELECT {','.join(_COLUMNS)} FROM cartridges ORDER BY id")
         return [_row_to_entry(r) for r in rows]
+
+    def after(self, cartridge_id: str | None, batch: int = 256) -> Iterator[Entry]:
+        """The entries whose id sorts after `cartridge_id` (None: all), in id order, read
+        `batch` rows at a time: a reader that stops early has not loaded the rest."""
+        while True:
+            rows = self._q(f"SELECT {','.join(_COLUMNS)} FROM cartridges WHERE id > ? ORDER BY id LIMIT ?",
+                           ("" if cartridge_id is None else cartridge_id, batch))
+            yield from (_row_to_entry(r) for r in rows)
+            if len(rows) < batch:
+                return
+            cartridge_id = rows[-1][_COLUMNS.index("id")]
