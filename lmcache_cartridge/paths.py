@@ -184,3 +184,31 @@ def atomic_dir(path: str | os.PathLike, *, replace: bool = False, mode: int = 0o
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(path.parent)
+
+
+@contextmanager
+def opened_beneath(path: Path, root: Path) -> Iterator[tuple[Path, Path]]:
+    """The regular file `path` (already resolved, under `root`) opened once, walking from `root`
+    one component at a time without following a symlink (`O_NOFOLLOW`), so that what was checked
+    is what is read: a name flipped to a symlink after the check fails to open (`OSError`)
+    instead of reading another file. Yields `/proc/self/fd/` paths to the open file and to its
+    open directory: opening them reaches those very inodes, whatever their names now point at.
+    A FIFO or device is refused (opened without blocking, then checked)."""
+    import stat
+
+    parts = path.relative_to(root).parts
+    if not parts:
+        raise IsADirectoryError(f"{path} is the allowed directory itself, not a file in it")
+    fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            fds.append(os.open(part, flags, dir_fd=fds[-1]))
+        if not stat.S_ISREG(os.fstat(fds[-1]).st_mode):
+            raise IsADirectoryError(f"{path} is not a regular file")
+        os.set_blocking(fds[-1], True)
+        yield Path(f"/proc/self/fd/{fds[-1]}"), Path(f"/proc/self/fd/{fds[-2]}")
+    finally:
+        for fd in fds:
+            os.close(fd)

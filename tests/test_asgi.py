@@ -71,6 +71,7 @@ def test_the_middlewares_bodies_and_the_body_it_hands_on(middleware):
     r = call("POST", "/v1/completions", json={"prompt": "x", "cartridges": [{"id": "doc"}]})
     assert r.status_code == 501 and r.json()["error"]["type"] == "server_error" and r.json()["error"]["code"] == 501
     assert r.json()["error"]["message"].startswith("this server cannot serve 'cartridges': "), r.text
+    assert "missing.yaml" not in r.text, r.text  # the operator's file: in the log, not the answer
     r = call("GET", "/v1/cartridges")
     assert r.status_code == 501 and r.json()["error"]["type"] == "server_error", r.text
     r = call("POST", "/v1/responses", json={"input": "x", "cartridges": []})

@@ -655,12 +655,76 @@ def test_cartridge_list_names_what_a_key_may_use_and_no_paths(tmp_path, settings
     assert r.json() == {"object": "list", "data": [
         {"id": "doc", "object": "cartridge", "labels": ["handbook", "v2"], "model": model_dir, "tokens": 64,
          "kind": "first_k"},
-        {"id": "tr", "object": "cartridge", "labels": [], "model": model_dir, "tokens": 2 * CHUNK, "kind": "trained"}]}
+        {"id": "tr", "object": "cartridge", "labels": [], "model": model_dir, "tokens": 2 * CHUNK, "kind": "trained"}],
+        "first_id": "doc", "last_id": "tr", "has_more": False}
     assert str(tmp_path) not in r.text
     keyed = create_app(dataclasses.replace(settings, api_keys=("k1-0123456789abcdef",)))
     assert _call(keyed, "GET", "/v1/cartridges").status_code == 401
     r = _call(keyed, "GET", "/v1/cartridges", headers={"Authorization": "Bearer k1-0123456789abcdef"})
     assert [c["id"] for c in r.json()["data"]] == ["doc", "tr"]
+
+
+def test_cartridge_list_names_the_served_model_never_the_operators_directory(tmp_path, settings, model_dir):
+    """Cartridges are made under the name in LMCache's keys (vLLM's --model: often the operator's
+    model directory), and the list showed that name: a filesystem path of the operator's, to
+    every key. It shows the name requests use (the served name, the gateway's --model), and
+    leaves out cartridges of weights this server does not serve."""
+    import dataclasses
+
+    a = settings.local_roots[0]
+    reg = Registry(settings.registry)
+    _cart(a / "doc", "doc", list(range(1, 65)), model_dir)
+    reg.register(a / "doc")
+    _cart(a / "other", "other", list(range(1, 33)), "another/model")
+    reg.register(a / "other")
+    app = create_app(dataclasses.replace(settings, model="tiny-served", accept_models=(model_dir,)))
+    r = _call(app, "GET", "/v1/cartridges")
+    assert r.status_code == 200, r.text
+    assert [(c["id"], c["model"]) for c in r.json()["data"]] == [("doc", "tiny-served")], r.text
+    assert model_dir not in r.text and str(tmp_path) not in r.text and "another/model" not in r.text
+
+
+def test_cartridge_list_is_paged_and_a_page_is_bounded(tmp_path, settings, model_dir):
+    """The list answered every registered entry in one body, `?limit` ignored: its size grew
+    with the registry. Pages of `limit` items (at most LIST_LIMIT_MAX; LIST_LIMIT where none is
+    asked for), the next one `after` the previous page's `last_id`; a tenant's pages hold only
+    its own ids."""
+    import dataclasses
+
+    from lmcache_cartridge.api.gateway import LIST_LIMIT, LIST_LIMIT_MAX
+    from lmcache_cartridge.api.settings import Tenant
+
+    a = settings.local_roots[0]
+    reg = Registry(settings.registry)
+    ids = [f"{p}-{i:03d}" for p in ("acme", "globex") for i in range(LIST_LIMIT // 2 + 3)]
+    for n, cid in enumerate(ids):
+        _cart(a / cid, cid, list(range(1, CHUNK + 1)), model_dir, seed=n)
+        reg.register(a / cid)
+    acme = "acme-key-0123456789abcdef"
+    app = create_app(dataclasses.replace(settings, api_keys=("op-key-0123456789abcdef",), tenants=(
+        Tenant("acme", keys=(acme,), ids=("acme-*",)),)))
+
+    def page(key, query=""):
+        r = _call(app, "GET", "/v1/cartridges" + query, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    got = page("op-key-0123456789abcdef")
+    assert [c["id"] for c in got["data"]] == ids[:LIST_LIMIT] and got["has_more"], got["last_id"]
+    seen, query = [], "?limit=7"
+    while True:
+        got = page(acme, query)
+        assert len(got["data"]) <= 7
+        seen += [c["id"] for c in got["data"]]
+        if not got["has_more"]:
+            break
+        query = f"?limit=7&after={got['last_id']}"
+    assert seen == [i for i in ids if i.startswith("acme-")]
+    assert page(acme, f"?after={ids[-1]}") == {"object": "list", "data": [], "first_id": None, "last_id": None,
+                                               "has_more": False}
+    for bad in (0, -1, LIST_LIMIT_MAX + 1, "x"):
+        r = _call(app, "GET", f"/v1/cartridges?limit={bad}", headers={"Authorization": f"Bearer {acme}"})
+        assert r.status_code == 400 and "limit" in r.json()["error"]["message"], (bad, r.text)
 
 
 def test_gateway_keys_from_flags_and_env_and_the_non_loopback_warning(monkeypatch):

@@ -302,6 +302,217 @@ def test_a_compressed_pt_is_refused_before_it_is_inflated(tmp_path, settings, mo
     assert seen == []
 
 
+def two_directory_bomb(path: Path, nbytes: int) -> Path:
+    """`deflated_bomb` with a decoy central directory just before its end record, listing every
+    record stored (at its compressed size), while the end record's offset still points at the
+    real directory (records deflated). Python's zipfile finds the directory back from the end
+    record (the decoy), torch's reader at the offset (the real one)."""
+    import zipfile
+
+    deflated_bomb(path, nbytes)
+    data = path.read_bytes()
+    with zipfile.ZipFile(path) as z:
+        start = z.start_dir
+    end = data.rindex(b"PK\x05\x06")
+    assert len(data) - end == 22, "a zip64 end record: the decoy below assumes the classic one"
+    decoy, at = bytearray(data[start:end]), 0
+    while at < len(decoy):
+        decoy[at + 10:at + 12] = (0).to_bytes(2, "little")  # stored
+        decoy[at + 24:at + 28] = decoy[at + 20:at + 24]     # uncompressed size = compressed size
+        at += 46 + sum(int.from_bytes(decoy[at + i:at + i + 2], "little") for i in (28, 30, 32))
+    eocd = bytearray(data[end:])
+    eocd[12:16] = len(decoy).to_bytes(4, "little")
+    path.write_bytes(data[:end] + bytes(decoy) + bytes(eocd))
+    return path
+
+
+def test_a_pt_whose_zip_readers_disagree_is_refused_before_torch_reads_it(tmp_path, settings,
+                                                                         recording_upstream):
+    """Two central directories: the check read Python zipfile's (every record stored, within
+    the file's size) and passed, then torch's reader inflated the real one's deflated record
+    whole (the gateway grew by the record's size before the size refusal). The archive is read
+    as torch reads it, and one whose directory does not end at its end record is refused
+    before torch reads a record."""
+    import zipfile
+
+    import torch
+
+    nbytes = 64 << 20
+    bomb = two_directory_bomb(settings.local_roots[0] / "bomb.pt", nbytes)
+    with zipfile.ZipFile(bomb) as z:  # what the check used to judge
+        assert all(i.compress_type == zipfile.ZIP_STORED and i.compress_size == i.file_size for i in z.infolist())
+        assert sum(i.file_size for i in z.infolist()) < bomb.stat().st_size
+    reader = torch._C.PyTorchFileReader(str(bomb))  # torch's own view: the deflated record, whole
+    assert len(reader.get_record("data/0")) == nbytes
+    del reader
+    url, seen = recording_upstream
+    env = {"app": create_app(dataclasses.replace(settings, upstream=url))}
+    got = []
+    grew = _peak_rss_growth(lambda: got.append(ask(env, OPERATOR, local(bomb))))
+    assert grew < nbytes // 4, f"{grew >> 20} MiB"  # the record was never inflated
+    assert got[0].status_code == 400 and "zip readers would read different records" in got[0].text, got[0].text
+    assert seen == []
+
+
+def test_a_pt_holding_more_records_than_it_declares_is_refused(tmp_path):
+    """The end record's count was bounded (`MAX_RECORDS`), but Python's zipfile reads every
+    record in the directory whatever the count says: a file declaring 7 records held a million
+    (seconds and hundreds of MiB before a refusal). Exactly the declared records are read."""
+    import zipfile
+
+    import torch
+
+    from lmcache_cartridge.cartridge.inputs.torchfile import safe_torch_load
+    from lmcache_cartridge.errors import CartridgeFormatError
+
+    path = tmp_path / "many.pt"
+    torch.save({"k": torch.arange(8)}, path)
+    with zipfile.ZipFile(path) as z:
+        declared = len(z.infolist())
+    with zipfile.ZipFile(path, "a") as z:
+        for i in range(200):
+            z.writestr(f"many/extra/{i}", b"")
+    data = bytearray(path.read_bytes())
+    end = data.rindex(b"PK\x05\x06")
+    data[end + 8:end + 12] = declared.to_bytes(2, "little") * 2  # the count on this disk and in all
+    path.write_bytes(bytes(data))
+    with zipfile.ZipFile(path) as z:
+        assert len(z.infolist()) == declared + 200  # zipfile reads them all
+    with pytest.raises(CartridgeFormatError, match=f"more than the {declared} records it declares"):
+        safe_torch_load(path)
+
+
+def shared_references(path: Path, depth: int) -> Path:
+    """`L = [L, L]`, `depth` times over a tensor: a pickle of a few KB whose tree has 2**depth
+    leaves (torch's restricted unpickler builds it: lists and memo references only)."""
+    import torch
+
+    obj: object = [torch.zeros(1)]
+    for _ in range(depth):
+        obj = [obj, obj]
+    torch.save(obj, path)
+    return path
+
+
+@pytest.mark.timeout(300)  # the walk before the fix never ended: 2**60 paths
+def test_a_pickle_of_shared_references_is_read_in_time_linear_in_the_file(tmp_path, settings, recording_upstream):
+    """The loaded object was walked as a tree: 2 KB of shared references sixty deep pinned a
+    worker thread for good (depth 20 took seconds). Every container is visited once; one
+    referenced twice is refused with the reason, and the gateway answers the next request."""
+    bomb = shared_references(settings.local_roots[0] / "shared.pt", 60)
+    assert bomb.stat().st_size < 8192
+    url, _ = recording_upstream
+    env = {"app": create_app(dataclasses.replace(settings, upstream=url))}
+    r = ask(env, OPERATOR, local(bomb))
+    assert r.status_code == 400 and "referenced more than once" in r.text, r.text
+    listed = _call(env["app"], "GET", "/v1/cartridges", headers={"Authorization": f"Bearer {OPERATOR}"})
+    assert listed.status_code == 200, listed.text
+
+
+@pytest.mark.timeout(300)
+def test_cartridge_work_cannot_take_the_threads_the_rest_of_the_gateway_needs(tmp_path, settings, moto_server,
+                                                                            s3_proxy, recording_upstream):
+    """Resolutions ran on the event loop's default thread pool (a handful of threads on a small
+    machine): clients naming inputs that take long (here S3 objects whose origin stalls) took
+    every thread, and `GET /v1/cartridges` waited with them. Cartridge work has its own pool."""
+    import asyncio
+
+    import httpx
+
+    from lmcache_cartridge.api.gateway import CARTRIDGE_THREADS
+    from s3_server import s3_client
+
+    s3_client(moto_server).create_bucket(Bucket="gw-unit")
+    stall = s3_proxy.inject(path=r"/gw-unit/ok/stall-", delay=3600)
+    url, _ = recording_upstream
+    app = create_app(dataclasses.replace(settings, upstream=url, s3={"endpoint_url": s3_proxy.endpoint_url,
+                                                                     "max_attempts": "1"}))
+    auth = {"Authorization": f"Bearer {OPERATOR}"}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
+                                     timeout=None) as c:
+            stalled = [asyncio.create_task(c.post("/v1/completions", headers=auth, json={
+                "prompt": [5], "max_tokens": 1, "cartridges": [{"id": f"s3://gw-unit/ok/stall-{i}.pt"}]}))
+                for i in range(4 * CARTRIDGE_THREADS)]
+            for _ in range(400):  # until the stalled origin holds as many as the gateway will send it
+                if stall.hits >= CARTRIDGE_THREADS:
+                    break
+                await asyncio.sleep(0.05)
+            try:
+                listed = await asyncio.wait_for(c.get("/v1/cartridges", headers=auth), 60)
+            except asyncio.TimeoutError:
+                listed = None
+            finally:
+                s3_proxy.clear_faults()
+            answers = await asyncio.gather(*stalled)
+            return listed, answers
+
+    listed, answers = asyncio.run(go())
+    assert listed is not None and listed.status_code == 200, "GET /v1/cartridges waited for the stalled resolutions"
+    assert {a.status_code for a in answers} == {404}, {a.status_code for a in answers}
+
+
+@pytest.mark.timeout(300)
+def test_a_name_flipped_to_another_tenants_file_after_the_check_is_never_read(settings):
+    """The allow check resolved the named path once and the reads looked the name up again: a
+    tenant flipping a name between its own file and a symlink to another tenant's file got the
+    other's token ids now and then. The file checked is opened once, beneath the tenant's root
+    without following a symlink, and read through that descriptor: each try answers the
+    tenant's own ids or a refusal, never the other's."""
+    import os
+    import sys
+    import threading
+    from collections import Counter
+
+    import torch
+
+    from lmcache_cartridge.api.requests import CartridgeSpec
+    from lmcache_cartridge.api.resolver import Resolver
+    from lmcache_cartridge.api.settings import RequestError
+
+    acme, globex = settings.local_roots[0] / "acme", settings.local_roots[0] / "globex"
+    acme.mkdir()
+    globex.mkdir()
+    torch.save({"token_ids": list(range(10, 20))}, acme / "mine.pt")
+    torch.save({"token_ids": list(range(900, 910))}, globex / "secret.pt")
+    tenant = Tenant("acme", keys=(ACME,), ids=("acme-*",), local_roots=(acme,))
+    r = Resolver(settings, Registry(settings.registry))
+    name, stop = acme / "x.pt", threading.Event()
+
+    def flip():
+        i = 0
+        while not stop.is_set():
+            tmp = acme / f".flip{i}"
+            if i % 2:
+                os.symlink(globex / "secret.pt", tmp)
+            else:
+                os.link(acme / "mine.pt", tmp)
+            os.replace(tmp, name)
+            i += 1
+
+    os.link(acme / "mine.pt", name)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the two threads as finely as the interpreter allows
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    got: Counter = Counter()
+    try:
+        for _ in range(600):
+            r._cache.clear()
+            r._refused.clear()
+            try:
+                got["ids", r.resolve(CartridgeSpec(id=str(name), source="local"), tenant).token_ids[0]] += 1
+            except RequestError as e:
+                got["refused", e.status] += 1
+    finally:
+        stop.set()
+        flipper.join()
+        sys.setswitchinterval(interval)
+    assert got["ids", 900] == 0, got
+    assert got["ids", 10] > 0 and set(got) <= {("ids", 10), ("refused", 400), ("refused", 403)}, got
+
+
 def test_the_cartridge_list_is_each_tenants_own(tenants, model_dir):
     """GET /v1/cartridges with a tenant's key lists only the ids it may name, with their labels:
     another tenant's entries (their ids, labels, directories, sources) appear nowhere in it. The

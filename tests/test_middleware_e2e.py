@@ -82,6 +82,7 @@ class FakeVllm:
 
         @app.post("/v1/chat/completions")
         @app.post("/v1/responses")
+        @app.post("/inference/v1/generate")
         async def other(request: Request):
             await record(request)
             return {"object": "vllm's own"}
@@ -266,23 +267,30 @@ def test_fake_metrics_are_vllms_and_the_gateways(fake, carts):
             in text), [line for line in text.splitlines() if "requests_total{" in line]
 
 
-def test_fake_unconfigured_answers_501_and_vllm_still_serves(fake, carts, monkeypatch):
+def test_fake_unconfigured_answers_501_and_vllm_still_serves(fake, carts, monkeypatch, caplog):
     """No cartridge plugin in the server's LMCache config: cartridges cannot be served, and say
-    so; everything else is vLLM's as before."""
+    so (the reason in the server's log: it names the operator's files); everything else is
+    vLLM's as before."""
+    import logging
+
+    from lmcache_cartridge.api.middleware import UNAVAILABLE_MESSAGE
+
+    caplog.set_level(logging.INFO, logger="lmcache_cartridge")
     cfg = carts["root"] / "plain-lmcache.yaml"
     cfg.write_text(yaml.safe_dump({"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 1}))
     monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(cfg))
     srv = fake()
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "cartridges": [{"id": "doc"}]})
-    assert r.status_code == 501 and "cannot serve 'cartridges'" in r.json()["error"]["message"], r.text
-    assert "storage_plugins" in r.json()["error"]["message"] or "plugin" in r.json()["error"]["message"]
+    assert r.status_code == 501 and r.json()["error"]["message"] == UNAVAILABLE_MESSAGE, r.text
+    assert "no cartridge plugin in the server's LMCache config" in caplog.text
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 200
     monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(carts["root"] / "missing.yaml"))
     srv = fake()
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                            "cartridges": [{"id": "doc"}]})
-    assert r.status_code == 501 and "missing.yaml: no such LMCache config file" in r.json()["error"]["message"], r.text
+    assert r.status_code == 501 and r.json()["error"]["message"] == UNAVAILABLE_MESSAGE, r.text
+    assert "missing.yaml: no such LMCache config file" in caplog.text
     # vLLM keyed: a request with its key and `cartridges` is still refused, never vLLM's 200
     srv = fake(api_keys=[VLLM_KEY])
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "cartridges": [{"id": "doc"}]},
@@ -353,6 +361,32 @@ def test_fake_clients_kv_transfer_params_are_held_to_the_gateways_rule(fake, car
     assert r.status_code == 200, r.text
 
 
+def test_fake_generates_extra_args_are_held_to_the_same_rule(fake, carts):
+    """vLLM's token-in route (/inference/v1/generate, with --enable-scale-out or --tokens-only)
+    hands the connector the `kv_transfer_params` inside `sampling_params.extra_args`: the rule
+    held for the body's own field was not held there (the trained readiness count, the salt tag
+    reached the engine). The same rule, the same 400; what a client may set passes."""
+    from lmcache_cartridge.cartridge.keys import SALT_TAG
+    from lmcache_cartridge.vllm.readiness import TRAINED_TOKENS_PARAM
+
+    srv = fake()
+    n = len(srv.received)
+    where = "'sampling_params.extra_args.kv_transfer_params'"
+    for params, words in [({TRAINED_TOKENS_PARAM: 10**9}, "may not be set by a client"),
+                          ({SALT_TAG: "0" * 32}, "is the gateway's to set"),
+                          ({"lmcache.tag.user": 5}, "must be a string"),
+                          (["disagg_spec"], "must be an object")]:
+        r = httpx.post(srv.url + "/inference/v1/generate", json={
+            "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "extra_args": {"kv_transfer_params": params}}})
+        assert r.status_code == 400, (params, r.text)
+        message = r.json()["error"]["message"]
+        assert message.startswith(where) and words in message, r.text
+    assert len(srv.received) == n  # none of them reached vLLM
+    ok = {"token_ids": [1, 2, 3], "sampling_params": {"extra_args": {"kv_transfer_params": {"lmcache.tag.user": "u"}}}}
+    r = httpx.post(srv.url + "/inference/v1/generate", json=ok)
+    assert len(srv.received) == n + 1 and srv.received[-1][0] == "/inference/v1/generate", r.text
+
+
 def test_fake_utf16_and_utf32_json_is_refused_before_vllm(fake, carts):
     """vLLM parses a body with `json.loads` on its bytes, which decodes UTF-16 and UTF-32 JSON as
     well as UTF-8. A byte search for the fields the middleware checks finds nothing in them: a
@@ -384,10 +418,10 @@ def test_fake_utf16_and_utf32_json_is_refused_before_vllm(fake, carts):
 
 @pytest.mark.parametrize("mistake", ["short key", "misspelled field", "keys not a list", "yaml syntax"])
 def test_fake_a_bad_tenants_file_names_no_key(fake, carts, monkeypatch, caplog, mistake):
-    """A tenants file the gateway cannot use: every `cartridges` request answers 501 with the
-    reason, and the server logs it. The reason was pydantic's (or YAML's) own text, which quotes
-    the input: every key of the file, to every client and into the log. Now it names the tenant,
-    the field and the rule, never a value."""
+    """A tenants file the gateway cannot use: every `cartridges` request answers 501, and the
+    server logs why. The reason was pydantic's (or YAML's) own text, which quotes the input:
+    every key of the file, into the log. Now it names the tenant, the field and the rule, never
+    a value (and no answer holds it: `test_fake_an_unusable_gateway_...`)."""
     import logging
 
     good, short = "acme-key-0123456789abcdef", "tiny-secret"
@@ -403,13 +437,42 @@ def test_fake_a_bad_tenants_file_names_no_key(fake, carts, monkeypatch, caplog, 
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "cartridges": [{"id": carts["pt"],
                                                                                      "source": "local"}]})
     message = r.json()["error"]["message"]
-    assert r.status_code == 501 and "LMCACHE_CARTRIDGE_TENANTS" in message and str(path) in message, r.text
-    assert {"short key": "16 characters", "misspelled field": "'key'", "keys not a list": "keys",
-            "yaml syntax": "not valid YAML at line 4"}[mistake] in message, message
+    assert r.status_code == 501, r.text
     logged = "\n".join(rec.getMessage() for rec in caplog.records)
-    assert message.partition("'cartridges': ")[2] in logged  # the reason is logged, as it is answered
+    reason = logged[logged.index("LMCACHE_CARTRIDGE_TENANTS"):]
+    assert str(path) in reason and {"short key": "16 characters", "misspelled field": "'key'", "keys not a list":
+                                    "keys", "yaml syntax": "not valid YAML at line 4"}[mistake] in reason, reason
     for secret in (good, short, good[:12], short[:8]):
         assert secret not in message and secret not in logged, (secret, message)
+
+
+def test_fake_an_unusable_gateway_tells_no_client_the_operators_files_or_tenants(fake, carts, monkeypatch, caplog):
+    """With a tenants file the gateway could not use, the cartridge list answered 501 with the
+    reason before any key check: the tenants file's path and a tenant's name, to anyone. Now a
+    keyed server's key check comes first (401 without a key), and no answer, to a key holder
+    or on an open server, holds the reason: the server's log does."""
+    import logging
+
+    from lmcache_cartridge.api.middleware import UNAVAILABLE_MESSAGE
+
+    caplog.set_level(logging.INFO, logger="lmcache_cartridge")
+    path = carts["root"] / "tenants.yaml"
+    path.write_text("tenants:\n  - name: acme-corp\n    keys: [tiny-secret]\n")
+    monkeypatch.setenv("LMCACHE_CARTRIDGE_TENANTS", str(path))
+    ask = {"cartridges": [{"id": carts["pt"], "source": "local"}], "prompt": "x"}
+    srv = fake(api_keys=[VLLM_KEY])
+    r = httpx.get(srv.url + "/v1/cartridges")
+    assert r.status_code == 401, r.text
+    answers = [httpx.get(srv.url + "/v1/cartridges", headers=bearer(VLLM_KEY)),
+               httpx.post(srv.url + "/v1/completions", json=ask, headers=bearer(VLLM_KEY)), r]
+    assert [a.status_code for a in answers[:2]] == [501, 501], [a.text for a in answers]
+    open_srv = fake()
+    answers += [httpx.get(open_srv.url + "/v1/cartridges"), httpx.post(open_srv.url + "/v1/completions", json=ask)]
+    assert [a.status_code for a in answers[3:]] == [501, 501], [a.text for a in answers]
+    for a in answers:
+        assert str(carts["root"]) not in a.text and "tenants.yaml" not in a.text and "acme-corp" not in a.text, a.text
+        assert a.status_code == 401 or a.json()["error"]["message"] == UNAVAILABLE_MESSAGE, a.text
+    assert str(path) in caplog.text and "acme-corp" in caplog.text  # the operator's log says why
 
 
 def test_fake_the_cartridge_list_is_the_gateways_and_scoped_to_the_tenant(fake, carts, model_dir, monkeypatch):
@@ -433,7 +496,8 @@ def test_fake_the_cartridge_list_is_the_gateways_and_scoped_to_the_tenant(fake, 
     r = httpx.get(srv.url + "/v1/cartridges", headers=bearer(acme))
     assert r.status_code == 200, r.text
     assert r.json() == {"object": "list", "data": [{"id": "acme-doc", "object": "cartridge", "labels": ["handbook"],
-                                                    "model": model_dir, "tokens": 32, "kind": "first_k"}]}
+                                                    "model": model_dir, "tokens": 32, "kind": "first_k"}],
+                        "first_id": "acme-doc", "last_id": "acme-doc", "has_more": False}
     r = httpx.get(srv.url + "/v1/cartridges", headers=bearer(GATEWAY_KEY))
     assert [c["id"] for c in r.json()["data"]] == ["acme-doc", "globex-doc"], r.text
     assert httpx.get(srv.url + "/v1/cartridges").status_code == 401

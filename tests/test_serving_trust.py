@@ -283,3 +283,74 @@ def test_entries_a_catalog_synced_before_it_was_recorded_are_claimed_for_it_agai
         eng.clear_local_cpu()
         n, got = eng.retrieve(PROMPT + [1])
         assert n == 2 * CHUNK and torch.equal(got[:, :, :n], flat(claimed["kv"]["handbook"]))
+
+
+def test_a_client_naming_a_catalog_entry_never_lifts_it_to_the_operators_precedence(claimed):
+    """A catalog entry copying the operator's token ids with its own KV ranks below the
+    operator's. A client naming the entry's S3 URI (inside an `--allow-s3` root) re-registered
+    it as "vouched" (any non-client entry of that origin counted), with no catalog marker: rank
+    0, and its id sorting after `handbook` made it serve the operator's prompt. The entry stays
+    the catalog's, however a client names it (force_redownload included), and the operator's
+    KV is served."""
+    from lmcache_cartridge.api.gateway import GatewaySettings
+    from lmcache_cartridge.api.requests import CartridgeSpec
+    from lmcache_cartridge.api.resolver import Resolver
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+    reg = claimed["reg"]
+    uri = reg.get("zz-evil").source_uri
+    settings = GatewaySettings(upstream="http://127.0.0.1:9", model=MODEL, tokenizer=str(ensure_test_model()),
+                               registry=reg.path, cache_dir=claimed["dir"] / "cache", chunk_size=CHUNK,
+                               s3_roots=("trust-catalog",), s3={"endpoint_url": claimed["endpoint"]},
+                               force_redownload_interval=0.001)
+    r = Resolver(settings, reg)
+    for force in (False, True):
+        got = r.resolve(CartridgeSpec(id=uri, force_redownload=force))
+        assert got.entry.id == "zz-evil" and not got.entry.salt
+        assert (reg.get("zz-evil").catalog, reg.get("zz-evil").rank) == (CATALOG, 1)
+    with _engine(claimed) as eng:
+        plugin = eng.backend("cartridge")
+        assert "handbook" in plugin._state.skipped.get("zz-evil", ""), plugin._state.skipped
+        eng.clear_local_cpu()
+        n, got = eng.retrieve(PROMPT + [1])
+        assert n == 2 * CHUNK and torch.equal(got[:, :, :n], flat(claimed["kv"]["handbook"]))
+
+
+def test_among_the_operators_own_claims_the_first_registered_serves_not_the_id_sorting_last(tmp_path):
+    """Two of the operator's registrations claiming the same keys with different KV: the one
+    registered first keeps serving them (a re-registration of its origin keeps its place); a
+    later one, even with an id sorting after it, does not take them over."""
+    reg = Registry(tmp_path / "reg.db")
+    kv = {name: random_kv(L, 2 * CHUNK, H, D, seed=80 + n) for n, name in enumerate(("handbook", "zz-later"))}
+    for name in kv:
+        pack_kv(kv[name], tmp_path / name, cartridge_id=name, model=MODEL, kind="first_k", token_ids=PROMPT,
+                chunk_size=CHUNK)
+    first = reg.register(tmp_path / "handbook")
+    reg.register(tmp_path / "zz-later")
+    assert reg.register(tmp_path / "handbook", force_redownload=True).added_at == first.added_at
+    with engine_for(tmp_path, reg.path) as eng:
+        n, got = eng.retrieve(PROMPT + [1])
+        assert n == 2 * CHUNK and torch.equal(got[:, :, :n], flat(kv["handbook"]))
+
+
+def test_a_catalogs_label_never_squats_the_operators(tmp_path):
+    """A catalog entry labelled `demo` made the operator's `demo` answer "names 2 cartridges"
+    (and MP `preload: [demo]` warmed the catalog's entry too). A label names the most trusted
+    entries carrying it: the operator's `demo` stays the operator's; a catalog's own label still
+    names it where the operator gave that label to none."""
+    from types import SimpleNamespace
+
+    from lmcache_cartridge.lmcache.serving_set import ServingSet
+
+    reg = Registry(tmp_path / "reg.db")
+    for name, seed in (("handbook", 1), ("cat-demo", 2)):
+        pack_kv(random_kv(L, CHUNK, H, D, seed=seed), tmp_path / name, cartridge_id=name, model=MODEL,
+                kind="first_k", token_ids=list(range(seed * 100, seed * 100 + CHUNK)), chunk_size=CHUNK)
+    reg.register(tmp_path / "handbook", labels=["demo"])
+    reg.register(tmp_path / "cat-demo", labels=["demo", "catalog-only"], catalog=CATALOG)
+    assert reg.resolve("demo").id == "handbook"
+    assert reg.resolve("catalog-only").id == "cat-demo"
+    preload = ServingSet._names
+    assert preload("demo", SimpleNamespace(entry=reg.get("handbook")))
+    assert not preload("demo", SimpleNamespace(entry=reg.get("cat-demo")))
+    assert preload("cat-demo", SimpleNamespace(entry=reg.get("cat-demo")))

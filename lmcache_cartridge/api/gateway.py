@@ -16,10 +16,12 @@ registry.
 """
 
 import asyncio
+import functools
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lmcache_cartridge.api.asgi import BodyTooLarge, error_response, read_body, replay
@@ -30,6 +32,7 @@ from lmcache_cartridge.api.resolver import Plan, Resolver
 from lmcache_cartridge.api.routing import SESSION_HEADER, route_id, session_key
 from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.cartridge.keys import SALT_TAG
+from lmcache_cartridge.cartridge.manifest import MAX_ID_LENGTH
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 from lmcache_cartridge.paths import private_dir
@@ -133,17 +136,40 @@ def completion_chunk_to_chat(chunk: dict, seen: set[int], top_logprobs: int | No
     return out
 
 
-def cartridge_list(entries, tenant=None) -> dict:
-    """`GET /v1/cartridges`: the registered cartridges `tenant` may name (None: an operator's key,
-    or no keys at all: every registered id), as an OpenAI list. Only what a request may use to
-    name and size one: never its path or source URI, never an entry outside the tenant's ids."""
+# `GET /v1/cartridges` pages: the items one answers when the request sets no `limit`, and the
+# most a `limit` may ask for (an answer's size never grows with the registry).
+LIST_LIMIT = 100
+LIST_LIMIT_MAX = 1000
+
+
+def cartridge_list(entries, models: tuple[str, ...], tenant=None, limit: int = LIST_LIMIT) -> dict:
+    """`GET /v1/cartridges`: a page of the registered cartridges `tenant` may name (None: an
+    operator's key, or no keys at all: every registered id) that this server serves, as an
+    OpenAI list. `entries`: the registry's, in id order from the page's cursor on (read only as
+    far as the page needs); `models`: the names of the served weights, the first the one
+    requests use. Only what a request may use to name and size one: never its path or source
+    URI, never the model name its manifest was made under (often the operator's model
+    directory), never an entry outside the tenant's ids."""
+    page = []
+    for e in entries:
+        if e.model in models and (tenant is None or tenant.may_name(e.id)):
+            page.append(e)
+            if len(page) > limit:
+                break
+    more, page = len(page) > limit, page[:limit]
     return {"object": "list", "data": [
-        {"id": e.id, "object": "cartridge", "labels": list(e.labels), "model": e.model, "tokens": e.num_tokens,
-         "kind": e.kind}
-        for e in entries if tenant is None or tenant.may_name(e.id)]}
+        {"id": e.id, "object": "cartridge", "labels": list(e.labels), "model": models[0], "tokens": e.num_tokens,
+         "kind": e.kind} for e in page],
+        "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None, "has_more": more}
 
 
 # --- the app ----------------------------------------------------------------------------------
+# Threads for a request's cartridge work (resolving, planning, waiting until served): their own
+# pool, so that however many clients keep it busy (large files, slow S3, engines not serving
+# yet), the rest of the gateway (`GET /v1/cartridges`, requests without cartridges) keeps the
+# event loop's default pool; beyond it, cartridge requests wait their turn.
+CARTRIDGE_THREADS = 8
+
 # chat's own fields, translated for /v1/completions
 _CHAT_ONLY = {"messages", "top_logprobs", "max_completion_tokens"}
 # Chat fields that need vLLM's chat endpoint itself (its tool-call parser turns the output into
@@ -320,13 +346,17 @@ def create_app(settings: GatewaySettings, *, transport=None):
     with (default: plain HTTP to `settings.upstream`; `api.middleware` passes one for a Unix socket
     or its own server's TLS)."""
     import httpx
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Query, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
 
     private_dir(settings.cache_dir)  # downloads and conversions land here and are served from it
     registry = Registry(settings.registry)
     resolver = Resolver(settings, registry)
+    work = ThreadPoolExecutor(CARTRIDGE_THREADS, thread_name_prefix="cartridge-work")
+
+    async def cartridge_work(fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(work, functools.partial(fn, *args, **kwargs))
     prompts = PromptBuilder(settings.tokenizer, settings.trained_chat_template)
     client = httpx.AsyncClient(base_url=settings.upstream, timeout=settings.upstream_timeout, transport=transport,
                                headers={"Authorization": f"Bearer {settings.upstream_api_key}"}
@@ -434,12 +464,12 @@ def create_app(settings: GatewaySettings, *, transport=None):
         if not specs:  # nothing to put first: vLLM's own endpoint takes the request as it is
             return Upstream(whole_body(body, settings.model), "/v1/chat/completions" if chat else "/v1/completions",
                             {SESSION_HEADER: session_key([])})
-        resolved = [await asyncio.to_thread(resolver.resolve, s, tenant) for s in specs]
-        plan = await asyncio.to_thread(resolver.plan, resolved)
+        resolved = [await cartridge_work(resolver.resolve, s, tenant) for s in specs]
+        plan = await cartridge_work(resolver.plan, resolved)
         serving = []  # the records of the instances that serve the wanted cartridges
         if plan.wanted:
             with metrics.timed(metrics.ready_wait):
-                serving = await asyncio.to_thread(
+                serving = await cartridge_work(
                     wait_served, settings.cache_dir, settings.registry,
                     [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
                     models=(settings.model, *settings.accept_models))  # another model's instances never serve it
@@ -531,10 +561,12 @@ def create_app(settings: GatewaySettings, *, transport=None):
             return error(502, f"upstream {shown_upstream}: {type(e).__name__}")
 
     @app.get("/v1/cartridges")
-    async def cartridges(request: Request):
-        """The registered cartridges the caller may name (`cartridge_list`)."""
-        entries = await asyncio.to_thread(registry.list)
-        return JSONResponse(cartridge_list(entries, getattr(request.state, "tenant", None)))
+    async def cartridges(request: Request, limit: int = Query(LIST_LIMIT, ge=1, le=LIST_LIMIT_MAX),
+                         after: str | None = Query(None, max_length=MAX_ID_LENGTH)):
+        """A page of the registered cartridges the caller may name (`cartridge_list`): `limit`
+        items whose ids sort after `after` (the previous page's `last_id`)."""
+        tenant, models = getattr(request.state, "tenant", None), (settings.model, *settings.accept_models)
+        return JSONResponse(await asyncio.to_thread(cartridge_list, registry.after(after), models, tenant, limit))
 
     @app.get("/health")
     async def health():
@@ -562,6 +594,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
         if sync is not None:
             sync.stop()
         await client.aclose()
+        work.shutdown(wait=False, cancel_futures=True)
         registry.close()
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)

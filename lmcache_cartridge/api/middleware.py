@@ -32,7 +32,9 @@ stack nothing can bypass it:
 - Everything else reaches vLLM untouched: a body read to look for the fields is replayed byte
   for byte; GET /metrics gets the gateway's series appended.
 - If the gateway cannot be set up (no cartridge plugin in the LMCache config, a bad setting),
-  vLLM still serves and requests with `cartridges` answer 501 with the reason.
+  vLLM still serves, and requests with `cartridges` and GET /v1/cartridges answer 501 (after
+  vLLM's own key check, where it has one); the reason names the operator's files and tenants,
+  so it goes to the server's log, never into an answer.
 
 Settings come from where the server's plugin and the `gateway` command read them: the LMCache
 config (`$LMCACHE_CONFIG_FILE`, then the `LMCACHE_*` environment over it: registry, cache dir,
@@ -71,6 +73,8 @@ FORMS = (b"multipart/", b"application/x-www-form-urlencoded")
 # The gateway's own requests to this server carry this header with the server's secret: only they
 # may set the connector's kv_transfer_params keys (`check_client_body`).
 INTERNAL_HEADER = b"x-lmcache-cartridge-internal"
+UNAVAILABLE_MESSAGE = ("this server cannot serve 'cartridges': its cartridge gateway is not set up "
+                       "(the server's log says why)")
 SECRET_NAME = "middleware.secret"  # in the cache dir (0600): shared by this host's API processes
 _SECRET_BYTES = 32
 
@@ -120,7 +124,7 @@ MODEL_ENV = ref.MODEL.name  # only where vLLM's own arguments cannot be read
 
 
 class NotConfigured(Exception):
-    """The gateway cannot run in this server: the reason, for the log and for 501 answers."""
+    """The gateway cannot run in this server: the reason, for the log (501 answers omit it)."""
 
 
 def _lmcache_config():
@@ -272,13 +276,19 @@ def check_client_body(data: Any) -> str | None:
         return None
     from lmcache_cartridge.api.requests import check_client_kv_params
 
-    params = data.get("kv_transfer_params")
-    if params is not None and not isinstance(params, dict):
-        return "'kv_transfer_params' must be an object"
-    try:
-        check_client_kv_params(params)
-    except ValueError as e:
-        return f"'kv_transfer_params': {e}"
+    # vLLM hands the connector `kv_transfer_params` from the body, and on its token-in route
+    # (/inference/v1/generate) from `sampling_params.extra_args`: one rule for both
+    sampling = data.get("sampling_params")
+    extra = sampling.get("extra_args") if isinstance(sampling, dict) else None
+    for where, holder in (("kv_transfer_params", data),
+                          ("sampling_params.extra_args.kv_transfer_params", extra)):
+        params = holder.get("kv_transfer_params") if isinstance(holder, dict) else None
+        if params is not None and not isinstance(params, dict):
+            return f"'{where}' must be an object"
+        try:
+            check_client_kv_params(params)
+        except ValueError as e:
+            return f"'{where}': {e}"
     xargs = data.get("vllm_xargs")
     if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
         return "'vllm_xargs' may not carry 'kv_transfer_params' (send 'kv_transfer_params' itself)"
@@ -391,7 +401,7 @@ class CartridgeMiddleware:
     def __init__(self, app) -> None:
         self.app = app
         self.gateway = None             # the gateway's ASGI app once built
-        self.error: str | None = None   # why it could not be built (501 answers)
+        self.error: str | None = None   # why it could not be built (logged; 501 answers omit it)
         self.keys: frozenset[bytes] = frozenset()   # vLLM's keys and the gateway's
         self.vllm_keyed = False
         self.secret: bytes | None = None  # what the gateway's own requests carry (INTERNAL_HEADER)
@@ -416,6 +426,8 @@ class CartridgeMiddleware:
             if not self._started:
                 await self._start(scope.get("app"), scope)
             if self.gateway is None:
+                if self._refused_by_vllm(scope, path):
+                    return await self.app(scope, receive, send)  # vLLM's 401 comes first, as for a POST
                 return await self._unavailable()(scope, receive, send)
             return await self.gateway(dict(scope, path=path, raw_path=path.encode(), root_path=""), receive, send)
         if method != "POST" or _header(scope, b"content-type").lower().startswith(FORMS):
@@ -447,8 +459,10 @@ class CartridgeMiddleware:
         return await self.gateway(sub, replay_body, send)
 
     def _unavailable(self):
-        """The answer to what only the gateway serves, where it could not be built (501, why)."""
-        return error_response(501, f"this server cannot serve 'cartridges': {self.error}")
+        """The answer to what only the gateway serves, where it could not be built: 501 without
+        the reason, which names the operator's files (the tenants file, the LMCache config) and
+        tenants; the server's log has it."""
+        return error_response(501, UNAVAILABLE_MESSAGE)
 
     def _internal(self, scope) -> bool:
         """Whether the request is the gateway's own (it carries this server's secret)."""

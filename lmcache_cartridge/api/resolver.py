@@ -46,6 +46,7 @@ from lmcache_cartridge.api.settings import GatewaySettings, RequestError, Tenant
 from lmcache_cartridge.cartridge.compat import EngineShape, mismatch
 from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.paths import opened_beneath
 from lmcache_cartridge.store.registration import s3_origin
 from lmcache_cartridge.store.registry import Entry, IdOutOfScope, IdTaken, Registry, RegistryError
 
@@ -402,17 +403,26 @@ class Resolver:
         from lmcache_cartridge.store.registration import content_digest
 
         self.stats["hashes"] += 1
-        return self._converted(spec, resolved, content_digest(resolved), resolved.name, tenant)
+        if resolved.is_dir():
+            return self._converted(spec, resolved, content_digest(resolved), resolved.name, tenant)
+        # the file checked is the file read: opened once beneath its root, read through that descriptor
+        roots = tenant.local_roots if tenant is not None else self.settings.local_roots
+        root = next(r.resolve() for r in roots if resolved.is_relative_to(r.resolve()))
+        with opened_beneath(resolved, root) as (pinned, beside):
+            return self._converted(spec, pinned, content_digest(pinned), resolved.name, tenant,
+                                   named=resolved, beside=beside)
 
     def _converted(self, spec: CartridgeSpec, path: Path, digest: str, name: str,
-                   tenant: Tenant | None = None) -> Resolved:
+                   tenant: Tenant | None = None, named: Path | None = None, beside: Path | None = None) -> Resolved:
+        """Convert the input at `path`; `named` (the path a client named, where `path` is its open
+        file) names it, `beside` (its open directory) holds the files read beside it."""
         from lmcache_cartridge.store.registration import convert_input
 
         self.stats["conversions"] += 1
         try:
             out = convert_input(path, digest, self.settings.cache_dir, model=self.settings.model,
                                 chunk_size=self.settings.chunk_size, vocab=self.vocab,
-                                name=Path(name).stem if path.is_file() else name,
+                                name=Path(name).stem if path.is_file() else name, named=named, beside=beside,
                                 model_dir=self.settings.model if Path(self.settings.model).is_dir()
                                 else self.settings.tokenizer)
         except CartridgeError as e:

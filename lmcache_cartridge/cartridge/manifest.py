@@ -44,7 +44,9 @@ PAYLOAD_NAME = "kv.bin"
 KINDS = ("first_k", "trained")
 
 # Ids become file names, registry keys and parts of URLs: keep them boring.
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" also matches before a final newline
+MAX_ID_LENGTH = 128
+# \Z: "$" also matches before a final newline
+_ID_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_ID_LENGTH - 1}}}\Z")
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

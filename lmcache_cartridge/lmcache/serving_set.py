@@ -293,8 +293,10 @@ class ServingSet:
     # --- `preload`: what each adapter warms ahead of its first request -----------------------------
     @staticmethod
     def _names(name: str, served) -> bool:
-        """A `preload` name: a cartridge id, a label, or "*" (every cartridge)."""
-        return name == "*" or name == served.entry.id or name in served.entry.labels
+        """A `preload` name: a cartridge id, a label, or "*" (every cartridge). A label names
+        the operator's registrations only (`registry.labelled`: a catalog's `demo` is not the
+        operator's); a catalog's entry is preloaded by its id or "*"."""
+        return name == "*" or name == served.entry.id or (name in served.entry.labels and served.entry.rank == 0)
 
     def preloaded(self, served) -> bool:
         return any(self._names(name, served) for name in self.settings.preload)

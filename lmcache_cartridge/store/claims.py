@@ -12,8 +12,11 @@ The rule, one place for the in-process plugin (`lmcache.plugin`) and the MP adap
 - Claims of the same bytes never conflict (the same chunk digest, layout and shape: either one
   serves what the other would; a composite's chunks are its parts' own).
 - Otherwise precedence decides (`Entry.rank`): the operator's registrations over a catalog's,
-  a catalog's over a client's. Among the operator's own, the id sorting last serves the key
-  (the operator's act, as before).
+  a catalog's over a client's. Among the operator's own, the one registered first serves the
+  key (`Entry.added_at`, kept across re-registrations of the same origin; then the id): a
+  later registration, whoever made it and whatever its id, never takes over a key in use.
+  An entry's rank is what the registry recorded: a client's request never raises it
+  (`registry._standing`).
 - A catalog's or a client's entry that claims a key served with other bytes, or whose claim is
   ambiguous (entries of its rank claim it with different bytes and none of the operator's does),
   is refused whole, with the reason: it serves none of its keys, and its name answers 400.
@@ -55,6 +58,7 @@ class _Bid:
     n: int          # the claim's position
     rank: int
     id: str
+    added_at: float
     identity: tuple
     index: int
 
@@ -65,7 +69,8 @@ def settle(claims: list[Claim[T]]) -> tuple[dict[Hashable, tuple[T, int]], dict[
     bids: dict[Hashable, list[_Bid]] = {}
     for n, c in enumerate(claims):
         for key, i in c.keys:
-            bids.setdefault(key, []).append(_Bid(n, c.entry.rank, c.entry.id, chunk_identity(c.manifest, i), i))
+            bid = _Bid(n, c.entry.rank, c.entry.id, c.entry.added_at, chunk_identity(c.manifest, i), i)
+            bids.setdefault(key, []).append(bid)
     refused: dict[int, str] = {}
     for bs in bids.values():
         if len({b.identity for b in bs}) > 1:
@@ -81,11 +86,10 @@ def settle(claims: list[Claim[T]]) -> tuple[dict[Hashable, tuple[T, int]], dict[
 
 
 def _served(bs: list[_Bid]) -> _Bid:
-    """The claim that serves a key: the most trusted rank's; among the operator's own the id
-    sorting last (as the index always did), among others (the same bytes by then) the first."""
-    top = min(b.rank for b in bs)
-    first = [b for b in bs if b.rank == top]
-    return max(first, key=lambda b: b.id) if top == 0 else min(first, key=lambda b: b.id)
+    """The claim that serves a key: the most trusted rank's, and within it the one registered
+    first (then the smallest id; among a catalog's or clients' claims these are the same bytes
+    by then)."""
+    return min(bs, key=lambda b: (b.rank, b.added_at, b.id))
 
 
 def _losers(bs: list[_Bid]) -> dict[int, str]:

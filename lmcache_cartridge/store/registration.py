@@ -241,12 +241,14 @@ def model_dtype_for(kv, model_dir) -> torch.dtype | None:
 
 
 def convert_input(path: Path, digest: str, cache_dir: Path, *, model: str, chunk_size: int, vocab,
-                  name: str | None = None, model_dir: str | None = None) -> Converted:
+                  name: str | None = None, model_dir: str | None = None, named: Path | None = None,
+                  beside: Path | None = None) -> Converted:
     """Read any input `cartridge.formats.load_input` accepts and pack it once into
     `cache_dir/packed/<digest>` (content-addressed: the same bytes are converted once). A
     token-only input is not packed: its ids are a plain prompt prefix that vLLM computes itself.
     `vocab` is called only when a trained cartridge needs placeholder ids; `model_dir` (a local
-    model directory) gives fp32 KV the model's dtype (`model_dtype_for`)."""
+    model directory) gives fp32 KV the model's dtype (`model_dtype_for`). `named`, `beside`:
+    as `load_input`'s."""
     from lmcache_cartridge.cartridge.formats import load_input
     from lmcache_cartridge.cartridge.packed import pack_kv
 
@@ -258,11 +260,11 @@ def convert_input(path: Path, digest: str, cache_dir: Path, *, model: str, chunk
             return Converted(out, None)
         except ManifestError:  # converted by an older version (e.g. no placeholder vocab): again
             pass
-    loaded = load_input(path)
+    loaded = load_input(path, named=named, beside=beside)
     if loaded.kv is None:
         return Converted(None, list(loaded.token_ids))
     kind = "first_k" if loaded.token_ids is not None else "trained"
-    provenance = {"source": str(path), "sha256": digest, "format": loaded.source_format}
+    provenance = {"source": str(named or path), "sha256": digest, "format": loaded.source_format}
     dtype = model_dtype_for(loaded.kv, model_dir)
     if dtype is not None and dtype != loaded.kv.dtype:
         provenance["converted_from_dtype"] = str(loaded.kv.dtype).removeprefix("torch.")

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from lmcache_cartridge.errors import CartridgeError, ManifestError
 from lmcache_cartridge.cartridge.keys import client_kv_salt
@@ -119,6 +119,26 @@ def _row_to_entry(row: tuple) -> Entry:
     return Entry(**d)
 
 
+def _standing(previous: Entry, content_hash: str) -> tuple[bool, str]:
+    """`(client, catalog)` of a registration a client's request makes of the origin `previous`
+    was registered from: never more trusted than `previous` (`Entry.rank`). The very bytes the
+    operator registered stay the operator's, the very bytes a catalog registered stay that
+    catalog's (a client naming a catalog entry's URI must not lift it to the operator's
+    precedence); other bytes, or an origin a client brought, are the client's."""
+    if previous.client or previous.content_hash != content_hash:
+        return True, previous.catalog
+    return False, previous.catalog
+
+
+def labelled(label: str, entries: list[Entry]) -> list[Entry]:
+    """The entries `label` names: those carrying it of the most trusted rank that does
+    (`Entry.rank`). A catalog's or a client's label never shadows, nor makes ambiguous, a
+    label the operator gave: `demo` stays the operator's `demo`."""
+    having = [e for e in entries if label in e.labels]
+    top = min((e.rank for e in having), default=0)
+    return [e for e in having if e.rank == top]
+
+
 class Registry:
     """A connection to the registry. One per thread-owner; methods are serialised by a lock."""
 
@@ -207,9 +227,9 @@ class Registry:
             raise IdTaken(f"cartridge id {m.cartridge_id!r} is already registered from another origin; "
                           "replacing it is an operator's act (`lmcache-cartridge register`)")
         origin = source_uri or str(directory)
-        vouched = previous is not None and not previous.client and previous.source_uri == origin \
-            and previous.content_hash == m.content_hash  # the operator registered these very bytes
-        client = client and not vouched
+        same_origin = previous is not None and previous.source_uri == origin
+        if client and same_origin:
+            client, catalog = _standing(previous, m.content_hash)
         salt = client_kv_salt(m) if client and m.kind == "first_k" else ""
         epoch = (previous.epoch if previous else 0) + (1 if force_redownload else 0)
         # a manifest's labels are its writer's claims: for a tenant, only names its own ids' patterns
@@ -220,7 +240,10 @@ class Registry:
             id=m.cartridge_id, path=str(directory), source_uri=source_uri or str(directory),
             model=m.model, kind=m.kind, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim, dtype=m.dtype, num_tokens=m.num_tokens, chunk_size=m.chunk_size,
-            content_hash=m.content_hash, labels=all_labels, added_at=time.time(),
+            content_hash=m.content_hash, labels=all_labels,
+            # when this origin was first registered under this id: the tie-break among the
+            # operator's own claims (`store.claims`), which a re-registration does not reset
+            added_at=previous.added_at if same_origin and previous.added_at else time.time(),
             epoch=epoch, salt=salt, client=client, catalog=catalog,
         )
         if not replace and previous is not None:
@@ -255,12 +278,12 @@ class Registry:
         return _row_to_entry(rows[0]) if rows else None
 
     def resolve(self, id_or_label: str, visible=None) -> Entry:
-        """An id, else the single cartridge carrying that label; ambiguity is an error.
+        """An id, else the single cartridge carrying that label (`labelled`); ambiguity is an error.
         `visible(id)`: only such entries exist for this caller (a tenant's view)."""
         entry = self.get(id_or_label)
         if entry is not None and (visible is None or visible(entry.id)):
             return entry
-        matches = [e for e in self.list() if id_or_label in e.labels and (visible is None or visible(e.id))]
+        matches = labelled(id_or_label, [e for e in self.list() if visible is None or visible(e.id)])
         if len(matches) == 1:
             return matches[0]
         if not matches:
@@ -272,3 +295,14 @@ class Registry:
     def list(self) -> list[Entry]:
         rows = self._q(f"SELECT {','.join(_COLUMNS)} FROM cartridges ORDER BY id")
         return [_row_to_entry(r) for r in rows]
+
+    def after(self, cartridge_id: str | None, batch: int = 256) -> Iterator[Entry]:
+        """The entries whose id sorts after `cartridge_id` (None: all), in id order, read
+        `batch` rows at a time: a reader that stops early has not loaded the rest."""
+        while True:
+            rows = self._q(f"SELECT {','.join(_COLUMNS)} FROM cartridges WHERE id > ? ORDER BY id LIMIT ?",
+                           ("" if cartridge_id is None else cartridge_id, batch))
+            yield from (_row_to_entry(r) for r in rows)
+            if len(rows) < batch:
+                return
+            cartridge_id = rows[-1][_COLUMNS.index("id")]

@@ -66,33 +66,39 @@ def parse_object(obj: Any) -> LoadedCartridge:
     )
 
 
-def load_input(path: str | Path, *, expected_model: str | None = None) -> LoadedCartridge:
+def load_input(path: str | Path, *, expected_model: str | None = None, named: Path | None = None,
+               beside: Path | None = None) -> LoadedCartridge:
     """Read any supported input (a `.pt` file or a directory); errors name the path and what was
-    expected. With `expected_model`, a base model recorded by the input must name the same model."""
+    expected. With `expected_model`, a base model recorded by the input must name the same model.
+    `named` and `beside` (the gateway): `path` is a file already open (`paths.opened_beneath`),
+    `named` the path it was named by, `beside` its open directory, where files read beside it
+    are opened without following a symlink."""
     path = Path(path)
     if path.is_dir():
         loaded = _load_dir(path)
     elif path.is_file():
-        if path.name == tokasaurus.PT_NAME and tokasaurus.matches(path.parent):
-            loaded = tokasaurus.load(path.parent)
+        named = named or path
+        if named.name == tokasaurus.PT_NAME and tokasaurus.matches(beside or named.parent):
+            loaded = tokasaurus.load(beside or named.parent)
         else:
-            loaded = _load_pt(path)
+            loaded = _load_pt(path, named, beside)
     else:
         raise CartridgeFormatError(f"{path}: no such file or directory")
     check_model(loaded, expected_model, str(path))
     return loaded
 
 
-def _load_pt(path: Path) -> LoadedCartridge:
+def _load_pt(path: Path, named: Path | None = None, beside: Path | None = None) -> LoadedCartridge:
+    named = named or path
     obj = safe_torch_load(path)
     try:
         loaded = parse_object(obj)
     except CartridgeFormatError as e:
-        raise CartridgeFormatError(f"{path}: {e}") from None
+        raise CartridgeFormatError(f"{named}: {e}") from None
     if loaded.source_format == kv_list.FORMAT:
-        loaded = kv_list.attach_sidecars(loaded, path)
+        loaded = kv_list.attach_sidecars(loaded, named, beside)
     elif loaded.source_format == trainable_cache.FORMAT:
-        loaded.suggested_id = trainable_cache.suggested_id(path)
+        loaded.suggested_id = trainable_cache.suggested_id(named)
     return loaded
 
 

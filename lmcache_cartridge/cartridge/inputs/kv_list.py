@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,14 @@ def parse(obj: Any) -> LoadedCartridge:
     return LoadedCartridge(kv=stack_pairs(obj, "list of (k, v)"), token_ids=None, source_format=FORMAT)
 
 
-def attach_sidecars(loaded: LoadedCartridge, pt_path: Path) -> LoadedCartridge:
-    """Add the token ids (and meta.json's model) found beside a `list[(k, v)]` file."""
-    ids_path, meta_path = pt_path.parent / IDS_NAME, pt_path.parent / META_NAME
-    meta = _read_json(meta_path) if meta_path.is_file() else {}
+def attach_sidecars(loaded: LoadedCartridge, pt_path: Path, beside: Path | None = None) -> LoadedCartridge:
+    """Add the token ids (and meta.json's model) found beside a `list[(k, v)]` file. `beside`:
+    its directory, already open (the gateway's `paths.opened_beneath`): the files in it are
+    opened without following a symlink, so a name flipped after the check reads nothing."""
+    where = beside or pt_path.parent
+    ids_path, meta_path = where / IDS_NAME, where / META_NAME
+    nofollow = beside is not None
+    meta = _read_json(meta_path, nofollow) if meta_path.is_file() else {}
     if not isinstance(meta, dict):
         raise CartridgeFormatError(f"{meta_path}: expected a JSON object")
     if isinstance(meta.get("model"), str):
@@ -43,7 +48,7 @@ def attach_sidecars(loaded: LoadedCartridge, pt_path: Path) -> LoadedCartridge:
     loaded.metadata = {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool)) and k != "model"}
     if not ids_path.is_file():
         return loaded
-    raw = _read_json(ids_path)
+    raw = _read_json(ids_path, nofollow)
     ids = token_list(raw, f"{ids_path.name}")
     expected = meta.get("prefix_token_ids_sha256")
     if isinstance(expected, str) and hashlib.sha256(json.dumps(ids).encode()).hexdigest() != expected:
@@ -58,8 +63,9 @@ def attach_sidecars(loaded: LoadedCartridge, pt_path: Path) -> LoadedCartridge:
     return loaded
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, nofollow: bool = False) -> Any:
     try:
-        return json.loads(path.read_text("utf-8"))
+        with open(os.open(path, os.O_RDONLY | (os.O_NOFOLLOW if nofollow else 0)), encoding="utf-8") as f:
+            return json.loads(f.read())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CartridgeFormatError(f"{path}: not readable JSON ({e})") from None
