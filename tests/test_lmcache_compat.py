@@ -87,7 +87,9 @@ def test_the_connector_builds_what_vllms_lmcache_connector_builds():
 
     def assigned(fn) -> set[str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-        return {t.attr for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets
+        targets = [t for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                   for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+        return {t.attr for t in targets
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
 
     assert assigned(LMCacheConnectorV1.__init__) == {"_lmcache_engine", "_kv_cache_events"}
