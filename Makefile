@@ -64,7 +64,7 @@ lint: $(STAMP)
 # tests/server_pool.py) whole on one worker, the fast tests spread around them; no test may run
 # longer than TEST_TIMEOUT seconds (setup included). The report (junit XML, per-module seconds
 # and every server start: summary.md) goes to $(REPORT).
-REPORT ?= $(LMCACHE_CARTRIDGE_HOME)/test-report
+REPORT ?= $(LMCACHE_CARTRIDGE_HOME)/test-report$(if $(LMCACHE),-lmcache-$(LMCACHE))
 TEST_TIMEOUT ?= 900
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --timeout $(TEST_TIMEOUT)
 test: lint $(STAMP) $(ROUTER_VENV)/.installed
