@@ -7,7 +7,7 @@ to `lmcache.inprocess.*`, with no import shims left behind. Everything else this
 (the storage plugin interface, configs, memory objects, the multiprocess server and its L2
 adapter interface) stayed where it was and is imported from LMCache directly. Every name below is
 imported through here (`from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder`), and
-no other module of the package, its tests or its benchmarks imports a path listed in `MOVED`
+no other module of the package, its tests or its benchmarks imports a module in `MOVED_MODULES`
 (tests/test_lmcache_compat.py holds them to that).
 
 Resolution is lazy (a name is imported on first use, as the import it replaces was) and looks at
