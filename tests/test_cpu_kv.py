@@ -493,8 +493,9 @@ def test_mismatched_cache_shape_is_refused(data):
 
 def test_hook_builds_cpu_connector_for_vllm_only(monkeypatch):
     import lmcache
-    import lmcache.v1.gpu_connector as gc
     from lmcache.utils import EngineType
+
+    from lmcache_cartridge.lmcache.compat import gpu_connector_module
 
     from lmcache_cartridge.vllm.connector import install_cpu_connector_hook
 
@@ -502,6 +503,7 @@ def test_hook_builds_cpu_connector_for_vllm_only(monkeypatch):
 
     if lmcache.torch_device_type != "cpu":
         pytest.skip("LMCache is not on its CPU device type here")
+    gc = gpu_connector_module()
     monkeypatch.setattr(gc, "CreateGPUConnector", gc.CreateGPUConnector)  # restored after the test
     assert install_cpu_connector_hook()
     assert install_cpu_connector_hook()  # idempotent

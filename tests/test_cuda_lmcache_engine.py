@@ -65,11 +65,13 @@ class CudaEngine:
 
     def __init__(self, tmp_path, registry, layout: str = "split", connector: str = "cartridge") -> None:
         import lmcache
-        import lmcache.v1.gpu_connector as gc
         from lmcache.utils import EngineType
-        from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
+
+        from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder, gpu_connector_module
+
+        gc = gpu_connector_module()
 
         from lmcache_cartridge.vllm.connector import install_cuda_connector_hook
 
@@ -122,7 +124,7 @@ class CudaEngine:
                 self._plane(t, k)[b, o] = kv[k, layer].cuda()
 
     def close(self) -> None:
-        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+        from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder
 
         LMCacheEngineBuilder.destroy(self.instance_id)
 

@@ -590,3 +590,84 @@ def test_the_server_runs_under_this_interpreter_without_an_lmcache_script_beside
         while not [s for s in read_states(tmp_path / "cache") if s.role == "mp-server"] and time.time() < deadline:
             time.sleep(0.2)
         assert [s for s in read_states(tmp_path / "cache") if s.role == "mp-server"], server.log_tail()
+
+
+def test_a_touched_chunk_stays_on_the_disk_tier_when_another_download_needs_room(tmp_path, moto_server, s3_proxy):
+    """LMCache's server marks keys used without loading them (`submit_touch`, LMCache 0.5.7: a
+    lookup's prefix vLLM's own prefix cache holds, a session's keys at its end). Three trained S3
+    cartridges of one chunk each, a disk tier with room for two: X then Y are downloaded (X the
+    least recently used), the server touches X's key, then Z's download needs room. Before (0.5.6
+    had no touch, 0.5.7's default only told LMCache's listeners): Z evicted X, which vLLM was still
+    using. Now the touch keeps X's file warm and Z evicts Y. A key the adapter does not serve is
+    not touched; LMCache's listeners hear of X's key."""
+    from lmcache_cartridge.cartridge.packed import VocabInfo
+    from lmcache_cartridge.store.registration import register_s3
+    from lmcache_cartridge.store.s3 import S3Settings
+    from s3_server import s3_client, upload_dir
+
+    L, H, D = 2, 2, 16
+    chunk_bytes = 2 * L * CHUNK * H * D * 2
+    ms = {}
+    for n, name in enumerate(("mp-t-x", "mp-t-y", "mp-t-z")):
+        ms[name] = pack_kv(random_kv(L, CHUNK, H, D, seed=70 + n), tmp_path / name, cartridge_id=name, model=MODEL,
+                           kind="trained", vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+        upload_dir(s3_client(moto_server), "mp-touch", f"c/{name}", tmp_path / name)
+    reg = Registry(tmp_path / "reg.db")
+    s3 = S3Settings.from_mapping({"endpoint_url": s3_proxy.endpoint_url})
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 3600, "disk_budget_gb": 2 * chunk_bytes / (1 << 30),
+                                  "s3.endpoint_url": s3_proxy.endpoint_url})
+    heard = []
+    adapter.register_listener(SimpleNamespace(on_l2_keys_accessed=heard.extend))
+    hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+
+    def resident(name: str) -> bool:
+        s = adapter._state.served.get(name)
+        if s is None:
+            return False
+        h = s.handle(1, 0)
+        return adapter.residency.resident(h) and not adapter.residency.downloading(h)
+
+    def register(name: str) -> None:
+        register_s3(reg, f"s3://mp-touch/c/{name}", tmp_path / "cache", s3)
+        assert adapter.refresh()  # trained: downloaded at once
+        deadline = time.time() + 30
+        while not resident(name):
+            assert time.time() < deadline, f"{name} never downloaded"
+            time.sleep(0.02)
+
+    def key(name: str, model: str = MODEL) -> ObjectKey:
+        m = ms[name]
+        return ObjectKey(hasher.compute_chunk_hashes(list(m.key_token_ids))[m.context_chunks], model,
+                         ObjectKey.ComputeKVRank(1, 0, 1, 0), 0, "")
+
+    try:
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        register("mp-t-x")
+        register("mp-t-y")
+        adapter.submit_touch([key("mp-t-x"), key("mp-t-y", "another-model")])
+        register("mp-t-z")
+        assert resident("mp-t-x") and not resident("mp-t-y"), "the touched chunk was evicted"
+        assert heard == [key("mp-t-x")]
+    finally:
+        adapter.close()
+
+
+def test_memory_tags_say_host_storage_on_this_host(tmp_path):
+    """LMCache 0.5.7 asks each L2 adapter for its memory tags and filters prefetches by them: every
+    load of ours reads a file on this host (a local origin, or the host's disk tier: an S3 chunk
+    misses until downloaded), so STORAGE/LOCAL; LMCache's own filter admits it where local storage
+    is allowed and keeps it out where a request allows no L2 (its P2P controller's peers)."""
+    api = pytest.importorskip("lmcache.v1.distributed.api")
+    if not hasattr(api, "MemoryTags"):
+        pytest.skip("LMCache before 0.5.7 has no memory tags")
+    from lmcache.v1.distributed.storage_controllers.prefetch_controller import _tags_allowed
+
+    adapter = CartridgeL2Adapter({"registry": str(tmp_path / "reg.db"), "cache_dir": str(tmp_path / "cache")})
+    try:
+        tags = adapter.get_memory_tags()
+    finally:
+        adapter.close()
+    assert tags == api.MemoryTags(api.MemorySegment.STORAGE, api.MemoryResidency.LOCAL)
+    assert _tags_allowed(tags, frozenset({api.MemoryTags(api.MemorySegment.STORAGE, api.MemoryResidency.LOCAL)}))
+    assert not _tags_allowed(tags, frozenset())

@@ -28,11 +28,14 @@ class FakeSchedulerAdapter:
         self.freed: list[tuple[str, int, int]] = []
         self.cleaned: list[str] = []
 
-    def maybe_submit_lookup_request(self, rid, token_ids, cache_salt="", request_configs=None,
-                                    reserve_last_token=False):
-        if rid not in self.pending:
-            self.submitted += 1
-            self.pending[rid] = self.answers.pop(0)
+    # LMCache 0.5.6 passes `token_ids`, 0.5.7 `packed_token_ids` and a chunk-aligned `start`
+    def maybe_submit_lookup_request(self, rid, token_ids=None, cache_salt="", request_configs=None,
+                                    reserve_last_token=False, packed_token_ids=None, start=0):
+        if rid in self.pending:
+            return False
+        self.submitted += 1
+        self.pending[rid] = self.answers.pop(0)
+        return True
 
     def check_lookup_result(self, rid):
         return self.pending.get(rid, 0)
@@ -41,7 +44,9 @@ class FakeSchedulerAdapter:
         self.cleaned.append(rid)
         self.pending.pop(rid, None)
 
-    def free_lookup_locks(self, token_ids, start, end, request_id, cache_salt="", request_configs=None):
+    def free_lookup_locks(self, token_ids=None, start=0, end=0, request_id="", cache_salt="", request_configs=None,
+                          packed_token_ids=None, extra_ranges=()):
+        assert (token_ids is None) != (packed_token_ids is None), "LMCache's own keyword for its release"
         self.freed.append((request_id, start, end))
 
     def end_session(self, rid):
@@ -128,11 +133,17 @@ def test_a_running_lookup_is_left_alone_and_the_deadline_fails_the_load_on_the_w
     # LMCache plans the retrieves of the step (a stand-in: its planning needs a scheduler output);
     # the promised one never reaches the server: the worker reports its blocks, past the 16 tokens
     # (one block) vLLM already holds, as failed, and the request as received
+    import dataclasses
+
+    # the op's tokens: `token_ids` (LMCache 0.5.6) or packed `token_bytes` (0.5.7)
+    no_tokens = {"token_ids": []} if "token_ids" in {f.name for f in dataclasses.fields(LoadStoreOp)} \
+        else {"token_bytes": b""}
+
     def planned(self, scheduler_output):
         md = LMCacheMPConnectorMetadata()
         for rid, blocks in (("r2", [[7, 8, 9]]), ("ok", [[3]])):
             md.add_request_metadata(LMCacheMPRequestMetadata(rid, "RETRIEVE", LoadStoreOp(
-                token_ids=[], block_ids=blocks, start=0, end=48, skip_first_n_tokens=16 if rid == "r2" else 0)))
+                **no_tokens, block_ids=blocks, start=0, end=48, skip_first_n_tokens=16 if rid == "r2" else 0)))
         return md
 
     monkeypatch.setattr(lmc.LMCacheMPConnector, "build_connector_meta", planned)

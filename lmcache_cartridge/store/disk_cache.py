@@ -322,9 +322,15 @@ class DiskTier:
             return None
         return DiskHold(cid, fd)
 
+    def touch(self, cid: ChunkId) -> None:
+        """Mark a chunk used now, as a read does, without reading it (a chunk the engine still
+        holds: LMCache's touch); a chunk this tier does not hold is left alone."""
+        self._touch(cid)
+
     def _touch(self, cid: ChunkId) -> None:
         """Record a read for the shared LRU; written about once a second, never waiting on
-        another process's transaction (the hot path skips a busy index and tries later)."""
+        another process's transaction (the hot path skips a busy index and tries later). A chunk
+        without a row is not inserted (the flush only updates rows)."""
         self._touched[cid] = time.time()
         if time.monotonic() - self._last_flush < _TOUCH_FLUSH_S or not self._lock.acquire(blocking=False):
             return

@@ -283,6 +283,13 @@ class Residency:
         hold = self.disk.hold(handle.chunk_id(index))
         return hold is not None, hold
 
+    def touch(self, handle: Handle, index: int) -> None:
+        """Chunk `index` is in use without being read here: keep it warm in the disk tier's LRU
+        (a local origin's chunks are never evicted; the CPU tier is not consulted: nothing in MP
+        mode has one)."""
+        if self.disk is not None and not handle.origin.local:
+            self.disk.touch(handle.chunk_id(index))
+
     def local_prefix(self, handle: Handle, indices) -> int:
         """How many of `indices` (in order) are local before the first that is not."""
         n = 0

