@@ -126,6 +126,7 @@ def completion_chunk_to_chat(chunk: dict, seen: set[int], top_logprobs: int | No
     indices already sent (a choice's first delta carries the assistant role); chunks without
     choices (the usage chunk of `stream_options.include_usage`) keep their fields."""
     out = _chat_fields(chunk, "chat.completion.chunk")
+    out.setdefault("prompt_text", None)  # as vLLM's chat chunks carry it (the rendered prompt, when asked for)
     for c in chunk.get("choices") or []:
         index = c.get("index", 0)
         delta = ({} if index in seen else {"role": "assistant"}) | {"content": c.get("text", "")}
