@@ -686,24 +686,38 @@ def compute_kv_chunked(model, token_ids: list[int], step: int = 2048):
     return cache_to_kv(cache).cpu()
 
 
+def _cartridge_name(kind: str, length: int, doc: list[int], model_name: str) -> str:
+    digest = hashlib.sha256((model_name + json.dumps(doc)).encode()).hexdigest()[:12]
+    return f"ttft-{kind}{length}-{digest}"
+
+
+def _cartridge_dir(out_dir: Path, kind: str, length: int, doc: list[int], model_name: str) -> Optional[Path]:
+    """Where a benchmark cartridge of `doc` goes; None when one built for the same tokens is already there
+    (anything else there is removed)."""
+    from lmcache_cartridge.cartridge.manifest import Manifest
+
+    d = Path(out_dir) / _cartridge_name(kind, length, doc, model_name)
+    try:
+        if Manifest.load(d).token_ids == doc:
+            return None
+    except Exception:
+        shutil.rmtree(d, ignore_errors=True)
+    return d
+
+
 def make_cartridges(model_dir: Path, docs: dict[int, list[int]], out_dir: Path, *, model_name: str,
                     device: str = "cpu", log: Callable[[str], None] = print) -> dict[int, Path]:
     """A packed first-k cartridge per document (reused when already built for the same tokens)."""
     from lmcache_cartridge.cartridge.model_kv import load_model
-    from lmcache_cartridge.cartridge.manifest import Manifest
     from lmcache_cartridge.cartridge.packed import pack_kv
 
     out: dict[int, Path] = {}
     model = None
     for L, doc in sorted(docs.items()):
-        digest = hashlib.sha256((model_name + json.dumps(doc)).encode()).hexdigest()[:12]
-        d = Path(out_dir) / f"ttft-{L}-{digest}"
-        try:
-            if Manifest.load(d).token_ids == doc:
-                out[L] = d
-                continue
-        except Exception:
-            shutil.rmtree(d, ignore_errors=True)
+        d = _cartridge_dir(out_dir, "", L, doc, model_name)
+        if d is None:
+            out[L] = Path(out_dir) / _cartridge_name("", L, doc, model_name)
+            continue
         if model is None:
             model, _ = load_model(model_dir)
             model = model.to(device)
@@ -724,20 +738,15 @@ def make_random_cartridges(model_dir: Path, docs: dict[int, list[int]], out_dir:
     then not compared with a reference."""
     import torch
 
-    from lmcache_cartridge.cartridge.manifest import Manifest
     from lmcache_cartridge.cartridge.packed import pack_kv
 
     info = model_info(model_dir)
     out: dict[int, Path] = {}
     for L, doc in sorted(docs.items()):
-        digest = hashlib.sha256((model_name + json.dumps(doc)).encode()).hexdigest()[:12]
-        d = Path(out_dir) / f"ttft-random-{L}-{digest}"
-        try:
-            if Manifest.load(d).token_ids == doc:
-                out[L] = d
-                continue
-        except Exception:
-            shutil.rmtree(d, ignore_errors=True)
+        d = _cartridge_dir(out_dir, "random-", L, doc, model_name)
+        if d is None:
+            out[L] = Path(out_dir) / _cartridge_name("random-", L, doc, model_name)
+            continue
         t = time.perf_counter()
         g = torch.Generator(device=device).manual_seed(L)
         kv = torch.randn(2, info["num_layers"], L, info["num_kv_heads"], info["head_dim"], generator=g,
