@@ -128,7 +128,7 @@ def lmcache_split_arm(req: dict[str, Any], device) -> Callable[[], None]:
     import lmcache.cuda_ops  # noqa: F401  (the compiled kernel, or this arm is absent)
 
     import lmcache.v1.memory_management as mm
-    from lmcache_cartridge.lmcache.compat import VLLMPagedMemGPUConnectorV2
+    from lmcache_cartridge.lmcache_compat import VLLMPagedMemGPUConnectorV2
 
     L, H, D = req["L"], req["H"], req["D"]
     conn = VLLMPagedMemGPUConnectorV2(hidden_dim_size=H * D, num_layers=L, use_gpu=False)

@@ -11,7 +11,7 @@ import itertools
 from typing import Any
 
 import torch
-from lmcache_cartridge.lmcache.compat import GPUConnectorInterface
+from lmcache_cartridge.lmcache_compat import GPUConnectorInterface
 
 _ids = itertools.count()
 
@@ -64,7 +64,7 @@ class Engine:
     """A real LMCacheEngine with a dense CPU KV buffer; use as a context manager."""
 
     def __init__(self, config, metadata, num_slots: int = 4096) -> None:
-        from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder
+        from lmcache_cartridge.lmcache_compat import LMCacheEngineBuilder
 
         self.instance_id = f"test-{next(_ids)}"
         L, H, D = metadata.kv_shape[0], metadata.kv_shape[3], metadata.kv_shape[4]
@@ -99,7 +99,7 @@ class Engine:
             cpu.clear()
 
     def close(self) -> None:
-        from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder
+        from lmcache_cartridge.lmcache_compat import LMCacheEngineBuilder
 
         LMCacheEngineBuilder.destroy(self.instance_id)
 

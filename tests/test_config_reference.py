@@ -80,7 +80,7 @@ def test_the_reference_has_the_gateways_flags_the_tenants_file_and_lmcaches_conn
     assert TENANTS_EXAMPLE in tsection and all(f"| `{f}` |" in tsection for f in TenantEntry.model_fields)
     [key] = LMCACHE_CONNECTOR_KEYS
     assert f"| `{key.name}` | int | 0 |" in page and "kv_connector_extra_config" in page
-    from lmcache_cartridge.lmcache.compat import moved_module
+    from lmcache_cartridge.lmcache_compat import moved_module
 
     assert re.search(r'get_from_extra_config\(\s*"lmcache\.max_tokens_per_load",\s*0\s*\)',
                      inspect.getsource(moved_module("LMCacheConnectorV1Impl")))  # LMCache reads it there, default 0

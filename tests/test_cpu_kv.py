@@ -495,7 +495,7 @@ def test_hook_builds_cpu_connector_for_vllm_only(monkeypatch):
     import lmcache
     from lmcache.utils import EngineType
 
-    from lmcache_cartridge.lmcache.compat import gpu_connector_module
+    from lmcache_cartridge.lmcache_compat import gpu_connector_module
 
     from lmcache_cartridge.vllm.connector import install_cpu_connector_hook
 

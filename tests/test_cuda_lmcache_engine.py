@@ -69,7 +69,7 @@ class CudaEngine:
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
 
-        from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder, gpu_connector_module
+        from lmcache_cartridge.lmcache_compat import LMCacheEngineBuilder, gpu_connector_module
 
         gc = gpu_connector_module()
 
@@ -124,7 +124,7 @@ class CudaEngine:
                 self._plane(t, k)[b, o] = kv[k, layer].cuda()
 
     def close(self) -> None:
-        from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder
+        from lmcache_cartridge.lmcache_compat import LMCacheEngineBuilder
 
         LMCacheEngineBuilder.destroy(self.instance_id)
 

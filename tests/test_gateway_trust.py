@@ -531,7 +531,8 @@ def test_the_cartridge_list_is_each_tenants_own(tenants, model_dir):
 
     r = listed(ACME)
     assert r.json() == {"object": "list", "data": [{"id": "acme-doc", "object": "cartridge", "labels": ["handbook"],
-                                                    "model": model_dir, "tokens": 32, "kind": "first_k"}]}
+                                                    "model": model_dir, "tokens": 32, "kind": "first_k"}],
+                        "first_id": "acme-doc", "last_id": "acme-doc", "has_more": False}
     assert "globex" not in r.text and str(acme) not in r.text
     assert [c["id"] for c in listed(GLOBEX).json()["data"]] == ["globex-doc"]
     assert "acme" not in listed(GLOBEX).text

@@ -349,11 +349,12 @@ def test_side_files_fuzzed_give_clear_errors(tmp_path, tiny):
     check()
 
 
-@pytest.mark.parametrize("shape", ["zero_stride", "repeated_view"])
+@pytest.mark.parametrize("shape", ["zero_stride", "repeated_view", "shared_tuple"])
 def test_small_file_of_huge_views_is_refused_before_materialising(tmp_path, shape):
     """torch.save keeps sizes and strides: a ~1.5 KB file can hold a [2, 4, 2**20, 8, 64] view of
     one element (zero strides), which the first `.contiguous()` would turn into 8 GiB; or one small
-    storage viewed a thousand times. Refused with the reason, nothing allocated."""
+    storage viewed a thousand times, by a thousand tuples of their own or by one tuple the pickle
+    names a thousand times. Refused with the reason, nothing allocated."""
     import resource
 
     from lmcache_cartridge.errors import CartridgeFormatError
@@ -363,10 +364,14 @@ def test_small_file_of_huge_views_is_refused_before_materialising(tmp_path, shap
         kv = torch.zeros(1, dtype=torch.bfloat16).expand(2, 4, 2 ** 20, 8, 64)
         obj = {"token_ids": list(range(8)), "kv_cache": kv}
         needle = "zero strides"
+    elif shape == "repeated_view":
+        base = torch.randn(2, 1, 256, 2, 16).to(torch.bfloat16)
+        obj = [(base[0], base[1]) for _ in range(1000)]
+        needle = "more than the file"
     else:
         base = torch.randn(2, 1, 256, 2, 16).to(torch.bfloat16)
         obj = [(base[0], base[1])] * 1000
-        needle = "more than the file"
+        needle = "referenced more than once"
     torch.save(obj, tmp_path / "bomb.pt")
     assert (tmp_path / "bomb.pt").stat().st_size < 600_000
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

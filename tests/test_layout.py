@@ -1,7 +1,8 @@
 """The package's folders follow the data path, and the names users type keep working.
 
 Stages, in the order a cartridge travels: `cartridge` -> `store` -> `lmcache` -> `vllm` -> `api`
--> `tools`, with `testing` (harness) last and `errors`/`paths`/`settings_reference` shared by all.
+-> `tools`, with `testing` (harness) last and `errors`/`paths`/`settings_reference` and
+`lmcache_compat` (where this LMCache release keeps each name) shared by all.
 A module may import from its own stage or an earlier one, never a later one (lazy imports inside
 functions count).
 """
@@ -20,7 +21,7 @@ import lmcache_cartridge
 PKG = Path(lmcache_cartridge.__file__).parent
 STAGES = ["errors", "paths", "cartridge", "store", "lmcache", "vllm", "api", "tools", "testing"]
 RANK = {name: i for i, name in enumerate(STAGES)}
-RANK["paths"] = RANK["settings_reference"] = RANK["errors"]
+RANK["paths"] = RANK["settings_reference"] = RANK["lmcache_compat"] = RANK["errors"]
 ENTRY_POINTS = {"plugin", "connector"}  # the stable re-exports users name in YAML / vLLM flags
 
 
@@ -76,7 +77,7 @@ def test_no_module_imports_from_a_later_stage():
 def test_top_level_holds_only_shared_modules_and_entry_points():
     flat = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
     # shared facts: errors, paths, the version table, the settings' names and defaults
-    assert flat == {"errors", "paths", "versions", "settings_reference"} | ENTRY_POINTS
+    assert flat == {"errors", "paths", "versions", "settings_reference", "lmcache_compat"} | ENTRY_POINTS
 
 
 def test_every_module_says_why_in_its_docstring():

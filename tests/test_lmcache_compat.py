@@ -1,5 +1,5 @@
 """The one module that knows where LMCache keeps the names that moved between its releases
-(`lmcache_cartridge.lmcache.compat`): each name resolves to the object LMCache's own code uses on
+(`lmcache_cartridge.lmcache_compat`): each name resolves to the object LMCache's own code uses on
 the installed release, no other module imports a moved path, and an LMCache with neither layout
 stops with an error naming the supported releases. Runs on whichever LMCache the venv holds
 (`make test` on 0.5.6, `make test LMCACHE=0.5.7rc2` on 0.5.7)."""
@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from lmcache_cartridge.lmcache import compat
+from lmcache_cartridge import lmcache_compat as compat
 
 ROOT = Path(__file__).parents[1]
 
@@ -46,7 +46,7 @@ def test_no_other_module_imports_a_path_that_moved():
     offenders = []
     for path in sorted([*(ROOT / "lmcache_cartridge").rglob("*.py"), *(ROOT / "tests").rglob("*.py"),
                         *(ROOT / "benchmarks").rglob("*.py")]):
-        if path == ROOT / "lmcache_cartridge" / "lmcache" / "compat.py":
+        if path == ROOT / "lmcache_cartridge" / "lmcache_compat.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
@@ -56,7 +56,7 @@ def test_no_other_module_imports_a_path_that_moved():
             else:
                 continue
             offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {m}" for m in mods if m in compat.MOVED_MODULES]
-    assert not offenders, "import these through lmcache_cartridge.lmcache.compat: " + ", ".join(offenders)
+    assert not offenders, "import these through lmcache_cartridge.lmcache_compat: " + ", ".join(offenders)
 
 
 def test_an_lmcache_with_neither_layout_is_refused_naming_the_supported_releases(tmp_path):
@@ -64,7 +64,7 @@ def test_an_lmcache_with_neither_layout_is_refused_naming_the_supported_releases
     (tmp_path / "lmcache").mkdir()
     (tmp_path / "lmcache" / "__init__.py").write_text("")
     code = textwrap.dedent("""
-        from lmcache_cartridge.lmcache import compat
+        from lmcache_cartridge import lmcache_compat as compat
         try:
             compat.LMCacheEngineBuilder
         except compat.LMCacheLayoutError as e:

@@ -67,8 +67,8 @@ def test_doctor_reports_versions_and_compiled_ops(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     out = cli("doctor", "--config", tmp_path / "c.yaml", home=tmp_path, check=False).stdout
     assert f"OK    {versions.pairing()[1]}" in out, out
-    # the LMCache/vLLM pair and the path each mode takes through them (`lmcache.compat`)
-    from lmcache_cartridge.lmcache import compat
+    # the LMCache/vLLM pair and the path each mode takes through them (`lmcache_compat`)
+    from lmcache_cartridge import lmcache_compat as compat
     from lmcache_cartridge.tools.doctor import lmcache_paths
 
     assert lmcache_paths()[0] == "OK" and f"OK    {lmcache_paths()[1]}" in out, out

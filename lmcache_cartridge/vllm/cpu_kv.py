@@ -49,7 +49,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
-from lmcache_cartridge.lmcache.compat import GPUConnectorInterface
+from lmcache_cartridge.lmcache_compat import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_cartridge import settings_reference as ref

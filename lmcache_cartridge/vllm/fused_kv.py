@@ -273,7 +273,7 @@ _CLASS = None
 
 
 def _define():
-    from lmcache_cartridge.lmcache.compat import VLLMPagedMemGPUConnectorV2
+    from lmcache_cartridge.lmcache_compat import VLLMPagedMemGPUConnectorV2
     from lmcache.v1.memory_management import MemoryFormat
 
     class FusedKVGPUConnector(VLLMPagedMemGPUConnectorV2):

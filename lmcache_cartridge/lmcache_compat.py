@@ -6,7 +6,7 @@ engine, token database, GPU connectors, the vLLM adapter) from `lmcache.v1` / `l
 to `lmcache.inprocess.*`, with no import shims left behind. Everything else this package uses
 (the storage plugin interface, configs, memory objects, the multiprocess server and its L2
 adapter interface) stayed where it was and is imported from LMCache directly. Every name below is
-imported through here (`from lmcache_cartridge.lmcache.compat import LMCacheEngineBuilder`), and
+imported through here (`from lmcache_cartridge.lmcache_compat import LMCacheEngineBuilder`), and
 no other module of the package, its tests or its benchmarks imports a module in `MOVED_MODULES`
 (tests/test_lmcache_compat.py holds them to that).
 
@@ -134,7 +134,7 @@ def resolve(name: str):
                                  f"({type(e).__name__}: {e}); lmcache_cartridge supports LMCache {SUPPORTED}") from e
 
 
-def __getattr__(name: str):  # PEP 562: `from lmcache_cartridge.lmcache.compat import LoadSpec`
+def __getattr__(name: str):  # PEP 562: `from lmcache_cartridge.lmcache_compat import LoadSpec`
     if name in MOVED:
         value = resolve(name)
         globals()[name] = value  # resolved once
