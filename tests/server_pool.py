@@ -20,9 +20,10 @@ died is replaced once per configuration; one that cannot start fails every modul
 with the log's first error (`VllmProcess.failure_report`).
 
 Ordering: modules are run grouped by the first server they declare (collection order kept
-otherwise). Under `pytest -n 2 --dist loadgroup` (`make test`) the slow tests form two xdist
-groups, the tiny model's and the rest (`xdist_group`), each run whole by one worker, and the fast
-tests fill in around them: two streams of servers on two cores.
+otherwise). Under `pytest -n 2 --dist loadgroup` (`make test`) the slow tests form xdist groups
+(`xdist_group`: the tiny model's pool, each other pooled server's users, each module with servers
+of its own), each run whole by one worker; xdist hands the groups, largest first, and the fast
+tests to whichever worker is free.
 
 Runs in the test process (each xdist worker has its own pool).
 """
@@ -291,12 +292,19 @@ def pytest_configure(config):
 
 
 def xdist_group(item: pytest.Item) -> str | None:
-    """The xdist group of a slow item: the tiny test model's servers and maker in one, every other
-    slow module in the other (two workers, two streams of servers), so that a pooled server's
-    users all run on one worker (its pool). Fast items have none: xdist spreads them."""
+    """The xdist group of a slow item, so that a pooled server's users all run on one worker (its
+    pool) and the slow work is cut into many groups that xdist hands to whichever worker is free:
+    the tiny test model's servers and maker in one group (`TINY`); any other pooled server in a
+    group named by it (the real model's maker; the head_dim-80 model's); a module that starts only
+    servers of its own in a group of its own. Fast items have none: xdist spreads them."""
     if item.get_closest_marker("slow") is None:
         return None
-    return "servers-tiny" if set(declared(item)) & TINY else "servers-other"
+    names = declared(item)
+    if set(names) & TINY:
+        return "servers-tiny"
+    if names:
+        return "servers-" + names[0].replace(":", "-")
+    return "module-" + Path(item.nodeid.split("::")[0]).stem
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist turns the groups into node ids (--dist loadgroup)
