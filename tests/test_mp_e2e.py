@@ -37,6 +37,7 @@ ASKED = 3
 MAX_TOKENS = 12
 FIRST_K_WAIT_S = 15.0
 PRELOAD_LABEL = "keep-warm"
+_MADE: dict = {}  # document text -> its first-k KV (create_first_k's result), shared by the two modes
 
 
 @pytest.fixture(scope="module", params=["engine_driven", "lmcache_driven"])
@@ -61,17 +62,22 @@ def mp(request, tmp_path_factory, engine_kv):
                         # a first load may take seconds on busy cores: wait for it whatever the load
                         kv_extra={"cartridge.first_k_wait_s": FIRST_K_WAIT_S})
     try:
-        made = create_first_k(model_dir, document_text(), engine=engine_kv(model_dir))
+        def first_k(text):  # the same KV for both transfer modes: made once per document
+            if text not in _MADE:
+                _MADE[text] = create_first_k(model_dir, text, engine=engine_kv(model_dir))
+            return _MADE[text]
+
+        made = first_k(document_text())
         pack_kv(made.kv, root / "carts" / "doc", cartridge_id="mp-doc", model=str(model_dir), kind="first_k",
                 token_ids=made.token_ids, chunk_size=CHUNK)
         # KV a client brings, of a document no other test here sends (so nothing of it is in the
         # server's L1 but what this KV puts there); the operator's copy of the same bytes
-        brought = create_first_k(model_dir, "A story told twice. " + document_text(), engine=engine_kv(model_dir))
+        brought = first_k("A story told twice. " + document_text())
         for name in ("brought", "handbook"):
             pack_kv(brought.kv, root / "carts" / name, cartridge_id=f"mp-{name}", model=str(model_dir),
                     kind="first_k", token_ids=brought.token_ids, chunk_size=CHUNK)
         # a document nothing else here sends, for the cartridge `preload` names (by its label)
-        warm = create_first_k(model_dir, "Kept warm. " + document_text(), engine=engine_kv(model_dir))
+        warm = first_k("Kept warm. " + document_text())
         pack_kv(warm.kv, root / "carts" / "warm", cartridge_id="mp-warm", model=str(model_dir), kind="first_k",
                 token_ids=warm.token_ids, chunk_size=CHUNK)
         vllm.wait_healthy()
