@@ -671,3 +671,156 @@ def test_memory_tags_say_host_storage_on_this_host(tmp_path):
     assert tags == api.MemoryTags(api.MemorySegment.STORAGE, api.MemoryResidency.LOCAL)
     assert _tags_allowed(tags, frozenset({api.MemoryTags(api.MemorySegment.STORAGE, api.MemoryResidency.LOCAL)}))
     assert not _tags_allowed(tags, frozenset())
+
+
+def _tp_setup(tmp_path, moto_server, s3_proxy, names, *, chunks: int = 2):
+    """Trained by-head cartridges `names` of `chunks` chunks each (L=2, H=4, D=16), uploaded to a
+    moto S3 bucket; an adapter whose disk tier holds exactly one of them and whose watcher never
+    runs on its own (the test calls `_keep_resident`, what it runs every refresh period); the
+    server's layout registry, where engines register (what `_engines` reads)."""
+    from lmcache.v1.multiprocess.engine_context import LayoutDescRegistry
+
+    from lmcache_cartridge.cartridge.packed import VocabInfo
+    from s3_server import s3_client, upload_dir
+
+    L, H, D = 2, 4, 16
+    ms = {}
+    for n, name in enumerate(names):
+        ms[name] = pack_kv(random_kv(L, chunks * CHUNK, H, D, seed=110 + n), tmp_path / name, cartridge_id=name,
+                           model=MODEL, kind="trained", vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
+        assert ms[name].layout == "by_head"
+        upload_dir(s3_client(moto_server), "mp-tp", f"c/{name}", tmp_path / name)
+    cartridge_bytes = chunks * 2 * L * CHUNK * H * D * 2
+    adapter = CartridgeL2Adapter({"registry": str(tmp_path / "reg.db"), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 3600, "disk_budget_gb": cartridge_bytes / (1 << 30),
+                                  "s3.endpoint_url": s3_proxy.endpoint_url})
+    layouts = LayoutDescRegistry()
+    hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+    adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None,
+                                   layout_desc_registry=layouts))
+    return adapter, layouts, hasher, ms, (L, H, D)
+
+
+def _attach_engine(layouts, world: int, L: int, H: int, D: int) -> None:
+    """An engine of `world` ranks registers its KV layout with the server (one rank's object)."""
+    from lmcache.v1.distributed.api import DEFAULT_ATTN_WINDOW_DESC
+
+    layouts.register(MODEL, world, MemoryLayoutDesc([torch.Size([2, L, CHUNK, H // world * D])], [torch.bfloat16]),
+                     DEFAULT_ATTN_WINDOW_DESC)
+
+
+def _until(cond, what: str, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.02)
+
+
+def _published_local(tmp_path, name: str) -> bool:
+    """What the gateway reads: the adapter's published record says every chunk of `name` is local."""
+    (state,) = read_states(tmp_path / "cache")
+    c = state.cartridges.get(name)
+    return c is not None and c.all_resident
+
+
+def _ranks_resident(adapter, name: str, world: int) -> list[bool]:
+    """For each rank of an engine of `world` ranks: every chunk of `name` it reads is local."""
+    s = adapter._state.served[name]
+    return [adapter.residency.resident(s.handle(world, r)) for r in range(world)]
+
+
+def test_a_trained_s3_cartridge_is_fetched_for_each_rank_of_a_tensor_parallel_engine(tmp_path, moto_server,
+                                                                                     s3_proxy):
+    """An engine of world size 2 is attached to the server; a trained by-head cartridge X on S3 is
+    registered. Each rank's lookups and loads read its own heads' bytes (`Handle.chunk_id` carries
+    the heads), so X is ready only once both ranks' bytes are on the disk tier. Old code fetched and
+    checked X's whole chunks (world size 1) only: the published record said X was local while
+    neither rank's lookup hit, so the gateway forwarded a trained request whose KV the server
+    could not load. Now the record says local only once both ranks' bytes are, every key of each
+    rank hits and loads that rank's heads, and after another download evicted them the watcher
+    fetches each rank's bytes again."""
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+    from lmcache_cartridge.store.registration import register_s3
+    from lmcache_cartridge.store.s3 import S3Settings
+
+    adapter, layouts, hasher, ms, (L, H, D) = _tp_setup(tmp_path, moto_server, s3_proxy, ("mp-tp-x", "mp-tp-y"))
+    reg = Registry(tmp_path / "reg.db")
+    s3 = S3Settings.from_mapping({"endpoint_url": s3_proxy.endpoint_url})
+    world, hd = 2, H // 2
+    try:
+        _attach_engine(layouts, world, L, H, D)
+        register_s3(reg, "s3://mp-tp/c/mp-tp-x", tmp_path / "cache", s3)
+        assert adapter.refresh()  # trained: downloaded at once
+        _until(lambda: _published_local(tmp_path, "mp-tp-x"), "X never published as local")
+        assert _ranks_resident(adapter, "mp-tp-x", world) == [True, True], \
+            "published as local while a rank's bytes are not on the disk tier"
+
+        m = ms["mp-tp-x"]
+        hashes = hasher.compute_chunk_hashes(list(m.key_token_ids))[m.context_chunks:]
+        assert len(hashes) == 2
+        desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, hd * D])], [torch.bfloat16])}
+        gets = s3_proxy.count("GET", r"mp-tp-x/kv\.bin$")
+        with PackedCartridge(tmp_path / "mp-tp-x") as oracle:
+            for rank in range(world):
+                keys = [ObjectKey(h, MODEL, ObjectKey.ComputeKVRank(world, rank, world, rank), 0, "") for h in hashes]
+                bits = _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc))
+                assert bits.popcount() == len(keys), f"rank {rank}'s lookup missed chunks of a resident cartridge"
+                objs = [SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, hd * D, dtype=torch.bfloat16)) for _ in keys]
+                assert _wait(adapter, "load", adapter.submit_load_task(keys, objs)).popcount() == len(keys)
+                adapter.submit_unlock(keys)
+                for i, obj in enumerate(objs):
+                    want = oracle.read_chunk(i)[..., rank * hd * D:(rank + 1) * hd * D]
+                    assert torch.equal(obj.tensor, want), f"rank {rank}, chunk {i}: not its heads' bytes"
+        assert s3_proxy.count("GET", r"mp-tp-x/kv\.bin$") == gets  # served from the disk tier
+        assert not adapter._locks
+
+        # Y's ranks fill the disk tier (room for one cartridge): X's ranks are evicted
+        register_s3(reg, "s3://mp-tp/c/mp-tp-y", tmp_path / "cache", s3)
+        assert adapter.refresh()
+        _until(lambda: _ranks_resident(adapter, "mp-tp-y", world) == [True, True], "Y never downloaded")
+        assert _ranks_resident(adapter, "mp-tp-x", world) == [False, False]
+        adapter.publish()
+        assert not _published_local(tmp_path, "mp-tp-x")
+        reg.remove("mp-tp-y")
+        adapter.refresh()
+        adapter._keep_resident()  # what the watcher runs every refresh period
+        _until(lambda: _ranks_resident(adapter, "mp-tp-x", world) == [True, True],
+               "X's ranks, evicted by Y's download, are never fetched again")
+        _until(lambda: _published_local(tmp_path, "mp-tp-x"), "X never published as local again")
+        assert s3_proxy.count("GET", r"mp-tp-x/kv\.bin$") >= gets + world * len(hashes)
+    finally:
+        adapter.close()
+
+
+def test_an_engine_attached_after_its_trained_cartridge_gets_its_ranks_bytes(tmp_path, moto_server, s3_proxy):
+    """A trained by-head cartridge on S3 is downloaded whole while no engine is attached (what an
+    engine of world size 1 reads). Then an engine of world size 2 attaches (and one of world size
+    3, whose heads do not split: never served, never fetched for): the record stops saying the
+    cartridge is local, stays so while only one rank's bytes are, and the watcher fetches the
+    other rank's, after which it says local again."""
+    from lmcache_cartridge.store.registration import register_s3
+    from lmcache_cartridge.store.s3 import S3Settings
+
+    adapter, layouts, _hasher, _ms, (L, H, D) = _tp_setup(tmp_path, moto_server, s3_proxy, ("mp-tp-late",))
+    reg = Registry(tmp_path / "reg.db")
+    try:
+        register_s3(reg, "s3://mp-tp/c/mp-tp-late", tmp_path / "cache",
+                    S3Settings.from_mapping({"endpoint_url": s3_proxy.endpoint_url}))
+        assert adapter.refresh()
+        _until(lambda: _published_local(tmp_path, "mp-tp-late"), "never published as local")
+        assert _ranks_resident(adapter, "mp-tp-late", 1) == [True]
+
+        _attach_engine(layouts, 2, L, H, D)
+        _attach_engine(layouts, 3, L, H, D)
+        adapter.publish()
+        assert not _published_local(tmp_path, "mp-tp-late"), "local for a world-2 engine whose ranks have no bytes"
+        s = adapter._state.served["mp-tp-late"]
+        adapter.residency.download_async(s.handle(2, 0)).result()
+        adapter.publish()
+        assert _ranks_resident(adapter, "mp-tp-late", 2) == [True, False]
+        assert not _published_local(tmp_path, "mp-tp-late"), "local with rank 1's bytes missing"
+        adapter._keep_resident()  # what the watcher runs every refresh period
+        _until(lambda: _ranks_resident(adapter, "mp-tp-late", 2) == [True, True], "rank 1's bytes never fetched")
+        _until(lambda: _published_local(tmp_path, "mp-tp-late"), "never published as local again")
+    finally:
+        adapter.close()

@@ -43,14 +43,16 @@ then miss a chunk the lookup promised. A file that cannot be held is a miss at l
 server never returns (a result nobody took) let go after `pin_lease_seconds`.
 
 Trained cartridges: downloaded when registered and kept resident (the watcher fetches again what
-another download evicted, as the in-process plugin does: the gateway forwards a trained request
-only once its cartridge is resident); a lookup of a chunk that is not local misses and starts its
-download, as for any cartridge; vLLM must run `CartridgeMPConnector` (`vllm.mp_connector`), whose readiness rule
-holds the request and asks again (bounded) instead of recomputing its placeholder ids, and fails
-it if the KV never comes. Memory: the server's
-own L1 is the memory tier in MP mode, so the adapter keeps no CPU tier of its own. Stores complete
-at once with 0 bytes (read-only): do not run the server with the `skip_l1` store policy, under
-which LMCache drops from L1 what it believes an L2 adapter stored.
+another download evicted, as the in-process plugin does: the gateway forwards a trained request only
+once its cartridge is resident), for every rank of each engine attached (a rank reads only its
+heads' bytes, kept apart from the other ranks'; the whole chunks before any engine attached), and
+published as resident only once all of those ranks' bytes are local; a lookup of a chunk that is not
+local misses and starts its download, as for any cartridge; vLLM must run `CartridgeMPConnector`
+(`vllm.mp_connector`), whose readiness rule holds the request and asks again (bounded) instead of
+recomputing its placeholder ids, and fails it if the KV never comes. Memory: the server's own L1 is
+the memory tier in MP mode, so the adapter keeps no CPU tier of its own. Stores complete at once
+with 0 bytes (read-only): do not run the server with the `skip_l1` store policy, under which LMCache
+drops from L1 what it believes an L2 adapter stored.
 
 Where it runs: in the `lmcache server` process. Who calls it: the server's store controller thread
 (`submit_store_task`, `pop_completed_store_tasks`) and prefetch controller thread (lookups,
@@ -186,10 +188,21 @@ class _Served:
                 self.handles[(world, rank)] = h
             return h
 
-    def any_handle(self) -> Handle:
-        with self.lock:
-            got = next(iter(self.handles.values()), None)
-        return got or Handle(self.manifest, self.origin, servable=len(self.hashes))
+    def engine_handles(self, engines) -> list[Handle]:
+        """The handles the lookups of these (model, world size) engines read it through: every
+        rank's of each engine whose model it serves and whose world size splits its heads (one
+        per distinct bytes: ranks holding the same heads share them), or the whole chunks' (world
+        size 1) when no such engine is attached yet."""
+        got: dict[str, Handle] = {}
+        for model, world in sorted(engines):
+            if model not in self.models:
+                continue
+            try:
+                ranks = [self.handle(world, r) for r in range(world)]
+            except CartridgeError:  # its heads do not split over `world`: that engine is never served
+                continue
+            got.update((h.rank_key, h) for h in ranks)
+        return list(got.values()) or [self.handle(1, 0)]
 
     def retire(self) -> None:
         with self.lock:
@@ -244,6 +257,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         # by the key's model, and the operator's cartridge of a prompt and a client's KV of the same
         # prompt by the key's salt.
         self._init_serving(SetState(), threading.Lock())
+        self._publish_lock = threading.Lock()  # `publish`: one record computed and written at a time
         self._ids = itertools.count(1)
         self._done: dict[str, dict[int, Any]] = {"store": {}, "lookup": {}, "load": {}}
         self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, cache_salt) of keys answered
@@ -335,11 +349,14 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     def _started(self, fresh: list[_Served]) -> None:
         """Cartridges just swapped in: KV the server's L1 holds under their keys was stored before
         they were served (recomputed from their ids) and goes; a trained request waits for trained
-        ones (`vllm.mp_connector`): fetched now."""
+        ones (`vllm.mp_connector`): fetched now, for every rank of the engines attached
+        (`_Served.engine_handles`)."""
         self._purge_chunks({(h, s.salt) for s in fresh for h in s.hashes})
+        engines = self._engines()
         for s in fresh:
             if s.manifest.kind == "trained" and not s.origin.local:
-                self.residency.download_async(s.handle(1, 0), on_done=lambda _h: self.publish())
+                for h in s.engine_handles(engines):
+                    self.residency.download_async(h, on_done=lambda _h: self.publish())
 
     def _publish(self) -> None:
         self.publish()
@@ -394,14 +411,17 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         chunks left the disk tier (another cartridge's download evicted them) is fetched again, as
         the in-process plugin's `tick` does. The gateway forwards a trained request only once its
         cartridge is resident, so no lookup would ever ask for it: without this an evicted trained
-        cartridge stayed unservable (the gateway's 503) until it was registered again."""
+        cartridge stayed unservable (the gateway's 503) until it was registered again. What is
+        fetched is what the engines attached now read (`_Served.engine_handles`: each rank's heads),
+        so an engine that attached after its cartridge was downloaded gets its ranks' bytes here."""
         with self._lock:
             trained = [s for s in self._state.served.values()
                        if s.manifest.kind == "trained" and not s.origin.local and not s.retired]
+        engines = self._engines()
         for s in trained:
-            h = s.handle(1, 0)
-            if not self.residency.resident(h):
-                self.residency.download_async(h, on_done=lambda _h: self.publish())
+            for h in s.engine_handles(engines):
+                if not self.residency.resident(h):
+                    self.residency.download_async(h, on_done=lambda _h: self.publish())
 
     # --- `preload`: the server's own prefetch into L1 (watcher thread) ----------------------------
     def _preload_due(self) -> None:
@@ -515,18 +535,34 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
 
     # --- published state (gateway, stats, doctor) ------------------------------------------------
     def publish(self) -> None:
+        """Write the serving record the gateway reads. A cartridge is local only when every rank of
+        every engine attached can read all its chunks without the network (`_Served.engine_handles`):
+        the gateway forwards a trained request only then, and a rank missing its heads' bytes
+        would leave placeholder ids to compute. Serialized: downloads of several ranks end on
+        several threads, and a record computed before the last one ended must not be written after
+        the one computed once it had."""
+        with self._publish_lock:
+            state = self._serving_state()
+            try:
+                publish(self.settings.cache_dir, state)
+            except OSError as e:
+                logger.debug("lmcache_cartridge MP adapter: cannot publish serving state: %s", e)
+
+    def _serving_state(self) -> ServingState:
         with self._lock:
             served = list(self._state.served.values())
             skipped = dict(self._state.skipped)
+        engines = self._engines()
         carts = {}
         for s in served:
             n = len(s.hashes)
-            local = ALL if s.origin.local or self.residency.resident(s.any_handle()) else ()
+            local = ALL if s.origin.local or all(self.residency.resident(h) for h in s.engine_handles(engines)) \
+                else ()
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.manifest.kind, n, local)
         models = sorted({m for s in served for m in s.models} | set(self.settings.accept_models)
                         | self._engine_models())
         snap = self.metrics.snapshot()
-        state = ServingState(
+        return ServingState(
             **self._identity, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
             role="mp-server", model=models[0] if models else "", models=tuple(models), rank=0, world_size=1,
             registry=str(self.settings.registry.resolve()), healthy=self._ctx is not None,
@@ -534,10 +570,6 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                     "\"lmcache_cartridge.vllm.mp_server\"}'",
             cartridges=carts, skipped=skipped, tiers=snap["tiers"], stages=snap["stages"],
             metrics_instance=self.metrics.instance)
-        try:
-            publish(self.settings.cache_dir, state)
-        except OSError as e:
-            logger.debug("lmcache_cartridge MP adapter: cannot publish serving state: %s", e)
 
     def _engine_models(self) -> set[str]:
         """The model names of the vLLM engines registered with the server now. Published with the
