@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -326,3 +327,54 @@ def test_doctor_returns_its_findings(tmp_path, monkeypatch):
                            "the read-only plugin") in found
     assert any(f.level == "FAIL" and "no cartridge registry at" in f.message for f in found) and failed(found)
     assert str(found[-1]) == "OK    0 running plugin instance(s) of model 'm' on this registry"
+
+
+@pytest.mark.heavy
+def test_a_stopped_create_stops_its_kv_maker(tmp_path):
+    """`create` runs its KV maker (a vLLM server) in a session of its own: a SIGTERM to `create`
+    (a `kill`, a job scheduler, a container stop) stops the maker and everything it started too,
+    instead of leaving a vLLM server holding its cores, memory and port."""
+    import psutil
+
+    from lmcache_cartridge.tools.testmodel import document_text, ensure_test_model
+
+    (tmp_path / "doc.txt").write_text(document_text())
+    env = {**os.environ, "LMCACHE_CARTRIDGE_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.Popen([str(BIN), "create", "--text", str(tmp_path / "doc.txt"), "-o", str(tmp_path / "out"),
+                             "--model-dir", str(ensure_test_model()), "--kv-from", "vllm"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    me = psutil.Process(proc.pid)
+    started: dict[int, psutil.Process] = {}
+
+    def running(word: str) -> bool:
+        for p in list(started.values()):
+            try:
+                if word in " ".join(p.cmdline() or [p.name()]):
+                    return True
+            except psutil.Error:  # gone, or a zombie
+                pass
+        return False
+
+    try:
+        # until the maker's server and its engine have started (a poll: their start takes what it takes)
+        while proc.poll() is None and not running("EngineCore"):
+            for p in me.children(recursive=True):
+                started.setdefault(p.pid, p)
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert running("vllm")
+        proc.terminate()
+        out, _ = proc.communicate(timeout=300)
+        _, alive = psutil.wait_procs(list(started.values()), timeout=120)
+        assert not alive, (f"left running after create stopped: {[(p.pid, p.name()) for p in alive]}", out[-3000:])
+        assert proc.returncode == 130 and not (tmp_path / "out").exists(), out[-3000:]
+    finally:
+        try:
+            started.update((p.pid, p) for p in me.children(recursive=True))
+        except psutil.Error:
+            pass
+        for p in [*started.values(), me]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

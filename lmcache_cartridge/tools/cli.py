@@ -16,6 +16,7 @@ from typing import Callable
 from lmcache_cartridge.api.settings import API_KEY_ENV
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import default_cache_dir, default_packed_dir, default_registry_path
+from lmcache_cartridge.tools.stopping import sigterm_as_interrupt
 
 EXIT_USAGE = 2
 EXIT_PROBLEMS = 1
@@ -749,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        with sigterm_as_interrupt():  # what a command started (a KV maker, an engine) stops with it
+            return args.fn(args)
     except (CartridgeError, ValueError, OSError) as e:
         # Input the user gave that cannot work: a bad path, URI, value or file. (ValueError is how
         # parsers of user input refuse it, e.g. an S3 URI or a UTF-8 text file.)

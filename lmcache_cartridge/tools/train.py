@@ -17,6 +17,7 @@ import argparse
 from pathlib import Path
 
 from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.tools.stopping import sigterm_as_interrupt
 from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, COSINE_FLOOR, DTYPE_NAMES, LR_SCHEDULES,
                                                       PAPER_LR, SMALL_MODEL_LR, SYNTH_BATCH, LoopConfig, SynthConfig,
                                                       TrainConfig, one_epoch, parse_seed_types)
@@ -146,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     add_train_arguments(p)
     args = p.parse_args(argv)
     try:
-        return run_train(args)
+        with sigterm_as_interrupt():  # the synthesis engine stops with the command
+            return run_train(args)
     except CartridgeError as e:
         print(f"lmcache-cartridge: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
