@@ -7,16 +7,16 @@ One vLLM + LMCache + cartridge-plugin server (`ttft.make_server("lmcache", ...)`
 and documents of `benchmarks/ttft.py`), concurrency 1. Per length, two cartridges of the same KV
 (same payload file, hard-linked; same content hash and tokens), differing only in the manifest:
 
-- `sha256`: no per-chunk BLAKE3 (what a cartridge packed before issue 17 looks like: such a
-  manifest is read exactly as that version wrote it, `tests/test_chunk_digests.py`), so a first
-  read verifies each chunk's sha256 (the verification every first hit did before);
+- `sha256`: no per-chunk BLAKE3 (what a manifest without per-chunk digests looks like: such a
+  manifest is read exactly as it was written, `tests/test_chunk_digests.py`), so a first
+  read verifies each chunk's sha256 (the verification a first hit does for such a manifest);
 - `blake3`: the manifest `pack_kv` writes now; a first read verifies each chunk's BLAKE3.
 
 Each round runs `ttft.run_arm("cartridge", ...)` once per variant, the order alternating between
 rounds: register, warm up, `--samples` first hits (each right after removal and re-registration:
 the plugin reads the page-cache-warm packed file and verifies it), `--samples` repeat hits (from
 LMCache's CPU copy), remove. Reported: p50 over all rounds of first and repeat hits, and their
-ratio (issue 17's target: first <= 1.3x repeat at 8K and 16K).
+ratio (the target: first <= 1.3x repeat at 8K and 16K).
 
 The server imports `lmcache_cartridge` from wherever `PYTHONPATH` (else the installed package)
 points: run it from the checkout being measured with `PYTHONPATH=.`.

@@ -5,14 +5,15 @@
 One buffer (random bf16, the size of one chunk: 32 MiB is a 256-token chunk of Llama-3.1-8B,
 2 MiB one of the TTFT benchmark's model), one thread unless named, best of `--reps`, in one run:
 
-- `sha256`: hashlib's sha256 (the chunk's identity; what reads verified before issue 17);
+- `sha256`: hashlib's sha256 (the chunk's identity; what reads verify for a manifest without
+  per-chunk BLAKE3 digests);
 - `blake2b`: hashlib's blake2b (a per-chunk digest a manifest could store instead);
 - `blake3`: the `blake3` package, one thread (what reads verify now, `integrity.chunk_digest`);
 - `blake3-2threads`: the same with `max_threads=2` (not used: vLLM's worker thread is bound to
   one core, where BLAKE3's own threads would compete with it);
 - `xxh3_64`: the `xxhash` package if installed (not a cryptographic hash: only against accidents);
-- `isfinite`: `torch.isfinite(t).all()`, the NaN/Inf scan `check_chunk` did until now;
-- `finite-bits`: `integrity._all_finite`, the scan it does now (two max reductions over the bits);
+- `isfinite`: `torch.isfinite(t).all()`, the plain NaN/Inf scan;
+- `finite-bits`: `integrity._all_finite`, the scan `check_chunk` does (two max reductions over the bits);
 - `memcpy`: a plain copy of the same bytes, the yardstick (`benchmarks/kv_copy.py` measures the
   injection copy against the same thing);
 - `check-sha256`, `check-blake3`: `integrity.check_chunk` as a first read runs it (digest, then
@@ -20,7 +21,7 @@ One buffer (random bf16, the size of one chunk: 32 MiB is a 256-token chunk of L
 - `read+check-sha256`, `read+check-blake3`: the whole first read of a local origin, `pread` from
   the page-cache-warm payload into the buffer and then `check_chunk` (`Residency._read_below_cpu`).
 
-Nothing here changes what is verified; it measures the options issue 17 lists.
+Nothing here changes what is verified; it measures the options for it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A stalled S3 origin must not slow requests for other, local cartridges (issue 16 acceptance).
+"""A stalled S3 origin must not slow requests for other, local cartridges.
 
     flock /tmp/heavy.lock timeout 900 .venv/bin/python benchmarks/stalled_origin.py [--out DIR]
 

@@ -1,4 +1,4 @@
-"""What one tensor-parallel rank reads of a cartridge, per chunk (issue 12), on Llama-3.1-8B's chunk
+"""What one tensor-parallel rank reads of a cartridge, per chunk, on Llama-3.1-8B's chunk
 shape (32 layers, 8 KV heads, head_dim 128, 256 tokens, bf16: 32 MiB per chunk).
 
     .venv/bin/python benchmarks/tp_read.py [--chunks 4] [--out benchmarks/results]

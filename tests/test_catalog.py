@@ -1,4 +1,4 @@
-"""The S3 catalog (issue 13): publish once, two hosts with their own registries converge; removal,
+"""The S3 catalog: publish once, two hosts with their own registries converge; removal,
 labels and force_redownload propagate on the next sync; a broken index keeps the last good state.
 
 Real moto S3 on loopback behind the counting proxy (`s3_server.py`); two "hosts" are two cache

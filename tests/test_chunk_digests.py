@@ -1,8 +1,8 @@
-"""Per-chunk BLAKE3 digests (issue 17): `pack_kv` records one per chunk beside the sha256, every
+"""Per-chunk BLAKE3 digests: `pack_kv` records one per chunk beside the sha256, every
 first read checks it (`integrity.chunk_digest`), and cartridges packed before it existed still
 serve, verified by their sha256.
 
-`tests/data/legacy-sha256-cartridge` was packed by commit 34aa5e9, the version before per-chunk
+`tests/data/legacy-sha256-cartridge` was packed by the package's last version without per-chunk
 BLAKE3 (random bf16 KV `[2, 1, 256, 1, 8]`, seed 17, chunks of 64 tokens): a real old cartridge,
 not one made by deleting keys from a new manifest.
 """

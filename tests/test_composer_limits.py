@@ -1,4 +1,4 @@
-"""Issue 33: what requests can make an instance's scheduler register as composites is bounded
+"""What requests can make an instance's scheduler register as composites is bounded
 (`vllm.composites.HostComposer`). The gateway and the middleware refuse COMPOSE_PARAM from
 clients; whatever reaches the connector anyway builds at most MAX_RECIPES_PER_REQUEST recipes of
 at most MAX_PARTS_PER_RECIPE parts per request, queues at most MAX_PENDING_BUILDS builds, and

@@ -1,4 +1,4 @@
-"""Configuration that catches mistakes (issue 34): one table of the plugin's settings
+"""Configuration that catches mistakes: one table of the plugin's settings
 (`lmcache/settings.py`) that the plugin reads, `doctor` checks against and the reference in
 docs/configuration.md is generated from, and one of the connector's keys and the environment
 variables (`settings_reference`) their readers take names and defaults from, with no name in the

@@ -50,3 +50,17 @@ def test_each_banned_phrase_is_caught():
                  "a 29-minute pause (SIGSTOP while the clean-clone suite ran)", "fixed in issue 68"):
         assert offences(line), line
     assert not offences("The cache dir's lock is a shared `flock` on the file; pin_lease_seconds: 120")
+
+
+SOURCES = sorted(p for d in ("lmcache_cartridge", "benchmarks", "tests") for p in (ROOT / d).rglob("*.py")
+                 if p != Path(__file__).resolve())
+
+
+def test_code_says_why_not_when():
+    """Comments and docstrings say why, not when: no issue numbers or commit ids in the code (the
+    git log keeps history)."""
+    pattern = re.compile(r"\bissue #?\d+\b|\bcommit [0-9a-f]{7,40}\b|\bsince issue\b", re.I)
+    found = [f"{p.relative_to(ROOT)}:{n}: {m.group(0)!r}" for p in SOURCES
+             for n, line in enumerate(p.read_text().splitlines(), 1) if (m := pattern.search(line))]
+    assert not found, "\n".join(found)
+

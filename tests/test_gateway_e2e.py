@@ -342,7 +342,7 @@ def test_guide_completion_example_verbatim_local_pt(stack):
 
 
 def test_a_clients_forged_first_k_reaches_only_requests_that_name_it(stack):
-    """Issue 33: a client names a local .pt whose ids are a prompt and whose KV is another text's.
+    """A client names a local .pt whose ids are a prompt and whose KV is another text's.
     The request naming it loads that KV (its answer shows it); the same prompt sent by anyone
     else, straight to vLLM with prefix caching on, loads nothing from LMCache and is answered as
     vLLM computes it. Before salting, the plugin served the forged chunks under the prompt's own

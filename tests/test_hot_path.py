@@ -1,4 +1,4 @@
-"""Issue 16, "no network on the hot path": lookups hit only on chunks readable without the
+"""No network on the hot path: lookups hit only on chunks readable without the
 network, downloads run in the background, trained cartridges are published resident before the
 gateway forwards, the async pair leaves LMCache's event loop free, the write-behind queue is
 bounded and the plugin lock is never held while a tier lock is awaited.

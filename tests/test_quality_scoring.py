@@ -1,4 +1,4 @@
-"""The quality benchmark's scoring (`benchmarks/quality.py`, issue 36), not its timings: a wrong
+"""The quality benchmark's scoring (`benchmarks/quality.py`), not its timings: a wrong
 answer scores 0, an exact one 1, normalisation (case, thousands separators, dashes, whole
 words); every question's fact is in its reference answer and its evidence in its document; and,
 on the real model in HF transformers (no vLLM, no training), a reference answer is more likely

@@ -1,4 +1,4 @@
-"""Issue 16, "never stale": removal and re-registration are ordered against LMCache's write-back
+"""Never stale: removal and re-registration are ordered against LMCache's write-back
 (hits from a plugin are copied into LocalCPUBackend right after the plugin's read returns),
 quarantine is sticky until the cartridge's bytes change, and lookup pins have a lease and are
 never recorded by the scheduler-side instance.

