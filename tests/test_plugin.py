@@ -663,3 +663,68 @@ def test_kv_claiming_a_prompts_ids_as_a_first_k_segment_is_never_served_for_that
         assert eng.engine.lookup(carts["a"][0].token_ids + [1]) == 3 * CHUNK
         skipped = eng.backend("cartridge")._state.skipped
     assert "has a first_k segment but is not a composite" in skipped["trained-b"]
+
+
+def test_a_failed_retirement_still_starts_the_replacement(carts, monkeypatch, caplog):
+    """A refresh that retires one cartridge and starts its replacement: when forgetting the old
+    one's local copies fails (a disk-tier error), the new one is still started, so KV LMCache
+    stored under its keys before it was served (recomputed) is purged and never answers for it."""
+    reg, tmp = carts["reg"], carts["dir"]
+    ids_old, ids_new = list(range(500, 500 + 2 * CHUNK)), list(range(700, 700 + 2 * CHUNK))
+    kv_old, kv_new = random_kv(L, 2 * CHUNK, H, D, seed=21), random_kv(L, 2 * CHUNK, H, D, seed=22)
+    pack_kv(kv_old, tmp / "v1", cartridge_id="doc-v", model=MODEL, kind="first_k", token_ids=ids_old,
+            chunk_size=CHUNK)
+    new = pack_kv(kv_new, tmp / "v2", cartridge_id="doc-v", model=MODEL, kind="first_k", token_ids=ids_new,
+                  chunk_size=CHUNK)
+    recomputed = random_kv(L, 2 * CHUNK, H, D, seed=23)
+    with engine_for(tmp, reg.path) as eng:
+        plugin = eng.backend("cartridge")
+        Registry(reg.path).register(tmp / "v1")
+        _wait_served(plugin, "doc-v")
+        eng.store(ids_new, flat(recomputed))  # what LMCache saved from vLLM's recompute of the new ids
+
+        def disk_error(*a, **k):
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(plugin.residency, "forget", disk_error)
+        Registry(reg.path).register(tmp / "v2")  # the same id, other bytes: v1 retired, v2 started
+        for _ in range(2):  # the watcher's refresh or ours: either way the set is settled after
+            try:
+                plugin.refresh()
+            except OSError:
+                pass
+        assert plugin.served_now()["doc-v"][0] == new.content_hash
+        n, got = eng.retrieve(ids_new + [1])
+        assert n == 2 * CHUNK
+        assert torch.equal(got[:, :, :n].view(torch.uint8), flat(kv_new).view(torch.uint8)), \
+            "the KV stored before the replacement was served answered for it"
+    assert "retiring 1 cartridge(s) failed" in caplog.text
+
+
+def test_a_start_that_failed_is_tried_again_at_the_next_refresh(carts, monkeypatch):
+    """`_started` raised once (the purge of KV stored before the cartridge was served could not
+    run): the next refresh starts the cartridge again, though the registry did not change, and
+    the stale KV is gone from then on."""
+    reg, tmp = carts["reg"], carts["dir"]
+    ids = list(range(900, 900 + 2 * CHUNK))
+    kv = random_kv(L, 2 * CHUNK, H, D, seed=31)
+    pack_kv(kv, tmp / "w", cartridge_id="doc-w", model=MODEL, kind="first_k", token_ids=ids, chunk_size=CHUNK)
+    with engine_for(tmp, reg.path) as eng:
+        plugin = eng.backend("cartridge")
+        eng.store(ids, flat(random_kv(L, 2 * CHUNK, H, D, seed=32)))  # recomputed before it was served
+        real, calls = plugin._started, []
+
+        def fails_once(fresh):
+            calls.append([s.entry.id for s in fresh])
+            if len(calls) == 1:
+                raise RuntimeError("LMCache's CPU backend refused the purge")
+            real(fresh)
+
+        monkeypatch.setattr(plugin, "_started", fails_once)
+        Registry(reg.path).register(tmp / "w")
+        _wait_served(plugin, "doc-w")
+        for _ in range(3):  # ours waits for the watcher's refresh that made the first call
+            plugin.refresh()
+        assert calls[:2] == [["doc-w"], ["doc-w"]], calls
+        n, got = eng.retrieve(ids + [1])
+        assert n == 2 * CHUNK and torch.equal(got[:, :, :n].view(torch.uint8), flat(kv).view(torch.uint8))

@@ -67,8 +67,9 @@ Supplied by each adapter, called from here:
         the same thread, no lock, once per swap (also with nothing retired): purge what LMCache
         holds of them, close their origins when no read or pin needs them.
     _started(fresh)
-        refresh thread, no lock, after the swap and `_after_retire`: purge KV LMCache stored
-        under their keys before they were served, start downloads and preloads.
+        refresh thread, no lock, after the swap and `_after_retire` (even when those raised): purge
+        KV LMCache stored under their keys before they were served, start downloads and preloads.
+        One that raises is called again with the cartridges still served at the next refresh.
     _publish()
         after a refresh or a quarantine, no lock: publish the serving state.
     summary() -> str
@@ -84,6 +85,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +146,7 @@ class SetState:
     quarantined: dict[str, Quarantine] = field(default_factory=dict)   # id -> bad bytes
 
 
-class ServingSet:
+class ServingSet(ABC):
     """The registry -> served lifecycle both adapters inherit (see the module docstring)."""
 
     _mode = ""  # in log lines: where this set serves (" in MP mode")
@@ -155,33 +157,34 @@ class ServingSet:
         self._lock = lock
         self._refresh_lock = threading.Lock()  # one refresh at a time (watcher vs. callers)
         self._version = -1
+        self._unstarted: list = []  # swapped in, `_started` failed: tried again at the next refresh
         if not hasattr(self, "registry"):
             self.registry: Registry | None = None
 
     # --- hooks (each adapter) ------------------------------------------------------------------
-    def _can_open(self) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def _can_open(self) -> bool: ...
 
-    def _open(self, entry: Entry):
-        raise NotImplementedError
+    @abstractmethod
+    def _open(self, entry: Entry): ...
 
-    def _claims(self, served) -> list[tuple[Any, int]]:
-        raise NotImplementedError
+    @abstractmethod
+    def _claims(self, served) -> list[tuple[Any, int]]: ...
 
-    def _retire_locked(self, served) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _retire_locked(self, served) -> None: ...
 
-    def _after_retire(self, retired: list) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _after_retire(self, retired: list) -> None: ...
 
-    def _started(self, fresh: list) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _started(self, fresh: list) -> None: ...
 
-    def _publish(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _publish(self) -> None: ...
 
-    def summary(self) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def summary(self) -> str: ...
 
     # --- registry -> served ------------------------------------------------------------------------
     def refresh(self) -> bool:
@@ -194,6 +197,7 @@ class ServingSet:
     def _refresh(self) -> bool:
         if not self._can_open():
             return False
+        self._start_again()
         if self.registry is None:
             self.registry = Registry(self.settings.registry)
         version = self.registry.data_version()
@@ -240,15 +244,48 @@ class ServingSet:
             self._log.error("lmcache_cartridge: not serving cartridge %r%s: %s", cid, self._mode, why)
         for s in dropped:  # opened for this refresh only
             s.origin.close()
-        self._forget(retired, set(redownload) | {s.key for s in served.values()})
-        self._after_retire(retired)
         gone = {id(s) for s in dropped}
-        self._started([s for s in opened.values() if id(s) not in gone])
+        self._after_swap(retired, set(redownload) | {s.key for s in served.values()},
+                         [s for s in opened.values() if id(s) not in gone])
         self._version = version  # only once the set reflects it: a failed refresh is retried
         if opened or len(keep) != len(current):
             self._log.info("lmcache_cartridge: registry changed: %s", self.summary())
         self._publish()
         return True
+
+    def _after_swap(self, retired: list, live: set, fresh: list) -> None:
+        """Outside the lock, once a swap is done: the retired cartridges' copies forgotten and
+        purged (`_forget`, `_after_retire`), then the fresh ones started (`_started`). Each step
+        runs whatever the one before it raised (logged): `_started` purges KV that LMCache stored
+        under the fresh cartridges' keys before they were served (recomputed; for a trained
+        cartridge from placeholder ids), and without it that KV would answer for them. A
+        `_started` that fails is tried again at the next refresh (`_start_again`)."""
+        for step, arg in ((lambda r: self._forget(r, live), retired), (self._after_retire, retired)):
+            try:
+                step(arg)
+            except Exception:  # noqa: BLE001 (logged; the fresh cartridges must still start)
+                self._log.exception("lmcache_cartridge: retiring %d cartridge(s)%s failed",
+                                    len(retired), self._mode)
+        self._start(fresh)
+
+    def _start(self, fresh: list) -> None:
+        if not fresh:
+            return
+        try:
+            self._started(fresh)
+        except Exception:  # noqa: BLE001 (logged; retried)
+            self._log.exception("lmcache_cartridge: starting %d cartridge(s)%s failed; tried again at the "
+                                "next refresh", len(fresh), self._mode)
+            with self._lock:
+                self._unstarted = [*self._unstarted, *fresh]
+
+    def _start_again(self) -> None:
+        """Refresh thread: `_started` for the cartridges whose start failed and that are still
+        served."""
+        with self._lock:
+            pending, self._unstarted = self._unstarted, []
+            served = {id(s) for s in self._state.served.values()}
+        self._start([s for s in pending if id(s) in served])
 
     def _forget(self, retired: list, live: set) -> None:
         """Retired cartridges' local copies go, unless a served one reads the same bytes (or they
@@ -280,8 +317,7 @@ class ServingSet:
             live = {s.key for s in st.served.values()}
         self._log.error("lmcache_cartridge: quarantined cartridge %r%s until its registered bytes change: %s",
                         e.id, self._mode, why)
-        self._forget([served], live)
-        self._after_retire([served])
+        self._after_swap([served], live, [])
         self._publish()
 
     # --- what is served ----------------------------------------------------------------------------
