@@ -1180,3 +1180,36 @@ def test_gateway_metrics_count_requests_by_status_and_time_the_waits(tmp_path, s
     # the served one and the trained one that no instance served
     assert samples[("lmcache_cartridge_gateway_ready_wait_seconds_count", ())] == 2.0
     assert samples[("lmcache_cartridge_gateway_upstream_seconds_count", (("endpoint", "/v1/completions"),))] == 2.0
+
+
+@pytest.mark.parametrize("period", [0, -1, float("nan")])
+def test_a_catalog_period_that_would_spin_is_refused_by_the_gateway_as_by_the_plugin(settings, period):
+    """`catalog_period` 0, negative or NaN would list the catalog in a busy loop: the gateway
+    refuses it when it is built, with the setting named, as the plugin's settings do."""
+    import dataclasses
+
+    from lmcache_cartridge.errors import CartridgeError
+    from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
+
+    with pytest.raises(ValueError, match="catalog_period must be a positive number of seconds"):
+        create_app(dataclasses.replace(settings, catalog_uri="s3://gw-unit/catalog/", catalog_period=period))
+    plugin = type("S", (), {"catalog_uri": "s3://gw-unit/catalog/", "catalog_period": period, "name": "cartridge",
+                            "registry": settings.registry, "s3": {}, "cache_dir": settings.cache_dir,
+                            "catalog_allow_uris": ()})
+    with pytest.raises(CartridgeError, match="storage_plugin.cartridge.catalog_.*positive"):
+        start_catalog_sync(plugin)
+
+
+def test_the_gateway_starts_and_stops_its_catalog_sync_with_the_app(settings):
+    """The app's lifespan owns the catalog sync: started when the app starts, stopped when it stops."""
+    import dataclasses
+
+    from fastapi.testclient import TestClient
+
+    app = create_app(dataclasses.replace(settings, catalog_uri="s3://gw-unit/catalog/", catalog_period=3600))
+    sync = app.state.catalog_sync
+    assert not sync.running
+    with TestClient(app) as c:
+        assert c.get("/health").json() == {"gateway": "ok"}
+        assert sync.running
+    assert not sync.running

@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from lmcache_cartridge.api.asgi import BodyTooLarge, error_response, read_body, replay
@@ -363,7 +364,24 @@ def create_app(settings: GatewaySettings, *, transport=None):
                                headers={"Authorization": f"Bearer {settings.upstream_api_key}"}
                                if settings.upstream_api_key else None)
     shown_upstream = _without_credentials(settings.upstream)  # what error messages may name
-    app = FastAPI(title="lmcache_cartridge gateway")
+    sync = None  # the catalog's (below), started and stopped with the app
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        """Started with the app, not at import: a TestClient, uvicorn or the middleware's own
+        lifespan runner owns the catalog sync, the upstream client and the worker threads."""
+        if sync is not None:
+            sync.start()
+        try:
+            yield
+        finally:
+            if sync is not None:
+                sync.stop()
+            await client.aclose()
+            work.shutdown(wait=False, cancel_futures=True)
+            registry.close()
+
+    app = FastAPI(title="lmcache_cartridge gateway", lifespan=lifespan)
     app.state.resolver, app.state.registry = resolver, registry  # for operators' and tests' eyes
     limits = {"max_model_len": settings.max_model_len}
     app.state.primes = 0  # priming requests sent (Resolver.plan's `primes`)
@@ -576,8 +594,7 @@ def create_app(settings: GatewaySettings, *, transport=None):
         a connection instead of answered 502/503 per request)."""
         return JSONResponse({"gateway": "ok"})
 
-    sync = None
-    if settings.catalog_uri:  # started with the app, not at import: a TestClient or uvicorn owns it
+    if settings.catalog_uri:
         from lmcache_cartridge.store.catalog import CatalogSync
         from lmcache_cartridge.store.s3 import S3Settings
 
@@ -585,18 +602,6 @@ def create_app(settings: GatewaySettings, *, transport=None):
                            settings.catalog_period, cache_dir=settings.cache_dir, chunk_size=settings.chunk_size,
                            allow_uris=settings.catalog_allow_uris)
         app.state.catalog_sync = sync
-
-        @app.on_event("startup")
-        async def _sync():
-            sync.start()
-
-    @app.on_event("shutdown")
-    async def _close():
-        if sync is not None:
-            sync.stop()
-        await client.aclose()
-        work.shutdown(wait=False, cancel_futures=True)
-        registry.close()
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(ApiKeys, settings=settings)  # added last: runs first, before the body is read

@@ -32,8 +32,6 @@ def start_catalog_sync(settings: PluginSettings, chunk_size: int | None = None) 
         return None
     try:
         period = float(settings.catalog_period)
-        if not period > 0:
-            raise ValueError(f"catalog_period must be positive, got {period}")
         sync = CatalogSync(Registry(settings.registry), str(uri), S3Settings.from_mapping(settings.s3), period,
                            cache_dir=settings.cache_dir, chunk_size=chunk_size,
                            allow_uris=tuple(settings.catalog_allow_uris))

@@ -325,6 +325,8 @@ class CatalogSync:
         self.registry = registry
         self.settings = s3_settings
         self.period = float(period)
+        if not self.period > 0:  # 0 or NaN would list the catalog in a busy loop
+            raise ValueError(f"catalog_period must be a positive number of seconds, got {period!r}")
         self.chunk_size = chunk_size
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         tag = hashlib.sha256(self.catalog_uri.encode()).hexdigest()[:16]
@@ -422,6 +424,11 @@ class CatalogSync:
         return report
 
     # -- the thread --
+    @property
+    def running(self) -> bool:
+        """Whether its thread is syncing (between `start` and `stop`)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> "CatalogSync":
         self._thread = threading.Thread(target=self._run, name="cartridge-catalog-sync", daemon=True)
         self._thread.start()
