@@ -223,7 +223,7 @@ def test_an_instance_on_another_host_builds_the_same_composite_from_the_recipe(p
                               kv_transfer_params={COMPOSE_PARAM: plan.recipes()})
     for _ in range(3):
         composer.submit(request)  # vLLM asks each step: built once
-    deadline = time.time() + 10
+    deadline = time.time() + 60  # a poll: over when the build is
     while composer._pending and time.time() < deadline:  # the build, its count included, is over
         time.sleep(0.05)
     built = other_host.get(plan.wanted[0].id)

@@ -26,7 +26,7 @@ def request(rid: str, *recipes: dict, prompt_len: int = 8) -> SimpleNamespace:
                            kv_transfer_params={COMPOSE_PARAM: list(recipes)})
 
 
-def settled(composer: HostComposer, timeout: float = 10) -> None:
+def settled(composer: HostComposer, timeout: float = 60) -> None:  # a poll
     deadline = time.time() + timeout
     while composer._pending and time.time() < deadline:
         time.sleep(0.01)

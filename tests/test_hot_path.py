@@ -271,7 +271,7 @@ def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_resi
         assert err.value.status == 503 and err.value.retry_after >= 1.0
         assert "downloading" in str(err.value)
         # a first-k cartridge does not wait: a miss is ordinary prefill
-        assert wait_served(stats, reg, [Wanted(f.id, f.content_hash, f.epoch, "first_k")], timeout=5)
+        assert wait_served(stats, reg, [Wanted(f.id, f.content_hash, f.epoch, "first_k")], timeout=30)
         assert s3_proxy.count("GET", r"firstk-remote/kv\.bin$") == 0  # and nothing fetched it eagerly
         s3_proxy.clear_faults()
         assert wait_served(stats, reg, [want], timeout=30)

@@ -482,7 +482,7 @@ def test_locked_registry_register_fails_clearly_while_serving_continues(carts):
         assert eng.engine.lookup(c.token_ids + [1]) == CHUNK
 
 
-def _wait_served(plugin, cid, timeout=5.0):
+def _wait_served(plugin, cid, timeout=60.0):  # a poll: returns as soon as it is served
     deadline = time.time() + timeout
     while cid not in plugin.served_now() and time.time() < deadline:
         time.sleep(0.02)
