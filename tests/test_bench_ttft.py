@@ -66,7 +66,7 @@ def bench(tmp_path_factory, request):
         lmc = request.getfixturevalue("tiny_prefix_server")
         registry = lmc.registry
         servers["lmcache"] = (lmc, registry)
-        servers["prefix"][0].wait_healthy(timeout=420)
+        servers["prefix"][0].wait_healthy()
         assert "vLLM CPU KV layout verified" in lmc.log_text(), lmc.log_tail()
         cells = {
             # (a) on plain vLLM, salted requests: before (c) warms the document into its prefix cache
@@ -86,7 +86,7 @@ def bench(tmp_path_factory, request):
         # the other test stream's servers, would not fit a 24 GiB machine.
         servers["prefix"][0].stop()
         servers["mp_l1"] = bt.make_server("mp_l1", work / "mp_l1", model_dir, cfg)
-        servers["mp_l1"][0].wait_healthy(timeout=420)
+        servers["mp_l1"][0].wait_healthy()
         cells["f"] = bt.run_arm("mp_l1", servers["mp_l1"][0], docs,
                                 replace(plan, breakdown=frozenset({("mp_l1", "repeat")})))
         yield SimpleNamespace(cells=cells, servers=servers, docs=docs, carts=carts, plan=plan)

@@ -143,7 +143,7 @@ def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_pa
         # While the servers start: two first-k cartridges (different text windows) and the questions.
         carts, question, refs, ref_text = _cartridges(maker, model_dir, tmp_path)
         for s in servers:
-            s.wait_healthy(timeout=300)
+            s.wait_healthy()
 
         gw_registry = tmp_path / "gateway" / "registry.db"
         gw_sync = CatalogSync(Registry(gw_registry), CATALOG, s3, 0.5, cache_dir=tmp_path / "gateway" / "cache",
@@ -278,7 +278,7 @@ def test_mp_mode_two_instances_share_one_lmcache_server(tmp_path, moto_server, s
                 os.environ.pop("LMCACHE_CARTRIDGE_INSTANCE", None)
         carts, question, refs, _ = _cartridges(maker, model_dir, tmp_path)
         for s in servers:
-            s.wait_healthy(timeout=300)
+            s.wait_healthy()
         gw_registry = tmp_path / "gateway" / "registry.db"
         gw_sync = CatalogSync(Registry(gw_registry), catalog, S3Settings(endpoint_url=moto_server), 0.5,
                               cache_dir=tmp_path / "gateway" / "cache", chunk_size=CHUNK).start()

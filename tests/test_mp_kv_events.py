@@ -76,7 +76,7 @@ def test_mp_mode_announces_the_servers_cartridges_as_vllm_kv_events(tmp_path):
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     try:
-        vllm.wait_healthy(timeout=600)
+        vllm.wait_healthy()
         sub.connect(f"tcp://127.0.0.1:{port}")
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         vllm.wait_served([registry.register(tmp_path / "cart")])

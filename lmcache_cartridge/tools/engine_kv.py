@@ -38,6 +38,8 @@ from typing import Any, Sequence
 
 import torch
 
+from lmcache_cartridge.tools.vllm_process import START_TIMEOUT_S
+
 from lmcache_cartridge.errors import CartridgeFormatError
 
 CHUNK = 256
@@ -88,13 +90,13 @@ class EngineKVMaker:
                                      extra_args=side_server_gpu_args(self.kv_cache_gb))
         return self
 
-    def start(self, timeout: float = 600) -> "EngineKVMaker":
+    def start(self, timeout: float = START_TIMEOUT_S) -> "EngineKVMaker":
         """Start the private server (once) and wait until it is healthy.
 
         A server that has exited (crashed after serving, or failed while starting) is replaced by
         a new one, once per call: the maker is long-lived (a test session's, a `create` run's
         several cartridges), and a dead server kept would fail every later prefix with the first
-        failure's message (CI's stop 41: one failed engine start, 7 errors in later modules). A
+        failure's message (one failed engine start would fail every later user of the maker). A
         second failure in a row is raised, with the log's first error."""
         try:  # a server already dead raises here at once, as one that dies while starting does
             self.launch().server.wait_healthy(timeout=timeout)

@@ -173,6 +173,13 @@ def side_server_gpu_args(kv_cache_gb: int) -> tuple[str, ...]:
     return ("--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(int(kv_cache_gb) << 30))
 
 
+# How long a vLLM server may take from launch to healthy. A start compiles the model (into an
+# empty inductor cache on a fresh machine); several starting at once on two busy cores took the
+# tiny test model over five minutes and SmolLM2-135M over nine. A server that dies does not wait
+# for this: `wait_healthy` reports its exit at once.
+START_TIMEOUT_S = 840.0
+
+
 def start_mode(cmd: list[str], env: dict[str, str]) -> str:
     """How a server computes: "eager" (`--enforce-eager`: no compiled graph), "ci" (vLLM-CPU's
     `VLLM_CPU_CI_ENV`: compiled, no warm-up run) or "compiled" (vLLM's default, as users run it)."""
@@ -226,10 +233,11 @@ class VllmProcess:
                                      cwd=str(self.root), start_new_session=True)
         self.startup_s: float | None = None
 
-    def wait_healthy(self, timeout: float = 300) -> VllmProcess:
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> VllmProcess:
         """Wait until /health answers 200, at most `timeout` seconds from the launch. /health is
         asked at least once whatever the clock says: a server launched long before (a session's
-        KV maker, first used half an hour after its launch) is healthy, not timed out."""
+        KV maker, first used half an hour after its launch) is healthy, not timed out. A server
+        that exits meanwhile fails at once, with its log's first error."""
         deadline = self.t0 + timeout
         while True:
             if self.proc.poll() is not None:
