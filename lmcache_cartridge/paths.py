@@ -87,9 +87,20 @@ def inductor_cache_dir() -> Path:
     torch's default lives under the temp dir, and each of our servers has a private one (vLLM's
     IPC sockets), so without this every start compiled the model again (~25 s on the tiny test
     model, minutes on a real one). Inductor keys its entries by graph, inputs and code, and
-    writes them atomically: servers of one model share them."""
+    writes them atomically: servers of one model share them. Importing vLLM writes torch's
+    default into this process's environment: that value is torch's, not a choice of the user's."""
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return Path(env).expanduser() if env else vllm_cache_dir() / "inductor"
+    if env and env != _torch_default_inductor_dir():
+        return Path(env).expanduser()
+    return vllm_cache_dir() / "inductor"
+
+
+def _torch_default_inductor_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch: no default to tell apart
+        return None
+    return default_cache_dir()
 
 
 def models_dir() -> Path:

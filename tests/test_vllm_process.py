@@ -132,6 +132,19 @@ def test_servers_share_one_compile_cache_outside_their_private_temp_dirs(tmp_pat
     assert c["VLLM_USE_AOT_COMPILE"] == "1" and c["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
+def test_a_fresh_process_gives_its_servers_the_shared_compile_cache(tmp_path):
+    """In a process that has not imported vLLM yet (`create`, the demo), building a server's
+    environment imports it, and that import writes torch's default inductor dir into the
+    process's environment: the servers must still get the shared cache under the home dir."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT")}
+    code = ("from pathlib import Path; from lmcache_cartridge.tools.vllm_process import server_environment; "
+            "print(server_environment(Path('t'), Path('p'))['TORCHINDUCTOR_CACHE_DIR'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**env, "LMCACHE_CARTRIDGE_HOME": str(home)}).stdout.strip().splitlines()[-1]
+    assert Path(out).is_relative_to(home), out
+
+
 def test_stopping_a_group_removes_the_kv_segments_lmcache_left_for_its_processes(tmp_path):
     """LMCache's LMCache-driven MP transfer puts a vLLM worker's KV cache in /dev/shm under the
     worker's pid and unlinks it only on garbage collection: a terminated worker left it (1 GiB per
