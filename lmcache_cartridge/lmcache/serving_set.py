@@ -83,6 +83,7 @@ None to open it at the first refresh).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -260,9 +261,9 @@ class ServingSet(ABC):
         under the fresh cartridges' keys before they were served (recomputed; for a trained
         cartridge from placeholder ids), and without it that KV would answer for them. A
         `_started` that fails is tried again at the next refresh (`_start_again`)."""
-        for step, arg in ((lambda r: self._forget(r, live), retired), (self._after_retire, retired)):
+        for step in (functools.partial(self._forget, retired, live), functools.partial(self._after_retire, retired)):
             try:
-                step(arg)
+                step()
             except Exception:  # noqa: BLE001 (logged; the fresh cartridges must still start)
                 self._log.exception("lmcache_cartridge: retiring %d cartridge(s)%s failed",
                                     len(retired), self._mode)
