@@ -307,10 +307,23 @@ def xdist_group(item: pytest.Item) -> str | None:
     return "module-" + Path(item.nodeid.split("::")[0]).stem
 
 
+def time_limit(item: pytest.Item, base: float | None) -> float | None:
+    """The time limit (pytest-timeout's, which counts setup) of an item that declares pooled
+    servers: `base` plus one server start, which the first of a server's users pays in its setup
+    (up to `START_TIMEOUT_S`) and is not the test's own time. None where the item keeps its limit:
+    it declares no server, sets its own, or the run has none."""
+    if not base or not declared(item) or item.get_closest_marker("timeout") is not None:
+        return None
+    from lmcache_cartridge.tools.vllm_process import START_TIMEOUT_S
+
+    return base + START_TIMEOUT_S
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist turns the groups into node ids (--dist loadgroup)
 def pytest_collection_modifyitems(session, config, items):
     """Modules grouped by the first server they declare (stable otherwise), so a server's users
-    run one after another; slow items in their xdist group."""
+    run one after another; slow items in their xdist group; a pooled server's users with the time
+    to start it (`time_limit`)."""
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
         first_seen.setdefault(item.nodeid.split("::")[0], i)
@@ -324,10 +337,14 @@ def pytest_collection_modifyitems(session, config, items):
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
     groups: dict[str, set[str]] = defaultdict(set)
+    base = config.getoption("timeout", None)
     for item in items:
         group = xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        limit = time_limit(item, base)
+        if limit is not None:
+            item.add_marker(pytest.mark.timeout(limit))
         for name in declared(item):
             groups[name].add(group)
     split = {name: sorted(map(str, g)) for name, g in groups.items() if len(g) > 1}

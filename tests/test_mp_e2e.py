@@ -29,8 +29,11 @@ import time
 import pytest
 
 from lmcache_cartridge.testing.answers import agreement, complete, questions
+from lmcache_cartridge.tools.vllm_process import START_TIMEOUT_S
 
-pytestmark = [pytest.mark.slow, pytest.mark.servers("maker:real")]
+# The first test's setup starts the pooled KV maker, then an `lmcache server` and a vLLM, each
+# allowed START_TIMEOUT_S: the test's own limit covers them.
+pytestmark = [pytest.mark.slow, pytest.mark.servers("maker:real"), pytest.mark.timeout(3 * START_TIMEOUT_S)]
 
 CHUNK = 256
 ASKED = 3
@@ -56,30 +59,33 @@ def mp(request, tmp_path_factory, engine_kv):
     root = tmp_path_factory.mktemp("mp_e2e")
     registry = Registry(root / "registry.db")
     cache = root / "cache"
+
+    def first_k(text):  # the same KV for both transfer modes: made once per document
+        if text not in _MADE:
+            _MADE[text] = create_first_k(model_dir, text, engine=engine_kv(model_dir))
+        return _MADE[text]
+
+    # The KVs first, the stack after: the serving vLLM then starts on the compile cache the KV
+    # maker filled, instead of compiling the same model beside it into an empty one.
+    made = first_k(document_text())
+    pack_kv(made.kv, root / "carts" / "doc", cartridge_id="mp-doc", model=str(model_dir), kind="first_k",
+            token_ids=made.token_ids, chunk_size=CHUNK)
+    # KV a client brings, of a document no other test here sends (so nothing of it is in the
+    # server's L1 but what this KV puts there); the operator's copy of the same bytes
+    brought = first_k("A story told twice. " + document_text())
+    for name in ("brought", "handbook"):
+        pack_kv(brought.kv, root / "carts" / name, cartridge_id=f"mp-{name}", model=str(model_dir),
+                kind="first_k", token_ids=brought.token_ids, chunk_size=CHUNK)
+    # a document nothing else here sends, for the cartridge `preload` names (by its label)
+    warm = first_k("Kept warm. " + document_text())
+    pack_kv(warm.kv, root / "carts" / "warm", cartridge_id="mp-warm", model=str(model_dir), kind="first_k",
+            token_ids=warm.token_ids, chunk_size=CHUNK)
     vllm = MpVllmServer(root / "vllm", str(model_dir), registry=registry.path, cache_dir=cache,
                         transfer_mode=request.param, chunk_size=CHUNK,
                         adapter_extra={"preload": [PRELOAD_LABEL]},
                         # a first load may take seconds on busy cores: wait for it whatever the load
                         kv_extra={"cartridge.first_k_wait_s": FIRST_K_WAIT_S})
     try:
-        def first_k(text):  # the same KV for both transfer modes: made once per document
-            if text not in _MADE:
-                _MADE[text] = create_first_k(model_dir, text, engine=engine_kv(model_dir))
-            return _MADE[text]
-
-        made = first_k(document_text())
-        pack_kv(made.kv, root / "carts" / "doc", cartridge_id="mp-doc", model=str(model_dir), kind="first_k",
-                token_ids=made.token_ids, chunk_size=CHUNK)
-        # KV a client brings, of a document no other test here sends (so nothing of it is in the
-        # server's L1 but what this KV puts there); the operator's copy of the same bytes
-        brought = first_k("A story told twice. " + document_text())
-        for name in ("brought", "handbook"):
-            pack_kv(brought.kv, root / "carts" / name, cartridge_id=f"mp-{name}", model=str(model_dir),
-                    kind="first_k", token_ids=brought.token_ids, chunk_size=CHUNK)
-        # a document nothing else here sends, for the cartridge `preload` names (by its label)
-        warm = first_k("Kept warm. " + document_text())
-        pack_kv(warm.kv, root / "carts" / "warm", cartridge_id="mp-warm", model=str(model_dir), kind="first_k",
-                token_ids=warm.token_ids, chunk_size=CHUNK)
         vllm.wait_healthy()
         gs = GatewaySettings(upstream=vllm.url, model=str(model_dir), tokenizer=str(model_dir),
                              registry=registry.path, cache_dir=cache, chunk_size=CHUNK, local_roots=(root / "carts",))

@@ -48,6 +48,38 @@ def test_loadgroup_keeps_a_group_on_one_worker(tmp_path):
     assert len(workers) == 8 and len(set(workers)) == 1, workers  # group "one" whole on one worker
 
 
+def test_a_pooled_servers_users_get_the_time_to_start_it(tmp_path):
+    """pytest-timeout counts setup, where the first of a pooled server's users starts it: those
+    users get one server start on top of the run's limit; a test that sets its own limit, or
+    uses no pooled server, keeps it."""
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["server_pool"]\n')
+    (tmp_path / "test_limits.py").write_text(textwrap.dedent("""
+        import pytest
+
+        from lmcache_cartridge.tools.vllm_process import START_TIMEOUT_S
+
+        def limit(request):
+            mark = request.node.get_closest_marker("timeout")
+            return None if mark is None else mark.args[0]
+
+        @pytest.mark.servers("tiny")
+        def test_pooled(request):
+            assert limit(request) == 900 + START_TIMEOUT_S
+
+        @pytest.mark.servers("tiny")
+        @pytest.mark.timeout(5000)
+        def test_own_limit(request):
+            assert limit(request) == 5000
+
+        def test_no_server(request):
+            assert limit(request) is None
+    """))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--timeout", "900",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    assert out.returncode == 0 and "3 passed" in out.stdout, out.stdout + out.stderr
+
+
 class _Request:
     """What `Context` asks of a fixture request: nothing here needs S3."""
 
