@@ -42,6 +42,8 @@ import pytest
 
 from e2e_server import Server
 
+from lmcache_cartridge.tools.vllm_process import START_TIMEOUT_S
+
 logger = logging.getLogger(__name__)
 MARKER = "servers"
 TINY = {"tiny", "tiny-prefix", "maker:tiny"}  # the tiny test model's: one xdist group (`xdist_group`)
@@ -314,8 +316,6 @@ def time_limit(item: pytest.Item, base: float | None) -> float | None:
     it declares no server, sets its own, or the run has none."""
     if not base or not declared(item) or item.get_closest_marker("timeout") is not None:
         return None
-    from lmcache_cartridge.tools.vllm_process import START_TIMEOUT_S
-
     return base + START_TIMEOUT_S
 
 

@@ -189,16 +189,16 @@ def test_create_on_cpu_through_the_cli(tmp_path, llama_dir, capsys):
 
 # --- chunked prefill ------------------------------------------------------------------------------
 CHUNKS = [1, 7, 64, 100, 256]
-SHORT = 48  # tokens the smallest chunk sizes prefill: as many steps of one kind, far fewer forwards
+SMALL_CHUNKS, SHORT = {1, 7}, 48  # these prefill SHORT tokens: as many steps of one kind, far fewer forwards
 
 
 def _prefix(ids: list[int], chunk: int) -> list[int]:
-    return ids[:SHORT] if chunk < 16 else ids
+    return ids[:SHORT] if chunk in SMALL_CHUNKS else ids
 
 
 def _one_shot(model, ids: list[int]) -> dict[int, torch.Tensor]:
-    """The one-shot KV of each prefix `_prefix` gives, by its length."""
-    return {n: compute_prefix_kv(model, ids[:n], None) for n in {len(_prefix(ids, c)) for c in CHUNKS}}
+    """The one-shot KV of the short and the whole prefix, by length."""
+    return {SHORT: compute_prefix_kv(model, ids[:SHORT], None), len(ids): compute_prefix_kv(model, ids, None)}
 
 
 def test_chunked_prefill_is_exact(family):
