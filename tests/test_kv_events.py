@@ -6,7 +6,7 @@ file on this host, vLLM's "STORAGE" medium; "CPU" once the plugin holds the chun
 Changes only are announced, everything again after the re-announce period, removals as
 `BlockRemoved`; another process's records are not this server's. In LMCache's multiprocess mode
 the record read is the cartridge adapter's of the server vLLM attaches to (REAL adapters; the
-servers end to end: `tests/test_mp_kv_events.py`)."""
+servers end to end: `tests/test_mp_trained_e2e.py`)."""
 
 from __future__ import annotations
 

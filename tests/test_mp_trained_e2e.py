@@ -16,14 +16,23 @@ origin behind the fault proxy of `s3_server.py` and one on local disk, the gatew
 * Composition through the gateway: a local trained cartridge then an S3 one, against HF given
   the two KVs concatenated; and through a gateway with its own registry (as on another host),
   whose composite the connector builds in the registry the server's adapter follows.
+* KV events (vLLM's `--kv-events-config`, its ZMQ publisher), decoded as a KV-aware router
+  (vllm-router `--policy kv_aware`) decodes them: once a cartridge is registered and the server's
+  adapter serves it, the idle instance publishes `BlockStored` for its tokens (vLLM's block size,
+  the block hashes vLLM's own request block hasher computes for a prompt that starts with them,
+  medium "STORAGE": the adapter's tiers are the server's disk cache and local files), with no
+  request sent: the connector's announcer, not vLLM's block pool, says it; once it is removed,
+  `BlockRemoved` for the same hashes. (In-process: `tests/test_kv_events.py`.)
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import httpx
+import msgspec
 import pytest
 import torch
 
@@ -49,7 +58,7 @@ def stack(request, tmp_path_factory, moto_server):
     from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
-    from lmcache_cartridge.testing.launch import GatewayThread, MpVllmServer
+    from lmcache_cartridge.testing.launch import GatewayThread, MpVllmServer, free_port
     from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     model_dir = ensure_test_model()
@@ -64,10 +73,14 @@ def stack(request, tmp_path_factory, moto_server):
         ids[name] = list(m.token_ids)
         if name != "local":
             upload_dir(s3_client(moto_server), BUCKET, f"c/{name}", root / name)
+    events_port = free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
     with S3Proxy(moto_server) as proxy:
         vllm = MpVllmServer(root / "vllm", str(model_dir), registry=root / "registry.db", cache_dir=root / "cache",
                             chunk_size=CHUNK, transfer_mode=request.param, prefix_caching=True,
-                            kv_extra={READY_TIMEOUT_KEY: READY_TIMEOUT_S},
+                            extra_args=("--kv-events-config", json.dumps(events)),
+                            kv_extra={READY_TIMEOUT_KEY: READY_TIMEOUT_S, "cartridge.kv_events_period_s": 0.2,
+                                      "cartridge.kv_events_reannounce_s": 2.0},
                             adapter_extra={"s3.endpoint_url": proxy.endpoint_url, "s3.max_attempts": 1})
         try:
             vllm.wait_healthy()
@@ -76,7 +89,7 @@ def stack(request, tmp_path_factory, moto_server):
                                  local_roots=(root,), s3_roots=(BUCKET,), s3={"endpoint_url": proxy.endpoint_url})
             with GatewayThread(gs) as gw:
                 yield {"vllm": vllm, "proxy": proxy, "root": root, "model": str(model_dir), "hf": (model, tok),
-                       "ids": ids, "kvs": kvs, "gw": gw}
+                       "ids": ids, "kvs": kvs, "gw": gw, "events_port": events_port}
         finally:
             vllm.stop()
 
@@ -279,6 +292,83 @@ def test_composite_a_gateway_on_another_host_made_is_built_for_the_server(stack,
           f"max {mx:.4f}")
     assert d["external_tokens"] == 2 * CHUNK, vllm.log_tail()                  # the composite's chunks, all
     assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
+
+
+def _collect(sub, want, timeout: float) -> list:
+    """Events from vLLM's publisher until `want(events)` holds or `timeout` passes."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    got, deadline = [], time.time() + timeout
+    while time.time() < deadline and not want(got):
+        if sub.poll(200):
+            got += msgspec.msgpack.decode(sub.recv_multipart()[-1], type=KVEventBatch).events
+    return got
+
+
+def _vllm_block_hashes(ids: list[int], block_size: int) -> list:
+    """What vLLM's scheduler computes for a request with these prompt ids (its own hasher)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.request import Request
+
+    kcu.init_none_hash(sha256)
+    req = Request("r", list(ids), SamplingParams(max_tokens=1), None,
+                  block_hasher=kcu.get_request_block_hasher(block_size, sha256))
+    return [kcu.maybe_convert_block_hash(h) for h in req.block_hashes]
+
+
+def test_the_servers_cartridges_are_announced_as_vllm_kv_events(stack, tmp_path):
+    """Before this was built, MP mode announced no cartridge at all. vLLM's block pool announces
+    the blocks of requests (prefix caching is on here), but no request carries this cartridge's
+    tokens: what names them comes from the connector's announcer."""
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from lmcache_cartridge.cartridge.packed import pack_kv
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.tools.testmodel import document_text
+
+    vllm, (_, tok) = stack["vllm"], stack["hf"]
+    cid = f"mp-events-{vllm.transfer_mode}"
+    ids = [tok.bos_token_id] + tok(document_text(), add_special_tokens=False)["input_ids"][: 2 * CHUNK + 9]
+    kv = torch.randn(2, 2, len(ids), 2, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    pack_kv(kv, tmp_path / "cart", cartridge_id=cid, model=stack["model"], kind="first_k", token_ids=ids,
+            chunk_size=CHUNK)
+    registry = Registry(stack["root"] / "registry.db")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(f"tcp://127.0.0.1:{stack['events_port']}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        vllm.wait_served([registry.register(tmp_path / "cart")])
+
+        def ours(events):
+            return [e for e in events if isinstance(e, BlockStored) and list(e.token_ids[:16]) == ids[:16]]
+
+        got = _collect(sub, ours, timeout=30)  # a late subscriber hears it at the next re-announce
+        assert ours(got), f"no BlockStored for the cartridge; events {got}\n{vllm.log_tail()}"
+        e = ours(got)[0]
+        full = 2 * CHUNK  # the whole chunks the server serves, cut to vLLM's blocks
+        assert e.medium == "STORAGE" and e.parent_block_hash is None, e
+        assert list(e.token_ids) == ids[:full] and len(e.block_hashes) == full // e.block_size, e
+        assert e.block_hashes == _vllm_block_hashes(ids + [11, 12, 13], e.block_size)[: full // e.block_size]
+        print(f"\n[mp trained, {vllm.transfer_mode}] KV events: BlockStored, {len(e.block_hashes)} blocks of "
+              f"{e.block_size} tokens, medium {e.medium}")
+
+        assert registry.remove(cid)
+        vllm.wait_not_served(cid)
+        hashes = set(e.block_hashes)
+
+        def removed(events):
+            return {h for x in events if isinstance(x, BlockRemoved) and x.medium == "STORAGE"
+                    for h in x.block_hashes} >= hashes
+
+        got = _collect(sub, removed, timeout=15)
+        assert removed(got), f"no BlockRemoved for the removed cartridge; events {got}"
+    finally:
+        sub.close(0)
+        ctx.term()
 
 
 def test_engine_alive_and_clean_log(stack):
