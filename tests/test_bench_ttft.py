@@ -31,7 +31,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ttft as bt  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny-prefix")]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.servers("tiny-prefix")]
 
 LENGTH = 512
 CONCS = [1, 2]

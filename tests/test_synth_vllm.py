@@ -324,6 +324,7 @@ def _kill_engine_core(backend) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # three engine starts
 def test_an_engine_that_dies_is_replaced_once_and_the_batch_comes_out_the_same(hf, doc):
     """A real engine core killed between batches: the next batch starts a new engine and gives
     each plan's conversation again, from the same seeds; killed in both tries, a clear error that
