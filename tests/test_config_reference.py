@@ -181,15 +181,19 @@ def test_misspelled_keys_fail_doctor_with_the_key_meant(tmp_path):
     assert "unknown" not in cli("doctor", "--config", good, home=tmp_path, check=False).stdout
 
 
-def test_the_plugin_warns_about_a_misspelled_key_at_start(tmp_path, caplog):
+def test_a_misspelled_key_stops_the_plugin_and_lmcache_runs_without_it(tmp_path, caplog):
+    """As the MP adapter refuses an unknown `adapter_params` name, the plugin refuses to start on a
+    misspelled key (here the prefetch it names would silently stay on): LMCache's engine runs
+    without it, every prompt prefilled, and the log names the key meant."""
     from test_plugin import engine_for
 
     from lmcache_cartridge.store.registry import Registry
 
     reg = Registry(tmp_path / "reg.db")
     with caplog.at_level(logging.WARNING), engine_for(tmp_path, reg.path, extra_config={
-            **_config(tmp_path)["extra_config"], "storage_plugin.cartridge.prefech": False}):
-        pass
+            **_config(tmp_path)["extra_config"], "storage_plugin.cartridge.prefech": False}) as eng:
+        assert "cartridge" not in eng.storage_manager.storage_backends, eng.storage_manager.storage_backends
+        assert "LocalCPUBackend" in eng.storage_manager.storage_backends
     assert "unknown setting 'storage_plugin.cartridge.prefech': did you mean 'storage_plugin.cartridge.prefetch'?" \
         in caplog.text
 

@@ -140,8 +140,9 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         # LMCache swallows constructor errors in one line: log our own cause first, then re-raise.
         try:
             self.settings = PluginSettings.from_config(config, type(self))
-            for problem in unknown_keys(config, self.settings.name):  # a typo would be ignored silently
-                logger.warning("lmcache_cartridge: %s (ignored; `lmcache-cartridge doctor` fails on it)", problem)
+            problems = unknown_keys(config, self.settings.name)
+            if problems:  # a typo would otherwise be ignored in silence; the MP adapter refuses it too
+                raise CartridgeError("; ".join(problems))
             self.shape = EngineShape.from_lmcache(config, metadata, self.settings.accept_models)
             self.registry = None
             self._init_serving(_State(), threading.RLock())

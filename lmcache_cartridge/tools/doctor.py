@@ -109,7 +109,7 @@ def diagnose(config: str | Path | None, *, model: str | None = None, verify: boo
         check("FAIL", f"plugin not configured: {e}")
         return findings
     for problem in unknown_keys(lmc, settings.name):
-        check("FAIL", f"{problem} (the plugin ignores it)")
+        check("FAIL", f"{problem} (the plugin refuses to start on it)")
     if not lmc.local_cpu or not lmc.max_local_cpu_size or lmc.max_local_cpu_size <= 0:
         check("FAIL", "local_cpu must be true and max_local_cpu_size > 0: LocalCPUBackend is the allocator "
                       "the plugin fills")
