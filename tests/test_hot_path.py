@@ -118,10 +118,13 @@ def test_retrieve_of_a_chunk_evicted_after_lookup_never_reads_the_origin(tmp_pat
         plugin = eng.backend("cartridge")
         assert cli.main(["register", f"s3://{BUCKET}/c/evicted-doc", "--config", str(cfg_path)]) == 0
         plugin.refresh()
-        eng.engine.lookup(m.token_ids + [1])
-        assert _until(lambda: eng.engine.lookup(m.token_ids + [1]) == 3 * CHUNK, timeout=30)
-        keys = plugin.mapper.keys(m.token_ids)
         served = plugin._state.served["evicted-doc"]
+        eng.engine.lookup(m.token_ids + [1])
+        # the whole download done, not just every chunk local: its last chunk is published on disk
+        # before it is also put in memory, and a put after the discards below would bring it back
+        assert _until(lambda: eng.engine.lookup(m.token_ids + [1]) == 3 * CHUNK
+                      and not plugin.residency.downloading(served.handle), timeout=30)
+        keys = plugin.mapper.keys(m.token_ids)
         if pin:  # on disk only, so the pins rely on disk holds
             plugin.residency.cpu.discard(m.content_hash)
         assert plugin.batched_contains(keys, pin=pin) == 3
