@@ -32,6 +32,7 @@ import soak  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a vLLM of its own; the MP soak below, in the gate, drives the same churn
 def test_short_soak_no_errors_no_contamination_evictions_flat_rss(tmp_path):
     params = soak.SoakParams(
         cartridges=6, clients=4, requests=40, max_seconds=120, seed=1,

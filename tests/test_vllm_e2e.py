@@ -165,6 +165,7 @@ def test_first_k_cartridge_matches_recompute_and_comes_from_lmcache(server, hf, 
 
 
 
+@pytest.mark.long  # one more start of the maker's server
 def test_a_kv_maker_whose_server_died_starts_a_new_one_with_the_same_kv(server, hf, engine_kv):
     """The KV maker is long-lived (a session's, a `create` run's): its server killed (SIGKILL, as
     the OOM killer does), the next prefix starts a new server instead of failing with the dead

@@ -24,7 +24,9 @@ from test_vllm_e2e import (  # noqa: F401  (collected here, with this module's f
     test_trained_cartridge_matches_hf_and_altered_kv_changes_output,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.servers("maker:tiny")]
+# long: test_vllm_e2e's path at world size 2; each rank's reads are proven in the gate
+# (test_tp_ranks.py, test_mp_adapter.py's ranks in MP mode)
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.servers("maker:tiny")]
 
 
 @pytest.fixture(scope="module")

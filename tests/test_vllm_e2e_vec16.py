@@ -32,7 +32,9 @@ from test_vllm_e2e import (  # noqa: F401  (collected here, with this module's f
     test_noise_floor_vllm_vs_hf_without_cartridge,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.servers("maker:hd80")]
+# long: test_vllm_e2e's path on another model shape; the vec16 layout itself is proven byte for
+# byte against vLLM's writer in the gate (test_cpu_kv.py)
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.servers("maker:hd80")]
 
 HIDDEN, HEADS, KV_HEADS = 320, 4, 2
 HEAD_DIM = HIDDEN // HEADS  # 80 -> "vec16"
