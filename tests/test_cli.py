@@ -330,6 +330,7 @@ def test_doctor_returns_its_findings(tmp_path, monkeypatch):
 
 
 @pytest.mark.heavy
+@pytest.mark.long  # a KV maker's start of its own, for the fault
 def test_a_stopped_create_stops_its_kv_maker(tmp_path):
     """`create` runs its KV maker (a vLLM server) in a session of its own: a SIGTERM to `create`
     (a `kill`, a job scheduler, a container stop) stops the maker and everything it started too,

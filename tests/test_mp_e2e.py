@@ -35,9 +35,6 @@ from lmcache_cartridge.tools.vllm_process import START_TIMEOUT_S
 # allowed START_TIMEOUT_S: the test's own limit covers them.
 pytestmark = [pytest.mark.slow, pytest.mark.servers("maker:real"), pytest.mark.timeout(3 * START_TIMEOUT_S)]
 
-# What differs between the transfer modes is how a chunk reaches vLLM's cache: the first-k test
-# proves both in `make test`; each further feature runs LMCache-driven in `make test-long`.
-LMCACHE_DRIVEN_IS_LONG = pytest.mark.long_when(mp="lmcache_driven")
 CHUNK = 256
 ASKED = 3
 MAX_TOKENS = 12
@@ -46,7 +43,9 @@ PRELOAD_LABEL = "keep-warm"
 _MADE: dict = {}  # document text -> its first-k KV (create_first_k's result), shared by the two modes
 
 
-@pytest.fixture(scope="module", params=["engine_driven", "lmcache_driven"])
+# LMCache-driven transfer on this model runs in `make test-long`: the gate proves that mode end to
+# end on the test model (test_mp_trained_e2e.py), and everything here in the engine-driven mode.
+@pytest.fixture(scope="module", params=["engine_driven", pytest.param("lmcache_driven", marks=pytest.mark.long)])
 def mp(request, tmp_path_factory, engine_kv):
     from transformers import AutoTokenizer
 
@@ -156,7 +155,6 @@ def test_first_k_in_mp_mode_answers_as_vllms_own_kv_and_removal_is_never_stale(m
             assert "of the server's L1 (/dev/shm/lmcache_l1_pool_" in vllm.log_text(), vllm.log_tail()
 
 
-@LMCACHE_DRIVEN_IS_LONG
 def test_client_kv_in_mp_mode_reaches_only_the_requests_that_name_it(mp):
     """A client names first-k KV by its path through the gateway: registered as the client's
     (salted), and the gateway sends its requests with the salt as vLLM's `cache_salt`, which MP
@@ -226,7 +224,6 @@ def test_client_kv_in_mp_mode_reaches_only_the_requests_that_name_it(mp):
     reg.remove("mp-handbook")
 
 
-@LMCACHE_DRIVEN_IS_LONG
 def test_requests_arriving_together_for_a_new_cartridge_all_load_it(mp):
     """Four requests through the gateway at once, the first use of a just-registered first-k
     cartridge: each takes all of its chunks from LMCache (none recomputes the document). LMCache
@@ -257,7 +254,6 @@ def test_requests_arriving_together_for_a_new_cartridge_all_load_it(mp):
     vllm.wait_not_served(entry.id)
 
 
-@LMCACHE_DRIVEN_IS_LONG
 def test_skip_save_alone_stores_nothing_in_mp_mode(mp):
     """`lmcache.skip_save`, the option in-process LMCache honours and the gateway lets clients
     send, stores nothing in MP mode too (LMCache's MP connector reads only
@@ -282,7 +278,6 @@ def test_skip_save_alone_stores_nothing_in_mp_mode(mp):
     assert again == 0, (again, mp["server"].log_tail())
 
 
-@LMCACHE_DRIVEN_IS_LONG
 def test_a_preloaded_cartridge_is_in_l1_before_its_first_request(mp):
     vllm, reg, tok = mp["vllm"], mp["registry"], mp["tok"]
     doc = mp["warm"].token_ids
