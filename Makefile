@@ -62,8 +62,8 @@ lint: $(STAMP)
 
 # The gate CI runs: every test but the `long` ones, on two xdist workers, each slow group (a
 # stream of real servers, tests/server_pool.py) whole on one worker, the fast tests spread around
-# them; no test may run longer than TEST_TIMEOUT seconds (setup included). The report (junit XML, per-module seconds
-# and every server start: summary.md) goes to $(REPORT).
+# them; no test may run longer than TEST_TIMEOUT seconds (setup included). The report (junit XML,
+# per-module seconds and every server start: summary.md) goes to $(REPORT).
 REPORT ?= $(LMCACHE_CARTRIDGE_HOME)/test-report$(if $(LMCACHE),-lmcache-$(LMCACHE))
 TEST_TIMEOUT ?= 900
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --timeout $(TEST_TIMEOUT)

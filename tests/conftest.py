@@ -1,6 +1,6 @@
 import os
 from pathlib import Path
-pytest_plugins = ["s3_server", "server_pool", "tiers"]
+pytest_plugins = ["s3_server", "server_pool"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -65,4 +65,3 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", "server starts")
     terminalreporter.write_line(summary(read(Path(d) / FILE)))
     terminalreporter.write_line(f"per-module table: {Path(d) / 'summary.md'}; junit XML beside it")
-

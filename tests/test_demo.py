@@ -99,8 +99,8 @@ def test_mp_server_command_is_the_one_that_ran(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long_when(mode="mp")  # MP mode on the Llama test model and SmolLM2: test_mp_e2e
-@pytest.mark.parametrize("mode", demo.MODES)
+# MP mode on a Llama test model and SmolLM2 in the gate: test_mp_trained_e2e, test_mp_e2e
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.long) if m == "mp" else m for m in demo.MODES])
 def test_demo_serves_a_qwen2_cartridge_end_to_end(mode, tmp_path, capfd):
     from transformers import AutoTokenizer
 

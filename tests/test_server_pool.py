@@ -1,5 +1,5 @@
 """The test suite's own machinery (tests/server_pool.py): the xdist grouping `make test` relies on,
-and what a pooled server does when it cannot start or dies; the two tiers (`tests/tiers.py`).
+and what a pooled server does when it cannot start or dies.
 
 - pytest-xdist's `--dist loadgroup` runs a group whole on one worker (pytest 9.2's node ids
   silently broke it: every group was spread over both workers, and each worker started its own
@@ -148,42 +148,3 @@ def test_the_pool_declares_every_module_it_serves():
     assert servers <= set(server_pool.SPECS), servers - set(server_pool.SPECS)
     assert makers <= set(server_pool.MAKERS), makers - set(server_pool.MAKERS)
 
-
-def test_long_when_leaves_one_parameter_out_of_the_gate(tmp_path):
-    """`make test`'s `-m "not long"` deselects a `long` test and, for `long_when`, only the items
-    whose parameters match (a module fixture's parameter too); `-m long` selects just those."""
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ["tiers"]\n')
-    (tmp_path / "test_tiered.py").write_text(textwrap.dedent("""
-        import pytest
-
-        @pytest.fixture(scope="module", params=["engine", "lmcache"])
-        def mode(request):
-            return request.param
-
-        def test_both(mode):
-            pass
-
-        @pytest.mark.long_when(mode="lmcache")
-        def test_engine_only(mode):
-            pass
-
-        @pytest.mark.long
-        def test_long():
-            pass
-
-        @pytest.mark.long_when(n=2)
-        @pytest.mark.parametrize("n", [1, 2])
-        def test_n(n):
-            pass
-    """))
-
-    def collected(marks: str) -> set[str]:
-        out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--collect-only",
-                              "-m", marks, str(tmp_path)], capture_output=True, text=True, timeout=300,
-                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
-        assert out.returncode == 0, out.stdout + out.stderr
-        return {line.split("::", 1)[1] for line in out.stdout.splitlines() if "::" in line}
-
-    gate = {"test_both[engine]", "test_both[lmcache]", "test_engine_only[engine]", "test_n[1]"}
-    assert collected("not long") == gate
-    assert collected("long") == {"test_engine_only[lmcache]", "test_long", "test_n[2]"}
