@@ -23,8 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from lmcache_cartridge.testing.launch import free_port
 from lmcache_cartridge.tools import starts
+from lmcache_cartridge.tools.vllm_process import free_port
 
 ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "1", "--health-failure-threshold", "2",
                        "--health-success-threshold", "1", "--health-check-timeout-secs", "2",

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 from lmcache_cartridge.lmcache.serving import NotServed, Wanted, live_instances, wait_served
 from lmcache_cartridge.paths import default_cache_dir
 from lmcache_cartridge.store.serving_state import ServingState
+from lmcache_cartridge.testing.fleet import instance_counters
 from lmcache_cartridge.tools.vllm_process import CONNECTOR, IPC_DIR_MAX, VllmProcess, free_port  # noqa: F401
 
 
@@ -54,8 +55,6 @@ class VllmServer(VllmProcess):
         """This server's `/metrics` as `fleet.instance_counters` reduces them (one reader of
         vLLM's and the plugin's counters): `external_tokens` (from the KV connector),
         `cached_tokens` (from vLLM's own prefix cache), requests, per-tier hits."""
-        from lmcache_cartridge.testing.fleet import instance_counters
-
         return instance_counters(self.url)
 
     def external_tokens(self) -> float:
