@@ -50,14 +50,13 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lmcache_cartridge.cartridge.integrity import check_chunk
+from lmcache_cartridge.cartridge.manifest import Manifest
+from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import ChecksumError
 from lmcache_cartridge.store.metrics import Metrics
-
-if TYPE_CHECKING:
-    from lmcache_cartridge.store.residency import Handle
 
 logger = logging.getLogger("lmcache_cartridge.store.disk_cache")
 
@@ -68,6 +67,14 @@ logger = logging.getLogger("lmcache_cartridge.store.disk_cache")
 # indexed (and evicted in LRU order), never read.
 ChunkId = tuple[str, int]
 _KEY = re.compile(r"^[0-9a-f]{64}(\.o[0-9a-f]{16})?(\.h\d+-\d+)?\Z")
+
+
+class Verifiable(Protocol):
+    """What a first read checks a chunk file against (a `residency.Handle`): the manifest's
+    digests and dtype, and the heads this process reads."""
+
+    manifest: Manifest
+    view: RankView
 
 
 def belongs_to(key: str, prefix: str) -> bool:
@@ -257,7 +264,7 @@ class DiskTier:
         return [(h, int(i)) for h, i in rows]
 
     # -- reads --------------------------------------------------------------------------------
-    def get_into(self, cid: ChunkId, buf: memoryview, handle: "Handle") -> bool:
+    def get_into(self, cid: ChunkId, buf: memoryview, handle: Verifiable) -> bool:
         """Read a cached chunk into `buf`. A missing file (another process evicted it) is a plain
         miss; a short or corrupt file is deleted and reported as a miss."""
         path = self._path(cid)
