@@ -212,21 +212,6 @@ class PluginSettings:
             raise CartridgeError(f"bad setting under {where or name}: {e}") from e
 
 
-def reader_cores_setting(config) -> str:
-    """The cartridge plugin's `reader_cores` in this LMCache config, for the vLLM glue's CPU
-    connector, which LMCache builds from the same config (`vllm.connector`, in each worker):
-    `auto` where the config has no cartridge plugin (plain LMCache KV) or a setting the plugin
-    refuses (it then says so itself, as it fails to start)."""
-    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
-
-    try:
-        name = find_plugin_name(config, CartridgeStoragePlugin)
-        extra = getattr(config, "extra_config", None) or {}
-        return cores_setting(extra.get(f"{PREFIX}.{name}.reader_cores", "auto"))
-    except (CartridgeError, ValueError):
-        return "auto"
-
-
 def _names_class(module: str | None, cls_name: str, plugin_cls: type) -> bool:
     """Whether `module_path`/`class_name` load `plugin_cls` (users write the stable re-export
     `lmcache_cartridge.plugin`; the class lives elsewhere)."""

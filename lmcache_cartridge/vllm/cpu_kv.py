@@ -54,7 +54,8 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_cartridge import settings_reference as ref
 from lmcache_cartridge.lmcache import memory_layout
-from lmcache_cartridge.lmcache.settings import cores_setting, reader_cores_setting
+from lmcache_cartridge.errors import CartridgeError
+from lmcache_cartridge.lmcache.settings import PREFIX, cores_setting, find_plugin_name
 from lmcache_cartridge.store import threads
 from lmcache_cartridge.vllm import native
 from lmcache_cartridge.vllm.cpu_layout import (AMX_TILES, K_TRANSPOSED, PagedLayout, UnverifiedKVLayout,
@@ -188,6 +189,23 @@ class EngineBlocks:
         self.conn.convert(dst, src, to_blocks=True)
 
 
+def _reader_cores_setting(config) -> str:
+    """The cartridge plugin's `reader_cores` in this LMCache config, for this connector,
+    which LMCache builds from the same config (`vllm.connector`, in each worker):
+    `auto` where the config has no cartridge plugin (plain LMCache KV) or a setting the plugin
+    refuses (it then says so itself, as it fails to start)."""
+    # Here, not at the top: the plugin pulls in LMCache's storage backends (seconds), which MP
+    # mode's workers (`mp_rows`: the connector without an LMCache config) never load.
+    from lmcache_cartridge.lmcache.plugin import CartridgeStoragePlugin
+
+    try:
+        name = find_plugin_name(config, CartridgeStoragePlugin)
+        extra = getattr(config, "extra_config", None) or {}
+        return cores_setting(extra.get(f"{PREFIX}.{name}.reader_cores", "auto"))
+    except (CartridgeError, ValueError):
+        return "auto"
+
+
 class CpuPagedKVConnector(GPUConnectorInterface):
     """LMCache connector between vLLM-CPU paged KV (proven layouts only) and `KV_2LTD` objects.
 
@@ -247,7 +265,7 @@ class CpuPagedKVConnector(GPUConnectorInterface):
             raise UnverifiedKVLayout("MLA KV caches are not supported by the CPU connector")
         num_layers, _, _, num_kv_heads, head_dim = metadata.kv_shape
         return cls(int(num_layers), int(num_kv_heads), int(head_dim), metadata.kv_dtype, kv_cache_dtype,
-                   copy_cores=reader_cores_setting(config) if config is not None else "auto")
+                   copy_cores=_reader_cores_setting(config) if config is not None else "auto")
 
     # --- layout ---------------------------------------------------------------------------
     @property
