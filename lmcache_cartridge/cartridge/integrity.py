@@ -4,8 +4,8 @@ Runs wherever bytes enter from outside (the plugin's first read of a chunk in a 
 downloads, disk-cache files, `verify`), on the thread that read the bytes. It owns nothing.
 
 Which digest: the chunk's BLAKE3 when its manifest has one (`pack_kv` writes it), else its sha256
-(manifests without per-chunk BLAKE3 digests). `chunk_digest` is the one place that decides; a read
-of some heads of a `by_head` chunk checks each head's own BLAKE3 (`Manifest.span`). Both are
+(manifests without per-chunk BLAKE3 digests). `manifest.whole_chunk_digest` is the one place that
+decides; a read of some heads of a `by_head` chunk checks each head's own BLAKE3 (`Manifest.span`). Both are
 cryptographic, so a reader that checks BLAKE3 gives the same guarantee as one that checks sha256,
 at ~3x the speed here (one thread: ~5-6.6 GB/s against ~1.8; `benchmarks/integrity.py`); sha256
 stays the chunk's identity (`content_hash` is made from the chunks' sha256) and `verify` checks
@@ -22,7 +22,7 @@ import blake3 as _blake3
 import numpy as np
 import torch
 
-from lmcache_cartridge.cartridge.manifest import ChunkInfo, Span
+from lmcache_cartridge.cartridge.manifest import ChunkInfo, Span, whole_chunk_digest
 from lmcache_cartridge.errors import ChecksumError
 
 
@@ -33,14 +33,6 @@ def blake3_hex(data) -> str:
 
 Digest = tuple[str, Callable[[], Any], str]  # (name, new hasher, expected hex digest)
 _HASHERS: dict[str, Callable[[], Any]] = {"blake3": _blake3.blake3, "sha256": hashlib.sha256}
-
-
-def whole_chunk_digest(info: ChunkInfo) -> tuple[str, str]:
-    """(name, expected hex) of the digest that proves a whole chunk's bytes when they are read:
-    BLAKE3 if its manifest has one, else sha256 (packed before per-chunk BLAKE3 existed)."""
-    if info.blake3 is not None:
-        return "blake3", info.blake3
-    return "sha256", info.sha256
 
 
 def chunk_digest(info: ChunkInfo) -> Digest:

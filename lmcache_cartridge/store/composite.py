@@ -29,8 +29,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lmcache_cartridge.cartridge.composition import PARTS_NAME, composite_manifest
-from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, Manifest
+from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME, PARTS_NAME, Manifest, composite_manifest
 from lmcache_cartridge.errors import CartridgeError, ManifestError
 from lmcache_cartridge.paths import atomic_dir
 from lmcache_cartridge.store.origins import COMPOSITE, COMPOSITE_S3, is_s3

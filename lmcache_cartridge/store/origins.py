@@ -13,8 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
-from lmcache_cartridge.cartridge.composition import PARTS_NAME
-from lmcache_cartridge.cartridge.manifest import PAYLOAD_NAME, ChunkInfo, Span
+from lmcache_cartridge.cartridge.manifest import PARTS_NAME, PAYLOAD_NAME, ChunkInfo, Span
 from lmcache_cartridge.cartridge.packed import PackedCartridge
 
 
