@@ -131,61 +131,18 @@ def pack_kv(
     re-derives them: `Manifest.check_placeholder_ids`); they cannot be given.
     The directory appears atomically: readers never see a half-written cartridge.
     """
-    validate_id(cartridge_id)
-    if kind not in KINDS:
-        raise CartridgeFormatError(f"kind must be one of {KINDS}, got {kind!r}")
-    if layout not in LAYOUTS.values():
-        raise CartridgeFormatError(f"layout must be one of {sorted(LAYOUTS.values())}, got {layout!r}")
-    if kv.dim() != 5 or kv.shape[0] != 2:
-        raise CartridgeFormatError(f"KV must be [2, L, T, H, D], got {tuple(kv.shape)}")
+    _check_request(kv, cartridge_id, kind, layout)
     if dtype is not None:
         kv = kv.to(dtype)
     kv = kv.contiguous()
     _, num_layers, num_tokens, num_heads, head_dim = kv.shape
-    if chunk_size <= 0:
-        raise CartridgeFormatError(f"chunk_size must be positive, got {chunk_size}")
-    if kind == "trained" and num_tokens % chunk_size:
-        raise CartridgeFormatError(
-            f"trained cartridge has {num_tokens} tokens, not a multiple of chunk_size {chunk_size}: "
-            f"LMCache loads only full chunks and would recompute the last {num_tokens % chunk_size} "
-            f"from meaningless placeholder tokens. Train {num_tokens - num_tokens % chunk_size} or "
-            f"{num_tokens + chunk_size - num_tokens % chunk_size} tokens instead."
-        )
-    if not torch.isfinite(kv).all():
-        raise CartridgeFormatError("KV contains NaN or Inf values; refusing to pack it")
-    if kind == "first_k" and token_ids is None:
-        raise CartridgeFormatError("a first_k cartridge needs the token ids its KV was computed from")
-    if token_ids is not None and len(token_ids) != num_tokens:
-        raise CartridgeFormatError(f"{len(token_ids)} token ids for {num_tokens} KV tokens")
-    if kind == "trained" and vocab is None:
-        raise CartridgeFormatError(
-            "a trained cartridge needs the model's vocabulary to draw placeholder token ids: "
-            "pass --model DIR (or --vocab-size N)"
-        )
-    if kind == "trained" and token_ids is not None:
-        raise CartridgeFormatError("a trained cartridge's token ids are derived from its KV, never given")
+    _check_kv(kv, kind, chunk_size, token_ids, vocab)
 
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
     with atomic_dir(out_dir, replace=True) as tmp:  # a finished cartridge or none, never half of one
-        chunks: list[ChunkInfo] = []
-        offset = 0
-        starts = range(0, num_tokens, chunk_size)
-        if progress:
-            from tqdm import tqdm
-
-            starts = tqdm(starts, desc=f"pack {cartridge_id}", unit="chunk")
-        with open(tmp / PAYLOAD_NAME, "wb") as f:
-            for i, start in enumerate(starts):
-                end = min(start + chunk_size, num_tokens)
-                chunk = to_chunk_layout(kv, start, end, layout)
-                data = as_bytes(chunk)
-                f.write(data)
-                heads = [blake3_hex(as_bytes(chunk[h])) for h in range(num_heads)] \
-                    if layout == LAYOUT_BY_HEAD else None
-                chunks.append(ChunkInfo(i, offset, len(data), end - start, hashlib.sha256(data).hexdigest(),
-                                        blake3_hex(data), heads))
-                offset += len(data)
+        chunks = _write_payload(kv, tmp / PAYLOAD_NAME, chunk_size, layout,
+                                f"pack {cartridge_id}" if progress else None)
         content_hash = _content_hash(kv, chunks, chunk_size)
         if kind == "trained":
             assert vocab is not None
@@ -213,6 +170,71 @@ def pack_kv(
         manifest.validate()
         (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
     return manifest
+
+
+def _check_request(kv: torch.Tensor, cartridge_id: str, kind: str, layout: str) -> None:
+    """What `pack_kv` is asked to write, before it looks at the KV's values."""
+    validate_id(cartridge_id)
+    if kind not in KINDS:
+        raise CartridgeFormatError(f"kind must be one of {KINDS}, got {kind!r}")
+    if layout not in LAYOUTS.values():
+        raise CartridgeFormatError(f"layout must be one of {sorted(LAYOUTS.values())}, got {layout!r}")
+    if kv.dim() != 5 or kv.shape[0] != 2:
+        raise CartridgeFormatError(f"KV must be [2, L, T, H, D], got {tuple(kv.shape)}")
+
+
+def _check_kv(kv: torch.Tensor, kind: str, chunk_size: int, token_ids: Sequence[int] | None,
+              vocab: VocabInfo | None) -> None:
+    """The KV (in the dtype it is packed in) and the ids and vocabulary that go with it."""
+    num_tokens = kv.shape[2]
+    if chunk_size <= 0:
+        raise CartridgeFormatError(f"chunk_size must be positive, got {chunk_size}")
+    if kind == "trained" and num_tokens % chunk_size:
+        raise CartridgeFormatError(
+            f"trained cartridge has {num_tokens} tokens, not a multiple of chunk_size {chunk_size}: "
+            f"LMCache loads only full chunks and would recompute the last {num_tokens % chunk_size} "
+            f"from meaningless placeholder tokens. Train {num_tokens - num_tokens % chunk_size} or "
+            f"{num_tokens + chunk_size - num_tokens % chunk_size} tokens instead."
+        )
+    if not torch.isfinite(kv).all():
+        raise CartridgeFormatError("KV contains NaN or Inf values; refusing to pack it")
+    if kind == "first_k" and token_ids is None:
+        raise CartridgeFormatError("a first_k cartridge needs the token ids its KV was computed from")
+    if token_ids is not None and len(token_ids) != num_tokens:
+        raise CartridgeFormatError(f"{len(token_ids)} token ids for {num_tokens} KV tokens")
+    if kind == "trained" and vocab is None:
+        raise CartridgeFormatError(
+            "a trained cartridge needs the model's vocabulary to draw placeholder token ids: "
+            "pass --model DIR (or --vocab-size N)"
+        )
+    if kind == "trained" and token_ids is not None:
+        raise CartridgeFormatError("a trained cartridge's token ids are derived from its KV, never given")
+
+
+def _write_payload(kv: torch.Tensor, path: Path, chunk_size: int, layout: str,
+                   progress: str | None) -> list[ChunkInfo]:
+    """Write `kv`'s chunks in `layout` to `path`, one after another; their records, digests
+    included. `progress`: the label of a progress bar, None for none."""
+    num_tokens, num_heads = kv.shape[2], kv.shape[3]
+    chunks: list[ChunkInfo] = []
+    offset = 0
+    starts = range(0, num_tokens, chunk_size)
+    if progress:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc=progress, unit="chunk")
+    with open(path, "wb") as f:
+        for i, start in enumerate(starts):
+            end = min(start + chunk_size, num_tokens)
+            chunk = to_chunk_layout(kv, start, end, layout)
+            data = as_bytes(chunk)
+            f.write(data)
+            heads = [blake3_hex(as_bytes(chunk[h])) for h in range(num_heads)] \
+                if layout == LAYOUT_BY_HEAD else None
+            chunks.append(ChunkInfo(i, offset, len(data), end - start, hashlib.sha256(data).hexdigest(),
+                                    blake3_hex(data), heads))
+            offset += len(data)
+    return chunks
 
 
 def _content_hash(kv: torch.Tensor, chunks: list[ChunkInfo], chunk_size: int) -> str:
