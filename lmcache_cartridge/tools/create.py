@@ -104,37 +104,8 @@ def create_first_k(
     """
     import transformers
 
-    if not text or not text.strip():
-        raise CartridgeFormatError(
-            "source text is empty: give the document the cartridge should hold"
-        )
-    if max_tokens is not None and max_tokens < 2:
-        raise CartridgeFormatError(
-            f"max_tokens={max_tokens} is too small: a cartridge needs at least two tokens"
-        )
-    if sci_chunk is not None:
-        if sci_chunk < 1:
-            raise CartridgeFormatError(
-                f"sci_chunk must be a positive number of tokens, got {sci_chunk}"
-            )
-        if max_tokens is None:
-            raise CartridgeFormatError(
-                "sci_chunk needs max_tokens: SCI samples chunks up to a token budget"
-            )
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise CartridgeFormatError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
-    if device is not None and (engine is not None or model_and_tokenizer is not None):
-        raise CartridgeFormatError("device is where create_first_k loads the model: not with an engine or "
-                                   "a model passed in (that one runs where it is)")
-
-    if engine is None:
-        model, tokenizer = model_and_tokenizer or load_model(model_dir, device=device or "cpu")
-        limit = model.config.max_position_embeddings
-    else:  # the engine computes the KV: only the tokenizer and the config are needed here
-        from transformers import AutoConfig, AutoTokenizer
-
-        tokenizer = model_and_tokenizer[1] if model_and_tokenizer else AutoTokenizer.from_pretrained(str(model_dir))
-        limit = AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
+    _check_options(text, max_tokens, sci_chunk, prefill_chunk, device, engine, model_and_tokenizer)
+    model, tokenizer, limit = _model_or_tokenizer(model_dir, model_and_tokenizer, engine, device)
     head, body = document_tokens(tokenizer, text)
     doc = head + body
 
@@ -179,3 +150,43 @@ def create_first_k(
         # tokenizer adds one), so a cartridge can be re-derived.
         provenance["sci_spans"] = [[s, e] for s, e in spans]
     return CreatedCartridge(kv=kv, token_ids=[int(t) for t in token_ids], provenance=provenance)
+
+
+def _check_options(text: str, max_tokens: int | None, sci_chunk: int | None, prefill_chunk: int | None,
+                   device: Any, engine: Any, model_and_tokenizer: Any) -> None:
+    """`create_first_k`'s options, refused before any model is loaded."""
+    if not text or not text.strip():
+        raise CartridgeFormatError(
+            "source text is empty: give the document the cartridge should hold"
+        )
+    if max_tokens is not None and max_tokens < 2:
+        raise CartridgeFormatError(
+            f"max_tokens={max_tokens} is too small: a cartridge needs at least two tokens"
+        )
+    if sci_chunk is not None:
+        if sci_chunk < 1:
+            raise CartridgeFormatError(
+                f"sci_chunk must be a positive number of tokens, got {sci_chunk}"
+            )
+        if max_tokens is None:
+            raise CartridgeFormatError(
+                "sci_chunk needs max_tokens: SCI samples chunks up to a token budget"
+            )
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise CartridgeFormatError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
+    if device is not None and (engine is not None or model_and_tokenizer is not None):
+        raise CartridgeFormatError("device is where create_first_k loads the model: not with an engine or "
+                                   "a model passed in (that one runs where it is)")
+
+
+def _model_or_tokenizer(model_dir: str | Path, model_and_tokenizer: tuple[Any, Any] | None, engine: Any,
+                        device: str | torch.device | None) -> tuple[Any, Any, int]:
+    """(model, tokenizer, the model's max_position_embeddings). With an engine, which computes
+    the KV, only the tokenizer and the config are loaded (the model is None)."""
+    if engine is None:
+        model, tokenizer = model_and_tokenizer or load_model(model_dir, device=device or "cpu")
+        return model, tokenizer, model.config.max_position_embeddings
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = model_and_tokenizer[1] if model_and_tokenizer else AutoTokenizer.from_pretrained(str(model_dir))
+    return None, tokenizer, AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
