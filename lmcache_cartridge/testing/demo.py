@@ -259,19 +259,8 @@ def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResu
     mp = r.mode == "mp"
     registry = work / "serve-registry.db"
     server = server or launch_server(work, model_dir, r.mode)
-    quote = lambda cmd: " ".join(shlex.quote(c) for c in cmd)  # noqa: E731
     try:
-        if mp:
-            r.commands["mp-server"] = mp_server_command(work, server)
-            r.commands["lmcache server"] = list(server.lmcache_server.command)
-            r.logs["lmcache_server"] = str(server.lmcache_server.log_path)
-            say(f"$ {quote(r.commands['mp-server'])}")
-            say(f"  (runs `lmcache server` with the cartridge L2 adapter; its log: {server.lmcache_server.log_path})")
-        r.commands["vllm"] = list(server.command)
-        r.logs["vllm_server"] = str(server.log_path)
-        say(f"$ {quote(server.command)}")
-        say(f"  (vLLM and CartridgeMPConnector log: {server.log_path})" if mp else
-            f"  (vLLM, LMCache and plugin log: {server.log_path}; LMCache config: {server.root / 'lmcache.yaml'})")
+        _show_server(work, server, r, say)
         server.wait_healthy()
         say(f"vLLM healthy, {server.startup_s:.0f}s after its launch at step 1 "
             "(it started while the cartridge was made)")
@@ -311,13 +300,8 @@ def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResu
             r.ttft_with_s = sorted(stream_ttft(gw.url, with_body) for _ in range(3))[1][0]
             with_ = [complete(gw.url, {**common, "prompt": q, "cartridges": cart}).text for q, _ in asked]
             r.external_tokens = server.external_tokens()
-            # vLLM's own cache: the cartridge removed (its keys purged from LMCache's CPU cache, or
-            # the server's L1), the document prefilled once with saving on, the same questions again.
             Registry(registry).remove(m.cartridge_id)
-            server.wait_not_served(m.cartridge_id)
-            complete(server.url, {**base, "prompt": m.token_ids, "max_tokens": 1, "kv_transfer_params": {}})
-            wait_stored(server, {**base, "prompt": ids(first), "max_tokens": 1}, r.servable_tokens)
-            own = [complete(server.url, {**base, "prompt": ids(q)}).text for q, _ in asked]
+            own = _ask_own_cache(server, m, r, base, [ids(q) for q, _ in asked])
             r.answers = [{"question": q.strip(), "without": a, "with": b, "own_cache": c, "fact": f,
                           "fact_found": bool(f) and Question(q, f).answered_by(b)}
                          for (q, f), a, b, c in zip(asked, without, with_, own)]
@@ -326,6 +310,35 @@ def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResu
     finally:
         server.stop()
         say("vLLM and the lmcache server stopped" if mp else "vLLM stopped")
+
+
+def _show_server(work: Path, server, r: DemoResult, say: Callable[[str], None]) -> None:
+    """Record and print the commands that started the demo's servers, and where they log."""
+    quote = lambda cmd: " ".join(shlex.quote(c) for c in cmd)  # noqa: E731
+    mp = r.mode == "mp"
+    if mp:
+        r.commands["mp-server"] = mp_server_command(work, server)
+        r.commands["lmcache server"] = list(server.lmcache_server.command)
+        r.logs["lmcache_server"] = str(server.lmcache_server.log_path)
+        say(f"$ {quote(r.commands['mp-server'])}")
+        say(f"  (runs `lmcache server` with the cartridge L2 adapter; its log: {server.lmcache_server.log_path})")
+    r.commands["vllm"] = list(server.command)
+    r.logs["vllm_server"] = str(server.log_path)
+    say(f"$ {quote(server.command)}")
+    say(f"  (vLLM and CartridgeMPConnector log: {server.log_path})" if mp else
+        f"  (vLLM, LMCache and plugin log: {server.log_path}; LMCache config: {server.root / 'lmcache.yaml'})")
+
+
+def _ask_own_cache(server, m: Any, r: DemoResult, base: dict, prompts: list[list[int]]) -> list[str]:
+    """The answers from vLLM's own cache: once the removed cartridge is no longer served (its keys
+    purged from LMCache's CPU cache, or the server's L1), the document prefilled once with saving
+    on, then the same questions (`prompts`, the first one probes the store) again."""
+    from lmcache_cartridge.testing.answers import complete
+
+    server.wait_not_served(m.cartridge_id)
+    complete(server.url, {**base, "prompt": m.token_ids, "max_tokens": 1, "kv_transfer_params": {}})
+    wait_stored(server, {**base, "prompt": prompts[0], "max_tokens": 1}, r.servable_tokens)
+    return [complete(server.url, {**base, "prompt": p}).text for p in prompts]
 
 
 def wait_stored(server, probe: dict, tokens: int, timeout: float = 60) -> None:
