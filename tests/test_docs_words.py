@@ -84,7 +84,8 @@ def narration(text: str) -> list[tuple[int, str, str]]:
 
 def test_package_comments_do_not_narrate():
     """The package's comments and docstrings say why, not when or how it came to be."""
-    found = [f"{p.relative_to(ROOT)}:{n}: {w!r}: {fix}" for p in PACKAGE_SOURCES for n, w, fix in narration(p.read_text())]
+    found = [f"{p.relative_to(ROOT)}:{n}: {w!r}: {fix}" for p in PACKAGE_SOURCES
+             for n, w, fix in narration(p.read_text())]
     assert not found, "\n".join(found)
 
 
