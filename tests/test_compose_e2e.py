@@ -186,9 +186,9 @@ def test_trained_after_token_only_is_primed_and_matches_hf(stack):
     tokens' KV then the adapter's KV. A repeat primes again (cheap: LMCache already holds the
     chunk) and answers the same."""
     app = stack["app"]
-    primes = app.state.primes
+    primes = app.state.gateway.primes
     check_against_hf(stack, ["minutes", "peft"], "token-only + PEFT dir, primed")
-    assert app.state.primes == primes + 1
+    assert app.state.gateway.primes == primes + 1
 
 
 def hf_after(model, past: torch.Tensor, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -211,10 +211,10 @@ def test_tokens_between_trained_are_computed_after_the_first(stack):
     server, model, tok, app = stack["server"], stack["model"], stack["tok"], stack["app"]
     names = ["peft", "minutes", "up"]
     user = list(tok(USER_TEXT, add_special_tokens=False)["input_ids"])
-    ext0, primes = server.external_tokens(), app.state.primes
+    ext0, primes = server.external_tokens(), app.state.gateway.primes
     r = served(stack, names, user)
     assert r.status_code == 200, r.text
-    assert app.state.primes == primes + 1
+    assert app.state.gateway.primes == primes + 1
     # the prime loaded the adapter (256), the request all three (768): nothing trained was computed
     assert server.external_tokens() - ext0 == 4 * CHUNK, server.log_tail()
     lp_obj = r.json()["choices"][0]["logprobs"]

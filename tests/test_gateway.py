@@ -1206,9 +1206,14 @@ def test_the_gateway_starts_and_stops_its_catalog_sync_with_the_app(settings):
 
     from fastapi.testclient import TestClient
 
-    app = create_app(dataclasses.replace(settings, catalog_uri="s3://gw-unit/catalog/", catalog_period=3600))
+    app = create_app(dataclasses.replace(settings, catalog_uri="s3://gw-unit/catalog/", catalog_period=3600,
+                                         catalog_allow_uris=("s3://gw-other/carts",)))
     sync = app.state.catalog_sync
     assert not sync.running
+    # built as the plugin's is (`lmcache.catalog_sync`), from the gateway's own settings
+    assert (sync.catalog_uri, sync.period, sync.chunk_size, sync.cache_dir, sync.allow_uris) == (
+        "s3://gw-unit/catalog", 3600.0, settings.chunk_size, Path(settings.cache_dir),
+        ("s3://gw-unit/", "s3://gw-other/carts/"))
     with TestClient(app) as c:
         assert c.get("/health").json() == {"gateway": "ok"}
         assert sync.running

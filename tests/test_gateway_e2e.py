@@ -461,10 +461,10 @@ def test_trained_after_token_only_system_prompt_with_prefix_caching(stack):
     user = list(tok(" Question: what does the document say?", add_special_tokens=False)["input_ids"])
     body = {"prompt": user, "max_tokens": 8, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
             "cartridges": [{"id": "s3://my-bucket/system-prompt.pt"}, {"id": "s3://my-bucket/ta.pt"}]}
-    primes = app.state.primes
+    primes = app.state.gateway.primes
     r = post(stack["gw"], "/v1/completions", body)
     assert r.status_code == 200, r.text
-    assert app.state.primes == primes + 1
+    assert app.state.gateway.primes == primes + 1
     c = r.json()["choices"][0]
     res = {"tokens": c["logprobs"]["tokens"], "logprobs": c["logprobs"]["token_logprobs"]}
     gen = token_ids_of(None, tok, res)
@@ -475,7 +475,7 @@ def test_trained_after_token_only_system_prompt_with_prefix_caching(stack):
     assert mean <= HF_MEAN_TOL and mx <= HF_MAX_TOL
     again = post(stack["gw"], "/v1/completions", body)
     assert again.status_code == 200, again.text
-    assert app.state.primes == primes + 2
+    assert app.state.gateway.primes == primes + 2
     c2 = again.json()["choices"][0]["logprobs"]
     assert c2["tokens"] == res["tokens"] and max_diff(c2["token_logprobs"], lp) <= LOGPROB_TOL
     assert stack["server"].alive()

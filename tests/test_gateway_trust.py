@@ -538,3 +538,44 @@ def test_the_cartridge_list_is_each_tenants_own(tenants, model_dir):
     assert "acme" not in listed(GLOBEX).text
     assert [c["id"] for c in listed(OPERATOR).json()["data"]] == ["acme-doc", "globex-doc"]
     assert _call(tenants["app"], "GET", "/v1/cartridges").status_code == 401
+
+
+def test_the_refusal_table_has_no_row_an_earlier_row_hides():
+    """`REFUSALS` answers by the first row a failure is an instance of: a row below one of its
+    bases would never be reached (its status silently the base's)."""
+    from lmcache_cartridge.api.resolver import REFUSALS
+
+    for i, (kind, _, _) in enumerate(REFUSALS):
+        hidden_by = [k for k, _, _ in REFUSALS[:i] if issubclass(kind, k)]
+        assert not hidden_by, (kind, hidden_by)
+
+
+def test_s3_failures_are_answered_by_the_one_refusal_table(tmp_path, settings, moto_server, s3_proxy,
+                                                           recording_upstream):
+    """Each way the object store fails a client's cartridge, through the real gateway and moto:
+    a missing object 404, a denied one 403, one over `max_object_bytes` 413, a store that keeps
+    failing 502 naming the URI (the store failed, not the client); the words are the store's own,
+    in the OpenAI error shape."""
+    from s3_server import s3_client
+
+    from lmcache_cartridge.api.resolver import REFUSALS
+    from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, TooLarge
+
+    url, _ = recording_upstream
+    c = s3_client(moto_server)
+    c.create_bucket(Bucket="gw-unit")
+    for name in ("denied", "big", "down"):
+        c.put_object(Bucket="gw-unit", Key=f"ok/{name}.pt", Body=b"x" * 4096)
+    s3_proxy.inject(path=r"/gw-unit/ok/denied\.pt", status=403)
+    s3_proxy.inject(path=r"/gw-unit/ok/down\.pt", status=400, code="InvalidRequest")
+    app = create_app(dataclasses.replace(settings, upstream=url, s3={"endpoint_url": s3_proxy.endpoint_url,
+                                                                     "max_object_bytes": 1024, "max_attempts": 1}))
+    env = {"app": app}
+    status = {kind: st for kind, st, _ in REFUSALS}
+    for name, kind, words in (("missing", NotFound, "missing.pt"), ("denied", AccessDenied, "denied.pt"),
+                              ("big", TooLarge, "1024"), ("down", OriginError, "cannot fetch s3://gw-unit/ok/down.pt")):
+        r = ask(env, OPERATOR, {"id": f"s3://gw-unit/ok/{name}.pt"})
+        body = r.json()["error"]
+        assert (r.status_code, body["code"]) == (status[kind], status[kind]), (name, r.text)
+        assert words in body["message"], (name, body)
+    assert [status[k] for k in (NotFound, AccessDenied, TooLarge, OriginError)] == [404, 403, 413, 502]

@@ -13,6 +13,33 @@ Runs as its own process (`lmcache-cartridge gateway`), or inside vLLM's API serv
 (`api.middleware`, `vllm serve --middleware`). It owns a registry connection, a resolution cache
 and a tokenizer; the vLLM server and its plugins are reached only over HTTP and the shared
 registry.
+
+What runs where, by who calls it (all in the gateway's process, on its event loop unless said):
+
+    create_app(settings)          `api.launch`, `api.middleware`, tests: builds one `Gateway`, the
+                                  FastAPI app whose routes (`_routes`) only call into it, and the
+                                  ASGI middleware `ApiKeys` (runs first) and `BodyLimit`
+    Gateway(settings)             create_app: opens the registry, the resolver, the cartridge
+                                  threads, the tokenizer, the upstream client; builds the catalog
+                                  sync (`lmcache.catalog_sync.catalog_sync`), not started
+    Gateway.lifespan(app)         the ASGI server (uvicorn, a TestClient, the middleware's lifespan
+                                  runner), at start and stop: runs the catalog sync's thread;
+                                  closes the client, the threads and the registry
+    Gateway.handle(body, chat)    the POST /v1/completions and /v1/chat/completions routes: the
+                                  three phases below in order, each failure answered once
+    Gateway.prepare(...)          handle: resolves and plans the cartridges and waits until they
+                                  are served, on the cartridge threads (`CARTRIDGE_THREADS`:
+                                  blocking file, S3 and registry work); builds the token ids and
+                                  the upstream body (`completion_body`)
+    Gateway.prime(plan, route)    handle, when the plan has primes: the priming requests upstream
+    Gateway.relay(upstream)       handle: the request upstream; its answer, or its stream as it
+                                  arrives (`relay_events`, chat chunks rebuilt)
+    Gateway.refused(error)        handle: what prepare raised as an HTTP answer, by the one
+                                  table `api.resolver.REFUSALS` (NotServed with its own status)
+    Gateway.error(...)            every phase and route: the OpenAI error body (`api.asgi`),
+                                  labelled for /metrics
+    Gateway.models(), .cartridges(...)   GET /v1/models (the upstream's), GET /v1/cartridges
+                                  (`cartridge_list`, read on the default thread pool)
 """
 
 import asyncio
@@ -29,7 +56,7 @@ from lmcache_cartridge.api.asgi import BodyTooLarge, error_response, read_body, 
 from lmcache_cartridge.api.metrics import STATUS_REASON, GatewayMetrics
 from lmcache_cartridge.api.prompts import PromptBuilder
 from lmcache_cartridge.api.requests import ChatRequest, CompletionRequest, describe
-from lmcache_cartridge.api.resolver import Plan, Resolver
+from lmcache_cartridge.api.resolver import Plan, Resolver, refusal
 from lmcache_cartridge.api.routing import SESSION_HEADER, route_id, session_key
 from lmcache_cartridge.api.settings import GatewaySettings, RequestError
 from lmcache_cartridge.cartridge.keys import SALT_TAG
@@ -343,65 +370,56 @@ class BodyLimit:
         return await self.app(scope, replay(body, receive), send)
 
 
-def create_app(settings: GatewaySettings, *, transport=None):
-    """The gateway as an ASGI app. `transport`: the httpx transport its client reaches the upstream
-    with (default: plain HTTP to `settings.upstream`; `api.middleware` passes one for a Unix socket
-    or its own server's TLS)."""
-    import httpx
-    from fastapi import FastAPI, Query, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+class Gateway:
+    """One gateway's resources and the phases of a request with cartridges (`handle`: `prepare`,
+    `prime`, `relay`); the routes of `create_app` only call into it. Who calls what is in this
+    module's docstring."""
 
-    private_dir(settings.cache_dir)  # downloads and conversions land here and are served from it
-    registry = Registry(settings.registry)
-    resolver = Resolver(settings, registry)
-    work = ThreadPoolExecutor(CARTRIDGE_THREADS, thread_name_prefix="cartridge-work")
+    def __init__(self, settings: GatewaySettings, *, transport=None) -> None:
+        import httpx
 
-    async def cartridge_work(fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(work, functools.partial(fn, *args, **kwargs))
-    prompts = PromptBuilder(settings.tokenizer, settings.trained_chat_template)
-    client = httpx.AsyncClient(base_url=settings.upstream, timeout=settings.upstream_timeout, transport=transport,
-                               headers={"Authorization": f"Bearer {settings.upstream_api_key}"}
-                               if settings.upstream_api_key else None)
-    shown_upstream = _without_credentials(settings.upstream)  # what error messages may name
-    sync = None  # the catalog's (below), started and stopped with the app
+        self.settings = settings
+        private_dir(settings.cache_dir)  # downloads and conversions land here and are served from it
+        self.catalog_sync = self._catalog_sync()  # first: a bad catalog setting fails before the rest opens
+        self.registry = Registry(settings.registry)
+        self.resolver = Resolver(settings, self.registry)
+        self.work = ThreadPoolExecutor(CARTRIDGE_THREADS, thread_name_prefix="cartridge-work")
+        self.prompts = PromptBuilder(settings.tokenizer, settings.trained_chat_template)
+        self.client = httpx.AsyncClient(base_url=settings.upstream, timeout=settings.upstream_timeout,
+                                        transport=transport,
+                                        headers={"Authorization": f"Bearer {settings.upstream_api_key}"}
+                                        if settings.upstream_api_key else None)
+        self.shown_upstream = _without_credentials(settings.upstream)  # what error messages may name
+        self.metrics = GatewayMetrics()
+        self.primes = 0  # priming requests sent (Resolver.plan's `primes`)
+        self._max_model_len = settings.max_model_len
+        self.models_served = (settings.model, *settings.accept_models)  # names of the same weights
+
+    def _catalog_sync(self):
+        """The catalog's sync (`lmcache.catalog_sync`, as the plugin's), not started: the app's
+        lifespan runs it. None without a `catalog_uri`; a setting that would spin raises ValueError."""
+        from lmcache_cartridge.lmcache.catalog_sync import catalog_sync
+
+        return catalog_sync(self.settings, self.settings.chunk_size)
 
     @asynccontextmanager
-    async def lifespan(_app):
+    async def lifespan(self, _app):
         """Started with the app, not at import: a TestClient, uvicorn or the middleware's own
         lifespan runner owns the catalog sync, the upstream client and the worker threads."""
-        if sync is not None:
-            sync.start()
+        if self.catalog_sync is not None:
+            self.catalog_sync.start()
         try:
             yield
         finally:
-            if sync is not None:
-                sync.stop()
-            await client.aclose()
-            work.shutdown(wait=False, cancel_futures=True)
-            registry.close()
+            if self.catalog_sync is not None:
+                self.catalog_sync.stop()
+            await self.client.aclose()
+            self.work.shutdown(wait=False, cancel_futures=True)
+            self.registry.close()
 
-    app = FastAPI(title="lmcache_cartridge gateway", lifespan=lifespan)
-    app.state.resolver, app.state.registry = resolver, registry  # for operators' and tests' eyes
-    limits = {"max_model_len": settings.max_model_len}
-    app.state.primes = 0  # priming requests sent (Resolver.plan's `primes`)
-    metrics = app.state.metrics = GatewayMetrics()
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            metrics.answered(request.url.path, response.status_code, getattr(request.state, "reason", None))
-        return response
-
-    @app.get("/metrics")
-    async def _metrics():
-        from fastapi.responses import Response
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    def error(status: int, message: str, reason: str | None = None, retry_after: float | None = None) -> JSONResponse:
+    # --- answers ---------------------------------------------------------------------------------
+    @staticmethod
+    def error(status: int, message: str, reason: str | None = None, retry_after: float | None = None):
         """An OpenAI-shaped error; `reason` (metrics.REASONS) labels it on /metrics (default: by status);
         `retry_after` seconds are sent as Retry-After."""
         resp = error_response(status, message)
@@ -410,97 +428,66 @@ def create_app(settings: GatewaySettings, *, transport=None):
             resp.headers["Retry-After"] = str(max(1, round(retry_after)))
         return resp
 
-    def upstream_answer(data, status: int) -> JSONResponse:
+    def refused(self, e: Exception):
+        """What `prepare` raised, answered: NotServed with its own status; the rest by the
+        resolver's one table (`api.resolver.REFUSALS`)."""
+        if isinstance(e, NotServed):
+            return self.error(e.status, str(e), "not_served", retry_after=e.retry_after)
+        e = refusal(e)
+        return self.error(e.status, str(e), retry_after=e.retry_after)
+
+    def unreachable(self, e: Exception):
+        return self.error(502, f"upstream {self.shown_upstream} unreachable: {type(e).__name__}")
+
+    @staticmethod
+    def upstream_answer(data, status: int):
         """The upstream's own answer passed on (a non-200 is the upstream's error, labelled so)."""
+        from fastapi.responses import JSONResponse
+
         resp = JSONResponse(data, status_code=status)
         resp.reason = "upstream" if status != 200 else None
         return resp
 
-    def trained_failed(data) -> JSONResponse:
+    def trained_failed(self, data):
         """vLLM failed a request with trained cartridges (HTTP 500): the engine fails such a request
         when a cartridge chunk could not be loaded after its lookup, instead of recomputing its
         placeholder tokens. Nothing wrong was answered and the engine is alive: retryable."""
         upstream_msg = str((data.get("error") or {}).get("message", "")) if isinstance(data, dict) else ""
-        resp = error(503, "the engine could not load this request's trained cartridge KV (answering from its "
-                          "placeholder tokens would be wrong, so nothing was generated); retry the request"
-                          + (f" (upstream: {upstream_msg[:200]})" if upstream_msg else ""), "trained_load_failed")
-        resp.headers["Retry-After"] = "1"
-        return resp
+        return self.error(503, "the engine could not load this request's trained cartridge KV (answering from "
+                               "its placeholder tokens would be wrong, so nothing was generated); retry the request"
+                               + (f" (upstream: {upstream_msg[:200]})" if upstream_msg else ""),
+                          "trained_load_failed", retry_after=1)
 
-    async def prime(plan, route: dict) -> JSONResponse | None:
-        """Send `plan.primes` in order, before the request itself: each asks vLLM for one token
-        after the tokens just before a trained run, so vLLM computes them and LMCache stores their
-        chunks, which the run's chunk keys are chained after (`api.resolver`). Sent to the same
-        instance as the request (the router's session key); trained KV in a prime is loaded under
-        the instance's readiness rule like any trained request's. None: all primed; else the error
-        to answer (nothing is generated for the request without its whole head)."""
-        for p in plan.primes:
-            body = {"model": settings.model, "prompt": plan.prefix[:p.length], "max_tokens": 1, "temperature": 0}
-            if p.need:
-                body["kv_transfer_params"] = {NO_RECOMPUTE_PARAM: True, TRAINED_TOKENS_PARAM: p.need,
-                                              COMPOSE_PARAM: plan.recipes(p.length)}
-            try:
-                r = await client.post("/v1/completions", json=body, headers=route)
-            except httpx.HTTPError as e:
-                return error(502, f"upstream {shown_upstream} unreachable: {type(e).__name__}")
-            app.state.primes += 1
-            if r.status_code == 200:
-                continue
-            try:
-                data = r.json()
-            except ValueError:
-                data = None
-            if r.status_code == 500 and p.need:
-                return trained_failed(data)
-            return error(502, f"upstream answered HTTP {r.status_code} to the priming request for the "
-                              f"{p.length} tokens before a trained cartridge: {r.text[:200]!r}")
-        return None
+    # --- a request -------------------------------------------------------------------------------
+    async def handle(self, body: CompletionRequest | ChatRequest, chat: bool, tenant=None):
+        """Answer a completion or chat request: `prepare` it, `prime` what its plan needs, `relay` it."""
+        try:
+            up = await self.prepare(body, chat, tenant)
+        except (RequestError, NotServed, CartridgeError) as e:
+            return self.refused(e)
+        if up.plan is not None and up.plan.primes:
+            failed = await self.prime(up.plan, up.route)
+            if failed is not None:
+                return failed
+        return await self.relay(up)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        request.state.reason = "invalid"
-        return error(400, describe(list(exc.errors())))
-
-    async def max_model_len() -> int | None:
-        """The upstream's context length, asked once (vLLM's /v1/models carries it)."""
-        if limits["max_model_len"] is None:
-            try:
-                r = await client.get("/v1/models")
-                limits["max_model_len"] = int(r.json()["data"][0]["max_model_len"])
-            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-                return None
-        return limits["max_model_len"]
-
-    async def prepare(body: CompletionRequest | ChatRequest, chat: bool, tenant) -> Upstream:
+    async def prepare(self, body: CompletionRequest | ChatRequest, chat: bool, tenant) -> Upstream:
         """Validate, resolve and plan the request's cartridges (waiting until the engine serves
         the ones whose KV it loads), and rewrite it for the upstream. Raises RequestError,
         NotServed or CartridgeError for what is answered instead."""
+        settings = self.settings
         specs = body.cartridges or []
         if len(specs) > settings.max_cartridges:
             raise RequestError(400, f"too many cartridges: {len(specs)} (at most {settings.max_cartridges})")
-        if body.model not in (None, settings.model, *settings.accept_models):  # names of the same weights
+        if body.model not in (None, *self.models_served):
             raise RequestError(404, f"model {body.model!r} is not served here ({settings.model!r} is)")
         if not specs:  # nothing to put first: vLLM's own endpoint takes the request as it is
             return Upstream(whole_body(body, settings.model), "/v1/chat/completions" if chat else "/v1/completions",
                             {SESSION_HEADER: session_key([])})
-        resolved = [await cartridge_work(resolver.resolve, s, tenant) for s in specs]
-        plan = await cartridge_work(resolver.plan, resolved)
-        serving = []  # the records of the instances that serve the wanted cartridges
-        if plan.wanted:
-            with metrics.timed(metrics.ready_wait):
-                serving = await cartridge_work(
-                    wait_served, settings.cache_dir, settings.registry,
-                    [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
-                    models=(settings.model, *settings.accept_models))  # another model's instances never serve it
-        text = prompt_text(body, chat)
-        ids = prompts.chat_ids(text, plan.prefix, after_trained=plan.trained) if chat \
-            else prompts.completion_ids(text, plan.prefix)
-        limit = await max_model_len()
-        wanted = (body.max_completion_tokens if chat else None) or body.max_tokens or 0
-        if limit is not None and len(ids) + wanted > limit:
-            raise RequestError(400, f"cartridges ({len(plan.prefix)} tokens) + prompt ({len(ids) - len(plan.prefix)} "
-                                    f"tokens) + max_tokens ({wanted}) = {len(ids) + wanted} tokens, over the "
-                                    f"model's max_model_len of {limit}")
+        resolved = [await self._cartridge_work(self.resolver.resolve, s, tenant) for s in specs]
+        plan = await self._cartridge_work(self.resolver.plan, resolved)
+        serving = await self._served(plan)
+        ids = await self._prompt_ids(body, chat, plan)
         route = {SESSION_HEADER: session_key([route_id(r.entry.id if r.entry else None, r.token_ids)
                                               for r in resolved if r.entry is not None or r.token_ids])}
         # The cartridge-token count only where an `lmcache server` serves the engines (MP mode),
@@ -512,54 +499,191 @@ def create_app(settings: GatewaySettings, *, transport=None):
                         "/v1/completions", route, plan, translate=chat,
                         top_logprobs=(body.top_logprobs or 0) if chat else None)
 
-    async def relay(up: Upstream):
-        """Send the prepared request upstream and answer with what comes back: JSON, or the
-        stream as it arrives (completions' answers in chat's shape where the client asked chat)."""
-        try:
-            if not up.body.get("stream"):
-                with metrics.timed(metrics.upstream, up.path):
-                    r = await client.post(up.path, json=up.body, headers=up.route)
+    async def _cartridge_work(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` on the cartridge threads (`CARTRIDGE_THREADS`)."""
+        return await asyncio.get_running_loop().run_in_executor(self.work, functools.partial(fn, *args, **kwargs))
+
+    async def _served(self, plan: Plan) -> list:
+        """The serving records of the instances that serve the plan's wanted cartridges, once they
+        all do (NotServed when they do not in time); none when it wants none."""
+        if not plan.wanted:
+            return []
+        settings = self.settings
+        with self.metrics.timed(self.metrics.ready_wait):
+            return await self._cartridge_work(
+                wait_served, settings.cache_dir, settings.registry,
+                [Wanted(e.id, e.content_hash, e.epoch, e.kind) for e in plan.wanted], settings.serve_timeout,
+                models=self.models_served)  # another model's instances never serve it
+
+    async def _prompt_ids(self, body: CompletionRequest | ChatRequest, chat: bool, plan: Plan) -> list[int]:
+        """The token ids sent: the plan's prefix, then the prompt; 400 when they and the tokens
+        asked for exceed the model's context."""
+        text = prompt_text(body, chat)
+        ids = self.prompts.chat_ids(text, plan.prefix, after_trained=plan.trained) if chat \
+            else self.prompts.completion_ids(text, plan.prefix)
+        limit = await self.max_model_len()
+        wanted = (body.max_completion_tokens if chat else None) or body.max_tokens or 0
+        if limit is not None and len(ids) + wanted > limit:
+            raise RequestError(400, f"cartridges ({len(plan.prefix)} tokens) + prompt ({len(ids) - len(plan.prefix)} "
+                                    f"tokens) + max_tokens ({wanted}) = {len(ids) + wanted} tokens, over the "
+                                    f"model's max_model_len of {limit}")
+        return ids
+
+    async def max_model_len(self) -> int | None:
+        """The upstream's context length, asked once (vLLM's /v1/models carries it)."""
+        import httpx
+
+        if self._max_model_len is None:
+            try:
+                r = await self.client.get("/v1/models")
+                self._max_model_len = int(r.json()["data"][0]["max_model_len"])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                return None
+        return self._max_model_len
+
+    async def prime(self, plan: Plan, route: dict):
+        """Send `plan.primes` in order, before the request itself: each asks vLLM for one token
+        after the tokens just before a trained run, so vLLM computes them and LMCache stores their
+        chunks, which the run's chunk keys are chained after (`api.resolver`). Sent to the same
+        instance as the request (the router's session key); trained KV in a prime is loaded under
+        the instance's readiness rule like any trained request's. None: all primed; else the error
+        to answer (nothing is generated for the request without its whole head)."""
+        import httpx
+
+        for p in plan.primes:
+            body = {"model": self.settings.model, "prompt": plan.prefix[:p.length], "max_tokens": 1, "temperature": 0}
+            if p.need:
+                body["kv_transfer_params"] = {NO_RECOMPUTE_PARAM: True, TRAINED_TOKENS_PARAM: p.need,
+                                              COMPOSE_PARAM: plan.recipes(p.length)}
+            try:
+                r = await self.client.post("/v1/completions", json=body, headers=route)
+            except httpx.HTTPError as e:
+                return self.unreachable(e)
+            self.primes += 1
+            if r.status_code == 200:
+                continue
+            if r.status_code == 500 and p.need:
                 try:
                     data = r.json()
                 except ValueError:
-                    return error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {r.text[:200]!r}")
-                if r.status_code == 500 and up.plan is not None and up.plan.trained:
-                    return trained_failed(data)
-                if r.status_code != 200:
-                    return upstream_answer(data, r.status_code)
-                return JSONResponse(completion_to_chat(data, up.top_logprobs) if up.translate else data)
-            req = client.build_request("POST", up.path, json=up.body, headers=up.route)
-            with metrics.timed(metrics.upstream, up.path):
-                r = await client.send(req, stream=True)
+                    data = None
+                return self.trained_failed(data)
+            return self.error(502, f"upstream answered HTTP {r.status_code} to the priming request for the "
+                                   f"{p.length} tokens before a trained cartridge: {r.text[:200]!r}")
+        return None
+
+    async def relay(self, up: Upstream):
+        """Send the prepared request upstream and answer with what comes back: JSON, or the
+        stream as it arrives (completions' answers in chat's shape where the client asked chat)."""
+        import httpx
+        from fastapi.responses import StreamingResponse
+
+        try:
+            if not up.body.get("stream"):
+                with self.metrics.timed(self.metrics.upstream, up.path):
+                    r = await self.client.post(up.path, json=up.body, headers=up.route)
+                return self._answer(up, r)
+            req = self.client.build_request("POST", up.path, json=up.body, headers=up.route)
+            with self.metrics.timed(self.metrics.upstream, up.path):
+                r = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:
-            return error(502, f"upstream {shown_upstream} unreachable: {type(e).__name__}")
+            return self.unreachable(e)
         if r.status_code != 200:
-            content = await r.aread()
-            await r.aclose()
-            try:
-                return upstream_answer(json.loads(content or b"{}"), r.status_code)
-            except ValueError:
-                return error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {content[:200]!r}")
+            return await self._stream_refused(r)
         return StreamingResponse(relay_events(r, up.translate, up.top_logprobs), media_type="text/event-stream")
 
-    async def handle(body: CompletionRequest | ChatRequest, chat: bool, tenant=None):
+    def _answer(self, up: Upstream, r):
+        """The upstream's JSON answer `r` to `up` as the client gets it: a 200 (in chat's shape
+        where `up.translate`), a failed trained load as a retryable 503, any other status passed
+        on, a body that is not JSON as a 502."""
+        from fastapi.responses import JSONResponse
+
         try:
-            up = await prepare(body, chat, tenant)
-        except RequestError as e:
-            return error(e.status, str(e), retry_after=e.retry_after)
-        except NotServed as e:
-            return error(e.status, str(e), "not_served", retry_after=e.retry_after)
-        except CartridgeError as e:
-            return error(400, str(e))
-        if up.plan is not None and up.plan.primes:
-            failed = await prime(up.plan, up.route)
-            if failed is not None:
-                return failed
-        return await relay(up)
+            data = r.json()
+        except ValueError:
+            return self.error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {r.text[:200]!r}")
+        if r.status_code == 500 and up.plan is not None and up.plan.trained:
+            return self.trained_failed(data)
+        if r.status_code != 200:
+            return self.upstream_answer(data, r.status_code)
+        return JSONResponse(completion_to_chat(data, up.top_logprobs) if up.translate else data)
+
+    async def _stream_refused(self, r):
+        """A stream the upstream refused (its status not 200, its body read whole): its answer
+        passed on, a body that is not JSON as a 502."""
+        content = await r.aread()
+        await r.aclose()
+        try:
+            return self.upstream_answer(json.loads(content or b"{}"), r.status_code)
+        except ValueError:
+            return self.error(502, f"upstream answered HTTP {r.status_code} with a non-JSON body: {content[:200]!r}")
+
+    # --- the other routes ------------------------------------------------------------------------
+    async def models(self):
+        """`GET /v1/models`: the upstream's, passed on."""
+        import httpx
+        from fastapi.responses import JSONResponse
+
+        try:
+            r = await self.client.get("/v1/models")
+            return JSONResponse(r.json(), status_code=r.status_code)
+        except (httpx.HTTPError, ValueError) as e:
+            return self.error(502, f"upstream {self.shown_upstream}: {type(e).__name__}")
+
+    async def cartridges(self, tenant, limit: int, after: str | None):
+        """`GET /v1/cartridges`: a page of the registered cartridges `tenant` may name (`cartridge_list`)."""
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(await asyncio.to_thread(cartridge_list, self.registry.after(after), self.models_served,
+                                                    tenant, limit))
+
+
+def create_app(settings: GatewaySettings, *, transport=None):
+    """The gateway as an ASGI app. `transport`: the httpx transport its client reaches the upstream
+    with (default: plain HTTP to `settings.upstream`; `api.middleware` passes one for a Unix socket
+    or its own server's TLS)."""
+    from fastapi import FastAPI
+
+    gateway = Gateway(settings, transport=transport)
+    app = FastAPI(title="lmcache_cartridge gateway", lifespan=gateway.lifespan)
+    app.state.gateway = gateway
+    # for operators' and tests' eyes
+    app.state.resolver, app.state.registry, app.state.metrics = gateway.resolver, gateway.registry, gateway.metrics
+    if gateway.catalog_sync is not None:
+        app.state.catalog_sync = gateway.catalog_sync
+    _routes(app, gateway)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(ApiKeys, settings=settings)  # added last: runs first, before the body is read
+    return app
+
+
+def _routes(app, gateway: Gateway) -> None:
+    """`app`'s routes, each a call into `gateway`, and the request counting for /metrics."""
+    from fastapi import Query, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            gateway.metrics.answered(request.url.path, response.status_code, getattr(request.state, "reason", None))
+        return response
+
+    @app.get("/metrics")
+    async def _metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        request.state.reason = "invalid"
+        return gateway.error(400, describe(list(exc.errors())))
 
     async def answer(body: CompletionRequest | ChatRequest, request: Request, chat: bool):
         """`handle` for the key's tenant (`ApiKeys`); the answer's reason kept for /metrics (`_count`)."""
-        resp = await handle(body, chat=chat, tenant=getattr(request.state, "tenant", None))
+        resp = await gateway.handle(body, chat=chat, tenant=getattr(request.state, "tenant", None))
         request.state.reason = getattr(resp, "reason", None)
         return resp
 
@@ -573,19 +697,14 @@ def create_app(settings: GatewaySettings, *, transport=None):
 
     @app.get("/v1/models")
     async def models():
-        try:
-            r = await client.get("/v1/models")
-            return JSONResponse(r.json(), status_code=r.status_code)
-        except (httpx.HTTPError, ValueError) as e:
-            return error(502, f"upstream {shown_upstream}: {type(e).__name__}")
+        return await gateway.models()
 
     @app.get("/v1/cartridges")
     async def cartridges(request: Request, limit: int = Query(LIST_LIMIT, ge=1, le=LIST_LIMIT_MAX),
                          after: str | None = Query(None, max_length=MAX_ID_LENGTH)):
-        """A page of the registered cartridges the caller may name (`cartridge_list`): `limit`
-        items whose ids sort after `after` (the previous page's `last_id`)."""
-        tenant, models = getattr(request.state, "tenant", None), (settings.model, *settings.accept_models)
-        return JSONResponse(await asyncio.to_thread(cartridge_list, registry.after(after), models, tenant, limit))
+        """A page of the registered cartridges the caller may name: `limit` items whose ids sort
+        after `after` (the previous page's `last_id`)."""
+        return await gateway.cartridges(getattr(request.state, "tenant", None), limit, after)
 
     @app.get("/health")
     async def health():
@@ -593,16 +712,3 @@ def create_app(settings: GatewaySettings, *, transport=None):
         outage every gateway would otherwise share (all replicas unready at once, clients refused
         a connection instead of answered 502/503 per request)."""
         return JSONResponse({"gateway": "ok"})
-
-    if settings.catalog_uri:
-        from lmcache_cartridge.store.catalog import CatalogSync
-        from lmcache_cartridge.store.s3 import S3Settings
-
-        sync = CatalogSync(Registry(settings.registry), settings.catalog_uri, S3Settings.from_mapping(settings.s3),
-                           settings.catalog_period, cache_dir=settings.cache_dir, chunk_size=settings.chunk_size,
-                           allow_uris=settings.catalog_allow_uris)
-        app.state.catalog_sync = sync
-
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(ApiKeys, settings=settings)  # added last: runs first, before the body is read
-    return app

@@ -49,6 +49,7 @@ from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import opened_beneath
 from lmcache_cartridge.store.registration import s3_origin
 from lmcache_cartridge.store.registry import Entry, IdOutOfScope, IdTaken, Registry, RegistryError
+from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, TooLarge
 
 OBJECT_SUFFIXES = (".pt", ".pth")  # an s3:// id ending so is one object; otherwise a packed prefix
 MAX_CACHED = 4096      # resolutions kept (least recently used dropped first): clients choose the keys
@@ -60,6 +61,43 @@ MAX_LOCAL_ENTRIES = 4096
 # stat signature), an S3 one at the latest after this, or when force_redownload asks for it.
 REFUSAL_SECONDS = 600.0
 _REMEMBERED = (400, 413)  # refusals that say what the input's bytes are, not who asked or when
+
+# What a failure below the gateway answers a client: the first row whose class it is an instance
+# of (subclasses before their bases), its status and its message (`{what}`: the cartridge the
+# client named; `{e}`: the failure's own words). The one table: the resolver's registrations,
+# downloads, conversions and compositions and the gateway's request handling all answer by it.
+REFUSALS: tuple[tuple[type[Exception], int, str], ...] = (
+    (NotFound, 404, "{e}"),
+    (AccessDenied, 403, "{e}"),
+    (TooLarge, 413, "{e}"),
+    (OriginError, 502, "cannot fetch {what}: {e}"),  # the object store failed us, not the client
+    (IdOutOfScope, 403, "{e}"),
+    (IdTaken, 409, "{e}"),
+    (CartridgeError, 400, "{e}"),  # anything else wrong with what the client named
+)
+
+
+def refusal(e: Exception, what: str = "the cartridge") -> RequestError:
+    """`e` as the RequestError a client is answered with (`REFUSALS`); a RequestError as it is.
+    Anything the table does not name is raised again: it is a fault of ours, not an answer."""
+    if isinstance(e, RequestError):
+        return e
+    for kind, status, message in REFUSALS:
+        if isinstance(e, kind):
+            return RequestError(status, message.format(what=what, e=e))
+    raise e
+
+
+_REFUSED = tuple(kind for kind, _, _ in REFUSALS)
+
+
+@contextmanager
+def refused_as_http(what: str = "the cartridge"):
+    """Raise what the block raises as its `refusal` (the `REFUSALS` table's status and words)."""
+    try:
+        yield
+    except _REFUSED as e:
+        raise refusal(e, what) from None
 
 
 @dataclass(frozen=True)
@@ -360,16 +398,10 @@ class Resolver:
         """Register what a client named, under the claim rules every registration for a client
         passes, a re-registration too: never an id another origin holds, never one outside the
         tenant's ids, and (`expect_id`) never another id than the entry's own."""
-        try:
+        with refused_as_http():
             entry = self.registry.register(directory, source_uri=source_uri, force_redownload=force,
                                            replace_origin=False, client=client, may_claim=_claims(tenant),
                                            expect_id=expect_id, catalog=catalog)
-        except IdOutOfScope as e:
-            raise RequestError(403, str(e)) from None
-        except IdTaken as e:
-            raise RequestError(409, str(e)) from None
-        except CartridgeError as e:
-            raise RequestError(400, str(e)) from None
         self.stats["registrations"] += 1
         return entry
 
@@ -419,14 +451,12 @@ class Resolver:
         from lmcache_cartridge.store.registration import convert_input
 
         self.stats["conversions"] += 1
-        try:
+        with refused_as_http():
             out = convert_input(path, digest, self.settings.cache_dir, model=self.settings.model,
                                 chunk_size=self.settings.chunk_size, vocab=self.vocab,
                                 name=Path(name).stem if path.is_file() else name, named=named, beside=beside,
                                 model_dir=self.settings.model if Path(self.settings.model).is_dir()
                                 else self.settings.tokenizer)
-        except CartridgeError as e:
-            raise RequestError(400, str(e)) from None
         if out.packed_dir is None:
             self._budget(path)
             return Resolved(spec.id, "tokens", tuple(out.token_ids))
@@ -461,10 +491,10 @@ class Resolver:
 
     def _s3(self, spec: CartridgeSpec, tenant: Tenant | None = None) -> Resolved:
         from lmcache_cartridge.store.registration import fetch_s3_dir, fetch_s3_object, register_s3
-        from lmcache_cartridge.store.s3 import AccessDenied, NotFound, OriginError, S3Settings, TooLarge, parse_s3_uri
+        from lmcache_cartridge.store.s3 import S3Settings, parse_s3_uri
 
         key = parse_s3_uri(spec.id)[1]  # checked against the allowed roots by `resolve`
-        try:
+        with refused_as_http(spec.id):
             settings = S3Settings.from_mapping(self.settings.s3)
             if key.endswith(OBJECT_SUFFIXES):
                 obj = fetch_s3_object(spec.id, settings, self.settings.cache_dir, force=spec.force_redownload)
@@ -482,20 +512,6 @@ class Resolver:
                                 force_redownload=spec.force_redownload, engine=self.engine, replace_origin=False,
                                 client=True, may_claim=_claims(tenant))
             self.stats["registrations"] += 1
-        except NotFound as e:
-            raise RequestError(404, str(e)) from None
-        except AccessDenied as e:
-            raise RequestError(403, str(e)) from None
-        except TooLarge as e:
-            raise RequestError(413, str(e)) from None
-        except OriginError as e:
-            raise RequestError(502, f"cannot fetch {spec.id}: {e}") from None
-        except IdOutOfScope as e:
-            raise RequestError(403, str(e)) from None
-        except IdTaken as e:
-            raise RequestError(409, str(e)) from None
-        except CartridgeError as e:
-            raise RequestError(400, str(e)) from None
         m = Manifest.load(entry.path)
         return Resolved(spec.id, m.kind, tuple(m.token_ids), entry, m)
 
@@ -599,11 +615,9 @@ class Resolver:
             hit = self._hit(key)
             if hit is not None:
                 return hit.entry, hit.manifest
-            try:
+            with refused_as_http():
                 entry, m = register_composite(self.registry, [(p.entry, p.manifest) for p in parts],
                                               self.settings.cache_dir, context_ids)
-            except CartridgeError as e:
-                raise RequestError(400, str(e)) from None
             self.stats["registrations"] += 1
             self._remember(key, Resolved(entry.id, "trained", tuple(m.token_ids), entry, m))
             return entry, m
