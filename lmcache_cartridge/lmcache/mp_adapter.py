@@ -39,8 +39,10 @@ LMCache-driven transfer) for the key's model and world size.
 Lookup locks: the server locks what a lookup hit until it has loaded it (`submit_unlock`). A
 remote chunk lives on the disk tier only here (there is no CPU tier), so the lock holds its file
 (`DiskTier.hold`): another cartridge's download cannot evict it before the load, which would
-then miss a chunk the lookup promised. A file that cannot be held is a miss at lookup. Locks the
-server never returns (a result nobody took) let go after `pin_lease_seconds`.
+then miss a chunk the lookup promised. A file that cannot be held is a miss at lookup. Each lock
+is a lease (`lmcache.leases`, the plugin's pins follow the same rule): one the server never
+returns (a result nobody took) lets go after `pin_lease_seconds`, and its late unlock never
+releases a newer lookup's lock on the same key.
 
 Trained cartridges: downloaded when registered and kept resident (the watcher fetches again what
 another download evicted, as the in-process plugin does: the gateway forwards a trained request only
@@ -73,7 +75,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,7 @@ from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
+from lmcache_cartridge.lmcache.leases import LeaseTable
 from lmcache_cartridge.lmcache.serving_set import ServingSet, SetState
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_settings
 from lmcache_cartridge.paths import private_dir
@@ -225,15 +227,6 @@ class _Served:
 MAX_PENDING_RESULTS = 4096  # results nobody took (a request aborted mid-lookup): oldest dropped beyond this
 
 
-@dataclass(eq=False)
-class _Lock:
-    """One lookup's lock on one key, until the server's unlock: the disk hold of a remote chunk
-    (None for a local origin's, which cannot go away). `taken`: time.monotonic(), for the lease."""
-
-    taken: float
-    hold: DiskHold | None
-
-
 class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     """Read-only `L2AdapterInterface` serving the registry's cartridges to an `lmcache server`."""
 
@@ -264,8 +257,9 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         # (chunk hash, salt) of retired cartridges' chunks to purge from L1 until none is skipped
         self._tombstones: set[tuple[bytes, str]] = set()
         self._refused: set[tuple] = set()  # refusals logged once
-        # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
-        self._locks: dict[Any, deque[_Lock]] = {}
+        # key -> the locks lookups took on it, oldest first: one per hit the server will unlock,
+        # each the disk hold of a remote chunk (None for a local origin's, which cannot go away)
+        self._leases: LeaseTable[DiskHold | None] = LeaseTable()
         self._pool = threads.pool(1, "cartridge-mp")
         self._ctx = None
         self._transfer_modules: list = []
@@ -387,7 +381,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             except Exception as e:  # a locked registry, a full disk: keep serving what we have
                 logger.warning("lmcache_cartridge MP adapter: refresh failed: %s", e)
             try:  # whatever the registry does
-                self._expire_locks()
+                self._expire_leases()
             except Exception as e:
                 logger.warning("lmcache_cartridge MP adapter: expiring lookup locks failed: %s", e)
             try:
@@ -633,33 +627,17 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     def submit_unlock(self, keys) -> None:
         """The server is done with what a lookup hit (loaded, dropped from its plan, or the
         request ended): release one lock per key, the oldest (the prefetch controller's thread).
-        A lock the lease already released is just forgotten."""
-        released = []
+        The unlock of a lock the lease already released ends that lock, not a newer one."""
         with self._lock:
-            for key in keys:
-                taken = self._locks.get(key)
-                if not taken:
-                    continue
-                released.append(taken.popleft())
-                if not taken:
-                    del self._locks[key]
+            released = [self._leases.release(key) for key in keys]
         _release(released)
 
-    def _expire_locks(self) -> None:
+    def _expire_leases(self) -> None:
         """Watcher thread: release the holds of locks older than the lease (a lookup result the
-        server never took is never unlocked) and forget them after one more lease, so a late
-        unlock still finds its own lock, never a newer lookup's."""
+        server never took is never unlocked; `lmcache.leases`)."""
         lease = self.settings.pin_lease_seconds
-        now = time.monotonic()
-        expired = []
         with self._lock:
-            for key in list(self._locks):
-                taken = self._locks[key]
-                expired.extend(lk for lk in taken if lk.hold is not None and lk.hold.held and now - lk.taken > lease)
-                while taken and now - taken[0].taken > 2 * lease:
-                    taken.popleft()
-                if not taken:
-                    del self._locks[key]
+            expired = [hold for _key, hold in self._leases.expire(lease)]
         if expired:
             logger.warning("lmcache_cartridge MP adapter: %d lookup locks expired after %.0fs without an unlock",
                            len(expired), lease)
@@ -746,7 +724,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
 
     def _lookup(self, keys, descs) -> Bitmap:
         """Reader thread: which keys this adapter can load now, each locked until the server's
-        unlock (`_Lock`: a remote chunk's disk file is held, else it is a miss)."""
+        unlock (a lease: a remote chunk's disk file is held, else it is a miss)."""
         with self.metrics.timing("lookup", len(keys)):
             return self._lookup_keys(keys, descs)
 
@@ -771,7 +749,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 continue
             with self._lock:  # recorded at once: a lookup that raises later still leaves it to the lease
                 self._asked.add((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
-                self._locks.setdefault(key, deque()).append(_Lock(time.monotonic(), hold))
+                self._leases.take(key, hold)
             bits.set(n)
         for h in downloads.values():
             self.residency.download_async(h, on_done=lambda _h: self.publish())
@@ -895,9 +873,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         with self._lock:
             served = list(self._state.served.values())
             self._state = SetState()
-            locks = [lk for taken in self._locks.values() for lk in taken]
-            self._locks = {}
-        _release(locks)  # file locks other processes' evictions respect: never left to the GC
+            holds = self._leases.clear()
+        _release(holds)  # file locks other processes' evictions respect: never left to the GC
         for s in served:
             s.retire()
             s.origin.close()
@@ -907,8 +884,9 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self.registry.close()
 
 
-def _release(locks) -> None:
-    """Release the disk holds of these locks (outside the adapter's lock; idempotent)."""
-    for lk in locks:
-        if lk.hold is not None:
-            lk.hold.release()
+def _release(holds) -> None:
+    """Release these lookup locks' disk holds (outside the adapter's lock; idempotent; None:
+    nothing held)."""
+    for hold in holds:
+        if hold is not None:
+            hold.release()
