@@ -56,14 +56,20 @@ the memory tier in MP mode, so the adapter keeps no CPU tier of its own. Stores 
 with 0 bytes (read-only): do not run the server with the `skip_l1` store policy, under which LMCache
 drops from L1 what it believes an L2 adapter stored.
 
-Where it runs: in the `lmcache server` process. Who calls it: the server's store controller thread
-(`submit_store_task`, `pop_completed_store_tasks`) and prefetch controller thread (lookups,
-unlocks, loads, their results); the work runs on one reader thread of its own and completes into
-dicts under `_lock`, signalled by event fds; a watcher thread follows the registry and asks the
-server to preload what `preload` names into L1 (`_preload_due`, through the server's own prefetch,
-which calls this adapter's lookup and load like a request's), and with
-`catalog_uri` set a catalog sync thread (`lmcache.catalog_sync`, as the plugin's) fills it. It owns its
-index, tiers and records; the cartridges' files stay the operator's.
+Where it runs: in the `lmcache server` process, which builds it from `--l2-adapter` (`type:
+plugin`, this module's path). Who calls it: the server's store controller thread
+(`submit_store_task`, `pop_completed_store_tasks`), its prefetch controller thread (lookups,
+unlocks, loads, their results), its request thread (`submit_touch`), its status report
+(`report_status`) and its storage manager (`close`, before it frees L1); the server module
+(`vllm.mp_server`) calls `attach` once. The work runs on one reader thread of its own and
+completes into dicts under `_lock`, signalled by event fds.
+Its watcher thread follows the registry, expires lookup locks, keeps trained cartridges resident
+and asks the server to preload what `preload` names into L1 (`lmcache.mp_preload`, through the
+server's own prefetch, which calls this adapter's lookup and load like a request's); with
+`catalog_uri` set a catalog sync thread (`lmcache.catalog_sync`, as the plugin's) fills the
+registry. What it knows of the engines registered with the server is read by
+`lmcache.mp_engines`. It owns its index, tiers and records; the cartridges' files stay the
+operator's.
 """
 
 from __future__ import annotations
@@ -99,14 +105,13 @@ from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency, tier_key
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
+from lmcache_cartridge.lmcache.mp_engines import ServerEngines, kv_world_and_rank
 from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for, warm_rows
+from lmcache_cartridge.lmcache.mp_preload import preload_due
 
 logger = logging.getLogger("lmcache_cartridge.mp_adapter")
 
 NAME = "cartridge"
-PRELOAD_DONE = -1
-PRELOAD_TRIES = 5  # a preload that left chunks out (a download under way) is asked again, this often
-PRELOAD_WAIT_S = 120.0  # longest a preload's prefetch is waited for
 
 
 def served_models(model: str, accept_models: tuple[str, ...]) -> frozenset[str]:
@@ -134,11 +139,6 @@ def server_endpoint(mp_config) -> str:
         return ""
     scheme = "grpc" if getattr(mp_config, "transport", "zmq") == "grpc" else "tcp"
     return f"{scheme}://{host}:{int(port)}"
-
-
-def kv_world_and_rank(kv_rank: int) -> tuple[int, int]:
-    """(world size, global rank) packed into an MP key's `kv_rank` (LMCache's `ComputeKVRank`)."""
-    return (kv_rank >> 24) & 0xFF, (kv_rank >> 16) & 0xFF
 
 
 class CartridgeL2AdapterConfig(L2AdapterConfigBase):
@@ -175,8 +175,8 @@ class _Served:
     models: frozenset[str]
     handles: dict[tuple[int, int], Handle] = field(default_factory=dict)
     retired: bool = False
-    # `preload`: (model, world size) -> tries so far (`PRELOAD_DONE` once L1 holds every chunk,
-    # or it never can); the watcher's only, as `_preload_due` runs there
+    # `preload`: (model, world size) -> tries so far (`mp_preload.PRELOAD_DONE` once L1 holds
+    # every chunk, or it never can); the watcher's only, as `mp_preload.preload_due` runs there
     preloads: dict[tuple[str, int], int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -262,7 +262,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self._leases: LeaseTable[DiskHold | None] = LeaseTable()
         self._pool = threads.pool(1, "cartridge-mp")
         self._ctx = None
-        self._transfer_modules: list = []
+        self._server = ServerEngines()  # the engines registered with the server, once attached
         self._rows_warmed = False  # `warm_rows` asked (once a vLLM-CPU engine registered)
         self._closed = threading.Event()
         self._catalog_sync = None  # started by `attach` when `catalog_uri` is set
@@ -283,8 +283,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         (block sizes of vLLM-CPU engines); index the registry with them. `endpoint`: the server's
         request endpoint (`server_endpoint`), published so that a vLLM attached to it finds this
         adapter's record (`vllm.mp_connector` announces what it holds as KV events)."""
-        self._transfer_modules = [m for m in modules if type(m).__name__ in
-                                  ("EngineDrivenTransferModule", "LMCacheDrivenTransferModule")]
+        self._server = ServerEngines(server_context, modules)
         self._identity["endpoint"] = str(endpoint or "")
         with self._refresh_lock:
             self._ctx = server_context
@@ -346,7 +345,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         ones (`vllm.mp_connector`): fetched now, for every rank of the engines attached
         (`_Served.engine_handles`)."""
         self._purge_chunks({(h, s.salt) for s in fresh for h in s.hashes})
-        engines = self._engines()
+        engines = self._server.engines()
         for s in fresh:
             if s.manifest.kind == "trained" and not s.origin.local:
                 for h in s.engine_handles(engines):
@@ -393,8 +392,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             except Exception as e:
                 logger.warning("lmcache_cartridge MP adapter: preload failed: %s", e)
             try:
-                if not self._rows_warmed and any(self._block_size(model, world) is not None
-                                                 for model, world in self._engines()):
+                if not self._rows_warmed and self._server.vllm_cpu_attached():
                     warm_rows()  # a vLLM-CPU engine registered: its rows encoder's import, ahead of its loads
                     self._rows_warmed = True
             except Exception as e:
@@ -411,84 +409,24 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         with self._lock:
             trained = [s for s in self._state.served.values()
                        if s.manifest.kind == "trained" and not s.origin.local and not s.retired]
-        engines = self._engines()
+        engines = self._server.engines()
         for s in trained:
             for h in s.engine_handles(engines):
                 if not self.residency.resident(h):
                     self.residency.download_async(h, on_done=lambda _h: self.publish())
 
-    # --- `preload`: the server's own prefetch into L1 (watcher thread) ----------------------------
+    # --- `preload`: the server's own prefetch into L1 (watcher thread; `lmcache.mp_preload`) ------
     def _preload_due(self) -> None:
-        """Watcher thread, every refresh period: load each served cartridge `preload` names into
-        the server's L1 for every engine attached to the server whose model it serves, once per
-        (cartridge, model, world size), so that its first request is an L1 hit. What it asks is
-        what a first request's lookup asks (`StorageManager.submit_prefetch_task`: the server's
-        lookup and load through this adapter, under the cartridge's keys and salt), unlocked
-        (`NO_LOCK`): the chunks stay in L1 as anything stored there does, until evicted; a request
-        after that is an ordinary first hit. A cartridge served before an engine attached is
-        preloaded once it does. Purges of L1 (removal, replacement) reach preloaded chunks as any
-        (their lookups recorded the keys)."""
+        """Watcher thread, every refresh period: load the served cartridges `preload` names into
+        the server's L1 for the engines attached (`mp_preload.preload_due`)."""
         sm = getattr(self._ctx, "storage_manager", None)
         if sm is None or not self.settings.preload:
             return
         with self._lock:
             wanted = [s for s in self._state.served.values() if not s.retired and self.preloaded(s)]
-        if not wanted:
-            return
-        engines = self._engines()
-        for s in wanted:
-            for model, world in sorted(engines):
-                tries = s.preloads.get((model, world), 0)
-                if model not in s.models or tries == PRELOAD_DONE or self._closed.is_set() or s.retired:
-                    continue
-                got, asked = self._preload(sm, s, model, world)
-                with s.lock:
-                    handles = list(s.handles.values())
-                if got < asked and any(self.residency.downloading(h) for h in handles):
-                    continue  # its lookups started the download: asked again, not counted, once it is local
-                s.preloads[(model, world)] = PRELOAD_DONE if got == asked or tries + 1 >= PRELOAD_TRIES else tries + 1
-                if s.preloads[(model, world)] == PRELOAD_DONE and got < asked:
-                    logger.warning("lmcache_cartridge MP adapter: preload of %r for %s (world size %d) left %d of "
-                                   "%d chunks out of L1 after %d tries: their requests load them as first hits",
-                                   s.entry.id, model, world, asked - got, asked, tries + 1)
-
-    def _preload(self, sm, s: _Served, model: str, world: int) -> tuple[int, int]:
-        """(chunks in L1, chunks asked) of one preload of `s` for the engines of (model, world)."""
-        from lmcache.v1.distributed.api import GroupedObjectKeys, ObjectKey, PrefetchLockMode, PrefetchTaskSpec
-
-        registry = self._ctx.layout_desc_registry
-        try:
-            s.handle(world, 0)  # an engine whose world size does not split the heads is never served
-            attn = registry.find_attn_desc(model, world)
-            whole = registry.find(model, world)
-            descs = registry.find_group_layout_descs(model, world) or {
-                g: whole for g in range(attn.num_object_groups) if whole is not None}
-        except Exception as e:  # noqa: BLE001 (the engine left, or its heads do not split: nothing to ask)
-            logger.info("lmcache_cartridge MP adapter: no preload of %r for %s (world size %d): %s",
-                        s.entry.id, model, world, e)
-            return 0, 0
-        rows = [GroupedObjectKeys(keys=[ObjectKey(h, model, rank, group, s.salt) for h in s.hashes],
-                                  object_group_id=group, layout_desc=descs[group],
-                                  sliding_window_size=attn.num_chunks_in_sw[group])
-                for group in range(attn.num_object_groups) if group in descs
-                for rank in (ObjectKey.ComputeKVRank(world_size=world, global_rank=r, local_world_size=world,
-                                                     local_rank=r) for r in range(world))]
-        if not rows:
-            return 0, 0
-        asked = sum(len(r.keys) for r in rows)
-        with self.metrics.timing("preload", asked):
-            handle = sm.submit_prefetch_task(
-                PrefetchTaskSpec(key_groups=rows, fetching_policy="prefix", lock_mode=PrefetchLockMode.NO_LOCK),
-                external_request_id=f"cartridge-preload-{s.entry.id}")
-            deadline = time.monotonic() + PRELOAD_WAIT_S
-            while not sm.wait_prefetch_status(handle, 0.5):
-                if self._closed.is_set() or time.monotonic() > deadline:
-                    return 0, asked  # its result, when it comes, stays with the server's controller
-            result = sm.query_prefetch_status(handle)
-        got = sum(row.popcount() for row in result.hit_cells) if result is not None else 0
-        logger.info("lmcache_cartridge MP adapter: preloaded %d of %d chunks of %r into L1 for %s (world size %d)",
-                    got, asked, s.entry.id, model, world)
-        return got, asked
+        if wanted:
+            preload_due(sm, self._ctx.layout_desc_registry, wanted, self._server.engines(),
+                        residency=self.residency, metrics=self.metrics, closed=self._closed)
 
     def _purge(self) -> None:
         """Delete retired chunks from the server's L1 under every (model, rank, group, cache_salt)
@@ -546,7 +484,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         with self._lock:
             served = list(self._state.served.values())
             skipped = dict(self._state.skipped)
-        engines = self._engines()
+        engines = self._server.engines()
         carts = {}
         for s in served:
             n = len(s.hashes)
@@ -554,7 +492,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 else ()
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.manifest.kind, n, local)
         models = sorted({m for s in served for m in s.models} | set(self.settings.accept_models)
-                        | self._engine_models())
+                        | self._server.models())
         snap = self.metrics.snapshot()
         return ServingState(
             **self._identity, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
@@ -564,23 +502,6 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                     "\"lmcache_cartridge.vllm.mp_server\"}'",
             cartridges=carts, skipped=skipped, tiers=snap["tiers"], stages=snap["stages"],
             metrics_instance=self.metrics.instance)
-
-    def _engine_models(self) -> set[str]:
-        """The model names of the vLLM engines registered with the server now. Published with the
-        cartridges' models: a server serving no cartridge of an attached engine's model is still
-        that model's instance, so the gateway reads the reason a cartridge was refused (400)
-        instead of waiting for an instance of the model that never comes (503)."""
-        return {model for model, _world in self._engines()}
-
-    def _engines(self) -> set[tuple[str, int]]:
-        """(model, world size) of the vLLM engines registered with the server now: its layout
-        registry's keys (lmcache 0.5.6 has no public listing of them)."""
-        registry = getattr(self._ctx, "layout_desc_registry", None)
-        entries, lock = getattr(registry, "_registry", None), getattr(registry, "_lock", None)
-        if not isinstance(entries, dict) or lock is None:
-            return set()
-        with lock:
-            return {(str(model), int(world)) for model, world in entries if model}
 
     # --- event fds -------------------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
@@ -673,8 +594,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             heads = h.view.heads[1] - h.view.heads[0]
             lay = classify(shape, dtype, num_layers=m.num_layers, num_tokens=m.chunks[index].num_tokens,
                            heads=heads, head_dim=m.head_dim,
-                           block_size=lambda: self._block_size(key.model_name, world),
-                           gpu=lambda: self._gpu_engine(key.model_name, world))
+                           block_size=lambda: self._server.block_size(key.model_name, world),
+                           gpu=lambda: self._server.gpu(key.model_name, world))
             return h, lay
         except Exception as e:
             once = (s.entry.id, key.model_name, world, tuple(shape), type(e).__name__)
@@ -683,44 +604,6 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 logger.warning("lmcache_cartridge MP adapter: %r not served to %s (world %d, object %s): %s",
                                m.cartridge_id, key.model_name, world, list(shape), e)
             return None
-
-    def _gpu_engine(self, model: str, world: int) -> bool:
-        """Whether the engine of (model, world) registered with the server is a GPU one (its fused
-        rows are plain K|V values, `mp_layout.FUSED_ROWS`): an LMCache-driven context that is not
-        LMCache's CPU one (engine-driven contexts are all non-CUDA). Asked per lookup of rows, never
-        kept. A GPU and a vLLM-CPU engine of the same (model, world) would read the same rows
-        differently: refused."""
-        from lmcache.v1.platform.devices.cpu.cache_context import CPUCacheContext
-
-        gpu = False
-        for mod in self._transfer_modules:
-            if hasattr(mod, "context_entries_snapshot"):
-                gpu = gpu or any(not isinstance(e.cache_context, CPUCacheContext)
-                                 for e in mod.context_entries_snapshot().values()
-                                 if e.model_name == model and int(e.world_size) == world)
-        if gpu and self._block_size(model, world) is not None:
-            raise CartridgeError(f"a GPU engine and a vLLM-CPU engine of {model!r} (world {world}) are both "
-                                 "registered: their MP objects hold different bytes")
-        return gpu
-
-    def _block_size(self, model: str, world: int) -> int | None:
-        """The block size the server's registration of a vLLM-CPU engine of (model, world) declares
-        now (engine-driven contexts report it, LMCache-driven CPU contexts hold it); asked per
-        lookup of vLLM-CPU rows, never kept: an engine may re-register with another block size."""
-        for mod in self._transfer_modules:
-            if hasattr(mod, "context_entries_snapshot"):  # LMCache-driven: the shared-memory cache context
-                found = [e.cache_context.block_size for e in mod.context_entries_snapshot().values()
-                         if e.model_name == model and int(e.world_size) == world
-                         and hasattr(e.cache_context, "block_size")]
-            else:
-                meta = mod.report_status().get("non_cuda_context_meta", {})
-                found = [v["block_size"] for v in meta.values()
-                         if v.get("model_name") == model and int(v.get("world_size", 0)) == world]
-            if len(set(found)) == 1:
-                return int(found[0])
-            if found:  # two engines of (model, world) with different block sizes: rows are ambiguous
-                return None
-        return None
 
     def _lookup(self, keys, descs) -> Bitmap:
         """Reader thread: which keys this adapter can load now, each locked until the server's
