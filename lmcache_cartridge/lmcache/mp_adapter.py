@@ -249,7 +249,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         # tokens only, so two models' cartridges of the same tokens share hashes and are told apart
         # by the key's model, and the operator's cartridge of a prompt and a client's KV of the same
         # prompt by the key's salt.
-        self._init_serving(SetState(), threading.Lock())
+        self._init_serving(SetState(), threading.Lock())  # never re-entered, as the plugin's
         self._publish_lock = threading.Lock()  # `publish`: one record computed and written at a time
         self._ids = itertools.count(1)
         self._done: dict[str, dict[int, Any]] = {"store": {}, "lookup": {}, "load": {}}
@@ -337,14 +337,14 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 self._pool.submit(s.origin.close)
             except RuntimeError:  # shut down
                 s.origin.close()
-        self._purge()
+        self._purge_tombstones()
 
     def _started(self, fresh: list[_Served]) -> None:
         """Cartridges just swapped in: KV the server's L1 holds under their keys was stored before
         they were served (recomputed from their ids) and goes; a trained request waits for trained
         ones (`vllm.mp_connector`): fetched now, for every rank of the engines attached
         (`_Served.engine_handles`)."""
-        self._purge_chunks({(h, s.salt) for s in fresh for h in s.hashes})
+        self._delete_from_l1({(h, s.salt) for s in fresh for h in s.hashes})
         engines = self._server.engines()
         for s in fresh:
             if s.manifest.kind == "trained" and not s.origin.local:
@@ -375,7 +375,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         while not self._closed.wait(self.settings.refresh_seconds):
             try:
                 if not self.refresh():  # a refresh purges and publishes itself
-                    self._purge()
+                    self._purge_tombstones()
                     self.publish()
             except Exception as e:  # a locked registry, a full disk: keep serving what we have
                 logger.warning("lmcache_cartridge MP adapter: refresh failed: %s", e)
@@ -428,7 +428,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             preload_due(sm, self._ctx.layout_desc_registry, wanted, self._server.engines(),
                         residency=self.residency, metrics=self.metrics, closed=self._closed)
 
-    def _purge(self) -> None:
+    def _purge_tombstones(self) -> None:
         """Delete retired chunks from the server's L1 under every (model, rank, group, cache_salt)
         answered so far that their salt serves; a chunk stays tombstoned while the server skips
         any of its keys (locked by a read in flight) and leaves once it is served again. Then
@@ -438,14 +438,14 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             stones = set(self._tombstones)
         if not stones:  # a salt stops being served only by a retirement, which leaves tombstones
             return
-        done = self._purge_chunks(stones)
+        done = self._delete_from_l1(stones)
         with self._lock:
             live = self._live()
             self._tombstones -= done | live
             salts = {salt for _, salt in live | self._tombstones} | {""}
             self._asked = {a for a in self._asked if salt_of(a[3]) in salts}
 
-    def _purge_chunks(self, chunks: set[tuple[bytes, str]]) -> set[tuple[bytes, str]]:
+    def _delete_from_l1(self, chunks: set[tuple[bytes, str]]) -> set[tuple[bytes, str]]:
         """Delete these (chunk hash, salt) chunks' keys from L1: the hash under each key answered
         so far whose cache_salt names that salt (`salt_of`). Return the chunks none of whose keys
         was skipped (all of them when there is no server storage manager to purge, as in unit

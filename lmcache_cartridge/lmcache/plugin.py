@@ -143,7 +143,10 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
                 raise CartridgeError("; ".join(problems))
             self.shape = EngineShape.from_lmcache(config, metadata, self.settings.accept_models)
             self.registry = None
-            self._init_serving(_State(), threading.RLock())
+            # A plain Lock, as the MP adapter's: nothing taken under it takes it again (the hooks
+            # the serving set calls under it are `_claims` and `*_locked`), and a re-entry is a
+            # deadlock the tests show at once rather than a lock order an RLock would hide.
+            self._init_serving(_State(), threading.Lock())
             self._closed = threading.Event()
             self.healthy = True
             self.problem: str | None = None
@@ -224,7 +227,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         placeholders) and must never be served in place of the cartridge's own KV; trained ones
         are fetched now (the gateway waits for them to be resident); `preload` ones are read and
         verified before their first request needs them."""
-        self._purge(k for s in fresh for k in s.keys)
+        self._drop_from_cpu_cache(k for s in fresh for k in s.keys)
         for s in fresh:
             if s.entry.kind == "trained":
                 self._want_download(s)
@@ -266,7 +269,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         keys from LMCache's CPU cache (tombstones purge them again until no read can write them
         back) and close each origin nothing reads or pins any more."""
         for s in retired:
-            self._purge(s.keys)
+            self._drop_from_cpu_cache(s.keys)
             self._close_if_unused(s)
             logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
 
@@ -276,7 +279,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         if unused:
             s.handle.origin.close()  # closing twice is harmless
 
-    def _purge(self, keys) -> None:
+    def _drop_from_cpu_cache(self, keys) -> None:
         """Drop keys from LMCache's own CPU cache (never under the plugin lock: LMCache's lock)."""
         if self.local_cpu_backend is None:
             return
@@ -323,7 +326,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
             self._release_tiers(expired)
             for s in {id(p.served): p.served for p in expired}.values():
                 self._close_if_unused(s)
-        self._purge(purge)
+        self._drop_from_cpu_cache(purge)
         for s in trained:
             if not s.handle.origin.local and not self.residency.resident(s.handle):
                 self._want_download(s)
