@@ -129,7 +129,7 @@ def test_retrieve_of_a_chunk_evicted_after_lookup_never_reads_the_origin(tmp_pat
             plugin.residency.cpu.discard(m.content_hash)
         assert plugin.batched_contains(keys, pin=pin) == 3
         if pin:
-            assert all(p.hold is not None and p.hold.held for k in keys for p in plugin._state.pins[k])
+            assert all(p.hold is not None and p.hold.held for k in keys for p in plugin._state.pins.held(k))
         gets = s3_proxy.count("GET", KV_GET)
         plugin.residency.cpu.discard(m.content_hash)
         plugin.residency.disk.discard(m.content_hash)  # evicted from memory and disk
@@ -209,7 +209,7 @@ def test_disk_holds_end_with_their_pins_lease_and_the_plugin(tmp_path, moto_serv
 
         def pinned_hold():
             assert plugin.batched_contains([key], pin=True) == 1
-            hold = plugin._state.pins[key][-1].hold
+            hold = plugin._state.pins.held(key)[-1].hold
             assert hold is not None and hold.held  # on disk only: the pin holds the file
             return hold
 

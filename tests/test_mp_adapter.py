@@ -408,7 +408,7 @@ def test_a_locked_disk_only_chunk_survives_another_cartridges_download_until_unl
         assert torch.equal(obj.tensor, kvs["mp-x"].reshape(2, L, CHUNK, -1))
         assert s3_proxy.count("GET", r"/kv\.bin$") == gets  # from the disk, never from S3
         adapter.submit_unlock([key])
-        assert not adapter._locks
+        assert not adapter._leases
         adapter.residency.download_async(hy)  # Y again: now X's file may go
         deadline = time.time() + 30
         while not resident("mp-y") and time.time() < deadline:
@@ -420,8 +420,9 @@ def test_a_locked_disk_only_chunk_survives_another_cartridges_download_until_unl
 
 def test_lookup_locks_the_server_never_returns_let_go_after_the_lease(tmp_path, moto_server, s3_proxy):
     """A lookup result nobody takes is never unlocked by the server: its disk holds go when the
-    lease expires (the file is evictable again), and a late unlock then releases nothing; close
-    releases the holds still open."""
+    lease expires (the file is evictable again), and a late unlock then ends the expired lock,
+    never a newer lookup's on the same key (`lmcache.leases`); close releases the holds still
+    open."""
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 
     from lmcache_cartridge.cartridge.packed import VocabInfo
@@ -452,15 +453,16 @@ def test_lookup_locks_the_server_never_returns_let_go_after_the_lease(tmp_path, 
         desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
         for _ in range(2):
             assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task([key], desc)).popcount() == 1
-        holds = [lk.hold for lk in adapter._locks[key]]
+        holds = list(adapter._leases.held(key))
         assert len(holds) == 2 and all(hd is not None and hd.held for hd in holds)
         time.sleep(0.01)
-        adapter._expire_locks()  # what the watcher runs every refresh period
-        assert not any(hd.held for hd in holds) and not adapter._locks
-        adapter.submit_unlock([key])  # late: nothing left to release
+        adapter._expire_leases()  # what the watcher runs every refresh period
+        assert not any(hd.held for hd in holds) and not adapter._leases
         assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task([key], desc)).popcount() == 1
-        open_at_close = adapter._locks[key][0].hold
-        assert open_at_close.held
+        newer = adapter._leases.held(key)[0]
+        adapter.submit_unlock([key, key])  # late, for the two expired locks: the newer one stays
+        assert newer.held and adapter._leases.held(key) == (newer,)
+        open_at_close = newer
     finally:
         adapter.close()
     assert not open_at_close.held
@@ -772,7 +774,7 @@ def test_a_trained_s3_cartridge_is_fetched_for_each_rank_of_a_tensor_parallel_en
                     want = oracle.read_chunk(i)[..., rank * hd * D:(rank + 1) * hd * D]
                     assert torch.equal(obj.tensor, want), f"rank {rank}, chunk {i}: not its heads' bytes"
         assert s3_proxy.count("GET", r"mp-tp-x/kv\.bin$") == gets  # served from the disk tier
-        assert not adapter._locks
+        assert not adapter._leases
 
         # Y's ranks fill the disk tier (room for one cartridge): X's ranks are evicted
         register_s3(reg, "s3://mp-tp/c/mp-tp-y", tmp_path / "cache", s3)

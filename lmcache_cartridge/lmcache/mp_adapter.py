@@ -39,8 +39,10 @@ LMCache-driven transfer) for the key's model and world size.
 Lookup locks: the server locks what a lookup hit until it has loaded it (`submit_unlock`). A
 remote chunk lives on the disk tier only here (there is no CPU tier), so the lock holds its file
 (`DiskTier.hold`): another cartridge's download cannot evict it before the load, which would
-then miss a chunk the lookup promised. A file that cannot be held is a miss at lookup. Locks the
-server never returns (a result nobody took) let go after `pin_lease_seconds`.
+then miss a chunk the lookup promised. A file that cannot be held is a miss at lookup. Each lock
+is a lease (`lmcache.leases`, the plugin's pins follow the same rule): one the server never
+returns (a result nobody took) lets go after `pin_lease_seconds`, and its late unlock never
+releases a newer lookup's lock on the same key.
 
 Trained cartridges: downloaded when registered and kept resident (the watcher fetches again what
 another download evicted, as the in-process plugin does: the gateway forwards a trained request only
@@ -54,14 +56,20 @@ the memory tier in MP mode, so the adapter keeps no CPU tier of its own. Stores 
 with 0 bytes (read-only): do not run the server with the `skip_l1` store policy, under which LMCache
 drops from L1 what it believes an L2 adapter stored.
 
-Where it runs: in the `lmcache server` process. Who calls it: the server's store controller thread
-(`submit_store_task`, `pop_completed_store_tasks`) and prefetch controller thread (lookups,
-unlocks, loads, their results); the work runs on one reader thread of its own and completes into
-dicts under `_lock`, signalled by event fds; a watcher thread follows the registry and asks the
-server to preload what `preload` names into L1 (`_preload_due`, through the server's own prefetch,
-which calls this adapter's lookup and load like a request's), and with
-`catalog_uri` set a catalog sync thread (`lmcache.catalog_sync`, as the plugin's) fills it. It owns its
-index, tiers and records; the cartridges' files stay the operator's.
+Where it runs: in the `lmcache server` process, which builds it from `--l2-adapter` (`type:
+plugin`, this module's path). Who calls it: the server's store controller thread
+(`submit_store_task`, `pop_completed_store_tasks`), its prefetch controller thread (lookups,
+unlocks, loads, their results), its request thread (`submit_touch`), its status report
+(`report_status`) and its storage manager (`close`, before it frees L1); the server module
+(`vllm.mp_server`) calls `attach` once. The work runs on one reader thread of its own and
+completes into dicts under `_lock`, signalled by event fds.
+Its watcher thread follows the registry, expires lookup locks, keeps trained cartridges resident
+and asks the server to preload what `preload` names into L1 (`lmcache.mp_preload`, through the
+server's own prefetch, which calls this adapter's lookup and load like a request's); with
+`catalog_uri` set a catalog sync thread (`lmcache.catalog_sync`, as the plugin's) fills the
+registry. What it knows of the engines registered with the server is read by
+`lmcache.mp_engines`. It owns its index, tiers and records; the cartridges' files stay the
+operator's.
 """
 
 from __future__ import annotations
@@ -73,7 +81,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +95,7 @@ from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.tp import RankView
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
+from lmcache_cartridge.lmcache.leases import LeaseTable
 from lmcache_cartridge.lmcache.serving_set import ServingSet, SetState
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_settings
 from lmcache_cartridge.paths import private_dir
@@ -97,14 +105,13 @@ from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency, tier_key
 from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
+from lmcache_cartridge.lmcache.mp_engines import ServerEngines, kv_world_and_rank
 from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for, warm_rows
+from lmcache_cartridge.lmcache.mp_preload import preload_due
 
 logger = logging.getLogger("lmcache_cartridge.mp_adapter")
 
 NAME = "cartridge"
-PRELOAD_DONE = -1
-PRELOAD_TRIES = 5  # a preload that left chunks out (a download under way) is asked again, this often
-PRELOAD_WAIT_S = 120.0  # longest a preload's prefetch is waited for
 
 
 def served_models(model: str, accept_models: tuple[str, ...]) -> frozenset[str]:
@@ -132,11 +139,6 @@ def server_endpoint(mp_config) -> str:
         return ""
     scheme = "grpc" if getattr(mp_config, "transport", "zmq") == "grpc" else "tcp"
     return f"{scheme}://{host}:{int(port)}"
-
-
-def kv_world_and_rank(kv_rank: int) -> tuple[int, int]:
-    """(world size, global rank) packed into an MP key's `kv_rank` (LMCache's `ComputeKVRank`)."""
-    return (kv_rank >> 24) & 0xFF, (kv_rank >> 16) & 0xFF
 
 
 class CartridgeL2AdapterConfig(L2AdapterConfigBase):
@@ -173,8 +175,8 @@ class _Served:
     models: frozenset[str]
     handles: dict[tuple[int, int], Handle] = field(default_factory=dict)
     retired: bool = False
-    # `preload`: (model, world size) -> tries so far (`PRELOAD_DONE` once L1 holds every chunk,
-    # or it never can); the watcher's only, as `_preload_due` runs there
+    # `preload`: (model, world size) -> tries so far (`mp_preload.PRELOAD_DONE` once L1 holds
+    # every chunk, or it never can); the watcher's only, as `mp_preload.preload_due` runs there
     preloads: dict[tuple[str, int], int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -225,15 +227,6 @@ class _Served:
 MAX_PENDING_RESULTS = 4096  # results nobody took (a request aborted mid-lookup): oldest dropped beyond this
 
 
-@dataclass(eq=False)
-class _Lock:
-    """One lookup's lock on one key, until the server's unlock: the disk hold of a remote chunk
-    (None for a local origin's, which cannot go away). `taken`: time.monotonic(), for the lease."""
-
-    taken: float
-    hold: DiskHold | None
-
-
 class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     """Read-only `L2AdapterInterface` serving the registry's cartridges to an `lmcache server`."""
 
@@ -256,7 +249,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         # tokens only, so two models' cartridges of the same tokens share hashes and are told apart
         # by the key's model, and the operator's cartridge of a prompt and a client's KV of the same
         # prompt by the key's salt.
-        self._init_serving(SetState(), threading.Lock())
+        self._init_serving(SetState(), threading.Lock())  # never re-entered, as the plugin's
         self._publish_lock = threading.Lock()  # `publish`: one record computed and written at a time
         self._ids = itertools.count(1)
         self._done: dict[str, dict[int, Any]] = {"store": {}, "lookup": {}, "load": {}}
@@ -264,11 +257,12 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         # (chunk hash, salt) of retired cartridges' chunks to purge from L1 until none is skipped
         self._tombstones: set[tuple[bytes, str]] = set()
         self._refused: set[tuple] = set()  # refusals logged once
-        # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
-        self._locks: dict[Any, deque[_Lock]] = {}
+        # key -> the locks lookups took on it, oldest first: one per hit the server will unlock,
+        # each the disk hold of a remote chunk (None for a local origin's, which cannot go away)
+        self._leases: LeaseTable[DiskHold | None] = LeaseTable()
         self._pool = threads.pool(1, "cartridge-mp")
         self._ctx = None
-        self._transfer_modules: list = []
+        self._server = ServerEngines()  # the engines registered with the server, once attached
         self._rows_warmed = False  # `warm_rows` asked (once a vLLM-CPU engine registered)
         self._closed = threading.Event()
         self._catalog_sync = None  # started by `attach` when `catalog_uri` is set
@@ -289,8 +283,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         (block sizes of vLLM-CPU engines); index the registry with them. `endpoint`: the server's
         request endpoint (`server_endpoint`), published so that a vLLM attached to it finds this
         adapter's record (`vllm.mp_connector` announces what it holds as KV events)."""
-        self._transfer_modules = [m for m in modules if type(m).__name__ in
-                                  ("EngineDrivenTransferModule", "LMCacheDrivenTransferModule")]
+        self._server = ServerEngines(server_context, modules)
         self._identity["endpoint"] = str(endpoint or "")
         with self._refresh_lock:
             self._ctx = server_context
@@ -344,15 +337,15 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 self._pool.submit(s.origin.close)
             except RuntimeError:  # shut down
                 s.origin.close()
-        self._purge()
+        self._purge_tombstones()
 
     def _started(self, fresh: list[_Served]) -> None:
         """Cartridges just swapped in: KV the server's L1 holds under their keys was stored before
         they were served (recomputed from their ids) and goes; a trained request waits for trained
         ones (`vllm.mp_connector`): fetched now, for every rank of the engines attached
         (`_Served.engine_handles`)."""
-        self._purge_chunks({(h, s.salt) for s in fresh for h in s.hashes})
-        engines = self._engines()
+        self._delete_from_l1({(h, s.salt) for s in fresh for h in s.hashes})
+        engines = self._server.engines()
         for s in fresh:
             if s.manifest.kind == "trained" and not s.origin.local:
                 for h in s.engine_handles(engines):
@@ -382,12 +375,12 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         while not self._closed.wait(self.settings.refresh_seconds):
             try:
                 if not self.refresh():  # a refresh purges and publishes itself
-                    self._purge()
+                    self._purge_tombstones()
                     self.publish()
             except Exception as e:  # a locked registry, a full disk: keep serving what we have
                 logger.warning("lmcache_cartridge MP adapter: refresh failed: %s", e)
             try:  # whatever the registry does
-                self._expire_locks()
+                self._expire_leases()
             except Exception as e:
                 logger.warning("lmcache_cartridge MP adapter: expiring lookup locks failed: %s", e)
             try:
@@ -399,8 +392,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             except Exception as e:
                 logger.warning("lmcache_cartridge MP adapter: preload failed: %s", e)
             try:
-                if not self._rows_warmed and any(self._block_size(model, world) is not None
-                                                 for model, world in self._engines()):
+                if not self._rows_warmed and self._server.vllm_cpu_attached():
                     warm_rows()  # a vLLM-CPU engine registered: its rows encoder's import, ahead of its loads
                     self._rows_warmed = True
             except Exception as e:
@@ -417,86 +409,26 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         with self._lock:
             trained = [s for s in self._state.served.values()
                        if s.manifest.kind == "trained" and not s.origin.local and not s.retired]
-        engines = self._engines()
+        engines = self._server.engines()
         for s in trained:
             for h in s.engine_handles(engines):
                 if not self.residency.resident(h):
                     self.residency.download_async(h, on_done=lambda _h: self.publish())
 
-    # --- `preload`: the server's own prefetch into L1 (watcher thread) ----------------------------
+    # --- `preload`: the server's own prefetch into L1 (watcher thread; `lmcache.mp_preload`) ------
     def _preload_due(self) -> None:
-        """Watcher thread, every refresh period: load each served cartridge `preload` names into
-        the server's L1 for every engine attached to the server whose model it serves, once per
-        (cartridge, model, world size), so that its first request is an L1 hit. What it asks is
-        what a first request's lookup asks (`StorageManager.submit_prefetch_task`: the server's
-        lookup and load through this adapter, under the cartridge's keys and salt), unlocked
-        (`NO_LOCK`): the chunks stay in L1 as anything stored there does, until evicted; a request
-        after that is an ordinary first hit. A cartridge served before an engine attached is
-        preloaded once it does. Purges of L1 (removal, replacement) reach preloaded chunks as any
-        (their lookups recorded the keys)."""
+        """Watcher thread, every refresh period: load the served cartridges `preload` names into
+        the server's L1 for the engines attached (`mp_preload.preload_due`)."""
         sm = getattr(self._ctx, "storage_manager", None)
         if sm is None or not self.settings.preload:
             return
         with self._lock:
             wanted = [s for s in self._state.served.values() if not s.retired and self.preloaded(s)]
-        if not wanted:
-            return
-        engines = self._engines()
-        for s in wanted:
-            for model, world in sorted(engines):
-                tries = s.preloads.get((model, world), 0)
-                if model not in s.models or tries == PRELOAD_DONE or self._closed.is_set() or s.retired:
-                    continue
-                got, asked = self._preload(sm, s, model, world)
-                with s.lock:
-                    handles = list(s.handles.values())
-                if got < asked and any(self.residency.downloading(h) for h in handles):
-                    continue  # its lookups started the download: asked again, not counted, once it is local
-                s.preloads[(model, world)] = PRELOAD_DONE if got == asked or tries + 1 >= PRELOAD_TRIES else tries + 1
-                if s.preloads[(model, world)] == PRELOAD_DONE and got < asked:
-                    logger.warning("lmcache_cartridge MP adapter: preload of %r for %s (world size %d) left %d of "
-                                   "%d chunks out of L1 after %d tries: their requests load them as first hits",
-                                   s.entry.id, model, world, asked - got, asked, tries + 1)
+        if wanted:
+            preload_due(sm, self._ctx.layout_desc_registry, wanted, self._server.engines(),
+                        residency=self.residency, metrics=self.metrics, closed=self._closed)
 
-    def _preload(self, sm, s: _Served, model: str, world: int) -> tuple[int, int]:
-        """(chunks in L1, chunks asked) of one preload of `s` for the engines of (model, world)."""
-        from lmcache.v1.distributed.api import GroupedObjectKeys, ObjectKey, PrefetchLockMode, PrefetchTaskSpec
-
-        registry = self._ctx.layout_desc_registry
-        try:
-            s.handle(world, 0)  # an engine whose world size does not split the heads is never served
-            attn = registry.find_attn_desc(model, world)
-            whole = registry.find(model, world)
-            descs = registry.find_group_layout_descs(model, world) or {
-                g: whole for g in range(attn.num_object_groups) if whole is not None}
-        except Exception as e:  # noqa: BLE001 (the engine left, or its heads do not split: nothing to ask)
-            logger.info("lmcache_cartridge MP adapter: no preload of %r for %s (world size %d): %s",
-                        s.entry.id, model, world, e)
-            return 0, 0
-        rows = [GroupedObjectKeys(keys=[ObjectKey(h, model, rank, group, s.salt) for h in s.hashes],
-                                  object_group_id=group, layout_desc=descs[group],
-                                  sliding_window_size=attn.num_chunks_in_sw[group])
-                for group in range(attn.num_object_groups) if group in descs
-                for rank in (ObjectKey.ComputeKVRank(world_size=world, global_rank=r, local_world_size=world,
-                                                     local_rank=r) for r in range(world))]
-        if not rows:
-            return 0, 0
-        asked = sum(len(r.keys) for r in rows)
-        with self.metrics.timing("preload", asked):
-            handle = sm.submit_prefetch_task(
-                PrefetchTaskSpec(key_groups=rows, fetching_policy="prefix", lock_mode=PrefetchLockMode.NO_LOCK),
-                external_request_id=f"cartridge-preload-{s.entry.id}")
-            deadline = time.monotonic() + PRELOAD_WAIT_S
-            while not sm.wait_prefetch_status(handle, 0.5):
-                if self._closed.is_set() or time.monotonic() > deadline:
-                    return 0, asked  # its result, when it comes, stays with the server's controller
-            result = sm.query_prefetch_status(handle)
-        got = sum(row.popcount() for row in result.hit_cells) if result is not None else 0
-        logger.info("lmcache_cartridge MP adapter: preloaded %d of %d chunks of %r into L1 for %s (world size %d)",
-                    got, asked, s.entry.id, model, world)
-        return got, asked
-
-    def _purge(self) -> None:
+    def _purge_tombstones(self) -> None:
         """Delete retired chunks from the server's L1 under every (model, rank, group, cache_salt)
         answered so far that their salt serves; a chunk stays tombstoned while the server skips
         any of its keys (locked by a read in flight) and leaves once it is served again. Then
@@ -506,14 +438,14 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             stones = set(self._tombstones)
         if not stones:  # a salt stops being served only by a retirement, which leaves tombstones
             return
-        done = self._purge_chunks(stones)
+        done = self._delete_from_l1(stones)
         with self._lock:
             live = self._live()
             self._tombstones -= done | live
             salts = {salt for _, salt in live | self._tombstones} | {""}
             self._asked = {a for a in self._asked if salt_of(a[3]) in salts}
 
-    def _purge_chunks(self, chunks: set[tuple[bytes, str]]) -> set[tuple[bytes, str]]:
+    def _delete_from_l1(self, chunks: set[tuple[bytes, str]]) -> set[tuple[bytes, str]]:
         """Delete these (chunk hash, salt) chunks' keys from L1: the hash under each key answered
         so far whose cache_salt names that salt (`salt_of`). Return the chunks none of whose keys
         was skipped (all of them when there is no server storage manager to purge, as in unit
@@ -552,7 +484,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         with self._lock:
             served = list(self._state.served.values())
             skipped = dict(self._state.skipped)
-        engines = self._engines()
+        engines = self._server.engines()
         carts = {}
         for s in served:
             n = len(s.hashes)
@@ -560,7 +492,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 else ()
             carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.manifest.kind, n, local)
         models = sorted({m for s in served for m in s.models} | set(self.settings.accept_models)
-                        | self._engine_models())
+                        | self._server.models())
         snap = self.metrics.snapshot()
         return ServingState(
             **self._identity, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
@@ -570,23 +502,6 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                     "\"lmcache_cartridge.vllm.mp_server\"}'",
             cartridges=carts, skipped=skipped, tiers=snap["tiers"], stages=snap["stages"],
             metrics_instance=self.metrics.instance)
-
-    def _engine_models(self) -> set[str]:
-        """The model names of the vLLM engines registered with the server now. Published with the
-        cartridges' models: a server serving no cartridge of an attached engine's model is still
-        that model's instance, so the gateway reads the reason a cartridge was refused (400)
-        instead of waiting for an instance of the model that never comes (503)."""
-        return {model for model, _world in self._engines()}
-
-    def _engines(self) -> set[tuple[str, int]]:
-        """(model, world size) of the vLLM engines registered with the server now: its layout
-        registry's keys (lmcache 0.5.6 has no public listing of them)."""
-        registry = getattr(self._ctx, "layout_desc_registry", None)
-        entries, lock = getattr(registry, "_registry", None), getattr(registry, "_lock", None)
-        if not isinstance(entries, dict) or lock is None:
-            return set()
-        with lock:
-            return {(str(model), int(world)) for model, world in entries if model}
 
     # --- event fds -------------------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
@@ -633,33 +548,17 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     def submit_unlock(self, keys) -> None:
         """The server is done with what a lookup hit (loaded, dropped from its plan, or the
         request ended): release one lock per key, the oldest (the prefetch controller's thread).
-        A lock the lease already released is just forgotten."""
-        released = []
+        The unlock of a lock the lease already released ends that lock, not a newer one."""
         with self._lock:
-            for key in keys:
-                taken = self._locks.get(key)
-                if not taken:
-                    continue
-                released.append(taken.popleft())
-                if not taken:
-                    del self._locks[key]
+            released = [self._leases.release(key) for key in keys]
         _release(released)
 
-    def _expire_locks(self) -> None:
+    def _expire_leases(self) -> None:
         """Watcher thread: release the holds of locks older than the lease (a lookup result the
-        server never took is never unlocked) and forget them after one more lease, so a late
-        unlock still finds its own lock, never a newer lookup's."""
+        server never took is never unlocked; `lmcache.leases`)."""
         lease = self.settings.pin_lease_seconds
-        now = time.monotonic()
-        expired = []
         with self._lock:
-            for key in list(self._locks):
-                taken = self._locks[key]
-                expired.extend(lk for lk in taken if lk.hold is not None and lk.hold.held and now - lk.taken > lease)
-                while taken and now - taken[0].taken > 2 * lease:
-                    taken.popleft()
-                if not taken:
-                    del self._locks[key]
+            expired = [hold for _key, hold in self._leases.expire(lease)]
         if expired:
             logger.warning("lmcache_cartridge MP adapter: %d lookup locks expired after %.0fs without an unlock",
                            len(expired), lease)
@@ -695,8 +594,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             heads = h.view.heads[1] - h.view.heads[0]
             lay = classify(shape, dtype, num_layers=m.num_layers, num_tokens=m.chunks[index].num_tokens,
                            heads=heads, head_dim=m.head_dim,
-                           block_size=lambda: self._block_size(key.model_name, world),
-                           gpu=lambda: self._gpu_engine(key.model_name, world))
+                           block_size=lambda: self._server.block_size(key.model_name, world),
+                           gpu=lambda: self._server.gpu(key.model_name, world))
             return h, lay
         except Exception as e:
             once = (s.entry.id, key.model_name, world, tuple(shape), type(e).__name__)
@@ -706,47 +605,9 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                                m.cartridge_id, key.model_name, world, list(shape), e)
             return None
 
-    def _gpu_engine(self, model: str, world: int) -> bool:
-        """Whether the engine of (model, world) registered with the server is a GPU one (its fused
-        rows are plain K|V values, `mp_layout.FUSED_ROWS`): an LMCache-driven context that is not
-        LMCache's CPU one (engine-driven contexts are all non-CUDA). Asked per lookup of rows, never
-        kept. A GPU and a vLLM-CPU engine of the same (model, world) would read the same rows
-        differently: refused."""
-        from lmcache.v1.platform.devices.cpu.cache_context import CPUCacheContext
-
-        gpu = False
-        for mod in self._transfer_modules:
-            if hasattr(mod, "context_entries_snapshot"):
-                gpu = gpu or any(not isinstance(e.cache_context, CPUCacheContext)
-                                 for e in mod.context_entries_snapshot().values()
-                                 if e.model_name == model and int(e.world_size) == world)
-        if gpu and self._block_size(model, world) is not None:
-            raise CartridgeError(f"a GPU engine and a vLLM-CPU engine of {model!r} (world {world}) are both "
-                                 "registered: their MP objects hold different bytes")
-        return gpu
-
-    def _block_size(self, model: str, world: int) -> int | None:
-        """The block size the server's registration of a vLLM-CPU engine of (model, world) declares
-        now (engine-driven contexts report it, LMCache-driven CPU contexts hold it); asked per
-        lookup of vLLM-CPU rows, never kept: an engine may re-register with another block size."""
-        for mod in self._transfer_modules:
-            if hasattr(mod, "context_entries_snapshot"):  # LMCache-driven: the shared-memory cache context
-                found = [e.cache_context.block_size for e in mod.context_entries_snapshot().values()
-                         if e.model_name == model and int(e.world_size) == world
-                         and hasattr(e.cache_context, "block_size")]
-            else:
-                meta = mod.report_status().get("non_cuda_context_meta", {})
-                found = [v["block_size"] for v in meta.values()
-                         if v.get("model_name") == model and int(v.get("world_size", 0)) == world]
-            if len(set(found)) == 1:
-                return int(found[0])
-            if found:  # two engines of (model, world) with different block sizes: rows are ambiguous
-                return None
-        return None
-
     def _lookup(self, keys, descs) -> Bitmap:
         """Reader thread: which keys this adapter can load now, each locked until the server's
-        unlock (`_Lock`: a remote chunk's disk file is held, else it is a miss)."""
+        unlock (a lease: a remote chunk's disk file is held, else it is a miss)."""
         with self.metrics.timing("lookup", len(keys)):
             return self._lookup_keys(keys, descs)
 
@@ -771,7 +632,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 continue
             with self._lock:  # recorded at once: a lookup that raises later still leaves it to the lease
                 self._asked.add((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
-                self._locks.setdefault(key, deque()).append(_Lock(time.monotonic(), hold))
+                self._leases.take(key, hold)
             bits.set(n)
         for h in downloads.values():
             self.residency.download_async(h, on_done=lambda _h: self.publish())
@@ -895,9 +756,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         with self._lock:
             served = list(self._state.served.values())
             self._state = SetState()
-            locks = [lk for taken in self._locks.values() for lk in taken]
-            self._locks = {}
-        _release(locks)  # file locks other processes' evictions respect: never left to the GC
+            holds = self._leases.clear()
+        _release(holds)  # file locks other processes' evictions respect: never left to the GC
         for s in served:
             s.retire()
             s.origin.close()
@@ -907,8 +767,9 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self.registry.close()
 
 
-def _release(locks) -> None:
-    """Release the disk holds of these locks (outside the adapter's lock; idempotent)."""
-    for lk in locks:
-        if lk.hold is not None:
-            lk.hold.release()
+def _release(holds) -> None:
+    """Release these lookup locks' disk holds (outside the adapter's lock; idempotent; None:
+    nothing held)."""
+    for hold in holds:
+        if hold is not None:
+            hold.release()

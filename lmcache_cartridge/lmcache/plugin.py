@@ -39,7 +39,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -61,6 +60,7 @@ from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, Memory
 from lmcache_cartridge.store import threads
 from lmcache_cartridge.lmcache import memory_layout
 from lmcache_cartridge.lmcache.catalog_sync import start_catalog_sync
+from lmcache_cartridge.lmcache.leases import LeaseTable
 from lmcache_cartridge.lmcache.serving_set import ServingSet, SetState
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_keys
 
@@ -94,9 +94,10 @@ class Served:
 
 @dataclass(eq=False)
 class _Pin:
+    """What one lookup pin holds, leased until LMCache's unpin (`lmcache.leases`)."""
+
     served: Served
     index: int
-    taken: float  # time.monotonic(): a pin LMCache never releases expires after the lease
     # The chunk's disk-cache file, held from eviction, where the lookup found the chunk only
     # there: without it another download could evict the file before the retrieve.
     hold: DiskHold | None = None
@@ -121,12 +122,9 @@ class _State(SetState):
 
     draining: dict[Any, tuple[Served, int]] = field(default_factory=dict)  # retired but pinned
     # key -> what each pin was taken on, oldest first: after a re-registration under the same
-    # keys, an unpin must release the chunk its lookup pinned, not whatever the key maps to now.
-    pins: dict[Any, deque] = field(default_factory=dict)
-    # key -> when each pin expired by its lease, oldest first: LMCache's late unpin of such a pin
-    # pays this debt instead of releasing a newer lookup's pin on the same key. Kept one more
-    # lease, so a pin LMCache never releases cannot absorb unpins for ever.
-    expired: dict[Any, deque] = field(default_factory=dict)
+    # keys, an unpin must release the chunk its lookup pinned, not whatever the key maps to now;
+    # a pin LMCache never releases expires after `pin_lease_seconds` (`lmcache.leases`).
+    pins: LeaseTable[_Pin] = field(default_factory=LeaseTable)
     tombstones: list[_Tombstone] = field(default_factory=list)
 
 
@@ -145,7 +143,10 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
                 raise CartridgeError("; ".join(problems))
             self.shape = EngineShape.from_lmcache(config, metadata, self.settings.accept_models)
             self.registry = None
-            self._init_serving(_State(), threading.RLock())
+            # A plain Lock, as the MP adapter's: nothing taken under it takes it again (the hooks
+            # the serving set calls under it are `_claims` and `*_locked`), and a re-entry is a
+            # deadlock the tests show at once rather than a lock order an RLock would hide.
+            self._init_serving(_State(), threading.Lock())
             self._closed = threading.Event()
             self.healthy = True
             self.problem: str | None = None
@@ -203,7 +204,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
                 f"plugin '{self.settings.name}' {'ready' if self.healthy else 'DISABLED'}: "
                 f"{len(st.served)} cartridges ({chunks} chunks) for model {self.shape.model_names[0]!r} "
                 f"rank {self.shape.rank}/{self.shape.world_size}, "
-                f"{sum(1 for n in st.pins.values() if n)} chunks pinned, "
+                f"{st.pins.keys_held()} chunks pinned, "
                 f"{len(st.skipped)} not served"
                 f"{' (' + '; '.join(f'{k}: {v}' for k, v in sorted(st.skipped.items())) + ')' if st.skipped else ''}; "
                 f"registry {self.settings.registry}, hash {self.config.pre_caching_hash_algorithm}, "
@@ -226,7 +227,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         placeholders) and must never be served in place of the cartridge's own KV; trained ones
         are fetched now (the gateway waits for them to be resident); `preload` ones are read and
         verified before their first request needs them."""
-        self._purge(k for s in fresh for k in s.keys)
+        self._drop_from_cpu_cache(k for s in fresh for k in s.keys)
         for s in fresh:
             if s.entry.kind == "trained":
                 self._want_download(s)
@@ -258,11 +259,9 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         st = self._state
         s.handle.retired = True
         if s.pins:
-            for key, taken in st.pins.items():
-                for p in taken:
-                    if p.served is s:
-                        st.draining[key] = (s, p.index)
-                        break
+            for key, p in st.pins.items():
+                if p.served is s:
+                    st.draining[key] = (s, p.index)
         st.tombstones.append(_Tombstone(s))
 
     def _after_retire(self, retired: list[Served]) -> None:
@@ -270,7 +269,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         keys from LMCache's CPU cache (tombstones purge them again until no read can write them
         back) and close each origin nothing reads or pins any more."""
         for s in retired:
-            self._purge(s.keys)
+            self._drop_from_cpu_cache(s.keys)
             self._close_if_unused(s)
             logger.info("lmcache_cartridge: stopped serving %r", s.entry.id)
 
@@ -280,7 +279,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         if unused:
             s.handle.origin.close()  # closing twice is harmless
 
-    def _purge(self, keys) -> None:
+    def _drop_from_cpu_cache(self, keys) -> None:
         """Drop keys from LMCache's own CPU cache (never under the plugin lock: LMCache's lock)."""
         if self.local_cpu_backend is None:
             return
@@ -307,9 +306,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
     def tick(self) -> None:
         """Once per refresh period: re-purge tombstoned keys, expire pins past their lease, keep
         trained cartridges resident (re-download what eviction or a failure lost)."""
-        now = time.monotonic()
         lease = self.settings.pin_lease_seconds
-        expired: list[_Pin] = []
         purge: list[Any] = []
         with self._lock:
             st = self._state
@@ -321,19 +318,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
                     st.tombstones.remove(t)
                 else:
                     t.idle_seen = True
-            for key in list(st.expired):
-                debt = st.expired[key]
-                while debt and now - debt[0] > lease:
-                    debt.popleft()
-                if not debt:
-                    del st.expired[key]
-            for key in list(st.pins):
-                taken = st.pins[key]
-                while taken and now - taken[0].taken > lease:
-                    expired.append(self._release_locked(key, taken.popleft()))
-                    st.expired.setdefault(key, deque()).append(now)
-                if not taken:
-                    del st.pins[key]
+            expired = [self._release_locked(key, p) for key, p in st.pins.expire(lease)]
             trained = [s for s in st.served.values() if s.entry.kind == "trained"]
         if expired:
             logger.warning("lmcache_cartridge: %d lookup pins expired after %.0fs without an unpin",
@@ -341,7 +326,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
             self._release_tiers(expired)
             for s in {id(p.served): p.served for p in expired}.values():
                 self._close_if_unused(s)
-        self._purge(purge)
+        self._drop_from_cpu_cache(purge)
         for s in trained:
             if not s.handle.origin.local and not self.residency.resident(s.handle):
                 self._want_download(s)
@@ -444,11 +429,10 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
             if hits < len(taken):
                 self.residency.cpu.unpin_many(cids[hits:])
             if hits:
-                now = time.monotonic()
                 with self._lock:
                     st = self._state
                     for key, (sv, i), hold in zip(keys, taken[:hits], holds):
-                        st.pins.setdefault(key, deque()).append(_Pin(sv, i, now, hold))
+                        st.pins.take(key, _Pin(sv, i, hold))
                         sv.pins += 1
                         if sv.handle.retired and key not in st.draining:  # retired since we looked
                             st.draining[key] = (sv, i)
@@ -475,27 +459,18 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         p.served.pins -= 1
         drained = st.draining.get(key)
         if drained is not None and drained[0] is p.served and \
-                not any(q.served is p.served for q in st.pins.get(key, ())):
+                not any(q.served is p.served for q in st.pins.held(key)):
             del st.draining[key]
         return p
 
     def unpin(self, key) -> bool:
         """Release the oldest pin on `key`: O(1) (a deque per key, a pin count per cartridge). An
-        unpin of a pin that already expired by its lease releases nothing (returns False)."""
+        unpin of a pin that already expired by its lease releases nothing (returns False), nor
+        does it release a newer lookup's pin on the same key (`lmcache.leases`)."""
         with self._lock:
-            st = self._state
-            debt = st.expired.get(key)
-            if debt:  # LMCache releasing a pin we expired: not the newer lookup's pin
-                debt.popleft()
-                if not debt:
-                    del st.expired[key]
+            p = self._state.pins.release(key)
+            if p is None:
                 return False
-            taken = st.pins.get(key)
-            if not taken:
-                return False
-            p = taken.popleft()
-            if not taken:
-                del st.pins[key]
             self._release_locked(key, p)
         self._release_tiers([p])
         if p.served.handle.retired:
@@ -512,7 +487,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
 
     def pin_count(self, key) -> int:
         with self._lock:
-            return len(self._state.pins.get(key, ()))
+            return len(self._state.pins.held(key))
 
     # --- retrieve ---------------------------------------------------------------------------------
     def get_blocking(self, key):
@@ -659,7 +634,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
                 s.handle.origin.close()
             # Disk holds are file locks other processes' evictions respect: never leave them
             # to the garbage collector.
-            holds = [p.hold for taken in self._state.pins.values() for p in taken if p.hold is not None]
+            holds = [p.hold for p in self._state.pins.clear() if p.hold is not None]
             self._state = _State()
         for hold in holds:
             hold.release()
