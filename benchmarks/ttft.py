@@ -405,7 +405,8 @@ def as_result(result: dict, args: argparse.Namespace) -> Result:
                   details={k: v for k, v in result.items() if k != "machine"})
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (`--help`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny lengths/concurrency (< 4 minutes here)")
@@ -442,6 +443,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="per-request stage times (vLLM's and LMCache's histograms) for the c=1 cartridge "
                          "first-hit, repeat and prefix-cache cells (waits 2 x 11 s per cell)")
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
 
     if args.device:
