@@ -18,12 +18,13 @@ bit for bit), same kernel, the two taking turns.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
+
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import Arm, Result, machine_info, percentile, write_result
 
 
 def run(context: int, requests: int, queries: int, layers: int, reps: int, isa: str) -> dict:
@@ -73,11 +74,12 @@ def run(context: int, requests: int, queries: int, layers: int, reps: int, isa: 
             outs[k] = out.clone()  # the last layer's output
     if not torch.equal(outs["shared"], outs["distinct"]):
         raise AssertionError("shared and distinct block tables gave different attention outputs")
-    p50 = {k: statistics.median(v) for k, v in ms.items()}
+    p50 = {k: percentile(v, 50) for k, v in ms.items()}
     kv_layer_mib = context * kv_heads * d * 2 * 2 / 2 ** 20
     return {"context": context, "requests": requests, "queries": queries, "layers": layers, "isa": isa,
             "kv_per_layer_mib": {"shared": kv_layer_mib, "distinct": kv_layer_mib * requests},
-            "p50_ms": p50, "distinct_over_shared": p50["distinct"] / p50["shared"], "outputs_equal": True}
+            "p50_ms": p50, "distinct_over_shared": p50["distinct"] / p50["shared"], "outputs_equal": True,
+            "ms": ms}
 
 
 def main(argv=None) -> int:
@@ -93,14 +95,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [run(args.context, int(r), args.queries, args.layers, args.reps, args.isa) for r in args.requests.split(",")]
-    print("| requests | KV read per layer: shared / distinct | shared ms | distinct ms | distinct / shared |")
-    print("|---:|---:|---:|---:|---:|")
+    table = ["| requests | KV read per layer: shared / distinct | shared ms | distinct ms | distinct / shared |",
+             "|---:|---:|---:|---:|---:|"]
     for r in rows:
         kv = r["kv_per_layer_mib"]
-        print(f"| {r['requests']} | {kv['shared']:.0f} / {kv['distinct']:.0f} MiB | {r['p50_ms']['shared']:.1f} | "
-              f"{r['p50_ms']['distinct']:.1f} | {r['distinct_over_shared']:.2f}x |")
+        p50 = r["p50_ms"]
+        table.append(f"| {r['requests']} | {kv['shared']:.0f} / {kv['distinct']:.0f} MiB | "
+                     f"{p50['shared']:.1f} | {p50['distinct']:.1f} | {r['distinct_over_shared']:.2f}x |")
+    print("\n".join(table))
     if args.out:
-        args.out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+        arms = [Arm.from_samples(f"{r['requests']} requests/{k}", v, unit="ms")
+                for r in rows for k, v in r["ms"].items()]
+        write_result(Result(benchmark="attention_footprint", machine=machine_info(), parameters=vars(args), arms=arms,
+                            details={"threads": args.threads, "rows": rows}), args.out.parent, args.out.stem,
+                     body="# Attention over shared and distinct KV blocks\n\n" + "\n".join(table))
     return 0
 
 

@@ -33,10 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (the benchmarks' preamble: path, environment)
-from _common import GiB, ROOT, machine_info
-
-import ttft
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+import harness.serving as ttft
+from harness import GiB, ROOT, Arm, Result, machine_info, parse_ints, percentile, write_result
 
 VARIANTS = ("sha256", "blake3")
 
@@ -70,12 +69,19 @@ def make_variants(src: Path, work: Path, length: int) -> dict[str, Path]:
     return out
 
 
+def as_result(result: dict, machine: dict, a, lengths: list[int]) -> Result:
+    """One arm per document length, digest and variant (first or repeat hit), TTFT in seconds."""
+    arms = [Arm.from_samples(f"{L}/{v}/{var}", [x for c in result["cells"] if c["length"] == L
+                                                and c["digest"] == v and c["variant"] == var for x in c["ttft_s"]])
+            for L in lengths for v in VARIANTS for var in ("first", "repeat")]
+    return Result(benchmark="first_hit", machine=machine, parameters=vars(a), arms=arms, details=result)
+
+
 def main(argv: list[str] | None = None) -> int:
-    import numpy as np
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=ttft.parse_ints, default=[8192, 16384])
+    ap.add_argument("--lengths", type=parse_ints, default=[8192, 16384])
     ap.add_argument("--samples", type=int, default=4, help="first (and repeat) hits per variant per round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads-bind", default="1")
@@ -111,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     root = a.work / "server"
     shutil.rmtree(root, ignore_errors=True)
     server, registry = ttft.make_server("lmcache", root, model_dir, scfg)
-    result = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine, "model": minfo,
-              "argv": sys.argv[1:], "pythonpath": os.environ.get("PYTHONPATH"), "cells": []}
+    result = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": minfo,
+              "pythonpath": os.environ.get("PYTHONPATH"), "cells": []}
     try:
         server.wait_healthy(timeout=900)
         log(f"server healthy after {server.startup_s:.0f}s")
@@ -126,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         result["log_checks"] = ttft.log_checks(server)
     finally:
         server.stop()
-        result["machine"]["loadavg_end"] = os.getloadavg()
+        machine["loadavg_end"] = os.getloadavg()
         result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        (a.out / "first_hit.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write_result(as_result(result, machine, a, lengths), a.out, "first_hit", markdown_file=False)
 
     rows = ["| doc tokens | verified by | first hit p50 (ms) | repeat hit p50 (ms) | first / repeat | n |",
             "|---:|---|---:|---:|---:|---:|"]
@@ -138,18 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         for v in VARIANTS:
             t = {var: [x for c in result["cells"] if c["length"] == L and c["digest"] == v
                        and c["variant"] == var for x in c["ttft_s"]] for var in ("first", "repeat")}
-            f, rp = float(np.median(t["first"])) * 1e3, float(np.median(t["repeat"])) * 1e3
+            f, rp = percentile(t["first"], 50) * 1e3, percentile(t["repeat"], 50) * 1e3
             summary[f"{L}/{v}"] = {"first_p50_ms": f, "repeat_p50_ms": rp, "ratio": f / rp, "n": len(t["first"])}
             rows.append(f"| {L:,} | {v} | {f:.1f} | {rp:.1f} | {f / rp:.2f}x | {len(t['first'])} |")
     result["summary"] = summary
-    (a.out / "first_hit.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     md = [f"# First hit vs repeat hit by chunk digest ({result['started']})", "",
           f"`{' '.join(['benchmarks/first_hit.py', *sys.argv[1:]])}`; load average at end "
-          f"{', '.join(f'{x:.2f}' for x in result['machine']['loadavg_end'])}; "
+          f"{', '.join(f'{x:.2f}' for x in machine['loadavg_end'])}; "
           f"{a.rounds} rounds x {a.samples} samples per variant, c=1, variants alternating.", "", *rows, ""]
     if bad:
         md.append(f"{len(bad)} cells with unexpected external-KV counts (see JSON).")
-    (a.out / "first_hit.md").write_text("\n".join(md) + "\n")
+    write_result(as_result(result, machine, a, lengths), a.out, "first_hit", body="\n".join(md))
     print("\n".join(md))
     return 1 if bad else 0
 

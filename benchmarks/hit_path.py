@@ -37,26 +37,20 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (the benchmarks' preamble: path, environment)
-from _common import ROOT, machine_info
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import ROOT, Arm, Result, machine_info, parse_ints, percentile, write_result
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, CHUNK = 8, 2, 128, 128, 256
 ARMS = ("first", "first, prefetch off", "first, engine cores only", "repeat")
 FIRST_ARMS = ARMS[:3]
-
-
-def parse_ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
 
 
 class Engine:
@@ -142,7 +136,7 @@ def run_length(work: Path, length: int, samples: int, breakdown: bool) -> dict:
                 times[arm].append(first)
                 times["repeat"].append(repeat)
     out = {"length": length, "samples": samples, "ms": times,
-           "p50": {a: statistics.median(v) for a, v in times.items()}}
+           "p50": {a: percentile(v, 50) for a, v in times.items()}}
     if breakdown:
         e = Engine(work, reg.path, prefetch=False)
         try:
@@ -186,7 +180,6 @@ def main() -> None:
             print(f"{length} tokens, p50 ms: " + ", ".join(f"{a} {p[a]:.1f}" for a in ARMS), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"hit_path-cores{'_'.join(map(str, args.cores))}"
-    (args.out / f"{name}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
     lines = [f"Worker cores {args.cores} (main thread on {info['main_thread']}), "
              f"p50 ms over {args.samples} samples:", "",
              "| doc tokens | " + " | ".join(ARMS) + " | first / prefetch off | first / repeat |",
@@ -195,7 +188,9 @@ def main() -> None:
         p = r["p50"]
         lines.append(f"| {r['length']:,} | " + " | ".join(f"{p[a]:.1f}" for a in ARMS)
                      + f" | {p['first'] / p['first, prefetch off']:.2f}x | {p['first'] / p['repeat']:.2f}x |")
-    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    arms = [Arm.from_samples(f"{r['length']}/{a}", r["ms"][a], unit="ms") for r in rows for a in ARMS]
+    write_result(Result(benchmark="hit_path", machine=info, parameters=vars(args), arms=arms, details={"rows": rows}),
+                 args.out, name, body="\n".join(lines))
     print("\n".join(lines))
 
 

@@ -23,8 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import ROOT, Arm, Result, machine_info, write_result
 
 from lmcache_cartridge.testing.fleet import RouterProcess, find_router  # noqa: E402
 from lmcache_cartridge.testing.launch import VllmServer, free_port, lmcache_config  # noqa: E402
@@ -101,9 +101,10 @@ def main() -> int:
     finally:
         for s in servers:
             s.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"prompt_tokens": len(carts["a"]) + len(question), "cartridge_tokens": 512,
-                                    "results": results, "when": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    details = {"prompt_tokens": len(carts["a"]) + len(question), "cartridge_tokens": 512, "results": results}
+    arms = [Arm(name=tag, count=1, figures=r) for tag, r in results.items()]  # one routed request per field set
+    write_result(Result(benchmark="kv_aware_fields", machine=machine_info(), parameters=vars(args), arms=arms,
+                        details=details), args.out.parent, args.out.stem, markdown_file=False)
     print(f"wrote {args.out}")
     return 0
 

@@ -28,35 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common
-import quality as Q
+import harness
+import harness.quality as Q
+from harness import Arm, Result, machine_info, write_result
 
-WORK = _common.ROOT / ".cache" / "quality" / "quality"
-OUT = Q.RESULTS / "probe.jsonl"
-
-
-def greedy(model, tok, kv, ids: list[int], max_tokens: int) -> str:
-    """Greedy continuation of `ids` after `kv` (None: none), stopping at the end-of-turn token."""
-    import torch
-
-    from lmcache_cartridge.cartridge.model_kv import kv_to_cache
-
-    past = None if kv is None else kv_to_cache(kv.to(model.dtype).clone(), model.config)
-    pos = 0 if kv is None else int(kv.shape[2])
-    stop = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
-    out: list[int] = []
-    step = list(ids)
-    with torch.inference_mode():
-        for _ in range(max_tokens):
-            r = model(input_ids=torch.tensor([step]), past_key_values=past,
-                      position_ids=torch.arange(pos, pos + len(step)).unsqueeze(0), use_cache=True)
-            past, pos = r.past_key_values, pos + len(step)
-            nxt = int(r.logits[0, -1].argmax())
-            if nxt in stop:
-                break
-            out.append(nxt)
-            step = [nxt]
-    return tok.decode(out, skip_special_tokens=True)
+WORK = harness.ROOT / ".cache" / "quality" / "quality"
+OUT = Q.RESULTS / "probe"  # .json, .md
 
 
 def probe(model, tok, pb, cart: Path, qs: list, max_tokens: int) -> dict[str, Any]:
@@ -66,7 +43,7 @@ def probe(model, tok, pb, cart: Path, qs: list, max_tokens: int) -> dict[str, An
     correct, ll = 0, []
     for q in qs:
         kv, ids = Q.hf_prompt(pb, tok, arm, q, cart.parent)
-        text = greedy(model, tok, kv, ids, max_tokens)
+        text = Q.greedy(model, tok, kv, ids, max_tokens)
         correct += Q.fact_found(q.fact, text)
         ll.append(Q.reference_loglik(model, tok, kv, ids, q.answer, q.fact)["ll_answer"])
     return {"cartridge": str(cart), "kind": kind, "facts": correct, "asked": len(qs), "ll_answer": sum(ll) / len(ll)}
@@ -82,12 +59,23 @@ def train(model_dir: Path, name: str, lr: float, steps: int, tokens: int, a) -> 
     args = Q.train_args(argparse.Namespace(conversations=128, heldout=8, steps=steps, batch_size=8, lr=lr,
                                            eval_every=1000, save_every=5, question_tokens=48, answer_tokens=64,
                                            window_min=384, window_max=768, seed=0, threads=a.threads))
-    cmd = [*_common.CLI, "train", "--model-dir", str(model_dir),
+    cmd = [*harness.CLI, "train", "--model-dir", str(model_dir),
            "--model", str(model_dir), "--text", str(a.work / "doc_a.txt"), "-o", str(out), "--id", f"probe-{name}",
            "--tokens", str(tokens), "--work-dir", str(work), "--overwrite", "-q", *args]
     print("[probe] " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return out
+
+
+def write(rows: list[dict[str, Any]], a: argparse.Namespace) -> None:
+    """This run's probes so far as a result (`probe.json`, `probe.md`)."""
+    arms = [Arm(name=r["variant"], count=r["asked"], figures={"facts": r["facts"], "ll_answer": r["ll_answer"]})
+            for r in rows]
+    table = ["| variant | facts / asked | mean ll(answer) |", "|---|---:|---:|"]
+    table += [f"| {r['variant']} | {r['facts']}/{r['asked']} | {r['ll_answer']:.3f} |" for r in rows]
+    write_result(Result(benchmark="quality_probe", machine=machine_info(), parameters=vars(a), arms=arms,
+                        details={"rows": rows}), OUT.parent, OUT.name,
+                 body="# Quality probe: document A's questions under one cartridge\n\n" + "\n".join(table))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_model(model_dir)
     pb = PromptBuilder(tok)
     qs = [q for q in Q.load_questions() if q.doc == "a"]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
 
     def record(row: dict[str, Any]) -> None:
         print(f"[probe] {json.dumps(row)}", flush=True)
-        with OUT.open("a") as f:
-            f.write(json.dumps({**row, "at": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+        rows.append({**row, "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        write(rows, a)
 
     if a.check:
         for name in ("fk256", "init256", "tr256"):

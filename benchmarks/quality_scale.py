@@ -52,15 +52,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common
-import quality as Q
-from quality_probe import greedy
+import harness
+import harness.quality as Q
+from harness import Arm, Result, load_payload, write_result
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, LR_SCHEDULES, SEED_TYPES, SYNTH_BATCH,
                                                       parse_seed_types)
 
-WORK = _common.ROOT / ".cache" / "quality" / "scale"
+WORK = harness.ROOT / ".cache" / "quality" / "scale"
 OUT = Q.RESULTS / "scale"
 BUCKETS = [name for _, _, name in Q.POSITION_BUCKETS]
 
@@ -144,7 +144,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
             shutil.copy(first, work / "data.pt")
         text = carts.parent / "doc_a.txt"
         text.write_text(Q.document("a"), encoding="utf-8")
-        cmd = [*_common.CLI, "train", "--model-dir", str(model_dir),
+        cmd = [*harness.CLI, "train", "--model-dir", str(model_dir),
                "--model", str(model_dir), "--text", str(text), "-o", str(out), "--id", f"qa-{name}".replace("_", "-"),
                "--tokens", str(tokens), "--work-dir", str(work), "--overwrite", "-q",
                "--conversations", str(n), "--heldout", str(a.heldout), "--batch-size", str(a.batch_size),
@@ -174,7 +174,7 @@ def ask_all(model, tok, pb, arm: Q.Arm, carts: Path, qs: list[Q.Question], pos: 
     rows = []
     for q in qs:
         kv, ids = Q.hf_prompt(pb, tok, arm, q, carts)
-        text = greedy(model, tok, kv, ids, max_tokens)
+        text = Q.greedy(model, tok, kv, ids, max_tokens)
         ll = Q.reference_loglik(model, tok, kv, ids, q.answer, q.fact)
         rows.append({"id": q.id, "split": q.split, "bucket": Q.bucket(pos[q.id]), "text": text,
                      "correct": Q.fact_found(q.fact, text), **ll})
@@ -385,15 +385,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.train_only:
         return train_only(model_dir, carts, qs, a)
     path = a.out.with_suffix(".json")
-    res = json.loads(path.read_text()) if path.exists() else {"arms": {}, "coverage": {}}
+    res = load_payload(path) if path.exists() else {"arms": {}, "coverage": {}}  # a result of either shape
+    res.pop("machine", None)
     res["meta"] = {"command": " ".join([".venv/bin/python", "benchmarks/quality_scale.py", *(argv or sys.argv[1:])]),
-                   "machine": _common.machine_info(), "lr": a.lr, "batch_size": a.batch_size,
+                   "machine": harness.machine_info(), "lr": a.lr, "batch_size": a.batch_size,
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
     def save() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=1))
-        a.out.with_suffix(".md").write_text(markdown(res))
+        arms = [Arm(name=n, count=r["facts"][1], figures={"facts": r["facts"][0]}) for n, r in res["arms"].items()
+                if "facts" in r]
+        details = {**res, "meta": {k: v for k, v in res["meta"].items() if k != "machine"}}
+        write_result(Result(benchmark="quality_scale", machine=res["meta"]["machine"], parameters=vars(a), arms=arms,
+                            details=details), a.out.parent, a.out.stem, body=markdown(res))
 
     if not a.no_baselines:
         Q.make_first_k(model_dir, carts)

@@ -20,6 +20,10 @@ import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import Arm, Result, machine_info, write_result
 
 
 def free_port() -> int:
@@ -81,6 +85,7 @@ def main() -> None:
     ap.add_argument("--kv-events", action="store_true",
                     help="give each upstream a static ZMQ KV-event source (nothing publishes on it)")
     ap.add_argument("--extra", nargs="*", default=[])
+    ap.add_argument("--out", type=Path, help="also write the findings here (OUT.json)")
     args = ap.parse_args()
     ups = [Upstream(f"up{i}") for i in range(args.upstreams)]
     port = free_port()
@@ -131,11 +136,14 @@ def main() -> None:
             fwd = sorted(h.lower() for h in ups[int(last[2:])].seen[-1]["headers"]
                          if h.lower().startswith("x-")) if last else None
             print(f"{label:45s} -> {got} forwarded x- headers {fwd}")
+        arms = []
         for carrier in ("X-Session-ID", "X-User-ID", "body user", "body session_params.session_id"):
             picks = [results[k][0] for k in results if k.startswith(carrier + " ")]
             sticky = all(len(set(results[k])) == 1 for k in results if k.startswith(carrier + " "))
-            print(f"{carrier}: {len(picks)} keys -> {dict((u.name, picks.count(u.name)) for u in ups)}, "
-                  f"each key always on one upstream: {sticky}")
+            spread = {u.name: picks.count(u.name) for u in ups}
+            print(f"{carrier}: {len(picks)} keys -> {spread}, each key always on one upstream: {sticky}")
+            arms.append(Arm(name=carrier, count=len(picks), errors=sum(p.startswith("error") for p in picks),
+                            figures={"sticky": sticky, "upstreams": spread}))
         sample = next(s for u in ups for s in u.seen)
         sent = {**base}
         added = {k: v for k, v in sample["body"].items() if k not in sent}
@@ -146,6 +154,11 @@ def main() -> None:
         print("fields added to the forwarded body:", json.dumps(added, sort_keys=True))
         print("fields changed:", json.dumps(changed), "dropped:", dropped)
         print("forwarded headers:", sorted(sample["headers"]))
+        if args.out:
+            write_result(Result(benchmark="router_probe", machine=machine_info(), parameters=vars(args), arms=arms,
+                                details={"cases": results, "fields_added": added, "fields_changed": changed,
+                                         "fields_dropped": dropped, "forwarded_headers": sorted(sample["headers"])}),
+                         args.out.parent, args.out.stem, markdown_file=False)
     finally:
         proc.terminate()
         try:

@@ -16,9 +16,7 @@ same destination (LMCache allocator memory), same bytes:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -26,13 +24,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import chunk_retrieval as cr  # noqa: E402
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+import harness.tiers as cr
+from harness import Arm, Result, machine_info, percentile, write_result
+from harness.s3 import s3_client
 
 CHUNKS = {"tiny": 16, "llama3.1-8b": 4, "qwen2.5-7b": 4, "llama2-7b-mha": 2}
 
 
-def run(shape_name: str, rounds: int, url: str, workdir: Path) -> dict:
+def run(shape_name: str, rounds: int, url: str, workdir: Path) -> tuple[dict, list[Arm]]:
     shape, n = cr.SHAPES[shape_name], CHUNKS[shape_name]
     ds = cr.build_dataset(shape, n, n, workdir)
     cr.upload_s3(ds, url)
@@ -54,35 +54,37 @@ def run(shape_name: str, rounds: int, url: str, workdir: Path) -> dict:
                         ms[name].append(dt * 1e3)
     finally:
         host.close()
-    p50 = {k: statistics.median(v) for k, v in ms.items()}
-    return {"shape": shape_name, "chunk_bytes": shape.chunk_bytes, "reads_per_arm": len(ms["ours"]),
-            "p50_ms": p50, "ours_vs_boto3": p50["boto3"] / p50["ours"]}
+    p50 = {k: percentile(v, 50) for k, v in ms.items()}
+    row = {"shape": shape_name, "chunk_bytes": shape.chunk_bytes, "reads_per_arm": len(ms["ours"]),
+           "p50_ms": p50, "ours_vs_boto3": p50["boto3"] / p50["ours"]}
+    return row, [Arm.from_samples(f"{shape_name}/{k}", v, unit="ms") for k, v in ms.items()]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="tiny,llama3.1-8b")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=Path, default=None, help="write the results here (OUT.json, OUT.md)")
     args = ap.parse_args(argv)
     cr.set_dummy_aws_env()
     workdir = Path(tempfile.mkdtemp(prefix="s3-read-"))
     os.environ.setdefault("LMCACHE_CARTRIDGE_HOME", str(workdir / "home"))
     stop, url, _port = cr.start_moto(in_process=False)
     try:
-        from s3_server import s3_client
-
         s3_client(url).create_bucket(Bucket=cr.S3_BUCKET)
-        results = [run(s, args.rounds, url, workdir) for s in args.shapes.split(",")]
+        runs = [run(s, args.rounds, url, workdir) for s in args.shapes.split(",")]
     finally:
         stop()
-    print("| chunk | reads per arm | ours p50 ms | boto3 p50 ms | ours / boto3 (throughput) |")
-    print("|---|---:|---:|---:|---:|")
-    for r in results:
-        print(f"| {r['shape']} ({r['chunk_bytes'] >> 10} KiB) | {r['reads_per_arm']} | {r['p50_ms']['ours']:.2f} | "
-              f"{r['p50_ms']['boto3']:.2f} | {r['ours_vs_boto3']:.2f}x |")
+    results = [row for row, _ in runs]
+    table = ["| chunk | reads per arm | ours p50 ms | boto3 p50 ms | ours / boto3 (throughput) |",
+             "|---|---:|---:|---:|---:|"]
+    table += [f"| {r['shape']} ({r['chunk_bytes'] >> 10} KiB) | {r['reads_per_arm']} | {r['p50_ms']['ours']:.2f} | "
+              f"{r['p50_ms']['boto3']:.2f} | {r['ours_vs_boto3']:.2f}x |" for r in results]
+    print("\n".join(table))
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": cr.machine_info(), "results": results}, indent=1))
+        write_result(Result(benchmark="s3_read", machine=machine_info(), parameters=vars(args),
+                            arms=[a for _, arms in runs for a in arms], details={"results": results}),
+                     args.out.parent, args.out.stem, body="# S3 reads: ours and boto3\n\n" + "\n".join(table))
     return 0
 
 

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import time
 import urllib.request
 from pathlib import Path
 
-import _common  # noqa: F401  (the benchmarks' preamble: path, environment)
-from _common import ROOT, machine_info
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import ROOT, Arm, Result, machine_info, percentile, write_result
 
 PROMPT_TOKENS = 700
 MODES = {  # name -> (extra env, extra args, fresh inductor cache)
@@ -113,21 +112,22 @@ def main(argv=None) -> int:
     rows = []
     for mode in modes:
         rs = [x for x in runs if x["mode"] == mode]
-        rows.append({"mode": mode, "startup_s": statistics.median(x["startup_s"] for x in rs),
-                     "first_request_s": statistics.median(x["first_request_s"] for x in rs),
-                     "second_request_s": statistics.median(x["second_request_s"] for x in rs),
+        rows.append({"mode": mode, "startup_s": percentile([x["startup_s"] for x in rs], 50),
+                     "first_request_s": percentile([x["first_request_s"] for x in rs], 50),
+                     "second_request_s": percentile([x["second_request_s"] for x in rs], 50),
                      "max_dlogprob_vs_compiled": max(max(abs(a - b) for a, b in zip(x["logprobs"], ref)) for x in rs)})
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"server_start-{args.model}"
-    (args.out / f"{name}.json").write_text(json.dumps({"machine": info, "model": str(model_dir), "rounds": args.rounds,
-                                                        "prompt_tokens": PROMPT_TOKENS, "rows": rows, "runs": runs},
-                                                       indent=1))
     md = [f"vLLM server start by mode, {Path(model_dir).name}, {info.get('cpu', '?')}, median of {args.rounds}",
           "", "| mode | start (s) | first request (s) | second request (s) | max abs dlogprob vs compiled |",
           "|---|---|---|---|---|"]
     md += [f"| {r['mode']} | {r['startup_s']:.1f} | {r['first_request_s']:.2f} | {r['second_request_s']:.2f} | "
            f"{r['max_dlogprob_vs_compiled']:.4f} |" for r in rows]
-    (args.out / f"{name}.md").write_text("\n".join(md) + "\n")
+    arms = [Arm.from_samples(f"{mode}/{k}", [x[k] for x in runs if x["mode"] == mode])
+            for mode in modes for k in ("startup_s", "first_request_s", "second_request_s")]
+    write_result(Result(benchmark="server_start", machine=info, parameters=vars(args), arms=arms,
+                        details={"model": str(model_dir), "prompt_tokens": PROMPT_TOKENS, "rows": rows, "runs": runs}),
+                 args.out, name, body="\n".join(md))
     print("\n".join(md))
     return 0
 

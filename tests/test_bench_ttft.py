@@ -1,5 +1,5 @@
-"""The TTFT benchmark's measured code path (`benchmarks/ttft.py: run_arm`) against real vLLM
-servers, at the smallest size: correctness only, no timing is asserted.
+"""The TTFT benchmark's measured code path (`benchmarks/harness/serving.py: run_arm`, which
+`benchmarks/ttft.py` runs) against real vLLM servers, at the smallest size: correctness only, no timing is asserted.
 
 Three servers (the default tiny test model; nothing here is timed): (b, d) vLLM + LMCache + plugin +
 CartridgeConnector, prefix caching on, the session's pooled server (`server_pool`); (a, c) plain
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import ttft as bt  # noqa: E402
+import harness.serving as bt  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.servers("tiny-prefix")]
 

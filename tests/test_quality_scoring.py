@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import quality as Q  # noqa: E402
+import harness.quality as Q  # noqa: E402
 
 
 def test_wrong_answer_scores_zero_exact_one():
@@ -100,15 +100,15 @@ def test_right_cartridge_scores_higher_than_swapped(real_model):
 
 
 def test_the_benchmarks_run_the_cli_under_their_own_interpreter(tmp_path):
-    """`quality*.py` start `train` as `_common.CLI`: this interpreter and the package's module, so
+    """`quality*.py` start `train` as `harness.CLI`: this interpreter and the package's module, so
     they also run where the package is only on PYTHONPATH, with no `lmcache-cartridge` script (the
     CUDA box). An empty PATH proves no console script is looked up."""
     import subprocess
 
-    import _common
+    import harness
 
-    assert _common.CLI[0] == sys.executable
-    r = subprocess.run([*_common.CLI, "train", "--help"], capture_output=True, text=True, timeout=120,
+    assert harness.CLI[0] == sys.executable
+    r = subprocess.run([*harness.CLI, "train", "--help"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PATH": str(tmp_path)})
     assert r.returncode == 0 and "--conversations" in r.stdout, r.stderr
 

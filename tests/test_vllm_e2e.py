@@ -33,11 +33,17 @@ import torch
 
 from e2e_server import CHUNK, MAX_TOKENS, Server  # noqa: F401  (Server: the modules with a server of their own)
 
+from lmcache_cartridge.testing.answers import (  # noqa: F401  (also what test_compose_e2e imports from here)
+    HF_MAX_TOL,
+    HF_MEAN_TOL,
+    hf_teacher_forced,
+    max_diff,
+    mean_diff,
+)
+
 pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny", "maker:tiny")]
 
 FIRST_K_MAX_TOL = 0.10   # vLLM + first-k cartridge vs vLLM recompute, per generated token
-HF_MEAN_TOL = 0.25       # vLLM vs HF given the same KV: mean |dlogprob| over generated tokens
-HF_MAX_TOL = 0.6         # ... and the largest single-token difference
 NEG_MIN_MEAN = 1.0       # a wrong KV (heads swapped) must move the logprobs at least this much
 USER_TEXT = "Question: what does the document say about the harbor and the old keeper?"
 
@@ -64,35 +70,6 @@ def hf():
 
 def user_ids(tokenizer) -> list[int]:
     return list(tokenizer(USER_TEXT, add_special_tokens=False)["input_ids"])
-
-
-def max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
-
-
-def mean_diff(a: list[float], b: list[float]) -> float:
-    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
-
-
-def hf_teacher_forced(model, kv: torch.Tensor, user: list[int], gen_ids: list[int],
-                      dtype: torch.dtype) -> tuple[list[int], list[float], list[float]]:
-    """HF given `kv` as past_key_values (positions offset by its length), teacher-forced on
-    `gen_ids`: per step the argmax, the logprob of `gen_ids`' token, and the best logprob."""
-    from lmcache_cartridge.cartridge.model_kv import kv_to_cache
-
-    m = model.to(dtype)
-    n = kv.shape[2]
-    seq = user + gen_ids[:-1]
-    ids = torch.tensor([seq])
-    pos = torch.arange(n, n + len(seq)).unsqueeze(0)
-    with torch.inference_mode():
-        out = m(input_ids=ids, past_key_values=kv_to_cache(kv.to(dtype), m.config), position_ids=pos,
-                use_cache=True)
-    logp = torch.log_softmax(out.logits[0, len(user) - 1:].float(), dim=-1)
-    greedy = logp.argmax(-1).tolist()
-    chosen = [float(logp[i, t]) for i, t in enumerate(gen_ids)]
-    best = logp.max(-1).values.tolist()
-    return greedy, chosen, best
 
 
 def hf_tokens_then_kv(model, token_ids: list[int], kv: torch.Tensor, user: list[int], gen_ids: list[int],

@@ -1,5 +1,6 @@
 """Questions on the shipped document and the comparison of answers with and without a cartridge:
-one reader of vLLM's completions for the demo, the real-model tests and `benchmarks/answers.py`.
+one reader of vLLM's completions for the demo, the real-model tests and `benchmarks/answers.py`,
+and HF given the same KV as the reference a served answer is held to (the e2e tests, `benchmarks/fleet.py`).
 
 A first-k cartridge stands for its document, so "with" must equal "without": same greedy text,
 and per generated token the same logprob. `agreement` reports both over a set of questions (the
@@ -15,7 +16,10 @@ import re
 import time
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 QUESTION_FORMAT = "\n\nQuestion: {q}\nAnswer:"
 
@@ -94,3 +98,39 @@ def agreement(base: Sequence[Answer], got: Sequence[Answer]) -> Agreement:
                 break
     return Agreement(n=len(base), equal=len(base) - len(differ), max_dlogprob=max(diffs, default=0.0),
                      mean_dlogprob=sum(diffs) / len(diffs) if diffs else 0.0, differ=differ)
+
+
+# --- HF as the reference for a served answer, given the same KV ---------------------------------
+HF_MEAN_TOL = 0.25       # vLLM vs HF given the same KV: mean |dlogprob| over generated tokens
+HF_MAX_TOL = 0.6         # ... and the largest single-token difference
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def mean_diff(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def hf_teacher_forced(model, kv: "torch.Tensor", user: list[int], gen_ids: list[int],
+                      dtype: "torch.dtype") -> tuple[list[int], list[float], list[float]]:
+    """HF given `kv` as past_key_values (positions offset by its length), teacher-forced on
+    `gen_ids`: per step the argmax, the logprob of `gen_ids`' token, and the best logprob."""
+    import torch
+
+    from lmcache_cartridge.cartridge.model_kv import kv_to_cache
+
+    m = model.to(dtype)
+    n = kv.shape[2]
+    seq = user + gen_ids[:-1]
+    ids = torch.tensor([seq])
+    pos = torch.arange(n, n + len(seq)).unsqueeze(0)
+    with torch.inference_mode():
+        out = m(input_ids=ids, past_key_values=kv_to_cache(kv.to(dtype), m.config), position_ids=pos,
+                use_cache=True)
+    logp = torch.log_softmax(out.logits[0, len(user) - 1:].float(), dim=-1)
+    greedy = logp.argmax(-1).tolist()
+    chosen = [float(logp[i, t]) for i, t in enumerate(gen_ids)]
+    best = logp.max(-1).values.tolist()
+    return greedy, chosen, best
