@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lmcache_cartridge"
 MAX_LINES = 80
 # Argument parsers read as one table of options; the gateway's app factory is being made a class.
-LONG_ALLOWED = {"build_parser", "create_app"}
+LONG_ALLOWED = {"build_parser"}
 
 
 def _modules(package: Path) -> dict[str, Path]:

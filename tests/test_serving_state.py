@@ -295,3 +295,42 @@ def test_a_trained_request_carries_its_rules_and_a_failed_load_is_a_retryable_50
             assert all(v is None for k, v in message.items() if k not in ("role", "content")), message
     finally:
         server.shutdown()
+
+
+def test_a_stale_record_of_a_live_process_still_holds_a_trained_request(tmp_path):
+    """An instance whose watcher is busy (opening another cartridge's S3 origin on a loaded host)
+    stops rewriting its record for a while: its process runs, so the gateway must go on judging
+    by its last record, not forward as if no plugin ran (vLLM would recompute the trained
+    cartridge's placeholders). Old code: `wait_served` returned [] (forward at once)."""
+    from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
+
+    reg = tmp_path / "reg.db"
+    want = Wanted("doc", "h" * 64, 1, "trained")
+    downloading = {"doc": CartridgeState("h" * 64, 1, "trained", 4, (0, 1))}
+    stale = dict(updated=time.time() - 600, refresh_seconds=1.0, registry=str(reg), cartridges=downloading)
+    publish(tmp_path, _state(instance="busy", **stale))
+    with pytest.raises(NotServed) as err:
+        wait_served(tmp_path, reg, [want], timeout=0.2, models=["m"])
+    assert err.value.status == 503 and "downloading" in str(err.value)
+    # its next record says resident: forwarded
+    publish(tmp_path, _state(instance="busy", registry=str(reg),
+                             cartridges={"doc": CartridgeState("h" * 64, 1, "trained", 4, ALL)}))
+    assert [s.instance for s in wait_served(tmp_path, reg, [want], timeout=5, models=["m"])] == ["busy"]
+    # a stale record of a process that is gone, or of another host, is no instance at all
+    (state_dir(tmp_path) / "busy.json").unlink()
+    publish(tmp_path, _state(instance="gone", pid=_dead_pid(), pid_start=None, **stale))
+    publish(tmp_path, _state(instance="elsewhere", host="not-" + socket.gethostname(), **stale))
+    assert wait_served(tmp_path, reg, [want], timeout=0.2, models=["m"]) == []
+
+
+def test_a_closed_plugin_withdraws_its_record_and_publishes_no_more(tmp_path, doc):
+    """A plugin closed in a process that lives on (vLLM shutting its connector down, an engine
+    rebuilt in the same process) serves nothing: its record goes with it, and a publish after
+    close (a download ending late) does not bring it back."""
+    reg, _ = doc
+    with engine_for(tmp_path, reg.path) as eng:
+        plugin = eng.backend("cartridge")
+        assert _until(lambda: len(read_states(tmp_path / "cache")) == 1)
+    assert read_states(tmp_path / "cache", include_dead=True) == []
+    plugin.dump_stats()
+    assert read_states(tmp_path / "cache", include_dead=True) == []

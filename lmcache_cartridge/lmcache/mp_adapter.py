@@ -104,7 +104,8 @@ from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
 from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency, tier_key
-from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
+from lmcache_cartridge.store.serving_state import (ALL, CartridgeState, ServingState, process_start, prune, publish,
+                                                   unpublish)
 from lmcache_cartridge.lmcache.mp_engines import ServerEngines, kv_world_and_rank
 from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for, warm_rows
 from lmcache_cartridge.lmcache.mp_preload import preload_due
@@ -474,6 +475,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         several threads, and a record computed before the last one ended must not be written after
         the one computed once it had."""
         with self._publish_lock:
+            if self._closed.is_set():  # a download ending after `close` must not bring it back
+                return
             state = self._serving_state()
             try:
                 publish(self.settings.cache_dir, state)
@@ -747,8 +750,11 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
 
     def close(self) -> None:
         """Called by the server's storage manager before it frees L1: wait for a load in flight
-        (it writes into L1 buffers), stop the watcher, close every origin."""
+        (it writes into L1 buffers), stop the watcher, close every origin, withdraw the serving
+        record (a silent record of a live process counts as busy, not gone: `serving.wait_served`)."""
         self._closed.set()
+        with self._publish_lock:
+            unpublish(self.settings.cache_dir, self._identity["instance"])
         if self._catalog_sync is not None:
             self._catalog_sync.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -55,7 +55,8 @@ from lmcache_cartridge.paths import private_dir
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry
-from lmcache_cartridge.store.serving_state import ALL, CartridgeState, ServingState, process_start, prune, publish
+from lmcache_cartridge.store.serving_state import (ALL, CartridgeState, ServingState, process_start, prune, publish,
+                                                   unpublish)
 from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, MemoryTier, NotLocal, Residency
 from lmcache_cartridge.store import threads
 from lmcache_cartridge.lmcache import memory_layout
@@ -148,6 +149,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
             # deadlock the tests show at once rather than a lock order an RLock would hide.
             self._init_serving(_State(), threading.Lock())
             self._closed = threading.Event()
+            self._publish_lock = threading.Lock()  # a record is written or withdrawn at a time
             self.healthy = True
             self.problem: str | None = None
             if getattr(config, "use_layerwise", False):
@@ -379,11 +381,24 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         what it serves and what is resident (the gateway forwards a request only once every live
         instance of its model serves its cartridges, and for a trained one has it resident: see
         `serving.wait_served`), and its tier counters (for `lmcache-cartridge stats`). Called on
-        every registry change, refresh tick and finished download."""
-        try:
-            publish(self.settings.cache_dir, self.serving_state())
-        except OSError as e:
-            logger.debug("lmcache_cartridge: cannot publish serving state: %s", e)
+        every registry change, refresh tick and finished download. Nothing once closed: a
+        download ending after `close` must not bring back the record `close` withdrew."""
+        with self._publish_lock:
+            if self._closed.is_set():
+                return
+            try:
+                publish(self.settings.cache_dir, self.serving_state())
+            except OSError as e:
+                logger.debug("lmcache_cartridge: cannot publish serving state: %s", e)
+
+    def _withdraw_record(self) -> None:
+        """Delete this instance's record (`close`): a closed plugin in a process that lives on
+        serves nothing, and the gateway counts a silent record of a live process as an instance
+        that is busy, not gone (`serving.wait_served`)."""
+        with self._publish_lock:
+            ident = getattr(self, "_identity", None)
+            if ident is not None:
+                unpublish(self.settings.cache_dir, ident["instance"])
 
     # --- lookup ---------------------------------------------------------------------------------
     def contains(self, key, pin: bool = False) -> bool:
@@ -622,6 +637,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
 
     def close(self) -> None:
         self._closed.set()
+        self._withdraw_record()
         if getattr(self, "_catalog_sync", None) is not None:
             self._catalog_sync.stop()
         if getattr(self, "_watcher", None) is not None:

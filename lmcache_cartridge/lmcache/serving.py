@@ -24,12 +24,13 @@ reads them.
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from lmcache_cartridge.store.serving_state import ServingState, read_states, same_path
+from lmcache_cartridge.store.serving_state import ServingState, process_alive, read_states, same_path
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,19 @@ def live_instances(cache_dir: Path, registry: Path | None = None, models=None,
     return out
 
 
+def silent_instances(cache_dir: Path, registry: Path | None = None, models=None,
+                     select: Callable[[ServingState], bool] | None = None) -> list[ServingState]:
+    """Records that are stale although their process runs on this host: an instance whose watcher
+    is busy (opening a cartridge's origin, a slow disk), not one that is gone. Their last word
+    still holds: forwarding as if no plugin ran would let vLLM recompute a trained cartridge's
+    placeholders. (Another host's stale record cannot be told from a dead host's: not counted.)"""
+    host = socket.gethostname()
+    return [s for s in read_states(cache_dir, include_dead=True)
+            if s.host == host and not s.alive() and process_alive(s.pid, s.pid_start)
+            and (registry is None or same_path(s.registry, registry))
+            and (models is None or s.serves_model(models)) and (select is None or select(s))]
+
+
 def _missing(states: list[ServingState], wanted: list[Wanted]) -> list[tuple[Wanted, int, str | None, bool]]:
     """(cartridge, instances not ready for it, a reason one of them gave, whether every such
     instance serves it and only residency is lacking) for each one lacking.
@@ -95,13 +109,16 @@ def wait_served(cache_dir: Path, registry: Path | None, wanted: list[Wanted], ti
     """Return once every live plugin instance (of `registry`, serving one of `models`, passing
     `select`: see `live_instances`) serves every wanted cartridge: the records of those instances
     (what the caller may go on to read, e.g. whether they run in an `lmcache server`). Returns []
-    when no instance publishes anything (no plugin: nothing to wait for). Raises `NotServed` when an instance
-    refused a cartridge (400, its reason), or on timeout (503), also when instances of other
-    models publish but none of `models` does.
+    when no instance publishes anything (no plugin: nothing to wait for). An instance of this
+    host whose record went stale while its process runs is busy, not gone: its last record
+    counts (`silent_instances`). Raises `NotServed` when an instance refused a cartridge (400,
+    its reason), or on timeout (503), also when instances of other models publish but none of
+    `models` does.
     `models` is matched against each instance's names (`ServingState.models`)."""
     deadline = time.monotonic() + timeout
     while True:
-        states = live_instances(cache_dir, registry, models, select)
+        states = live_instances(cache_dir, registry, models, select) + \
+            silent_instances(cache_dir, registry, models, select)
         if not states:
             others = live_instances(cache_dir, registry, None, select) if models is not None else []
             if not others:
