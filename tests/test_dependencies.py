@@ -38,7 +38,8 @@ ENGINE_STAGE = ENGINE_MODULES | {"lmcache_cartridge.vllm"}  # and every module u
 # (`keys.vllm_seeds_every_hash_randomly`: False where vLLM is absent).
 ENGINE_OPTIONAL = {"lmcache_cartridge.tools.selfstudy.vllm_synth", "lmcache_cartridge.cartridge.keys"}
 # Optional features: modules under a prefix may also use their extra's distributions.
-FEATURE_EXTRAS = {"lmcache_cartridge.tools.selfstudy": "train"}
+# the S3 on loopback of the tests and the benchmarks (moto): the test extra, which make venv installs
+FEATURE_EXTRAS = {"lmcache_cartridge.tools.selfstudy": "train", "lmcache_cartridge.testing.s3": "test"}
 # Declared although no module of the package names them in an import statement, with why
 # (none today: safetensors and pydantic are imported by cartridge/inputs, api and store).
 DECLARED_NOT_IMPORTED: dict[str, str] = {}

@@ -270,9 +270,9 @@ def test_stats_published_per_tier(carts, capsys):
         eng.clear_local_cpu()
         eng.retrieve(a.token_ids + [1])  # second time from the plugin's CPU tier
         plugin.dump_stats()
-    capsys.readouterr()
-    assert cli.main(["stats", "--config", str(cfg_path), "--json"]) == 0
-    tiers = _json.loads(capsys.readouterr().out)["tiers"]
+        capsys.readouterr()
+        assert cli.main(["stats", "--config", str(cfg_path), "--json"]) == 0  # a running instance's
+        tiers = _json.loads(capsys.readouterr().out)["tiers"]
     assert tiers["local"]["hits"] == 3 and tiers["cpu"]["hits"] == 3 and tiers["cpu"]["misses"] == 3
     assert tiers["cpu"]["bytes"] == 3 * a.chunks[0].nbytes
 

@@ -183,3 +183,21 @@ def test_stopping_a_group_removes_the_kv_segments_lmcache_left_for_its_processes
         other.unlink(missing_ok=True)
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
+
+
+def test_a_port_handed_to_a_server_is_outside_the_ephemeral_range_and_never_repeats():
+    """A server binds its port minutes after `free_port` returns (vLLM's KV-events endpoint once
+    its engine is built); an ephemeral port can meanwhile become any outgoing connection's source
+    port, and vLLM's engine then fails with "Address already in use" (seen in test_fleet under
+    load). Old code: `bind(port 0)`, an ephemeral port."""
+    import socket
+
+    from lmcache_cartridge.tools.vllm_process import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    if low is None or low <= 2048:
+        pytest.skip("no ephemeral port range to stay out of on this host")
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(1024 <= p < low for p in ports)
+    with socket.socket() as s:  # and it is free on every interface, as vLLM binds it
+        s.bind(("", ports[-1]))

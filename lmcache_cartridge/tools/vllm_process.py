@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,7 +35,41 @@ CONNECTOR = {"kv_connector": "CartridgeConnector",
              "kv_role": "kv_both"}
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (the source ports of outgoing connections
+    and of `bind(port 0)`); None where it cannot be read."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))  # every interface: vLLM binds its KV-events endpoint as tcp://*
+            return True
+        except OSError:
+            return False
+
+
 def free_port() -> int:
+    """A TCP port free now on every interface, for a server launched with it. Taken from below
+    the kernel's ephemeral range, never twice in this process: a server may bind it minutes
+    after this returns (vLLM binds its KV-events endpoint once its engine is built), and any
+    outgoing connection on the host may meanwhile get an ephemeral port as its source port
+    ("Address already in use")."""
+    low = _ephemeral_low()
+    if low is not None and low > 2048:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(max(1024, low - 16384), low)
+            if port not in _HANDED_OUT and _bindable(port):
+                _HANDED_OUT.add(port)
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
