@@ -52,33 +52,34 @@ class NotServed(Exception):
         self.retry_after = retry_after  # seconds, sent as HTTP Retry-After with a 503
 
 
+def _matching(states, registry, models, select) -> list[ServingState]:
+    return [s for s in states
+            if (registry is None or same_path(s.registry, registry))
+            and (models is None or s.serves_model(models)) and (select is None or select(s))]
+
+
+def _silent(s: ServingState, host: str) -> bool:
+    """Stale although its process runs on this host: an instance whose watcher is busy (opening a
+    cartridge's origin, a slow disk), not one that is gone. Its last word still holds: forwarding
+    as if no plugin ran would let vLLM recompute a trained cartridge's placeholders. (Another
+    host's stale record cannot be told from a dead host's: not counted.)"""
+    return s.host == host and not s.alive() and process_alive(s.pid, s.pid_start)
+
+
 def live_instances(cache_dir: Path, registry: Path | None = None, models=None,
                    select: Callable[[ServingState], bool] | None = None) -> list[ServingState]:
     """Records of the live plugin instances under `cache_dir` that serve `registry` (any, if None),
     one of `models` (any, if None) and pass `select`."""
-    out = []
-    for s in read_states(cache_dir):
-        if registry is not None and not same_path(s.registry, registry):
-            continue
-        if models is not None and not s.serves_model(models):
-            continue
-        if select is not None and not select(s):
-            continue
-        out.append(s)
-    return out
+    return _matching(read_states(cache_dir), registry, models, select)
 
 
-def silent_instances(cache_dir: Path, registry: Path | None = None, models=None,
-                     select: Callable[[ServingState], bool] | None = None) -> list[ServingState]:
-    """Records that are stale although their process runs on this host: an instance whose watcher
-    is busy (opening a cartridge's origin, a slow disk), not one that is gone. Their last word
-    still holds: forwarding as if no plugin ran would let vLLM recompute a trained cartridge's
-    placeholders. (Another host's stale record cannot be told from a dead host's: not counted.)"""
+def counted_instances(cache_dir: Path, registry: Path | None = None, models=None,
+                      select: Callable[[ServingState], bool] | None = None) -> list[ServingState]:
+    """What the gateway judges by: the live instances (as `live_instances`) and the silent ones
+    (`_silent`), from one read of the records."""
     host = socket.gethostname()
-    return [s for s in read_states(cache_dir, include_dead=True)
-            if s.host == host and not s.alive() and process_alive(s.pid, s.pid_start)
-            and (registry is None or same_path(s.registry, registry))
-            and (models is None or s.serves_model(models)) and (select is None or select(s))]
+    return _matching([s for s in read_states(cache_dir, include_dead=True) if s.alive() or _silent(s, host)],
+                     registry, models, select)
 
 
 def _missing(states: list[ServingState], wanted: list[Wanted]) -> list[tuple[Wanted, int, str | None, bool]]:
@@ -111,14 +112,13 @@ def wait_served(cache_dir: Path, registry: Path | None, wanted: list[Wanted], ti
     (what the caller may go on to read, e.g. whether they run in an `lmcache server`). Returns []
     when no instance publishes anything (no plugin: nothing to wait for). An instance of this
     host whose record went stale while its process runs is busy, not gone: its last record
-    counts (`silent_instances`). Raises `NotServed` when an instance refused a cartridge (400,
+    counts (`counted_instances`). Raises `NotServed` when an instance refused a cartridge (400,
     its reason), or on timeout (503), also when instances of other models publish but none of
     `models` does.
     `models` is matched against each instance's names (`ServingState.models`)."""
     deadline = time.monotonic() + timeout
     while True:
-        states = live_instances(cache_dir, registry, models, select) + \
-            silent_instances(cache_dir, registry, models, select)
+        states = counted_instances(cache_dir, registry, models, select)
         if not states:
             others = live_instances(cache_dir, registry, None, select) if models is not None else []
             if not others:
