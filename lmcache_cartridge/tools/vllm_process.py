@@ -214,6 +214,13 @@ def side_server_gpu_args(kv_cache_gb: int) -> tuple[str, ...]:
 # for this: `wait_healthy` reports its exit at once.
 START_TIMEOUT_S = 840.0
 
+# What vLLM's engine core logs when its start fails. The API server normally exits within a
+# minute of it; a worker stuck in its own shutdown (seen: vLLM-CPU's worker with LMCache's
+# connector, after the KV-events port was taken) keeps it waiting for ever instead. Past this
+# grace the start counts as failed without waiting for the exit.
+ENGINE_START_FAILED = b"EngineCore failed to start."
+ENGINE_EXIT_GRACE_S = 60.0
+
 
 def start_mode(cmd: list[str], env: dict[str, str]) -> str:
     """How a server computes: "eager" (`--enforce-eager`: no compiled graph), "ci" (vLLM-CPU's
@@ -267,19 +274,28 @@ class VllmProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(self.root), start_new_session=True)
         self.startup_s: float | None = None
+        self._scanned = 0  # bytes of the log `_log_shows` has read
+        self._engine_failed_at: float | None = None
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> VllmProcess:
         """Wait until /health answers 200, at most `timeout` seconds from the launch. /health is
         asked at least once whatever the clock says: a server launched long before (a session's
         KV maker, first used half an hour after its launch) is healthy, not timed out. A server
-        that exits meanwhile fails at once, with its log's first error."""
+        that exits meanwhile fails at once, with its log's first error; one whose engine core
+        failed to start fails `ENGINE_EXIT_GRACE_S` later if it has not exited by then."""
         deadline = self.t0 + timeout
         while True:
             if self.proc.poll() is not None:
-                if self.startup_s is None:
-                    starts.record("vllm", self.model, None, ok=False, mode=self.mode)
+                self._record_failed_start()
                 raise RuntimeError(f"vLLM server exited with {self.proc.returncode} "
                                    f"(log {self.log_path}):\n{self.failure_report()}")
+            if self._engine_failed_at is None and self._log_shows(ENGINE_START_FAILED):
+                self._engine_failed_at = time.time()
+            if self._engine_failed_at is not None and time.time() - self._engine_failed_at >= ENGINE_EXIT_GRACE_S:
+                self._record_failed_start()
+                raise RuntimeError(f"vLLM's engine core failed to start and the server has not exited "
+                                   f"{ENGINE_EXIT_GRACE_S:.0f}s later (log {self.log_path}):\n"
+                                   f"{self.failure_report()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -292,9 +308,23 @@ class VllmProcess:
             if time.time() >= deadline:
                 break
             time.sleep(1)
-        starts.record("vllm", self.model, None, ok=False, mode=self.mode)
+        self._record_failed_start()
         raise TimeoutError(f"vLLM server not healthy after {timeout}s (log {self.log_path}):\n"
                            f"{self.failure_report()}")
+
+    def _record_failed_start(self) -> None:
+        if self.startup_s is None:
+            starts.record("vllm", self.model, None, ok=False, mode=self.mode)
+
+    def _log_shows(self, marker: bytes) -> bool:
+        """Whether the log written since the last call (and the marker's length before it) holds
+        `marker`: each poll reads only what is new, not the whole log again."""
+        start = max(0, self._scanned - len(marker))
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            chunk = f.read()
+        self._scanned = start + len(chunk)
+        return marker in chunk
 
     def stop(self) -> None:
         """Stop the server and everything it started (engine core, workers): the whole process
