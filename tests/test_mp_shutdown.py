@@ -75,7 +75,7 @@ def _serve_cartridge_requests(vllm, cart) -> None:
 def _stop_in_order(order: str, groups: dict[str, int]) -> dict[str, float | None]:
     """SIGTERM each process group once, in `order`; seconds from a group's SIGTERM until it has no
     live process (None: still alive after `BOUND_S`)."""
-    from lmcache_cartridge.tools.vllm_process import _group_alive
+    from lmcache_cartridge.tools.vllm_process import group_alive
 
     sequence = {"server_first": [["server"], ["vllm"]], "vllm_first": [["vllm"], ["server"]],
                 "together": [["server", "vllm"]]}[order]
@@ -85,7 +85,7 @@ def _stop_in_order(order: str, groups: dict[str, int]) -> dict[str, float | None
     def watch(until: float, names) -> None:
         while time.monotonic() < until and any(n not in gone for n in names):
             for n in names:
-                if n not in gone and not _group_alive(groups[n]):
+                if n not in gone and not group_alive(groups[n]):
                     gone[n] = time.monotonic() - sent[n]
             time.sleep(0.05)
 
@@ -126,7 +126,7 @@ def test_server_stops_on_one_sigterm_while_an_origin_hangs_mid_download(tmp_path
     from lmcache_cartridge.store.registry import Registry
     from lmcache_cartridge.tools import cli
     from lmcache_cartridge.tools.lmcache_server import LmcacheServer
-    from lmcache_cartridge.tools.vllm_process import _group_alive
+    from lmcache_cartridge.tools.vllm_process import group_alive
     from s3_server import S3Proxy, s3_client, upload_dir
 
     upload_dir(s3_client(moto_server), "mp-stop", "c/hangs", cartridge["dir"])
@@ -147,7 +147,7 @@ def test_server_stops_on_one_sigterm_while_an_origin_hangs_mid_download(tmp_path
             time.sleep(1.0)
             t0 = time.monotonic()
             os.killpg(server.proc.pid, signal.SIGTERM)
-            while _group_alive(server.proc.pid) and time.monotonic() - t0 < BOUND_S + 10:
+            while group_alive(server.proc.pid) and time.monotonic() - t0 < BOUND_S + 10:
                 time.sleep(0.05)
             took = time.monotonic() - t0
             print(f"\n[mp shutdown] server with a download hanging: {took:.1f} s from SIGTERM to exit")

@@ -20,7 +20,7 @@ from typing import Any
 
 from lmcache_cartridge.lmcache.l1_prefault import SHM_PREFIX, l1_mappings
 from lmcache_cartridge.tools import starts
-from lmcache_cartridge.tools.vllm_process import free_port, stop_group
+from lmcache_cartridge.tools.vllm_process import free_port, kill_group, stop_group
 
 ADAPTER = {"type": "plugin", "module_path": "lmcache_cartridge.lmcache.mp_adapter",
            "class_name": "CartridgeL2Adapter"}
@@ -120,11 +120,31 @@ class LmcacheServer:
         self.command = cmd = runnable(cmd)
         self.log_path = self.root / "lmcache-server.log"
         self._log = open(self.log_path, "wb")
-        env = {**os.environ, **(extra_env or {})}
+        self._env = {**os.environ, **(extra_env or {})}
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start the server's process (its own process group), appending to its log."""
         self.t0 = time.time()
         self.ready = False
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
                                      cwd=str(self.root), start_new_session=True)
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group, as a crash or the OOM killer would: no
+        cleanup runs, so its L1 segment stays in /dev/shm as a crashed server leaves it."""
+        kill_group(self.proc)
+
+    def restart(self) -> "LmcacheServer":
+        """Start the server again after `kill` (or its exit), with the same command: the same
+        ports, adapter settings and L1 segment name, as a supervisor restarts it. Not yet ready:
+        call `wait_ready`."""
+        if self.proc.poll() is None:
+            raise RuntimeError("the lmcache server is still running: kill() or stop() it first")
+        self._log.write(b"\n==== restarted ====\n")
+        self._log.flush()
+        self._launch()
+        return self
 
     def connector(self, transfer_mode: str = "engine_driven", extra: dict[str, Any] | None = None,
                   connector: str = "cartridge") -> dict[str, Any]:

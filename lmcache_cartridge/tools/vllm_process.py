@@ -8,6 +8,7 @@ Runs in the caller's process; the vLLM server is a child process group it owns a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -107,7 +108,7 @@ def unlink_lmcache_shm(pids: set[int]) -> list[Path]:
     return gone
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     """Whether a live (not zombie) process is left in process group `pgid`."""
     proc = Path("/proc")
     if not proc.is_dir():
@@ -126,6 +127,17 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a child started with `start_new_session` and its whole process group, as a crash or
+    the OOM killer ends it (no cleanup runs), and wait until no process of the group is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.time() + 10
+    while group_alive(proc.pid) and time.time() < deadline:
+        time.sleep(0.1)
+
+
 def stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM a child started with `start_new_session` and its whole process group, wait for it,
     then SIGKILL whatever of the group lingers; then remove the shared-memory KV segments LMCache
@@ -142,9 +154,9 @@ def stop_group(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:  # still running: killed below
             pass
     deadline = time.time() + 10
-    while _group_alive(pgid) and time.time() < deadline:
+    while group_alive(pgid) and time.time() < deadline:
         time.sleep(0.2)
-    if _group_alive(pgid):
+    if group_alive(pgid):
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:  # exited meanwhile
@@ -152,9 +164,9 @@ def stop_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.wait(timeout=10)
     deadline = time.time() + 10
-    while _group_alive(pgid) and time.time() < deadline:  # SIGKILLed members are still dying
+    while group_alive(pgid) and time.time() < deadline:  # SIGKILLed members are still dying
         time.sleep(0.1)
-    if not _group_alive(pgid):  # a segment of a live process is still in use
+    if not group_alive(pgid):  # a segment of a live process is still in use
         unlink_lmcache_shm(members)
 
 
@@ -325,6 +337,10 @@ class VllmProcess:
             chunk = f.read()
         self._scanned = start + len(chunk)
         return marker in chunk
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group (`kill_group`): a crash, for fault tests; `stop` after."""
+        kill_group(self.proc)
 
     def stop(self) -> None:
         """Stop the server and everything it started (engine core, workers): the whole process
