@@ -78,8 +78,13 @@ def test_the_reference_has_the_gateways_flags_the_tenants_file_and_lmcaches_conn
     assert [t.name for t in tenants] == ["acme", "globex"] and tenants[0].s3_roots == ("my-bucket/acme",)
     tsection = page.split("## The tenants file")[1].split("\n## ")[0]
     assert TENANTS_EXAMPLE in tsection and all(f"| `{f}` |" in tsection for f in TenantEntry.model_fields)
-    [key] = LMCACHE_CONNECTOR_KEYS
+    key, mq_timeout = LMCACHE_CONNECTOR_KEYS
     assert f"| `{key.name}` | int | 0 |" in page and "kv_connector_extra_config" in page
+    assert f"| `{mq_timeout.name}` | float | 30.0 |" in page
+    from lmcache.integration.vllm.vllm_multi_process_adapter import ExtraConfigDefault
+
+    # LMCache reads it as `lmcache.mp.<member>`; its own default is what the connector replaces
+    assert mq_timeout.name == "lmcache.mp.mq_timeout" and ExtraConfigDefault.mq_timeout.default == 300.0
     from lmcache_cartridge.lmcache_compat import moved_module
 
     assert re.search(r'get_from_extra_config\(\s*"lmcache\.max_tokens_per_load",\s*0\s*\)',

@@ -277,3 +277,57 @@ def test_composites_are_built_into_the_registry_of_the_attached_servers_adapter(
     assert built[0].path.startswith(str(cache / "composites"))
     assert not [e for e in other.list() if e.id.startswith("composite-")]
     assert any("are built into" in r.getMessage() and str(ours.path) in r.getMessage() for r in caplog.records)
+
+
+class TimingOutStores:
+    """LMCache's worker adapter as `wait_for_save` drives it, against a server that died: the first
+    store is submitted, the second's slot reservation times out (LMCache's own exception)."""
+
+    def __init__(self, lazy: bool) -> None:
+        self.lazy_offload = lazy
+        self.store_futures: dict[str, object] = {}
+        self._completed_store_requests: dict[str, int] = {}
+        self._failed_store_requests: set[str] = set()
+
+    def create_recorded_event(self):
+        return None
+
+    def batched_submit_store_requests(self, request_ids, ops, event, cache_salts=None, request_configs_list=None):
+        from lmcache.v1.mp_observability.errors import LMCacheTimeoutError
+
+        for rid in request_ids:
+            if self.store_futures:
+                raise LMCacheTimeoutError(f"PREPARE_STORE timed out for {rid} after 30.0s")
+            self.store_futures[rid] = object()
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_store_the_dead_server_never_answers_drops_the_steps_stores_and_the_step_goes_on(make, lazy):
+    """Before: LMCache's timeout left `wait_for_save`, vLLM's step failed and its engine core
+    stopped for good. Now the stores not submitted are dropped as LMCache drops a store while
+    the server is unhealthy (with lazy offload: reported complete, so their blocks are freed)."""
+    from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPConnectorMetadata, LMCacheMPRequestMetadata
+
+    c = make([], [0.0])
+    c.dispatcher = None
+    c.worker_adapter = adapter = TimingOutStores(lazy)
+    meta = LMCacheMPConnectorMetadata()
+    for rid in ("a", "b", "c"):
+        meta.add_request_metadata(LMCacheMPRequestMetadata(rid, "STORE", op=None))
+    meta.add_request_metadata(LMCacheMPRequestMetadata("r", "RETRIEVE", op=None))
+    c._connector_metadata = meta
+    c.wait_for_save()  # does not raise
+    assert set(adapter.store_futures) == {"a"}
+    assert adapter._completed_store_requests == ({"b": 1, "c": 1} if lazy else {})
+    assert adapter._failed_store_requests == ({"b", "c"} if lazy else set())
+
+
+def test_calls_to_the_server_are_bounded_below_vllms_step_timeout_unless_set():
+    from types import SimpleNamespace
+
+    from lmcache_cartridge.vllm.mp_connector import bound_server_calls
+
+    for given, want in ((None, 30.0), ({"lmcache.mp.port": 5555}, 30.0), ({"lmcache.mp.mq_timeout": 120}, 120)):
+        ktc = SimpleNamespace(kv_connector_extra_config=given)
+        bound_server_calls(ktc)
+        assert ktc.kv_connector_extra_config["lmcache.mp.mq_timeout"] == want

@@ -86,7 +86,15 @@ LMCACHE_CONNECTOR_KEYS: tuple[Setting, ...] = (
             "LMCache's cap on the tokens one request loads per scheduler step; keep 0 (no cap): with a cap the "
             "rest of a trained cartridge would have to be computed from its placeholder ids, which this "
             "connector refuses, so such requests wait and then fail"),
+    Setting("lmcache.mp.mq_timeout", "float", 30.0,
+            "MP mode: seconds vLLM waits on one synchronous call to the `lmcache server` (a store's slot "
+            "reservation each step, registration, the start's first query). `CartridgeMPConnector` sets 30 "
+            "where LMCache's own default is 300: a store sent to a server that died would otherwise hold "
+            "vLLM's step as long as vLLM's own step timeout (`VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`, 300), "
+            "which then stops the engine for good. Also how long vLLM's start waits for the server: start "
+            "the server first, or raise it"),
 )
+MQ_TIMEOUT = LMCACHE_CONNECTOR_KEYS[-1]
 S3_KEYS: dict[str, tuple[str, str]] = {  # `s3.<field>` of `store.s3.S3Settings` (a test holds them to its
     # fields, which give the defaults): (type, meaning)
     "endpoint_url": ("str", "the S3 endpoint (unset: AWS); credentials come from the standard chain, never from here"),

@@ -95,6 +95,19 @@ def mp_server_urls(extra: dict) -> list[str]:
     return [f"{extra.get('lmcache.mp.host', 'tcp://localhost')}:{extra.get('lmcache.mp.port', 5555)}"]
 
 
+def bound_server_calls(ktc) -> None:
+    """Both sides, before LMCache's connector reads its settings: `lmcache.mp.mq_timeout` defaults
+    to `MQ_TIMEOUT` (30 s) instead of LMCache's 300 s, unless set. A store's slot reservation
+    waits that long on a server that died; at 300 s it outlasts vLLM's own step timeout (also 300 s),
+    and vLLM then stops its engine core for good, though the server comes back."""
+    from lmcache_cartridge.lmcache.settings import MQ_TIMEOUT
+
+    extra = getattr(ktc, "kv_connector_extra_config", None)
+    if extra is None:
+        extra = ktc.kv_connector_extra_config = {}
+    extra.setdefault(MQ_TIMEOUT.name, MQ_TIMEOUT.default)
+
+
 def skip_save(request_configs: dict | None) -> bool:
     """Whether a request's LMCache configs set `lmcache.skip_save`, read as in-process LMCache
     reads it (`vllm_v1_adapter`: any truthy value skips the save)."""
@@ -166,7 +179,8 @@ class CartridgeMPConnector(LMCacheMPConnector):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         ktc = vllm_config.kv_transfer_config
-        extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+        bound_server_calls(ktc)
+        extra = dict(ktc.kv_connector_extra_config)
         scheduler = role == KVConnectorRole.SCHEDULER
         self._gate = ReadinessGate.from_extra(extra)
         self._lookups = LookupTimer() if scheduler else None
@@ -421,6 +435,30 @@ class CartridgeMPConnector(LMCacheMPConnector):
                          "server by the deadline): %d blocks reported failed", sorted(failed),
                          len(self._failed_blocks))
         super().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_save(self):
+        """Worker side, as the forward pass ends: LMCache's stores of this step. A store the server
+        does not answer within `lmcache.mp.mq_timeout` (it died, and LMCache's heartbeat has not
+        yet marked it unhealthy) raises in LMCache; uncaught, it would fail vLLM's step and stop
+        the engine. The step's stores not yet submitted are dropped as LMCache drops a store while
+        the server is unhealthy (with lazy offload, reported complete so their blocks are freed);
+        their KV is simply not cached."""
+        try:
+            super().wait_for_save()
+        except TimeoutError as e:
+            dropped = self._drop_unsubmitted_stores()
+            logger.error("lmcache_cartridge: the LMCache server did not answer a store (%s); this step's "
+                         "stores for requests %s are dropped, the requests go on", e, sorted(dropped))
+
+    def _drop_unsubmitted_stores(self) -> set[str]:
+        adapter = self.worker_adapter
+        dropped = {str(m.request_id) for m in self._get_connector_metadata().requests
+                   if m.direction == "STORE" and m.request_id not in adapter.store_futures}
+        if getattr(adapter, "lazy_offload", False):  # LMCache frees a lazy store's blocks on its receipt
+            for rid in dropped:
+                adapter._completed_store_requests[rid] = 1
+                adapter._failed_store_requests.add(rid)
+        return dropped
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         theirs = set(super().get_block_ids_with_load_errors())
