@@ -588,117 +588,182 @@ def drive(n: int, clients: int, request: Callable[[Any, int], dict[str, Any]], m
     changes = list(changes or [])
     if len(changes) > len(CHURN_AT):
         raise ValueError(f"at most {len(CHURN_AT)} changes, got {len(changes)}")
-    at = [math.ceil(f * n) for f in CHURN_AT[:len(changes)]]
-    # the requests that wait for change k to start: the last few at least, however few requests
-    # follow its fraction (never one below it: those are what let it start)
-    hold = [max(a, min(a + clients, n - 1)) for a in at]
-    started = [threading.Event() for _ in changes]
-    landed = [threading.Event() for _ in changes]
-    over = threading.Event()
-    lock = threading.Lock()
-    recs: list[dict[str, Any]] = []
-    events: list[dict[str, Any]] = []
-    nxt = [0]
-    t0 = time.time()
-    deadline = t0 + max_seconds
+    return _Drive(n, clients, request, max_seconds, changes, session).run()
 
-    def left() -> float | None:  # Event.wait's timeout: None waits without end (it refuses inf)
-        return None if math.isinf(deadline) else max(0.0, deadline - time.time())
 
-    def worker() -> None:
-        with session() as client:
+class _Drive:
+    """What `drive`'s threads share: the next request's index, the records and events, and per
+    change the events that hold requests back until it has started and until it has landed."""
+
+    def __init__(self, n: int, clients: int, request: Callable[[Any, int], dict[str, Any]], max_seconds: float,
+                 changes: list[Callable[[Any], dict[str, Any]]], session: Callable[[], Any]) -> None:
+        self.n, self.clients, self.request, self.session = n, clients, request, session
+        self.changes, self.max_seconds = changes, max_seconds
+        self.at = [math.ceil(f * n) for f in CHURN_AT[:len(changes)]]
+        # the requests that wait for change k to start: the last few at least, however few requests
+        # follow its fraction (never one below it: those are what let it start)
+        self.hold = [max(a, min(a + clients, n - 1)) for a in self.at]
+        self.started = [threading.Event() for _ in changes]
+        self.landed = [threading.Event() for _ in changes]
+        self.over = threading.Event()
+        self.lock = threading.Lock()
+        self.recs: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.nxt = 0
+        self.t0 = time.time()
+        self.deadline = self.t0 + max_seconds
+
+    def left(self) -> float | None:
+        """Event.wait's timeout: None waits without end (it refuses inf)."""
+        return None if math.isinf(self.deadline) else max(0.0, self.deadline - time.time())
+
+    def done(self) -> int:
+        with self.lock:
+            return len(self.recs)
+
+    def worker(self) -> None:
+        with self.session() as client:
             while True:
-                with lock:
-                    i = nxt[0]
-                    if i >= n or time.time() >= deadline:
+                with self.lock:
+                    i = self.nxt
+                    if i >= self.n or time.time() >= self.deadline:
                         return
-                    nxt[0] += 1
-                for k in range(len(changes)):
-                    if i >= hold[k]:
-                        started[k].wait(left())
-                    if k + 1 < len(changes) and i >= at[k + 1]:
-                        landed[k].wait(left())
-                rec = request(client, i)
-                with lock:
-                    recs.append(rec)
+                    self.nxt += 1
+                for k in range(len(self.changes)):
+                    if i >= self.hold[k]:
+                        self.started[k].wait(self.left())
+                    if k + 1 < len(self.changes) and i >= self.at[k + 1]:
+                        self.landed[k].wait(self.left())
+                rec = self.request(client, i)
+                with self.lock:
+                    self.recs.append(rec)
 
-    def churner() -> None:
+    def churner(self) -> None:
         try:
-            with session() as client:
-                for k, apply in enumerate(changes):
-                    while not over.is_set():
-                        with lock:
-                            done = len(recs)
-                        if done >= at[k] or time.time() - t0 >= CHURN_AT[k] * max_seconds:
-                            break
-                        over.wait(0.02)
-                    with lock:
-                        done = len(recs)
-                    under_load = not over.is_set()
-                    started[k].set()
-                    try:
-                        ev = apply(client)
-                    except Exception as e:  # recorded as the change's failure, not lost on this thread
-                        ev = {"failure": f"{type(e).__name__}: {e}"}
-                    with lock:
-                        ev.update(under_load=under_load, at_request=done, requests_during=len(recs) - done)
-                    events.append(ev)
-                    landed[k].set()
-                    if "failure" in ev:
+            with self.session() as client:
+                for k, apply in enumerate(self.changes):
+                    if not self.change(k, apply, client):
                         return
         finally:
-            for e in started + landed:  # a failed change holds no request back
+            for e in self.started + self.landed:  # a failed change holds no request back
                 e.set()
 
-    churn = threading.Thread(target=churner, name="churn", daemon=True) if changes else None
-    if churn is not None:
-        churn.start()
-    with ThreadPoolExecutor(max_workers=clients) as pool:
-        for f in [pool.submit(worker) for _ in range(clients)]:
-            f.result()
-    soak_s = time.time() - t0
-    over.set()
-    if churn is not None:
-        churn.join(timeout=300)
-    return recs, events, soak_s
+    def change(self, k: int, apply: Callable[[Any], dict[str, Any]], client: Any) -> bool:
+        """Change k once its share of the requests is done (or of the time has passed); its event
+        recorded. False when it failed."""
+        while not self.over.is_set():
+            if self.done() >= self.at[k] or time.time() - self.t0 >= CHURN_AT[k] * self.max_seconds:
+                break
+            self.over.wait(0.02)
+        done = self.done()
+        under_load = not self.over.is_set()
+        self.started[k].set()
+        try:
+            ev = apply(client)
+        except Exception as e:  # recorded as the change's failure, not lost on this thread
+            ev = {"failure": f"{type(e).__name__}: {e}"}
+        with self.lock:
+            ev.update(under_load=under_load, at_request=done, requests_during=len(self.recs) - done)
+        self.events.append(ev)
+        self.landed[k].set()
+        return "failure" not in ev
+
+    def run(self) -> tuple[list[dict], list[dict], float]:
+        churn = threading.Thread(target=self.churner, name="churn", daemon=True) if self.changes else None
+        if churn is not None:
+            churn.start()
+        with ThreadPoolExecutor(max_workers=self.clients) as pool:
+            for f in [pool.submit(self.worker) for _ in range(self.clients)]:
+                f.result()
+        soak_s = time.time() - self.t0
+        self.over.set()
+        if churn is not None:
+            churn.join(timeout=300)
+        return self.recs, self.events, soak_s
 
 
 def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
     """Run one soak; write soak.json + soak.md into `out_dir`; return the result (see `ok`)."""
-    import httpx
+    return SoakRun(p, out_dir).run()
 
-    from lmcache_cartridge.api.gateway import GatewaySettings
-    from lmcache_cartridge.store.registry import Registry
-    from lmcache_cartridge.store.tier_totals import sum_tier_stats
-    from lmcache_cartridge.testing.launch import GatewayThread
 
-    if p.mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, not {p.mode!r}")
-    if p.churn and p.cartridges < 3:
-        raise ValueError("churn needs 3 cartridges or more (the first and the last change, one stays)")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work_parent = Path(p.work_root) if p.work_root else ROOT / ".cache"
-    work_parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="soak-", dir=work_parent))
-    t_start = time.time()
-    result: dict[str, Any] = {"params": asdict(p), "work_dir": str(work), "ok": False,
-                              "machine": {**machine_info(), "note": "shared machine; timings are indicative"}}
-    moto = server = gw = sampler = None
-    check_ext = not p.prefix_caching  # with vLLM's prefix cache on, cached_tokens also counts its hits
-    saved_env = {k: os.environ.get(k) for k in (*DUMMY_AWS_ENV, *_AWS_UNSET)}
-    try:
-        # -- cartridges ------------------------------------------------------------------------
-        carts_dir = work / "carts"
-        carts = make_cartridges(p, carts_dir)
-        names, s3_names, chunk_bytes = carts.names, carts.s3_names, carts.chunk_bytes
-        full_tokens = carts.full_tokens()
+def _examples(recs: list[dict]) -> list[dict]:
+    """The first five records, without their time."""
+    return [{k: v for k, v in r.items() if k != "t"} for r in recs[:5]]
+
+
+def _by_kind(recs: list[dict]) -> dict[str, dict[str, int]]:
+    """Requests, answers and external tokens per kind of request."""
+    out: dict[str, dict[str, int]] = {}
+    for r in recs:
+        d = out.setdefault(r["kind"], {"requests": 0, "answered": 0, "external_tokens": 0})
+        d["requests"] += 1
+        d["answered"] += r["status"] == 200
+        d["external_tokens"] += (r["ext"] or 0) if r["status"] == 200 else 0
+    return out
+
+
+class SoakRun:
+    """One soak, phase by phase (`run` calls them in order): the cartridges, their S3 origin, the
+    servers and the gateway, plain prompts before any registration, the registration, the
+    references, the soak with its churn, the verdicts; then `stop` stops what was started and
+    writes the outputs, whatever failed. A phase hands what the next ones need on as attributes."""
+
+    def __init__(self, p: SoakParams, out_dir: Path) -> None:
+        if p.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {p.mode!r}")
+        if p.churn and p.cartridges < 3:
+            raise ValueError("churn needs 3 cartridges or more (the first and the last change, one stays)")
+        self.p = p
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        work_parent = Path(p.work_root) if p.work_root else ROOT / ".cache"
+        work_parent.mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix="soak-", dir=work_parent))
+        self.t_start = time.time()
+        self.result: dict[str, Any] = {"params": asdict(p), "work_dir": str(self.work), "ok": False,
+                                       "machine": {**machine_info(), "note": "shared machine; timings are indicative"}}
+        self.moto = self.server = self.gw = self.sampler = None
+        self.check_ext = not p.prefix_caching  # with vLLM's prefix cache on, cached_tokens also counts its hits
+        self.saved_env = {k: os.environ.get(k) for k in (*DUMMY_AWS_ENV, *_AWS_UNSET)}
+        self.s3_cfg: dict[str, str] = {}
+        self.refs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.records: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.salt_lock = threading.Lock()
+
+    def run(self) -> dict[str, Any]:
+        try:
+            self.make_cartridges()
+            self.start_s3()
+            self.start_servers()
+            self.before_registration()
+            self.register_all()
+            self.take_references()
+            self.soak()
+            self.verdicts()
+        except Exception as e:
+            self.result["failure"] = f"{type(e).__name__}: {e}"
+            log(f"FAILED: {self.result['failure']}")
+        finally:
+            self.stop()
+        return self.result
+
+    # -- setup -----------------------------------------------------------------------------------
+    def make_cartridges(self) -> None:
+        """The cartridges, and the budgets beside their working set."""
+        p = self.p
+        self.carts_dir = self.work / "carts"
+        self.carts = carts = make_cartridges(p, self.carts_dir)
+        self.names = names = carts.names
+        s3_names, chunk_bytes = carts.s3_names, carts.chunk_bytes
+        self.full_tokens = carts.full_tokens()
         v1 = {n: carts.manifests[(n, "v1")] for n in names}
         total_chunks = sum(len(m.chunks) for m in v1.values())
         s3_chunks = sum(len(v1[n].chunks) for n in s3_names)
         log(f"[{p.mode}] {len(names)} cartridges, {total_chunks} chunks x {chunk_bytes // 1024} KiB "
             f"({total_chunks * chunk_bytes / MiB:.1f} MiB working set), {len(s3_names)} from S3")
-        result["budgets"] = {
+        self.result["budgets"] = {
             "chunk_bytes": chunk_bytes,
             "working_set_chunks": total_chunks,
             "working_set_bytes": total_chunks * chunk_bytes,
@@ -710,135 +775,168 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
             "prefetch": True,
         }
 
-        # -- S3 --------------------------------------------------------------------------------
-        s3_cfg: dict[str, str] = {}
+    def start_s3(self) -> None:
+        """The S3 cartridges' origin: a loopback moto server, their first versions uploaded."""
+        s3_names = self.carts.s3_names
         if s3_names:
-            moto, endpoint = start_moto()
-            s3_cfg = {"endpoint_url": endpoint}
+            self.moto, endpoint = start_moto()
+            self.s3_cfg = {"endpoint_url": endpoint}
             for name in sorted(s3_names):
-                upload_dir(endpoint, BUCKET, name, carts.dirs[(name, "v1")])
+                upload_dir(endpoint, BUCKET, name, self.carts.dirs[(name, "v1")])
             log(f"moto S3 on {endpoint}, {len(s3_names)} cartridges uploaded")
 
-        # -- servers + gateway (nothing registered yet) -----------------------------------------
-        registry_path = work / "registry.db"
-        cache_dir = work / "cache"
-        reg = Registry(registry_path)
-        server, result["lmcache_config"] = start_server(p, work, carts, registry_path, cache_dir, s3_cfg)
+    def start_servers(self) -> None:
+        """The servers (sampled for RSS from their start) and the gateway; nothing registered yet."""
+        from lmcache_cartridge.api.gateway import GatewaySettings
+        from lmcache_cartridge.store.registry import Registry
+        from lmcache_cartridge.testing.launch import GatewayThread
+
+        p, carts = self.p, self.carts
+        self.registry_path = self.work / "registry.db"
+        self.cache_dir = self.work / "cache"
+        self.reg = Registry(self.registry_path)
+        self.server, self.result["lmcache_config"] = start_server(p, self.work, carts, self.registry_path,
+                                                                  self.cache_dir, self.s3_cfg)
+        server = self.server
         roots = [server.proc.pid] + ([server.lmcache_server.proc.pid] if p.mode == "mp" else [])
-        sampler = RssSampler(roots).start()
+        self.sampler = RssSampler(roots).start()
         server.wait_healthy()
-        result["server_startup_s"] = server.startup_s
-        t_healthy = time.time()
+        self.result["server_startup_s"] = server.startup_s
+        self.t_healthy = time.time()
         log(f"vLLM healthy after {server.startup_s:.0f}s")
         settings = GatewaySettings(upstream=server.url, model=str(carts.model_dir), tokenizer=str(carts.model_dir),
-                                   registry=registry_path, cache_dir=cache_dir, chunk_size=CHUNK,
-                                   local_roots=(carts_dir,), s3=s3_cfg, upstream_timeout=p.request_timeout)
-        gw = GatewayThread(settings)
-        prefix, suffix = plain_prompts(p, carts.vocab)
-        salts = iter(f"soak-{p.seed}-{n}" for n in range(1 << 30))
-        salt_lock = threading.Lock()
+                                   registry=self.registry_path, cache_dir=self.cache_dir, chunk_size=CHUNK,
+                                   local_roots=(self.carts_dir,), s3=self.s3_cfg, upstream_timeout=p.request_timeout)
+        self.gw = GatewayThread(settings)
+        self.prefix, self.suffix = plain_prompts(p, carts.vocab)
+        self.salts = iter(f"soak-{p.seed}-{n}" for n in range(1 << 30))
+        self.timeline = Timeline({n: "v1" for n in self.names})  # until the soak: every judged request's state
 
-        def next_salt() -> str:
-            with salt_lock:
-                return next(salts)
+    # -- requests ----------------------------------------------------------------------------------
+    def next_salt(self) -> str:
+        with self.salt_lock:
+            return next(self.salts)
 
-        def body(kind: str, name: str | None, i: int) -> dict:
-            if kind == "plain":
-                return {"prompt": prefix + suffix(i), "max_tokens": p.max_tokens, "temperature": 0,
-                        "cache_salt": next_salt()}
-            b = {"prompt": f" Question {names.index(name)}: what is it about?", "max_tokens": p.max_tokens,
-                 "temperature": 0, "logprobs": TOP_LOGPROBS, "cartridges": [{"id": name}]}
-            if kind == "salted_cartridge":
-                b["cache_salt"] = next_salt()
-            return b
+    def body(self, kind: str, name: str | None, i: int) -> dict:
+        p = self.p
+        if kind == "plain":
+            return {"prompt": self.prefix + self.suffix(i), "max_tokens": p.max_tokens, "temperature": 0,
+                    "cache_salt": self.next_salt()}
+        b = {"prompt": f" Question {self.names.index(name)}: what is it about?", "max_tokens": p.max_tokens,
+             "temperature": 0, "logprobs": TOP_LOGPROBS, "cartridges": [{"id": name}]}
+        if kind == "salted_cartridge":
+            b["cache_salt"] = self.next_salt()
+        return b
 
-        refs: dict[tuple[str, str], dict[str, Any]] = {}
-        timeline = Timeline({n: "v1" for n in names})  # until the soak: every judged request's state
-        records: list[dict[str, Any]] = []
-        lock = threading.Lock()
+    def one(self, client, phase: str, kind: str, name: str | None, i: int) -> dict[str, Any]:
+        """One request through the gateway, judged by the versions registered while it ran; recorded."""
+        t0 = time.time()
+        reply = ask(client, self.gw.url, self.body(kind, name, i), self.p.request_timeout)
+        t1 = time.time()
+        possible = self.timeline.possible(name, t0, t1) if name else set()
+        rec = {"i": i, "phase": phase, "kind": kind, "cartridge": name, "latency_s": reply.latency_s,
+               "t": t1, "possible": sorted(str(v) for v in possible),
+               **judge(kind, reply, possible, self.refs, self.full_tokens, name, self.check_ext)}
+        if reply.status != 200:
+            rec["error"] = reply.error
+        with self.lock:
+            self.records.append(rec)
+        return rec
 
-        def one(client, phase: str, kind: str, name: str | None, i: int) -> dict[str, Any]:
-            t0 = time.time()
-            reply = ask(client, gw.url, body(kind, name, i), p.request_timeout)
-            t1 = time.time()
-            possible = timeline.possible(name, t0, t1) if name else set()
-            rec = {"i": i, "phase": phase, "kind": kind, "cartridge": name, "latency_s": reply.latency_s,
-                   "t": t1, "possible": sorted(str(v) for v in possible),
-                   **judge(kind, reply, possible, refs, full_tokens, name, check_ext)}
-            if reply.status != 200:
-                rec["error"] = reply.error
-            with lock:
-                records.append(rec)
-            return rec
+    def concurrently(self, jobs: list[tuple[str, str | None]], phase: str, i0: int = 0) -> None:
+        import httpx
 
-        def concurrently(jobs: list[tuple[str, str | None]], phase: str, i0: int = 0) -> None:
-            drive(len(jobs), p.clients, lambda client, k: one(client, phase, *jobs[k], i0 + k), math.inf,
-                  session=httpx.Client)
+        drive(len(jobs), self.p.clients, lambda client, k: self.one(client, phase, *jobs[k], i0 + k), math.inf,
+              session=httpx.Client)
 
-        m0 = vllm_metrics(server.url)
-        # -- phase 0: plain prompts before anything is registered, then the unsalted control -------
+    # -- before the soak -----------------------------------------------------------------------------
+    def before_registration(self) -> None:
+        """Plain prompts before anything is registered, then the unsalted control."""
+        p = self.p
+        self.m0 = vllm_metrics(self.server.url)
         if p.plain_before:
-            concurrently([("plain", None)] * p.plain_before, "before_registration", i0=-p.plain_before - 100)
+            self.concurrently([("plain", None)] * p.plain_before, "before_registration", i0=-p.plain_before - 100)
             log(f"{p.plain_before} plain prompts before any registration: external tokens "
-                f"{[r['ext'] for r in records if r['phase'] == 'before_registration']}")
+                f"{[r['ext'] for r in self.records if r['phase'] == 'before_registration']}")
         if p.plain_before or p.plain_fraction:
-            result["control"] = control(gw.url, prefix, suffix, p)
-            log(f"control (no salt, same prefix twice): {result['control']}")
+            self.result["control"] = control(self.gw.url, self.prefix, self.suffix, p)
+            log(f"control (no salt, same prefix twice): {self.result['control']}")
+        self.m0r = vllm_metrics(self.server.url)  # the references' own counts start here
 
-        m0r = vllm_metrics(server.url)  # the references' own counts start here
+    def first_version(self, name: str) -> str:
+        """The version registered first: with churn, the first cartridge's second one."""
+        return self.first_v2 if (self.first_v2 and name == self.names[0]) else "v1"
 
-        # -- registration --------------------------------------------------------------------------
-        first_v2 = ("v2" if p.churn else None)
+    def _register(self, name: str, version: str):
+        return register(self.reg, self.carts, name, version, self.cache_dir, self.s3_cfg)
+
+    def register_all(self) -> None:
+        from lmcache_cartridge.store.tier_totals import sum_tier_stats
+
+        names = self.names
+        self.first_v2 = ("v2" if self.p.churn else None)
         for name in names:
-            register(reg, carts, name, first_v2 if (first_v2 and name == names[0]) else "v1", cache_dir, s3_cfg)
-        server.wait_serving(len(names), timeout=120)
-        entries = {e.id: e for e in reg.list()}
-        result["sources"] = {n: entries[n].source_uri.split("://")[0] if "://" in entries[n].source_uri else "local"
-                             for n in names}
+            self._register(name, self.first_version(name))
+        self.server.wait_serving(len(names), timeout=120)
+        entries = {e.id: e for e in self.reg.list()}
+        self.result["sources"] = {n: entries[n].source_uri.split("://")[0] if "://" in entries[n].source_uri
+                                  else "local" for n in names}
         log(f"{len(names)} cartridges registered and served")
-        st0 = sum_tier_stats(cache_dir)
+        self.st0 = sum_tier_stats(self.cache_dir)
 
-        # -- phase 1: references (each version alone) ---------------------------------------------
-        ref_errors = []
+    def reference(self, client, name: str, version: str, errors: list[dict]) -> None:
+        """One version's answer, the cartridge's only request in flight."""
+        reply = ask(client, self.gw.url, self.body("cartridge", name, -1), self.p.request_timeout)
+        if reply.status != 200:
+            errors.append({"cartridge": name, "version": version, "status": reply.status, "error": reply.error})
+            return
+        self.refs[(name, version)] = {"text": reply.text, "lp": reply.lp, "ext": reply.ext,
+                                      "latency_s": reply.latency_s}
+
+    def take_references(self) -> None:
+        """Phase 1: each version's reference; with churn, the last cartridge leaves until the soak."""
+        import httpx
+
+        from lmcache_cartridge.store.tier_totals import sum_tier_stats
+
+        names, refs, full_tokens = self.names, self.refs, self.full_tokens
+        ref_errors: list[dict] = []
         with httpx.Client() as client:
-
-            def reference(name: str, version: str) -> None:
-                reply = ask(client, gw.url, body("cartridge", name, -1), p.request_timeout)
-                if reply.status != 200:
-                    ref_errors.append({"cartridge": name, "version": version, "status": reply.status,
-                                       "error": reply.error})
-                    return
-                refs[(name, version)] = {"text": reply.text, "lp": reply.lp, "ext": reply.ext,
-                                         "latency_s": reply.latency_s}
-
             for name in names:
-                reference(name, first_v2 if (first_v2 and name == names[0]) else "v1")
-            if p.churn:  # the first cartridge's first version, then the last one leaves until the soak
-                reg.remove(names[0])
-                server.wait_not_served(names[0], timeout=60)
-                server.wait_served([register(reg, carts, names[0], "v1", cache_dir, s3_cfg)], timeout=60)
-                reference(names[0], "v1")
-                reg.remove(names[-1])
-                server.wait_not_served(names[-1], timeout=60)
-                timeline.initial[names[-1]] = None
-        m1 = vllm_metrics(server.url)
+                self.reference(client, name, self.first_version(name), ref_errors)
+            if self.p.churn:  # the first cartridge's first version, then the last one leaves until the soak
+                self.reg.remove(names[0])
+                self.server.wait_not_served(names[0], timeout=60)
+                self.server.wait_served([self._register(names[0], "v1")], timeout=60)
+                self.reference(client, names[0], "v1", ref_errors)
+                self.reg.remove(names[-1])
+                self.server.wait_not_served(names[-1], timeout=60)
+                self.timeline.initial[names[-1]] = None
+        self.m1 = m1 = vllm_metrics(self.server.url)
         ref_ext = [r["ext"] for r in refs.values()]
         distinct = len({r["text"] for r in refs.values()})
-        result["references"] = {
+        self.result["references"] = {
             "count": len(refs), "errors": ref_errors, "distinct_texts": distinct,
-            "external_kv_tokens": m1.get("vllm:external_kv_tokens", 0) - m0r.get("vllm:external_kv_tokens", 0),
-            "cartridge_tokens_sent": sum(carts.manifests[k].num_tokens for k in refs),
+            "external_kv_tokens": m1.get("vllm:external_kv_tokens", 0) - self.m0r.get("vllm:external_kv_tokens", 0),
+            "cartridge_tokens_sent": sum(self.carts.manifests[k].num_tokens for k in refs),
             "external_tokens_per_request": {f"{n}/{v}": r["ext"] for (n, v), r in refs.items()},
             "ext_violations": [f"{n}/{v}: {r['ext']} of {full_tokens[(n, v)]}" for (n, v), r in refs.items()
-                               if check_ext and r["ext"] != full_tokens[(n, v)]],
+                               if self.check_ext and r["ext"] != full_tokens[(n, v)]],
             "answers": {f"{n}/{v}": r["text"] for (n, v), r in refs.items()}}
         log(f"references: {len(refs)} ok, {distinct} distinct answers, external tokens {ref_ext}")
         if ref_errors:
             raise RuntimeError(f"reference requests failed: {ref_errors[:3]}")
         time.sleep(1.0)  # let the plugin publish its stats
-        st1 = sum_tier_stats(cache_dir)
+        self.st1 = sum_tier_stats(self.cache_dir)
 
-        # -- phase 2: soak -----------------------------------------------------------------------
+    # -- the soak ------------------------------------------------------------------------------------
+    def soak(self) -> None:
+        """Phase 2: the requests on the clients' threads, with churn its changes beside them."""
+        import httpx
+
+        from lmcache_cartridge.store.tier_totals import sum_tier_stats
+
+        p, names = self.p, self.names
         rng = random.Random(p.seed)
         jobs: list[tuple[str, str | None]] = [
             ("plain", None) if p.plain_fraction and rng.random() < p.plain_fraction
@@ -847,182 +945,199 @@ def run_soak(p: SoakParams, out_dir: Path) -> dict[str, Any]:
         for k in rng.sample(range(len(jobs)), min(p.salted_cartridge_requests, len(jobs))):
             jobs[k] = ("salted_cartridge", rng.choice(stable))
         warmup = p.warmup_requests if p.warmup_requests is not None else max(2 * p.clients, p.requests // 10)
-        warmup = min(warmup, max(0, p.requests - 1))
-        t_soak = time.time()
-
-        def change(name: str, version: str | None) -> Callable[[Any], dict[str, Any]]:
-            def apply(client) -> dict[str, Any]:
-                ev: dict[str, Any] = {"cartridge": name, "version": version}
-                begin = time.time()
-                pending = timeline.start(name, version, begin)  # before the call: requests beside it
-                try:                                              # may see either version
-                    if version is None:
-                        reg.remove(name)
-                        end = time.time()
-                        timeline.finish(pending, end)
-                        server.wait_not_served(name, timeout=60)
-                        ev["not_served_after_s"] = time.time() - begin
-                    else:
-                        server.wait_served([register(reg, carts, name, version, cache_dir, s3_cfg)], timeout=120)
-                        end = time.time()
-                        timeline.finish(pending, end)
-                except Exception as e:
-                    return {**ev, "failure": f"{type(e).__name__}: {e}"}
-                ev.update(t=round(begin - t_soak, 2), took_s=round(end - begin, 2))
-                probe = one(client, "probe", "cartridge", name, -2)
-                ev["probe"] = {k: probe.get(k) for k in ("status", "verdict", "ext", "ext_violation")}
-                log(f"churn: {name} -> {version or 'removed'}: {ev['probe']}")
-                return ev
-            return apply
-
-        changes = [change(names[-1], "v1"), change(names[0], None), change(names[0], "v2")] if p.churn else []
-        soak_recs, events, soak_s = drive(len(jobs), p.clients, lambda client, i: one(client, "soak", *jobs[i], i),
-                                          p.max_seconds, changes, session=httpx.Client)
-        warm_at = [soak_recs[warmup - 1]["t"]] if 0 < warmup <= len(soak_recs) else []
+        self.warmup = min(warmup, max(0, p.requests - 1))
+        self.jobs = jobs
+        self.t_soak = time.time()
+        changes = ([self.change(names[-1], "v1"), self.change(names[0], None), self.change(names[0], "v2")]
+                   if p.churn else [])
+        self.soak_recs, self.events, self.soak_s = drive(
+            len(jobs), p.clients, lambda client, i: self.one(client, "soak", *jobs[i], i), p.max_seconds, changes,
+            session=httpx.Client)
+        self.warm_at = [self.soak_recs[self.warmup - 1]["t"]] if 0 < self.warmup <= len(self.soak_recs) else []
         time.sleep(1.0)  # one more RSS sample and stats dump at rest
-        m2 = vllm_metrics(server.url)
-        st2 = sum_tier_stats(cache_dir)
-        sampler.stop()
+        self.m2 = vllm_metrics(self.server.url)
+        self.st2 = sum_tier_stats(self.cache_dir)
+        self.sampler.stop()
 
-        # -- the verdicts ------------------------------------------------------------------------
-        judged = [r for r in records if r["phase"] in ("before_registration", "soak", "probe")]
+    def change(self, name: str, version: str | None) -> Callable[[Any], dict[str, Any]]:
+        """The churn's change of `name` to `version` (None: removed), then a probe request of it."""
+        def apply(client) -> dict[str, Any]:
+            ev: dict[str, Any] = {"cartridge": name, "version": version}
+            begin = time.time()
+            pending = self.timeline.start(name, version, begin)  # before the call: requests beside it
+            try:                                                   # may see either version
+                if version is None:
+                    self.reg.remove(name)
+                    end = time.time()
+                    self.timeline.finish(pending, end)
+                    self.server.wait_not_served(name, timeout=60)
+                    ev["not_served_after_s"] = time.time() - begin
+                else:
+                    self.server.wait_served([self._register(name, version)], timeout=120)
+                    end = time.time()
+                    self.timeline.finish(pending, end)
+            except Exception as e:
+                return {**ev, "failure": f"{type(e).__name__}: {e}"}
+            ev.update(t=round(begin - self.t_soak, 2), took_s=round(end - begin, 2))
+            probe = self.one(client, "probe", "cartridge", name, -2)
+            ev["probe"] = {k: probe.get(k) for k in ("status", "verdict", "ext", "ext_violation")}
+            log(f"churn: {name} -> {version or 'removed'}: {ev['probe']}")
+            return ev
+        return apply
+
+    # -- the verdicts --------------------------------------------------------------------------------
+    def verdicts(self) -> None:
+        """The result from the records, the counters and the RSS samples; `ok` when no request
+        failed, was contaminated, answered unregistered or got other external tokens, the control
+        saw its tokens, the churn completed under load and the servers are alive."""
+        p = self.p
+        judged = [r for r in self.records if r["phase"] in ("before_registration", "soak", "probe")]
         by = {v: [r for r in judged if r["verdict"] == v] for v in
               ("ok", "error", "refused", "contaminated", "near_tie", "served_unregistered")}
         ext_bad = [r for r in judged if r["ext_violation"]]
+        probes = [r for r in self.records if r["phase"] == "probe"]
+        ext_counter = self.m2.get("vllm:external_kv_tokens", 0) - self.m1.get("vllm:external_kv_tokens", 0)
+        server = self.server
+        self.result.update({
+            "soak": self.soak_summary(by, probes, ext_counter),
+            "external_tokens": self.external_tokens(ext_bad, probes, ext_counter),
+            "churn": self.churn_summary(judged) if p.churn else None,
+            **self.tier_summary(),
+            "rss": self.rss_summary(),
+            "server_alive": server.alive() and (p.mode != "mp" or server.lmcache_server.proc.poll() is None),
+        })
+        result = self.result
+        control_ok = "control" not in result or result["control"].get("seen")
+        result["ok"] = bool(not by["error"] and not by["contaminated"] and not by["served_unregistered"]
+                            and not ext_bad and not result["references"]["ext_violations"]
+                            and control_ok and (not p.churn or result["churn"]["complete_under_load"])
+                            and result["server_alive"])
+        log(f"soak: {len(self.soak_recs)} requests in {self.soak_s:.1f}s, {len(by['error'])} errors, "
+            f"{len(by['contaminated'])} contaminated, {len(by['refused'])} refused, {len(ext_bad)} external-token "
+            f"violations, p50 {result['soak']['latency_s']['p50']}, evictions {result['evictions']}, "
+            f"RSS growth {result['rss']['growth']}")
+
+    def soak_summary(self, by: dict[str, list[dict]], probes: list[dict], ext_counter: float) -> dict[str, Any]:
+        soak_recs, jobs, soak_s = self.soak_recs, self.jobs, self.soak_s
         ok_recs = [r for r in soak_recs if r["status"] == 200]
         lat = [r["latency_s"] for r in ok_recs]
-        probes = [r for r in records if r["phase"] == "probe"]
-        ext_sum = sum(r["ext"] or 0 for r in soak_recs + probes if r["status"] == 200)
-        ext_counter = m2.get("vllm:external_kv_tokens", 0) - m1.get("vllm:external_kv_tokens", 0)
-        sent_tokens = sum(carts.manifests[(r["cartridge"], r["version"])].num_tokens
+        sent_tokens = sum(self.carts.manifests[(r["cartridge"], r["version"])].num_tokens
                           for r in soak_recs + probes
                           if r["kind"] in ("cartridge", "salted_cartridge") and r.get("version"))
-        soak_delta = st2.minus(st1)
-        total_delta = st2.minus(st0)
-        lmc_delta = metric_delta(m1, m2)
-        lmc_total = metric_delta(m0, m2)
-        evictions = {
-            "plugin_cpu": total_delta.get("cpu", {}).get("evictions", 0),
-            "plugin_disk": total_delta.get("disk", {}).get("evictions", 0),
-            "lmcache_local_cpu_keys": sum(v for k, v in lmc_total.items() if "evict_keys_count" in k),
-            "lmcache_local_cpu_evict_failed": sum(v for k, v in lmc_total.items() if "evict_failed" in k),
+        return {
+            "requests_planned": len(jobs), "requests_done": len(soak_recs), "warmup_requests": self.warmup,
+            "stopped_by_time": len(soak_recs) < len(jobs), "seconds": soak_s,
+            "requests_per_s": len(soak_recs) / soak_s if soak_s else None,
+            "by_kind": _by_kind(soak_recs),
+            "errors": len(by["error"]), "error_examples": _examples(by["error"]),
+            "refused": len(by["refused"]), "refused_by_kind": {k: sum(1 for r in by["refused"] if r["kind"] == k)
+                                                               for k in ("cartridge", "salted_cartridge")},
+            "contamination": len(by["contaminated"]), "contamination_examples": _examples(by["contaminated"]),
+            "served_unregistered": len(by["served_unregistered"]),
+            "served_examples": _examples(by["served_unregistered"]),
+            "near_tie_flips": len(by["near_tie"]), "near_tie_examples": _examples(by["near_tie"]),
+            "latency_s": {"p50": percentile(lat, 50), "p95": percentile(lat, 95), "p99": percentile(lat, 99),
+                          "max": max(lat) if lat else None, "mean": statistics.fmean(lat) if lat else None},
+            "max_dlogprob_vs_reference": max((r.get("max_dlogprob", 0.0) for r in ok_recs), default=None),
+            "per_cartridge_requests": {n: sum(1 for r in soak_recs if r["cartridge"] == n) for n in self.names},
+            "cartridge_tokens_sent": sent_tokens,
+            "external_kv_tokens": ext_counter,
+            "recomputed_cartridge_tokens": sent_tokens - ext_counter,
         }
 
-        def kinds(recs: list[dict]) -> dict[str, dict[str, int]]:
-            out: dict[str, dict[str, int]] = {}
-            for r in recs:
-                d = out.setdefault(r["kind"], {"requests": 0, "answered": 0, "external_tokens": 0})
-                d["requests"] += 1
-                d["answered"] += r["status"] == 200
-                d["external_tokens"] += (r["ext"] or 0) if r["status"] == 200 else 0
-            return out
+    def external_tokens(self, ext_bad: list[dict], probes: list[dict], ext_counter: float) -> dict[str, Any]:
+        ext_sum = sum(r["ext"] or 0 for r in self.soak_recs + probes if r["status"] == 200)
+        return {
+            "checked": self.check_ext,
+            "rule": "plain prompt (own salt) 0; cartridge request (with or without the client's own salt) "
+                    "its cartridge's full-chunk tokens",
+            "violations": len(ext_bad),
+            "examples": _examples(ext_bad),
+            "per_request_sum_soak": ext_sum, "vllm_counter_soak": ext_counter,
+            "before_registration": [r["ext"] for r in self.records if r["phase"] == "before_registration"],
+        }
 
-        # RSS: after warm-up (median over the 5 s after the warm-up-th request) vs the end
-        samples = sampler.samples
+    def churn_summary(self, judged: list[dict]) -> dict[str, Any]:
+        events, names = self.events, self.names
+        return {"events": events, "complete_under_load": self.p.churn and len(events) == 3 and all(
+            e.get("under_load") and "failure" not in e for e in events),
+            "removal_observed": any(e["version"] is None and "not_served_after_s" in e
+                                    and e.get("probe", {}).get("verdict") == "refused" for e in events),
+            "refused_while_unregistered": sum(1 for r in judged if r["verdict"] == "refused"
+                                              and r["kind"] == "cartridge" and r["possible"] == ["None"]),
+            "answered_by_version": {f"{n}/{v}": sum(1 for r in judged if r["cartridge"] == n
+                                                    and r.get("version") == v and r["verdict"] == "ok")
+                                    for n, v in self.carts.manifests if n in (names[0], names[-1])}}
+
+    def tier_summary(self) -> dict[str, Any]:
+        """The plugins' (the adapter's) tier counters and LMCache's, over the soak and the whole run."""
+        total_delta = self.st2.minus(self.st0)
+        lmc_total = metric_delta(self.m0, self.m2)
+        return {
+            "plugin_tiers_soak": self.st2.minus(self.st1),
+            "plugin_tiers_total": total_delta,
+            "plugin_instances": self.st2.instances,
+            "lmcache_metrics_soak": metric_delta(self.m1, self.m2),
+            "lmcache_metrics_total": lmc_total,
+            "evictions": {
+                "plugin_cpu": total_delta.get("cpu", {}).get("evictions", 0),
+                "plugin_disk": total_delta.get("disk", {}).get("evictions", 0),
+                "lmcache_local_cpu_keys": sum(v for k, v in lmc_total.items() if "evict_keys_count" in k),
+                "lmcache_local_cpu_evict_failed": sum(v for k, v in lmc_total.items() if "evict_failed" in k),
+            },
+        }
+
+    def rss_summary(self) -> dict[str, Any]:
+        """RSS after warm-up (median over the 5 s after the warm-up-th request) vs the end."""
+        p, t_soak = self.p, self.t_soak
+        samples = self.sampler.samples
         soak_samples = [s for s in samples if s["t"] >= t_soak]
-        t_warm = warm_at[0] if warm_at else t_soak
+        t_warm = self.warm_at[0] if self.warm_at else t_soak
         warm_win = [s["rss"] for s in samples if t_warm <= s["t"] <= t_warm + 5] or \
                    [s["rss"] for s in soak_samples[:p.rss_tail_samples]]
         tail = [s["rss"] for s in soak_samples[-p.rss_tail_samples:]]
         rss_warm = percentile(warm_win, 50)
         rss_end = percentile(tail, 50)
         growth = (rss_end / rss_warm - 1) if rss_warm and rss_end else None
-        strip = lambda rs: [{k: v for k, v in r.items() if k != "t"} for r in rs[:5]]  # noqa: E731
-        result.update({
-            "soak": {
-                "requests_planned": len(jobs), "requests_done": len(soak_recs), "warmup_requests": warmup,
-                "stopped_by_time": len(soak_recs) < len(jobs), "seconds": soak_s,
-                "requests_per_s": len(soak_recs) / soak_s if soak_s else None,
-                "by_kind": kinds(soak_recs),
-                "errors": len(by["error"]), "error_examples": strip(by["error"]),
-                "refused": len(by["refused"]), "refused_by_kind": {k: sum(1 for r in by["refused"] if r["kind"] == k)
-                                                                   for k in ("cartridge", "salted_cartridge")},
-                "contamination": len(by["contaminated"]), "contamination_examples": strip(by["contaminated"]),
-                "served_unregistered": len(by["served_unregistered"]),
-                "served_examples": strip(by["served_unregistered"]),
-                "near_tie_flips": len(by["near_tie"]), "near_tie_examples": strip(by["near_tie"]),
-                "latency_s": {"p50": percentile(lat, 50), "p95": percentile(lat, 95), "p99": percentile(lat, 99),
-                              "max": max(lat) if lat else None, "mean": statistics.fmean(lat) if lat else None},
-                "max_dlogprob_vs_reference": max((r.get("max_dlogprob", 0.0) for r in ok_recs), default=None),
-                "per_cartridge_requests": {n: sum(1 for r in soak_recs if r["cartridge"] == n) for n in names},
-                "cartridge_tokens_sent": sent_tokens,
-                "external_kv_tokens": ext_counter,
-                "recomputed_cartridge_tokens": sent_tokens - ext_counter,
-            },
-            "external_tokens": {
-                "checked": check_ext,
-                "rule": "plain prompt (own salt) 0; cartridge request (with or without the client's own salt) "
-                        "its cartridge's full-chunk tokens",
-                "violations": len(ext_bad),
-                "examples": strip(ext_bad),
-                "per_request_sum_soak": ext_sum, "vllm_counter_soak": ext_counter,
-                "before_registration": [r["ext"] for r in records if r["phase"] == "before_registration"],
-            },
-            "churn": {"events": events, "complete_under_load": p.churn and len(events) == 3 and all(
-                e.get("under_load") and "failure" not in e for e in events),
-                "removal_observed": any(e["version"] is None and "not_served_after_s" in e
-                                        and e.get("probe", {}).get("verdict") == "refused" for e in events),
-                "refused_while_unregistered": sum(1 for r in judged if r["verdict"] == "refused"
-                                                  and r["kind"] == "cartridge" and r["possible"] == ["None"]),
-                "answered_by_version": {f"{n}/{v}": sum(1 for r in judged if r["cartridge"] == n
-                                                        and r.get("version") == v and r["verdict"] == "ok")
-                                        for n, v in carts.manifests if n in (names[0], names[-1])}}
-            if p.churn else None,
-            "plugin_tiers_soak": soak_delta,
-            "plugin_tiers_total": total_delta,
-            "plugin_instances": st2.instances,
-            "lmcache_metrics_soak": lmc_delta,
-            "lmcache_metrics_total": lmc_total,
-            "evictions": evictions,
-            "rss": {
-                "source": sampler.source,
-                "what": "vLLM server process + all descendants" + (" + the lmcache server's" if p.mode == "mp" else "")
-                        + ", summed RSS",
-                "samples": len(samples),
-                "after_startup": next((s["rss"] for s in samples if s["t"] >= t_healthy), None),
-                "after_warmup": rss_warm, "end": rss_end, "growth": growth,
-                "tolerance": p.rss_tolerance,
-                "flat": growth is not None and growth <= p.rss_tolerance,
-                "min_during_soak": min((s["rss"] for s in soak_samples), default=None),
-                "max_during_soak": max((s["rss"] for s in soak_samples), default=None),
-                "series": [[round(s["t"] - t_start, 1), s["rss"]] for s in samples],
-            },
-            "server_alive": server.alive() and (p.mode != "mp" or server.lmcache_server.proc.poll() is None),
-        })
-        control_ok = "control" not in result or result["control"].get("seen")
-        result["ok"] = bool(not by["error"] and not by["contaminated"] and not by["served_unregistered"]
-                            and not ext_bad and not result["references"]["ext_violations"]
-                            and control_ok and (not p.churn or result["churn"]["complete_under_load"])
-                            and result["server_alive"])
-        log(f"soak: {len(soak_recs)} requests in {soak_s:.1f}s, {len(by['error'])} errors, "
-            f"{len(by['contaminated'])} contaminated, {len(by['refused'])} refused, {len(ext_bad)} external-token "
-            f"violations, p50 {percentile(lat, 50)}, evictions {evictions}, RSS growth {growth}")
-    except Exception as e:
-        result["failure"] = f"{type(e).__name__}: {e}"
-        log(f"FAILED: {result['failure']}")
-    finally:
-        if sampler is not None:
-            sampler.stop()
-        if gw is not None:
-            gw.stop()
-        if server is not None:
-            server.stop()
+        return {
+            "source": self.sampler.source,
+            "what": "vLLM server process + all descendants" + (" + the lmcache server's" if p.mode == "mp" else "")
+                    + ", summed RSS",
+            "samples": len(samples),
+            "after_startup": next((s["rss"] for s in samples if s["t"] >= self.t_healthy), None),
+            "after_warmup": rss_warm, "end": rss_end, "growth": growth,
+            "tolerance": p.rss_tolerance,
+            "flat": growth is not None and growth <= p.rss_tolerance,
+            "min_during_soak": min((s["rss"] for s in soak_samples), default=None),
+            "max_during_soak": max((s["rss"] for s in soak_samples), default=None),
+            "series": [[round(s["t"] - self.t_start, 1), s["rss"]] for s in samples],
+        }
+
+    # -- the end -------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop what was started, count what the servers logged, put the environment back, write
+        the outputs; a passed run's work directory goes unless kept."""
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.gw is not None:
+            self.gw.stop()
+        if self.server is not None:
+            self.server.stop()
             try:
-                result["server_log"] = server_log_counts(server, out_dir)
+                self.result["server_log"] = server_log_counts(self.server, self.out_dir)
             except OSError:
                 pass
-        if moto is not None:
-            moto.stop()
-        for k, v in saved_env.items():  # the dummy AWS environment was only for this run
+        if self.moto is not None:
+            self.moto.stop()
+        for k, v in self.saved_env.items():  # the dummy AWS environment was only for this run
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        result["wall_s"] = time.time() - t_start
-        write_outputs(result, out_dir)
-        if not p.keep and result.get("ok"):
-            shutil.rmtree(work, ignore_errors=True)
-    return result
+        self.result["wall_s"] = time.time() - self.t_start
+        write_outputs(self.result, self.out_dir)
+        if not self.p.keep and self.result.get("ok"):
+            shutil.rmtree(self.work, ignore_errors=True)
 
 
 def control(url: str, prefix: list[int], suffix, p: SoakParams, timeout: float = 60.0) -> dict[str, Any]:
