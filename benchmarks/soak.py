@@ -1220,120 +1220,155 @@ def soak_markdown(r: dict[str, Any]) -> str:
              f"Servers: {what}; the gateway in front.", ""]
     b = r.get("budgets")
     if b:
-        lines += ["## Budgets " + ("(the adapter's disk tier below the S3 working set)" if mp
-                                   else "(all below the working set)"), "",
-                  f"- working set: {b['working_set_chunks']} chunks x {b['chunk_bytes'] // 1024} KiB = "
-                  f"{b['working_set_bytes'] / MiB:.2f} MiB ({b['s3_working_set_chunks']} chunks from S3)"]
-        if mp:
-            lines += [f"- the lmcache server's L1 `--l1-size-gb`: {b['lmcache_max_local_cpu_bytes'] / MiB:.2f} MiB "
-                      f"({p['lmcache_chunks']} chunks; plain prompts store their chunks there too)",
-                      f"- adapter disk tier `disk_budget_gb`: {b['plugin_disk_budget_bytes'] / MiB:.2f} MiB "
-                      f"({p['plugin_disk_chunks']} chunks)"]
-        else:
-            lines += [f"- plugin CPU tier `cpu_budget_gb`: {b['plugin_cpu_budget_bytes'] / MiB:.2f} MiB "
-                      f"({p['plugin_cpu_chunks']} chunks), prefetch on",
-                      f"- plugin disk tier `disk_budget_gb`: {b['plugin_disk_budget_bytes'] / MiB:.2f} MiB "
-                      f"({p['plugin_disk_chunks']} chunks)",
-                      f"- LMCache `max_local_cpu_size`: {b['lmcache_max_local_cpu_bytes'] / MiB:.2f} MiB "
-                      f"({p['lmcache_chunks']} chunks)"]
-        lines += [f"- vLLM prefix caching: {'on' if b['prefix_caching'] else 'off'} (off: every request's "
-                  "cartridge KV goes through LMCache; on, vLLM's own KV cache would keep "
-                  "all cartridges after first use)", ""]
+        lines += _budgets_markdown(b, p, mp)
     s = r.get("soak")
     if s:
-        lat = s["latency_s"]
-        f3 = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-        kinds = ", ".join(f"{k} {v['requests']} ({v['answered']} answered)" for k, v in sorted(s["by_kind"].items()))
-        e = r["external_tokens"]
-        lines += ["## Soak", "",
-                  "| metric | value |", "|---|---|",
-                  f"| requests done / planned | {s['requests_done']} / {s['requests_planned']}"
-                  f"{' (stopped by time)' if s['stopped_by_time'] else ''} |",
-                  f"| by kind | {kinds} |",
-                  f"| errors (no answer where one was due) | {s['errors']} |",
-                  f"| refused where due (unregistered cartridge) | {s['refused']} |",
-                  f"| contamination (answer != reference, not a near tie) | {s['contamination']} |",
-                  f"| answered while not registered | {s['served_unregistered']} |",
-                  f"| near-tie flips (batching numerics) | {s['near_tie_flips']} |",
-                  f"| external-token violations (per request) | "
-                  f"{e['violations'] if e['checked'] else 'not checked (prefix caching on)'} |",
-                  f"| latency p50 / p95 / max (s) | {f3(lat['p50'])} / {f3(lat['p95'])} / {f3(lat['max'])} |",
-                  f"| requests/s | {f3(s['requests_per_s'])} |",
-                  f"| max abs d logprob vs reference | {f3(s['max_dlogprob_vs_reference'])} |",
-                  f"| cartridge tokens answered / from the KV connector (vLLM's counter; per-request sum) | "
-                  f"{s['cartridge_tokens_sent']} / {s['external_kv_tokens']:.0f}; {e['per_request_sum_soak']} |", ""]
-        if e["before_registration"] or r.get("control"):
-            c = r.get("control") or {}
-            lines += ["## Plain prompts", "",
-                      f"Each with its own `cache_salt`, all starting with the same {p['plain_prefix_tokens']}-token "
-                      f"prefix. Before anything was registered: external tokens {e['before_registration']}. "
-                      f"Control, the prefix without a salt, sent until one received the first one's chunks: "
-                      f"{c.get('external_tokens')} ({'seen' if c.get('seen') else 'NOT SEEN'}: the per-request "
-                      "count does see a plain prompt's external tokens).", ""]
-        if e["examples"]:
-            lines += ["External-token violations (first 5):", ""]
-            lines += [f"- `{json.dumps(x)}`" for x in e["examples"]] + [""]
-        for key, title in (("error_examples", "Errors"), ("contamination_examples", "Contamination"),
-                           ("served_examples", "Answered where a refusal was due")):
-            if s.get(key):
-                lines += [f"{title} (first 5):", ""] + [f"- `{json.dumps(x)}`" for x in s[key]] + [""]
+        lines += _soak_table_markdown(s, r["external_tokens"])
+        lines += _plain_markdown(r)
+        lines += _examples_markdown(s, r["external_tokens"])
         ch = r.get("churn")
         if ch:
-            lines += ["## Registrations and removals under load", "",
-                      "| at request | cartridge | change | took (s) | requests done meanwhile | under load | probe |",
-                      "|---|---|---|---|---|---|---|"]
-            for ev in ch["events"]:
-                pr = ev.get("probe") or {}
-                lines.append(f"| {ev.get('at_request')} | {ev['cartridge']} | "
-                             f"{'removed' if ev['version'] is None else 'registered ' + ev['version']} | "
-                             f"{ev.get('took_s', '-')} | {ev.get('requests_during', '-')} | "
-                             f"{'yes' if ev.get('under_load') else 'NO'} | "
-                             f"{ev.get('failure') or str(pr.get('status')) + ' ' + str(pr.get('verdict'))} |")
-            lines += ["", f"Removal observed (the adapter stopped serving it, the next request refused): "
-                          f"{'yes' if ch['removal_observed'] else 'NO'}; cartridge requests refused while their id "
-                          f"was not registered: {ch['refused_while_unregistered']}; answers by version: "
-                          f"{ch['answered_by_version']}.", ""]
-        if not mp:
-            lines += ["## Tiers (plugin, whole run incl. references)", "",
-                      "| tier | hits | misses | MiB | evictions | errors |", "|---|---|---|---|---|---|"]
-        else:
-            lines += ["## Tiers (adapter, whole run incl. references)", "",
-                      "| tier | hits | misses | MiB | evictions | errors |", "|---|---|---|---|---|---|"]
-        for tier, t in sorted(r["plugin_tiers_total"].items()):
-            lines.append(
-                f"| {tier} | {t['hits']} | {t['misses']} | {t['bytes'] / MiB:.1f} | {t['evictions']} | {t['errors']} |"
-            )
-        ev = r["evictions"]
-        if not mp:
-            lines += ["", f"Evictions: plugin CPU {ev['plugin_cpu']}, plugin disk {ev['plugin_disk']}, "
-                          f"LMCache LocalCPUBackend {ev['lmcache_local_cpu_keys']:.0f} keys "
-                          f"(failed eviction attempts {ev['lmcache_local_cpu_evict_failed']:.0f}; LMCache's counters "
-                          "are pushed periodically, so the last seconds may be missing).", ""]
-        else:
-            lines += ["", f"Evictions: adapter disk tier {ev['plugin_disk']}.", ""]
+            lines += _churn_markdown(ch)
+        lines += _tiers_markdown(r, mp)
         sl = r.get("server_log")
         if sl:
-            lines += [f"vLLM's log while serving: {sl.get('error_lines_before_shutdown', '-')} ERROR lines, "
-                      f"{sl.get('tracebacks_before_shutdown', '-')} tracebacks, trained-cartridge loads failed on "
-                      f"purpose (no KV by the deadline) {sl.get('trained_not_loaded', '-')}"
-                      + ("" if mp else f", plugin 'allocator full' {sl.get('plugin_allocator_full', '-')}, chunks "
-                         f"not served {sl.get('plugin_chunk_not_served', '-')}, promised chunks no longer local at "
-                         f"the retrieve {sl.get('plugin_chunk_not_local', '-')}, LMCache first-try allocation "
-                         f"failures (then evicted and retried) {sl.get('lmcache_alloc_retries', '-')}") + "."]
-            ls = sl.get("lmcache_server")
-            if ls:
-                lines += [f"The lmcache server's log: {ls['error_lines']} ERROR lines, {ls['tracebacks']} tracebacks, "
-                          f"expired lookup locks {ls['lookup_locks_expired']}, adapter refusals "
-                          f"{ls['adapter_not_served']}."]
-            lines.append("")
-        rs = r["rss"]
-        g = rs["growth"]
-        lines += [f"## RSS ({rs['what']}, sampled every 1 s)", "",
-                  f"after startup {_mib(rs['after_startup'])}, after warm-up {_mib(rs['after_warmup'])}, "
-                  f"end {_mib(rs['end'])}: growth {'-' if g is None else f'{g * 100:+.1f}%'} "
-                  f"(flat = within +{rs['tolerance'] * 100:.0f}%: {'yes' if rs['flat'] else 'NO'}); "
-                  f"min/max during soak {_mib(rs['min_during_soak'])} / {_mib(rs['max_during_soak'])}.", ""]
+            lines += _server_log_markdown(sl, mp)
+        lines += _rss_markdown(r["rss"])
     return "\n".join(lines) + "\n"
+
+
+def _budgets_markdown(b: dict[str, Any], p: dict[str, Any], mp: bool) -> list[str]:
+    lines = ["## Budgets " + ("(the adapter's disk tier below the S3 working set)" if mp
+                              else "(all below the working set)"), "",
+             f"- working set: {b['working_set_chunks']} chunks x {b['chunk_bytes'] // 1024} KiB = "
+             f"{b['working_set_bytes'] / MiB:.2f} MiB ({b['s3_working_set_chunks']} chunks from S3)"]
+    if mp:
+        lines += [f"- the lmcache server's L1 `--l1-size-gb`: {b['lmcache_max_local_cpu_bytes'] / MiB:.2f} MiB "
+                  f"({p['lmcache_chunks']} chunks; plain prompts store their chunks there too)",
+                  f"- adapter disk tier `disk_budget_gb`: {b['plugin_disk_budget_bytes'] / MiB:.2f} MiB "
+                  f"({p['plugin_disk_chunks']} chunks)"]
+    else:
+        lines += [f"- plugin CPU tier `cpu_budget_gb`: {b['plugin_cpu_budget_bytes'] / MiB:.2f} MiB "
+                  f"({p['plugin_cpu_chunks']} chunks), prefetch on",
+                  f"- plugin disk tier `disk_budget_gb`: {b['plugin_disk_budget_bytes'] / MiB:.2f} MiB "
+                  f"({p['plugin_disk_chunks']} chunks)",
+                  f"- LMCache `max_local_cpu_size`: {b['lmcache_max_local_cpu_bytes'] / MiB:.2f} MiB "
+                  f"({p['lmcache_chunks']} chunks)"]
+    return lines + [f"- vLLM prefix caching: {'on' if b['prefix_caching'] else 'off'} (off: every request's "
+                    "cartridge KV goes through LMCache; on, vLLM's own KV cache would keep "
+                    "all cartridges after first use)", ""]
+
+
+def _soak_table_markdown(s: dict[str, Any], e: dict[str, Any]) -> list[str]:
+    lat = s["latency_s"]
+    f3 = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    kinds = ", ".join(f"{k} {v['requests']} ({v['answered']} answered)" for k, v in sorted(s["by_kind"].items()))
+    return ["## Soak", "",
+            "| metric | value |", "|---|---|",
+            f"| requests done / planned | {s['requests_done']} / {s['requests_planned']}"
+            f"{' (stopped by time)' if s['stopped_by_time'] else ''} |",
+            f"| by kind | {kinds} |",
+            f"| errors (no answer where one was due) | {s['errors']} |",
+            f"| refused where due (unregistered cartridge) | {s['refused']} |",
+            f"| contamination (answer != reference, not a near tie) | {s['contamination']} |",
+            f"| answered while not registered | {s['served_unregistered']} |",
+            f"| near-tie flips (batching numerics) | {s['near_tie_flips']} |",
+            f"| external-token violations (per request) | "
+            f"{e['violations'] if e['checked'] else 'not checked (prefix caching on)'} |",
+            f"| latency p50 / p95 / max (s) | {f3(lat['p50'])} / {f3(lat['p95'])} / {f3(lat['max'])} |",
+            f"| requests/s | {f3(s['requests_per_s'])} |",
+            f"| max abs d logprob vs reference | {f3(s['max_dlogprob_vs_reference'])} |",
+            f"| cartridge tokens answered / from the KV connector (vLLM's counter; per-request sum) | "
+            f"{s['cartridge_tokens_sent']} / {s['external_kv_tokens']:.0f}; {e['per_request_sum_soak']} |", ""]
+
+
+def _plain_markdown(r: dict[str, Any]) -> list[str]:
+    e, p = r["external_tokens"], r["params"]
+    if not (e["before_registration"] or r.get("control")):
+        return []
+    c = r.get("control") or {}
+    return ["## Plain prompts", "",
+            f"Each with its own `cache_salt`, all starting with the same {p['plain_prefix_tokens']}-token "
+            f"prefix. Before anything was registered: external tokens {e['before_registration']}. "
+            f"Control, the prefix without a salt, sent until one received the first one's chunks: "
+            f"{c.get('external_tokens')} ({'seen' if c.get('seen') else 'NOT SEEN'}: the per-request "
+            "count does see a plain prompt's external tokens).", ""]
+
+
+def _examples_markdown(s: dict[str, Any], e: dict[str, Any]) -> list[str]:
+    lines = []
+    if e["examples"]:
+        lines += ["External-token violations (first 5):", ""]
+        lines += [f"- `{json.dumps(x)}`" for x in e["examples"]] + [""]
+    for key, title in (("error_examples", "Errors"), ("contamination_examples", "Contamination"),
+                       ("served_examples", "Answered where a refusal was due")):
+        if s.get(key):
+            lines += [f"{title} (first 5):", ""] + [f"- `{json.dumps(x)}`" for x in s[key]] + [""]
+    return lines
+
+
+def _churn_markdown(ch: dict[str, Any]) -> list[str]:
+    lines = ["## Registrations and removals under load", "",
+             "| at request | cartridge | change | took (s) | requests done meanwhile | under load | probe |",
+             "|---|---|---|---|---|---|---|"]
+    for ev in ch["events"]:
+        pr = ev.get("probe") or {}
+        lines.append(f"| {ev.get('at_request')} | {ev['cartridge']} | "
+                     f"{'removed' if ev['version'] is None else 'registered ' + ev['version']} | "
+                     f"{ev.get('took_s', '-')} | {ev.get('requests_during', '-')} | "
+                     f"{'yes' if ev.get('under_load') else 'NO'} | "
+                     f"{ev.get('failure') or str(pr.get('status')) + ' ' + str(pr.get('verdict'))} |")
+    return lines + ["", f"Removal observed (the adapter stopped serving it, the next request refused): "
+                        f"{'yes' if ch['removal_observed'] else 'NO'}; cartridge requests refused while their id "
+                        f"was not registered: {ch['refused_while_unregistered']}; answers by version: "
+                        f"{ch['answered_by_version']}.", ""]
+
+
+def _tiers_markdown(r: dict[str, Any], mp: bool) -> list[str]:
+    if not mp:
+        lines = ["## Tiers (plugin, whole run incl. references)", "",
+                 "| tier | hits | misses | MiB | evictions | errors |", "|---|---|---|---|---|---|"]
+    else:
+        lines = ["## Tiers (adapter, whole run incl. references)", "",
+                 "| tier | hits | misses | MiB | evictions | errors |", "|---|---|---|---|---|---|"]
+    for tier, t in sorted(r["plugin_tiers_total"].items()):
+        lines.append(
+            f"| {tier} | {t['hits']} | {t['misses']} | {t['bytes'] / MiB:.1f} | {t['evictions']} | {t['errors']} |"
+        )
+    ev = r["evictions"]
+    if not mp:
+        lines += ["", f"Evictions: plugin CPU {ev['plugin_cpu']}, plugin disk {ev['plugin_disk']}, "
+                      f"LMCache LocalCPUBackend {ev['lmcache_local_cpu_keys']:.0f} keys "
+                      f"(failed eviction attempts {ev['lmcache_local_cpu_evict_failed']:.0f}; LMCache's counters "
+                      "are pushed periodically, so the last seconds may be missing).", ""]
+    else:
+        lines += ["", f"Evictions: adapter disk tier {ev['plugin_disk']}.", ""]
+    return lines
+
+
+def _server_log_markdown(sl: dict[str, Any], mp: bool) -> list[str]:
+    lines = [f"vLLM's log while serving: {sl.get('error_lines_before_shutdown', '-')} ERROR lines, "
+             f"{sl.get('tracebacks_before_shutdown', '-')} tracebacks, trained-cartridge loads failed on "
+             f"purpose (no KV by the deadline) {sl.get('trained_not_loaded', '-')}"
+             + ("" if mp else f", plugin 'allocator full' {sl.get('plugin_allocator_full', '-')}, chunks "
+                f"not served {sl.get('plugin_chunk_not_served', '-')}, promised chunks no longer local at "
+                f"the retrieve {sl.get('plugin_chunk_not_local', '-')}, LMCache first-try allocation "
+                f"failures (then evicted and retried) {sl.get('lmcache_alloc_retries', '-')}") + "."]
+    ls = sl.get("lmcache_server")
+    if ls:
+        lines += [f"The lmcache server's log: {ls['error_lines']} ERROR lines, {ls['tracebacks']} tracebacks, "
+                  f"expired lookup locks {ls['lookup_locks_expired']}, adapter refusals "
+                  f"{ls['adapter_not_served']}."]
+    return lines + [""]
+
+
+def _rss_markdown(rs: dict[str, Any]) -> list[str]:
+    g = rs["growth"]
+    return [f"## RSS ({rs['what']}, sampled every 1 s)", "",
+            f"after startup {_mib(rs['after_startup'])}, after warm-up {_mib(rs['after_warmup'])}, "
+            f"end {_mib(rs['end'])}: growth {'-' if g is None else f'{g * 100:+.1f}%'} "
+            f"(flat = within +{rs['tolerance'] * 100:.0f}%: {'yes' if rs['flat'] else 'NO'}); "
+            f"min/max during soak {_mib(rs['min_during_soak'])} / {_mib(rs['max_during_soak'])}.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
