@@ -214,75 +214,92 @@ def mp_markdown(by: dict, cfg: dict) -> list[str]:
 def markdown(result: dict) -> str:
     cells = result["cells"]
     by = {(c["arm"], c["variant"], c["length"], c["concurrency"]): c for c in cells}
-    m, mach = result["model"], result["machine"]
     cfg = result["config"]
-    out = [f"# vLLM TTFT: full prefill vs cartridge (LMCache + plugin) vs prefix-cache hit"
-           f"{' (quick run)' if cfg['quick'] else ''}", "",
-           f"Run {result['started']} on {mach.get('cpu', '?')} ({mach.get('nproc')} cores"
-           + (f", GPU {mach.get('nvidia_smi')}" if cfg["device"] else
-              f", vLLM CPU backend, `VLLM_CPU_OMP_THREADS_BIND={cfg['threads_bind']}` in every arm")
-           + f"); vllm {mach.get('vllm')}, lmcache {mach.get('lmcache')}, torch {mach.get('torch')}; "
-           f"load average at start {', '.join(f'{x:.2f}' for x in mach['loadavg_start'])}, at end "
-           f"{', '.join(f'{x:.2f}' for x in mach.get('loadavg_end', ()))}."
-           + ("" if cfg["device"] else " The machine is shared: numbers are noisy."), "",
-           f"Model: `{m['model_dir']}`: Llama, hidden {m['hidden_size']}, {m['num_layers']} layers, "
-           f"{m['num_heads']} heads / {m['num_kv_heads']} KV heads, head_dim {m['head_dim']}, "
-           f"intermediate {m['intermediate_size']}, vocab {m['vocab_size']}, random bf16 weights; "
-           f"{m['kv_bytes_per_token_bf16'] // 1024} KiB of KV per token. max_model_len "
-           f"{cfg['max_model_len']}.", "",
-           f"Each request: document (BOS first) + {SUFFIX_LEN} unique suffix tokens, max_tokens 1, "
-           "greedy, streamed; TTFT = send to first streamed token, client on the same machine. "
-           "Cells: p50 / p95 in ms over all requests of the cell (n in the JSON). Arms:", "",
-           f"- (a) full prefill: {result['arms_used']['full_prefill']};",
-           "- (b) cartridge: vLLM + LMCache 0.5.6 + CartridgeConnector + the cartridge plugin, "
-           "`lmcache.skip_save`, every request with its own `cache_salt` (vLLM's prefix cache cannot "
-           "serve it); *first hit* = burst right after (re-)registration "
-           "(plugin reads the packed file, page cache warm); *repeat* = LMCache's LocalCPUBackend "
-           "copy written back by the first hit;",
-           "- (c) " + result["arms_used"].get("prefix_cache", "plain vLLM with prefix caching, the document "
-                                              "sent once before") + ": "
-           "only the suffix is computed (the limit for any KV injection);",
-           "- (d) the (b) server, requests with the cartridge's own `cache_salt`: the cartridge loaded through "
-           "LMCache once, "
-           "then served from vLLM's prefix cache (the steady state while vLLM's block pool holds it);",
-           "- (e) LMCache's multiprocess mode: an `lmcache server` with the cartridge L2 adapter, vLLM on "
-           "CartridgeMPConnector (engine-driven transfer), prefix caching off; *first hit* right after "
-           "(re-)registration, *repeat* = served once before (the server keeps no L2 load in L1 by default); "
-           "variants: *retain* = the server's `--l2-prefetch-policy retain` (a load from the adapter stays in L1: "
-           "a repeat hits L1), *shm* = LMCache-driven transfer (the server copies from vLLM's KV cache in "
-           "shared memory);",
-           "- (f) LMCache's multiprocess mode without a cartridge (the anchor): the same `lmcache server` "
-           "command, nothing registered, vLLM on LMCache's own LMCacheMPConnector, prefix caching off; a "
-           "first request computes the document and the server stores its KV in L1, the measured "
-           "requests read it back from L1.", "",
-           "`(!ext)`: vLLM's external-KV token counter (or, for (d), its prefix-cache hit counter) did "
-           "not equal requests x document tokens.", ""]
+    out = _intro_markdown(result)
     for c in cfg["concurrency"]:
-        out += [f"## Concurrency {c}", "",
-                "| doc tokens | (a) full prefill | (b) cartridge first hit | (b) cartridge repeat hit "
-                "| (c) prefix-cache hit | (d) cartridge via prefix cache | (e) MP first hit | (e) MP repeat hit "
-                "| a / b-repeat | b-repeat / c | b-first / b-repeat | d / c | e-repeat / b-repeat "
-                "| e-first / b-first |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for L in cfg["lengths"]:
-            a = by.get(("full_prefill", "cold", L, c))
-            bf = by.get(("cartridge", "first", L, c))
-            br = by.get(("cartridge", "repeat", L, c))
-            pc = by.get(("prefix_cache", "warm", L, c))
-            d = by.get(("cartridge_cached", "repeat", L, c))
-            ef = by.get(("cartridge_mp", "first", L, c))
-            er = by.get(("cartridge_mp", "repeat", L, c))
-
-            def ratio(x, y, digits=1):
-                if x and y and x.get("n") and y.get("n"):
-                    return f"{x['p50_s'] / y['p50_s']:.{digits}f}x"
-                return "-"
-            out.append(f"| {L:,} | {_fmt(a)} | {_fmt(bf)} | {_fmt(br)} | {_fmt(pc)} | {_fmt(d)} | {_fmt(ef)} | "
-                       f"{_fmt(er)} | {ratio(a, br)} | {ratio(br, pc, 2)} | {ratio(bf, br, 2)} | {ratio(d, pc, 2)} | "
-                       f"{ratio(er, br, 2)} | {ratio(ef, bf, 2)} |")
-        out.append("")
+        out += _concurrency_markdown(by, cfg["lengths"], c)
     if any(c["arm"] in MP_ARMS for c in cells):
         out += mp_markdown(by, cfg)
+    out += _agreement_markdown(result, by)
+    out += _breakdown_markdown(cells)
+    out += _left_out_markdown(result, cells)
+    out.append(seed_markdown())
+    return "\n".join(out)
+
+
+def _intro_markdown(result: dict) -> list[str]:
+    """Title, machine, model, the request and the arms."""
+    m, mach = result["model"], result["machine"]
+    cfg = result["config"]
+    return [f"# vLLM TTFT: full prefill vs cartridge (LMCache + plugin) vs prefix-cache hit"
+            f"{' (quick run)' if cfg['quick'] else ''}", "",
+            f"Run {result['started']} on {mach.get('cpu', '?')} ({mach.get('nproc')} cores"
+            + (f", GPU {mach.get('nvidia_smi')}" if cfg["device"] else
+               f", vLLM CPU backend, `VLLM_CPU_OMP_THREADS_BIND={cfg['threads_bind']}` in every arm")
+            + f"); vllm {mach.get('vllm')}, lmcache {mach.get('lmcache')}, torch {mach.get('torch')}; "
+            f"load average at start {', '.join(f'{x:.2f}' for x in mach['loadavg_start'])}, at end "
+            f"{', '.join(f'{x:.2f}' for x in mach.get('loadavg_end', ()))}."
+            + ("" if cfg["device"] else " The machine is shared: numbers are noisy."), "",
+            f"Model: `{m['model_dir']}`: Llama, hidden {m['hidden_size']}, {m['num_layers']} layers, "
+            f"{m['num_heads']} heads / {m['num_kv_heads']} KV heads, head_dim {m['head_dim']}, "
+            f"intermediate {m['intermediate_size']}, vocab {m['vocab_size']}, random bf16 weights; "
+            f"{m['kv_bytes_per_token_bf16'] // 1024} KiB of KV per token. max_model_len "
+            f"{cfg['max_model_len']}.", "",
+            f"Each request: document (BOS first) + {SUFFIX_LEN} unique suffix tokens, max_tokens 1, "
+            "greedy, streamed; TTFT = send to first streamed token, client on the same machine. "
+            "Cells: p50 / p95 in ms over all requests of the cell (n in the JSON). Arms:", "",
+            f"- (a) full prefill: {result['arms_used']['full_prefill']};",
+            "- (b) cartridge: vLLM + LMCache 0.5.6 + CartridgeConnector + the cartridge plugin, "
+            "`lmcache.skip_save`, every request with its own `cache_salt` (vLLM's prefix cache cannot "
+            "serve it); *first hit* = burst right after (re-)registration "
+            "(plugin reads the packed file, page cache warm); *repeat* = LMCache's LocalCPUBackend "
+            "copy written back by the first hit;",
+            "- (c) " + result["arms_used"].get("prefix_cache", "plain vLLM with prefix caching, the document "
+                                               "sent once before") + ": "
+            "only the suffix is computed (the limit for any KV injection);",
+            "- (d) the (b) server, requests with the cartridge's own `cache_salt`: the cartridge loaded through "
+            "LMCache once, "
+            "then served from vLLM's prefix cache (the steady state while vLLM's block pool holds it);",
+            "- (e) LMCache's multiprocess mode: an `lmcache server` with the cartridge L2 adapter, vLLM on "
+            "CartridgeMPConnector (engine-driven transfer), prefix caching off; *first hit* right after "
+            "(re-)registration, *repeat* = served once before (the server keeps no L2 load in L1 by default); "
+            "variants: *retain* = the server's `--l2-prefetch-policy retain` (a load from the adapter stays in L1: "
+            "a repeat hits L1), *shm* = LMCache-driven transfer (the server copies from vLLM's KV cache in "
+            "shared memory);",
+            "- (f) LMCache's multiprocess mode without a cartridge (the anchor): the same `lmcache server` "
+            "command, nothing registered, vLLM on LMCache's own LMCacheMPConnector, prefix caching off; a "
+            "first request computes the document and the server stores its KV in L1, the measured "
+            "requests read it back from L1.", "",
+            "`(!ext)`: vLLM's external-KV token counter (or, for (d), its prefix-cache hit counter) did "
+            "not equal requests x document tokens.", ""]
+
+
+def _concurrency_markdown(by: dict, lengths: list[int], c: int) -> list[str]:
+    """The in-process arms (and the MP cartridge's) at concurrency `c`, with their ratios."""
+    out = [f"## Concurrency {c}", "",
+           "| doc tokens | (a) full prefill | (b) cartridge first hit | (b) cartridge repeat hit "
+           "| (c) prefix-cache hit | (d) cartridge via prefix cache | (e) MP first hit | (e) MP repeat hit "
+           "| a / b-repeat | b-repeat / c | b-first / b-repeat | d / c | e-repeat / b-repeat "
+           "| e-first / b-first |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for L in lengths:
+        a = by.get(("full_prefill", "cold", L, c))
+        bf = by.get(("cartridge", "first", L, c))
+        br = by.get(("cartridge", "repeat", L, c))
+        pc = by.get(("prefix_cache", "warm", L, c))
+        d = by.get(("cartridge_cached", "repeat", L, c))
+        ef = by.get(("cartridge_mp", "first", L, c))
+        er = by.get(("cartridge_mp", "repeat", L, c))
+        out.append(f"| {L:,} | {_fmt(a)} | {_fmt(bf)} | {_fmt(br)} | {_fmt(pc)} | {_fmt(d)} | {_fmt(ef)} | "
+                   f"{_fmt(er)} | {_ratio(a, br, 1)} | {_ratio(br, pc)} | {_ratio(bf, br)} | {_ratio(d, pc)} | "
+                   f"{_ratio(er, br)} | {_ratio(ef, bf)} |")
+    out.append("")
+    return out
+
+
+def _agreement_markdown(result: dict, by: dict) -> list[str]:
+    """Greedy first tokens equal to arm (a)'s, and to HF transformers' given the cartridge's KV."""
+    out = []
     agree = {}
     for (arm, variant, L, c), x in by.items():
         base = by.get(("full_prefill", "cold", L, c))
@@ -301,7 +318,7 @@ def markdown(result: dict) -> str:
         out += ["Greedy first token equal to arm (a)'s for the same prompt (a numerics check, not a "
                 "timing): " + "; ".join(f"{k}: {v[0]}/{v[1]}" for k, v in agree.items()) + ".", ""]
     hf = {}
-    for x in cells:
+    for x in result["cells"]:
         if x.get("hf_tokens"):
             a = hf.setdefault(x["label"], [0, 0])
             a[0] += sum(t == u for t, u in zip(x["first_tokens"], x["hf_tokens"]))
@@ -310,21 +327,33 @@ def markdown(result: dict) -> str:
         out += ["Greedy first token equal to HF transformers' given the cartridge's own KV as "
                 "`past_key_values` (the independent reference for what injection must produce): "
                 + "; ".join(f"{k}: {v[0]}/{v[1]}" for k, v in hf.items()) + ".", ""]
+    return out
+
+
+def _breakdown_markdown(cells: list[dict]) -> list[str]:
+    """`--breakdown`'s per-stage means of the cells that have them."""
     staged = [x for x in cells if x.get("stages")]
-    if staged:
-        cols = [k for k in (*STAGES, *MP_STAGES) if any(k in x["stages"] for x in staged)]
-        out += ["## Where a request's time goes (`--breakdown`, c=1)", "",
-                "Per-request means in ms from the servers' own histograms over each cell (vLLM's: "
-                "prefill = scheduled to first token, the KV load included; sched_lookup: the "
-                "connector's, per lookup (one per request at c=1), inside prefill; LMCache's, worker side: "
-                "the retrieve a load waits on, its token processing and its copy into vLLM's cache; in MP "
-                "mode, totals per request in the `lmcache server`: "
-                + "; ".join(f"{k}: {v}" for k, v in MP_STAGES.items()) + "):", "",
-                "| cell | doc tokens | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
-        for x in sorted(staged, key=lambda x: (x["length"], x["arm"])):
-            out.append(f"| {x['label']} | {x['length']:,} | " + " | ".join(
-                f"{x['stages'][k]['mean_ms']:.2f}" if k in x["stages"] else "-" for k in cols) + " |")
-        out.append("")
+    if not staged:
+        return []
+    cols = [k for k in (*STAGES, *MP_STAGES) if any(k in x["stages"] for x in staged)]
+    out = ["## Where a request's time goes (`--breakdown`, c=1)", "",
+           "Per-request means in ms from the servers' own histograms over each cell (vLLM's: "
+           "prefill = scheduled to first token, the KV load included; sched_lookup: the "
+           "connector's, per lookup (one per request at c=1), inside prefill; LMCache's, worker side: "
+           "the retrieve a load waits on, its token processing and its copy into vLLM's cache; in MP "
+           "mode, totals per request in the `lmcache server`: "
+           + "; ".join(f"{k}: {v}" for k, v in MP_STAGES.items()) + "):", "",
+           "| cell | doc tokens | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
+    for x in sorted(staged, key=lambda x: (x["length"], x["arm"])):
+        out.append(f"| {x['label']} | {x['length']:,} | " + " | ".join(
+            f"{x['stages'][k]['mean_ms']:.2f}" if k in x["stages"] else "-" for k in cols) + " |")
+    out.append("")
+    return out
+
+
+def _left_out_markdown(result: dict, cells: list[dict]) -> list[str]:
+    """Skipped cells, lengths not run, and the servers' start-up times."""
+    out = []
     skipped = [c for c in cells if c.get("skipped")]
     if skipped:
         out += ["Skipped cells:", ""]
@@ -334,8 +363,7 @@ def markdown(result: dict) -> str:
         out += [f"Lengths not run: {result['capped']}", ""]
     out += ["Server start-up to healthy: " + ", ".join(
         f"{k} {v['startup_s']:.0f}s" for k, v in result["servers"].items() if v.get("startup_s")) + ".", ""]
-    out.append(seed_markdown())
-    return "\n".join(out)
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
