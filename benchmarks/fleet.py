@@ -435,155 +435,223 @@ class Fleet:
 
 
 def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: float | None = None) -> dict:
-    import httpx
+    """One arm on `fleet` (`ArmRun`); its record."""
+    return ArmRun(fleet, name, policy, arm, seq, args, kill_at).run()
 
-    from lmcache_cartridge.api.gateway import GatewaySettings
 
-    log(f"arm {name}: making {args.cartridges} cartridges")
-    carts = make_cartridges(fleet.model_dir, fleet.root / "carts", arm, args.cartridges, args.cart_tokens, args.trained)
-    model, tok = _model(fleet.model_dir)
-    q_ids = [tok(q, add_special_tokens=False)["input_ids"] for q in QUESTIONS[: args.questions]]
-    ref_inst = fleet.live()[0][1]
-    t = time.time()
-    # kv_aware: first-k requests without token ids (else the router credits nothing); trained ones
-    # keep them (HF checks need ids; they carry kv_transfer_params, which it never credits either)
-    first_k_ids = policy != "kv_aware"
-    refs = {}
-    for c, q in sorted(set(seq)):
-        if "kv" not in carts[c]:  # trained: HF given its KV, after the arm
-            refs[(c, q)] = reference(ref_inst, fleet.model, carts[c]["token_ids"] + q_ids[q], args.max_tokens,
-                                     token_ids=first_k_ids)
-    ref_s = time.time() - t
-    # the references left their blocks in the reference instance's prefix cache: the arm starts cold
-    urllib.request.urlopen(
-        urllib.request.Request(ref_inst.url + "/reset_prefix_cache", method="POST"), timeout=60
-    ).read()
-    log(f"arm {name}: {len(refs)} references in {ref_s:.1f}s; publishing")
-    fleet.proxy.reset()
-    publish_s = fleet.publish(carts)
-    kv_gets_publish = fleet.proxy.count("GET", r"/kv\.bin")
-    fleet.proxy.reset()
-    extra: tuple[str, ...] = ()
-    if policy == "kv_aware":  # subscribed before the arm's blocks exist (ZMQ PUB keeps no history)
-        for i, s in fleet.live():
-            extra += ("--kv-event-source", f"{s.url}=tcp://127.0.0.1:{fleet.event_ports[i]}")
-        extra += ("--kv-event-block-size", "128", "--kv-event-model", fleet.model)
-    router = RouterProcess(args.router, [s.url for _, s in fleet.live()], policy, fleet.root, extra=extra)
-    if policy == "kv_aware":
-        time.sleep(3)  # the router's subscribers connect
-    settings = GatewaySettings(upstream=router.url, model=fleet.model, tokenizer=fleet.model,
-                               registry=fleet.gw_registry_path, cache_dir=fleet.gw_cache, upstream_timeout=120)
-    gw = GatewayThread(settings)
-    before = fleet.scrape_all()
-    tiers_before = fleet.tier_counters()
-    results: list[dict | None] = [None] * len(seq)
-    kill = {"at": None, "instance": None}
-    lock = threading.Lock()
-    sent = [0]
+class ArmRun:
+    """One arm, phase by phase: its cartridges and their single-instance references, publishing
+    them, the arm's router and the gateway in front, the load (for failover with the kill), the
+    record. A phase hands what the next ones need on as attributes."""
 
-    def worker(client):
+    def __init__(self, fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: float | None) -> None:
+        self.fleet, self.name, self.policy, self.arm, self.seq, self.args = fleet, name, policy, arm, seq, args
+        self.kill_at = kill_at
+        # kv_aware: first-k requests without token ids (else the router credits nothing); trained ones
+        # keep them (HF checks need ids; they carry kv_transfer_params, which it never credits either)
+        self.first_k_ids = policy != "kv_aware"
+        self.results: list[dict | None] = [None] * len(seq)
+        self.kill = {"at": None, "instance": None}
+        self.lock = threading.Lock()
+        self.sent = 0
+
+    def run(self) -> dict:
+        self.references()
+        self.start()
+        self.load()
+        out = self.record()
+        if self.kill_at is not None and self.kill["at"]:
+            out["failover"] = self.failover()
+        log(f"arm {self.name}: "
+            f"{json.dumps({k: v for k, v in out.items() if k not in ('router_command', 'answers_differing')})}")
+        return out
+
+    def references(self) -> None:
+        """The arm's cartridges, and the reference of every distinct first-k request, sent straight
+        to one instance, whose prefix cache is then emptied."""
+        fleet, args = self.fleet, self.args
+        log(f"arm {self.name}: making {args.cartridges} cartridges")
+        self.carts = carts = make_cartridges(fleet.model_dir, fleet.root / "carts", self.arm, args.cartridges,
+                                             args.cart_tokens, args.trained)
+        self.model, tok = _model(fleet.model_dir)
+        self.q_ids = [tok(q, add_special_tokens=False)["input_ids"] for q in QUESTIONS[: args.questions]]
+        ref_inst = fleet.live()[0][1]
+        t = time.time()
+        self.refs = {}
+        for c, q in sorted(set(self.seq)):
+            if "kv" not in carts[c]:  # trained: HF given its KV, after the arm
+                self.refs[(c, q)] = reference(ref_inst, fleet.model, carts[c]["token_ids"] + self.q_ids[q],
+                                              args.max_tokens, token_ids=self.first_k_ids)
+        self.ref_s = time.time() - t
+        # the references left their blocks in the reference instance's prefix cache: the arm starts cold
+        urllib.request.urlopen(
+            urllib.request.Request(ref_inst.url + "/reset_prefix_cache", method="POST"), timeout=60
+        ).read()
+        log(f"arm {self.name}: {len(self.refs)} references in {self.ref_s:.1f}s; publishing")
+
+    def start(self) -> None:
+        """The cartridges published (the S3 GETs that took counted apart), the arm's router, the
+        gateway in front of it; the instances' counters before the load."""
+        from lmcache_cartridge.api.gateway import GatewaySettings
+
+        fleet, policy = self.fleet, self.policy
+        fleet.proxy.reset()
+        self.publish_s = fleet.publish(self.carts)
+        self.kv_gets_publish = fleet.proxy.count("GET", r"/kv\.bin")
+        fleet.proxy.reset()
+        extra: tuple[str, ...] = ()
+        if policy == "kv_aware":  # subscribed before the arm's blocks exist (ZMQ PUB keeps no history)
+            for i, s in fleet.live():
+                extra += ("--kv-event-source", f"{s.url}=tcp://127.0.0.1:{fleet.event_ports[i]}")
+            extra += ("--kv-event-block-size", "128", "--kv-event-model", fleet.model)
+        self.router = RouterProcess(self.args.router, [s.url for _, s in fleet.live()], policy, fleet.root,
+                                    extra=extra)
+        if policy == "kv_aware":
+            time.sleep(3)  # the router's subscribers connect
+        settings = GatewaySettings(upstream=self.router.url, model=fleet.model, tokenizer=fleet.model,
+                                   registry=fleet.gw_registry_path, cache_dir=fleet.gw_cache, upstream_timeout=120)
+        self.gw = GatewayThread(settings)
+        self.before = fleet.scrape_all()
+        self.tiers_before = fleet.tier_counters()
+
+    def load(self) -> None:
+        """The requests on `--concurrency` threads; the counters after; the router and the gateway stopped."""
+        import httpx
+
+        args, fleet = self.args, self.fleet
+        self.t0 = time.time()
+        try:
+            with httpx.Client() as client, ThreadPoolExecutor(args.concurrency) as ex:
+                for f in [ex.submit(self.worker, client) for _ in range(args.concurrency)]:
+                    f.result()
+            self.wall = time.time() - self.t0
+            time.sleep(1.5)  # metrics files of the engine core are written asynchronously
+            self.after = fleet.scrape_all()
+            self.tiers_after = fleet.tier_counters()
+            if self.kill.get("counters"):  # the killed instance's counters as they were when it died
+                self.after[self.kill["instance"]] = self.kill["counters"]
+            self.router_log = self.router.log_path.read_text(errors="replace")
+        finally:
+            self.gw.stop()
+            self.router.stop()
+
+    def worker(self, client) -> None:
+        seq, kill, carts = self.seq, self.kill, self.carts
         while True:
-            with lock:
-                k = sent[0]
+            with self.lock:
+                k = self.sent
                 if k >= len(seq):
                     return
-                sent[0] += 1
-                do_kill = kill_at is not None and kill["at"] is None and k >= int(kill_at * len(seq))
+                self.sent += 1
+                do_kill = self.kill_at is not None and kill["at"] is None and k >= int(self.kill_at * len(seq))
                 if do_kill:
                     kill["at"] = -1.0  # claimed
             if do_kill:
-                now = fleet.scrape_all()
-                victim = max(now, key=lambda i: now[i]["requests"] - before.get(i, {"requests": 0})["requests"])
-                os.killpg(fleet.instances[victim].proc.pid, signal.SIGKILL)
-                kill.update(at=time.time(), mono=time.monotonic(), instance=victim, counters=now[victim])
-                fleet.dead.add(victim)
-                log(f"arm {name}: SIGKILLed inst{victim} after {k} requests")
+                self.kill_busiest(k)
             c, q = seq[k]
-            results[k] = send(client, gw.url, fleet.model, carts[c]["id"], q_ids[q], args.max_tokens,
-                              token_ids=first_k_ids or "kv" in carts[c])
+            self.results[k] = send(client, self.gw.url, self.fleet.model, carts[c]["id"], self.q_ids[q],
+                                   self.args.max_tokens, token_ids=self.first_k_ids or "kv" in carts[c])
 
-    t0 = time.time()
-    try:
-        with httpx.Client() as client, ThreadPoolExecutor(args.concurrency) as ex:
-            for f in [ex.submit(worker, client) for _ in range(args.concurrency)]:
-                f.result()
-        wall = time.time() - t0
-        time.sleep(1.5)  # metrics files of the engine core are written asynchronously
-        after = fleet.scrape_all()
-        tiers_after = fleet.tier_counters()
-        if kill.get("counters"):  # the killed instance's counters as they were when it died
-            after[kill["instance"]] = kill["counters"]
-        router_log = router.log_path.read_text(errors="replace")
-    finally:
-        gw.stop()
-        router.stop()
-    per_inst = {f"inst{i}": counters_delta(after[i], before[i]) for i in after if i in before}
-    ok = [r for r in results if r and not r["error"]]
-    errors = [r for r in results if r and r["error"]]
-    cmp = [(r, compare(r, refs[seq[k]])) for k, r in enumerate(results)
-           if r and not r["error"] and seq[k] in refs]
-    trained_ids = sorted(c for c in range(len(carts)) if "kv" in carts[c])
-    checks, seen = [], {}
-    for k, r in enumerate(results):
-        if not r or r["error"] or seq[k] in refs:
-            continue
-        c, q = seq[k]
-        key = (c, q, tuple(r["tokens"]), tuple(round(x, 3) for x in r["logprobs"]))
-        if key not in seen:
-            other = trained_ids[(trained_ids.index(c) + 1) % len(trained_ids)]
-            seen[key] = check_trained(model, carts[c]["kv"], carts[other]["kv"], q_ids[q], r)
-        checks.append(seen[key])
-    # GETs of cartridge bytes during the load; a repeat is a GET of bytes (object and range) some
-    # earlier GET of the arm already brought to the fleet: another host's cache, or a lost copy
-    kv_gets = [r for r in fleet.proxy.requests if r.method == "GET" and re.search(r"/kv\.bin", r.path)]
-    cart_tokens = sum(len(carts[seq[k][0]]["token_ids"]) for k, r in enumerate(results) if r and not r["error"])
-    external = sum(d["external_tokens"] for d in per_inst.values())
-    cached = sum(d["cached_tokens"] for d in per_inst.values())
-    hits: dict[str, float] = {}
-    misses: dict[str, float] = {}
-    if tiers_after is not None:  # MP mode: the one adapter's, for the whole host
-        for tier, t in tiers_after.items():
-            b = (tiers_before or {}).get(tier, {})
-            hits[tier] = t["hits"] - b.get("hits", 0)
-            misses[tier] = t["misses"] - b.get("misses", 0)
-    else:
-        for d in per_inst.values():
-            for tier, v in d["hits"].items():
-                hits[tier] = hits.get(tier, 0) + v
-            for tier, v in d["misses"].items():
-                misses[tier] = misses.get(tier, 0) + v
-    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
-    out = {
-        "arm": name, "policy": policy, "requests": len(seq), "ok": len(ok), "errors": len(errors),
-        "error_samples": sorted({e["error"] for e in errors})[:5],
-        "wall_s": round(wall, 2), "references_s": round(ref_s, 2), "publish_to_served_s": round(publish_s, 2),
-        **{f"ttft_p{q}_ms": round(1000 * percentile(ttfts, q), 1) if ttfts else None for q in (50, 95, 99)},
-        "cartridge_tokens_ok": cart_tokens, "external_tokens": external, "prefix_cache_tokens": cached,
-        "local_share": round((external + cached) / cart_tokens, 4) if cart_tokens else None,
-        "plugin_chunk_hits_by_tier": hits, "plugin_chunk_misses_by_tier": misses,
-        "chunk_counters_from": "the lmcache server's adapter (host)" if tiers_after is not None else "instances",
-        "requests_per_instance": {k: d["requests"] for k, d in per_inst.items()},
-        "external_tokens_per_instance": {k: d["external_tokens"] for k, d in per_inst.items()},
-        # per instance: the share of its prompt tokens (cartridge and question) it did not compute
-        "not_computed_share_per_instance": {
-            k: (round((d["external_tokens"] + d["cached_tokens"]) / d["prompt_tokens"], 4)
-                if d["prompt_tokens"] else None) for k, d in per_inst.items()},
-        "s3_kv_gets": len(kv_gets), "s3_kv_gets_during_publish": kv_gets_publish,
-        "s3_kv_gets_repeated": len(kv_gets) - len({(r.path, r.range) for r in kv_gets}),
-        "s3_manifest_gets": fleet.proxy.count("GET", r"/manifest\.json"),
-        "first_k_ok": len(cmp), "answers_equal_reference": sum(1 for _, c in cmp if c["equal"]),
-        "first_k_compared_by": "token ids" if first_k_ids else (
-            f"token strings, every logprob within {STRING_MATCH_LOGPROB_TOL} (no token ids: kv_aware)"),
-        "trained_ok": len(checks), "trained_within_hf_tolerance": sum(1 for c in checks if c["ok"]),
-        "trained_vs_hf_mean_max": round(max((c["mean"] for c in checks), default=0.0), 4),
-        "trained_vs_wrong_kv_mean_min": round(min((c["wrong_kv_mean"] for c in checks), default=0.0), 4),
-        "answers_differing": [dict(c, cart=r["cart"]) for r, c in cmp if not c["equal"]][:10],
-        "max_dlogprob_equal": round(max((c["max_dlogprob"] for _, c in cmp if c["equal"]), default=0.0), 4),
-        "router_command": router.command,
-    }
-    if kill_at is not None and kill["at"]:
+    def kill_busiest(self, k: int) -> None:
+        """SIGKILL the instance that served most of the arm's requests so far."""
+        fleet, before = self.fleet, self.before
+        now = fleet.scrape_all()
+        victim = max(now, key=lambda i: now[i]["requests"] - before.get(i, {"requests": 0})["requests"])
+        os.killpg(fleet.instances[victim].proc.pid, signal.SIGKILL)
+        self.kill.update(at=time.time(), mono=time.monotonic(), instance=victim, counters=now[victim])
+        fleet.dead.add(victim)
+        log(f"arm {self.name}: SIGKILLed inst{victim} after {k} requests")
+
+    def record(self) -> dict:
+        """The arm's record (without the failover's part)."""
+        fleet, seq, results, carts = self.fleet, self.seq, self.results, self.carts
+        per_inst = {f"inst{i}": counters_delta(self.after[i], self.before[i]) for i in self.after if i in self.before}
+        self.ok = ok = [r for r in results if r and not r["error"]]
+        self.errors = errors = [r for r in results if r and r["error"]]
+        cmp = [(r, compare(r, self.refs[seq[k]])) for k, r in enumerate(results)
+               if r and not r["error"] and seq[k] in self.refs]
+        checks = self.trained_checks()
+        # GETs of cartridge bytes during the load; a repeat is a GET of bytes (object and range) some
+        # earlier GET of the arm already brought to the fleet: another host's cache, or a lost copy
+        self.kv_gets = kv_gets = [r for r in fleet.proxy.requests
+                                  if r.method == "GET" and re.search(r"/kv\.bin", r.path)]
+        cart_tokens = sum(len(carts[seq[k][0]]["token_ids"]) for k, r in enumerate(results) if r and not r["error"])
+        external = sum(d["external_tokens"] for d in per_inst.values())
+        cached = sum(d["cached_tokens"] for d in per_inst.values())
+        hits, misses = self.chunk_counts(per_inst)
+        ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
+        return {
+            "arm": self.name, "policy": self.policy, "requests": len(seq), "ok": len(ok), "errors": len(errors),
+            "error_samples": sorted({e["error"] for e in errors})[:5],
+            "wall_s": round(self.wall, 2), "references_s": round(self.ref_s, 2),
+            "publish_to_served_s": round(self.publish_s, 2),
+            **{f"ttft_p{q}_ms": round(1000 * percentile(ttfts, q), 1) if ttfts else None for q in (50, 95, 99)},
+            "cartridge_tokens_ok": cart_tokens, "external_tokens": external, "prefix_cache_tokens": cached,
+            "local_share": round((external + cached) / cart_tokens, 4) if cart_tokens else None,
+            "plugin_chunk_hits_by_tier": hits, "plugin_chunk_misses_by_tier": misses,
+            "chunk_counters_from": ("the lmcache server's adapter (host)" if self.tiers_after is not None
+                                    else "instances"),
+            "requests_per_instance": {k: d["requests"] for k, d in per_inst.items()},
+            "external_tokens_per_instance": {k: d["external_tokens"] for k, d in per_inst.items()},
+            # per instance: the share of its prompt tokens (cartridge and question) it did not compute
+            "not_computed_share_per_instance": {
+                k: (round((d["external_tokens"] + d["cached_tokens"]) / d["prompt_tokens"], 4)
+                    if d["prompt_tokens"] else None) for k, d in per_inst.items()},
+            "s3_kv_gets": len(kv_gets), "s3_kv_gets_during_publish": self.kv_gets_publish,
+            "s3_kv_gets_repeated": len(kv_gets) - len({(r.path, r.range) for r in kv_gets}),
+            "s3_manifest_gets": fleet.proxy.count("GET", r"/manifest\.json"),
+            "first_k_ok": len(cmp), "answers_equal_reference": sum(1 for _, c in cmp if c["equal"]),
+            "first_k_compared_by": "token ids" if self.first_k_ids else (
+                f"token strings, every logprob within {STRING_MATCH_LOGPROB_TOL} (no token ids: kv_aware)"),
+            "trained_ok": len(checks), "trained_within_hf_tolerance": sum(1 for c in checks if c["ok"]),
+            "trained_vs_hf_mean_max": round(max((c["mean"] for c in checks), default=0.0), 4),
+            "trained_vs_wrong_kv_mean_min": round(min((c["wrong_kv_mean"] for c in checks), default=0.0), 4),
+            "answers_differing": [dict(c, cart=r["cart"]) for r, c in cmp if not c["equal"]][:10],
+            "max_dlogprob_equal": round(max((c["max_dlogprob"] for _, c in cmp if c["equal"]), default=0.0), 4),
+            "router_command": self.router.command,
+        }
+
+    def trained_checks(self) -> list[dict]:
+        """Each trained answer against HF given its cartridge's KV (and another's); one check per
+        distinct answer."""
+        seq, carts = self.seq, self.carts
+        trained_ids = sorted(c for c in range(len(carts)) if "kv" in carts[c])
+        checks, seen = [], {}
+        for k, r in enumerate(self.results):
+            if not r or r["error"] or seq[k] in self.refs:
+                continue
+            c, q = seq[k]
+            key = (c, q, tuple(r["tokens"]), tuple(round(x, 3) for x in r["logprobs"]))
+            if key not in seen:
+                other = trained_ids[(trained_ids.index(c) + 1) % len(trained_ids)]
+                seen[key] = check_trained(self.model, carts[c]["kv"], carts[other]["kv"], self.q_ids[q], r)
+            checks.append(seen[key])
+        return checks
+
+    def chunk_counts(self, per_inst: dict[str, dict]) -> tuple[dict[str, float], dict[str, float]]:
+        """Chunk hits and misses per tier over the load: in MP mode the one adapter's (the host's),
+        else the sum of the instances' plugins'."""
+        hits: dict[str, float] = {}
+        misses: dict[str, float] = {}
+        if self.tiers_after is not None:  # MP mode: the one adapter's, for the whole host
+            for tier, t in self.tiers_after.items():
+                b = (self.tiers_before or {}).get(tier, {})
+                hits[tier] = t["hits"] - b.get("hits", 0)
+                misses[tier] = t["misses"] - b.get("misses", 0)
+        else:
+            for d in per_inst.values():
+                for tier, v in d["hits"].items():
+                    hits[tier] = hits.get(tier, 0) + v
+                for tier, v in d["misses"].items():
+                    misses[tier] = misses.get(tier, 0) + v
+        return hits, misses
+
+    def failover(self) -> dict:
+        """What the kill cost: the failed requests after it, and when every cartridge that failed
+        was answered again."""
+        ok, kv_gets, kill = self.ok, self.kv_gets, self.kill
         t_k = kill["at"]
-        failed_after = [r for r in errors if r["done"] >= t_k]
+        failed_after = [r for r in self.errors if r["done"] >= t_k]
         # recovery: for each cartridge whose requests failed, the first answer to a request sent after
         # its last failure; the fleet has recovered when every such cartridge is answered again
         back = []
@@ -591,8 +659,8 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
             last_fail = max(r["sent"] for r in failed_after if r["cart"] == cid)
             nxt = [r["done"] for r in ok if r["cart"] == cid and r["sent"] > last_fail]
             back.append(min(nxt) - t_k if nxt else None)
-        out["failover"] = {
-            "killed": f"inst{kill['instance']}", "killed_after_s": round(t_k - t0, 2),
+        return {
+            "killed": f"inst{kill['instance']}", "killed_after_s": round(t_k - self.t0, 2),
             "errors_after_kill": len(failed_after),
             "last_error_sent_after_kill_s": (round(max(r["sent"] for r in failed_after) - t_k, 2)
                                              if failed_after else 0.0),
@@ -602,11 +670,9 @@ def run_arm(fleet: Fleet, name: str, policy: str, arm: int, seq, args, kill_at: 
             "s3_kv_gets_after_kill": sum(1 for r in kv_gets if r.at >= kill["mono"]),
             "failed_cartridges": len(back),
             "recovery_s": (None if None in back else round(max(back), 2)) if back else 0.0,
-            "router_log_unhealthy_lines": [ln[-300:] for ln in router_log.splitlines()
+            "router_log_unhealthy_lines": [ln[-300:] for ln in self.router_log.splitlines()
                                            if "unhealthy" in ln.lower() or "circuit" in ln.lower()][:5],
         }
-    log(f"arm {name}: {json.dumps({k: v for k, v in out.items() if k not in ('router_command', 'answers_differing')})}")
-    return out
 
 
 # --- kv_aware -----------------------------------------------------------------------------------------
