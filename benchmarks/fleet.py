@@ -686,29 +686,13 @@ def kv_aware_probe(args, root: Path) -> dict:
     import zmq
     from vllm.distributed.kv_events import KVEventBatch
 
-    from lmcache_cartridge.store.registry import Registry
     from lmcache_cartridge.tools.testmodel import ensure_test_model
 
     model_dir = ensure_test_model()
     model = str(model_dir)
     carts = make_cartridges(model_dir, root / "kv-carts", 9, 1, args.cart_tokens)
     ports = [free_port() for _ in range(2)]
-    servers = []
-    for i in range(2):
-        d = root / f"kv{i}"
-        Registry(d / "registry.db").register(carts[0]["dir"])
-        # vLLM binds its PUB socket only for a wildcard endpoint ("tcp://*:P"); "tcp://127.0.0.1:P"
-        # makes it *connect* there (vllm/distributed/kv_events.py: _is_bind_endpoint), and then no
-        # subscriber (ours, the router's) ever receives an event.
-        # No topic: vllm-router's static `--kv-event-source` subscribes with the empty topic and
-        # drops every message whose topic frame is not exactly "" (vllm-router 0.1.17
-        # src/config/mod.rs `parse_static_kv_event_sources`: `topic: String::new()`;
-        # src/kv_index/subscriber.rs: `frames[0] != topic` -> continue, unlogged). A topic here
-        # kept the router's index empty in the first probes.
-        ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[i]}"}
-        servers.append(VllmServer(d, model, lmcache=lmcache_config(d / "registry.db", cache_dir=d / "cache"),
-                                  prefix_caching=True,
-                                  extra_args=("--enforce-eager", "--kv-events-config", json.dumps(ev))))
+    servers = _probe_instances(root, model, carts[0]["dir"], ports)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{ports[1]}")
@@ -728,66 +712,19 @@ def kv_aware_probe(args, root: Path) -> dict:
         text = "The keeper climbed the tower every night. " * 60    # warmed on inst1, as text
         # The router subscribes first: ZMQ PUB drops what is published before a subscriber joins
         # (no replay endpoint here), so blocks warmed before the router starts are never indexed.
-        extra = []
-        for s, port in zip(servers, ports):
-            extra += ["--kv-event-source", f"{s.url}=tcp://127.0.0.1:{port}"]
-        prom = free_port()
-        extra += ["--kv-event-block-size", "128", "--kv-event-model", model,
-                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
-        if args.router_debug:
-            extra += ["--log-level", "debug"]
-        router = RouterProcess(args.router, [s.url for s in servers], "kv_aware", root, extra=tuple(extra))
+        router, prom = _probe_router(args, servers, ports, model, root)
         time.sleep(3)
-
-        def complete(url, p):
-            body = {"model": model, "prompt": p, "max_tokens": 2, "temperature": 0}
-            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            urllib.request.urlopen(req, timeout=120).read()
-
         ext0 = servers[1].external_tokens()
-        complete(servers[1].url, prompt_ids)
-        complete(servers[1].url, text)
-        complete(servers[0].url, plain_ids)
+        _complete(model, servers[1].url, prompt_ids)
+        _complete(model, servers[1].url, text)
+        _complete(model, servers[0].url, plain_ids)
         out["inst1_connector_tokens"] = servers[1].external_tokens() - ext0
-        deadline = time.time() + 4
-        while time.time() < deadline:
-            if sub.poll(500):
-                frames = sub.recv_multipart()
-                batch = dec.decode(frames[-1])
-                for e in batch.events:
-                    d = {"type": type(e).__name__}
-                    for f in ("block_size", "medium", "parent_block_hash"):
-                        if hasattr(e, f):
-                            d[f] = getattr(e, f) if f != "parent_block_hash" else (getattr(e, f) is not None)
-                    if hasattr(e, "block_hashes"):
-                        d["blocks"] = len(e.block_hashes)
-                    if hasattr(e, "token_ids"):
-                        d["tokens"] = len(e.token_ids)
-                        d["starts_with_cartridge"] = list(e.token_ids[:8]) == prompt_ids[:8]
-                    out["events_inst1"].append(d)
-        for label, p in (("cartridge token ids (warm on inst1)", prompt_ids), ("text (warm on inst1)", text),
-                         ("plain token ids (warm on inst0)", plain_ids)):
-            before = [instance_counters(s.url) for s in servers]
-            for _ in range(4):
-                try:
-                    complete(router.url, p)
-                except OSError as e:
-                    out.setdefault("errors", []).append(f"{label}: {e}")
-            time.sleep(1.5)
-            out[f"routed {label}: requests per instance"] = [
-                counters_delta(instance_counters(s.url), b)["requests"] for s, b in zip(servers, before)]
+        _receive_events(sub, dec, prompt_ids, out["events_inst1"])
+        _route(out, router, servers, model, (("cartridge token ids (warm on inst1)", prompt_ids),
+                                             ("text (warm on inst1)", text),
+                                             ("plain token ids (warm on inst0)", plain_ids)))
         out["router_command"] = router.command
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{prom}/metrics", timeout=10) as r:
-                out["router_kv_metrics"] = [ln for ln in r.read().decode().splitlines()
-                                            if "kv" in ln.split("{")[0] and not ln.startswith("#")
-                                            or ln.startswith("vllm_router_policy_decisions")]
-        except OSError as e:
-            out["router_kv_metrics"] = f"unavailable: {e}"
-        out["router_log_kv_lines"] = [
-            ln[-400:] for ln in router.log_path.read_text(errors="replace").splitlines()
-            if ("kv" in ln.lower() or "tokenizer" in ln.lower()) and "spawned" not in ln][-60:]
+        out.update(_router_kv_findings(router, prom))
     finally:
         if router is not None:
             router.stop()
@@ -796,6 +733,101 @@ def kv_aware_probe(args, root: Path) -> dict:
         for s in servers:
             s.stop()
     log("kv_aware probe:", json.dumps(out, default=str)[:3000])
+    return out
+
+
+def _probe_instances(root: Path, model: str, cart_dir: Path, ports: list[int]) -> list[VllmServer]:
+    """The probe's two instances (started, not yet healthy), the cartridge registered on each,
+    publishing KV events on `ports`."""
+    from lmcache_cartridge.store.registry import Registry
+
+    servers = []
+    for i in range(2):
+        d = root / f"kv{i}"
+        Registry(d / "registry.db").register(cart_dir)
+        # vLLM binds its PUB socket only for a wildcard endpoint ("tcp://*:P"); "tcp://127.0.0.1:P"
+        # makes it *connect* there (vllm/distributed/kv_events.py: _is_bind_endpoint), and then no
+        # subscriber (ours, the router's) ever receives an event.
+        # No topic: vllm-router's static `--kv-event-source` subscribes with the empty topic and
+        # drops every message whose topic frame is not exactly "" (vllm-router 0.1.17
+        # src/config/mod.rs `parse_static_kv_event_sources`: `topic: String::new()`;
+        # src/kv_index/subscriber.rs: `frames[0] != topic` -> continue, unlogged). A topic here
+        # kept the router's index empty in the first probes.
+        ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[i]}"}
+        servers.append(VllmServer(d, model, lmcache=lmcache_config(d / "registry.db", cache_dir=d / "cache"),
+                                  prefix_caching=True,
+                                  extra_args=("--enforce-eager", "--kv-events-config", json.dumps(ev))))
+    return servers
+
+
+def _probe_router(args, servers: list[VllmServer], ports: list[int], model: str,
+                  root: Path) -> tuple[RouterProcess, int]:
+    """vllm-router `--policy kv_aware` subscribed to the instances' KV events, and its metrics port."""
+    extra = []
+    for s, port in zip(servers, ports):
+        extra += ["--kv-event-source", f"{s.url}=tcp://127.0.0.1:{port}"]
+    prom = free_port()
+    extra += ["--kv-event-block-size", "128", "--kv-event-model", model,
+              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+    if args.router_debug:
+        extra += ["--log-level", "debug"]
+    return RouterProcess(args.router, [s.url for s in servers], "kv_aware", root, extra=tuple(extra)), prom
+
+
+def _complete(model: str, url: str, p) -> None:
+    body = {"model": model, "prompt": p, "max_tokens": 2, "temperature": 0}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=120).read()
+
+
+def _receive_events(sub, dec, prompt_ids: list[int], into: list[dict]) -> None:
+    """What `sub` receives for 4 s, one line per event, appended to `into`."""
+    deadline = time.time() + 4
+    while time.time() < deadline:
+        if sub.poll(500):
+            frames = sub.recv_multipart()
+            batch = dec.decode(frames[-1])
+            for e in batch.events:
+                d = {"type": type(e).__name__}
+                for f in ("block_size", "medium", "parent_block_hash"):
+                    if hasattr(e, f):
+                        d[f] = getattr(e, f) if f != "parent_block_hash" else (getattr(e, f) is not None)
+                if hasattr(e, "block_hashes"):
+                    d["blocks"] = len(e.block_hashes)
+                if hasattr(e, "token_ids"):
+                    d["tokens"] = len(e.token_ids)
+                    d["starts_with_cartridge"] = list(e.token_ids[:8]) == prompt_ids[:8]
+                into.append(d)
+
+
+def _route(out: dict, router: RouterProcess, servers: list[VllmServer], model: str, prompts) -> None:
+    """Each (label, prompt) four times through the router: the requests per instance, and errors, into `out`."""
+    for label, p in prompts:
+        before = [instance_counters(s.url) for s in servers]
+        for _ in range(4):
+            try:
+                _complete(model, router.url, p)
+            except OSError as e:
+                out.setdefault("errors", []).append(f"{label}: {e}")
+        time.sleep(1.5)
+        out[f"routed {label}: requests per instance"] = [
+            counters_delta(instance_counters(s.url), b)["requests"] for s, b in zip(servers, before)]
+
+
+def _router_kv_findings(router: RouterProcess, prom: int) -> dict:
+    """The router's kv metrics and its log lines about KV and the tokenizer."""
+    out: dict = {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{prom}/metrics", timeout=10) as r:
+            out["router_kv_metrics"] = [ln for ln in r.read().decode().splitlines()
+                                        if "kv" in ln.split("{")[0] and not ln.startswith("#")
+                                        or ln.startswith("vllm_router_policy_decisions")]
+    except OSError as e:
+        out["router_kv_metrics"] = f"unavailable: {e}"
+    out["router_log_kv_lines"] = [
+        ln[-400:] for ln in router.log_path.read_text(errors="replace").splitlines()
+        if ("kv" in ln.lower() or "tokenizer" in ln.lower()) and "spawned" not in ln][-60:]
     return out
 
 
