@@ -46,9 +46,10 @@ def private_dir(path: Path) -> Path:
     """`path`, created 0700 if missing, once it is certain that only this user can write there:
     a directory (not a symlink) owned by this user, without group or other write permission.
     Where it runs: the plugin and the gateway at start, for the cache dir. Why: a disk-cache
-    chunk is verified on its first read in a process and trusted after; another local user who
-    could swap a file, or plant a symlink where a temp or state file is written, would choose the
-    KV served (or what we overwrite). Raises PermissionError saying how to fix it."""
+    chunk is verified on its first read in a process and trusted after while its file looks
+    unchanged (`disk_cache._signature`); another local user who could swap a file, or plant a
+    symlink where a temp or state file is written, would choose the KV served (or what we
+    overwrite). Raises PermissionError saying how to fix it."""
     import stat
 
     path = Path(path)

@@ -826,3 +826,65 @@ def test_an_engine_attached_after_its_trained_cartridge_gets_its_ranks_bytes(tmp
         _until(lambda: _published_local(tmp_path, "mp-tp-late"), "never published as local again")
     finally:
         adapter.close()
+
+
+def test_a_corrupted_disk_tier_chunk_is_dropped_and_fetched_again_never_served(tmp_path, moto_server, s3_proxy):
+    """The adapter's only tier is the host's disk cache: a trained S3 cartridge's chunk lives there
+    as a file from its download on. One byte of a chunk file flipped on disk (bit rot, another
+    program writing into the cache dir), then the server looks it up and loads it. The load
+    checks the file against the chunk's digest, drops it (a miss: the lookup's promise fails, the
+    request fails rather than reads wrong KV), fetches the chunk again from S3 (one GET) and the
+    next load fills the cartridge's exact bytes; the other chunk is served as it is."""
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+    from lmcache_cartridge.store.registration import register_s3
+    from lmcache_cartridge.store.s3 import S3Settings
+
+    adapter, _layouts, hasher, ms, (L, H, D) = _tp_setup(tmp_path, moto_server, s3_proxy, ("mp-rot",))
+    reg = Registry(tmp_path / "reg.db")
+    kv_bin = r"mp-rot/kv\.bin$"
+    try:
+        register_s3(reg, "s3://mp-tp/c/mp-rot", tmp_path / "cache",
+                    S3Settings.from_mapping({"endpoint_url": s3_proxy.endpoint_url}))
+        assert adapter.refresh()  # trained: downloaded at once
+        h = adapter._state.served["mp-rot"].handle(1, 0)
+        _until(lambda: adapter.residency.resident(h) and not adapter.residency.downloading(h), "never downloaded")
+        (chunk0,) = (tmp_path / "cache" / "chunks").glob("*/0.chunk")  # the real file of chunk 0
+        good = chunk0.read_bytes()
+        # a write within the file-time tick of the download's own looks unchanged where the kernel
+        # keeps coarse file times (`disk_cache._signature`): flip it once that tick has passed
+        time.sleep(max(0.0, chunk0.stat().st_ctime + 0.05 - time.time()))
+        with open(chunk0, "r+b") as f:  # in place: same file, one byte
+            f.seek(len(good) // 3)
+            f.write(bytes([good[len(good) // 3] ^ 0x10]))
+        gets = s3_proxy.count("GET", kv_bin)
+
+        m = ms["mp-rot"]
+        keys = [ObjectKey(k, MODEL, ObjectKey.ComputeKVRank(1, 0, 1, 0), 0, "")
+                for k in hasher.compute_chunk_hashes(list(m.key_token_ids))[m.context_chunks:]]
+        desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
+
+        def load() -> tuple[list[bool], list[torch.Tensor]]:
+            """As the server does: lookup and lock, load, unlock."""
+            hits = _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc))
+            locked = [k for n, k in enumerate(keys) if hits.test(n)]
+            objs = [SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16)) for _ in keys]
+            loaded = _wait(adapter, "load", adapter.submit_load_task(locked, objs[:len(locked)]))
+            adapter.submit_unlock(locked)
+            return [loaded.test(n) for n in range(len(locked))] + [False] * (len(keys) - len(locked)), \
+                [o.tensor for o in objs]
+
+        with PackedCartridge(tmp_path / "mp-rot") as oracle:
+            want = [oracle.read_chunk(i) for i in range(len(keys))]
+        ok, got = load()
+        for i, (o, t) in enumerate(zip(ok, got)):
+            assert not o or torch.equal(t, want[i]), f"chunk {i}: the corrupted file's bytes were served"
+        assert ok == [False, True], "the corrupted chunk must miss, the intact one load"
+        _until(lambda: adapter.residency.resident(h) and not adapter.residency.downloading(h),
+               "the dropped chunk is never fetched again")
+        assert s3_proxy.count("GET", kv_bin) == gets + 1  # that chunk only, from the origin
+        assert chunk0.read_bytes() == good
+        ok, got = load()
+        assert ok == [True, True] and all(torch.equal(t, w) for t, w in zip(got, want))
+        assert not adapter._leases
+    finally:
+        adapter.close()

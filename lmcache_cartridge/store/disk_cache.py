@@ -33,8 +33,11 @@ starting process would delete the temp files of live writers. So:
   file meanwhile, so another cartridge's download cannot break the promise. Only a `discard`
   (force_redownload) or a corrupt read still removes a held file; the retrieve then misses.
 
-Bytes are verified against the manifest on their first read in each process (bit rot, files
-changed behind our back); a corrupt file is deleted and reported as a miss.
+Bytes are verified against the manifest on their first read in each process, and again on any
+read that finds the file changed since this process checked or wrote it (`_signature`: another
+program writing into it, a file swapped behind our back): a long-running process (the MP
+server, whose only tier this is) would otherwise serve a file corrupted after its first read for
+as long as it runs. A corrupt file is deleted and reported as a miss.
 """
 
 from __future__ import annotations
@@ -75,6 +78,15 @@ class Verifiable(Protocol):
 
     manifest: Manifest
     view: RankView
+
+
+def _signature(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What a chunk file's check holds for: its inode, size and modification and change times.
+    A write into the file, or another file renamed over it, changes the change time (which no
+    `utime` sets back), so a read that finds another signature checks the bytes again. Where
+    the kernel keeps file times in coarse ticks, a write within the tick of our own check or
+    write looks unchanged until the next first read."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def belongs_to(key: str, prefix: str) -> bool:
@@ -172,7 +184,8 @@ class DiskTier:
         self.janitor_interval_s = float(janitor_interval_s)
         self._lock = threading.Lock()  # this process's connection and sets
         self._present: set[ChunkId] = set()  # seen published by this process (lookup fast path)
-        self._verified: set[ChunkId] = set()  # checked against the manifest in this process
+        # checked against the manifest (or written) by this process: the file's `_signature` then
+        self._verified: dict[ChunkId, tuple[int, int, int, int]] = {}
         self._touched: dict[ChunkId, float] = {}  # reads not yet written to the shared LRU clock
         self._last_flush = time.monotonic()
         self._last_janitor = time.monotonic()
@@ -279,12 +292,13 @@ class DiskTier:
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # eviction skips a file being read
-            verify = cid not in self._verified
             try:
                 with open(fd, "rb", buffering=0, closefd=False) as f:
                     n = f.readinto(buf)
                 if n != buf.nbytes:
                     raise ChecksumError(f"{path}: {n} bytes, expected {buf.nbytes}")
+                sig = _signature(os.fstat(fd))  # after the read: a write before or during it shows
+                verify = self._verified.get(cid) != sig
                 if verify:
                     check_chunk(handle.view.span(cid[1]), buf, str(path), handle.manifest.torch_dtype)
             except (OSError, ChecksumError) as e:
@@ -296,7 +310,7 @@ class DiskTier:
             os.close(fd)
         self._present.add(cid)
         if verify:
-            self._verified.add(cid)
+            self._verified[cid] = sig
         self._touch(cid)
         return True
 
@@ -371,7 +385,7 @@ class DiskTier:
         with self._lock:
             self._check_fork()
             self._present.discard(cid)
-            self._verified.discard(cid)
+            self._verified.pop(cid, None)
             with self._txn() as db:
                 path = self._path(cid)
                 try:
@@ -425,7 +439,8 @@ class DiskTier:
                 while done < n:
                     done += f.write(view[done:])
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+                os.replace(tmp, path)
+                sig = _signature(os.fstat(f.fileno()))  # after the rename, which sets the change time
         except BaseException as e:  # disk full, permissions: keep serving from memory/origin
             tmp.unlink(missing_ok=True)
             with self._lock, self._txn() as db:  # a live owner's reservation would never be reclaimed
@@ -443,7 +458,7 @@ class DiskTier:
                     path.unlink(missing_ok=True)
                 return False
             self._present.add(cid)
-            self._verified.add(cid)
+            self._verified[cid] = sig
         return True
 
     def _make_room(self, db: sqlite3.Connection, n: int) -> tuple[bool, int]:
@@ -464,7 +479,7 @@ class DiskTier:
                 if self._unlink_unless_read((h, i)):
                     db.execute("DELETE FROM chunks WHERE hash = ? AND idx = ?", (h, i))
                     self._present.discard((h, i))
-                    self._verified.discard((h, i))
+                    self._verified.pop((h, i), None)
                     used -= size
                     evicted += 1
                 else:
@@ -522,7 +537,7 @@ class DiskTier:
                             except OSError as e:
                                 logger.warning("lmcache_cartridge: could not delete %s: %s", f, e)
             self._present = {c for c in self._present if not belongs_to(c[0], prefix)}
-            self._verified = {c for c in self._verified if not belongs_to(c[0], prefix)}
+            self._verified = {c: v for c, v in self._verified.items() if not belongs_to(c[0], prefix)}
             self._touched = {c: t for c, t in self._touched.items() if not belongs_to(c[0], prefix)}
         return removed
 
