@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import threading
 import time
 from types import SimpleNamespace
 
@@ -141,14 +142,18 @@ def test_a_tensor_parallel_key_is_served_its_ranks_heads(tmp_path):
 
 class _L1:
     """The server's L1 as the adapter's purge sees it (`storage_manager.delete_l1_keys`): the keys
-    it was told to delete, none of them locked."""
+    it was told to delete, except those `locked` (LMCache skips a key a read holds, or one
+    reserved for a load in flight, unless forced)."""
 
     def __init__(self) -> None:
         self.deleted: list = []
+        self.locked: set = set()
 
-    def delete_l1_keys(self, keys, force=False):  # noqa: ARG002 (LMCache's signature)
-        self.deleted += keys
-        return len(keys), 0
+    def delete_l1_keys(self, keys, force=False):
+        skipped = [k for k in keys if k in self.locked and not force]
+        gone = [k for k in keys if k not in skipped]
+        self.deleted += gone
+        return len(gone), len(skipped)
 
 
 def test_client_kv_reaches_only_keys_naming_its_salt_and_its_removal_purges_them(tmp_path):
@@ -453,15 +458,15 @@ def test_lookup_locks_the_server_never_returns_let_go_after_the_lease(tmp_path, 
         desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
         for _ in range(2):
             assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task([key], desc)).popcount() == 1
-        holds = list(adapter._leases.held(key))
+        holds = [lock.hold for lock in adapter._leases.held(key)]
         assert len(holds) == 2 and all(hd is not None and hd.held for hd in holds)
         time.sleep(0.01)
         adapter._expire_leases()  # what the watcher runs every refresh period
         assert not any(hd.held for hd in holds) and not adapter._leases
         assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task([key], desc)).popcount() == 1
-        newer = adapter._leases.held(key)[0]
+        newer = adapter._leases.held(key)[0].hold
         adapter.submit_unlock([key, key])  # late, for the two expired locks: the newer one stays
-        assert newer.held and adapter._leases.held(key) == (newer,)
+        assert newer.held and [lock.hold for lock in adapter._leases.held(key)] == [newer]
         open_at_close = newer
     finally:
         adapter.close()
@@ -886,5 +891,134 @@ def test_a_corrupted_disk_tier_chunk_is_dropped_and_fetched_again_never_served(t
         ok, got = load()
         assert ok == [True, True] and all(torch.equal(t, w) for t, w in zip(got, want))
         assert not adapter._leases
+    finally:
+        adapter.close()
+
+
+class _Paused:
+    """The adapter's reads (`Residency.read_into`) with the `at`-th one held until `go` is set: a
+    load in flight, its first chunks read and the rest not yet, for as long as the test needs."""
+
+    def __init__(self, residency, at: int) -> None:
+        self.read, self.at, self.calls = residency.read_into, at, 0
+        self.reading, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            self.reading.set()
+            assert self.go.wait(30), "never let go"
+        return self.read(*args, **kwargs)
+
+
+def _versions(tmp_path, names, chunks: int = 4):
+    """First-k cartridges of one document (`chunks` chunks, the same ids), all with the id "doc",
+    each with other KV: the versions of a cartridge an operator re-packs and registers again."""
+    L, H, D = 2, 2, 16
+    ids = list(range(1000, 1000 + chunks * CHUNK))
+    kvs = {}
+    for n, name in enumerate(names):
+        kvs[name] = random_kv(L, chunks * CHUNK, H, D, seed=130 + n)
+        pack_kv(kvs[name], tmp_path / name, cartridge_id="doc", model=MODEL, kind="first_k", token_ids=ids,
+                chunk_size=CHUNK)
+    hasher = TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor")
+    keys = [ObjectKey(h, MODEL, ObjectKey.ComputeKVRank(1, 0, 1, 0), 0, "") for h in hasher.compute_chunk_hashes(ids)]
+    return hasher, keys, kvs, (L, H, D)
+
+
+def _whose(kvs, objs, bits, L: int) -> list[str | None]:
+    """Which version's bytes each loaded object holds (None: not loaded)."""
+    out = []
+    for n, obj in enumerate(objs):
+        got = [name for name, kv in kvs.items()
+               if torch.equal(obj.tensor, kv[:, :, n * CHUNK:(n + 1) * CHUNK].reshape(2, L, CHUNK, -1))]
+        assert not bits.test(n) or len(got) == 1, f"chunk {n} loaded with bytes of no version"
+        out.append(got[0] if bits.test(n) else None)
+    return out
+
+
+@pytest.mark.parametrize("change", ["replaced", "removed"])
+def test_a_registry_change_during_a_load_never_mixes_old_and_new_bytes(tmp_path, monkeypatch, change):
+    """A cartridge of four chunks is looked up and locked, and its load is in flight (its first
+    chunk read, the rest not yet) when the operator registers other KV under its id (the same
+    document: the same keys) or removes it, and the adapter refreshes. The load fills either all
+    the old chunks or none: never the old first chunk and the new rest, nor new bytes under keys
+    the lookup locked for the old ones; what L1 holds under those keys (the load's objects,
+    reserved and locked meanwhile) is purged once unlocked; then a lookup and load fill the new
+    version whole (or nothing, removed), and no lock is left."""
+    hasher, keys, kvs, (L, H, D) = _versions(tmp_path, ("old", "new"))
+    reg = Registry(tmp_path / "reg.db")
+    reg.register(tmp_path / "old")
+    l1 = _L1()
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 3600})
+    desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
+
+    def objects() -> list:
+        return [SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16)) for _ in keys]
+
+    try:
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=l1))
+        assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc)).popcount() == len(keys)
+        l1.locked |= set(keys)  # the server reserved an L1 object per key for the load
+        paused = _Paused(adapter.residency, at=2)
+        monkeypatch.setattr(adapter.residency, "read_into", paused)
+        objs = objects()
+        tid = adapter.submit_load_task(keys, objs)
+        assert paused.reading.wait(30), "the load never reached its second chunk"
+        if change == "replaced":
+            reg.register(tmp_path / "new")
+        else:
+            reg.remove("doc")
+        assert adapter.refresh()
+        paused.go.set()
+        got = _whose(kvs, objs, _wait(adapter, "load", tid), L)
+        assert got in ([None] * len(keys), ["old"] * len(keys)), f"a mix of versions was loaded: {got}"
+        adapter.submit_unlock(keys)  # the server, done with the load: its objects are unlocked
+        l1.locked.clear()
+        assert not adapter._leases
+
+        assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc)).popcount() == \
+            (len(keys) if change == "replaced" else 0)
+        objs = objects()
+        got = _whose(kvs, objs, _wait(adapter, "load", adapter.submit_load_task(keys, objs)), L)
+        adapter.submit_unlock(keys)
+        assert got == (["new"] * len(keys) if change == "replaced" else [None] * len(keys))
+        assert not adapter._leases
+    finally:
+        adapter.close()
+
+
+def test_a_load_after_a_replacement_never_serves_new_bytes_for_the_old_lookups_locks(tmp_path):
+    """The server looked up and locked a cartridge's keys; before its load the operator registers
+    other KV under the cartridge's id (the same keys) and the adapter refreshes. The load misses:
+    the lookup promised the old bytes, and a request whose first chunks came from L1's old copy
+    would get the new KV for the rest. The next lookup locks the new bytes and its load fills
+    them whole, and re-registering the same bytes from elsewhere does not cost that lookup its
+    load (the content hash is the same)."""
+    import shutil
+
+    hasher, keys, kvs, (L, H, D) = _versions(tmp_path, ("old", "new"))
+    reg = Registry(tmp_path / "reg.db")
+    reg.register(tmp_path / "old")
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 3600})
+    desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
+
+    def lookup_then(change) -> list[str | None]:
+        assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc)).popcount() == len(keys)
+        change()
+        assert adapter.refresh()
+        objs = [SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16)) for _ in keys]
+        got = _whose(kvs, objs, _wait(adapter, "load", adapter.submit_load_task(keys, objs)), L)
+        adapter.submit_unlock(keys)
+        assert not adapter._leases
+        return got
+
+    try:
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        assert lookup_then(lambda: reg.register(tmp_path / "new")) == [None] * len(keys)
+        shutil.copytree(tmp_path / "new", tmp_path / "new-copy")
+        assert lookup_then(lambda: reg.register(tmp_path / "new-copy")) == ["new"] * len(keys)
     finally:
         adapter.close()

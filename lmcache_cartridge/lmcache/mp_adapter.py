@@ -82,7 +82,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
@@ -225,6 +225,15 @@ class _Served:
         return tier_key(self.manifest.content_hash, self.origin.uri)
 
 
+class _Lock(NamedTuple):
+    """One lookup lock on a key: the content hash of the bytes it promised (a load fills the key
+    only with those), and the disk hold of a remote chunk (None for a local origin's, which cannot
+    go away)."""
+
+    content_hash: str
+    hold: DiskHold | None
+
+
 MAX_PENDING_RESULTS = 4096  # results nobody took (a request aborted mid-lookup): oldest dropped beyond this
 
 
@@ -258,9 +267,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         # (chunk hash, salt) of retired cartridges' chunks to purge from L1 until none is skipped
         self._tombstones: set[tuple[bytes, str]] = set()
         self._refused: set[tuple] = set()  # refusals logged once
-        # key -> the locks lookups took on it, oldest first: one per hit the server will unlock,
-        # each the disk hold of a remote chunk (None for a local origin's, which cannot go away)
-        self._leases: LeaseTable[DiskHold | None] = LeaseTable()
+        # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
+        self._leases: LeaseTable[_Lock] = LeaseTable()
         self._pool = threads.pool(1, "cartridge-mp")
         self._ctx = None
         self._server = ServerEngines()  # the engines registered with the server, once attached
@@ -561,7 +569,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         server never took is never unlocked; `lmcache.leases`)."""
         lease = self.settings.pin_lease_seconds
         with self._lock:
-            expired = [hold for _key, hold in self._leases.expire(lease)]
+            expired = [lock for _key, lock in self._leases.expire(lease)]
         if expired:
             logger.warning("lmcache_cartridge MP adapter: %d lookup locks expired after %.0fs without an unlock",
                            len(expired), lease)
@@ -635,7 +643,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 continue
             with self._lock:  # recorded at once: a lookup that raises later still leaves it to the lease
                 self._asked.add((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
-                self._leases.take(key, hold)
+                self._leases.take(key, _Lock(s.manifest.content_hash, hold))
             bits.set(n)
         for h in downloads.values():
             self.residency.download_async(h, on_done=lambda _h: self.publish())
@@ -654,18 +662,34 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         """Reader thread: fill the server's L1 objects with verified chunks. A chunk whose
         cartridge was retired (removed, replaced, quarantined) while the batch was read is a miss,
         as in-process (`CartridgeStoragePlugin.batched_get_blocking`): a batch whose chunk fails
-        verification serves none of that cartridge, and old bytes never reach L1."""
+        verification serves none of that cartridge, and old bytes never reach L1. Nor do new
+        bytes a lookup did not promise (`_located`): a request whose first chunks L1 holds from
+        the old bytes would get the new KV for the rest."""
         with self.metrics.timing("load", len(keys)):
             return self._load_keys(keys, objects)
+
+    def _located(self, keys, objects) -> list[tuple[int, Any, Any, _Served, int]]:
+        """(n, key, object, cartridge, chunk) of the keys a load may fill, from one look at the
+        index under the lock: a refresh during the batch cannot send its later keys to a
+        replacement while its first ones were read from the cartridge it retired. A key a lookup
+        locked for other bytes (its cartridge replaced since, other content) is left out."""
+        out = []
+        with self._lock:
+            index = self._state.index
+            for n, (key, obj) in enumerate(zip(keys, objects)):
+                hit = index.get((bytes(key.chunk_hash), key.model_name, salt_of(key.cache_salt)))
+                if hit is None or hit[0].retired or obj is None or obj.tensor is None:
+                    continue
+                content = hit[0].manifest.content_hash
+                if any(lock.content_hash != content for lock in self._leases.held(key)):
+                    continue
+                out.append((n, key, obj, *hit))
+        return out
 
     def _load_keys(self, keys, objects) -> Bitmap:
         bits = Bitmap(len(keys))
         read = []
-        for n, (key, obj) in enumerate(zip(keys, objects)):
-            hit = self._where(key)
-            if hit is None or obj is None or obj.tensor is None:
-                continue
-            s, i = hit
+        for n, key, obj, s, i in self._located(keys, objects):
             got = self._layout(s, i, key, obj.tensor.shape, obj.tensor.dtype)
             if got is None:
                 continue
@@ -762,8 +786,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         with self._lock:
             served = list(self._state.served.values())
             self._state = SetState()
-            holds = self._leases.clear()
-        _release(holds)  # file locks other processes' evictions respect: never left to the GC
+            locks = self._leases.clear()
+        _release(locks)  # file locks other processes' evictions respect: never left to the GC
         for s in served:
             s.retire()
             s.origin.close()
@@ -773,9 +797,9 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self.registry.close()
 
 
-def _release(holds) -> None:
+def _release(locks) -> None:
     """Release these lookup locks' disk holds (outside the adapter's lock; idempotent; None:
-    nothing held)."""
-    for hold in holds:
-        if hold is not None:
-            hold.release()
+    nothing to end)."""
+    for lock in locks:
+        if lock is not None and lock.hold is not None:
+            lock.hold.release()
