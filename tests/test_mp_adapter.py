@@ -977,6 +977,8 @@ def test_a_registry_change_during_a_load_never_mixes_old_and_new_bytes(tmp_path,
         adapter.submit_unlock(keys)  # the server, done with the load: its objects are unlocked
         l1.locked.clear()
         assert not adapter._leases
+        adapter._purge_tombstones()  # what the watcher runs every refresh period
+        assert set(keys) <= set(l1.deleted), "L1 keeps what the load in flight put under the old keys"
 
         assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc)).popcount() == \
             (len(keys) if change == "replaced" else 0)

@@ -266,6 +266,10 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self._asked: set[tuple[str, int, int, str]] = set()  # (model, kv_rank, group, cache_salt) of keys answered
         # (chunk hash, salt) of retired cartridges' chunks to purge from L1 until none is skipped
         self._tombstones: set[tuple[bytes, str]] = set()
+        # (chunk hash, salt) of chunks served afresh whose purge of what L1 held under them before
+        # skipped a key (a read held it, or a load in flight had its object reserved, which may
+        # still bring old bytes in): purged again until none is skipped, served or not
+        self._stale: set[tuple[bytes, str]] = set()
         self._refused: set[tuple] = set()  # refusals logged once
         # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
         self._leases: LeaseTable[_Lock] = LeaseTable()
@@ -352,8 +356,13 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         """Cartridges just swapped in: KV the server's L1 holds under their keys was stored before
         they were served (recomputed from their ids) and goes; a trained request waits for trained
         ones (`vllm.mp_connector`): fetched now, for every rank of the engines attached
-        (`_Served.engine_handles`)."""
-        self._delete_from_l1({(h, s.salt) for s in fresh for h in s.hashes})
+        (`_Served.engine_handles`). A key L1 would not let go of now is purged again on the next
+        ticks (`_stale`): a replacement is served under the same keys as the bytes it replaced."""
+        chunks = {(h, s.salt) for s in fresh for h in s.hashes}
+        left = chunks - self._delete_from_l1(chunks)
+        if left:
+            with self._lock:
+                self._stale |= left
         engines = self._server.engines()
         for s in fresh:
             if s.manifest.kind == "trained" and not s.origin.local:
@@ -440,17 +449,19 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     def _purge_tombstones(self) -> None:
         """Delete retired chunks from the server's L1 under every (model, rank, group, cache_salt)
         answered so far that their salt serves; a chunk stays tombstoned while the server skips
-        any of its keys (locked by a read in flight) and leaves once it is served again. Then
-        forget the cache_salts answered for a client's KV no longer served nor tombstoned: each
-        user's `salt:<own>` is one more, and they would otherwise be kept, and purged, for ever."""
+        any of its keys (locked by a read in flight) and leaves once it is served again; a stale
+        chunk (`_stale`) stays until none of its keys is skipped, served or not. Then forget the
+        cache_salts answered for a client's KV no longer served nor tombstoned: each user's
+        `salt:<own>` is one more, and they would otherwise be kept, and purged, for ever."""
         with self._lock:
-            stones = set(self._tombstones)
+            stones = self._tombstones | self._stale
         if not stones:  # a salt stops being served only by a retirement, which leaves tombstones
             return
         done = self._delete_from_l1(stones)
         with self._lock:
             live = self._live()
             self._tombstones -= done | live
+            self._stale -= done
             salts = {salt for _, salt in live | self._tombstones} | {""}
             self._asked = {a for a in self._asked if salt_of(a[3]) in salts}
 
