@@ -51,6 +51,12 @@ What runs (all on 127.0.0.1, stops by itself):
       makes it until it is served, or until the removal returned) may get the answer of a version
       registered during it or be refused (404/503), never another answer. Each change is followed
       by a probe request of that cartridge, judged by the same rule.
+    * a server restart (`--restart-server-at 0.6`, MP only, off by default): once that share of
+      the requests is done, the `lmcache server` is SIGKILLed and started again on the same ports
+      `restart_down_s` (5 s) later, while the clients go on. A plain prompt must still be
+      answered (computed); a cartridge request overlapping the outage (from the kill until a
+      cartridge is answered again) may be refused, never answered wrongly; a cartridge must be
+      answered from its KV again within `recover_s` (180 s) with no manual step.
 - vLLM prefix caching OFF: with it on, vLLM's own 1 GiB KV cache would keep every cartridge after
   its first use and the LMCache / plugin tiers would see almost no traffic; off, every request's
   cartridge KV goes through LMCache's lookup and retrieve, so the tiers churn on every request.
@@ -145,6 +151,9 @@ class SoakParams:
     salted_cartridge_requests: int = 0  # cartridge requests with the client's own cache_salt
     churn: bool = False                 # registrations and removals under load (module docstring)
     ready_timeout_s: float | None = None  # the connector's cartridge.ready_timeout_s (None: its default)
+    restart_server_at: float | None = None  # MP: the lmcache server SIGKILLed at this share of the soak's
+    restart_down_s: float = 5.0           # requests, and started again this long after (module docstring)
+    recover_s: float = 180.0              # a cartridge answered again within this long of the restart
     warmup_requests: int | None = None  # soak requests before the "after warm-up" RSS; None: max(2*clients, 10%)
     rss_tolerance: float = 0.10         # flat = end <= after-warm-up x (1 + tolerance)
     rss_tail_samples: int = 5
@@ -714,6 +723,8 @@ class SoakRun:
             raise ValueError(f"mode must be one of {MODES}, not {p.mode!r}")
         if p.churn and p.cartridges < 3:
             raise ValueError("churn needs 3 cartridges or more (the first and the last change, one stays)")
+        if p.restart_server_at is not None and (p.mode != "mp" or not 0 < p.restart_server_at < 1):
+            raise ValueError("restart_server_at: a share of the requests in (0, 1), in mp mode only")
         self.p = p
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -731,6 +742,8 @@ class SoakRun:
         self.records: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.salt_lock = threading.Lock()
+        self.outages: list[list[float]] = []  # [begin, end] of the server's outage; end inf until recovered
+        self.restart_event: dict[str, Any] | None = None
 
     def run(self) -> dict[str, Any]:
         try:
@@ -839,9 +852,17 @@ class SoakRun:
                **judge(kind, reply, possible, self.refs, self.full_tokens, name, self.check_ext)}
         if reply.status != 200:
             rec["error"] = reply.error
+            if rec["verdict"] == "error" and kind != "plain" and self.in_outage(t0, t1):
+                rec["verdict"] = "outage_refused"  # a cartridge refused while the server was down: due
         with self.lock:
             self.records.append(rec)
         return rec
+
+    def in_outage(self, t0: float, t1: float) -> bool:
+        """Whether [t0, t1] overlaps the server's outage (from its kill until a cartridge was
+        answered again)."""
+        with self.lock:
+            return any(b <= t1 and t0 <= e for b, e in self.outages)
 
     def concurrently(self, jobs: list[tuple[str, str | None]], phase: str, i0: int = 0) -> None:
         import httpx
@@ -950,9 +971,15 @@ class SoakRun:
         self.t_soak = time.time()
         changes = ([self.change(names[-1], "v1"), self.change(names[0], None), self.change(names[0], "v2")]
                    if p.churn else [])
+        restart = None
+        if p.restart_server_at is not None:
+            restart = threading.Thread(target=self.restart_server, name="restart", daemon=True)
+            restart.start()
         self.soak_recs, self.events, self.soak_s = drive(
             len(jobs), p.clients, lambda client, i: self.one(client, "soak", *jobs[i], i), p.max_seconds, changes,
             session=httpx.Client)
+        if restart is not None:
+            restart.join(timeout=p.recover_s + 300)
         self.warm_at = [self.soak_recs[self.warmup - 1]["t"]] if 0 < self.warmup <= len(self.soak_recs) else []
         time.sleep(1.0)  # one more RSS sample and stats dump at rest
         self.m2 = vllm_metrics(self.server.url)
@@ -985,6 +1012,58 @@ class SoakRun:
             return ev
         return apply
 
+    def restart_server(self) -> None:
+        """The server's fault, on a thread of its own beside the soak: once `restart_server_at` of
+        the requests are done, the `lmcache server` is SIGKILLed (a crash, the OOM killer), started
+        again `restart_down_s` later on the same ports, and a stable cartridge asked until it is
+        answered (the outage's end); its event recorded in `restart_event`."""
+        import httpx
+
+        p, lmc = self.p, self.server.lmcache_server
+        ev: dict[str, Any] = {"at_share": p.restart_server_at}
+        self.restart_event = ev
+        at = math.ceil(p.restart_server_at * p.requests)
+        while sum(1 for r in list(self.records) if r["phase"] == "soak") < at:
+            if time.time() - self.t_soak > p.max_seconds:
+                ev["failure"] = "the soak ended before the restart's share of requests"
+                return
+            time.sleep(0.05)
+        try:
+            self.outage(ev, lmc, httpx)
+        except Exception as e:  # recorded as the restart's failure, not lost on this thread
+            ev["failure"] = f"{type(e).__name__}: {e}"
+            log(f"restart: FAILED: {ev['failure']}")
+
+    def outage(self, ev: dict[str, Any], lmc, httpx) -> None:
+        p = self.p
+        ev["at_request"] = sum(1 for r in list(self.records) if r["phase"] == "soak")
+        begin = time.time()
+        with self.lock:
+            self.outages.append([begin, math.inf])
+        lmc.kill()
+        ev["t"] = round(begin - self.t_soak, 2)
+        log(f"restart: lmcache server SIGKILLed at request {ev['at_request']}")
+        time.sleep(p.restart_down_s)
+        lmc.restart().wait_ready(timeout=120)
+        self.sampler.pids.append(lmc.proc.pid)
+        ev["ready_after_s"] = round(time.time() - begin, 2)
+        stable = self.names[1:-1] if p.churn else self.names
+        probes = []
+        with httpx.Client() as client:
+            while time.time() - begin < p.restart_down_s + p.recover_s:
+                rec = self.one(client, "probe", "cartridge", stable[0], -3)
+                probes.append(rec["status"])
+                if rec["status"] == 200:
+                    break
+                time.sleep(1.0)
+        end = time.time()
+        with self.lock:
+            self.outages[-1][1] = end
+        ev.update(recovered=probes[-1:] == [200], recovered_after_s=round(end - begin, 2),
+                  probe_statuses=probes, probe_verdict=rec["verdict"])
+        log(f"restart: server ready {ev['ready_after_s']} s after the kill; a cartridge answered again after "
+            f"{ev['recovered_after_s']} s ({probes})")
+
     # -- the verdicts --------------------------------------------------------------------------------
     def verdicts(self) -> None:
         """The result from the records, the counters and the RSS samples; `ok` when no request
@@ -993,7 +1072,7 @@ class SoakRun:
         p = self.p
         judged = [r for r in self.records if r["phase"] in ("before_registration", "soak", "probe")]
         by = {v: [r for r in judged if r["verdict"] == v] for v in
-              ("ok", "error", "refused", "contaminated", "near_tie", "served_unregistered")}
+              ("ok", "error", "refused", "contaminated", "near_tie", "served_unregistered", "outage_refused")}
         ext_bad = [r for r in judged if r["ext_violation"]]
         probes = [r for r in self.records if r["phase"] == "probe"]
         ext_counter = self.m2.get("vllm:external_kv_tokens", 0) - self.m1.get("vllm:external_kv_tokens", 0)
@@ -1002,6 +1081,7 @@ class SoakRun:
             "soak": self.soak_summary(by, probes, ext_counter),
             "external_tokens": self.external_tokens(ext_bad, probes, ext_counter),
             "churn": self.churn_summary(judged) if p.churn else None,
+            "restart": self.restart_summary(by) if p.restart_server_at is not None else None,
             **self.tier_summary(),
             "rss": self.rss_summary(),
             "server_alive": server.alive() and (p.mode != "mp" or server.lmcache_server.proc.poll() is None),
@@ -1011,6 +1091,7 @@ class SoakRun:
         result["ok"] = bool(not by["error"] and not by["contaminated"] and not by["served_unregistered"]
                             and not ext_bad and not result["references"]["ext_violations"]
                             and control_ok and (not p.churn or result["churn"]["complete_under_load"])
+                            and (result["restart"] is None or result["restart"]["recovered"])
                             and result["server_alive"])
         log(f"soak: {len(self.soak_recs)} requests in {self.soak_s:.1f}s, {len(by['error'])} errors, "
             f"{len(by['contaminated'])} contaminated, {len(by['refused'])} refused, {len(ext_bad)} external-token "
@@ -1056,6 +1137,17 @@ class SoakRun:
             "per_request_sum_soak": ext_sum, "vllm_counter_soak": ext_counter,
             "before_registration": [r["ext"] for r in self.records if r["phase"] == "before_registration"],
         }
+
+    def restart_summary(self, by: dict[str, list[dict]]) -> dict[str, Any]:
+        """The server's restart: its event, and what the requests overlapping the outage got."""
+        ev = dict(self.restart_event or {"failure": "never started"})
+        during = [r for r in self.records if r["phase"] in ("soak", "probe") and self.in_outage(r["t"] - r["latency_s"],
+                                                                                                  r["t"])]
+        return {**ev, "recovered": bool(ev.get("recovered")) and "failure" not in ev,
+                "outage_refused": len(by["outage_refused"]),
+                "during_outage": {k: {"answered": sum(1 for r in during if r["kind"] == k and r["status"] == 200),
+                                      "refused": sum(1 for r in during if r["kind"] == k and r["status"] != 200)}
+                                  for k in ("plain", "cartridge", "salted_cartridge")}}
 
     def churn_summary(self, judged: list[dict]) -> dict[str, Any]:
         events, names = self.events, self.names
@@ -1229,6 +1321,8 @@ def soak_markdown(r: dict[str, Any]) -> str:
         ch = r.get("churn")
         if ch:
             lines += _churn_markdown(ch)
+        if r.get("restart"):
+            lines += _restart_markdown(r["restart"])
         lines += _tiers_markdown(r, mp)
         sl = r.get("server_log")
         if sl:
@@ -1324,6 +1418,20 @@ def _churn_markdown(ch: dict[str, Any]) -> list[str]:
                         f"{ch['answered_by_version']}.", ""]
 
 
+def _restart_markdown(rs: dict[str, Any]) -> list[str]:
+    d = rs.get("during_outage", {})
+    during = "; ".join(f"{k}: {v['answered']} answered, {v['refused']} refused" for k, v in d.items()
+                       if v["answered"] or v["refused"])
+    if "failure" in rs:
+        return ["## The lmcache server SIGKILLed and restarted", "", f"FAILED: {rs['failure']}", ""]
+    return ["## The lmcache server SIGKILLed and restarted", "",
+            f"Killed at request {rs.get('at_request')} ({rs.get('t')} s into the soak), started again on the same "
+            f"ports; ready {rs.get('ready_after_s')} s after the kill; a cartridge answered from its KV again "
+            f"{rs.get('recovered_after_s')} s after the kill ({'yes' if rs['recovered'] else 'NOT recovered'}; "
+            f"probe statuses {rs.get('probe_statuses')}). Requests overlapping the outage: {during or 'none'} "
+            f"(a cartridge refused while the server was down is due, not an error: {rs['outage_refused']}).", ""]
+
+
 def _tiers_markdown(r: dict[str, Any], mp: bool) -> list[str]:
     if not mp:
         lines = ["## Tiers (plugin, whole run incl. references)", "",
@@ -1399,13 +1507,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="registrations and removals under load (default: off inprocess, on mp)")
     ap.add_argument("--ready-timeout-s", type=float, default=None,
                     help="the connector's cartridge.ready_timeout_s (default: its own, 30 s)")
+    ap.add_argument("--restart-server-at", type=float, default=None,
+                    help="mp: SIGKILL the lmcache server once this share of the requests is done (e.g. 0.6) and "
+                         "start it again; cartridge requests refused meanwhile are due, plain ones must be answered")
     ap.add_argument("--keep", action="store_true", help="keep the work directory under .cache/")
     a = ap.parse_args(argv)
     given = {k: v for k, v in (("lmcache_chunks", a.lmcache_chunks), ("plugin_disk_chunks", a.plugin_disk_chunks),
                                ("plain_before", a.plain_before),
                                ("plain_fraction", a.plain_fraction),
                                ("salted_cartridge_requests", a.salted_cartridge_requests), ("churn", a.churn),
-                               ("ready_timeout_s", a.ready_timeout_s)) if v is not None}
+                               ("ready_timeout_s", a.ready_timeout_s),
+                               ("restart_server_at", a.restart_server_at)) if v is not None}
     common = dict(cartridges=a.cartridges, clients=a.clients, requests=a.requests, max_seconds=a.max_seconds,
                   seed=a.seed, s3=not a.no_s3, plugin_cpu_chunks=a.plugin_cpu_chunks,
                   rss_tolerance=a.rss_tolerance, keep=a.keep, **given)

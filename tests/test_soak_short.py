@@ -268,3 +268,23 @@ def test_a_failed_change_holds_no_request_back_and_ends_the_churn():
 def test_without_changes_the_requests_run_until_the_time_is_up():
     recs, events, _ = soak.drive(10_000, 2, _quick_request, 0.3)
     assert events == [] and 0 < len(recs) < 10_000
+
+
+def test_a_cartridge_refused_during_the_servers_outage_is_due_and_a_plain_one_is_an_error(tmp_path, monkeypatch):
+    """The MP soak's server restart: a cartridge request that overlaps the outage (kill until a
+    cartridge is answered again) and is refused counts apart, not as an error; a plain prompt
+    refused then is an error (it must be computed); the restart is refused outside MP mode."""
+    with pytest.raises(ValueError, match="mp mode only"):
+        soak.SoakRun(soak.SoakParams(restart_server_at=0.5, work_root=str(tmp_path)), tmp_path / "out")
+    run = soak.SoakRun(soak.SoakParams.mp(restart_server_at=0.5, work_root=str(tmp_path)), tmp_path / "out")
+    run.outages = [[100.0, 110.0]]
+    assert run.in_outage(95.0, 100.5) and run.in_outage(105.0, 106.0) and run.in_outage(109.0, 130.0)
+    assert not run.in_outage(90.0, 99.9) and not run.in_outage(110.1, 120.0)
+    run.timeline = soak.Timeline({"c": "v1"})
+    run.refs, run.full_tokens, run.check_ext = {("c", "v1"): {"text": "x", "lp": {}}}, {("c", "v1"): 256}, True
+    run.gw = type("Gw", (), {"url": "http://unused"})()
+    run.body = lambda kind, name, i: {}
+    monkeypatch.setattr(soak, "ask", lambda client, url, body, timeout: soak.Reply(503, 0.1, error="down"))
+    run.outages = [[time.time() - 1, math.inf]]
+    for kind, name, want in (("cartridge", "c", "outage_refused"), ("plain", None, "error")):
+        assert run.one(None, "soak", kind, name, 0)["verdict"] == want
