@@ -28,6 +28,12 @@ thread that maps the server's shared-memory L1 pages into the worker (`lmcache.l
 cartridge's first load is not slowed by the worker's page faults. The connector holds no KV and
 no cartridge file.
 
+A server that dies (both sides): `lmcache.mp.mq_timeout` defaults to 30 s here (`bound_server_calls`;
+LMCache's 300 s is vLLM's own step timeout, past which vLLM stops its engine core for good), and a
+store the server never answers is dropped on the worker (`wait_for_save`), so the step goes on:
+plain and first-k requests are computed, trained ones wait and fail (the readiness rule) until
+LMCache's heartbeat sees the server back and re-registers the KV caches.
+
 Scheduler side, per request marked by the gateway as carrying a trained cartridge
 (`load_failure.NO_RECOMPUTE_PARAM` + `readiness.TRAINED_TOKENS_PARAM`; unmarked requests are
 LMCache's answer as is):
