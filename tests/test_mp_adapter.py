@@ -1024,3 +1024,75 @@ def test_a_load_after_a_replacement_never_serves_new_bytes_for_the_old_lookups_l
         assert lookup_then(lambda: reg.register(tmp_path / "new-copy")) == ["new"] * len(keys)
     finally:
         adapter.close()
+
+
+def test_a_read_that_never_returns_is_answered_as_a_miss_and_never_writes_l1_after(tmp_path, monkeypatch):
+    """A load's read blocks (the cartridge's file on a disk or network filesystem that stopped
+    answering; that cannot be caused here without root, so the origin's read waits on an event).
+    The server's prefetch controller has no deadline of its own and vLLM asks again each step: on
+    one reader thread every later lookup and load, any request's, would wait for ever. Here the
+    stuck load is answered as a miss within `read_stall_seconds`; a lookup and a load submitted
+    meanwhile are answered on a fresh thread (the load with the exact bytes); when the read comes
+    back, the answered load writes nothing into its object (the server may have reused that L1
+    memory); `close` returns while a read is stuck; no lookup lock is left."""
+    from lmcache_cartridge.store.origins import LocalOrigin
+
+    hasher, keys, kvs, (L, H, D) = _versions(tmp_path, ("doc",), chunks=2)
+    reg = Registry(tmp_path / "reg.db")
+    reg.register(tmp_path / "doc")
+    stall = 0.5
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 3600, "read_stall_seconds": stall})
+    desc = {0: MemoryLayoutDesc([torch.Size([2, L, CHUNK, H * D])], [torch.bfloat16])}
+    entered, unstick, stuck_reads = threading.Event(), threading.Event(), []
+    read = LocalOrigin.read_into
+
+    def read_into(self, info, buf):
+        if stuck_reads:  # the next read blocks until released
+            stuck_reads.pop()
+            entered.set()
+            assert unstick.wait(60), "the test never released the stuck read"
+        read(self, info, buf)
+
+    monkeypatch.setattr(LocalOrigin, "read_into", read_into)
+
+    def objects():
+        return [SimpleNamespace(tensor=torch.zeros(2, L, CHUNK, H * D, dtype=torch.bfloat16)) for _ in keys]
+
+    try:
+        adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
+        stuck_reads.append(1)
+        stuck = objects()
+        t0 = time.monotonic()
+        answer = _wait(adapter, "load", adapter.submit_load_task(keys, stuck))
+        assert entered.is_set() and answer.popcount() == 0, "the stuck load was expected to be answered as a miss"
+        assert time.monotonic() - t0 < stall + 10
+
+        # the read is still stuck: a lookup and a load go on without it
+        assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc)).popcount() == len(keys)
+        fresh = objects()
+        assert _whose(kvs, fresh, _wait(adapter, "load", adapter.submit_load_task(keys, fresh)), L) == ["doc"] * 2
+        adapter.submit_unlock(keys)
+        assert not adapter._leases
+
+        unstick.set()  # the filesystem answers again: the stuck thread finishes its read
+        deadline = time.monotonic() + 30
+        while adapter._reader.stuck() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert adapter._reader.stuck() == 0
+        assert all(not o.tensor.any() for o in stuck), "an answered load wrote into the server's L1 object"
+
+        # a read stuck while the server stops: `close` answers it and returns
+        entered.clear()
+        unstick.clear()
+        stuck_reads.append(1)
+        tid = adapter.submit_load_task(keys, objects())
+        assert entered.wait(10)
+        closer = threading.Thread(target=adapter.close)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "close waited for a read that never returns"
+        assert adapter.query_load_result(tid).popcount() == 0
+    finally:
+        unstick.set()
+        adapter.close()

@@ -61,8 +61,10 @@ plugin`, this module's path). Who calls it: the server's store controller thread
 (`submit_store_task`, `pop_completed_store_tasks`), its prefetch controller thread (lookups,
 unlocks, loads, their results), its request thread (`submit_touch`), its status report
 (`report_status`) and its storage manager (`close`, before it frees L1); the server module
-(`vllm.mp_server`) calls `attach` once. The work runs on one reader thread of its own and
-completes into dicts under `_lock`, signalled by event fds.
+(`vllm.mp_server`) calls `attach` once. The lookups and loads run in order on a reader thread of
+its own (`lmcache.mp_reader`: one that makes no progress for `read_stall_seconds`, a read stuck on
+a disk that stopped answering, is answered as a miss, writes nothing after that, and the rest run
+on a fresh thread) and complete into dicts under `_lock`, signalled by event fds.
 Its watcher thread follows the registry, expires lookup locks, keeps trained cartridges resident
 and asks the server to preload what `preload` names into L1 (`lmcache.mp_preload`, through the
 server's own prefetch, which calls this adapter's lookup and load like a request's); with
@@ -99,7 +101,6 @@ from lmcache_cartridge.lmcache.leases import LeaseTable
 from lmcache_cartridge.lmcache.serving_set import ServingSet, SetState
 from lmcache_cartridge.lmcache.settings import PluginSettings, unknown_settings
 from lmcache_cartridge.paths import private_dir
-from lmcache_cartridge.store import threads
 from lmcache_cartridge.store.metrics import Metrics
 from lmcache_cartridge.store.origins import is_s3, load_registered, open_origin
 from lmcache_cartridge.store.registry import Entry, Registry
@@ -107,8 +108,9 @@ from lmcache_cartridge.store.residency import DiskHold, DiskTier, Handle, Memory
 from lmcache_cartridge.store.serving_state import (ALL, CartridgeState, ServingState, process_start, prune, publish,
                                                    unpublish)
 from lmcache_cartridge.lmcache.mp_engines import ServerEngines, kv_world_and_rank
-from lmcache_cartridge.lmcache.mp_layout import classify, encoder_for, warm_rows
+from lmcache_cartridge.lmcache.mp_layout import classify, copy_kv_2ltd, encoder_for, warm_rows
 from lmcache_cartridge.lmcache.mp_preload import preload_due
+from lmcache_cartridge.lmcache.mp_reader import Abandoned, Reader, Task
 
 logger = logging.getLogger("lmcache_cartridge.mp_adapter")
 
@@ -273,7 +275,9 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self._refused: set[tuple] = set()  # refusals logged once
         # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
         self._leases: LeaseTable[_Lock] = LeaseTable()
-        self._pool = threads.pool(1, "cartridge-mp")
+        # lookups and loads, in order, on one thread at a time; one that makes no progress is
+        # answered as a miss and the rest go on (`lmcache.mp_reader`)
+        self._reader = Reader("cartridge-mp", self._complete, Bitmap, st.read_stall_seconds)
         self._ctx = None
         self._server = ServerEngines()  # the engines registered with the server, once attached
         self._rows_warmed = False  # `warm_rows` asked (once a vLLM-CPU engine registered)
@@ -346,10 +350,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         """Outside the lock: each origin is closed on the reader thread, after any load of it
         already queued there; tombstoned chunks are deleted from L1."""
         for s in retired:
-            try:
-                self._pool.submit(s.origin.close)
-            except RuntimeError:  # shut down
-                s.origin.close()
+            self._reader.run(s.origin.close)
         self._purge_tombstones()
 
     def _started(self, fresh: list[_Served]) -> None:
@@ -561,7 +562,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     # --- lookups -----------------------------------------------------------------------------------
     def submit_lookup_and_lock_task(self, keys, group_layout_descs) -> int:
         tid = next(self._ids)
-        self._pool.submit(self._guarded, "lookup", tid, len(keys), self._lookup, keys, group_layout_descs)
+        self._reader.submit("lookup", tid, len(keys), self._lookup, keys, group_layout_descs)
         return tid
 
     def query_lookup_and_lock_result(self, task_id: int):
@@ -585,16 +586,6 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             logger.warning("lmcache_cartridge MP adapter: %d lookup locks expired after %.0fs without an unlock",
                            len(expired), lease)
         _release(expired)
-
-    def _guarded(self, kind: str, tid: int, n: int, fn, *args) -> None:
-        """Run `fn` and complete the task with its bitmap; an exception completes it empty (a
-        miss, never a stuck task in the server's controller)."""
-        try:
-            result = fn(*args)
-        except Exception as e:
-            logger.error("lmcache_cartridge MP adapter: %s failed: %s: %s", kind, type(e).__name__, e)
-            result = Bitmap(n)
-        self._complete(kind, tid, result)
 
     def _where(self, key) -> tuple[_Served, int] | None:
         salt = salt_of(key.cache_salt)
@@ -627,35 +618,45 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                                m.cartridge_id, key.model_name, world, list(shape), e)
             return None
 
-    def _lookup(self, keys, descs) -> Bitmap:
+    def _lookup(self, task: Task, keys, descs) -> Bitmap:
         """Reader thread: which keys this adapter can load now, each locked until the server's
         unlock (a lease: a remote chunk's disk file is held, else it is a miss)."""
         with self.metrics.timing("lookup", len(keys)):
-            return self._lookup_keys(keys, descs)
+            return self._lookup_keys(task, keys, descs)
 
-    def _lookup_keys(self, keys, descs) -> Bitmap:
+    def _lookup_keys(self, task: Task, keys, descs) -> Bitmap:
         bits = Bitmap(len(keys))
         downloads = {}
-        for n, key in enumerate(keys):
-            hit = self._where(key)
-            if hit is None:
-                continue
-            s, i = hit
-            desc = descs.get(key.object_group_id) if descs else None
-            if desc is None or len(desc.shapes) != 1:
-                continue
-            got = self._layout(s, i, key, desc.shapes[0], desc.dtypes[0])
-            if got is None:
-                continue
-            h, _ = got
-            local, hold = self.residency.hold_local(h, i)
-            if not local:
-                downloads[id(h)] = h  # fetched in the background: a later lookup hits
-                continue
-            with self._lock:  # recorded at once: a lookup that raises later still leaves it to the lease
-                self._asked.add((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
-                self._leases.take(key, _Lock(s.manifest.content_hash, hold))
-            bits.set(n)
+        locks: list[tuple[int, Any, _Lock]] = []
+        try:
+            for n, key in enumerate(keys):
+                task.beat()
+                hit = self._where(key)
+                if hit is None:
+                    continue
+                s, i = hit
+                desc = descs.get(key.object_group_id) if descs else None
+                if desc is None or len(desc.shapes) != 1:
+                    continue
+                got = self._layout(s, i, key, desc.shapes[0], desc.dtypes[0])
+                if got is None:
+                    continue
+                h, _ = got
+                local, hold = self.residency.hold_local(h, i)
+                if not local:
+                    downloads[id(h)] = h  # fetched in the background: a later lookup hits
+                    continue
+                locks.append((n, key, _Lock(s.manifest.content_hash, hold)))
+            # The locks are the server's only once it gets this bitmap: taken all at once, unless
+            # the reader answered the lookup as a miss meanwhile (then the server never unlocks them).
+            with task.writing(), self._lock:
+                for n, key, lock in locks:
+                    self._asked.add((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
+                    self._leases.take(key, lock)
+                    bits.set(n)
+                locks = []
+        finally:
+            _release(lock for _n, _key, lock in locks)  # a lookup that raised or was answered: held by nobody
         for h in downloads.values():
             self.residency.download_async(h, on_done=lambda _h: self.publish())
         return bits
@@ -663,13 +664,13 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     # --- loads ----------------------------------------------------------------------------------------
     def submit_load_task(self, keys, objects) -> int:
         tid = next(self._ids)
-        self._pool.submit(self._guarded, "load", tid, len(keys), self._load, keys, objects)
+        self._reader.submit("load", tid, len(keys), self._load, keys, objects)
         return tid
 
     def query_load_result(self, task_id: int):
         return self._take("load", task_id)
 
-    def _load(self, keys, objects) -> Bitmap:
+    def _load(self, task: Task, keys, objects) -> Bitmap:
         """Reader thread: fill the server's L1 objects with verified chunks. A chunk whose
         cartridge was retired (removed, replaced, quarantined) while the batch was read is a miss,
         as in-process (`CartridgeStoragePlugin.batched_get_blocking`): a batch whose chunk fails
@@ -677,7 +678,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         bytes a lookup did not promise (`_located`): a request whose first chunks L1 holds from
         the old bytes would get the new KV for the rest."""
         with self.metrics.timing("load", len(keys)):
-            return self._load_keys(keys, objects)
+            return self._load_keys(task, keys, objects)
 
     def _located(self, keys, objects) -> list[tuple[int, Any, Any, _Served, int]]:
         """(n, key, object, cartridge, chunk) of the keys a load may fill, from one look at the
@@ -697,17 +698,22 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 out.append((n, key, obj, *hit))
         return out
 
-    def _load_keys(self, keys, objects) -> Bitmap:
+    def _load_keys(self, task: Task, keys, objects) -> Bitmap:
         bits = Bitmap(len(keys))
         read = []
         for n, key, obj, s, i in self._located(keys, objects):
+            task.beat()
             got = self._layout(s, i, key, obj.tensor.shape, obj.tensor.dtype)
             if got is None:
                 continue
             h, lay = got
             try:
-                self.residency.read_into(h, i, obj.tensor, network=False, encode=self._timed(encoder_for(lay)))
-                # in the try: a failed encoder is this key's miss, not the batch's
+                # in the try: a failed encoder is this key's miss, not the batch's; the L1 object
+                # is written only while the load is still wanted (`mp_reader`)
+                self.residency.read_into(h, i, obj.tensor, network=False,
+                                         encode=_while_wanted(task, self._timed(encoder_for(lay)) or copy_kv_2ltd))
+            except Abandoned:
+                raise
             except NotLocal:
                 self.residency.download_async(h, on_done=lambda _h: self.publish())
                 continue
@@ -784,15 +790,16 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                     "attached": self._ctx is not None}
 
     def close(self) -> None:
-        """Called by the server's storage manager before it frees L1: wait for a load in flight
-        (it writes into L1 buffers), stop the watcher, close every origin, withdraw the serving
-        record (a silent record of a live process counts as busy, not gone: `serving.wait_served`)."""
+        """Called by the server's storage manager before it frees L1: answer every lookup and load
+        not done (a load writing into L1 is waited for; nothing is written after), stop the
+        watcher, close every origin, withdraw the serving record (a silent record of a live
+        process counts as busy, not gone: `serving.wait_served`)."""
         self._closed.set()
         with self._publish_lock:
             unpublish(self.settings.cache_dir, self._identity["instance"])
         if self._catalog_sync is not None:
             self._catalog_sync.stop()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reader.close()  # after it, no reader thread writes into L1
         self._watcher.join(timeout=5)
         with self._lock:
             served = list(self._state.served.values())
@@ -806,6 +813,14 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         for e in self._efd.values():
             e.close()
         self.registry.close()
+
+
+def _while_wanted(task: Task, encode):
+    """`encode(dst, src)` writing the server's L1 object only while `task` is wanted (`mp_reader`)."""
+    def write(dst, src):
+        with task.writing():
+            encode(dst, src)
+    return write
 
 
 def _release(locks) -> None:

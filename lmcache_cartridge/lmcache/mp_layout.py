@@ -132,6 +132,20 @@ def encoder_for(lay: ObjectLayout) -> Optional[Encode]:
     return enc
 
 
+def copy_kv_2ltd(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Write a chunk into an MP object of `KV_2LTD` as it is: `src` is the chunk's bytes (a flat
+    buffer) or a `[2, L, T, H, D]` view of its values (`RankView.engine_view`, a rank's heads).
+    The adapter's loads write every object through an encode, this one included, rather than
+    reading into the object: an object is then written only while its load is wanted
+    (`lmcache.mp_reader`)."""
+    from lmcache_cartridge.cartridge.buffers import copy_into
+
+    if src.is_contiguous():
+        copy_into(dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8))
+    else:
+        dst.view(src.dtype).view(src.shape).copy_(src)
+
+
 def encode_fused_rows(lay: ObjectLayout, dst: torch.Tensor, src: torch.Tensor) -> None:
     """Write a chunk into an MP object of a GPU engine's fused K|V rows (`FUSED_ROWS`):
     `dst[l, t, h*2D:(h+1)*2D] = [K[l, t, h], V[l, t, h]]`. `src`: the chunk in `KV_2LTD` (any

@@ -40,6 +40,12 @@ def cores_setting(value: Any) -> str:
     return text
 
 
+def _positive(value: float, name: str) -> float:
+    if not value > 0:
+        raise ValueError(f"{name} must be above 0, not {value}")
+    return value
+
+
 def _as_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -74,6 +80,10 @@ PLUGIN_KEYS: tuple[Setting, ...] = (
             "catalog's bucket"),
     Setting("reader_cores", "str", "auto",
             "where chunk reads run: `auto`, `engine` (the worker's cores) or a cpu list"),
+    Setting("read_stall_seconds", "float", "10",
+            "MP mode: a lookup or load of the adapter that makes no progress for this long (a read stuck "
+            "on a disk that stopped answering) is answered as a miss: plain and first-k requests compute, "
+            "a trained one waits and then fails; later ones run on a fresh thread"),
     Setting("prefault_l1", "bool", "true",
             "MP mode: fault the `lmcache server`'s L1 memory in at start, in the background, so a "
             "cartridge's first load does not wait for the kernel to allocate L1 pages (Linux 5.14+; "
@@ -178,6 +188,8 @@ class PluginSettings:
     reader_cores: str = "auto"
     # MP mode: the server's L1 arena faulted in at start (`lmcache.l1_prefault`).
     prefault_l1: bool = True
+    # MP mode: a lookup or load without progress this long is answered as a miss (`lmcache.mp_reader`).
+    read_stall_seconds: float = 10.0
 
     @classmethod
     def from_config(cls, config, plugin_cls: type) -> "PluginSettings":
@@ -215,6 +227,7 @@ class PluginSettings:
                 catalog_allow_uris=tuple(_as_list(get("catalog_allow_uris"))),
                 reader_cores=cores_setting(get("reader_cores", "auto")),
                 prefault_l1=_as_bool(get("prefault_l1", True)),
+                read_stall_seconds=_positive(float(get("read_stall_seconds", 10.0)), "read_stall_seconds"),
             )
         except (TypeError, ValueError) as e:
             raise CartridgeError(f"bad setting under {where or name}: {e}") from e

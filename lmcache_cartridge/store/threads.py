@@ -167,6 +167,19 @@ def pool(max_workers: int, prefix: str, cores: Callable[[], Iterable[int]] = eng
                initargs=(cores, turn))
 
 
+def start_thread(target: Callable[..., None], name: str, *args,
+                 cores: Callable[[], Iterable[int]] = engine_cores) -> threading.Thread:
+    """Start a daemon thread running `target(*args)` on `cores()` (as a `pool`'s threads: moved
+    there as it starts), for work that manages its own threads instead of a pool's."""
+    def run() -> None:
+        _move_onto(cores, None)
+        target(*args)
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    return t
+
+
 # The stdlib's worker loop as `DaemonPool` starts it (CPython 3.9-3.13); another signature: plain
 # pools, whose threads the interpreter waits for at exit.
 _DAEMON_POOL = tuple(inspect.signature(_cf_thread._worker).parameters) == \
