@@ -58,3 +58,16 @@ def test_older_result_files_read_as_they_were(tmp_path):
     r = Result(benchmark="new", machine={"cpu": "x"}, details={"meta": {"smoke": False}})
     write_result(r, tmp_path, markdown_file=False)
     assert load_payload(tmp_path / "new.json") == {"machine": {"cpu": "x"}, "meta": {"smoke": False}}
+
+
+def test_the_bench_model_is_described_as_the_results_cite_it():
+    """The TTFT benchmark's model is the package's `BuildParams` (one description of a test
+    model); its record keeps every field the committed results carry, with the same values."""
+    from harness.serving import BENCH_MODEL
+
+    from lmcache_cartridge.tools.testmodel import BuildParams
+
+    assert isinstance(BENCH_MODEL.params, BuildParams)
+    cited = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/ttft.json").read_text())["model_spec"]
+    described = BENCH_MODEL.describe()
+    assert {k: described.get(k) for k in cited} == cited

@@ -16,11 +16,12 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from harness.stats import summary
+from lmcache_cartridge.tools.testmodel import BuildParams, ensure_model, marker
 
 CHUNK = 256
 SUFFIX_LEN = 8
@@ -115,41 +116,31 @@ LABELS = {
 # --- model ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelSpec:
+    """A locally built benchmark model: its directory name under the models dir and its build
+    (`tools.testmodel.BuildParams`, the one description of a test model's geometry)."""
     name: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    seed: int = 0
+    params: BuildParams
 
     def ensure(self, root: Path | None = None) -> Path:
-        from lmcache_cartridge.tools.testmodel import ensure_test_model
-
-        return ensure_test_model(root, **asdict(self))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return ensure_model(self.params, root, self.name)
 
     def describe(self) -> dict[str, Any]:
-        h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
-        kv = self.num_kv_heads * self.head_dim
+        p = self.params
+        h, i, L = p.hidden_size, p.intermediate_size, p.num_layers
+        kv = p.num_kv_heads * p.attn_head_dim
         per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
-        return {**asdict(self), "head_dim": self.head_dim,
+        return {"name": self.name, **marker(p), "head_dim": p.attn_head_dim,
                 "params_non_embedding": per_layer * L + h,
-                "params_total": per_layer * L + h + 2 * self.vocab_size * h,
+                "params_total": per_layer * L + h + 2 * p.vocab_size * h,
                 "kv_bytes_per_token_bf16": 2 * L * kv * 2}
 
 
 # Llama-3.2-1B's per-layer attention geometry scaled down to what 2 CPU cores prefill in seconds:
 # head_dim 128, GQA 8 query / 2 KV heads, SwiGLU 2816 (~2.75 x hidden), 8 layers: ~90M non-embedding
 # parameters, 8 KiB of bf16 KV per token (a 16K-token cartridge is 128 MiB).
-BENCH_MODEL = ModelSpec("bench-llama-h1024-l8-kv2", hidden_size=1024, num_layers=8, num_heads=8,
-                        num_kv_heads=2, intermediate_size=2816, vocab_size=8192,
-                        max_position_embeddings=32768)
+BENCH_MODEL = ModelSpec("bench-llama-h1024-l8-kv2", BuildParams(
+    hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=2816, vocab_size=8192,
+    max_position_embeddings=32768, seed=0))
 
 
 def model_info(model_dir: Path) -> dict[str, Any]:

@@ -334,12 +334,7 @@ def ensure_test_model(
     seed: int = 0,
 ) -> Path:
     """Return `root/name` (default `tiny-<family>`), building it first unless it already holds
-    this exact model.
-
-    Builds go to a temp dir beside the target and are renamed into place, so concurrent
-    processes (vLLM scheduler, workers, pytest-xdist) never see a half-written model. A cached
-    model built with other params is replaced.
-    """
+    this exact model (`ensure_model` of these params)."""
     params = BuildParams(
         hidden_size=hidden_size,
         num_layers=num_layers,
@@ -352,8 +347,19 @@ def ensure_test_model(
         family=family,
         head_dim=head_dim,
     )
+    return ensure_model(params, root, name)
+
+
+def ensure_model(params: BuildParams, root: Path | None = None, name: str | None = None) -> Path:
+    """Return `root/name` (default `tiny-<family>`), building the model of `params` first unless
+    the directory already holds it.
+
+    Builds go to a temp dir beside the target and are renamed into place, so concurrent
+    processes (vLLM scheduler, workers, pytest-xdist) never see a half-written model. A cached
+    model built with other params is replaced.
+    """
     params.validate()
-    name = name or f"tiny-{family}"
+    name = name or f"tiny-{params.family}"
     root = Path(root) if root is not None else models_dir()
     wanted = marker(params)
     return install_model_dir(root, name, wanted, lambda d: _write_model(d, params))
