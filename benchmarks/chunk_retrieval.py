@@ -24,8 +24,8 @@ Timing: each sample is one `fetch(batch)` call (allocation included, release exc
 latency = call time / batch size (amortised); p50/p99 over samples; throughput = bytes / call
 time, reported at the median call (GB = 1e9 bytes). The first batch of every arm is checked
 byte-for-byte against the packed chunk. moto runs in its own process (`harness.s3.moto_process`;
-`--moto-thread` puts it in this process's threads, as runs before 2026-11-23 did, where it took
-the GIL from the client it served). On 2 cores it still competes for CPU: S3 numbers measure moto
+`--moto-thread` puts it in this process's threads, where it takes the GIL from the client it
+serves, for a comparison). On 2 cores it still competes for CPU: S3 numbers measure moto
 as much as the client; compare ours with `limit-boto3` taken against the same server in the same
 run.
 
@@ -375,7 +375,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None, help="scratch dir for packed data (default: a temp dir)")
     ap.add_argument("--child-lmc-s3", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--moto-thread", action="store_true",
-                    help="run moto in this process's threads (the old setup) instead of its own process")
+                    help="run moto in this process's threads, taking the GIL from the client, instead of "
+                         "its own process")
     args = ap.parse_args(argv)
     if args.child_lmc_s3:
         lmc_s3_child_main(args.child_lmc_s3)

@@ -102,7 +102,7 @@ TINY_PREFIX_READY_TIMEOUT_S = 15
 def _tiny_prefix(ctx: Context) -> Spec:
     """Prefix caching on, as deployments run (test_gateway_e2e, test_load_failure_e2e,
     test_ready_on_instance_e2e, test_bench_ttft's cartridge arms): greedy short answers by default
-    (seed 000's examples send no temperature), a short readiness wait, and the plugin's S3 reads
+    (the request spec's usage examples send no temperature), a short readiness wait, and the plugin's S3 reads
     through the session's fault proxy with one attempt (a fault is seen at once)."""
     from lmcache_cartridge.vllm.readiness import READY_TIMEOUT_KEY
 

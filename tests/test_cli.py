@@ -64,7 +64,7 @@ def test_version(tmp_path):
 
 def test_list_on_a_fresh_install_is_empty_and_creates_nothing(tmp_path):
     """Nothing registered yet: the default registry does not exist. `list` says so as an empty
-    list (it used to fail: "no cartridge registry at ..."), without creating one; a registry the
+    list (not as a failure: nothing is wrong with a fresh install), without creating one; a registry the
     user names that does not exist stays an error (test_config_reference's read-only test)."""
     home = tmp_path / "home"
     r = cli("list", home=home, check=False)

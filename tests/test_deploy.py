@@ -435,7 +435,7 @@ def test_resource_limits_hold_what_the_config_lets_each_store():
 def test_the_gateways_readiness_does_not_follow_its_upstream(gateway_get):
     """Every replica's readiness probe asks the gateway's own /health: with the router down it must
     stay ready (else all replicas leave the Service at once and clients get refused connections
-    instead of 502/503 answers). It used to answer 503 whenever the upstream did."""
+    instead of 502/503 answers), so it must not answer 503 whenever the upstream does."""
     probe = _gateway_container()["readinessProbe"]["httpGet"]
     assert probe["port"] == _gateway_container()["ports"][0]["name"]
     assert gateway_get(probe["path"]).status_code == 200  # the upstream (port 9) is down

@@ -777,8 +777,8 @@ def test_gateway_on_a_public_address_without_keys_warns(tmp_path, model_dir):
 
 
 def test_a_client_named_cartridge_cannot_take_over_a_registered_id(tmp_path, settings, model_dir, recording_upstream):
-    """A packed directory whose manifest claims an id the operator registered from elsewhere: the
-    old code replaced the id (labels kept) for every later request; now 409 and the entry stays.
+    """A packed directory whose manifest claims an id the operator registered from elsewhere would
+    replace the id (labels kept) for every later request: it is answered 409 and the entry stays.
     The same directory named again, and the operator's own re-registration, still work."""
     import dataclasses
 
@@ -1014,8 +1014,9 @@ def test_conversions_stay_within_the_cache_budget(tmp_path, settings, model_dir)
 
 
 def test_conversions_and_composites_of_an_older_version_are_made_again(tmp_path, settings, model_dir):
-    """Trained manifests written before placeholder ids were checked (no `vocab`) no longer load:
-    the gateway's own conversions and composites of them are made again, not refused for good."""
+    """A trained manifest without `vocab` (as an older version wrote them) does not load: its
+    placeholder ids cannot be checked. The gateway's own conversions and composites of such
+    manifests are made again, not refused for good."""
     from lmcache_cartridge.cartridge.manifest import MANIFEST_NAME
 
     def seed000(name, seed):

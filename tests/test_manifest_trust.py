@@ -49,7 +49,7 @@ def test_victims_sha256s_with_other_blake3s_get_another_identity(tmp_path):
         for mine, theirs in zip(d["chunks"], v["chunks"]):
             mine["sha256"] = theirs["sha256"]
         m = Manifest.load(tmp_path / "victim")
-        d["content_hash"] = m.derived_content_hash(legacy_content_hash)  # what the old code trusted
+        d["content_hash"] = m.derived_content_hash(legacy_content_hash)  # the sha256-only hash
 
     _edit(tmp_path / "forger", copy_sha)
     forged = Manifest.load(tmp_path / "forger")

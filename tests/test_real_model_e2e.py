@@ -4,7 +4,7 @@ plugin + the CPU connector, and the gateway in front of it, as users call it.
 
 * first-k is the engine's own answer: a first-k cartridge of the shipped document made as
   `create` makes it (vLLM computes the KV, `tools.engine_kv`), asked questions through the
-  gateway (seed 000's `cartridges` field): every answer equals, logprob for logprob, vLLM's
+  gateway (the request's `cartridges` field): every answer equals, logprob for logprob, vLLM's
   answer to the plain prompt (the document's tokens + the question) when the document's chunks
   come from vLLM's own cached KV, and the cartridge's tokens came from LMCache. Against a cold
   prefill of the whole prompt it agrees exactly as closely as vLLM's own cache does (printed;

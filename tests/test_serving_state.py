@@ -177,7 +177,7 @@ def _gateway(url, model, tmp_path, model_dir, **kw):
 def test_gateway_judges_each_model_only_against_its_own_instances(tmp_path, model_dir, recording_upstream, capsys):
     """Two servers of different models share one registry and cache dir. Each plugin refuses the
     other model's cartridge ("made for model ..."). A request for model A's cartridge must wait
-    only on model A's instances: old code counted model B's refusal and answered 400."""
+    only on model A's instances: counting model B's refusal would answer 400."""
     url, seen = recording_upstream
     reg = Registry(tmp_path / "reg.db")
     pack_kv(random_kv(L, 2 * CHUNK, H, D, seed=3), tmp_path / "ca", cartridge_id="cart-a", model="model-a",

