@@ -67,9 +67,9 @@ KV_GET = r"/kv\.bin$"
 
 
 def test_lookup_of_a_remote_cartridge_misses_and_downloads_in_the_background(tmp_path, moto_server, s3_proxy):
-    """Old code: the lookup answered a hit for chunks that lived only in S3 (and the retrieve then
-    read S3 inside the request). Now: a miss, the download starts, and once it is local the
-    lookup hits and the bytes are exact; later retrieves make no S3 request at all."""
+    """A hit for chunks that live only in S3 would make the retrieve read S3 inside the request:
+    the lookup misses, the download starts, and once it is local the lookup hits and the bytes
+    are exact; later retrieves make no S3 request at all."""
     m, kv = _upload(tmp_path, moto_server, "remote-doc")
     cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url)
     stall = s3_proxy.inject(method="GET", path=KV_GET, delay=60.0, times=None)  # slow until cleared
@@ -99,9 +99,9 @@ def test_lookup_of_a_remote_cartridge_misses_and_downloads_in_the_background(tmp
 @pytest.mark.parametrize("kind", ["first_k", "trained"])
 @pytest.mark.parametrize("pin", [False, True], ids=["unpinned", "pinned"])
 def test_retrieve_of_a_chunk_evicted_after_lookup_never_reads_the_origin(tmp_path, moto_server, s3_proxy, kind, pin):
-    """Between lookup and retrieve a chunk leaves every local tier. Old code: the retrieve did a
-    ranged GET inside the request. Now: that chunk is a miss and a background download brings it
-    back; the next lookup and retrieve are exact.
+    """Between lookup and retrieve a chunk leaves every local tier. The retrieve makes no ranged
+    GET inside the request: that chunk is a miss and a background download brings it back; the
+    next lookup and retrieve are exact.
 
     What can still take a promised chunk away: a pinned lookup holds what its hit relies on (the
     CPU-tier copy, or its disk file: `DiskTier.hold`), so LRU eviction no longer can
@@ -154,8 +154,8 @@ def test_pinned_lookup_keeps_a_disk_only_chunk_through_another_cartridges_downlo
     only (its CPU tier keeps nothing); LMCache's lookup (pin=True, as vLLM's lookup server asks)
     promises its chunk. Then another trained cartridge Y is registered and downloaded (what the
     refresh tick does for every trained cartridge not resident) into a disk tier with room for
-    one chunk. Old code: the lookup pin guarded only the CPU tier, Y's download evicted X's file
-    and the retrieve returned 0 of the promised tokens (a trained request fails). Now: the pin
+    one chunk. A lookup pin that guarded only the CPU tier would let Y's download evict X's file
+    and the retrieve return 0 of the promised tokens (a trained request fails): the pin
     holds X's disk copy, Y's download cannot evict it, and the retrieve returns every promised
     token from the disk without a request to S3. Once unpinned, Y's next download may evict X."""
     mx, kvx = _upload(tmp_path, moto_server, "trained-x", kind="trained", seed=61, chunks=1)
@@ -252,8 +252,8 @@ def test_a_repeated_lookup_under_one_id_releases_the_earlier_pins(carts):
 def test_trained_cartridge_is_fetched_at_registration_and_gateway_waits_for_residency(tmp_path, moto_server, s3_proxy):
     """A trained cartridge must not be forwarded until its chunks are local on every instance:
     the plugin downloads it as soon as it is registered (before any request), publishes it
-    "resident" when done, and `wait_served` answers 503 + Retry-After until then. Old code:
-    `wait_served` returned as soon as the cartridge was registered (not resident)."""
+    "resident" when done, and `wait_served` answers 503 + Retry-After until then, not as soon
+    as the cartridge is registered (not resident)."""
     m, kv = _upload(tmp_path, moto_server, "trained-remote", kind="trained", seed=51)
     _upload(tmp_path, moto_server, "firstk-remote", seed=52)
     cfg_path, eng = _s3_engine(tmp_path, s3_proxy.endpoint_url)
@@ -289,7 +289,7 @@ def test_async_pair_leaves_the_storage_event_loop_free(carts):
     """`batched_get_non_blocking` runs on LMCache's storage event loop (the StorageManager's own
     loop thread, which the plugin was built with). Here its read is held up for real (another
     thread holds the memory tier's lock, as a large copy would have): other coroutines on that
-    loop must keep running meanwhile. Old code ran the read on the loop."""
+    loop must keep running meanwhile, so the read does not run on the loop."""
     a, kv_a = carts["a"]
     with engine_for(carts["dir"], carts["reg"].path) as eng:
         plugin = eng.backend("cartridge")
@@ -332,8 +332,8 @@ def test_async_pair_leaves_the_storage_event_loop_free(carts):
 
 def test_plugin_lock_is_not_held_while_a_tier_lock_is_awaited(carts):
     """A lookup that waits for the memory tier (busy with a copy) must not hold the plugin's
-    lock meanwhile: other lookups, the published state and refresh need it. Old code pinned in
-    the tier under the plugin lock."""
+    lock meanwhile: other lookups, the published state and refresh need it, so it does not pin
+    in the tier under the plugin lock."""
     a = carts["a"][0]
     with engine_for(carts["dir"], carts["reg"].path) as eng:
         plugin = eng.backend("cartridge")
@@ -367,7 +367,7 @@ def test_plugin_lock_is_not_held_while_a_tier_lock_is_awaited(carts):
 def test_write_behind_queue_is_bounded(tmp_path):
     """Reads from a remote origin queue a clone of each chunk for the disk cache. With the
     writer busy, at most `write_behind_limit` bytes wait; further chunks are not queued (they
-    stay in memory). Old code queued every clone, without bound."""
+    stay in memory), else the queue grows without bound."""
     from test_residency import CountingOrigin, _packed
 
     p = _packed(tmp_path)

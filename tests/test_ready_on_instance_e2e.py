@@ -157,8 +157,8 @@ def test_composites_a_gateway_made_on_another_host_are_built_by_the_instance(sta
     instance but S3) composes [tr, tr] and [token-only 256 tokens, tr]. The composites exist only in
     the gateway's registry; the instance builds them in its own from the recipe in
     kv_transfer_params (`vllm.composites`), and serves them: 200, answers from the cartridge's KV
-    (the primed one equal to HF given the computed tokens' KV then the cartridge's). Old code: the
-    instance's lookup missed the composite's keys, the request waited, then 503."""
+    (the primed one equal to HF given the computed tokens' KV then the cartridge's). Without the
+    recipe the instance's lookup misses the composite's keys, the request waits, then 503."""
     from lmcache_cartridge.tools import cli
     from lmcache_cartridge.tools.testmodel import document_text
 

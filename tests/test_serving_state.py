@@ -114,8 +114,8 @@ def doc(tmp_path):
 
 def test_stats_does_not_sum_an_instance_whose_process_is_gone(tmp_path, doc, capsys):
     """A server that served requests and exited: its record stays on disk, fresh by its own clock
-    (refresh 30 s), but its process is gone, so `stats` no longer counts it; a running instance
-    is counted. Old code summed every snapshot file it found."""
+    (refresh 30 s), but its process is gone, so `stats` does not count it; a running instance
+    is counted. Summing every snapshot file found would count the dead one."""
     from lmcache_cartridge.tools import cli
 
     r = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(tmp_path)], capture_output=True, text=True,
@@ -301,7 +301,7 @@ def test_a_stale_record_of_a_live_process_still_holds_a_trained_request(tmp_path
     """An instance whose watcher is busy (opening another cartridge's S3 origin on a loaded host)
     stops rewriting its record for a while: its process runs, so the gateway must go on judging
     by its last record, not forward as if no plugin ran (vLLM would recompute the trained
-    cartridge's placeholders). Old code: `wait_served` returned [] (forward at once)."""
+    cartridge's placeholders): `wait_served` must not return [] (forward at once)."""
     from lmcache_cartridge.lmcache.serving import NotServed, Wanted, wait_served
 
     reg = tmp_path / "reg.db"

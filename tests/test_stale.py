@@ -81,7 +81,7 @@ def test_draining_chunk_written_back_after_removal_is_purged(same_doc):
     """A lookup pins the cartridge's chunks; the cartridge is removed; the pinned request's
     retrieve through StorageManager then gets the old (draining) bytes, and LMCache writes them
     back into LocalCPUBackend after the plugin's purge. One refresh period later no lookup may
-    find them. Old code: the written-back copy won every later lookup. (After a re-registration
+    find them: the written-back copy would win every later lookup. (After a re-registration
     the key maps to the new bytes at once, so a pinned request gets those: see the concurrent
     test below for that case.)"""
     how = "remove"
@@ -244,7 +244,7 @@ def test_a_quarantine_during_a_refresh_survives_its_swap_and_the_next(carts):
 
 def test_lookup_pins_expire_after_their_lease(carts):
     """A pin LMCache never releases must not hold the CPU-tier copy (and a retired cartridge's
-    origin) forever. Old code: pins without a lease."""
+    origin) forever: pins have a lease."""
     a = carts["a"][0]
     with engine_for(carts["dir"], carts["reg"].path) as eng:
         plugin = eng.backend("cartridge")
@@ -260,7 +260,7 @@ def test_lookup_pins_expire_after_their_lease(carts):
 
 def test_a_late_unpin_of_an_expired_pin_leaves_a_newer_lookups_pin(carts):
     """LMCache unpins a pin after its lease expired, while a newer lookup holds a pin on the same
-    key: the newer pin must stay. Old code: the late unpin released the newer lookup's pin."""
+    key: the newer pin must stay (the late unpin must not release the newer lookup's pin)."""
     a = carts["a"][0]
     with engine_for(carts["dir"], carts["reg"].path) as eng:
         plugin = eng.backend("cartridge")
@@ -277,7 +277,7 @@ def test_a_late_unpin_of_an_expired_pin_leaves_a_newer_lookups_pin(carts):
 
 def test_scheduler_side_instance_records_no_pins(carts):
     """The scheduler-side instance (`local_cpu_backend=None`) answers lookups but never
-    retrieves or unpins. Old code recorded its pins, which then lived forever."""
+    retrieves or unpins: pins recorded there would live forever."""
     cfg = load_config(write_yaml(carts["dir"], carts["reg"].path))
     from lmc_helpers import make_metadata
 

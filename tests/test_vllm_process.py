@@ -220,7 +220,7 @@ def test_a_port_handed_to_a_server_is_outside_the_ephemeral_range_and_never_repe
     """A server binds its port minutes after `free_port` returns (vLLM's KV-events endpoint once
     its engine is built); an ephemeral port can meanwhile become any outgoing connection's source
     port, and vLLM's engine then fails with "Address already in use" (seen in test_fleet under
-    load). Old code: `bind(port 0)`, an ephemeral port."""
+    load), so `bind(port 0)`, an ephemeral port, will not do."""
     import socket
 
     from lmcache_cartridge.tools.vllm_process import _ephemeral_low, free_port
