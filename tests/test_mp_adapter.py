@@ -355,8 +355,8 @@ def test_a_locked_disk_only_chunk_survives_another_cartridges_download_until_unl
     """The soak's broken promise, in MP mode. The adapter has no CPU tier, so a trained S3
     cartridge X lives on the disk tier only; the server's lookup locks X's chunk, then another
     trained cartridge Y is registered and downloaded into a disk tier with room for one chunk,
-    then the server loads X. Old code: lookups locked nothing, Y's download evicted X's file and
-    the load missed a chunk the lookup had promised. Now: the lock holds X's file, the load fills
+    then the server loads X. A lookup that locked nothing would let Y's download evict X's file
+    and the load miss a chunk the lookup had promised: the lock holds X's file, the load fills
     X's exact bytes without a request to S3; after the server's unlock Y's next download may
     evict X."""
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -518,9 +518,9 @@ def test_a_trained_cartridge_evicted_from_the_disk_tier_is_downloaded_again(tmp_
     """The gateway forwards a trained request only once its cartridge is resident (every chunk
     local: a lookup miss would leave placeholder ids to compute), and nothing else asks the
     adapter for it. Trained S3 cartridge X is downloaded at registration, then Y's download evicts
-    it from a disk tier with room for one chunk, then Y goes. Old code: X was fetched only at
-    registration or on a lookup miss, so it stayed evicted and every request for it was answered
-    503 by the gateway for good (the MP soak's reference request). Now the watcher fetches an
+    it from a disk tier with room for one chunk, then Y goes. Fetched only at registration or on
+    a lookup miss, X would stay evicted and every request for it be answered 503 by the gateway
+    for good (the MP soak's reference request): the watcher fetches an
     evicted trained cartridge again, as the in-process plugin does, and X is resident again
     without any lookup."""
     from lmcache_cartridge.cartridge.packed import VocabInfo
@@ -740,10 +740,10 @@ def test_a_trained_s3_cartridge_is_fetched_for_each_rank_of_a_tensor_parallel_en
                                                                                      s3_proxy):
     """An engine of world size 2 is attached to the server; a trained by-head cartridge X on S3 is
     registered. Each rank's lookups and loads read its own heads' bytes (`Handle.chunk_id` carries
-    the heads), so X is ready only once both ranks' bytes are on the disk tier. Old code fetched and
-    checked X's whole chunks (world size 1) only: the published record said X was local while
-    neither rank's lookup hit, so the gateway forwarded a trained request whose KV the server
-    could not load. Now the record says local only once both ranks' bytes are, every key of each
+    the heads), so X is ready only once both ranks' bytes are on the disk tier. Fetching and
+    checking X's whole chunks (world size 1) only, the published record would say X was local
+    while neither rank's lookup hit, and the gateway forward a trained request whose KV the server
+    could not load. The record says local only once both ranks' bytes are, every key of each
     rank hits and loads that rank's heads, and after another download evicted them the watcher
     fetches each rank's bytes again."""
     from lmcache_cartridge.cartridge.packed import PackedCartridge
