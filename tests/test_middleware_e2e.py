@@ -419,9 +419,9 @@ def test_fake_utf16_and_utf32_json_is_refused_before_vllm(fake, carts):
 @pytest.mark.parametrize("mistake", ["short key", "misspelled field", "keys not a list", "yaml syntax"])
 def test_fake_a_bad_tenants_file_names_no_key(fake, carts, monkeypatch, caplog, mistake):
     """A tenants file the gateway cannot use: every `cartridges` request answers 501, and the
-    server logs why. The reason was pydantic's (or YAML's) own text, which quotes the input:
-    every key of the file, into the log. Now it names the tenant, the field and the rule, never
-    a value (and no answer holds it: `test_fake_an_unusable_gateway_...`)."""
+    server logs why. pydantic's (or YAML's) own text quotes the input, every key of the file, so
+    the logged reason names the tenant, the field and the rule, never a value (and no answer
+    holds it: `test_fake_an_unusable_gateway_...`)."""
     import logging
 
     good, short = "acme-key-0123456789abcdef", "tiny-secret"
@@ -447,9 +447,9 @@ def test_fake_a_bad_tenants_file_names_no_key(fake, carts, monkeypatch, caplog, 
 
 
 def test_fake_an_unusable_gateway_tells_no_client_the_operators_files_or_tenants(fake, carts, monkeypatch, caplog):
-    """With a tenants file the gateway could not use, the cartridge list answered 501 with the
-    reason before any key check: the tenants file's path and a tenant's name, to anyone. Now a
-    keyed server's key check comes first (401 without a key), and no answer, to a key holder
+    """With a tenants file the gateway cannot use, a 501 with the reason before any key check
+    would tell anyone the tenants file's path and a tenant's name: a keyed server's key check
+    comes first (401 without a key), and no answer, to a key holder
     or on an open server, holds the reason: the server's log does."""
     import logging
 

@@ -603,9 +603,9 @@ def test_a_touched_chunk_stays_on_the_disk_tier_when_another_download_needs_room
     """LMCache's server marks keys used without loading them (`submit_touch`, LMCache 0.5.7: a
     lookup's prefix vLLM's own prefix cache holds, a session's keys at its end). Three trained S3
     cartridges of one chunk each, a disk tier with room for two: X then Y are downloaded (X the
-    least recently used), the server touches X's key, then Z's download needs room. Before (0.5.6
-    had no touch, 0.5.7's default only told LMCache's listeners): Z evicted X, which vLLM was still
-    using. Now the touch keeps X's file warm and Z evicts Y. A key the adapter does not serve is
+    least recently used), the server touches X's key, then Z's download needs room. Without the
+    touch (0.5.6 has none, 0.5.7's default only tells LMCache's listeners) Z would evict X, which
+    vLLM is still using: the touch keeps X's file warm and Z evicts Y. A key the adapter does not serve is
     not touched; LMCache's listeners hear of X's key."""
     from lmcache_cartridge.cartridge.packed import VocabInfo
     from lmcache_cartridge.store.registration import register_s3

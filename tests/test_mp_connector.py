@@ -303,9 +303,9 @@ class TimingOutStores:
 
 @pytest.mark.parametrize("lazy", [False, True])
 def test_a_store_the_dead_server_never_answers_drops_the_steps_stores_and_the_step_goes_on(make, lazy):
-    """Before: LMCache's timeout left `wait_for_save`, vLLM's step failed and its engine core
-    stopped for good. Now the stores not submitted are dropped as LMCache drops a store while
-    the server is unhealthy (with lazy offload: reported complete, so their blocks are freed)."""
+    """LMCache's timeout leaving `wait_for_save` would fail vLLM's step and stop its engine core
+    for good: the stores not submitted are dropped as LMCache drops a store while the server is
+    unhealthy (with lazy offload: reported complete, so their blocks are freed)."""
     from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPConnectorMetadata, LMCacheMPRequestMetadata
 
     c = make([], [0.0])
