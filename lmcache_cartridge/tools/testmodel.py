@@ -227,23 +227,30 @@ def build_tokenizer(vocab_size: int, max_length: int = 8192, family: str = "llam
     )
 
 
-def llama_config(params: BuildParams):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+def _geometry(params: BuildParams) -> dict:
+    """The HF config fields both families take from the params (bf16, the checkpoints' dtype)."""
+    return dict(
         vocab_size=params.vocab_size,
         hidden_size=params.hidden_size,
         intermediate_size=params.intermediate_size,
         num_hidden_layers=params.num_layers,
         num_attention_heads=params.num_heads,
         num_key_value_heads=params.num_kv_heads,
-        head_dim=params.attn_head_dim,
         max_position_embeddings=params.max_position_embeddings,
+        dtype="bfloat16",
+    )
+
+
+def llama_config(params: BuildParams):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **_geometry(params),
+        head_dim=params.attn_head_dim,
         tie_word_embeddings=False,
         bos_token_id=SPECIAL_TOKENS.index(BOS),
         eos_token_id=SPECIAL_TOKENS.index(EOS),
         pad_token_id=SPECIAL_TOKENS.index(PAD),
-        dtype="bfloat16",
     )
 
 
@@ -254,19 +261,12 @@ def qwen2_config(params: BuildParams):
 
     fam = FAMILIES["qwen2"]
     return Qwen2Config(
-        vocab_size=params.vocab_size,
-        hidden_size=params.hidden_size,
-        intermediate_size=params.intermediate_size,
-        num_hidden_layers=params.num_layers,
-        num_attention_heads=params.num_heads,
-        num_key_value_heads=params.num_kv_heads,
-        max_position_embeddings=params.max_position_embeddings,
+        **_geometry(params),
         tie_word_embeddings=True,
         use_sliding_window=False,
         bos_token_id=fam.id_of(QWEN_ENDOFTEXT),
         eos_token_id=fam.id_of(fam.eos),
         pad_token_id=fam.id_of(fam.pad),
-        dtype="bfloat16",
     )
 
 
