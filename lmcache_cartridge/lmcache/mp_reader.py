@@ -204,7 +204,11 @@ class Reader:
                     return
                 now = time.monotonic()
                 late = [(me, t) for me, t in self._running.items() if now - t.beat_at > self.stall_seconds]
-                waiting = [t for t in self._queue if t.kind is not None and now - t.beat_at > self.stall_seconds]
+                # queued tasks wait for a thread that serves the queue; only when none does (every
+                # thread stuck, `MAX_STUCK` reached) are they answered instead
+                nobody = self._current in self._stuck
+                waiting = [t for t in self._queue
+                           if nobody and t.kind is not None and now - t.beat_at > self.stall_seconds]
                 for t in waiting:
                     self._queue.remove(t)
             for me, task in late:
