@@ -19,6 +19,7 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 
 from conftest import random_kv
+from lmcache_cartridge.cartridge.manifest import Manifest
 from lmcache_cartridge.cartridge.packed import pack_kv
 from lmcache_cartridge.lmcache.mp_adapter import CartridgeL2Adapter, CartridgeL2AdapterConfig, kv_world_and_rank
 from lmcache_cartridge.store.registry import Registry
@@ -1095,4 +1096,38 @@ def test_a_read_that_never_returns_is_answered_as_a_miss_and_never_writes_l1_aft
         assert adapter.query_load_result(tid).popcount() == 0
     finally:
         unstick.set()
+        adapter.close()
+
+
+def test_a_cartridge_larger_than_what_l1_eviction_leaves_free_is_warned_of(tmp_path, caplog):
+    """LMCache evicts from L1 only above its trigger watermark, and a load reserves all of its
+    chunks at once: a cartridge larger than (1 - watermark) of L1 fails to load for as long as L1
+    sits just under the watermark (seen with a real server: 2 objects of 256 KiB short by one in a
+    1.2 MiB L1 at 61% used, until the request's deadline). The watcher warns of such a cartridge,
+    naming the server settings that fix it, once, and not of one that fits; the figures are the
+    server's own (`report_status`)."""
+    import logging
+
+    reg = Registry(tmp_path / "reg.db")
+    for name, chunks, first in (("big", 4, 1000), ("small", 1, 5000)):
+        pack_kv(random_kv(2, chunks * CHUNK, 2, 16, seed=chunks), tmp_path / name, cartridge_id=name, model=MODEL,
+                kind="first_k", token_ids=list(range(first, first + chunks * CHUNK)), chunk_size=CHUNK)
+        reg.register(tmp_path / name)
+    big, small = (Manifest.load(tmp_path / name).payload_nbytes for name in ("big", "small"))
+    capacity = 6 * small  # 20% free: the small one fits, the big one (4x) does not
+    status = {"l1_capacity_bytes_by_backend": {"cpu": capacity},
+              "l1_eviction_controllers": {"default": {"trigger_watermark": 0.8}}}
+    adapter = CartridgeL2Adapter({"registry": str(reg.path), "cache_dir": str(tmp_path / "cache"),
+                                  "refresh_seconds": 3600})
+    try:
+        adapter.attach(SimpleNamespace(token_hasher=TokenHasher(chunk_size=CHUNK, hash_algorithm="sha256_cbor"),
+                                       chunk_size=CHUNK, storage_manager=SimpleNamespace(report_status=lambda: status)))
+        adapter.refresh()
+        with caplog.at_level(logging.WARNING, logger="lmcache_cartridge.mp_adapter"):
+            adapter._check_l1_room()
+            adapter._check_l1_room()
+        warned = [r.getMessage() for r in caplog.records if "per load" in r.getMessage()]
+        assert len(warned) == 1 and "'big'" in warned[0] and "--l1-size-gb" in warned[0], warned
+        assert f"{big / 2**20:.3g} MiB" in warned[0]
+    finally:
         adapter.close()

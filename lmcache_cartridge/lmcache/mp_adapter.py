@@ -67,7 +67,8 @@ a disk that stopped answering, is answered as a miss, writes nothing after that,
 on a fresh thread) and complete into dicts under `_lock`, signalled by event fds.
 Its watcher thread follows the registry, expires lookup locks, keeps trained cartridges resident
 and asks the server to preload what `preload` names into L1 (`lmcache.mp_preload`, through the
-server's own prefetch, which calls this adapter's lookup and load like a request's); with
+server's own prefetch, which calls this adapter's lookup and load like a request's), and warns of
+a cartridge too large for the room LMCache's L1 eviction leaves free (`_check_l1_room`); with
 `catalog_uri` set a catalog sync thread (`lmcache.catalog_sync`, as the plugin's) fills the
 registry. What it knows of the engines registered with the server is read by
 `lmcache.mp_engines`. It owns its index, tiers and records; the cartridges' files stay the
@@ -273,6 +274,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         # still bring old bytes in): purged again until none is skipped, served or not
         self._stale: set[tuple[bytes, str]] = set()
         self._refused: set[tuple] = set()  # refusals logged once
+        self._room_checked: set[tuple[str, int]] = set()  # (cartridge bytes, world size) whose L1 room was checked
         # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
         self._leases: LeaseTable[_Lock] = LeaseTable()
         # lookups and loads, in order, on one thread at a time; one that makes no progress is
@@ -411,6 +413,10 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             except Exception as e:
                 logger.warning("lmcache_cartridge MP adapter: preload failed: %s", e)
             try:
+                self._check_l1_room()
+            except Exception as e:
+                logger.warning("lmcache_cartridge MP adapter: checking L1's room failed: %s", e)
+            try:
                 if not self._rows_warmed and self._server.vllm_cpu_attached():
                     warm_rows()  # a vLLM-CPU engine registered: its rows encoder's import, ahead of its loads
                     self._rows_warmed = True
@@ -433,6 +439,40 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             for h in s.engine_handles(engines):
                 if not self.residency.resident(h):
                     self.residency.download_async(h, on_done=lambda _h: self.publish())
+
+    def _check_l1_room(self) -> None:
+        """Watcher thread: warn, once per cartridge and engine world size, when one load of a
+        served cartridge is larger than what LMCache's L1 eviction leaves free. LMCache evicts only
+        once L1 is above its trigger watermark, and a load reserves all of a request's chunks at
+        once: once L1 fills with other KV and sits just under the watermark, such a load fails for
+        as long as it does (first-k requests compute, trained ones wait and fail)."""
+        with self._lock:
+            served = [s for s in self._state.served.values() if not s.retired]
+        engines = self._server.engines()
+        todo = []
+        for s in served:
+            worlds = [w for model, w in engines if model in s.models] or [1]
+            once = (s.key, min(worlds))
+            if once not in self._room_checked:
+                todo.append((s, once))
+        if not todo:
+            return
+        room = self._server.l1_room()
+        if room is None:
+            return
+        capacity, watermark = room
+        free = (1 - watermark) * capacity
+        for s, once in todo:
+            self._room_checked.add(once)
+            need = s.manifest.payload_nbytes // once[1]
+            if need > free:
+                logger.warning(
+                    "lmcache_cartridge MP adapter: %r needs %.3g MiB of L1 per load (world size %d), more than "
+                    "the %.3g MiB LMCache's eviction leaves free (%.0f%% of its %.3g MiB L1): once L1 fills, its "
+                    "loads fail (first-k requests compute, trained ones fail). Raise the server's --l1-size-gb "
+                    "to at least %.3g, or its --eviction-trigger-watermark",
+                    s.manifest.cartridge_id, need / 2**20, once[1], free / 2**20, (1 - watermark) * 100,
+                    capacity / 2**20, need / (1 - watermark) / 2**30)
 
     # --- `preload`: the server's own prefetch into L1 (watcher thread; `lmcache.mp_preload`) ------
     def _preload_due(self) -> None:

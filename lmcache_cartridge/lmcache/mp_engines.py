@@ -1,7 +1,8 @@
 """What an `lmcache server` knows of the vLLM engines registered with it, read for the MP adapter.
 
 The L2 adapter (`lmcache.mp_adapter`) needs three facts about the engines attached to its server
-that LMCache keeps but does not hand to L2 adapters: which (model, world size) engines are
+that LMCache keeps but does not hand to L2 adapters (and one it reports: its L1's size and
+eviction watermark, `l1_room`): which (model, world size) engines are
 registered (their layout descriptors), whether an engine of a (model, world size) is a GPU one
 (its MP objects hold plain K|V rows) or a vLLM-CPU one, and a vLLM-CPU engine's block size (its
 MP objects hold its own block bytes: `lmcache.mp_layout`). They are read here from the server
@@ -49,6 +50,18 @@ class ServerEngines:
             return set()
         with lock:
             return {(str(model), int(world)) for model, world in entries if model}
+
+    def l1_room(self) -> tuple[int, float] | None:
+        """(L1 capacity in bytes, the eviction's trigger watermark) of the server, from its storage
+        manager's `report_status` (its first L1); None where the server does not say."""
+        sm = getattr(self.context, "storage_manager", None)
+        try:
+            status = sm.report_status()
+            capacity = sum(int(v) for v in status["l1_capacity_bytes_by_backend"].values())
+            watermark = min(float(c["trigger_watermark"]) for c in status["l1_eviction_controllers"].values())
+        except Exception:  # noqa: BLE001 - another LMCache's status, or none: no figure to warn by
+            return None
+        return (capacity, watermark) if capacity > 0 else None
 
     def models(self) -> set[str]:
         """The model names of the vLLM engines registered with the server now."""
