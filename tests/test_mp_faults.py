@@ -175,3 +175,74 @@ def test_a_killed_vllm_restarted_on_the_same_server_is_served_from_its_l1(cartri
         for v in vllms:
             v.stop()
         server.stop()
+
+
+def test_an_l1_too_small_for_the_cartridges_churns_and_never_answers_wrong(cartridge, tmp_path):
+    """The server's L1 holds four of five trained cartridges (LMCache's LRU evicts above its
+    watermark, 80% of L1): requested in turn, each request finds its cartridge evicted by the
+    others' and the adapter loads it again from the registry's files (the "load" count grows);
+    then three at once. Every answer is its cartridge's, token for token as when L1 had room for
+    it (and from its KV: the external-token counter), or an error, never another's KV or its
+    placeholder ids; nothing is lost from the registry and vLLM stays healthy."""
+    import concurrent.futures
+
+    from lmcache_cartridge.cartridge.model_kv import load_model
+    from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.testing.launch import MpVllmServer
+
+    model, _tok = load_model(cartridge["model"])
+    carts = []
+    for n in range(5):
+        kv = torch.randn(2, 2, 2 * CHUNK, 2, 64, generator=torch.Generator().manual_seed(60 + n)).to(torch.bfloat16)
+        m = pack_kv(kv, tmp_path / f"cart{n}", cartridge_id=f"churn-{n}", model=cartridge["model"], kind="trained",
+                    vocab=VocabInfo(model.config.vocab_size, (0, 1, 2, 3)), chunk_size=CHUNK)
+        carts.append({**cartridge, "dir": tmp_path / f"cart{n}", "ids": list(m.token_ids)})
+    assert len({tuple(c["ids"]) for c in carts}) == len(carts)
+    registry = Registry(tmp_path / "registry.db")
+    # 2.56 MiB of L1: ten objects of 256 KiB (a chunk of the tiny model: 1 KiB of KV per token);
+    # a cartridge is two, and one fits in what eviction leaves free (20% of L1)
+    vllm = MpVllmServer(tmp_path / "vllm", cartridge["model"], registry=registry.path, cache_dir=tmp_path / "cache",
+                        chunk_size=CHUNK, l1_size_gb=0.0025, prefix_caching=False,
+                        kv_extra={READY_TIMEOUT_KEY: 30})
+    try:
+        vllm.wait_healthy()
+        entries = [registry.register(c["dir"]) for c in carts]
+        vllm.wait_served(entries)
+        need = 2 * CHUNK
+        refs = []
+        for c in carts:
+            ext = vllm.external_tokens()
+            refs.append(_tokens(_trained(vllm, c)))
+            assert vllm.external_tokens() - ext >= need, vllm.log_tail(40)
+        assert len({tuple(r) for r in refs}) == len(carts), "two cartridges' KV gave the same answer"
+        loads, asked = vllm.stage_count("load"), 0
+        for _round in range(10):  # in turn: the one asked for is the one least recently used
+            for c, ref in zip(carts, refs):
+                ext = vllm.external_tokens()
+                assert _tokens(_trained(vllm, c)) == ref
+                assert vllm.external_tokens() - ext >= need
+                asked += 1
+            if vllm.stage_count("load") - loads >= 3:
+                break
+            time.sleep(1.5)  # LMCache's eviction looks at L1 once a second: let it run between rounds
+        churned = vllm.stage_count("load") - loads
+        assert churned >= 3, f"L1 was expected to evict and the adapter to load again ({churned} loads)"
+        print(f"\n[mp faults] L1 of four cartridges, five in turn: {churned} loads from the adapter in "
+              f"{asked} requests")
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # three at once
+            answers = list(pool.map(lambda n: (n, _trained(vllm, carts[n])), range(3)))
+        codes = []
+        for n, r in answers:
+            codes.append(r.status_code)
+            if r.status_code == 200:
+                assert _tokens(r) == refs[n], f"cartridge {n} answered with other KV"
+            else:
+                assert r.status_code >= 500, r.text
+        print(f"[mp faults] three at once on that L1: {codes}")
+        assert sorted(e.id for e in registry.list()) == sorted(e.id for e in entries)
+        assert httpx.get(vllm.url + "/health", timeout=10).status_code == 200
+        assert _tokens(_trained(vllm, carts[0])) == refs[0]
+    finally:
+        vllm.stop()
