@@ -684,7 +684,7 @@ def test_memory_tags_say_host_storage_on_this_host(tmp_path):
 def _tp_setup(tmp_path, moto_server, s3_proxy, names, *, chunks: int = 2):
     """Trained by-head cartridges `names` of `chunks` chunks each (L=2, H=4, D=16), uploaded to a
     moto S3 bucket; an adapter whose disk tier holds exactly one of them and whose watcher never
-    runs on its own (the test calls `_keep_resident`, what it runs every refresh period); the
+    runs on its own (the test calls `_keep_trained_resident`, what it runs every refresh period); the
     server's layout registry, where engines register (what `_engines` reads)."""
     from lmcache.v1.multiprocess.engine_context import LayoutDescRegistry
 
@@ -791,7 +791,7 @@ def test_a_trained_s3_cartridge_is_fetched_for_each_rank_of_a_tensor_parallel_en
         assert not _published_local(tmp_path, "mp-tp-x")
         reg.remove("mp-tp-y")
         adapter.refresh()
-        adapter._keep_resident()  # what the watcher runs every refresh period
+        adapter._keep_trained_resident()  # what the watcher runs every refresh period
         _until(lambda: _ranks_resident(adapter, "mp-tp-x", world) == [True, True],
                "X's ranks, evicted by Y's download, are never fetched again")
         _until(lambda: _published_local(tmp_path, "mp-tp-x"), "X never published as local again")
@@ -827,7 +827,7 @@ def test_an_engine_attached_after_its_trained_cartridge_gets_its_ranks_bytes(tmp
         adapter.publish()
         assert _ranks_resident(adapter, "mp-tp-late", 2) == [True, False]
         assert not _published_local(tmp_path, "mp-tp-late"), "local with rank 1's bytes missing"
-        adapter._keep_resident()  # what the watcher runs every refresh period
+        adapter._keep_trained_resident()  # what the watcher runs every refresh period
         _until(lambda: _ranks_resident(adapter, "mp-tp-late", 2) == [True, True], "rank 1's bytes never fetched")
         _until(lambda: _published_local(tmp_path, "mp-tp-late"), "never published as local again")
     finally:

@@ -258,3 +258,46 @@ def test_both_modes_serve_the_operators_registration_of_bytes_a_client_brought(t
         assert hits == 2 and len(got) == 2, (mode.name, hits, len(got))
         assert all(torch.equal(t, c) for t, c in zip(got, chunks(kv))), mode.name
         assert mode.read(DOC, salt) == (0, []), mode.name  # the client's registration is gone
+
+
+def test_both_watchers_run_every_step_each_period_whatever_one_raises(modes, caplog):
+    """One watcher loop (`ServingSet._watch`) in both modes: each period runs the adapter's steps
+    in turn, and a step that raises (a locked registry, an origin that fails) is logged while the
+    steps after it still run, period after period."""
+    _reg, sets = modes
+    for mode in sets:
+        _watch_three_periods(mode, caplog)
+
+
+def _watch_three_periods(mode, caplog) -> None:
+    import dataclasses
+    import logging
+    import threading
+
+    s = mode.set
+    ran, closed, saved = [], threading.Event(), (s._closed, s.settings)
+
+    def boom():
+        ran.append("boom")
+        raise RuntimeError("the registry is locked")
+
+    def later():
+        ran.append("later")
+        if ran.count("later") == 3:
+            closed.set()
+
+    s._watch_steps = lambda: [("a failing step", boom), ("a later step", later)]
+    s._closed, s.settings = closed, dataclasses.replace(s.settings, refresh_seconds=0.01)
+    try:
+        with caplog.at_level(logging.WARNING):
+            watcher = threading.Thread(target=s._watch, daemon=True)
+            watcher.start()
+            watcher.join(30)
+        assert not watcher.is_alive(), mode.name
+        assert ran == ["boom", "later"] * 3, (mode.name, ran)
+        assert sum("a failing step failed: the registry is locked" in r.getMessage()
+                   for r in caplog.records) >= 3, mode.name
+    finally:
+        s._closed, s.settings = saved
+        del s._watch_steps
+        caplog.clear()

@@ -392,53 +392,29 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
             s3 = S3Settings.from_mapping(self.settings.s3)
         return _Served(e, m, open_origin(e.source_uri, e.path, s3), hashes, models)
 
-    def _watch(self) -> None:
-        while not self._closed.wait(self.settings.refresh_seconds):
-            try:
-                if not self.refresh():  # a refresh purges and publishes itself
-                    self._purge_tombstones()
-                    self.publish()
-            except Exception as e:  # a locked registry, a full disk: keep serving what we have
-                logger.warning("lmcache_cartridge MP adapter: refresh failed: %s", e)
-            try:  # whatever the registry does
-                self._expire_leases()
-            except Exception as e:
-                logger.warning("lmcache_cartridge MP adapter: expiring lookup locks failed: %s", e)
-            try:
-                self._keep_resident()
-            except Exception as e:
-                logger.warning("lmcache_cartridge MP adapter: keeping trained cartridges resident failed: %s", e)
-            try:
-                self._preload_due()
-            except Exception as e:
-                logger.warning("lmcache_cartridge MP adapter: preload failed: %s", e)
-            try:
-                self._check_l1_room()
-            except Exception as e:
-                logger.warning("lmcache_cartridge MP adapter: checking L1's room failed: %s", e)
-            try:
-                if not self._rows_warmed and self._server.vllm_cpu_attached():
-                    warm_rows()  # a vLLM-CPU engine registered: its rows encoder's import, ahead of its loads
-                    self._rows_warmed = True
-            except Exception as e:
-                logger.warning("lmcache_cartridge MP adapter: warming the rows encoder failed: %s", e)
+    def _watch_steps(self):
+        return [("refresh", self._refresh_or_purge), ("expiring lookup locks", self._expire_leases),
+                ("keeping trained cartridges resident", self._keep_trained_resident),
+                ("preload", self._preload_due), ("checking L1's room", self._check_l1_room),
+                ("warming the rows encoder", self._warm_rows)]
 
-    def _keep_resident(self) -> None:
-        """Watcher thread, every refresh period: a served trained cartridge on a remote origin whose
-        chunks left the disk tier (another cartridge's download evicted them) is fetched again, as
-        the in-process plugin's `tick` does. The gateway forwards a trained request only once its
-        cartridge is resident, so no lookup would ever ask for it: without this an evicted trained
-        cartridge stayed unservable (the gateway's 503) until it was registered again. What is
-        fetched is what the engines attached now read (`_Served.engine_handles`: each rank's heads),
-        so an engine that attached after its cartridge was downloaded gets its ranks' bytes here."""
-        with self._lock:
-            trained = [s for s in self._state.served.values()
-                       if s.manifest.kind == "trained" and not s.origin.local and not s.retired]
-        engines = self._server.engines()
-        for s in trained:
-            for h in s.engine_handles(engines):
-                if not self.residency.resident(h):
-                    self.residency.download_async(h, on_done=lambda _h: self.publish())
+    def _refresh_or_purge(self) -> None:
+        """Watcher step: follow the registry (a refresh that changed something purges and
+        publishes itself); else purge what is left to purge and publish the counters."""
+        if not self.refresh():
+            self._purge_tombstones()
+            self.publish()
+
+    def _warm_rows(self) -> None:
+        """Watcher step: once a vLLM-CPU engine registered, import its rows encoder ahead of its loads."""
+        if not self._rows_warmed and self._server.vllm_cpu_attached():
+            warm_rows()
+            self._rows_warmed = True
+
+    def _resident_handles(self, served: _Served) -> list[Handle]:
+        """What the engines attached now read of it (`_Served.engine_handles`: each rank's heads),
+        so an engine that attached after its cartridge was downloaded gets its ranks' bytes."""
+        return served.engine_handles(self._server.engines())
 
     def _check_l1_room(self) -> None:
         """Watcher thread: warn, once per cartridge and engine world size, when one load of a

@@ -293,17 +293,12 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         publish the new state when it ends so the gateway sees it resident promptly."""
         self.residency.download_async(s.handle, on_done=lambda _h: self.dump_stats())
 
-    def _watch(self) -> None:
-        while not self._closed.wait(self.settings.refresh_seconds):
-            try:
-                self.refresh()
-            except Exception as e:  # a locked/corrupt registry must not kill serving
-                logger.warning("lmcache_cartridge: registry refresh failed (keeping current index): %s", e)
-            try:
-                self.tick()
-            except Exception as e:
-                logger.warning("lmcache_cartridge: housekeeping failed: %s", e)
-            self.dump_stats()
+    def _watch_steps(self):
+        return [("registry refresh (serving the current index)", self.refresh), ("housekeeping", self.tick),
+                ("publishing the serving state", self.dump_stats)]
+
+    def _resident_handles(self, served: Served) -> list[Handle]:
+        return [served.handle]
 
     def tick(self) -> None:
         """Once per refresh period: re-purge tombstoned keys, expire pins past their lease, keep
@@ -321,7 +316,6 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
                 else:
                     t.idle_seen = True
             expired = [self._release_locked(key, p) for key, p in st.pins.expire(lease)]
-            trained = [s for s in st.served.values() if s.entry.kind == "trained"]
         if expired:
             logger.warning("lmcache_cartridge: %d lookup pins expired after %.0fs without an unpin",
                            len(expired), lease)
@@ -329,9 +323,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
             for s in {id(p.served): p.served for p in expired}.values():
                 self._close_if_unused(s)
         self._drop_from_cpu_cache(purge)
-        for s in trained:
-            if not s.handle.origin.local and not self.residency.resident(s.handle):
-                self._want_download(s)
+        self._keep_trained_resident()
 
     def serving_state(self) -> ServingState:
         """This instance's serving-state record as of now (see `store.serving_state`): who it is,

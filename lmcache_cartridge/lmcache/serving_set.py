@@ -50,6 +50,10 @@ Provided here, called by the adapter:
         any thread: whether the `preload` setting names it (an id, a label, or `*`).
     warn_unmatched_preloads()
         the adapter's start, after its first refresh: say which `preload` names match nothing.
+    _watch()
+        the adapter's watcher thread (its target), until the adapter's `_closed` event is set.
+    _keep_trained_resident()
+        a watcher step of both adapters (and the plugin's `tick`).
 
 Supplied by each adapter, called from here:
     _can_open() -> bool
@@ -74,11 +78,17 @@ Supplied by each adapter, called from here:
         after a refresh or a quarantine, no lock: publish the serving state.
     summary() -> str
         refresh thread, for the log line of a changed registry.
+    _resident_handles(served) -> [Handle]
+        watcher thread, no lock: the residency handles of a trained cartridge its lookups read
+        (plugin: its one handle; MP: each rank's of the engines attached), kept on this host by
+        `_keep_trained_resident`.
+    _watch_steps() -> [(what, step)]
+        watcher thread, each period: the adapter's housekeeping, run in turn by `_watch`.
 
 A served cartridge, as seen here, has `entry` (the registry row it was opened from), `manifest`,
 `origin` (`close()`, `local`) and `key` (its bytes' name in the tiers, `residency.tier_key`).
-The adapter also provides `settings` (`registry`), `residency` and `registry` (a `Registry`, or
-None to open it at the first refresh).
+The adapter also provides `settings` (`registry`, `refresh_seconds`), `residency`, `registry` (a
+`Registry`, or None to open it at the first refresh) and `_closed` (a `threading.Event`).
 """
 
 from __future__ import annotations
@@ -88,7 +98,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from lmcache_cartridge.errors import CartridgeError, ChecksumError
 from lmcache_cartridge.store.claims import Claim, settle
@@ -186,6 +196,39 @@ class ServingSet(ABC):
 
     @abstractmethod
     def summary(self) -> str: ...
+
+    @abstractmethod
+    def _resident_handles(self, served) -> list: ...
+
+    @abstractmethod
+    def _watch_steps(self) -> list[tuple[str, Callable[[], Any]]]: ...
+
+    # --- the watcher -------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Watcher thread: every `refresh_seconds` until `_closed` is set, the adapter's
+        `_watch_steps` in turn, each on its own: one that raises (a locked registry, a full disk,
+        an origin that fails) is logged and the others still run, so serving goes on with what it
+        has and the next period tries again."""
+        while not self._closed.wait(self.settings.refresh_seconds):
+            for what, step in self._watch_steps():
+                try:
+                    step()
+                except Exception as e:  # noqa: BLE001 (logged; the next period tries again)
+                    self._log.warning("lmcache_cartridge%s: %s failed: %s", self._mode, what, e)
+
+    def _keep_trained_resident(self) -> None:
+        """Watcher step: a served trained cartridge on a remote origin whose bytes left this host's
+        tiers (another cartridge's download evicted them, a fetch failed) is fetched again. The
+        gateway forwards a trained request only once its cartridge is resident, so no lookup would
+        ever ask for it again: without this it stayed unservable until registered again. What is
+        kept is what the adapter's lookups read (`_resident_handles`)."""
+        with self._lock:
+            trained = [s for s in self._state.served.values()
+                       if s.manifest.kind == "trained" and not s.origin.local]
+        for s in trained:
+            for h in self._resident_handles(s):
+                if not self.residency.resident(h):
+                    self.residency.download_async(h, on_done=lambda _h: self._publish())
 
     # --- registry -> served ------------------------------------------------------------------------
     def refresh(self) -> bool:
