@@ -520,27 +520,25 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 logger.debug("lmcache_cartridge MP adapter: cannot publish serving state: %s", e)
 
     def _serving_state(self) -> ServingState:
-        with self._lock:
-            served = list(self._state.served.values())
-            skipped = dict(self._state.skipped)
-        engines = self._server.engines()
-        carts = {}
-        for s in served:
-            n = len(s.hashes)
-            local = ALL if s.origin.local or all(self.residency.resident(h) for h in s.engine_handles(engines)) \
-                else ()
-            carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.manifest.kind, n, local)
+        return self._serving_record(self._identity, self._record_fields)
+
+    def _record_fields(self, served: list[_Served]) -> dict:
+        """The server's side of the record: the models of its cartridges and engines, one record
+        for all ranks (the adapter reads each rank's bytes itself), healthy once attached."""
         models = sorted({m for s in served for m in s.models} | set(self.settings.accept_models)
                         | self._server.models())
-        snap = self.metrics.snapshot()
-        return ServingState(
-            **self._identity, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
-            role="mp-server", model=models[0] if models else "", models=tuple(models), rank=0, world_size=1,
-            registry=str(self.settings.registry.resolve()), healthy=self._ctx is not None,
-            problem=None if self._ctx is not None else "not attached: add --server-module '{\"module_path\": "
-                    "\"lmcache_cartridge.vllm.mp_server\"}'",
-            cartridges=carts, skipped=skipped, tiers=snap["tiers"], stages=snap["stages"],
-            metrics_instance=self.metrics.instance)
+        return dict(role="mp-server", model=models[0] if models else "", models=tuple(models), rank=0,
+                    world_size=1, healthy=self._ctx is not None,
+                    problem=None if self._ctx is not None else "not attached: add --server-module "
+                    "'{\"module_path\": \"lmcache_cartridge.vllm.mp_server\"}'",
+                    stages=self.metrics.snapshot()["stages"])
+
+    def _cartridge_state(self, s: _Served) -> CartridgeState:
+        """Resident ("all") once every rank's bytes of the engines attached are local: the gateway
+        forwards a trained request only then."""
+        local = s.origin.local or all(self.residency.resident(h) for h in s.engine_handles(self._server.engines()))
+        return CartridgeState(s.entry.content_hash, s.entry.epoch, s.manifest.kind, len(s.hashes),
+                              ALL if local else ())
 
     # --- event fds -------------------------------------------------------------------------------
     def get_store_event_fd(self) -> int:

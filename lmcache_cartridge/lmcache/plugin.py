@@ -40,7 +40,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -326,30 +325,21 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
         self._keep_trained_resident()
 
     def serving_state(self) -> ServingState:
-        """This instance's serving-state record as of now (see `store.serving_state`): who it is,
-        what it serves with which bytes and residency, what it refused and why, its counters.
-        Residency is per chunk (a lookup promises only local chunks), "all" when every servable
-        chunk is local. Any thread; the plugin lock is not held while a tier is asked."""
-        ident = self._state_identity()
-        with self._lock:
-            served = list(self._state.served.values())
-            skipped = dict(self._state.skipped)
-        carts = {}
-        for s in served:
-            n = len(s.keys)
-            local = range(n) if s.handle.origin.local else \
-                tuple(i for i in range(n) if self.residency.is_local(s.handle, i))
-            mem = tuple(i for i in range(n) if s.handle.chunk_id(i) in self.residency.cpu)
-            carts[s.entry.id] = CartridgeState(s.entry.content_hash, s.entry.epoch, s.entry.kind, n,
-                                               ALL if len(local) == n else local, mem)
-        return ServingState(
-            **ident, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
+        """This instance's serving-state record as of now (`ServingSet._serving_record`). Any thread."""
+        return self._serving_record(self._state_identity(), lambda _served: dict(
             role="scheduler" if self.local_cpu_backend is None else "worker",
             model=self.shape.model_names[0], models=tuple(self.shape.model_names),
-            rank=self.shape.rank, world_size=self.shape.world_size,
-            registry=str(Path(self.settings.registry).resolve()), healthy=self.healthy, problem=self.problem,
-            cartridges=carts, skipped=skipped, tiers=self.metrics.snapshot()["tiers"],
-            metrics_instance=self.metrics.instance)
+            rank=self.shape.rank, world_size=self.shape.world_size, healthy=self.healthy, problem=self.problem))
+
+    def _cartridge_state(self, s: Served) -> CartridgeState:
+        """Residency per chunk (a lookup promises only local chunks), "all" when every servable
+        chunk is local; and which chunks the CPU tier holds."""
+        n = len(s.keys)
+        local = range(n) if s.handle.origin.local else \
+            tuple(i for i in range(n) if self.residency.is_local(s.handle, i))
+        mem = tuple(i for i in range(n) if s.handle.chunk_id(i) in self.residency.cpu)
+        return CartridgeState(s.entry.content_hash, s.entry.epoch, s.entry.kind, n,
+                              ALL if len(local) == n else local, mem)
 
     def _state_identity(self) -> dict:
         """Instance id, host, pid and start time: fixed at the first publication (made here, not

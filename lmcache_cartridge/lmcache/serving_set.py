@@ -50,6 +50,8 @@ Provided here, called by the adapter:
         any thread: whether the `preload` setting names it (an id, a label, or `*`).
     warn_unmatched_preloads()
         the adapter's start, after its first refresh: say which `preload` names match nothing.
+    _serving_record(identity, fields) -> ServingState
+        whichever thread publishes (the adapter's `publish`/`dump_stats`): the record, built once.
     _watch()
         the adapter's watcher thread (its target), until the adapter's `_closed` event is set.
     _keep_trained_resident()
@@ -82,13 +84,17 @@ Supplied by each adapter, called from here:
         watcher thread, no lock: the residency handles of a trained cartridge its lookups read
         (plugin: its one handle; MP: each rank's of the engines attached), kept on this host by
         `_keep_trained_resident`.
+    _cartridge_state(served) -> CartridgeState
+        whichever thread publishes, no lock: one served cartridge's entry in the record (its
+        bytes, kind, chunks and what of them is resident).
     _watch_steps() -> [(what, step)]
         watcher thread, each period: the adapter's housekeeping, run in turn by `_watch`.
 
 A served cartridge, as seen here, has `entry` (the registry row it was opened from), `manifest`,
 `origin` (`close()`, `local`) and `key` (its bytes' name in the tiers, `residency.tier_key`).
-The adapter also provides `settings` (`registry`, `refresh_seconds`), `residency`, `registry` (a
-`Registry`, or None to open it at the first refresh) and `_closed` (a `threading.Event`).
+The adapter also provides `settings` (`registry`, `refresh_seconds`), `residency`, `metrics`,
+`registry` (a `Registry`, or None to open it at the first refresh) and `_closed` (a
+`threading.Event`).
 """
 
 from __future__ import annotations
@@ -96,13 +102,16 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from lmcache_cartridge.errors import CartridgeError, ChecksumError
 from lmcache_cartridge.store.claims import Claim, settle
 from lmcache_cartridge.store.registry import Entry, Registry
+from lmcache_cartridge.store.serving_state import CartridgeState, ServingState
 
 logger = logging.getLogger("lmcache_cartridge.serving_set")
 
@@ -202,6 +211,24 @@ class ServingSet(ABC):
 
     @abstractmethod
     def _watch_steps(self) -> list[tuple[str, Callable[[], Any]]]: ...
+
+    @abstractmethod
+    def _cartridge_state(self, served) -> CartridgeState: ...
+
+    # --- the serving-state record ------------------------------------------------------------------
+    def _serving_record(self, identity: dict, fields: Callable[[list], dict]) -> ServingState:
+        """The serving-state record both adapters publish (`store.serving_state`): who it is
+        (`identity`), what it serves with which bytes and residency (`_cartridge_state` of each),
+        what it refused and why, its tier counters; `fields(served)` gives the adapter's own (its
+        role, models, rank, health). The lock is not held while a tier is asked."""
+        with self._lock:
+            served = list(self._state.served.values())
+            skipped = dict(self._state.skipped)
+        return ServingState(**identity, updated=time.time(), refresh_seconds=self.settings.refresh_seconds,
+                            registry=str(Path(self.settings.registry).resolve()),
+                            cartridges={s.entry.id: self._cartridge_state(s) for s in served}, skipped=skipped,
+                            tiers=self.metrics.snapshot()["tiers"], metrics_instance=self.metrics.instance,
+                            **fields(served))
 
     # --- the watcher -------------------------------------------------------------------------------
     def _watch(self) -> None:
