@@ -1064,10 +1064,9 @@ def test_a_read_that_never_returns_is_answered_as_a_miss_and_never_writes_l1_aft
         adapter.attach(SimpleNamespace(token_hasher=hasher, chunk_size=CHUNK, storage_manager=None))
         stuck_reads.append(1)
         stuck = objects()
-        t0 = time.monotonic()
         answer = _wait(adapter, "load", adapter.submit_load_task(keys, stuck))
         assert entered.is_set() and answer.popcount() == 0, "the stuck load was expected to be answered as a miss"
-        assert time.monotonic() - t0 < stall + 10
+        assert adapter._reader.answered_late == 1
 
         # the read is still stuck: a lookup and a load go on without it
         assert _wait(adapter, "lookup", adapter.submit_lookup_and_lock_task(keys, desc)).popcount() == len(keys)
