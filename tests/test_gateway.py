@@ -1219,3 +1219,59 @@ def test_the_gateway_starts_and_stops_its_catalog_sync_with_the_app(settings):
         assert c.get("/health").json() == {"gateway": "ok"}
         assert sync.running
     assert not sync.running
+
+
+def test_keep_alive_ends_on_the_side_that_cannot_race(tmp_path, settings):
+    """A server closes an idle connection after its keep-alive (vLLM's and uvicorn's: 5 s); a client
+    that reuses it at that moment gets it closed without an answer (the gateway answered 502 for a
+    request vLLM never saw). So the gateway drops an idle upstream connection before vLLM's
+    keep-alive (a request after a longer pause opens a new one), and keeps a client's idle
+    connection past the 5 s of an httpx client's pool (a client keeping it longer reuses it)."""
+    import dataclasses
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from lmcache_cartridge.api.gateway import UPSTREAM_KEEPALIVE_S
+    from lmcache_cartridge.testing.launch import GatewayThread
+
+    ports = []
+
+    class Upstream(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ports.append(self.client_address[1])  # the gateway's end of the connection
+            data = json.dumps({"id": "cmpl-1", "object": "text_completion", "model": body["model"],
+                               "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    vllm_keep_alive = 5  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default
+    assert UPSTREAM_KEEPALIVE_S < vllm_keep_alive
+    try:
+        with GatewayThread(dataclasses.replace(settings, upstream=f"http://127.0.0.1:{upstream.server_address[1]}")) \
+                as gw, httpx.Client(base_url=gw.url, timeout=30, limits=httpx.Limits(keepalive_expiry=60)) as client:
+            def ask() -> int:
+                """One request; the client's local port (the same port: the same connection)."""
+                r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                return r.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+            first = ask()
+            time.sleep((UPSTREAM_KEEPALIVE_S + vllm_keep_alive) / 2)  # past the gateway's, within vLLM's
+            ask()
+            assert ports[1] != ports[0], "the gateway reused an upstream connection vLLM may be closing"
+            time.sleep(vllm_keep_alive + 1)  # past an httpx client's pool and uvicorn's default
+            assert ask() == first, "the gateway closed a client's idle connection as the client's pool kept it"
+    finally:
+        upstream.shutdown()

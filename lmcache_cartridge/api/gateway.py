@@ -198,6 +198,13 @@ def cartridge_list(entries, models: tuple[str, ...], tenant=None, limit: int = L
 # yet), the rest of the gateway (`GET /v1/cartridges`, requests without cartridges) keeps the
 # event loop's default pool; beyond it, cartridge requests wait their turn.
 CARTRIDGE_THREADS = 8
+# Keep-alive on both sides of the gateway. A server closes an idle connection after its keep-alive
+# (vLLM's and uvicorn's: 5 s), and a client that reuses it at that moment gets a connection closed
+# without an answer: the gateway's 502 for a request vLLM never saw. So the gateway drops its idle
+# upstream connections well before vLLM does, and as a server keeps its clients' connections longer
+# than their pools do (httpx: 5 s), as a load balancer does (nginx: 75 s).
+UPSTREAM_KEEPALIVE_S = 2.0
+SERVER_KEEPALIVE_S = 75
 
 # chat's own fields, translated for /v1/completions
 _CHAT_ONLY = {"messages", "top_logprobs", "max_completion_tokens"}
@@ -386,7 +393,7 @@ class Gateway:
         self.work = ThreadPoolExecutor(CARTRIDGE_THREADS, thread_name_prefix="cartridge-work")
         self.prompts = PromptBuilder(settings.tokenizer, settings.trained_chat_template)
         self.client = httpx.AsyncClient(base_url=settings.upstream, timeout=settings.upstream_timeout,
-                                        transport=transport,
+                                        transport=transport, limits=httpx.Limits(keepalive_expiry=UPSTREAM_KEEPALIVE_S),
                                         headers={"Authorization": f"Bearer {settings.upstream_api_key}"}
                                         if settings.upstream_api_key else None)
         self.shown_upstream = _without_credentials(settings.upstream)  # what error messages may name

@@ -72,11 +72,11 @@ def serve(settings, host: str, port: int) -> None:
     a working setup keeps working), and says so on stderr and in the log."""
     import uvicorn
 
-    from lmcache_cartridge.api.gateway import create_app
+    from lmcache_cartridge.api.gateway import SERVER_KEEPALIVE_S, create_app
 
     if not settings.all_keys() and not is_loopback(host):
         print(f"WARNING: the gateway listens on {host}, reachable from other hosts, and checks no API key: "
               "anyone who can reach the port can use it and name every cartridge it may read. Set --api-key "
               f"(or ${API_KEY_ENV}).", file=sys.stderr, flush=True)
         logging.getLogger("lmcache_cartridge.gateway").warning("listening on %s without API keys", host)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", timeout_keep_alive=SERVER_KEEPALIVE_S)

@@ -222,11 +222,12 @@ class GatewayThread:
     def __init__(self, settings, port: int | None = None) -> None:
         import uvicorn
 
-        from lmcache_cartridge.api.gateway import create_app
+        from lmcache_cartridge.api.gateway import SERVER_KEEPALIVE_S, create_app
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_keep_alive=SERVER_KEEPALIVE_S)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
         self.thread.start()
