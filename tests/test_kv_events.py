@@ -48,7 +48,7 @@ def test_resident_cartridges_are_announced_as_vllm_would_announce_them(carts):
     user = [900, 901, 902]
     with engine_for(carts["dir"], carts["reg"].path) as eng:
         plugin = eng.backend("cartridge")
-        plugin.dump_stats()
+        plugin.publish()
         ann = ResidencyAnnouncer(lambda: plugin.settings, BS, "sha256_cbor", reannounce_s=1000)
         events = ann.step(now=0.0)
         assert len(events) == 2 and all(isinstance(e, BlockStored) for e in events), events
@@ -66,7 +66,7 @@ def test_resident_cartridges_are_announced_as_vllm_would_announce_them(carts):
         # LMCache retrieves A through the plugin: its chunks are now in the plugin's memory tier
         eng.clear_local_cpu()
         assert eng.retrieve(a.token_ids + user)[0] == a.num_full_chunks * CHUNK
-        plugin.dump_stats()
+        plugin.publish()
         events = ann.step(now=2.0)
         a_hashes = vllm_block_hashes(a.token_ids)[: a.num_full_chunks * CHUNK // BS]
         assert [type(e) for e in events] == [BlockRemoved, BlockStored], events
@@ -78,7 +78,7 @@ def test_resident_cartridges_are_announced_as_vllm_would_announce_them(carts):
         deadline = time.time() + 60  # a poll
         while b.cartridge_id in plugin.serving_state().cartridges and time.time() < deadline:
             time.sleep(0.05)
-        plugin.dump_stats()
+        plugin.publish()
         events = ann.step(now=3.0)
         b_hashes = vllm_block_hashes(b.token_ids)[: b.num_full_chunks * CHUNK // BS]
         assert events == [BlockRemoved(block_hashes=b_hashes, medium="STORAGE", group_idx=0)], events
@@ -112,7 +112,7 @@ def test_the_announcer_publishes_through_vllms_publisher_without_a_scheduler_ste
     try:
         with engine_for(carts["dir"], carts["reg"].path) as eng:
             plugin = eng.backend("cartridge")
-            plugin.dump_stats()
+            plugin.publish()
             ann = ResidencyAnnouncer(lambda: plugin.settings, BS, "sha256_cbor", period_s=0.2)
             assert capture_publisher(ann.use_publisher)
             pub = EventPublisherFactory.create(KVEventsConfig(
@@ -156,7 +156,7 @@ def test_kv_a_client_brought_is_announced_under_its_salt_as_vllm_hashes_its_requ
     assert salt
     with engine_for(d, carts["reg"].path) as eng:
         plugin = eng.backend("cartridge")
-        plugin.dump_stats()
+        plugin.publish()
         ann = ResidencyAnnouncer(lambda: plugin.settings, BS, "sha256_cbor", reannounce_s=1000)
         e = stored(ann.step(now=0.0), c.token_ids)
         n = 2 * CHUNK // BS
@@ -176,7 +176,7 @@ def test_kv_a_client_brought_is_announced_under_its_salt_as_vllm_hashes_its_requ
         deadline = time.time() + 60  # a poll
         events = []
         while time.time() < deadline and not any(isinstance(x, BlockStored) for x in events):
-            plugin.dump_stats()
+            plugin.publish()
             events = ann.step(now=2001.0)
             time.sleep(0.1)
         plain = vllm_block_hashes(ids)[:n]
@@ -195,7 +195,7 @@ def test_hashes_follow_vllms_algorithm_whatever_set_none_hash_first(carts):
     kcu.init_none_hash(sha256_cbor)  # as LMCache's token database leaves it
     with engine_for(carts["dir"], carts["reg"].path) as eng:
         plugin = eng.backend("cartridge")
-        plugin.dump_stats()
+        plugin.publish()
         ann = ResidencyAnnouncer(lambda: plugin.settings, BS, "sha256", reannounce_s=1000)
         e = stored(ann.step(now=0.0), a.token_ids)
     assert e.block_hashes == vllm_block_hashes(a.token_ids, sha256)[: a.num_full_chunks * CHUNK // BS]

@@ -269,7 +269,7 @@ def test_stats_published_per_tier(carts, capsys):
         eng.retrieve(a.token_ids + [1])
         eng.clear_local_cpu()
         eng.retrieve(a.token_ids + [1])  # second time from the plugin's CPU tier
-        plugin.dump_stats()
+        plugin.publish()
         capsys.readouterr()
         assert cli.main(["stats", "--config", str(cfg_path), "--json"]) == 0  # a running instance's
         tiers = _json.loads(capsys.readouterr().out)["tiers"]

@@ -97,7 +97,7 @@ cfg = load_config(write_yaml(tmp, tmp / "reg.db"))
 cfg.extra_config["storage_plugin.cartridge.refresh_seconds"] = 30  # fresh for long: only its pid can retire it
 with Engine(cfg, make_metadata(model_name=MODEL, num_layers=L, num_kv_heads=H, head_dim=D, chunk_size=CHUNK)) as eng:
     eng.retrieve(list(range(10, 10 + 3 * CHUNK)) + [1])
-    eng.backend("cartridge").dump_stats()
+    eng.backend("cartridge").publish()
 print("published", flush=True)
 """
 
@@ -129,7 +129,7 @@ def test_stats_does_not_sum_an_instance_whose_process_is_gone(tmp_path, doc, cap
     with engine_for(tmp_path, tmp_path / "reg.db") as eng:  # a live instance, 3 local hits
         n, _ = eng.retrieve(list(range(10, 10 + 3 * CHUNK)) + [1])
         assert n == 3 * CHUNK
-        eng.backend("cartridge").dump_stats()
+        eng.backend("cartridge").publish()
         capsys.readouterr()
         assert cli.main(["stats", "--config", str(cfg_path), "--json"]) == 0
         live = json.loads(capsys.readouterr().out)
@@ -153,7 +153,7 @@ def test_plugin_publishes_who_it_is_and_what_it_serves(tmp_path, doc):
         assert s.instance.startswith(f"cartridge-rank0-pid{os.getpid()}-")
         n, got = eng.retrieve(list(range(10, 10 + 3 * CHUNK)) + [1])
         assert n == 3 * CHUNK and got[:, :, :n].equal(flat(kv))
-        plugin.dump_stats()
+        plugin.publish()
         again = read_states(tmp_path / "cache")[0]
         assert again.instance == s.instance and again.started == s.started  # one record per instance
         assert again.tiers["local"]["hits"] == 3
@@ -332,5 +332,5 @@ def test_a_closed_plugin_withdraws_its_record_and_publishes_no_more(tmp_path, do
         plugin = eng.backend("cartridge")
         assert _until(lambda: len(read_states(tmp_path / "cache")) == 1)
     assert read_states(tmp_path / "cache", include_dead=True) == []
-    plugin.dump_stats()
+    plugin.publish()
     assert read_states(tmp_path / "cache", include_dead=True) == []

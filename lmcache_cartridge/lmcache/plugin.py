@@ -236,7 +236,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
                 self.residency.prefetch_rest(s.handle, preload=True)
 
     def _publish(self) -> None:
-        self.dump_stats()
+        self.publish()
 
     def _open(self, entry: Entry) -> Served:
         m = load_registered(entry)
@@ -290,11 +290,11 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
     def _want_download(self, s: Served) -> None:
         """Start fetching a remote cartridge to this host's tiers (no-op if local or under way);
         publish the new state when it ends so the gateway sees it resident promptly."""
-        self.residency.download_async(s.handle, on_done=lambda _h: self.dump_stats())
+        self.residency.download_async(s.handle, on_done=lambda _h: self.publish())
 
     def _watch_steps(self):
         return [("registry refresh (serving the current index)", self.refresh), ("housekeeping", self.tick),
-                ("publishing the serving state", self.dump_stats)]
+                ("publishing the serving state", self.publish)]
 
     def _resident_handles(self, served: Served) -> list[Handle]:
         return [served.handle]
@@ -358,7 +358,7 @@ class CartridgeStoragePlugin(ServingSet, StoragePluginInterface):
             prune(self.settings.cache_dir)
         return ident
 
-    def dump_stats(self) -> None:
+    def publish(self) -> None:
         """Publish this instance's serving-state record (`store.serving_state.publish`: atomic):
         what it serves and what is resident (the gateway forwards a request only once every live
         instance of its model serves its cartridges, and for a trained one has it resident: see

@@ -51,7 +51,7 @@ Provided here, called by the adapter:
     warn_unmatched_preloads()
         the adapter's start, after its first refresh: say which `preload` names match nothing.
     _serving_record(identity, fields) -> ServingState
-        whichever thread publishes (the adapter's `publish`/`dump_stats`): the record, built once.
+        whichever thread publishes (the adapter's `publish`): the record, built once.
     _watch()
         the adapter's watcher thread (its target), until the adapter's `_closed` event is set.
     _keep_trained_resident()
