@@ -228,10 +228,10 @@ class _Served:
         return tier_key(self.manifest.content_hash, self.origin.uri)
 
 
-class _Lock(NamedTuple):
-    """One lookup lock on a key: the content hash of the bytes it promised (a load fills the key
-    only with those), and the disk hold of a remote chunk (None for a local origin's, which cannot
-    go away)."""
+class _Promise(NamedTuple):
+    """What one lookup lock on a key holds, leased in `_leases`: the content hash of the bytes it
+    promised (a load fills the key only with those), and the disk hold of a remote chunk (None for
+    a local origin's, which cannot go away)."""
 
     content_hash: str
     hold: DiskHold | None
@@ -276,7 +276,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         self._refused: set[tuple] = set()  # refusals logged once
         self._room_checked: set[tuple[str, int]] = set()  # (cartridge bytes, world size) whose L1 room was checked
         # key -> the locks lookups took on it, oldest first: one per hit the server will unlock
-        self._leases: LeaseTable[_Lock] = LeaseTable()
+        self._leases: LeaseTable[_Promise] = LeaseTable()
         # lookups and loads, in order, on one thread at a time; one that makes no progress is
         # answered as a miss and the rest go on (`lmcache.mp_reader`)
         self._reader = Reader("cartridge-mp", self._complete, Bitmap, st.read_stall_seconds)
@@ -641,7 +641,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
     def _lookup_keys(self, task: Task, keys, descs) -> Bitmap:
         bits = Bitmap(len(keys))
         downloads = {}
-        locks: list[tuple[int, Any, _Lock]] = []
+        locks: list[tuple[int, Any, _Promise]] = []
         try:
             for n, key in enumerate(keys):
                 task.beat()
@@ -660,7 +660,7 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
                 if not local:
                     downloads[id(h)] = h  # fetched in the background: a later lookup hits
                     continue
-                locks.append((n, key, _Lock(s.manifest.content_hash, hold)))
+                locks.append((n, key, _Promise(s.manifest.content_hash, hold)))
             # The locks are the server's only once it gets this bitmap: taken all at once, unless
             # the reader answered the lookup as a miss meanwhile (then the server never unlocks them).
             with task.writing(), self._lock:
