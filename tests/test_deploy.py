@@ -230,35 +230,24 @@ def test_the_gateway_sends_the_engines_key_from_its_environment(tmp_path):
     import os
     import subprocess
     import sys
-    import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     import httpx
 
+    from http_stub import JsonUpstream
     from lmcache_cartridge.tools.testmodel import ensure_test_model
     from lmcache_cartridge.tools.vllm_process import free_port
 
     engine_key, client_key = "engine-key-0123456789abcdef", "client-key-0123456789abcdef"
     seen = []
 
-    class KeyedUpstream(BaseHTTPRequestHandler):
-        def do_GET(self):
-            seen.append(self.headers.get("Authorization"))
-            ok = self.headers.get("Authorization") == f"Bearer {engine_key}"
-            body = json.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 4096}]} if ok else
-                              {"error": {"message": "Unauthorized"}}).encode()
-            self.send_response(200 if ok else 401)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(request, _body):
+        seen.append(request.headers.get("Authorization"))
+        ok = request.headers.get("Authorization") == f"Bearer {engine_key}"
+        return (200, {"object": "list", "data": [{"id": "m", "max_model_len": 4096}]}) if ok else \
+            (401, {"error": {"message": "Unauthorized"}})
 
-        def log_message(self, *a):
-            pass
-
-    upstream = ThreadingHTTPServer(("127.0.0.1", 0), KeyedUpstream)
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    upstream = JsonUpstream(answer)
     model = ensure_test_model(tmp_path / "models")
 
     def gateway(env_key):
@@ -267,7 +256,7 @@ def test_the_gateway_sends_the_engines_key_from_its_environment(tmp_path):
         env.update(LMCACHE_CARTRIDGE_HOME=str(tmp_path / "home"), LMCACHE_CARTRIDGE_API_KEYS=client_key,
                    **({"VLLM_API_KEY": env_key} if env_key else {}))
         p = subprocess.Popen([sys.executable, "-m", "lmcache_cartridge.tools.cli", "gateway", "--upstream",
-                              f"http://127.0.0.1:{upstream.server_address[1]}", "--model", str(model),
+                              upstream.url, "--model", str(model),
                               "--registry", str(tmp_path / "reg.db"), "--port", str(port)],
                              env=env, stderr=subprocess.PIPE, text=True)
         url = f"http://127.0.0.1:{port}"
@@ -292,7 +281,7 @@ def test_the_gateway_sends_the_engines_key_from_its_environment(tmp_path):
                 p.terminate()
                 p.communicate(timeout=30)
     finally:
-        upstream.shutdown()
+        upstream.stop()
 
 
 def _selects(selector: dict, labels: dict) -> bool:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import random_kv
+from http_stub import JsonUpstream
 from lmcache_cartridge.api.gateway import GatewaySettings, RequestError, create_app
 from lmcache_cartridge.api.prompts import PromptBuilder
 from lmcache_cartridge.api.requests import CartridgeSpec
@@ -411,36 +412,17 @@ def test_bad_chat_and_unreachable_upstream(settings):
 def recording_upstream():
     """A loopback HTTP server standing in for the router/vLLM hop: records each forwarded request's
     headers and answers like vLLM's /v1/completions (what it answers is not under test here)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     seen = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def _json(self, obj):
-            data = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(request, body):
+        if request.command == "GET":
+            return 200, {"data": [{"id": "m", "max_model_len": 4096}]}
+        seen.append(({**dict(request.headers), ":path": request.path}, body))
+        return 200, {"id": "cmpl-1", "object": "text_completion", "model": body["model"],
+                     "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
 
-        def do_GET(self):
-            self._json({"data": [{"id": "m", "max_model_len": 4096}]})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(({**dict(self.headers), ":path": self.path}, body))
-            self._json({"id": "cmpl-1", "object": "text_completion", "model": body["model"],
-                        "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
-
-        def log_message(self, *a):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    server.shutdown()
+    with JsonUpstream(answer) as upstream:
+        yield upstream.url, seen
 
 
 def test_router_session_key_follows_the_cartridges(tmp_path, settings, model_dir, recording_upstream):
@@ -1228,39 +1210,24 @@ def test_keep_alive_ends_on_the_side_that_cannot_race(tmp_path, settings):
     keep-alive (a request after a longer pause opens a new one), and keeps a client's idle
     connection past the 5 s of an httpx client's pool (a client keeping it longer reuses it)."""
     import dataclasses
-    import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from lmcache_cartridge.api.gateway import UPSTREAM_KEEPALIVE_S
     from lmcache_cartridge.testing.launch import GatewayThread
 
     ports = []
 
-    class Upstream(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server
+    def answer(request, body):
+        ports.append(request.client_address[1])  # the gateway's end of the connection
+        return 200, {"id": "cmpl-1", "object": "text_completion", "model": body["model"],
+                     "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
 
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            ports.append(self.client_address[1])  # the gateway's end of the connection
-            data = json.dumps({"id": "cmpl-1", "object": "text_completion", "model": body["model"],
-                               "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *a):
-            pass
-
-    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    upstream = JsonUpstream(answer, keep_alive=True)  # as vLLM's server
     vllm_keep_alive = 5  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default
     assert UPSTREAM_KEEPALIVE_S < vllm_keep_alive
     try:
-        with GatewayThread(dataclasses.replace(settings, upstream=f"http://127.0.0.1:{upstream.server_address[1]}")) \
-                as gw, httpx.Client(base_url=gw.url, timeout=30, limits=httpx.Limits(keepalive_expiry=60)) as client:
+        with GatewayThread(dataclasses.replace(settings, upstream=upstream.url)) as gw, \
+                 httpx.Client(base_url=gw.url, timeout=30, limits=httpx.Limits(keepalive_expiry=60)) as client:
             def ask() -> int:
                 """One request; the client's local port (the same port: the same connection)."""
                 r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
@@ -1274,4 +1241,4 @@ def test_keep_alive_ends_on_the_side_that_cannot_race(tmp_path, settings):
             time.sleep(vllm_keep_alive + 1)  # past an httpx client's pool and uvicorn's default
             assert ask() == first, "the gateway closed a client's idle connection as the client's pool kept it"
     finally:
-        upstream.shutdown()
+        upstream.stop()

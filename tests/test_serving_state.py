@@ -246,35 +246,23 @@ def test_a_trained_request_carries_its_rules_and_a_failed_load_is_a_retryable_50
     token ids with the connector's rules (no recompute, the trained tokens to load first, no
     save), and its answer comes back in chat's shape; vLLM's 500 for it (the KV could not be
     loaded after the lookup) is the gateway's retryable 503, never the upstream's 500."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http_stub import JsonUpstream
 
     answers, seen = [500, 200], []
 
-    class Upstream(BaseHTTPRequestHandler):
-        def do_POST(self):
-            seen.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
-            status = answers.pop(0)
-            body = {"error": {"message": "load failed"}} if status == 500 else {
-                "id": "cmpl-1", "model": MODEL, "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(request, body):
+        seen.append((request.path, body))
+        status = answers.pop(0)
+        return status, {"error": {"message": "load failed"}} if status == 500 else {
+            "id": "cmpl-1", "model": MODEL, "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
 
-        def log_message(self, *a):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = JsonUpstream(answer)
     try:
         reg = Registry(tmp_path / "reg.db")
         pack_kv(random_kv(L, 2 * CHUNK, H, D, seed=5), tmp_path / "tr", cartridge_id="tr", model=MODEL,
                 kind="trained", vocab=VocabInfo(1000, (0, 1, 2)), chunk_size=CHUNK)
         reg.register(tmp_path / "tr")
-        gw = _gateway(f"http://127.0.0.1:{server.server_address[1]}", MODEL, tmp_path, model_dir, serve_timeout=5,
+        gw = _gateway(server.url, MODEL, tmp_path, model_dir, serve_timeout=5,
                       max_model_len=4096)
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "cartridges": [{"id": "tr"}]}
         with engine_for(tmp_path, reg.path):
@@ -294,7 +282,7 @@ def test_a_trained_request_carries_its_rules_and_a_failed_load_is_a_retryable_50
             assert (message["role"], message["content"]) == ("assistant", "ok"), message
             assert all(v is None for k, v in message.items() if k not in ("role", "content")), message
     finally:
-        server.shutdown()
+        server.stop()
 
 
 def test_a_stale_record_of_a_live_process_still_holds_a_trained_request(tmp_path):
