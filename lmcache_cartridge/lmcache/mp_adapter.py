@@ -434,7 +434,8 @@ class CartridgeL2Adapter(ServingSet, L2AdapterInterface):
         if not todo:
             return
         room = self._server.l1_room()
-        if room is None:
+        if room is None:  # a server that does not say: asked again only for another cartridge
+            self._room_checked.update(once for _s, once in todo)
             return
         capacity, watermark = room
         free = (1 - watermark) * capacity
