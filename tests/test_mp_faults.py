@@ -253,23 +253,6 @@ def test_an_l1_too_small_for_the_cartridges_churns_and_never_answers_wrong(cartr
         vllm.stop()
 
 
-# A filesystem that stops answering cannot be caused here without root (FUSE, NFS): the server's
-# reads of a local cartridge's file wait while this file exists, as a stalled mount's would.
-_STALL_HOOK = '''
-import os, time
-from lmcache_cartridge.store import origins
-
-_read = origins.LocalOrigin.read_into
-
-def read_into(self, info, buf):
-    while os.path.exists(os.environ["CARTRIDGE_TEST_STALL_FILE"]):
-        time.sleep(0.05)
-    _read(self, info, buf)
-
-origins.LocalOrigin.read_into = read_into
-'''
-
-
 def test_a_server_read_that_never_returns_holds_up_no_other_request(cartridge, tmp_path):
     """The `lmcache server`'s reads of one trained cartridge's file stop returning (a stalled
     mount) while another trained cartridge is in its L1. Without a bound, the adapter's reader
@@ -278,16 +261,12 @@ def test_a_server_read_that_never_returns_holds_up_no_other_request(cartridge, t
     is answered as before, the cartridge in L1 is answered from its KV as before, and the stalled
     one is refused with an error, never answered without its KV; once the mount answers again it
     is answered from its KV with no manual step, vLLM healthy, the registry intact."""
-    import os
-
     from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv
     from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.testing.faults import stall_reads_env
     from lmcache_cartridge.testing.launch import MpVllmServer
 
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_STALL_HOOK)
     stall = tmp_path / "stall"
     model, _tok = load_model(cartridge["model"])
     kv = torch.randn(2, 2, 2 * CHUNK, 2, 64, generator=torch.Generator().manual_seed(71)).to(torch.bfloat16)
@@ -295,8 +274,7 @@ def test_a_server_read_that_never_returns_holds_up_no_other_request(cartridge, t
                 vocab=VocabInfo(model.config.vocab_size, (0, 1, 2, 3)), chunk_size=CHUNK)
     stalled = {**cartridge, "dir": tmp_path / "stalled", "ids": list(m.token_ids)}
     registry = Registry(tmp_path / "registry.db")
-    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
-           "CARTRIDGE_TEST_STALL_FILE": str(stall)}
+    env = stall_reads_env(tmp_path / "hook", stall)
     vllm = MpVllmServer(tmp_path / "vllm", cartridge["model"], registry=registry.path, cache_dir=tmp_path / "cache",
                         chunk_size=CHUNK, prefix_caching=False, adapter_extra={"read_stall_seconds": 2},
                         server_env=env, kv_extra={READY_TIMEOUT_KEY: READY_TIMEOUT_S})
