@@ -281,12 +281,17 @@ class VllmProcess:
             cmd += ["--kv-transfer-config", json.dumps(connector)]
         self.command = cmd
         self.mode = start_mode(cmd, env)
+        self._env = env
         self._log = open(self.log_path, "wb")
+        self._scanned = 0  # bytes of the log `_log_shows` has read
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start the server's process (its own process group), appending to its log."""
         self.t0 = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
                                      cwd=str(self.root), start_new_session=True)
         self.startup_s: float | None = None
-        self._scanned = 0  # bytes of the log `_log_shows` has read
         self._engine_failed_at: float | None = None
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> VllmProcess:
@@ -341,6 +346,17 @@ class VllmProcess:
     def kill(self) -> None:
         """SIGKILL the server's process group (`kill_group`): a crash, for fault tests; `stop` after."""
         kill_group(self.proc)
+
+    def restart(self) -> VllmProcess:
+        """Start the server again after `kill` (or its exit) with the same command, environment and
+        port, as a supervisor restarts it; its log goes on in the same file. Not yet healthy: call
+        `wait_healthy`."""
+        if self.proc.poll() is None:
+            raise RuntimeError("the vLLM server is still running: kill() or stop() it first")
+        self._log.write(b"\n==== restarted ====\n")
+        self._log.flush()
+        self._launch()
+        return self
 
     def stop(self) -> None:
         """Stop the server and everything it started (engine core, workers): the whole process
