@@ -23,7 +23,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export LMCACHE_CARTRIDGE_HOME ?= $(CURDIR)/.cache
 
-.PHONY: venv model router lint test test-long test-quick test-avx2 demo bench bench-ttft bench-ttft-mp fleet soak answers quality quality-scale quality-served clean-venv
+.PHONY: venv model router lint test test-long test-quick test-avx2 demo bench bench-ttft bench-ttft-mp fleet soak soak-faults answers quality quality-scale quality-served clean-venv
 
 venv: $(STAMP)
 
@@ -151,6 +151,14 @@ fleet: $(STAMP) $(ROUTER_VENV)/.installed
 SOAK_MODE := $(if $(MODE),$(MODE),inprocess)
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py --mode $(SOAK_MODE) --cartridges 20 --clients 16 --requests 6000 --max-seconds 300
+
+# The MP fault matrix under load: the soak in LMCache's multiprocess mode with the disk tier
+# corrupted, the lmcache server killed, its local reads stalled and vLLM killed, one after another
+# (benchmarks/soak.py's docstring); results in benchmarks/results/soak-mp-faults/.
+soak-faults: $(STAMP)
+	$(PY) benchmarks/soak.py --mode mp --clients 8 --requests 8000 --max-seconds 900 \
+		--faults corrupt-disk@0.15,kill-server@0.2,stall-reads@0.45,kill-vllm@0.7 \
+		--out benchmarks/results/soak-mp-faults
 
 clean-venv:
 	rm -rf $(VENV) $(ROUTER_VENV)

@@ -57,6 +57,21 @@ What runs (all on 127.0.0.1, stops by itself):
       answered (computed); a cartridge request overlapping the outage (from the kill until a
       cartridge is answered again) may be refused, never answered wrongly; a cartridge must be
       answered from its KV again within `recover_s` (180 s) with no manual step.
+    * the MP fault matrix under load (`--faults kill-server@0.3,kill-vllm@0.6,...`, MP only): each
+      fault once that share of the requests is done and the one before has ended, one after
+      another (`FAULT_KINDS`):
+      - `kill-server`: as `--restart-server-at`;
+      - `kill-vllm`: vLLM SIGKILLed and started again `restart_down_s` later on the same port,
+        attached to the same server (its L1 kept); requests of any kind may be refused while it
+        is down, and a cartridge must be answered from its KV within `recover_s` of its start;
+      - `stall-reads`: the server's reads of local cartridge files held for `stall_s` (30 s), a
+        stalled mount; plain prompts must be answered, a cartridge not in L1 may be refused, and
+        a local cartridge must be answered again within `recover_s` of the stall's end;
+      - `corrupt-disk`: 64 bytes overwritten in up to 4 chunk files of the host's disk tier;
+        nothing may be refused or answered wrongly for it: the next read of each must find it
+        and fetch the chunk again (the tier's error count). The server's L1 holds what it read,
+        so a kill-server after it makes the disk tier be read again.
+      While a fault's window is open a refused client waits `BACKOFF_S` before its next request.
 - vLLM prefix caching OFF: with it on, vLLM's own 1 GiB KV cache would keep every cartridge after
   its first use and the LMCache / plugin tiers would see almost no traffic; off, every request's
   cartridge KV goes through LMCache's lookup and retrieve, so the tiers churn on every request.
@@ -114,6 +129,13 @@ CHUNK = 256
 MiB = 1 << 20
 BUCKET = "soak-carts"
 MODES = ("inprocess", "mp")
+# MP faults (`--faults kind@share,...`, module docstring): each opens a window from when it is
+# caused until a cartridge is answered again; corrupt-disk opens none (nothing may be refused)
+FAULT_KINDS = ("kill-server", "kill-vllm", "stall-reads", "corrupt-disk")
+# while a fault's window is open, a client whose request was refused waits this long before its
+# next one, as a client backs off: with vLLM down the gateway refuses at once, and the clients
+# would otherwise spend the soak's requests on refusals within seconds
+BACKOFF_S = 1.0
 # every answer's usage carries `prompt_tokens_details.cached_tokens`: the per-request external tokens
 PROMPT_DETAILS = "--enable-prompt-tokens-details"
 
@@ -153,7 +175,9 @@ class SoakParams:
     ready_timeout_s: float | None = None  # the connector's cartridge.ready_timeout_s (None: its default)
     restart_server_at: float | None = None  # MP: the lmcache server SIGKILLed at this share of the soak's
     restart_down_s: float = 5.0           # requests, and started again this long after (module docstring)
-    recover_s: float = 180.0              # a cartridge answered again within this long of the restart
+    recover_s: float = 180.0              # a cartridge answered again within this long of a fault's end
+    faults: tuple[str, ...] = ()          # MP: "kind@share" (FAULT_KINDS), each at that share of the requests
+    stall_s: float = 30.0                 # stall-reads: how long the server's local reads stall
     warmup_requests: int | None = None  # soak requests before the "after warm-up" RSS; None: max(2*clients, 10%)
     rss_tolerance: float = 0.10         # flat = end <= after-warm-up x (1 + tolerance)
     rss_tail_samples: int = 5
@@ -163,6 +187,26 @@ class SoakParams:
 
     def chunks_of(self, i: int) -> int:
         return 2 if i % 2 == 0 else 1
+
+    def fault_schedule(self) -> list[tuple[str, float]]:
+        """The faults in the order they come: `faults` and `restart_server_at` (a kill-server)."""
+        sched = []
+        for f in self.faults:
+            kind, _, share = f.partition("@")
+            if kind not in FAULT_KINDS:
+                raise ValueError(f"fault {f!r}: the kind must be one of {FAULT_KINDS}")
+            try:
+                at = float(share)
+            except ValueError:
+                raise ValueError(f"fault {f!r}: give it as kind@share, e.g. kill-vllm@0.5") from None
+            sched.append((kind, at))
+        if self.restart_server_at is not None:
+            sched.append(("kill-server", self.restart_server_at))
+        if sched and self.mode != "mp":
+            raise ValueError("faults (restart_server_at, faults): in mp mode only")
+        if any(not 0 < at < 1 for _, at in sched):
+            raise ValueError("faults (restart_server_at, faults): a share of the requests in (0, 1), in mp mode only")
+        return sorted(sched, key=lambda f: f[1])
 
     @classmethod
     def mp(cls, **kw) -> "SoakParams":
@@ -330,8 +374,17 @@ def vllm_metrics(url: str) -> dict[str, float]:
     return out
 
 
-def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+def metric_delta(before: dict[str, float], after: dict[str, float],
+                 restarts: list[tuple[dict[str, float], dict[str, float]]] = ()) -> dict[str, float]:
+    """What vLLM's counters grew by from `before` to `after`. `restarts`: the counters read just
+    before each kill and just after the restart; a counter the restart started again from zero
+    gets the segment before the kill added (one that went on from the metrics files the killed
+    process left, as vLLM's multiprocess metrics may, gets nothing)."""
+    out = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    for killed, started in restarts:
+        for k, v in killed.items():
+            out[k] = out.get(k, 0.0) + max(0.0, v - started.get(k, 0.0))
+    return out
 
 
 # --- requests and the rule each answer is judged by -----------------------------------------------
@@ -536,12 +589,17 @@ def start_server(p: SoakParams, work: Path, carts: Carts, registry_path: Path, c
     cb = carts.chunk_bytes
     kv_extra = {READY_TIMEOUT_KEY: p.ready_timeout_s} if p.ready_timeout_s is not None else None
     if p.mode == "mp":
+        from lmcache_cartridge.testing.faults import stall_reads_env
+
         adapter = {"disk_budget_gb": p.plugin_disk_chunks * cb / GiB}
         if s3_cfg:
             adapter["s3.endpoint_url"] = s3_cfg["endpoint_url"]
+        stalls = any(kind == "stall-reads" for kind, _ in p.fault_schedule())
+        server_env = stall_reads_env(work / "stall-hook", work / "stall") if stalls else None
         server = MpVllmServer(work / "vllm", str(carts.model_dir), registry=registry_path, cache_dir=cache_dir,
                               chunk_size=CHUNK, l1_size_gb=p.lmcache_chunks * cb / GiB, adapter_extra=adapter,
-                              kv_extra=kv_extra, prefix_caching=p.prefix_caching, extra_args=(PROMPT_DETAILS,))
+                              kv_extra=kv_extra, prefix_caching=p.prefix_caching, extra_args=(PROMPT_DETAILS,),
+                              server_env=server_env)
         return server, {"lmcache_server_command": server.lmcache_server.command, "adapter": adapter,
                         "kv_extra": kv_extra}
     extra = {
@@ -723,8 +781,7 @@ class SoakRun:
             raise ValueError(f"mode must be one of {MODES}, not {p.mode!r}")
         if p.churn and p.cartridges < 3:
             raise ValueError("churn needs 3 cartridges or more (the first and the last change, one stays)")
-        if p.restart_server_at is not None and (p.mode != "mp" or not 0 < p.restart_server_at < 1):
-            raise ValueError("restart_server_at: a share of the requests in (0, 1), in mp mode only")
+        self.schedule = p.fault_schedule()
         self.p = p
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -742,8 +799,10 @@ class SoakRun:
         self.records: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.salt_lock = threading.Lock()
-        self.outages: list[list[float]] = []  # [begin, end] of the server's outage; end inf until recovered
-        self.restart_event: dict[str, Any] | None = None
+        self.outages: list[list] = []  # [begin, end, fault kind] per fault window; end inf until recovered
+        self.fault_events: list[dict[str, Any]] = []
+        self.vllm_restarts: list[tuple[dict[str, float], dict[str, float]]] = []  # metrics before kill, after start
+        self.stall_file = self.work / "stall"
 
     def run(self) -> dict[str, Any]:
         try:
@@ -852,17 +911,26 @@ class SoakRun:
                **judge(kind, reply, possible, self.refs, self.full_tokens, name, self.check_ext)}
         if reply.status != 200:
             rec["error"] = reply.error
-            if rec["verdict"] == "error" and kind != "plain" and self.in_outage(t0, t1):
-                rec["verdict"] = "outage_refused"  # a cartridge refused while the server was down: due
+            kinds = self.in_outage(t0, t1)
+            # a cartridge refused while the server or its reads were down is due; with vLLM down
+            # nothing can be answered, plain prompts included
+            if rec["verdict"] == "error" and (kind != "plain" and kinds or "kill-vllm" in kinds):
+                rec["verdict"] = "outage_refused"
+            if self.fault_open():
+                time.sleep(BACKOFF_S)
         with self.lock:
             self.records.append(rec)
         return rec
 
-    def in_outage(self, t0: float, t1: float) -> bool:
-        """Whether [t0, t1] overlaps the server's outage (from its kill until a cartridge was
+    def in_outage(self, t0: float, t1: float) -> set[str]:
+        """The kinds of the fault windows [t0, t1] overlaps (from each fault until a cartridge was
         answered again)."""
         with self.lock:
-            return any(b <= t1 and t0 <= e for b, e in self.outages)
+            return {kind for b, e, kind in self.outages if b <= t1 and t0 <= e}
+
+    def fault_open(self) -> bool:
+        with self.lock:
+            return any(math.isinf(e) for _, e, _ in self.outages)
 
     def concurrently(self, jobs: list[tuple[str, str | None]], phase: str, i0: int = 0) -> None:
         import httpx
@@ -971,15 +1039,15 @@ class SoakRun:
         self.t_soak = time.time()
         changes = ([self.change(names[-1], "v1"), self.change(names[0], None), self.change(names[0], "v2")]
                    if p.churn else [])
-        restart = None
-        if p.restart_server_at is not None:
-            restart = threading.Thread(target=self.restart_server, name="restart", daemon=True)
-            restart.start()
+        faults = None
+        if self.schedule:
+            faults = threading.Thread(target=self.run_faults, name="faults", daemon=True)
+            faults.start()
         self.soak_recs, self.events, self.soak_s = drive(
             len(jobs), p.clients, lambda client, i: self.one(client, "soak", *jobs[i], i), p.max_seconds, changes,
             session=httpx.Client)
-        if restart is not None:
-            restart.join(timeout=p.recover_s + 300)
+        if faults is not None:
+            faults.join(timeout=len(self.schedule) * (p.recover_s + 900))
         self.warm_at = [self.soak_recs[self.warmup - 1]["t"]] if 0 < self.warmup <= len(self.soak_recs) else []
         time.sleep(1.0)  # one more RSS sample and stats dump at rest
         self.m2 = vllm_metrics(self.server.url)
@@ -1012,57 +1080,125 @@ class SoakRun:
             return ev
         return apply
 
-    def restart_server(self) -> None:
-        """The server's fault, on a thread of its own beside the soak: once `restart_server_at` of
-        the requests are done, the `lmcache server` is SIGKILLed (a crash, the OOM killer), started
-        again `restart_down_s` later on the same ports, and a stable cartridge asked until it is
-        answered (the outage's end); its event recorded in `restart_event`."""
+    # -- faults (MP) ---------------------------------------------------------------------------------
+    def run_faults(self) -> None:
+        """The faults of `schedule`, one after another on a thread of their own beside the soak:
+        each once its share of the requests is done and the one before has ended; its event
+        recorded in `fault_events` ("failure" if it could not be caused or did not recover)."""
         import httpx
 
-        p, lmc = self.p, self.server.lmcache_server
-        ev: dict[str, Any] = {"at_share": p.restart_server_at}
-        self.restart_event = ev
-        at = math.ceil(p.restart_server_at * p.requests)
-        while sum(1 for r in list(self.records) if r["phase"] == "soak") < at:
-            if time.time() - self.t_soak > p.max_seconds:
-                ev["failure"] = "the soak ended before the restart's share of requests"
-                return
-            time.sleep(0.05)
-        try:
-            self.outage(ev, lmc, httpx)
-        except Exception as e:  # recorded as the restart's failure, not lost on this thread
-            ev["failure"] = f"{type(e).__name__}: {e}"
-            log(f"restart: FAILED: {ev['failure']}")
+        causes = {"kill-server": self.kill_server, "kill-vllm": self.kill_vllm, "stall-reads": self.stall_reads,
+                  "corrupt-disk": self.corrupt_disk}
+        with httpx.Client() as client:
+            for kind, share in self.schedule:
+                ev: dict[str, Any] = {"kind": kind, "at_share": share}
+                self.fault_events.append(ev)
+                at = math.ceil(share * self.p.requests)
+                while self.soak_done() < at:
+                    if time.time() - self.t_soak > self.p.max_seconds:
+                        ev["failure"] = "the soak ended before the fault's share of requests"
+                        return
+                    time.sleep(0.05)
+                ev["at_request"] = self.soak_done()
+                try:
+                    causes[kind](ev, client)
+                except Exception as e:  # recorded as the fault's failure, not lost on this thread
+                    ev["failure"] = f"{type(e).__name__}: {e}"
+                    log(f"{kind}: FAILED: {ev['failure']}")
+                with self.lock:  # a window a failed fault left open closes with it
+                    for w in self.outages:
+                        if math.isinf(w[1]):
+                            w[1] = time.time()
 
-    def outage(self, ev: dict[str, Any], lmc, httpx) -> None:
-        p = self.p
-        ev["at_request"] = sum(1 for r in list(self.records) if r["phase"] == "soak")
+    def soak_done(self) -> int:
+        with self.lock:
+            return sum(1 for r in self.records if r["phase"] == "soak")
+
+    def open_window(self, kind: str, ev: dict[str, Any]) -> float:
         begin = time.time()
         with self.lock:
-            self.outages.append([begin, math.inf])
-        lmc.kill()
+            self.outages.append([begin, math.inf, kind])
         ev["t"] = round(begin - self.t_soak, 2)
-        log(f"restart: lmcache server SIGKILLed at request {ev['at_request']}")
-        time.sleep(p.restart_down_s)
-        lmc.restart().wait_ready(timeout=120)
-        self.sampler.pids.append(lmc.proc.pid)
-        ev["ready_after_s"] = round(time.time() - begin, 2)
-        stable = self.names[1:-1] if p.churn else self.names
+        return begin
+
+    def recover(self, ev: dict[str, Any], client, begin: float, name: str, deadline: float) -> None:
+        """Ask for cartridge `name` until it is answered (at most until `deadline`); the fault's
+        window closes then."""
         probes = []
-        with httpx.Client() as client:
-            while time.time() - begin < p.restart_down_s + p.recover_s:
-                rec = self.one(client, "probe", "cartridge", stable[0], -3)
-                probes.append(rec["status"])
-                if rec["status"] == 200:
-                    break
-                time.sleep(1.0)
+        rec: dict[str, Any] = {}
+        while time.time() < deadline:
+            rec = self.one(client, "probe", "cartridge", name, -3)
+            probes.append(rec["status"])
+            if rec["status"] == 200:
+                break
+            time.sleep(1.0)
         end = time.time()
         with self.lock:
             self.outages[-1][1] = end
         ev.update(recovered=probes[-1:] == [200], recovered_after_s=round(end - begin, 2),
-                  probe_statuses=probes, probe_verdict=rec["verdict"])
-        log(f"restart: server ready {ev['ready_after_s']} s after the kill; a cartridge answered again after "
-            f"{ev['recovered_after_s']} s ({probes})")
+                  probe_statuses=probes[-8:], probes=len(probes), probe_verdict=rec.get("verdict"))
+        log(f"{ev['kind']}: a cartridge answered again after {ev['recovered_after_s']} s ({probes[-8:]})")
+
+    def stable(self) -> list[str]:
+        """The cartridges the churn leaves registered throughout."""
+        return self.names[1:-1] if self.p.churn else self.names
+
+    def kill_server(self, ev: dict[str, Any], client) -> None:
+        """The `lmcache server` SIGKILLed (a crash, the OOM killer) and started again
+        `restart_down_s` later on the same ports and L1 segment name, as a supervisor would."""
+        p, lmc = self.p, self.server.lmcache_server
+        begin = self.open_window("kill-server", ev)
+        lmc.kill()
+        log(f"kill-server: lmcache server SIGKILLed at request {ev['at_request']}")
+        time.sleep(p.restart_down_s)
+        lmc.restart().wait_ready(timeout=120)
+        self.sampler.pids.append(lmc.proc.pid)
+        ev["ready_after_s"] = round(time.time() - begin, 2)
+        self.recover(ev, client, begin, self.stable()[0], begin + p.restart_down_s + p.recover_s)
+
+    def kill_vllm(self, ev: dict[str, Any], client) -> None:
+        """vLLM SIGKILLed and started again on the same port, the same `lmcache server` running
+        on (its L1 kept); vLLM's counters start again from zero, so the soak's deltas add the
+        segment before the kill."""
+        from lmcache_cartridge.tools.vllm_process import START_TIMEOUT_S
+
+        p, server = self.p, self.server
+        before = vllm_metrics(server.url)
+        begin = self.open_window("kill-vllm", ev)
+        server.kill()
+        log(f"kill-vllm: vLLM SIGKILLed at request {ev['at_request']}")
+        time.sleep(p.restart_down_s)
+        server.restart().wait_healthy(timeout=START_TIMEOUT_S)
+        self.sampler.pids.append(server.proc.pid)
+        self.vllm_restarts.append((before, vllm_metrics(server.url)))
+        ev["ready_after_s"] = round(time.time() - begin, 2)
+        self.recover(ev, client, begin, self.stable()[0], time.time() + p.recover_s)
+
+    def stall_reads(self, ev: dict[str, Any], client) -> None:
+        """The server's reads of local cartridge files held for `stall_s` (a stalled mount:
+        `testing.faults.stall_reads_env`); a local cartridge answered again after."""
+        p = self.p
+        begin = self.open_window("stall-reads", ev)
+        self.stall_file.touch()
+        log(f"stall-reads: local reads stalled at request {ev['at_request']} for {p.stall_s} s")
+        try:
+            time.sleep(p.stall_s)
+        finally:
+            self.stall_file.unlink(missing_ok=True)
+        local = [n for n in self.stable() if n not in self.carts.s3_names]
+        self.recover(ev, client, begin, local[0], time.time() + p.recover_s)
+
+    def corrupt_disk(self, ev: dict[str, Any], client) -> None:
+        """Chunk files of the host's disk tier overwritten in place; the next read of each must
+        find it and fetch the chunk again (the disk tier's errors count them), never serve it."""
+        from lmcache_cartridge.testing.faults import corrupt_disk_chunks
+
+        ev["t"] = round(time.time() - self.t_soak, 2)
+        ev["files"] = len(corrupt_disk_chunks(self.cache_dir))
+        ev["recovered"] = ev["files"] > 0
+        if not ev["files"]:
+            ev["failure"] = "no chunk file in the disk tier to corrupt"
+        log(f"corrupt-disk: {ev['files']} chunk files overwritten at request {ev['at_request']}")
 
     # -- the verdicts --------------------------------------------------------------------------------
     def verdicts(self) -> None:
@@ -1075,13 +1211,13 @@ class SoakRun:
               ("ok", "error", "refused", "contaminated", "near_tie", "served_unregistered", "outage_refused")}
         ext_bad = [r for r in judged if r["ext_violation"]]
         probes = [r for r in self.records if r["phase"] == "probe"]
-        ext_counter = self.m2.get("vllm:external_kv_tokens", 0) - self.m1.get("vllm:external_kv_tokens", 0)
+        ext_counter = metric_delta(self.m1, self.m2, self.vllm_restarts).get("vllm:external_kv_tokens", 0)
         server = self.server
         self.result.update({
             "soak": self.soak_summary(by, probes, ext_counter),
             "external_tokens": self.external_tokens(ext_bad, probes, ext_counter),
             "churn": self.churn_summary(judged) if p.churn else None,
-            "restart": self.restart_summary(by) if p.restart_server_at is not None else None,
+            "faults": self.fault_summary() if self.schedule else None,
             **self.tier_summary(),
             "rss": self.rss_summary(),
             "server_alive": server.alive() and (p.mode != "mp" or server.lmcache_server.proc.poll() is None),
@@ -1091,7 +1227,7 @@ class SoakRun:
         result["ok"] = bool(not by["error"] and not by["contaminated"] and not by["served_unregistered"]
                             and not ext_bad and not result["references"]["ext_violations"]
                             and control_ok and (not p.churn or result["churn"]["complete_under_load"])
-                            and (result["restart"] is None or result["restart"]["recovered"])
+                            and (result["faults"] is None or result["faults"]["recovered"])
                             and result["server_alive"])
         log(f"soak: {len(self.soak_recs)} requests in {self.soak_s:.1f}s, {len(by['error'])} errors, "
             f"{len(by['contaminated'])} contaminated, {len(by['refused'])} refused, {len(ext_bad)} external-token "
@@ -1138,16 +1274,25 @@ class SoakRun:
             "before_registration": [r["ext"] for r in self.records if r["phase"] == "before_registration"],
         }
 
-    def restart_summary(self, by: dict[str, list[dict]]) -> dict[str, Any]:
-        """The server's restart: its event, and what the requests overlapping the outage got."""
-        ev = dict(self.restart_event or {"failure": "never started"})
-        during = [r for r in self.records if r["phase"] in ("soak", "probe") and self.in_outage(r["t"] - r["latency_s"],
-                                                                                                  r["t"])]
-        return {**ev, "recovered": bool(ev.get("recovered")) and "failure" not in ev,
-                "outage_refused": len(by["outage_refused"]),
-                "during_outage": {k: {"answered": sum(1 for r in during if r["kind"] == k and r["status"] == 200),
-                                      "refused": sum(1 for r in during if r["kind"] == k and r["status"] != 200)}
-                                  for k in ("plain", "cartridge", "salted_cartridge")}}
+    def fault_summary(self) -> dict[str, Any]:
+        """Each fault's event and what the requests overlapping its window got; `recovered` when
+        every fault was caused and a cartridge was answered again after it."""
+        events = []
+        for ev, window in zip(self.fault_events, self.windows_by_event()):
+            during = [r for r in self.records if r["phase"] in ("soak", "probe") and window is not None
+                      and window[0] <= r["t"] and r["t"] - r["latency_s"] <= window[1]]
+            events.append({**ev, "recovered": bool(ev.get("recovered")) and "failure" not in ev,
+                           "during": {k: {"answered": sum(1 for r in during if r["kind"] == k and r["status"] == 200),
+                                          "refused": sum(1 for r in during if r["kind"] == k and r["status"] != 200)}
+                                      for k in ("plain", "cartridge", "salted_cartridge")}})
+        return {"events": events, "outage_refused": sum(1 for r in self.records if r["verdict"] == "outage_refused"),
+                "recovered": len(events) == len(self.schedule) and all(e["recovered"] for e in events)}
+
+    def windows_by_event(self) -> list[tuple[float, float] | None]:
+        """Each fault event's window (None for a fault that opens none), in the events' order."""
+        windows = iter(self.outages)
+        return [tuple(next(windows)[:2]) if ev["kind"] != "corrupt-disk" and "t" in ev else None
+                for ev in self.fault_events]
 
     def churn_summary(self, judged: list[dict]) -> dict[str, Any]:
         events, names = self.events, self.names
@@ -1164,12 +1309,12 @@ class SoakRun:
     def tier_summary(self) -> dict[str, Any]:
         """The plugins' (the adapter's) tier counters and LMCache's, over the soak and the whole run."""
         total_delta = self.st2.minus(self.st0)
-        lmc_total = metric_delta(self.m0, self.m2)
+        lmc_total = metric_delta(self.m0, self.m2, self.vllm_restarts)
         return {
             "plugin_tiers_soak": self.st2.minus(self.st1),
             "plugin_tiers_total": total_delta,
             "plugin_instances": self.st2.instances,
-            "lmcache_metrics_soak": metric_delta(self.m1, self.m2),
+            "lmcache_metrics_soak": metric_delta(self.m1, self.m2, self.vllm_restarts),
             "lmcache_metrics_total": lmc_total,
             "evictions": {
                 "plugin_cpu": total_delta.get("cpu", {}).get("evictions", 0),
@@ -1280,6 +1425,7 @@ def server_log_counts(server, out_dir: Path) -> dict[str, Any]:
             "tracebacks": text.count("Traceback"),
             "lookup_locks_expired": text.count("lookup locks expired"),
             "adapter_not_served": text.count("not served to"),
+            "reads_answered_as_miss": text.count("answered as a miss"),
         }
     return out
 
@@ -1321,8 +1467,8 @@ def soak_markdown(r: dict[str, Any]) -> str:
         ch = r.get("churn")
         if ch:
             lines += _churn_markdown(ch)
-        if r.get("restart"):
-            lines += _restart_markdown(r["restart"])
+        if r.get("faults") or r.get("restart"):
+            lines += _faults_markdown(r.get("faults") or _restart_as_faults(r["restart"]))
         lines += _tiers_markdown(r, mp)
         sl = r.get("server_log")
         if sl:
@@ -1418,18 +1564,38 @@ def _churn_markdown(ch: dict[str, Any]) -> list[str]:
                         f"{ch['answered_by_version']}.", ""]
 
 
-def _restart_markdown(rs: dict[str, Any]) -> list[str]:
-    d = rs.get("during_outage", {})
-    during = "; ".join(f"{k}: {v['answered']} answered, {v['refused']} refused" for k, v in d.items()
-                       if v["answered"] or v["refused"])
-    if "failure" in rs:
-        return ["## The lmcache server SIGKILLed and restarted", "", f"FAILED: {rs['failure']}", ""]
-    return ["## The lmcache server SIGKILLed and restarted", "",
-            f"Killed at request {rs.get('at_request')} ({rs.get('t')} s into the soak), started again on the same "
-            f"ports; ready {rs.get('ready_after_s')} s after the kill; a cartridge answered from its KV again "
-            f"{rs.get('recovered_after_s')} s after the kill ({'yes' if rs['recovered'] else 'NOT recovered'}; "
-            f"probe statuses {rs.get('probe_statuses')}). Requests overlapping the outage: {during or 'none'} "
-            f"(a cartridge refused while the server was down is due, not an error: {rs['outage_refused']}).", ""]
+FAULT_TITLES = {
+    "kill-server": "the lmcache server SIGKILLed and restarted on the same ports",
+    "kill-vllm": "vLLM SIGKILLed and restarted on the same port, the lmcache server running on",
+    "stall-reads": "the server's reads of local cartridge files stalled (a stalled mount)",
+    "corrupt-disk": "chunk files of the host's disk tier overwritten in place",
+}
+
+
+def _restart_as_faults(rs: dict[str, Any]) -> dict[str, Any]:
+    """A result written with `restart` (one kill-server) read as `faults`."""
+    ev = {"kind": "kill-server", **rs, "during": rs.get("during_outage", {})}
+    return {"events": [ev], "outage_refused": rs.get("outage_refused", 0), "recovered": rs.get("recovered")}
+
+
+def _faults_markdown(fs: dict[str, Any]) -> list[str]:
+    lines = ["## Faults under load", "",
+             "| at request | fault | ready after | answered again after | during its window | result |",
+             "|---|---|---|---|---|---|"]
+    for ev in fs["events"]:
+        during = "; ".join(f"{k}: {v['answered']} answered, {v['refused']} refused"
+                           for k, v in ev.get("during", {}).items() if v["answered"] or v["refused"])
+        after = "-" if ev.get("recovered_after_s") is None else f"{ev['recovered_after_s']} s"
+        ready = "-" if ev.get("ready_after_s") is None else f"{ev['ready_after_s']} s"
+        what = FAULT_TITLES.get(ev["kind"], ev["kind"])
+        if ev["kind"] == "corrupt-disk":
+            what += f" ({ev.get('files', 0)} files)"
+        verdict = f"FAILED: {ev['failure']}" if "failure" in ev else ("recovered" if ev.get("recovered")
+                                                                      else "NOT recovered")
+        lines.append(f"| {ev.get('at_request', '-')} | {what} | {ready} | {after} | {during or '-'} | {verdict} |")
+    return lines + ["", "A cartridge request refused during a fault's window (and with vLLM down, any request) is "
+                        f"due, not an error: {fs['outage_refused']}. A window runs from the fault until a "
+                        "cartridge is answered from its KV again; a corrupted disk tier opens none.", ""]
 
 
 def _tiers_markdown(r: dict[str, Any], mp: bool) -> list[str]:
@@ -1510,6 +1676,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-server-at", type=float, default=None,
                     help="mp: SIGKILL the lmcache server once this share of the requests is done (e.g. 0.6) and "
                          "start it again; cartridge requests refused meanwhile are due, plain ones must be answered")
+    ap.add_argument("--faults", default="",
+                    help="mp: faults under load, kind@share separated by commas, kinds " + ", ".join(FAULT_KINDS)
+                         + " (e.g. corrupt-disk@0.2,kill-server@0.25,stall-reads@0.5,kill-vllm@0.75)")
+    ap.add_argument("--stall-s", type=float, default=None, help="stall-reads: how long reads stall (default 30)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory under .cache/")
     a = ap.parse_args(argv)
     given = {k: v for k, v in (("lmcache_chunks", a.lmcache_chunks), ("plugin_disk_chunks", a.plugin_disk_chunks),
@@ -1517,7 +1687,8 @@ def main(argv: list[str] | None = None) -> int:
                                ("plain_fraction", a.plain_fraction),
                                ("salted_cartridge_requests", a.salted_cartridge_requests), ("churn", a.churn),
                                ("ready_timeout_s", a.ready_timeout_s),
-                               ("restart_server_at", a.restart_server_at)) if v is not None}
+                               ("restart_server_at", a.restart_server_at), ("stall_s", a.stall_s),
+                               ("faults", tuple(f for f in a.faults.split(",") if f) or None)) if v is not None}
     common = dict(cartridges=a.cartridges, clients=a.clients, requests=a.requests, max_seconds=a.max_seconds,
                   seed=a.seed, s3=not a.no_s3, plugin_cpu_chunks=a.plugin_cpu_chunks,
                   rss_tolerance=a.rss_tolerance, keep=a.keep, **given)

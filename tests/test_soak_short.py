@@ -271,13 +271,14 @@ def test_without_changes_the_requests_run_until_the_time_is_up():
 
 
 def test_a_cartridge_refused_during_the_servers_outage_is_due_and_a_plain_one_is_an_error(tmp_path, monkeypatch):
-    """The MP soak's server restart: a cartridge request that overlaps the outage (kill until a
+    """The MP soak's faults: a cartridge request that overlaps a fault's window (the fault until a
     cartridge is answered again) and is refused counts apart, not as an error; a plain prompt
-    refused then is an error (it must be computed); the restart is refused outside MP mode."""
+    refused then is an error (it must be computed), unless vLLM itself was down; faults are
+    refused outside MP mode."""
     with pytest.raises(ValueError, match="mp mode only"):
         soak.SoakRun(soak.SoakParams(restart_server_at=0.5, work_root=str(tmp_path)), tmp_path / "out")
     run = soak.SoakRun(soak.SoakParams.mp(restart_server_at=0.5, work_root=str(tmp_path)), tmp_path / "out")
-    run.outages = [[100.0, 110.0]]
+    run.outages = [[100.0, 110.0, "kill-server"]]
     assert run.in_outage(95.0, 100.5) and run.in_outage(105.0, 106.0) and run.in_outage(109.0, 130.0)
     assert not run.in_outage(90.0, 99.9) and not run.in_outage(110.1, 120.0)
     run.timeline = soak.Timeline({"c": "v1"})
@@ -285,6 +286,64 @@ def test_a_cartridge_refused_during_the_servers_outage_is_due_and_a_plain_one_is
     run.gw = type("Gw", (), {"url": "http://unused"})()
     run.body = lambda kind, name, i: {}
     monkeypatch.setattr(soak, "ask", lambda client, url, body, timeout: soak.Reply(503, 0.1, error="down"))
-    run.outages = [[time.time() - 1, math.inf]]
-    for kind, name, want in (("cartridge", "c", "outage_refused"), ("plain", None, "error")):
-        assert run.one(None, "soak", kind, name, 0)["verdict"] == want
+    monkeypatch.setattr(soak, "BACKOFF_S", 0.0)
+    for fault, plain in (("kill-server", "error"), ("stall-reads", "error"), ("kill-vllm", "outage_refused")):
+        run.outages = [[time.time() - 1, math.inf, fault]]
+        for kind, name, want in (("cartridge", "c", "outage_refused"), ("plain", None, plain)):
+            assert run.one(None, "soak", kind, name, 0)["verdict"] == want, (fault, kind)
+    run.outages = [[time.time() - 10, time.time() - 5, "kill-vllm"]]  # over before the request began
+    assert run.one(None, "soak", "plain", None, 0)["verdict"] == "error"
+
+
+def test_the_fault_schedule_is_read_in_share_order_and_a_wrong_one_is_refused_with_the_fix(tmp_path):
+    p = soak.SoakParams.mp(faults=("kill-vllm@0.7", "stall-reads@0.4"), restart_server_at=0.2)
+    assert p.fault_schedule() == [("kill-server", 0.2), ("stall-reads", 0.4), ("kill-vllm", 0.7)]
+    with pytest.raises(ValueError, match="must be one of"):
+        soak.SoakParams.mp(faults=("kill-router@0.5",)).fault_schedule()
+    with pytest.raises(ValueError, match="kind@share"):
+        soak.SoakParams.mp(faults=("kill-vllm",)).fault_schedule()
+    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+        soak.SoakParams.mp(faults=("kill-vllm@1.5",)).fault_schedule()
+    with pytest.raises(ValueError, match="mp mode only"):
+        soak.SoakParams(faults=("kill-vllm@0.5",)).fault_schedule()
+
+
+def test_vllms_counters_across_its_restart_add_the_segment_before_the_kill():
+    """A restarted vLLM counts from zero: the soak's delta is what grew before the kill plus what
+    grew after the start, never the end minus a start from before the kill."""
+    before, killed, started, end = {"x": 10.0}, {"x": 40.0}, {"x": 0.0}, {"x": 25.0}
+    assert soak.metric_delta(before, end) == {"x": 15.0}
+    assert soak.metric_delta(before, end, [(killed, started)]) == {"x": 55.0}
+    # counters that went on from the killed process's metrics files: nothing to add
+    assert soak.metric_delta(before, {"x": 65.0}, [(killed, {"x": 41.0})]) == {"x": 55.0}
+
+
+def test_a_soak_written_with_one_restart_reads_as_its_faults():
+    md = soak._faults_markdown(soak._restart_as_faults({
+        "at_request": 4801, "t": 315.3, "ready_after_s": 19.16, "recovered_after_s": 36.43, "recovered": True,
+        "outage_refused": 3, "during_outage": {"plain": {"answered": 6, "refused": 0}}}))
+    assert "| 4801 | the lmcache server SIGKILLed" in "\n".join(md) and "36.43 s" in "\n".join(md)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two vLLM starts and a server restart: the fault matrix as the long benchmark runs it
+def test_short_mp_soak_through_the_fault_matrix_never_answers_wrong_and_recovers_from_each(tmp_path):
+    """The MP fault matrix under load, as `benchmarks/soak.py --faults` runs it for minutes: the
+    disk tier corrupted, then the server killed (so the disk tier is read again), the server's
+    local reads stalled, vLLM killed; each recovered with no manual step, no request answered
+    wrongly or refused where an answer was due."""
+    params = soak.SoakParams.mp(
+        cartridges=5, clients=4, requests=120, max_seconds=600, seed=3, plugin_disk_chunks=3, lmcache_chunks=32,
+        faults=("corrupt-disk@0.2", "kill-server@0.25", "stall-reads@0.5", "kill-vllm@0.75"), stall_s=15,
+        warmup_requests=10, rss_tolerance=1.0)
+    r = soak.run_soak(params, tmp_path / "out")
+    md = tmp_path / "out" / "soak.md"
+    detail = md.read_text() if md.exists() else r.get("failure")
+    assert "failure" not in r, detail
+    s, faults = r["soak"], r["faults"]
+    assert [e["kind"] for e in faults["events"]] == ["corrupt-disk", "kill-server", "stall-reads", "kill-vllm"]
+    assert faults["recovered"], detail
+    assert s["errors"] == 0, one_line_errors(r)
+    assert s["contamination"] == 0 and s["served_unregistered"] == 0, detail
+    assert r["plugin_tiers_total"].get("disk", {}).get("errors", 0) >= 1, r["plugin_tiers_total"]
+    assert r["server_alive"] and r["ok"], detail
