@@ -23,7 +23,8 @@ table hands them out), one run, these arms:
 
 The arms take turns in every repetition (median of `--reps`), after one warm-up each. Every arm's
 cache is checked against the chunks' KV at sampled slots, so a fast wrong copy cannot pass.
-Results: `benchmarks/results/fused_copy[-DEVICE].json` and `.md` (`--out` to change).
+Results: `benchmarks/results/fused_copy[-DEVICE].json` and `.md` (`--out` to change); `--profile`
+adds where one call of each copy arm spends its time (torch.profiler's operators) to both.
 """
 
 from __future__ import annotations
@@ -168,27 +169,34 @@ def measure(fns: dict[str, Callable[[], None]], device, reps: int) -> dict[str, 
     return times
 
 
-def profile(fns: dict[str, Callable[[], None]], device, path: Path) -> None:
-    """torch.profiler's table of one call of each arm (where the time of a load goes)."""
+def profile(fns: dict[str, Callable[[], None]], device, rows: int = 6) -> dict[str, list[dict[str, Any]]]:
+    """Where the time of one call of each arm goes, from torch.profiler: per operator its own time
+    on the device (on the CPU for a CPU run), its share of the arm's and its calls, the `rows`
+    largest. Operators only, as the profiler's table totals them: a kernel's time is its operator's."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    lines = []
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out = {}
     for name in ("per_chunk", "batched"):
         with tprofile(activities=acts) as prof:
             fns[name]()
             _sync(device)
-        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        lines += [f"== {name}", prof.key_averages().table(sort_by=key, row_limit=15), ""]
-    path.write_text("\n".join(lines))
+        ops = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU and getattr(e, attr) > 0]
+        total = sum(getattr(e, attr) for e in ops) or 1.0
+        out[name] = [{"op": e.key, "self_ms": round(getattr(e, attr) / 1e3, 3),
+                      "share": round(getattr(e, attr) / total, 3), "calls": e.count}
+                     for e in sorted(ops, key=lambda e: getattr(e, attr), reverse=True)[:rows]]
+    return out
 
 
 def run(device_name: str, shapes: list[str], token_counts: list[int], reps: int,
-        profile_dir: Path | None = None) -> dict[str, Any]:
+        with_profile: bool = False) -> dict[str, Any]:
     import torch
 
     device = torch.device(device_name)
-    cells = []
+    cells, prof = [], None
     for shape in shapes:
         for tokens in token_counts:
             req = request(shape, tokens, device)
@@ -212,13 +220,15 @@ def run(device_name: str, shapes: list[str], token_counts: list[int], reps: int,
                                               for k, v in med.items()}}
             print(json.dumps(cell), flush=True)
             cells.append(cell)
-            if profile_dir is not None and shape == shapes[0] and tokens == max(token_counts):
-                profile(fns, device, profile_dir / f"fused_copy_profile-{device.type}.txt")
+            if with_profile and shape == shapes[0] and tokens == max(token_counts):
+                prof = {"shape": shape, "tokens": tokens, "time": "device" if device.type == "cuda" else "cpu",
+                        "arms": profile(fns, device)}
             del req, fns
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return {"machine": machine_info(device.type == "cuda"), "argv": sys.argv[1:], "chunk": CHUNK,
-            "block_size": BLOCK, "reps": reps, "torch_threads": torch.get_num_threads(), "cells": cells}
+            "block_size": BLOCK, "reps": reps, "torch_threads": torch.get_num_threads(), "cells": cells,
+            **({"profile": prof} if prof else {})}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -235,7 +245,19 @@ def markdown(result: dict[str, Any]) -> str:
         ms = " | ".join(str(c["ms"].get(a, "")) for a in arms)
         lines.append(f"| {c['shape']} | {c['tokens']} | {c['bytes'] / 2**20:.0f} | {ms} | "
                      f"{c['gb_s']['batched']} | {c['of_limit']['batched']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _profile_markdown(result.get("profile"))) + "\n"
+
+
+def _profile_markdown(prof: dict[str, Any] | None) -> list[str]:
+    """`--profile`'s table: each arm's largest operators in one call of the largest cell."""
+    if not prof:
+        return []
+    lines = ["", f"## Where one call's time goes ({prof['shape']}, {prof['tokens']} tokens; torch.profiler, "
+                 f"operators' own {prof['time']} time)", "", "| arm | operator | ms | share | calls |",
+             "|---|---|---:|---:|---:|"]
+    for arm, ops in prof["arms"].items():
+        lines += [f"| {arm} | `{o['op']}` | {o['self_ms']} | {o['share'] * 100:.1f}% | {o['calls']} |" for o in ops]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b", help="of " + ",".join(SHAPES))
     ap.add_argument("--tokens", default="4096,16384,32768")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--profile", action="store_true", help="torch.profiler table of the largest cell")
+    ap.add_argument("--profile", action="store_true",
+                    help="where one call's time goes in the first shape's largest cell (torch.profiler), in the result")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import torch
@@ -252,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    result = run(device, args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.reps,
-                 out if args.profile else None)
+    result = run(device, args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.reps, args.profile)
     stem = "fused_copy" + ("" if device == "cuda" else "-cpu")
     arms = [Arm(name=f"{c['shape']}/{c['tokens']}/{a}", count=result["reps"], p50=ms, p95=c["ms_p95"][a],
                 p99=c["ms_p99"][a], unit="ms", figures={"gb_s": c["gb_s"][a]})

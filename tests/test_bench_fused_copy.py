@@ -23,6 +23,22 @@ def test_both_loads_are_checked_and_measured_against_a_plain_copy(monkeypatch):
     assert "| tiny | 600 |" in fused_copy.markdown(r)
 
 
+def test_the_profile_is_part_of_the_result_not_a_file_beside_it(monkeypatch, tmp_path):
+    """`--profile` puts each copy arm's largest operators into the result and its markdown; the
+    results folder gets the result's JSON and markdown only."""
+    monkeypatch.setitem(fused_copy.SHAPES, "tiny", (2, 2, 8))
+    assert fused_copy.main(["--device", "cpu", "--shapes", "tiny", "--tokens", "300,600", "--reps", "1",
+                            "--profile", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused_copy-cpu.json", "fused_copy-cpu.md"]
+    prof = json.loads((tmp_path / "fused_copy-cpu.json").read_text())["details"]["profile"]
+    assert (prof["shape"], prof["tokens"], prof["time"]) == ("tiny", 600, "cpu")
+    for arm in ("per_chunk", "batched"):
+        ops = prof["arms"][arm]
+        assert ops and all(o["self_ms"] >= 0 and 0 <= o["share"] <= 1 and o["calls"] >= 1 for o in ops)
+        assert [o["self_ms"] for o in ops] == sorted((o["self_ms"] for o in ops), reverse=True)
+    assert "## Where one call's time goes (tiny, 600 tokens" in (tmp_path / "fused_copy-cpu.md").read_text()
+
+
 def test_a_load_that_misplaces_a_token_fails_the_check(monkeypatch):
     monkeypatch.setitem(fused_copy.SHAPES, "tiny", (2, 2, 8))
     import torch
