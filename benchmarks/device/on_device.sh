@@ -18,6 +18,8 @@
 #   (QUALITY_ARGS replaces the quality stage's arguments below; rerun `quality pack` to resume)
 # Every stage appends to /root/res (a log per stage, the benchmark's JSON); `pack` puts it all in
 # $OUT/res.tgz and the one-line results in $OUT/summary.txt (at most 8 files come back per call).
+# Of these only the benchmarks' JSON, markdown and png go into benchmarks/results, with a README.md
+# quoting the test summaries and log lines the figures rest on (benchmarks/device/README.md).
 # DEADLINE_S: seconds this call may use in all; the TTFT stage is given what is left of it.
 T0=$(date +%s); DEADLINE=$((T0 + ${DEADLINE_S:-560}))
 REPO=$PWD
