@@ -59,6 +59,32 @@ def test_pictures_are_shown_where_they_are_cited():
         assert re.search(rf"!\[[^\]]+\]\(img/benchmarks/{re.escape(str(rel))}\)", bench), rel
 
 
+RESULTS = ROOT / "benchmarks" / "results"
+RESULT_SUFFIXES = (".json", ".md", ".png")
+
+
+def not_results(root: Path) -> list[str]:
+    """Files under `root` that are not a result: anything but JSON, markdown and png."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.suffix not in RESULT_SUFFIXES)
+
+
+def test_results_are_what_the_docs_cite():
+    """benchmarks/results holds what the docs cite and nothing else: each run's JSON (the record),
+    its markdown (what the docs quote, with the command and the machine) and its plot. Logs, log
+    tails, test outputs and profiler dumps stay where the run wrote them; a line or a figure the
+    docs rest on is quoted in the markdown."""
+    found = not_results(RESULTS)
+    assert not found, ("not a result (quote what the docs need in the folder's markdown, then delete): "
+                       + ", ".join(found))
+
+
+def test_the_results_check_sees_a_log(tmp_path):
+    (tmp_path / "run").mkdir()
+    for name in ("run/ttft.json", "run/ttft.md", "run/ttft.png", "run/server_log_tail.txt", "run/metrics.jsonl"):
+        (tmp_path / name).write_text("x")
+    assert not_results(tmp_path) == ["run/metrics.jsonl", "run/server_log_tail.txt"]
+
+
 def _anchors(page: Path) -> set[str]:
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
     return {slugify(h.strip(), "-") for h in re.findall(r"^#+\s+(.+)$", text, re.M)}
