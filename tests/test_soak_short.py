@@ -377,8 +377,7 @@ def test_short_mp_soak_through_the_fault_matrix_never_answers_wrong_and_recovers
         faults=("corrupt-disk@0.2", "kill-server@0.25", "stall-reads@0.5", "kill-vllm@0.75"), stall_s=15,
         warmup_requests=10, rss_tolerance=1.0)
     r = soak.run_soak(params, tmp_path / "out")
-    md = tmp_path / "out" / "soak.md"
-    detail = md.read_text() if md.exists() else r.get("failure")
+    detail = soak_detail(r, tmp_path / "out")
     assert "failure" not in r, detail
     s, faults = r["soak"], r["faults"]
     assert [e["kind"] for e in faults["events"]] == ["corrupt-disk", "kill-server", "stall-reads", "kill-vllm"]
