@@ -326,7 +326,7 @@ def seed_types_arg(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scales", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--tokens", type=int, nargs="+", default=[256])
@@ -369,12 +369,102 @@ def main(argv: list[str] | None = None) -> int:
                     "arms already asked (their cartridges still in the work directory) and rewrite the report")
     ap.add_argument("--work", type=Path, default=WORK)
     ap.add_argument("--out", type=Path, default=OUT)
-    a = ap.parse_args(argv)
+    return ap
+
+
+class ScaleRun:
+    """One run's asking, phase by phase (`main` calls them in order): the result so far and this
+    run's meta (`__init__`), the baselines' cartridges and the model (`load`), then either the
+    reference log-likelihoods added to the arms already asked (`add_logliks`), or the baselines
+    asked (`ask_baselines`) and each scale trained and asked (`train_and_ask`). Each arm asked is
+    saved at once (`probe`): a run stopped midway resumes."""
+
+    def __init__(self, a: argparse.Namespace, argv: list[str] | None, model_dir: Path, carts: Path,
+                 qs: list[Q.Question]) -> None:
+        self.a, self.model_dir, self.carts, self.qs = a, model_dir, carts, qs
+        path = a.out.with_suffix(".json")
+        # a result of either shape
+        self.res = res = load_payload(path) if path.exists() else {"arms": {}, "coverage": {}}
+        res.pop("machine", None)
+        command = [".venv/bin/python", "benchmarks/quality_scale.py", *(argv or sys.argv[1:])]
+        res["meta"] = {"command": " ".join(command),
+                       "machine": harness.machine_info(), "lr": a.lr, "batch_size": a.batch_size,
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+    def save(self) -> None:
+        """The result as it stands, JSON and markdown, to `--out`."""
+        res, a = self.res, self.a
+        arms = [Arm(name=n, count=r["facts"][1], figures={"facts": r["facts"][0]}) for n, r in res["arms"].items()
+                if "facts" in r]
+        details = {**res, "meta": {k: v for k, v in res["meta"].items() if k != "machine"}}
+        write_result(Result(benchmark="quality_scale", machine=res["meta"]["machine"], parameters=vars(a), arms=arms,
+                            details=details), a.out.parent, a.out.stem, body=markdown(res))
+
+    def load(self) -> None:
+        """The baselines' cartridges (unless `--no-baselines`), the model, its prompt builder, and
+        where each question's evidence lies in document A."""
+        from lmcache_cartridge.api.prompts import PromptBuilder
+        from lmcache_cartridge.cartridge.model_kv import load_model
+
+        if not self.a.no_baselines:
+            Q.make_first_k(self.model_dir, self.carts)
+            Q.make_init(self.model_dir, self.carts)
+        self.model, self.tok = load_model(self.model_dir)
+        self.pb = PromptBuilder(self.tok)
+        self.pos = {q.id: Q.evidence_position(self.tok, Q.document("a"), q.evidence) for q in self.qs}
+
+    def probe(self, name: str, arm: Q.Arm, **extra) -> None:
+        """Every question under `arm`, recorded as arm `name` (with `extra` beside), and saved."""
+        t0 = time.perf_counter()
+        r = ask_all(self.model, self.tok, self.pb, arm, self.carts, self.qs, self.pos, self.a.max_tokens)
+        self.res["arms"][name] = {**r, **extra, "probe_s": round(time.perf_counter() - t0, 1)}
+        print(f"[scale] {name}: facts {r['facts']} by position {r['by_position']}", flush=True)
+        self.save()
+
+    def add_logliks(self) -> None:
+        """`--loglik`: the reference answers' log-likelihoods added to every arm already asked."""
+        kinds = {"first_k_256": ("first_k", "qa-fk256"), "first_k_512": ("first_k", "qa-fk512"),
+                 "init_256": ("trained", "qa-init256"), "icl": ("icl", None)}
+        for name, r in self.res["arms"].items():
+            kind, cid = kinds.get(name) or ("trained", "tr" + "_".join(name.split("_")[1:]))
+            add_loglik(self.model, self.tok, self.pb, Q.Arm(name, kind, ("a",), (cid,) if cid else ()), self.carts,
+                       self.qs, r)
+            print(f"[scale] {name}: LL of the facts by position {r['ll_fact_by_position']}", flush=True)
+
+    def ask_baselines(self) -> None:
+        """First-k, step 0 and ICL, each unless already asked (nothing with `--no-baselines`)."""
+        if self.a.no_baselines:
+            return
+        for name, kind, cid in (("first_k_256", "first_k", "qa-fk256"), ("first_k_512", "first_k", "qa-fk512"),
+                                ("init_256", "trained", "qa-init256")):
+            if name not in self.res["arms"]:
+                self.probe(name, Q.Arm(name, kind, ("a",), (cid,)))
+        if "icl" not in self.res["arms"]:
+            self.probe("icl", Q.Arm("icl", "icl", ("a",)))
+
+    def train_and_ask(self) -> None:
+        """Each scale's cartridges trained (or found trained), the coverage of the run that
+        synthesised the conversations, and each cartridge asked unless already asked."""
+        a, res = self.a, self.res
+        for n in a.scales:
+            for tokens in a.tokens:
+                cart, summary = train(self.model_dir, self.carts, n, tokens, a)
+                name = "trained_" + cart.name.removeprefix("tr")
+                if cart.name == data_run(n, a):
+                    res["coverage"][scale_key(n, a.answer_tokens, a.seed_types, windows(a))] = coverage(
+                        self.tok, self.carts / f"{cart.name}.train" / "data.pt", self.qs, self.pos)
+                if name not in res["arms"]:
+                    self.probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
+                               lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens,
+                               autocast=a.autocast, trim_repeats=a.trim_repeats, seed_types=list(a.seed_types),
+                               batch_size=a.batch_size, question_loss=a.question_loss)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
 
     import torch
 
-    from lmcache_cartridge.api.prompts import PromptBuilder
-    from lmcache_cartridge.cartridge.model_kv import load_model
     from lmcache_cartridge.tools.realmodel import ensure_real_model
 
     torch.set_num_threads(a.probe_threads)  # this process only asks; training runs in `train` subprocesses
@@ -384,67 +474,16 @@ def main(argv: list[str] | None = None) -> int:
     qs = [q for q in Q.load_questions() if q.doc == "a"]
     if a.train_only:
         return train_only(model_dir, carts, qs, a)
-    path = a.out.with_suffix(".json")
-    res = load_payload(path) if path.exists() else {"arms": {}, "coverage": {}}  # a result of either shape
-    res.pop("machine", None)
-    res["meta"] = {"command": " ".join([".venv/bin/python", "benchmarks/quality_scale.py", *(argv or sys.argv[1:])]),
-                   "machine": harness.machine_info(), "lr": a.lr, "batch_size": a.batch_size,
-                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
-    def save() -> None:
-        arms = [Arm(name=n, count=r["facts"][1], figures={"facts": r["facts"][0]}) for n, r in res["arms"].items()
-                if "facts" in r]
-        details = {**res, "meta": {k: v for k, v in res["meta"].items() if k != "machine"}}
-        write_result(Result(benchmark="quality_scale", machine=res["meta"]["machine"], parameters=vars(a), arms=arms,
-                            details=details), a.out.parent, a.out.stem, body=markdown(res))
-
-    if not a.no_baselines:
-        Q.make_first_k(model_dir, carts)
-        Q.make_init(model_dir, carts)
-    model, tok = load_model(model_dir)
-    pb = PromptBuilder(tok)
-    pos = {q.id: Q.evidence_position(tok, Q.document("a"), q.evidence) for q in qs}
-
-    def probe(name: str, arm: Q.Arm, **extra) -> None:
-        t0 = time.perf_counter()
-        r = ask_all(model, tok, pb, arm, carts, qs, pos, a.max_tokens)
-        res["arms"][name] = {**r, **extra, "probe_s": round(time.perf_counter() - t0, 1)}
-        print(f"[scale] {name}: facts {r['facts']} by position {r['by_position']}", flush=True)
-        save()
-
+    run = ScaleRun(a, argv, model_dir, carts, qs)
+    run.load()
     if a.loglik:
-        kinds = {"first_k_256": ("first_k", "qa-fk256"), "first_k_512": ("first_k", "qa-fk512"),
-                 "init_256": ("trained", "qa-init256"), "icl": ("icl", None)}
-        for name, r in res["arms"].items():
-            kind, cid = kinds.get(name) or ("trained", "tr" + "_".join(name.split("_")[1:]))
-            add_loglik(model, tok, pb, Q.Arm(name, kind, ("a",), (cid,) if cid else ()), carts, qs, r)
-            print(f"[scale] {name}: LL of the facts by position {r['ll_fact_by_position']}", flush=True)
-        save()
-        print(a.out.with_suffix(".md").read_text())
-        return 0
-    if not a.no_baselines:
-        for name, kind, cid in (("first_k_256", "first_k", "qa-fk256"), ("first_k_512", "first_k", "qa-fk512"),
-                                ("init_256", "trained", "qa-init256")):
-            if name not in res["arms"]:
-                probe(name, Q.Arm(name, kind, ("a",), (cid,)))
-        if "icl" not in res["arms"]:
-            probe("icl", Q.Arm("icl", "icl", ("a",)))
-    for n in a.scales:
-        for tokens in a.tokens:
-            cart, summary = train(model_dir, carts, n, tokens, a)
-            name = "trained_" + cart.name.removeprefix("tr")
-            if cart.name == data_run(n, a):
-                res["coverage"][scale_key(n, a.answer_tokens, a.seed_types, windows(a))] = coverage(
-                    tok, carts / f"{cart.name}.train" / "data.pt", qs, pos)
-            if name not in res["arms"]:
-                probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
-                      lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens, autocast=a.autocast,
-                      trim_repeats=a.trim_repeats, seed_types=list(a.seed_types), batch_size=a.batch_size,
-                      question_loss=a.question_loss)
-    save()
+        run.add_logliks()
+    else:
+        run.ask_baselines()
+        run.train_and_ask()
+    run.save()
     print(a.out.with_suffix(".md").read_text())
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
