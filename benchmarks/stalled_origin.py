@@ -82,7 +82,7 @@ def phase(server, model: str, docs: list[list[int]], rounds: int, c: int, plan, 
             "external_kv_tokens": ext, "expected_external_kv_tokens": len(ttfts) * len(docs[0])}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stalled_origin")
     ap.add_argument("--work", type=Path, default=None,
@@ -95,41 +95,72 @@ def main(argv=None) -> int:
     ap.add_argument("--stall-s", type=float, default=600.0)
     ap.add_argument("--s3-read-timeout", type=float, default=10.0)
     ap.add_argument("--s3-attempts", type=int, default=2)
-    args = ap.parse_args(argv)
+    return ap
 
-    from lmcache_cartridge.cartridge.model_kv import load_model
-    from lmcache_cartridge.store.registry import Registry
-    from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
-    from lmcache_cartridge.tools.testmodel import ensure_test_model
 
-    t_start = time.time()
-    out = args.out
-    work = args.work or Path(os.environ["LMCACHE_CARTRIDGE_HOME"]) / "bench-stalled-origin"  # never in the repo
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = ensure_test_model()
-    model = str(model_dir)
-    _, tok = load_model(model_dir)
-    plan = Plan(lengths=[args.length], concurrencies=[args.concurrency])
-    docs = {i: document_ids(tok, args.length, seed=100 + i) for i in range(args.local + 2)}
-    local_ids = list(range(args.local))
-    remote_i, other_i = args.local, args.local + 1
-    carts = make_cartridges(model_dir, {i: docs[i] for i in local_ids + [remote_i]}, work / "carts",
-                            model_name=model)
+class StalledOriginRun:
+    """One run, phase by phase (`run` calls them in order): the model, documents and cartridges
+    (`__init__`), the S3 origin behind its fault proxy, the server with the cartridges registered,
+    the first use of each local cartridge, the healthy phase, the stalled phase, the verdicts; then
+    `stop` stops what was started, whatever failed, and `write` writes the result. A phase hands
+    what the next ones need on as attributes."""
 
-    moto = contextlib.ExitStack()
-    moto_url = moto.enter_context(moto_thread())  # dummy credentials while it runs
-    proxy = S3Proxy(moto_url).start()
-    result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                    "model": model}
-    server = None
-    try:
-        client = s3_client(moto_url)
-        client.create_bucket(Bucket="bench")
-        upload_dir(client, "bench", "remote", carts[remote_i])
-        root = work / "server"
+    def __init__(self, args: argparse.Namespace) -> None:
+        from lmcache_cartridge.cartridge.model_kv import load_model
+        from lmcache_cartridge.tools.testmodel import ensure_test_model
+
+        self.args = args
+        self.t_start = time.time()
+        self.out = args.out
+        # never in the repo
+        self.work = args.work or Path(os.environ["LMCACHE_CARTRIDGE_HOME"]) / "bench-stalled-origin"
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work.mkdir(parents=True, exist_ok=True)
+        model_dir = ensure_test_model()
+        self.model = str(model_dir)
+        _, tok = load_model(model_dir)
+        self.plan = Plan(lengths=[args.length], concurrencies=[args.concurrency])
+        self.docs = docs = {i: document_ids(tok, args.length, seed=100 + i) for i in range(args.local + 2)}
+        self.local_ids = list(range(args.local))
+        self.remote_i, self.other_i = args.local, args.local + 1
+        self.carts = make_cartridges(model_dir, {i: docs[i] for i in self.local_ids + [self.remote_i]},
+                                     self.work / "carts", model_name=self.model)
+        self.local_docs = [docs[i] for i in self.local_ids]
+        self.result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                             "model": self.model}
+        self.server = None
+
+    def run(self) -> dict:
+        self.start_origin()
+        try:
+            self.start_server()
+            self.first_use()
+            self.healthy()
+            self.stalled()
+            self.verdicts()
+        finally:
+            self.stop()
+        return self.result
+
+    def start_origin(self) -> None:
+        """Moto on loopback (dummy credentials while it runs), behind the fault proxy."""
+        self.moto = contextlib.ExitStack()
+        self.moto_url = self.moto.enter_context(moto_thread())
+        self.proxy = S3Proxy(self.moto_url).start()
+
+    def start_server(self) -> None:
+        """The S3 cartridge uploaded; the server started on a fresh root; the local cartridges and
+        the S3 one (through the proxy) registered and serving."""
         import shutil
 
+        from lmcache_cartridge.store.registry import Registry
+        from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+
+        args, proxy = self.args, self.proxy
+        client = s3_client(self.moto_url)
+        client.create_bucket(Bucket="bench")
+        upload_dir(client, "bench", "remote", self.carts[self.remote_i])
+        root = self.work / "server"
         shutil.rmtree(root, ignore_errors=True)
         lmc = lmcache_config(root / "registry.db", cpu_gb=1, refresh=0.2, cache_dir=root / "plugin-cache", extra={
             "storage_plugin.cartridge.s3.endpoint_url": proxy.endpoint_url,
@@ -138,56 +169,85 @@ def main(argv=None) -> int:
         })
         root.mkdir(parents=True, exist_ok=True)
         registry = Registry(root / "registry.db")
-        server = VllmServer(root, model, lmcache=lmc, max_model_len=4096, threads_bind="0-1")
-        server.wait_healthy(600)
-        result["startup_s"] = server.startup_s
-        for i in local_ids:
-            registry.register(carts[i])
-        result["remote_registered"] = _register_s3(registry, "s3://bench/remote", proxy.endpoint_url,
-                                                   root / "plugin-cache")
-        server.wait_serving(args.local + 1, timeout=60)
-        warm_server(server, plan, True)
-        local_docs = [docs[i] for i in local_ids]
-        for d in local_docs:  # first use of each (plugin read + verify), never measured
-            measure_burst(server.url, model, [d + suffix_ids(("warm", len(d), d[1]), plan.vocab_size, plan.avoid)],
-                          skip_save=True)
-        # healthy: the same background load, on an unregistered document (plain prefill)
-        bg = Background(server.url, model, docs[other_i], args.background, plan)
+        self.server = VllmServer(root, self.model, lmcache=lmc, max_model_len=4096, threads_bind="0-1")
+        self.server.wait_healthy(600)
+        self.result["startup_s"] = self.server.startup_s
+        for i in self.local_ids:
+            registry.register(self.carts[i])
+        self.result["remote_registered"] = _register_s3(registry, "s3://bench/remote", proxy.endpoint_url,
+                                                        root / "plugin-cache")
+        self.server.wait_serving(args.local + 1, timeout=60)
+
+    def first_use(self) -> None:
+        """The server warmed, and each local cartridge's first use (plugin read + verify), never
+        measured."""
+        plan = self.plan
+        warm_server(self.server, plan, True)
+        for d in self.local_docs:
+            measure_burst(self.server.url, self.model,
+                          [d + suffix_ids(("warm", len(d), d[1]), plan.vocab_size, plan.avoid)], skip_save=True)
+
+    def healthy(self) -> None:
+        """The local cartridges' TTFT under the same background load, on an unregistered document
+        (plain prefill)."""
+        args = self.args
+        bg = Background(self.server.url, self.model, self.docs[self.other_i], args.background, self.plan)
         time.sleep(1.0)
-        result["healthy"] = phase(server, model, local_docs, args.rounds, args.concurrency, plan, "healthy")
+        h = self.result["healthy"] = phase(self.server, self.model, self.local_docs, args.rounds, args.concurrency,
+                                           self.plan, "healthy")
         bg.stop()
-        result["healthy"]["background_requests"] = bg.sent
-        result["healthy"]["background_errors"] = bg.errors
-        # stalled: the S3 cartridge's payload GETs are held; background requests ask for it
-        stall = proxy.inject(method="GET", path=r"/kv\.bin$", delay=args.stall_s, times=None)
-        bg = Background(server.url, model, docs[remote_i], args.background, plan)
+        h["background_requests"] = bg.sent
+        h["background_errors"] = bg.errors
+
+    def stalled(self) -> None:
+        """The local cartridges' TTFT while the S3 cartridge's payload GETs are held and the
+        background requests ask for it."""
+        args = self.args
+        stall = self.proxy.inject(method="GET", path=r"/kv\.bin$", delay=args.stall_s, times=None)
+        bg = Background(self.server.url, self.model, self.docs[self.remote_i], args.background, self.plan)
         time.sleep(1.0)
-        result["stalled"] = phase(server, model, local_docs, args.rounds, args.concurrency, plan, "stalled")
-        result["stalled"]["held_gets"] = stall.hits
-        proxy.clear_faults()
+        s = self.result["stalled"] = phase(self.server, self.model, self.local_docs, args.rounds, args.concurrency,
+                                           self.plan, "stalled")
+        s["held_gets"] = stall.hits
+        self.proxy.clear_faults()
         bg.stop()
-        result["stalled"]["background_requests"] = bg.sent
-        result["stalled"]["background_errors"] = bg.errors
-        result["engine_alive"] = server.alive()
-        text = server.log_text()
+        s["background_requests"] = bg.sent
+        s["background_errors"] = bg.errors
+
+    def verdicts(self) -> None:
+        """Whether the engine stayed alive, what its log says, and the stalled/healthy ratios."""
+        result = self.result
+        result["engine_alive"] = self.server.alive()
+        text = self.server.log_text()
         result["server_log"] = {"tracebacks": text.count("Traceback"), "kv_load_failed": text.count("KV load failed")}
         h, s = result["healthy"], result["stalled"]
         result["p50_ratio"] = s["p50_s"] / h["p50_s"]
         result["p95_ratio"] = s["p95_s"] / h["p95_s"]
-    finally:
-        if server is not None:
-            server.stop()
-        proxy.stop()
-        moto.close()
-    result["wall_s"] = time.time() - t_start
-    arms = [Arm.from_samples(ph, result[ph]["ttft_s"], errors=len(result[ph]["background_errors"]),
-                             external_kv_tokens=result[ph]["external_kv_tokens"])
-            for ph in ("healthy", "stalled") if ph in result]
-    write_result(Result(benchmark="stalled_origin", machine=machine_info(), parameters=vars(args), arms=arms,
-                        details=result), out, "stalled_origin", body=markdown(result))
-    print(markdown(result))
-    return 0
 
+    def stop(self) -> None:
+        """The server, the proxy and moto stopped."""
+        if self.server is not None:
+            self.server.stop()
+        self.proxy.stop()
+        self.moto.close()
+
+    def write(self) -> None:
+        """The result as JSON and markdown under `--out`, the markdown printed too."""
+        result = self.result
+        result["wall_s"] = time.time() - self.t_start
+        arms = [Arm.from_samples(ph, result[ph]["ttft_s"], errors=len(result[ph]["background_errors"]),
+                                 external_kv_tokens=result[ph]["external_kv_tokens"])
+                for ph in ("healthy", "stalled") if ph in result]
+        write_result(Result(benchmark="stalled_origin", machine=machine_info(), parameters=vars(self.args), arms=arms,
+                            details=result), self.out, "stalled_origin", body=markdown(result))
+        print(markdown(result))
+
+
+def main(argv=None) -> int:
+    r = StalledOriginRun(build_parser().parse_args(argv))
+    r.run()
+    r.write()
+    return 0
 
 def _register_s3(registry, uri: str, endpoint: str, cache_dir: Path) -> str:
     from lmcache_cartridge.store.registration import register_s3
