@@ -53,12 +53,8 @@ def train_steps(model, tok, text, convs, steps: int, batch_size: int, autocast: 
     return times, first, student
 
 
-def main() -> None:
-    from lmcache_cartridge.tools.realmodel import ensure_real_model
-    from lmcache_cartridge.tools.selfstudy.config import SYNTH_BATCH, SynthConfig
-    from lmcache_cartridge.tools.selfstudy.run import load_for_training, load_tokenizer
-    from lmcache_cartridge.tools.selfstudy.synth import HFBackend, synthesize
-    from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
+def build_parser() -> argparse.ArgumentParser:
+    from lmcache_cartridge.tools.selfstudy.config import SYNTH_BATCH
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf", type=int, default=8, help="conversations by HF generate (0: vLLM only, no training)")
@@ -74,7 +70,86 @@ def main() -> None:
     p.add_argument("--model-dir")
     p.add_argument("--text", default=str(ROOT / "benchmarks/quality/doc_a.txt"))
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/synth_throughput.json"))
-    a = p.parse_args()
+    return p
+
+
+def vllm_arm(model_dir: Path, tok, cfg, text: str, a: argparse.Namespace) -> tuple[dict, list]:
+    """`--vllm` conversations by a fresh vLLM engine, its start timed apart: the figures, and the
+    conversations."""
+    from lmcache_cartridge.tools.selfstudy.synth import synthesize
+    from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
+
+    backend = VllmBackend(model_dir, tok, cfg, batch=a.batch, block_size=a.block_size, enforce_eager=a.eager)
+    t0 = time.perf_counter()
+    backend.start()
+    start_s = time.perf_counter() - t0
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    convs = synthesize(backend, tok, text, cfg, count=a.vllm, seed=0, tag="train")
+    v_s, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    backend.close()
+    return {"conversations": len(convs), "seconds": v_s, "engine_start_seconds": start_s,
+            "load_average_after": os.getloadavg()[0],
+            "conversations_per_minute": 60 * len(convs) / v_s,
+            "conversations_per_minute_with_start": 60 * len(convs) / (v_s + start_s),
+            # this process: vLLM's frontend and ours (the engine core is a child process); on a
+            # GPU it is what sets the pace
+            "frontend_cpu_ms_per_conversation": 1000 * cpu / len(convs),
+            "answer_tokens_mean": statistics.mean(len(c.answer) for c in convs),
+            "question_targets_mean": statistics.mean(len(c.prompt_topk_ids) for c in convs),
+            "engine": dict(backend.stats), "batch": a.batch, "block_size": a.block_size,
+            "enforce_eager": a.eager}, convs
+
+
+def vllm_dict_logprobs_arm(model_dir: Path, tok, cfg, text: str, a: argparse.Namespace) -> dict:
+    """`vllm_arm` with vLLM's default per-position log-prob dicts, on a fresh engine of its own."""
+    from lmcache_cartridge.tools.selfstudy import vllm_synth
+
+    flat, vllm_synth._flat_logprobs = vllm_synth._flat_logprobs, lambda: {}
+    r, _ = vllm_arm(model_dir, tok, cfg, text, a)
+    vllm_synth._flat_logprobs = flat
+    return r
+
+
+def hf_arm(model, tok, cfg, text: str, a: argparse.Namespace) -> dict:
+    """`--hf` conversations by HF `generate`, after one untimed conversation."""
+    from lmcache_cartridge.tools.selfstudy.synth import HFBackend, synthesize
+
+    # One untimed conversation first: the first generate pays one-time set-up (as vLLM's start
+    # and warm-up, timed apart).
+    synthesize(HFBackend(model, tok), tok, text, cfg, count=1, seed=0, tag="warm-up", progress=False)
+    t0 = time.perf_counter()
+    h_convs = synthesize(HFBackend(model, tok), tok, text, cfg, count=a.hf, seed=0, tag="train")
+    h_s = time.perf_counter() - t0
+    return {"conversations": len(h_convs), "seconds": h_s, "dtype": "float32",
+            "load_average_after": os.getloadavg()[0],
+            "conversations_per_minute": 60 * len(h_convs) / h_s,
+            "answer_tokens_mean": statistics.mean(len(c.answer) for c in h_convs)}
+
+
+def train_arm(model, tok, text: str, convs: list, steps: int) -> dict:
+    """`steps` training steps in fp32 and under bf16 autocast from the same start: seconds per
+    step, and how far the autocast loss and gradient are from fp32's."""
+    fp32_t, (fp32_loss, fp32_grad), _ = train_steps(model, tok, text, convs, steps, 8, autocast=False)
+    bf16_t, (bf16_loss, bf16_grad), _ = train_steps(model, tok, text, convs, steps, 8, autocast=True)
+    cos = float(torch.nn.functional.cosine_similarity(fp32_grad.flatten(), bf16_grad.flatten(), dim=0))
+    rel = float((bf16_grad - fp32_grad).norm() / fp32_grad.norm())
+    out = {"batch_size": 8, "cartridge_tokens": 256, "steps_timed": steps - 1,
+           "fp32_seconds_per_step": percentile(fp32_t[1:], 50),
+           "bf16_autocast_seconds_per_step": percentile(bf16_t[1:], 50),
+           "first_step_loss": {"fp32": fp32_loss, "bf16_autocast": bf16_loss},
+           "gradient_cosine": cos, "gradient_relative_error": rel,
+           "fp32_step_s": fp32_t[1:], "bf16_autocast_step_s": bf16_t[1:]}
+    out["fp32_steps_per_second"] = 1 / out["fp32_seconds_per_step"]
+    out["bf16_autocast_steps_per_second"] = 1 / out["bf16_autocast_seconds_per_step"]
+    return out
+
+
+def main() -> None:
+    from lmcache_cartridge.tools.realmodel import ensure_real_model
+    from lmcache_cartridge.tools.selfstudy.config import SynthConfig
+    from lmcache_cartridge.tools.selfstudy.run import load_for_training, load_tokenizer
+
+    a = build_parser().parse_args()
     torch.set_num_threads(a.threads)
     model_dir = Path(a.model_dir) if a.model_dir else ensure_real_model()
     text = Path(a.text).read_text()
@@ -86,73 +161,25 @@ def main() -> None:
     # vLLM first (it holds its own process); then HF on the same cores.
     # The load average beside each phase: another job on the same cores slows either backend.
     out["load_average_before"] = os.getloadavg()[0]
-
-    def vllm_arm() -> tuple[dict, list]:
-        backend = VllmBackend(model_dir, tok, cfg, batch=a.batch, block_size=a.block_size, enforce_eager=a.eager)
-        t0 = time.perf_counter()
-        backend.start()
-        start_s = time.perf_counter() - t0
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        convs = synthesize(backend, tok, text, cfg, count=a.vllm, seed=0, tag="train")
-        v_s, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        backend.close()
-        return {"conversations": len(convs), "seconds": v_s, "engine_start_seconds": start_s,
-                "load_average_after": os.getloadavg()[0],
-                "conversations_per_minute": 60 * len(convs) / v_s,
-                "conversations_per_minute_with_start": 60 * len(convs) / (v_s + start_s),
-                # this process: vLLM's frontend and ours (the engine core is a child process); on a
-                # GPU it is what sets the pace
-                "frontend_cpu_ms_per_conversation": 1000 * cpu / len(convs),
-                "answer_tokens_mean": statistics.mean(len(c.answer) for c in convs),
-                "question_targets_mean": statistics.mean(len(c.prompt_topk_ids) for c in convs),
-                "engine": dict(backend.stats), "batch": a.batch, "block_size": a.block_size,
-                "enforce_eager": a.eager}, convs
-
-    if a.dict_logprobs:  # vLLM's default containers first, on a fresh engine of its own
-        from lmcache_cartridge.tools.selfstudy import vllm_synth
-
-        flat, vllm_synth._flat_logprobs = vllm_synth._flat_logprobs, lambda: {}
-        out["vllm_dict_logprobs"], _ = vllm_arm()
-        vllm_synth._flat_logprobs = flat
+    if a.dict_logprobs:  # vLLM's default containers first
+        out["vllm_dict_logprobs"] = vllm_dict_logprobs_arm(model_dir, tok, cfg, text, a)
         print(json.dumps(out["vllm_dict_logprobs"], indent=1), flush=True)
-    out["vllm"], v_convs = vllm_arm()
+    out["vllm"], v_convs = vllm_arm(model_dir, tok, cfg, text, a)
     print(json.dumps(out["vllm"], indent=1), flush=True)
     if not a.hf:  # vLLM alone (settings trials)
         write(out, a)
         return
 
     model, _ = load_for_training(model_dir, torch.device("cpu"), torch.float32)
-    # One untimed conversation first: the first generate pays one-time set-up (as vLLM's start
-    # and warm-up, timed apart above).
-    synthesize(HFBackend(model, tok), tok, text, cfg, count=1, seed=0, tag="warm-up", progress=False)
-    t0 = time.perf_counter()
-    h_convs = synthesize(HFBackend(model, tok), tok, text, cfg, count=a.hf, seed=0, tag="train")
-    h_s = time.perf_counter() - t0
-    out["hf"] = {"conversations": len(h_convs), "seconds": h_s, "dtype": "float32",
-                 "load_average_after": os.getloadavg()[0],
-                 "conversations_per_minute": 60 * len(h_convs) / h_s,
-                 "answer_tokens_mean": statistics.mean(len(c.answer) for c in h_convs)}
+    out["hf"] = hf_arm(model, tok, cfg, text, a)
     out["speedup"] = out["vllm"]["conversations_per_minute"] / out["hf"]["conversations_per_minute"]
     out["speedup_with_engine_start"] = (
         out["vllm"]["conversations_per_minute_with_start"] / out["hf"]["conversations_per_minute"]
     )
     print(json.dumps(out["hf"], indent=1), f"speedup {out['speedup']:.1f}x", flush=True)
-
-    fp32_t, (fp32_loss, fp32_grad), _ = train_steps(model, tok, text, v_convs, a.steps, 8, autocast=False)
-    bf16_t, (bf16_loss, bf16_grad), _ = train_steps(model, tok, text, v_convs, a.steps, 8, autocast=True)
-    cos = float(torch.nn.functional.cosine_similarity(fp32_grad.flatten(), bf16_grad.flatten(), dim=0))
-    rel = float((bf16_grad - fp32_grad).norm() / fp32_grad.norm())
-    out["train"] = {"batch_size": 8, "cartridge_tokens": 256, "steps_timed": a.steps - 1,
-                    "fp32_seconds_per_step": percentile(fp32_t[1:], 50),
-                    "bf16_autocast_seconds_per_step": percentile(bf16_t[1:], 50),
-                    "first_step_loss": {"fp32": fp32_loss, "bf16_autocast": bf16_loss},
-                    "gradient_cosine": cos, "gradient_relative_error": rel,
-                    "fp32_step_s": fp32_t[1:], "bf16_autocast_step_s": bf16_t[1:]}
-    out["train"]["fp32_steps_per_second"] = 1 / out["train"]["fp32_seconds_per_step"]
-    out["train"]["bf16_autocast_steps_per_second"] = 1 / out["train"]["bf16_autocast_seconds_per_step"]
+    out["train"] = train_arm(model, tok, text, v_convs, a.steps)
     print(json.dumps(out["train"], indent=1))
     write(out, a)
-
 
 def write(out: dict, a: argparse.Namespace) -> None:
     """The run as the harness's result: one arm per backend (conversations), training steps by precision."""

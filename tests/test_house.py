@@ -18,7 +18,7 @@ BENCHMARKS = ROOT / "benchmarks"
 # Smaller benchmark scripts whose one run reads top to bottom as one function, each named (file
 # under benchmarks/, function), so that any other long function there fails.
 BENCH_LONG_ALLOWED = {("answers.py", "main"),
-                      ("router_probe.py", "main"), ("synth_throughput.py", "main")}
+                      ("router_probe.py", "main")}
 
 
 def _modules(package: Path) -> dict[str, Path]:
