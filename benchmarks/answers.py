@@ -34,83 +34,76 @@ from harness import Arm, Result, machine_info, percentile, write_result
 from lmcache_cartridge.testing.answers import Agreement, agreement, complete, questions
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=int, default=0, help="ask the first N questions (default: all)")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--out", type=Path)
-    a = ap.parse_args(argv)
+    return ap
 
-    from transformers import AutoTokenizer
 
+def make_cartridges(model_dir: Path, work: Path) -> list[int]:
+    """The document's first-k cartridges, KV by vLLM and by HF, packed under `work` as `vllm-kv`
+    and `hf-kv`; the document's token ids."""
     from lmcache_cartridge.cartridge.packed import pack_kv
-    from lmcache_cartridge.store.registry import Registry
-    from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
     from lmcache_cartridge.tools.create import create_first_k
     from lmcache_cartridge.tools.engine_kv import EngineKVMaker
-    from lmcache_cartridge.tools.realmodel import ensure_real_model
     from lmcache_cartridge.tools.testmodel import document_text
-    from lmcache_cartridge.vllm.cpu_kv import current_attn_isa
 
-    import torch
-
-    model_dir = ensure_real_model()
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    qs = questions()[: a.questions or None]
-    work = Path(tempfile.mkdtemp(prefix="bench-answers-"))
     with EngineKVMaker(model_dir, work / "maker") as maker:
         by_vllm = create_first_k(model_dir, document_text(), engine=maker)
     by_hf = create_first_k(model_dir, document_text())
     assert by_vllm.token_ids == by_hf.token_ids
-    doc = by_vllm.token_ids
     for name, made in (("vllm-kv", by_vllm), ("hf-kv", by_hf)):
         pack_kv(made.kv, work / name, cartridge_id=name, model=str(model_dir), kind="first_k",
                 token_ids=made.token_ids, chunk_size=256, provenance=made.provenance)
+    return by_vllm.token_ids
 
-    registry = Registry(work / "registry.db")
-    server = VllmServer(
-        work / "vllm", str(model_dir), lmcache=lmcache_config(work / "registry.db", cache_dir=work / "cache")
-    )
+
+def ask_arms(server, registry, work: Path, body, prompts: list[list[int]], doc: list[int]) -> dict[str, list]:
+    """Every prompt's completion per arm: `plain`, each cartridge registered in turn (and removed
+    after), then `vllm-cache`; each loaded arm checked to have loaded the document's full chunks."""
+    arms = {"plain": [complete(server.url, body(p)) for p in prompts]}
+    for name in ("vllm-kv", "hf-kv"):
+        e = registry.register(work / name)
+        server.wait_served([e], timeout=60)
+        ext0 = server.external_tokens()
+        arms[name] = [complete(server.url, body(p)) for p in prompts]
+        loaded = server.external_tokens() - ext0
+        assert loaded == len(prompts) * (len(doc) // 256 * 256), (name, loaded)
+        registry.remove(name)
+        server.wait_not_served(name)
+    # vLLM's own KV reused: the document prefilled once with saving on, so LMCache's CPU cache
+    # holds vLLM's KV of its full chunks; every question then loads them, as a cartridge would.
+    complete(server.url, {**body(doc), "max_tokens": 1, "kv_transfer_params": {}})
+    ext0 = server.external_tokens()
+    arms["vllm-cache"] = [complete(server.url, body(p)) for p in prompts]
+    assert server.external_tokens() - ext0 == len(prompts) * (len(doc) // 256 * 256)
+    return arms
+
+
+def score(arms: dict[str, list], qs) -> tuple[dict[str, dict], list[Arm]]:
+    """Per arm: agreement with `plain`, facts stated, median request time and the answers; and
+    the arms' request times for the result."""
     results: dict[str, dict] = {}
     timed: list[Arm] = []
-    try:
-        server.wait_healthy()
-        prompts = [doc + tok(q.prompt(), add_special_tokens=False)["input_ids"] for q in qs]
-        body = lambda p: {"model": str(model_dir), "prompt": p, "max_tokens": a.max_tokens,  # noqa: E731
-                          "stop": ["\n"], "kv_transfer_params": {"lmcache.skip_save": True}}
-        plain = [complete(server.url, body(p)) for p in prompts]
-        arms = {"plain": plain}
-        for name in ("vllm-kv", "hf-kv"):
-            e = registry.register(work / name)
-            server.wait_served([e], timeout=60)
-            ext0 = server.external_tokens()
-            arms[name] = [complete(server.url, body(p)) for p in prompts]
-            loaded = server.external_tokens() - ext0
-            assert loaded == len(prompts) * (len(doc) // 256 * 256), (name, loaded)
-            registry.remove(name)
-            server.wait_not_served(name)
-        # vLLM's own KV reused: the document prefilled once with saving on, so LMCache's CPU cache
-        # holds vLLM's KV of its full chunks; every question then loads them, as a cartridge would.
-        complete(server.url, {**body(doc), "max_tokens": 1, "kv_transfer_params": {}})
-        ext0 = server.external_tokens()
-        arms["vllm-cache"] = [complete(server.url, body(p)) for p in prompts]
-        assert server.external_tokens() - ext0 == len(prompts) * (len(doc) // 256 * 256)
-        for name, answers in arms.items():
-            ag: Agreement = agreement(plain, answers)
-            results[name] = {
-                **ag.__dict__,
-                "facts": sum(q.answered_by(x.text) for q, x in zip(qs, answers)),
-                "median_request_s": percentile([x.seconds for x in answers], 50),
-                "answers": [x.text for x in answers],
-            }
-            timed.append(Arm.from_samples(name, [x.seconds for x in answers], equal=ag.equal,
-                                          facts=results[name]["facts"]))
-    finally:
-        server.stop()
-    head_dim = 64
-    meta = {"model": str(model_dir), "questions": len(qs), "document_tokens": len(doc),
-            "cartridge_tokens_loaded": len(doc) // 256 * 256,
-            "vllm_cpu_attn_isa": current_attn_isa(torch.bfloat16, 128, head_dim)}
+    plain = arms["plain"]
+    for name, answers in arms.items():
+        ag: Agreement = agreement(plain, answers)
+        results[name] = {
+            **ag.__dict__,
+            "facts": sum(q.answered_by(x.text) for q, x in zip(qs, answers)),
+            "median_request_s": percentile([x.seconds for x in answers], 50),
+            "answers": [x.text for x in answers],
+        }
+        timed.append(Arm.from_samples(name, [x.seconds for x in answers], equal=ag.equal,
+                                      facts=results[name]["facts"]))
+    return results, timed
+
+
+def report(meta: dict, results: dict[str, dict], arms: dict[str, list], qs) -> None:
+    """The table printed; each cartridge arm compared with `vllm-cache` (added to `results`); the
+    questions each arm answers differently from `plain`."""
     print(json.dumps(meta))
     print(f"{'arm':8} {'equal':>7} {'max|dlp|':>9} {'mean|dlp|':>9} {'facts':>6} {'median s':>9}")
     for name, r in results.items():
@@ -125,11 +118,47 @@ def main(argv: list[str] | None = None) -> int:
         for i in results[name]["differ"]:
             print(f"  {name} differs on {qs[i].text!r}: plain {results['plain']['answers'][i]!r}, "
                   f"{name} {results[name]['answers'][i]!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from lmcache_cartridge.store.registry import Registry
+    from lmcache_cartridge.testing.launch import VllmServer, lmcache_config
+    from lmcache_cartridge.tools.realmodel import ensure_real_model
+    from lmcache_cartridge.vllm.cpu_kv import current_attn_isa
+
+    import torch
+
+    model_dir = ensure_real_model()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    qs = questions()[: a.questions or None]
+    work = Path(tempfile.mkdtemp(prefix="bench-answers-"))
+    doc = make_cartridges(model_dir, work)
+    registry = Registry(work / "registry.db")
+    server = VllmServer(
+        work / "vllm", str(model_dir), lmcache=lmcache_config(work / "registry.db", cache_dir=work / "cache")
+    )
+    try:
+        server.wait_healthy()
+        prompts = [doc + tok(q.prompt(), add_special_tokens=False)["input_ids"] for q in qs]
+        body = lambda p: {"model": str(model_dir), "prompt": p, "max_tokens": a.max_tokens,  # noqa: E731
+                          "stop": ["\n"], "kv_transfer_params": {"lmcache.skip_save": True}}
+        arms = ask_arms(server, registry, work, body, prompts, doc)
+        results, timed = score(arms, qs)
+    finally:
+        server.stop()
+    head_dim = 64
+    meta = {"model": str(model_dir), "questions": len(qs), "document_tokens": len(doc),
+            "cartridge_tokens_loaded": len(doc) // 256 * 256,
+            "vllm_cpu_attn_isa": current_attn_isa(torch.bfloat16, 128, head_dim)}
+    report(meta, results, arms, qs)
     if a.out:
         write_result(Result(benchmark="answers", machine=machine_info(), parameters=vars(a), arms=timed,
                             details={"meta": meta, "arms": results}), a.out.parent, a.out.stem, markdown_file=False)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
