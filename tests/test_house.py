@@ -12,12 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lmcache_cartridge"
 MAX_LINES = 80
-# Argument parsers read as one table of options; the gateway's app factory is being made a class.
+# Argument parsers read as one table of options, in the package and in the benchmarks alike.
 LONG_ALLOWED = {"build_parser"}
 BENCHMARKS = ROOT / "benchmarks"
-# Smaller benchmark scripts whose one run reads top to bottom as one function, each named (file
-# under benchmarks/, function), so that any other long function there fails.
-BENCH_LONG_ALLOWED = {("router_probe.py", "main")}
 
 
 def _modules(package: Path) -> dict[str, Path]:
@@ -70,24 +67,12 @@ def folder_cycles(package: Path) -> list[list[str]]:
     return out
 
 
-def _long_allowed(path: Path, name: str) -> bool:
-    return name in LONG_ALLOWED or (path.is_relative_to(BENCHMARKS)
-                                    and (path.relative_to(BENCHMARKS).as_posix(), name) in BENCH_LONG_ALLOWED)
-
-
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")) + sorted(BENCHMARKS.rglob("*.py")),
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_functions_fit_on_a_screen(path):
-    found = [f for f in long_functions(ast.parse(path.read_text())) if not _long_allowed(path, f[0])]
+    found = [f for f in long_functions(ast.parse(path.read_text())) if f[0] not in LONG_ALLOWED]
     assert not found, "\n".join(f"{path.relative_to(ROOT)}:{line}: {name} is {n} lines (at most {MAX_LINES}): "
                                 "split it by phase into named functions" for name, line, n in found)
-
-
-def test_each_long_benchmark_function_named_is_still_long():
-    """A named exception whose function was split, renamed or removed leaves the list."""
-    stale = [f"benchmarks/{f}: {name}" for f, name in sorted(BENCH_LONG_ALLOWED)
-             if name not in {n for n, _, _ in long_functions(ast.parse((BENCHMARKS / f).read_text()))}]
-    assert not stale, "no longer long (remove from BENCH_LONG_ALLOWED): " + ", ".join(stale)
 
 
 def test_no_import_cycle_inside_a_folder():
