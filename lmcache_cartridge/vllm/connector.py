@@ -309,9 +309,10 @@ class CartridgeConnector(LMCacheConnectorV1):
     def _shutdown_lmcache(self) -> None:
         """Both sides: LMCache's own shutdown (its services, its engine, the storage plugin's
         close), at most `LMCACHE_SHUTDOWN_S`. vLLM's `LMCacheConnectorV1` does not pass shutdown
-        on (vLLM 0.32 keeps the base class's no-op; vllm-project/vllm#36852), so LMCache's storage manager kept its event
-        loop thread, which is not a daemon, running for ever: a worker whose engine core failed
-        to start never exited, nor did vLLM's API server, which waits for it. Where vLLM's class
+        on (vLLM 0.32 keeps the base class's no-op; vllm-project/vllm#36852), so LMCache's
+        storage manager kept its event loop thread, which is not a daemon, running for ever: a
+        worker whose engine core failed to start never exited, nor did vLLM's API server, which
+        waits for it. Where vLLM's class
         does pass it on, `super().shutdown()` has done this already."""
         impl = getattr(self, "_lmcache_engine", None)
         if impl is None or not hasattr(impl, "shutdown") or lmcache_connector_shuts_lmcache_down():
