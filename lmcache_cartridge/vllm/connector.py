@@ -312,8 +312,8 @@ class CartridgeConnector(LMCacheConnectorV1):
         on (vLLM 0.32 keeps the base class's no-op; vllm-project/vllm#36852), so LMCache's
         storage manager kept its event loop thread, which is not a daemon, running for ever: a
         worker whose engine core failed to start never exited, nor did vLLM's API server, which
-        waits for it. Where vLLM's class
-        does pass it on, `super().shutdown()` has done this already."""
+        waits for it. Where vLLM's class does pass it on, `super().shutdown()` has done this
+        already."""
         impl = getattr(self, "_lmcache_engine", None)
         if impl is None or not hasattr(impl, "shutdown") or lmcache_connector_shuts_lmcache_down():
             return
