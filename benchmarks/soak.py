@@ -70,7 +70,8 @@ What runs (all on 127.0.0.1, stops by itself):
       - `corrupt-disk`: 64 bytes overwritten in up to 4 chunk files of the host's disk tier;
         nothing may be refused or answered wrongly for it: the next read of each must find it
         and fetch the chunk again (the tier's error count). The server's L1 holds what it read,
-        so a kill-server after it makes the disk tier be read again.
+        so a kill-server after it makes the disk tier be read again; a disk tier below the S3
+        working set evicts most chunks unread.
       While a fault's window is open a refused client waits `BACKOFF_S` before its next request.
 - vLLM prefix caching OFF: with it on, vLLM's own 1 GiB KV cache would keep every cartridge after
   its first use and the LMCache / plugin tiers would see almost no traffic; off, every request's

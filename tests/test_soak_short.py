@@ -373,7 +373,8 @@ def test_short_mp_soak_through_the_fault_matrix_never_answers_wrong_and_recovers
     local reads stalled, vLLM killed; each recovered with no manual step, no request answered
     wrongly or refused where an answer was due."""
     params = soak.SoakParams.mp(
-        cartridges=5, clients=4, requests=120, max_seconds=600, seed=3, plugin_disk_chunks=3, lmcache_chunks=32,
+        # the disk tier holds the 5 S3 chunks: a corrupted one is read again, not evicted unread
+        cartridges=5, clients=4, requests=120, max_seconds=600, seed=3, plugin_disk_chunks=6, lmcache_chunks=32,
         faults=("corrupt-disk@0.2", "kill-server@0.25", "stall-reads@0.5", "kill-vllm@0.75"), stall_s=15,
         warmup_requests=10, rss_tolerance=1.0)
     r = soak.run_soak(params, tmp_path / "out")
