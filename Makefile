@@ -155,10 +155,11 @@ soak: $(STAMP)
 # The MP fault matrix under load: the soak in LMCache's multiprocess mode with the disk tier
 # corrupted, the lmcache server killed, its local reads stalled and vLLM killed, one after another
 # (benchmarks/soak.py's docstring); the disk tier holds the S3 working set (15 chunks), so that a
-# corrupted chunk is read again rather than evicted unread; results in benchmarks/results/soak-mp-faults/.
+# corrupted chunk is read again rather than evicted unread; the stall comes right after the server's
+# restart, while its empty L1 is being loaded again; results in benchmarks/results/soak-mp-faults/.
 soak-faults: $(STAMP)
 	$(PY) benchmarks/soak.py --mode mp --clients 8 --requests 8000 --max-seconds 900 --plugin-disk-chunks 16 \
-		--faults corrupt-disk@0.15,kill-server@0.2,stall-reads@0.45,kill-vllm@0.7 \
+		--faults corrupt-disk@0.15,kill-server@0.2,stall-reads@0.2,kill-vllm@0.6 \
 		--out benchmarks/results/soak-mp-faults
 
 clean-venv:

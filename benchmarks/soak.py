@@ -390,6 +390,19 @@ def metric_delta(before: dict[str, float], after: dict[str, float],
     return out
 
 
+def tier_delta(after, before, killed: list = ()) -> dict[str, dict[str, int]]:
+    """The adapters' tier counters' growth from `before` to `after` (`TierTotals`). `killed`: the
+    totals read just before each kill of the `lmcache server`, whose adapter's counters end there
+    (the restarted one counts from zero): each is added whole."""
+    out = after.minus(before)
+    for k in killed:
+        for tier, counts in k.tiers.items():
+            o = out.setdefault(tier, dict.fromkeys(counts, 0))
+            for c, v in counts.items():
+                o[c] = o.get(c, 0) + v
+    return out
+
+
 # --- requests and the rule each answer is judged by -----------------------------------------------
 @dataclass
 class Reply:
@@ -805,6 +818,7 @@ class SoakRun:
         self.outages: list[list] = []  # [begin, end, fault kind] per fault window; end inf until recovered
         self.fault_events: list[dict[str, Any]] = []
         self.vllm_restarts: list[tuple[dict[str, float], dict[str, float]]] = []  # metrics before kill, after start
+        self.server_kills: list = []  # the adapter's tier totals just before each lmcache server kill
         self.stall_file = self.work / "stall"
 
     def run(self) -> dict[str, Any]:
@@ -1149,7 +1163,10 @@ class SoakRun:
     def kill_server(self, ev: dict[str, Any], client) -> None:
         """The `lmcache server` SIGKILLed (a crash, the OOM killer) and started again
         `restart_down_s` later on the same ports and L1 segment name, as a supervisor would."""
+        from lmcache_cartridge.store.tier_totals import sum_tier_stats
+
         p, lmc = self.p, self.server.lmcache_server
+        self.server_kills.append(sum_tier_stats(self.cache_dir))
         begin = self.open_window("kill-server", ev)
         lmc.kill()
         log(f"kill-server: lmcache server SIGKILLed at request {ev['at_request']}")
@@ -1311,10 +1328,10 @@ class SoakRun:
 
     def tier_summary(self) -> dict[str, Any]:
         """The plugins' (the adapter's) tier counters and LMCache's, over the soak and the whole run."""
-        total_delta = self.st2.minus(self.st0)
+        total_delta = tier_delta(self.st2, self.st0, self.server_kills)
         lmc_total = metric_delta(self.m0, self.m2, self.vllm_restarts)
         return {
-            "plugin_tiers_soak": self.st2.minus(self.st1),
+            "plugin_tiers_soak": tier_delta(self.st2, self.st1, self.server_kills),
             "plugin_tiers_total": total_delta,
             "plugin_instances": self.st2.instances,
             "lmcache_metrics_soak": metric_delta(self.m1, self.m2, self.vllm_restarts),
@@ -1497,7 +1514,9 @@ def soak_markdown(r: dict[str, Any]) -> str:
 
 
 def _budgets_markdown(b: dict[str, Any], p: dict[str, Any], mp: bool) -> list[str]:
-    lines = ["## Budgets " + ("(the adapter's disk tier below the S3 working set)" if mp
+    below = b["plugin_disk_budget_bytes"] < b["s3_working_set_chunks"] * b["chunk_bytes"]
+    lines = ["## Budgets " + (("(the adapter's disk tier below the S3 working set)" if below
+                               else "(the adapter's disk tier holds the S3 working set)") if mp
                               else "(all below the working set)"), "",
              f"- working set: {b['working_set_chunks']} chunks x {b['chunk_bytes'] // 1024} KiB = "
              f"{b['working_set_bytes'] / MiB:.2f} MiB ({b['s3_working_set_chunks']} chunks from S3)"]

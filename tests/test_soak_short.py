@@ -358,6 +358,19 @@ def test_vllms_counters_across_its_restart_add_the_segment_before_the_kill():
     assert soak.metric_delta(before, {"x": 65.0}, [(killed, {"x": 41.0})]) == {"x": 55.0}
 
 
+def test_the_adapters_counters_across_a_server_kill_add_what_the_killed_one_counted():
+    """A restarted `lmcache server`'s adapter counts from zero: the soak's tier growth adds the
+    killed one's totals, never goes negative."""
+    from lmcache_cartridge.store.tier_totals import TierTotals
+
+    before = TierTotals(Path("."), tiers={"s3": {"hits": 10, "errors": 0}})
+    killed = TierTotals(Path("."), tiers={"s3": {"hits": 40, "errors": 1}})
+    after = TierTotals(Path("."), tiers={"s3": {"hits": 5, "errors": 0}, "disk": {"hits": 2, "errors": 0}})
+    assert soak.tier_delta(after, before) == {"s3": {"hits": -5, "errors": 0}, "disk": {"hits": 2, "errors": 0}}
+    assert soak.tier_delta(after, before, [killed]) == {"s3": {"hits": 35, "errors": 1},
+                                                        "disk": {"hits": 2, "errors": 0}}
+
+
 def test_a_soak_written_with_one_restart_reads_as_its_faults():
     md = soak._faults_markdown(soak._restart_as_faults({
         "at_request": 4801, "t": 315.3, "ready_after_s": 19.16, "recovered_after_s": 36.43, "recovered": True,
