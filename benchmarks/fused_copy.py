@@ -221,7 +221,7 @@ def run(device_name: str, shapes: list[str], token_counts: list[int], reps: int,
             print(json.dumps(cell), flush=True)
             cells.append(cell)
             if with_profile and shape == shapes[0] and tokens == max(token_counts):
-                prof = {"shape": shape, "tokens": tokens, "time": "device" if device.type == "cuda" else "cpu",
+                prof = {"shape": shape, "tokens": tokens, "time": "CUDA" if device.type == "cuda" else "cpu",
                         "arms": profile(fns, device)}
             del req, fns
             if device.type == "cuda":
