@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 import urllib.error
@@ -20,7 +19,7 @@ from typing import Any
 
 from lmcache_cartridge.lmcache.l1_prefault import SHM_PREFIX, l1_mappings
 from lmcache_cartridge.tools import starts
-from lmcache_cartridge.tools.vllm_process import free_port, kill_group, stop_group
+from lmcache_cartridge.tools.vllm_process import free_port, kill_group, launch_group, mark_restart, stop_group
 
 ADAPTER = {"type": "plugin", "module_path": "lmcache_cartridge.lmcache.mp_adapter",
            "class_name": "CartridgeL2Adapter"}
@@ -127,8 +126,7 @@ class LmcacheServer:
         """Start the server's process (its own process group), appending to its log."""
         self.t0 = time.time()
         self.ready = False
-        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
-                                     cwd=str(self.root), start_new_session=True)
+        self.proc = launch_group(self.command, self._log, self._env, self.root)
 
     def kill(self) -> None:
         """SIGKILL the server's whole process group, as a crash or the OOM killer would: no
@@ -139,10 +137,7 @@ class LmcacheServer:
         """Start the server again after `kill` (or its exit), with the same command: the same
         ports, adapter settings and L1 segment name, as a supervisor restarts it. Not yet ready:
         call `wait_ready`."""
-        if self.proc.poll() is None:
-            raise RuntimeError("the lmcache server is still running: kill() or stop() it first")
-        self._log.write(b"\n==== restarted ====\n")
-        self._log.flush()
+        mark_restart(self.proc, self._log, "lmcache server")
         self._launch()
         return self
 

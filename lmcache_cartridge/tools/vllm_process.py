@@ -127,6 +127,22 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def launch_group(command: list[str], log, env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    """Start a server we own as a process group of its own (so that `kill_group` / `stop_group`
+    end everything it starts), its output appended to the open file `log`."""
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(cwd),
+                            start_new_session=True)
+
+
+def mark_restart(proc: subprocess.Popen, log, what: str) -> None:
+    """Before a server is started again with the same command: refuse while `proc` still runs,
+    and mark the restart in its log, which goes on in the same file."""
+    if proc.poll() is None:
+        raise RuntimeError(f"the {what} is still running: kill() or stop() it first")
+    log.write(b"\n==== restarted ====\n")
+    log.flush()
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL a child started with `start_new_session` and its whole process group, as a crash or
     the OOM killer ends it (no cleanup runs), and wait until no process of the group is left."""
@@ -290,8 +306,7 @@ class VllmProcess:
     def _launch(self) -> None:
         """Start the server's process (its own process group), appending to its log."""
         self.t0 = time.time()
-        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
-                                     cwd=str(self.root), start_new_session=True)
+        self.proc = launch_group(self.command, self._log, self._env, self.root)
         self.startup_s: float | None = None
         self._engine_failed_at: float | None = None
 
@@ -352,10 +367,7 @@ class VllmProcess:
         """Start the server again after `kill` (or its exit) with the same command, environment and
         port, as a supervisor restarts it; its log goes on in the same file. Not yet healthy: call
         `wait_healthy`."""
-        if self.proc.poll() is None:
-            raise RuntimeError("the vLLM server is still running: kill() or stop() it first")
-        self._log.write(b"\n==== restarted ====\n")
-        self._log.flush()
+        mark_restart(self.proc, self._log, "vLLM server")
         self._launch()
         return self
 
