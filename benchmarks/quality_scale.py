@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -106,15 +107,17 @@ def scale_title(key: str) -> str:
 def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOKENS,
              autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES,
              lr: float = LR, batch_size: int = BATCH,
-             windows: tuple[int, int] = WINDOWS, question_loss: bool = True) -> str:
+             windows: tuple[int, int] = WINDOWS, question_loss: bool = True, anchor: float = 0.0) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
     256 tokens, `_w128-256` for teacher windows of 128-256 tokens, `_seeds-su-qu` for
     conversations from some seed types only, `_lr0.004` for another rate than the curve's,
     `_b64` for 64 conversations per step, `_ans` for a loss over answer tokens only (the curve's
-    scores question and answer tokens), `_cos` for a cosine schedule, `_t16` for answers
-    trimmed where they repeat a run of 16 tokens, `_bf16` for steps under bf16 autocast)."""
+    scores question and answer tokens), `_anc10` for a pull toward the first-k start, `_cos`
+    for a cosine schedule, `_t16` for answers trimmed where they repeat a run of 16 tokens,
+    `_bf16` for steps under bf16 autocast)."""
     return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types, windows)}" + ("" if lr == LR else f"_lr{lr:g}")
             + ("" if batch_size == BATCH else f"_b{batch_size}") + ("" if question_loss else "_ans")
+            + (f"_anc{anchor:g}" if anchor else "")
             + ("" if schedule == "constant" else f"_{schedule[:3]}")
             + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16"))
 
@@ -129,17 +132,33 @@ def data_run(n: int, a: argparse.Namespace) -> str:
     return run_name(256, n, "constant", a.answer_tokens, seed_types=a.seed_types, windows=windows(a))
 
 
+# What a run's name adds after its conversations' key: training settings only (`run_name`).
+TRAINING_SUFFIXES = re.compile(r"(_lr[0-9.e+-]+|_b\d+|_ans|_anc[0-9.e+-]+|_cos|_t\d+|_bf16)*")
+
+
+def data_of(carts: Path, n: int, a: argparse.Namespace) -> Path | None:
+    """The synthesised conversations of `a`'s settings at scale `n` already in `carts`: the data
+    run's, else those of any run on the same conversations (another rate, anchor, ...), else None."""
+    key = scale_key(n, a.answer_tokens, a.seed_types, windows(a))
+    runs = [carts / f"{data_run(n, a)}.train"] + sorted(carts.glob("tr*.train"))
+    for work in runs:
+        m = re.fullmatch(r"tr\d+_n(.+?)(" + TRAINING_SUFFIXES.pattern + r")\.train", work.name)
+        if m and m.group(1) == key and (work / "data.pt").exists():
+            return work / "data.pt"
+    return None
+
+
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     """One epoch over `n` fresh conversations (`train`'s default steps); other runs on the same
     conversations (512 tokens, another rate or schedule, trimmed answers, autocast) reuse the
     256-token run's data of that scale, answer length and seed types (same document, same
     synthesis settings)."""
     name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr,
-                    a.batch_size, windows(a), a.question_loss)
+                    a.batch_size, windows(a), a.question_loss, a.anchor)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
-        first = carts / f"{data_run(n, a)}.train" / "data.pt"
-        if first.parent != work and first.exists() and not (work / "data.pt").exists():
+        first = None if (work / "data.pt").exists() else data_of(carts, n, a)
+        if first is not None:
             work.mkdir(parents=True, exist_ok=True)
             shutil.copy(first, work / "data.pt")
         text = carts.parent / "doc_a.txt"
@@ -148,7 +167,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--model", str(model_dir), "--text", str(text), "-o", str(out), "--id", f"qa-{name}".replace("_", "-"),
                "--tokens", str(tokens), "--work-dir", str(work), "--overwrite", "-q",
                "--conversations", str(n), "--heldout", str(a.heldout), "--batch-size", str(a.batch_size),
-               "--lr", str(a.lr), "--lr-schedule", a.lr_schedule,
+               "--lr", str(a.lr), "--lr-schedule", a.lr_schedule, "--anchor", str(a.anchor),
                "--eval-every", str(max(1, n // a.batch_size // 4)), "--save-every", "10",
                "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
                "--window-min", str(a.window_min), "--window-max", str(a.window_max), "--seed", str(a.seed),
@@ -272,7 +291,8 @@ def markdown(res: dict[str, Any]) -> str:
 
     lines = [f"# Data scale: {res['meta']['command']}", "",
              f"{machine(res['meta']['machine'])}; lr {LR:g}, batch {BATCH} (where an arm's name says no "
-             "other: `_lr`, `_b`), loss over question and answer tokens (`_ans`: answers only), one epoch; "
+             "other: `_lr`, `_b`), loss over question and answer tokens (`_ans`: answers only), no pull toward "
+             "the first-k start (`_anc<A>`: `train --anchor A`), one epoch; "
              "HF probe of document A's 40 questions (greedy).", "",
              "| arm | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | LL fact <256 / >=512 | "
              "held-out KL init -> final | train wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -341,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed-types", type=seed_types_arg, default=SEED_TYPES, metavar="TYPES",
                     help="train's --seed-types (other conversations: arms, cartridges and coverage named "
                     "with _seeds-<codes>, two letters per type)")
+    ap.add_argument("--anchor", type=float, default=0.0, metavar="A",
+                    help="train's --anchor: a pull toward the first-k start (arms and cartridges named with "
+                    "_anc<A>; the same conversations)")
     ap.add_argument("--batch-size", type=int, default=BATCH)
     ap.add_argument("--no-question-loss", dest="question_loss", action="store_false",
                     help="train's --no-question-loss: score answer tokens only (arms and cartridges named with "
@@ -457,7 +480,7 @@ class ScaleRun:
                     self.probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
                                lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens,
                                autocast=a.autocast, trim_repeats=a.trim_repeats, seed_types=list(a.seed_types),
-                               batch_size=a.batch_size, question_loss=a.question_loss)
+                               batch_size=a.batch_size, question_loss=a.question_loss, anchor=a.anchor)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,6 +134,8 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     assert S.run_name(256, 2048, "constant", lr=2e-2, batch_size=64) == "tr256_n2048_lr0.02_b64"
     assert S.run_name(256, 2048, "constant", batch_size=S.BATCH) == "tr256_n2048"
     assert S.run_name(256, 2048, "constant", question_loss=False) == "tr256_n2048_ans"
+    assert S.run_name(256, 1024, "constant", lr=8e-3, anchor=10.0) == "tr256_n1024_lr0.008_anc10"
+    assert S.run_name(256, 1024, "constant", anchor=0.0) == "tr256_n1024"
     assert S.scale_key(2048, 256, qs) == "2048_a256_seeds-su-qu"
     assert S.scale_key(2048, S.ANSWER_TOKENS, windows=S.WINDOWS) == "2048"
     assert S.run_name(256, 2048, "constant", windows=(128, 256)) == "tr256_n2048_w128-256"
@@ -148,6 +150,29 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
                       "## Coverage at 2048 conversations, answers up to 256 tokens (facts beyond 512 tokens)",
                       "## Coverage at 2048 conversations, seed types summarization, question "
                       "(facts beyond 512 tokens)"]
+
+
+def test_a_run_reuses_the_conversations_of_any_run_on_the_same_data(tmp_path):
+    """`quality_scale.train` copies the conversations of a run on the same data (same scale,
+    answer length, windows, seed types; any rate, anchor, batch, schedule) and never those of a
+    run on other data, so `--lr 8e-3` then `--lr 8e-3 --anchor 10` synthesise once."""
+    import quality_scale as S
+
+    a = S.build_parser().parse_args(["--scales", "1024"])
+    for name in ("tr256_n1024_a256", "tr256_n1024_seeds-su-qu_lr0.004", "tr256_n10240_lr0.008",
+                 "tr256_n1024_w128-256"):  # other conversations
+        (tmp_path / f"{name}.train").mkdir()
+        (tmp_path / f"{name}.train" / "data.pt").write_text(name)
+    assert S.data_of(tmp_path, 1024, a) is None
+    (tmp_path / "tr256_n1024_lr0.008_b64.train").mkdir()
+    assert S.data_of(tmp_path, 1024, a) is None  # a run dir without data yet
+    (tmp_path / "tr256_n1024_lr0.008_b64.train" / "data.pt").write_text("same")
+    assert S.data_of(tmp_path, 1024, a) == tmp_path / "tr256_n1024_lr0.008_b64.train" / "data.pt"
+    a256 = S.build_parser().parse_args(["--scales", "1024", "--answer-tokens", "256"])
+    assert S.data_of(tmp_path, 1024, a256).read_text() == "tr256_n1024_a256"
+    (tmp_path / "tr256_n1024.train").mkdir()
+    (tmp_path / "tr256_n1024.train" / "data.pt").write_text("the data run's")
+    assert S.data_of(tmp_path, 1024, a).read_text() == "the data run's"  # the data run's first
 
 
 def test_coverage_by_seed_type_counts_dev_facts_beyond_the_window_only():

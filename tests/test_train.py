@@ -360,6 +360,42 @@ def test_bf16_autocast_trains_close_to_fp32_and_is_its_own_run(model_dir, doc, d
         train_cartridge(replace(bf16_cfg, loop=replace(bf16_cfg.loop, autocast=None, steps=4), overwrite=True))
 
 
+def test_anchor_pulls_the_kv_toward_its_first_k_start_and_resumes_on_the_same_path(model_dir, doc, data_file,
+                                                                                    tmp_path):
+    """`--anchor A`: after each Adam step the KV moves lr*A of the way back to its first-k start.
+    All the way back (lr*A = 1) leaves the start itself; half way keeps it nearer than no anchor;
+    a resumed run pulls toward the same start (not toward its checkpoint); it is its own run."""
+    from lmcache_cartridge.cartridge.packed import PackedCartridge
+
+    def run(out, anchor, steps=4, **kw):
+        cfg = config(model_dir, doc, tmp_path / out, steps=steps, kv_dtype="float32", save_every=2, **kw)
+        return with_data(replace(cfg, loop=replace(cfg.loop, anchor=anchor)), data_file)
+
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    start = export_kv(build_student(model, tok, doc.read_text(), TOKENS, 1))
+    moved = {}
+    for name, anchor in (("free", 0.0), ("half", 25.0), ("all", 50.0)):  # lr 2e-2: shares 0, 0.5, 1
+        cfg = run(name, anchor)
+        train_cartridge(cfg)
+        moved[name] = float((PackedCartridge(cfg.output).load_kv() - start).norm())
+    print("distance from the first-k start after 4 steps:", moved)
+    assert moved["all"] == 0.0
+    assert 0.0 < moved["half"] < moved["free"]
+    half = json.loads((tmp_path / "half" / "manifest.json").read_text())["provenance"]["optimizer"]
+    assert half["anchor"] == 25.0
+
+    stopped = run("stopped", 25.0, steps=2)
+    train_cartridge(stopped)
+    train_cartridge(replace(stopped, loop=replace(stopped.loop, steps=4), overwrite=True))
+    assert torch.equal(PackedCartridge(stopped.output).load_kv(), PackedCartridge(tmp_path / "half").load_kv())
+    with pytest.raises(CartridgeError, match="other settings"):  # an anchored checkpoint is not a free run's
+        train_cartridge(replace(stopped, loop=replace(stopped.loop, anchor=0.0, steps=5), overwrite=True))
+    with pytest.raises(CartridgeError, match="--anchor must be 0"):
+        train_cartridge(run("negative", -1.0))
+    with pytest.raises(CartridgeError, match=r"give an anchor in \[0, 50\]"):
+        train_cartridge(run("past", 100.0))
+
+
 def test_trim_repeats_cuts_a_looping_answer_before_its_first_repeat():
     from lmcache_cartridge.tools.selfstudy.synth import Conversation, trim_repeats
 

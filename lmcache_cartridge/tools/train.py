@@ -51,6 +51,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=d.lr_schedule,
                    help=f"constant (the paper's; default {d.lr_schedule}) or cosine: from --lr down to "
                    f"{COSINE_FLOOR:g}x --lr at the last step")
+    p.add_argument("--anchor", type=float, default=d.anchor, metavar="A",
+                   help="after each step move the KV lr*A of the way back to its first-k start (decoupled, as "
+                   "AdamW's weight decay), keeping what the window held while training learns beyond it; "
+                   "0: off (default %(default)g)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed for synthesis, batches and initialisation (same seed, same cartridge)")
     p.add_argument("--eval-every", type=int, default=d.eval_every,
@@ -110,7 +114,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         loop=LoopConfig(steps=args.steps or one_epoch(args.conversations, args.batch_size), batch_size=args.batch_size,
                         micro_batch=args.micro_batch, lr=args.lr, seed=args.seed, eval_every=args.eval_every,
                         save_every=args.save_every, question_loss=args.question_loss, lr_schedule=args.lr_schedule,
-                        autocast=args.autocast, trim_repeats=args.trim_repeats),
+                        autocast=args.autocast, trim_repeats=args.trim_repeats, anchor=args.anchor),
         device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads,
         work_dir=Path(args.work_dir) if args.work_dir else None,
         adapter_dir=Path(args.adapter_dir) if args.adapter_dir else None,

@@ -79,6 +79,11 @@ class LoopConfig:
     # before the first run of this many tokens seen earlier in the answer); 0: whole answers.
     # Held-out KL is computed on whole answers either way, so it compares across runs.
     trim_repeats: int = 0
+    # Pull toward the first-k start: after each Adam step the KV moves `lr * anchor` of the way
+    # back to its initial value (AdamW's decoupled weight decay, toward the start instead of
+    # zero), so what the window held is kept while the loss moves the KV toward facts beyond it.
+    # 0: off (the paper's objective).
+    anchor: float = 0.0
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -171,7 +176,7 @@ class TrainConfig:
             del loop["lr_schedule"]  # checkpoints of runs from before the option stay resumable
         else:
             loop["steps"] = self.loop.steps  # the schedule depends on the run's length
-        for name, off in (("autocast", None), ("trim_repeats", 0)):
+        for name, off in (("autocast", None), ("trim_repeats", 0), ("anchor", 0.0)):
             if loop[name] == off:
                 del loop[name]  # likewise: runs without them keep their fingerprint
         return _digest({"data": self.data_fingerprint(text), "tokens": self.tokens,

@@ -167,6 +167,12 @@ def autocast(device: torch.device, dtype: str | None):
     return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
+def pull_toward(kv: torch.nn.Parameter, start: torch.Tensor, share: float) -> None:
+    """Move `kv` `share` of the way back to `start` (`--anchor`'s step, after Adam's)."""
+    with torch.no_grad():
+        kv.lerp_(start.to(kv.dtype), share)
+
+
 def run_loop(student, train: list[Conversation], heldout: list[Conversation], cfg: LoopConfig, *,
              work_dir: Path, fingerprint: str, pad_id: int, progress: bool = True) -> LoopResult:
     """Train `student`'s cartridge for `cfg.steps` steps in all (resuming from a checkpoint)."""
@@ -176,6 +182,8 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
     encoder = encoder_of(student)
     base_lr = learning_rate(cfg, student)
     optimizer = torch.optim.Adam([encoder.trainable_embedding], lr=base_lr)
+    # the first-k start, taken before a checkpoint is loaded (`build_student` made it from the text)
+    start_kv = encoder.trainable_embedding.detach().clone() if cfg.anchor else None
     ck = load_checkpoint(work_dir, fingerprint)
     start = 0
     if ck is not None:
@@ -202,12 +210,15 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
         for step in bar:
             convs = [train[i] for i in batch_indices(step, len(train), cfg.batch_size, cfg.seed)]
             t0 = time.perf_counter()
+            rate = scheduled_lr(base_lr, cfg.lr_schedule, step, cfg.steps)
             for group in optimizer.param_groups:  # set every step: a resumed run's saved rate is not trusted
-                group["lr"] = scheduled_lr(base_lr, cfg.lr_schedule, step, cfg.steps)
+                group["lr"] = rate
             optimizer.zero_grad(set_to_none=True)
             value = accumulate_step(student, convs, micro_batch=cfg.micro_batch, pad_id=pad_id,
                                     questions=cfg.question_loss, autocast_dtype=cfg.autocast)
             optimizer.step()
+            if start_kv is not None:
+                pull_toward(encoder.trainable_embedding, start_kv, rate * cfg.anchor)
             seconds = time.perf_counter() - t0
             done = step + 1
             result.losses.append(value)

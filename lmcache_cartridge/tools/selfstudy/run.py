@@ -16,7 +16,7 @@ import torch
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import atomic_open
-from lmcache_cartridge.tools.selfstudy.config import TrainConfig, check_length, parse_seed_types
+from lmcache_cartridge.tools.selfstudy.config import LoopConfig, TrainConfig, check_length, parse_seed_types
 from lmcache_cartridge.tools.selfstudy.loop import LoopResult, build_student, encoder_of, learning_rate, run_loop
 from lmcache_cartridge.tools.selfstudy.synth import (SEED_TYPES, Conversation, HFBackend, HFBatchBackend, ShardStore,
                                                      synthesize, trim_repeats)
@@ -158,20 +158,10 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     from lmcache_cartridge.cartridge.packed import pack_kv
     from lmcache_cartridge.store.registration import load_vocab
 
-    check_length(cfg.tokens, cfg.chunk_size, cfg.frozen_tokens)
+    check_config(cfg)
     cartridge_id = run_id(cfg)  # refused now, not after training
-    if cfg.output.exists() and not cfg.overwrite:
-        raise CartridgeError(f"{cfg.output} already exists (use --overwrite to replace it)")
-    if min(cfg.conversations, cfg.loop.batch_size, cfg.loop.micro_batch, cfg.loop.steps) < 1:
-        raise CartridgeError("--conversations, --batch-size, --micro-batch and --steps must be positive")
-    if cfg.synth_batch < 1:
-        raise CartridgeError(f"--synth-batch must be positive (conversations per vLLM engine call), "
-                             f"got {cfg.synth_batch}")
     # known types, in canonical order: the same choice draws the same conversations
     cfg = replace(cfg, synth=replace(cfg.synth, seed_types=parse_seed_types(cfg.synth.seed_types)))
-    if cfg.loop.trim_repeats < 0:
-        raise CartridgeError(f"--trim-repeats must be 0 (whole answers) or a positive run length, "
-                             f"got {cfg.loop.trim_repeats}")
     text = Path(cfg.text_path).read_text(encoding="utf-8")
     if not text.strip():
         raise CartridgeError(f"{cfg.text_path} is empty: give the document the cartridge should hold")
@@ -189,6 +179,7 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     student = build_student(model, tokenizer, text, cfg.tokens, cfg.frozen_tokens)
     # the rate is fixed before the fingerprint (a resumed run keeps it) and recorded in provenance
     cfg = replace(cfg, loop=replace(cfg.loop, lr=learning_rate(cfg.loop, student)))
+    check_anchor(cfg.loop)
     t0 = time.time()
     result = run_loop(student, train, heldout, cfg.loop, work_dir=cfg.work, fingerprint=cfg.fingerprint(text),
                       pad_id=tokenizer.pad_token_id, progress=cfg.progress)
@@ -212,7 +203,7 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
                  "first": result.losses[0] if result.losses and not result.resumed_from else None},
         "loss_tokens": "question+answer" if cfg.loop.question_loss else "answer",
         "heldout_kl": {"init": kls.get(0), "final": kls.get(cfg.loop.steps)},
-        "optimizer": {"name": "Adam", "lr": cfg.loop.lr, "lr_schedule": cfg.loop.lr_schedule,
+        "optimizer": {"name": "Adam", "lr": cfg.loop.lr, "lr_schedule": cfg.loop.lr_schedule, "anchor": cfg.loop.anchor,
                       "batch_size": cfg.loop.batch_size, "seed": cfg.loop.seed},
         "device": str(device), "train_dtype": str(dtype).removeprefix("torch."), "autocast": cfg.loop.autocast,
         "seconds_per_step": (sum(result.step_seconds) / len(result.step_seconds)) if result.step_seconds else None,
@@ -230,6 +221,33 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     if cfg.adapter_dir is not None:
         student.save_pretrained(str(cfg.adapter_dir))
     return TrainResult(manifest, result, cfg.adapter_dir, provenance)
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Refuse, before any work, settings `train` cannot run."""
+    check_length(cfg.tokens, cfg.chunk_size, cfg.frozen_tokens)
+    if cfg.output.exists() and not cfg.overwrite:
+        raise CartridgeError(f"{cfg.output} already exists (use --overwrite to replace it)")
+    if min(cfg.conversations, cfg.loop.batch_size, cfg.loop.micro_batch, cfg.loop.steps) < 1:
+        raise CartridgeError("--conversations, --batch-size, --micro-batch and --steps must be positive")
+    if cfg.synth_batch < 1:
+        raise CartridgeError(f"--synth-batch must be positive (conversations per vLLM engine call), "
+                             f"got {cfg.synth_batch}")
+    if cfg.loop.trim_repeats < 0:
+        raise CartridgeError(f"--trim-repeats must be 0 (whole answers) or a positive run length, "
+                             f"got {cfg.loop.trim_repeats}")
+    check_anchor(cfg.loop)  # its sign now; its share of the way back once the rate is known
+
+
+def check_anchor(loop: LoopConfig) -> None:
+    """`--anchor` moves the KV `lr * anchor` of the way back each step: that share must lie in [0, 1]
+    (with no rate yet, only the anchor's sign is checked)."""
+    if loop.anchor < 0:
+        raise CartridgeError(f"--anchor must be 0 (off) or positive, got {loop.anchor:g}")
+    if loop.lr is not None and loop.anchor * loop.lr > 1:
+        raise CartridgeError(f"--anchor {loop.anchor:g} at --lr {loop.lr:g} would move the KV "
+                             f"{loop.anchor * loop.lr:g} of the way back to its start each step; give an anchor "
+                             f"in [0, {1 / loop.lr:g}] (0: off)")
 
 
 def run_id(cfg: TrainConfig) -> str:
