@@ -274,6 +274,30 @@ def by_seed_type(data: list[dict[str, Any]], answers: list[str], qs: list[Q.Ques
     return out
 
 
+def kv_sizes(model_dir: Path, tok) -> dict[str, int]:
+    """What the KV column needs: bytes of bf16 KV per token (K and V, every layer, as `create`
+    and `train` pack this model's) and document A's length in tokens (ICL's KV)."""
+    from harness.serving import model_info
+
+    return {"kv_bytes_per_token": model_info(model_dir)["kv_bytes_per_token_bf16"],
+            "document_tokens": len(tok(Q.document("a"), add_special_tokens=False)["input_ids"])}
+
+
+def kv_tokens(arm: str, document_tokens: int | None) -> int | None:
+    """Tokens of KV an arm answers from: the cartridge's length (`first_k_512`, `init_256`,
+    `trained_512_n1024...`), or the whole document for ICL."""
+    if arm == "icl":
+        return document_tokens
+    m = re.match(r"(?:first_k|init|trained)_(\d+)", arm)
+    return int(m.group(1)) if m else None
+
+
+def kv_mib(arm: str, meta: dict[str, Any]) -> str:
+    n = kv_tokens(arm, meta.get("document_tokens"))
+    per = meta.get("kv_bytes_per_token")
+    return f"{n * per / 2**20:.1f}" if n and per else ""
+
+
 def machine(m: dict[str, Any]) -> str:
     return f"{m.get('cpu')}, {m.get('nproc')} cores, torch {m.get('torch')}, vLLM {m.get('vllm')}"
 
@@ -294,13 +318,15 @@ def markdown(res: dict[str, Any]) -> str:
              "other: `_lr`, `_b`), loss over question and answer tokens (`_ans`: answers only), no pull toward "
              "the first-k start (`_anc<A>`: `train --anchor A`), one epoch; "
              "HF probe of document A's 40 questions (greedy).", "",
-             "| arm | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | LL fact <256 / >=512 | "
-             "held-out KL init -> final | train wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| arm | KV MiB | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | "
+             "LL fact <256 / >=512 | held-out KL init -> final | train wall s |",
+             "|---|" + "---:|" * 11]
     for name, r in res["arms"].items():
         t = r.get("training") or {}
         kl = t.get("heldout_kl") or {}
         klt = f"{kl.get('init'):.3f} -> {kl.get('final'):.3f}" if kl.get("init") is not None else ""
-        lines.append(f"| {name} | {r.get('conversations', '')} | {f(r['facts'])} | {f(r['dev'])} | {f(r['heldout'])} | "
+        lines.append(f"| {name} | {kv_mib(name, res['meta'])} | {r.get('conversations', '')} | "
+                     f"{f(r['facts'])} | {f(r['dev'])} | {f(r['heldout'])} | "
                      + " | ".join(f(r["by_position"][b]) for b in BUCKETS)
                      + f" | {ll(r, '<256')} / {ll(r, '>=512')} | {klt} | {wall(t)} |")
     for key, cov in sorted(res.get("coverage", {}).items(), key=lambda kv: (int(kv[0].split("_")[0]), kv[0])):
@@ -434,6 +460,7 @@ class ScaleRun:
             Q.make_init(self.model_dir, self.carts)
         self.model, self.tok = load_model(self.model_dir)
         self.pb = PromptBuilder(self.tok)
+        self.res["meta"].update(kv_sizes(self.model_dir, self.tok))
         self.pos = {q.id: Q.evidence_position(self.tok, Q.document("a"), q.evidence) for q in self.qs}
 
     def probe(self, name: str, arm: Q.Arm, **extra) -> None:

@@ -175,6 +175,21 @@ def test_a_run_reuses_the_conversations_of_any_run_on_the_same_data(tmp_path):
     assert S.data_of(tmp_path, 1024, a).read_text() == "the data run's"  # the data run's first
 
 
+def test_scale_table_gives_each_arm_the_kv_it_answers_from():
+    """The memory side of the curve: a cartridge's KV is its length times the model's bytes per
+    token, ICL's the whole document's; a result written before the column has it blank."""
+    import quality_scale as S
+
+    arm = {"facts": [1, 40], "dev": [0, 20], "heldout": [1, 20],
+           "by_position": {b: [0, 1] for b in S.BUCKETS}}
+    meta = {"command": "c", "machine": {}, "kv_bytes_per_token": 23040, "document_tokens": 1766}
+    md = S.markdown({"meta": meta, "arms": {n: arm for n in ("icl", "first_k_512", "trained_256_n1024_anc10")}})
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in md.splitlines() if line.startswith("| ")}
+    assert (rows["icl"], rows["first_k_512"], rows["trained_256_n1024_anc10"]) == ("38.8", "11.2", "5.6")
+    old = S.markdown({"meta": {"command": "c", "machine": {}}, "arms": {"icl": arm}})
+    assert "| icl |  |" in old
+
+
 def test_coverage_by_seed_type_counts_dev_facts_beyond_the_window_only():
     """The per-seed-type coverage a choice of `--seed-types` may read: dev facts past 512 tokens,
     counted where the conversation's window held the evidence; a held-out fact, a fact inside the
