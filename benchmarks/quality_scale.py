@@ -274,26 +274,28 @@ def by_seed_type(data: list[dict[str, Any]], answers: list[str], qs: list[Q.Ques
     return out
 
 
-def kv_sizes(model_dir: Path, tok) -> dict[str, int]:
+def kv_sizes(model_dir: Path, tok, pb, qs: list[Q.Question], carts: Path) -> dict[str, int]:
     """What the KV column needs: bytes of bf16 KV per token (K and V, every layer, as `create`
-    and `train` pack this model's) and document A's length in tokens (ICL's KV)."""
+    and `train` pack this model's) and ICL's KV in tokens: the prompt its questions share (the
+    system message holding document A), as `quality.py` counts it."""
     from harness.serving import model_info
 
-    return {"kv_bytes_per_token": model_info(model_dir)["kv_bytes_per_token_bf16"],
-            "document_tokens": len(tok(Q.document("a"), add_special_tokens=False)["input_ids"])}
+    icl = Q.Arm("icl", "icl", ("a",))
+    shared = Q._common_prefix([Q.hf_prompt(pb, tok, icl, q, carts)[1] for q in qs[:2]]) - 1
+    return {"kv_bytes_per_token": model_info(model_dir)["kv_bytes_per_token_bf16"], "icl_tokens": shared}
 
 
-def kv_tokens(arm: str, document_tokens: int | None) -> int | None:
+def kv_tokens(arm: str, icl_tokens: int | None) -> int | None:
     """Tokens of KV an arm answers from: the cartridge's length (`first_k_512`, `init_256`,
     `trained_512_n1024...`), or the whole document for ICL."""
     if arm == "icl":
-        return document_tokens
+        return icl_tokens
     m = re.match(r"(?:first_k|init|trained)_(\d+)", arm)
     return int(m.group(1)) if m else None
 
 
 def kv_mib(arm: str, meta: dict[str, Any]) -> str:
-    n = kv_tokens(arm, meta.get("document_tokens"))
+    n = kv_tokens(arm, meta.get("icl_tokens"))
     per = meta.get("kv_bytes_per_token")
     return f"{n * per / 2**20:.1f}" if n and per else ""
 
@@ -460,7 +462,7 @@ class ScaleRun:
             Q.make_init(self.model_dir, self.carts)
         self.model, self.tok = load_model(self.model_dir)
         self.pb = PromptBuilder(self.tok)
-        self.res["meta"].update(kv_sizes(self.model_dir, self.tok))
+        self.res["meta"].update(kv_sizes(self.model_dir, self.tok, self.pb, self.qs, self.carts))
         self.pos = {q.id: Q.evidence_position(self.tok, Q.document("a"), q.evidence) for q in self.qs}
 
     def probe(self, name: str, arm: Q.Arm, **extra) -> None:
