@@ -211,13 +211,15 @@ def add_loglik(model, tok, pb, arm: Q.Arm, carts: Path, qs: list[Q.Question], re
     result.update(tally(result["rows"]))
 
 
+def ll_fact(rows: list[dict[str, Any]]) -> float | None:
+    """Mean log-likelihood per token of the reference facts of `rows` (None before it was recorded)."""
+    xs = [r["ll_fact"] for r in rows if "ll_fact" in r]
+    return round(sum(xs) / len(xs), 3) if xs else None
+
+
 def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def count(sel):
         return [sum(r["correct"] for r in sel), len(sel)]
-
-    def ll_fact(sel):
-        xs = [r["ll_fact"] for r in sel if "ll_fact" in r]
-        return round(sum(xs) / len(xs), 3) if xs else None
 
     return {"facts": count(rows), "dev": count([r for r in rows if r["split"] == "dev"]),
             "heldout": count([r for r in rows if r["split"] == "heldout"]),
@@ -312,6 +314,10 @@ def markdown(res: dict[str, Any]) -> str:
         x = (r.get("ll_fact_by_position") or {}).get(b)
         return "" if x is None else f"{x:.2f}"
 
+    def dev_ll(r, b):  # the split a choice of settings may read
+        x = ll_fact([row for row in r.get("rows", ()) if row["split"] == "dev" and row["bucket"] == b])
+        return "" if x is None else f"{x:.2f}"
+
     def wall(t):  # a run trained on a GPU says so (its wall time is that machine's)
         return f"{t.get('wall_s') or ''}" + (f" ({t['device']})" if str(t.get("device")).startswith("cuda") else "")
 
@@ -321,8 +327,8 @@ def markdown(res: dict[str, Any]) -> str:
              "the first-k start (`_anc<A>`: `train --anchor A`), one epoch; "
              "HF probe of document A's 40 questions (greedy).", "",
              "| arm | KV MiB | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | "
-             "LL fact <256 / >=512 | held-out KL init -> final | train wall s |",
-             "|---|" + "---:|" * 11]
+             "LL fact <256 / >=512 | dev LL fact <256 / >=512 | held-out KL init -> final | train wall s |",
+             "|---|" + "---:|" * 12]
     for name, r in res["arms"].items():
         t = r.get("training") or {}
         kl = t.get("heldout_kl") or {}
@@ -330,7 +336,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {name} | {kv_mib(name, res['meta'])} | {r.get('conversations', '')} | "
                      f"{f(r['facts'])} | {f(r['dev'])} | {f(r['heldout'])} | "
                      + " | ".join(f(r["by_position"][b]) for b in BUCKETS)
-                     + f" | {ll(r, '<256')} / {ll(r, '>=512')} | {klt} | {wall(t)} |")
+                     + f" | {ll(r, '<256')} / {ll(r, '>=512')} | {dev_ll(r, '<256')} / {dev_ll(r, '>=512')} | "
+                     f"{klt} | {wall(t)} |")
     for key, cov in sorted(res.get("coverage", {}).items(), key=lambda kv: (int(kv[0].split("_")[0]), kv[0])):
         facts = cov["facts"]
         lines += ["", f"## Coverage at {scale_title(key)} (facts beyond 512 tokens)", "",

@@ -181,11 +181,15 @@ def test_scale_table_gives_each_arm_the_kv_it_answers_from():
     import quality_scale as S
 
     arm = {"facts": [1, 40], "dev": [0, 20], "heldout": [1, 20],
-           "by_position": {b: [0, 1] for b in S.BUCKETS}}
+           "by_position": {b: [0, 1] for b in S.BUCKETS},
+           "rows": [{"split": "dev", "bucket": "<256", "ll_fact": -1.0},
+                    {"split": "dev", "bucket": "<256", "ll_fact": -2.0},
+                    {"split": "heldout", "bucket": "<256", "ll_fact": -9.0}]}
     meta = {"command": "c", "machine": {}, "kv_bytes_per_token": 23040, "icl_tokens": 1766}
     md = S.markdown({"meta": meta, "arms": {n: arm for n in ("icl", "first_k_512", "trained_256_n1024_anc10")}})
     rows = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in md.splitlines() if line.startswith("| ")}
     assert (rows["icl"], rows["first_k_512"], rows["trained_256_n1024_anc10"]) == ("38.8", "11.2", "5.6")
+    assert "| -1.50 /  |" in md  # the dev split's facts only: the held-out row is not read
     old = S.markdown({"meta": {"command": "c", "machine": {}}, "arms": {"icl": arm}})
     assert "| icl |  |" in old
 
