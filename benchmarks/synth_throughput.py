@@ -2,7 +2,7 @@
 training steps per second in fp32 against bf16 autocast.
 
     .venv/bin/python benchmarks/synth_throughput.py [--hf 8] [--vllm 256] [--steps 6] [--dict-logprobs]
-        [--out benchmarks/results/synth_throughput.json]
+        [--compare-dtype bfloat16] [--out benchmarks/results/synth_throughput.json]
 
 The real model (SmolLM2-135M-Instruct, `tools.realmodel`) and document A of the quality
 benchmark (1,766 tokens), with `make quality`'s synthesis settings (windows of 384-768 tokens,
@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=SYNTH_BATCH, help="vLLM conversations per engine call")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size")
     p.add_argument("--eager", action="store_true", help="vLLM without torch.compile (train --synth-eager)")
+    p.add_argument("--vllm-dtype", choices=("auto", "bfloat16", "float32"),
+                   help="vLLM's dtype (default: train's choice, `vllm_synth.synth_dtype`: float32 on a CPU "
+                   "without native bf16, else the checkpoint's)")
+    p.add_argument("--compare-dtype", choices=("auto", "bfloat16", "float32"),
+                   help="then the same conversations by a fresh engine in this dtype, side by side")
     p.add_argument("--dict-logprobs", action="store_true",
                    help="first, the same conversations with vLLM's per-position log-prob dicts (its default) "
                    "rather than the flat lists the synthesis asks for: the frontend's CPU side by side")
@@ -79,7 +84,8 @@ def vllm_arm(model_dir: Path, tok, cfg, text: str, a: argparse.Namespace) -> tup
     from lmcache_cartridge.tools.selfstudy.synth import synthesize
     from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
 
-    backend = VllmBackend(model_dir, tok, cfg, batch=a.batch, block_size=a.block_size, enforce_eager=a.eager)
+    backend = VllmBackend(model_dir, tok, cfg, batch=a.batch, block_size=a.block_size, enforce_eager=a.eager,
+                          dtype=a.vllm_dtype)
     t0 = time.perf_counter()
     backend.start()
     start_s = time.perf_counter() - t0
@@ -96,7 +102,7 @@ def vllm_arm(model_dir: Path, tok, cfg, text: str, a: argparse.Namespace) -> tup
             "frontend_cpu_ms_per_conversation": 1000 * cpu / len(convs),
             "answer_tokens_mean": statistics.mean(len(c.answer) for c in convs),
             "question_targets_mean": statistics.mean(len(c.prompt_topk_ids) for c in convs),
-            "engine": dict(backend.stats), "batch": a.batch, "block_size": a.block_size,
+            "engine": dict(backend.stats), "batch": a.batch, "block_size": a.block_size, "dtype": backend.dtype,
             "enforce_eager": a.eager}, convs
 
 
@@ -166,6 +172,13 @@ def main() -> None:
         print(json.dumps(out["vllm_dict_logprobs"], indent=1), flush=True)
     out["vllm"], v_convs = vllm_arm(model_dir, tok, cfg, text, a)
     print(json.dumps(out["vllm"], indent=1), flush=True)
+    if a.compare_dtype:
+        other = argparse.Namespace(**{**vars(a), "vllm_dtype": a.compare_dtype})
+        out["vllm_compare_dtype"], c_convs = vllm_arm(model_dir, tok, cfg, text, other)
+        out["dtype_speedup"] = (out["vllm"]["conversations_per_minute"]
+                                / out["vllm_compare_dtype"]["conversations_per_minute"])
+        out["same_answers"] = sum(x.answer == y.answer for x, y in zip(v_convs, c_convs))
+        print(json.dumps(out["vllm_compare_dtype"], indent=1), f"{out['dtype_speedup']:.2f}x", flush=True)
     if not a.hf:  # vLLM alone (settings trials)
         write(out, a)
         return
@@ -185,7 +198,7 @@ def write(out: dict, a: argparse.Namespace) -> None:
     """The run as the harness's result: one arm per backend (conversations), training steps by precision."""
     arms = [Arm(name=f"synth {k}", count=out[k]["conversations"],
                 figures={"conversations_per_minute": out[k]["conversations_per_minute"]})
-            for k in ("vllm", "vllm_dict_logprobs", "hf") if k in out]
+            for k in ("vllm", "vllm_compare_dtype", "vllm_dict_logprobs", "hf") if k in out]
     if "train" in out:
         arms += [Arm.from_samples(f"train step {k}", out["train"][f"{k}_step_s"]) for k in ("fp32", "bf16_autocast")]
     path = Path(a.out)

@@ -332,16 +332,20 @@ def test_an_engine_that_dies_is_replaced_once_and_the_batch_comes_out_the_same(h
     pytest.importorskip("vllm")
     from lmcache_cartridge.errors import CartridgeError
     from lmcache_cartridge.tools.selfstudy.synth import document_body
-    from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
+    from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend, synth_dtype
 
     model_dir, _, tok = hf
     body = document_body(tok, doc.read_text())
     specs = [plan(len(body), SYNTH, 0, "train", i, 4) for i in range(4)]
     with VllmBackend(model_dir, tok, SYNTH, batch=4) as backend:
         first = backend.run(body, SYNTH, specs)
+        chosen = backend.dtype  # the run's dtype, chosen at the first start, kept by the replacement
+        assert chosen == synth_dtype(device_is_cpu=True)
         _kill_engine_core(backend)
         again = backend.run(body, SYNTH, specs)
         assert backend.stats["engine_restarts"] == 1 and backend.llm is not None
+        assert backend.dtype == chosen
+        assert backend.llm.llm_engine.model_config.dtype == (torch.bfloat16 if chosen == "auto" else torch.float32)
         assert sum(c is not None for c in first) >= 2 and len(again) == len(first)
         for spec, a in zip(specs, again):  # each is its own plan's conversation, with its targets
             assert a is None or (a.window == spec.window and a.topk_ids[:, 0].tolist() == a.answer)

@@ -504,7 +504,11 @@ def test_synthesis_options_reach_the_vllm_engine_and_a_zero_batch_is_refused(mod
     assert (backend.batch, backend.enforce_eager, backend.llm) == (1024, True, None)
     default = config_from_args(p.parse_args(base))
     assert (vllm_backend(default, None).batch, vllm_backend(default, None).enforce_eager) == (128, False)
+    assert vllm_backend(default, None).dtype is None  # chosen at the engine's start (`synth_dtype`)
+    bf16 = config_from_args(p.parse_args(base + ["--synth-dtype", "bfloat16"]))
+    assert vllm_backend(bf16, None).dtype == "bfloat16"
     text = doc.read_text()
+    assert bf16.data_fingerprint(text) == default.data_fingerprint(text)  # the same conversations, up to rounding
     assert cfg.data_fingerprint(text) == default.data_fingerprint(text)
     assert cfg.fingerprint(text) == default.fingerprint(text)
     assert main(base + ["--synth-batch", "0", "-q"]) == 2
@@ -515,6 +519,21 @@ def test_synthesis_options_reach_the_vllm_engine_and_a_zero_batch_is_refused(mod
     assert "--micro-batch and --steps must be positive" in err and "Traceback" not in err
     assert not (tmp_path / "o.train").exists()  # refused before any work
 
+
+def test_synthesis_runs_in_fp32_on_a_cpu_without_native_bf16():
+    """vLLM's default dtype for synthesis: the checkpoint's, except on a CPU whose flags (as the
+    kernel reports them) have neither AVX-512 BF16 nor AMX, where bf16 matmuls are emulated."""
+    from lmcache_cartridge.tools.selfstudy.vllm_synth import native_bf16, synth_dtype
+
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert native_bf16() == native
+    assert synth_dtype(device_is_cpu=True) == ("auto" if native else "float32")
+    assert synth_dtype(device_is_cpu=False) == "auto"  # a GPU computes in the checkpoint's dtype
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_student_is_trained_on_the_prompt_the_gateway_serves_after_a_trained_cartridge(family, doc):

@@ -75,17 +75,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "all five, the paper's mix: %(default)s); held-out conversations always use all five")
     p.add_argument("--no-question-loss", dest="question_loss", action="store_false",
                    help="score answer tokens only (default: question and answer tokens, the paper's objective)")
-    p.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"),
-                   help="who writes the conversations: vllm (an in-process engine, many in flight), hf "
-                   "(transformers generate: one at a time on CPU, --synth-batch at a time on CUDA); auto: vllm "
-                   "where installed")
-    p.add_argument("--synth-batch", type=int, default=SYNTH_BATCH, metavar="N",
-                   help="conversations per vLLM engine call, or per HF generate call on CUDA (default %(default)s, "
-                   "for two CPU cores; ~1024 on a GPU); vLLM writes the same conversations at any size, HF on "
-                   "CUDA the same ones for the same size")
-    p.add_argument("--synth-eager", action="store_true",
-                   help="run vLLM's synthesis engine without torch.compile and CUDA graphs: a faster start, and "
-                   "a step of more sequences than vLLM captures graphs for (512) runs without one anyway")
+    add_engine_arguments(p)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="training dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--trim-repeats", type=int, default=d.trim_repeats, metavar="N",
@@ -101,6 +91,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", action="append", help="label (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Who writes the conversations and how (not which: none of these is in the data's fingerprint)."""
+    p.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"),
+                   help="who writes the conversations: vllm (an in-process engine, many in flight), hf "
+                   "(transformers generate: one at a time on CPU, --synth-batch at a time on CUDA); auto: vllm "
+                   "where installed")
+    p.add_argument("--synth-batch", type=int, default=SYNTH_BATCH, metavar="N",
+                   help="conversations per vLLM engine call, or per HF generate call on CUDA (default %(default)s, "
+                   "for two CPU cores; ~1024 on a GPU); vLLM writes the same conversations at any size, HF on "
+                   "CUDA the same ones for the same size")
+    p.add_argument("--synth-eager", action="store_true",
+                   help="run vLLM's synthesis engine without torch.compile and CUDA graphs: a faster start, and "
+                   "a step of more sequences than vLLM captures graphs for (512) runs without one anyway")
+    p.add_argument("--synth-dtype", choices=("auto", *DTYPE_NAMES),
+                   help="dtype vLLM writes the conversations in (default: the checkpoint's, 'auto', except on a "
+                   "CPU without native bf16 (AVX2 only: no AVX-512 BF16, no AMX), where float32 is several times "
+                   "faster than bf16); the conversations differ only by rounding")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -120,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         adapter_dir=Path(args.adapter_dir) if args.adapter_dir else None,
         labels=tuple(args.label or ()), overwrite=args.overwrite, progress=not args.quiet,
         synth_backend=args.synth_backend, synth_batch=args.synth_batch, synth_eager=args.synth_eager,
+        synth_dtype=args.synth_dtype,
     )
 
 

@@ -154,6 +154,7 @@ class TrainConfig:
     synth_backend: str = "auto"            # auto | vllm | hf (see selfstudy.backends)
     synth_batch: int = SYNTH_BATCH         # conversations per vLLM engine call (the same data at any size)
     synth_eager: bool = False              # vLLM without torch.compile and CUDA graphs (a faster start)
+    synth_dtype: str | None = None         # vLLM's dtype for synthesis (default: `vllm_synth.synth_dtype`)
 
     @property
     def work(self) -> Path:

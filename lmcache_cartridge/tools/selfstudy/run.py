@@ -102,7 +102,7 @@ def vllm_backend(cfg: TrainConfig, tokenizer):
     from lmcache_cartridge.tools.selfstudy.vllm_synth import VllmBackend
 
     return VllmBackend(cfg.model_dir, tokenizer, cfg.synth, seed=cfg.loop.seed, batch=cfg.synth_batch,
-                       enforce_eager=cfg.synth_eager)
+                       enforce_eager=cfg.synth_eager, dtype=cfg.synth_dtype)
 
 
 def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str, *,

@@ -85,6 +85,20 @@ def _rows(entries: list[dict[int, Any]], k: int, chosen: list[int] | None = None
     return ids, lps
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (AVX-512 BF16 or AMX on x86). Without either,
+    oneDNN converts every bf16 matmul to fp32 and back: several times slower than fp32 itself."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def synth_dtype(device_is_cpu: bool) -> str:
+    """The dtype vLLM writes conversations in when `train --synth-dtype` is not given: the
+    checkpoint's ("auto"), except on a CPU without native bf16, where fp32 is the faster of the two
+    and the conversations differ only by rounding (as vLLM's and HF's do)."""
+    return "float32" if device_is_cpu and not native_bf16() else "auto"
+
+
 def cpu_list() -> str:
     """This process's CPUs as a list vLLM reads ("0-1", "0-3,8-11")."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -102,7 +116,7 @@ class VllmBackend:
 
     name = "vllm"
 
-    def __init__(self, model_dir, tokenizer, cfg: SynthConfig, *, batch: int = SYNTH_BATCH, dtype: str = "auto",
+    def __init__(self, model_dir, tokenizer, cfg: SynthConfig, *, batch: int = SYNTH_BATCH, dtype: str | None = None,
                  kv_cache_gb: int = 2, enforce_eager: bool = False, max_num_seqs: int | None = None,
                  seed: int = 0, block_size: int = 32) -> None:
         self.model_dir, self.tokenizer, self.cfg = str(model_dir), tokenizer, cfg
@@ -126,8 +140,12 @@ class VllmBackend:
         if self.llm is not None:
             return self.llm
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         from lmcache_cartridge.paths import inductor_cache_dir, vllm_cache_dir
+
+        if self.dtype is None:  # the run's choice, recorded: a replaced engine keeps it
+            self.dtype = synth_dtype(current_platform.is_cpu())
 
         # The engine core is a child process: it reads these at its start. Set only where the
         # caller has not, and put back after, so the rest of the process is unchanged.
