@@ -133,16 +133,15 @@ def data_run(n: int, a: argparse.Namespace) -> str:
 
 
 # What a run's name adds after its conversations' key: training settings only (`run_name`).
-TRAINING_SUFFIXES = re.compile(r"(_lr[0-9.e+-]+|_b\d+|_ans|_anc[0-9.e+-]+|_cos|_t\d+|_bf16)*")
+TRAINING_SUFFIXES = r"(_lr[0-9.e+-]+|_b\d+|_ans|_anc[0-9.e+-]+|_cos|_t\d+|_bf16)*"
 
 
 def data_of(carts: Path, n: int, a: argparse.Namespace) -> Path | None:
     """The synthesised conversations of `a`'s settings at scale `n` already in `carts`: the data
     run's, else those of any run on the same conversations (another rate, anchor, ...), else None."""
     key = scale_key(n, a.answer_tokens, a.seed_types, windows(a))
-    runs = [carts / f"{data_run(n, a)}.train"] + sorted(carts.glob("tr*.train"))
-    for work in runs:
-        m = re.fullmatch(r"tr\d+_n(.+?)(" + TRAINING_SUFFIXES.pattern + r")\.train", work.name)
+    for work in [carts / f"{data_run(n, a)}.train", *sorted(carts.glob("tr*.train"))]:
+        m = re.fullmatch(r"tr\d+_n(.+?)" + TRAINING_SUFFIXES + r"\.train", work.name)
         if m and m.group(1) == key and (work / "data.pt").exists():
             return work / "data.pt"
     return None
@@ -150,9 +149,9 @@ def data_of(carts: Path, n: int, a: argparse.Namespace) -> Path | None:
 
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     """One epoch over `n` fresh conversations (`train`'s default steps); other runs on the same
-    conversations (512 tokens, another rate or schedule, trimmed answers, autocast) reuse the
-    256-token run's data of that scale, answer length and seed types (same document, same
-    synthesis settings)."""
+    conversations (512 tokens, another rate, anchor or schedule, trimmed answers, autocast) reuse
+    the data of a run on the same conversations (`data_of`: same scale, answer length, windows and
+    seed types)."""
     name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr,
                     a.batch_size, windows(a), a.question_loss, a.anchor)
     out, work = carts / name, carts / f"{name}.train"
@@ -289,7 +288,7 @@ def kv_sizes(model_dir: Path, tok, pb, qs: list[Q.Question], carts: Path) -> dic
 
 def kv_tokens(arm: str, icl_tokens: int | None) -> int | None:
     """Tokens of KV an arm answers from: the cartridge's length (`first_k_512`, `init_256`,
-    `trained_512_n1024...`), or the whole document for ICL."""
+    `trained_512_n1024...`), or for ICL the prompt its questions share (`kv_sizes`)."""
     if arm == "icl":
         return icl_tokens
     m = re.match(r"(?:first_k|init|trained)_(\d+)", arm)

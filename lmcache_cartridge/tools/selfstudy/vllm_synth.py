@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
 from typing import Any
 
 import torch
@@ -95,8 +96,10 @@ def native_bf16() -> bool:
 def synth_dtype(device_is_cpu: bool) -> str:
     """The dtype vLLM writes conversations in when `train --synth-dtype` is not given: the
     checkpoint's ("auto"), except on a CPU without native bf16, where fp32 is the faster of the two
-    and the conversations differ only by rounding (as vLLM's and HF's do)."""
-    return "float32" if device_is_cpu and not native_bf16() else "auto"
+    and the conversations differ only by rounding (as vLLM's and HF's do). Other CPUs (Arm) are
+    left to vLLM's own choice: torch's probes here are x86 instructions."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return "float32" if device_is_cpu and x86 and not native_bf16() else "auto"
 
 
 def cpu_list() -> str:
