@@ -30,9 +30,12 @@ the dev split (docs/benchmarks.md), and both splits are only reported.
                                             # training steps under bf16 autocast (arm trained_256_n1024_bf16)
     .venv/bin/python benchmarks/quality_scale.py --scales 2048 --no-baselines --seed-types question,summarization
                                             # conversations from two seed types only (arm trained_256_n2048_seeds-su-qu)
+    .venv/bin/python benchmarks/quality_scale.py --scales --tokens 1024
+                                            # the baselines only, first-k 1024 added (arm first_k_1024)
 
 Everything is cached in `--work` (default .cache/quality/scale): rerun to resume; results are
-merged into `--out`.json/.md (default benchmarks/results/quality/scale).
+merged into `--out`.json/.md (default benchmarks/results/quality/scale), also while another run
+writes them (each run keeps the others' arms).
 
 A scale too large for the CPU trains on a GPU machine (`benchmarks/gpu_scale.sh`: `--train-only
 --device cuda`, HF + PEFT where vLLM is not installed); its cartridge, metrics and coverage come
@@ -275,6 +278,24 @@ def by_seed_type(data: list[dict[str, Any]], answers: list[str], qs: list[Q.Ques
     return out
 
 
+def first_k_sizes(a: argparse.Namespace) -> tuple[int, ...]:
+    """The first-k baselines' sizes: 256 and 512 tokens, and every trained size (`--tokens`), so
+    each trained cartridge has the first-k cartridge of its own size beside it."""
+    return tuple(sorted({256, 512, *a.tokens}))
+
+
+def arm_source(name: str) -> tuple[str, str | None]:
+    """(kind, cartridge id) an arm answers from: `first_k_<N>` -> first-k `qa-fk<N>`, `init_<N>` ->
+    `qa-init<N>`, `icl` -> none, `trained_<rest>` -> the trained cartridge `tr<rest>`."""
+    if name == "icl":
+        return "icl", None
+    if name.startswith("first_k_"):
+        return "first_k", "qa-fk" + name.removeprefix("first_k_")
+    if name.startswith("init_"):
+        return "trained", "qa-init" + name.removeprefix("init_")
+    return "trained", "tr" + name.removeprefix("trained_")
+
+
 def kv_sizes(model_dir: Path, tok, pb, qs: list[Q.Question], carts: Path) -> dict[str, int]:
     """What the KV column needs: bytes of bf16 KV per token (K and V, every layer, as `create`
     and `train` pack this model's) and ICL's KV in tokens: the prompt its questions share (the
@@ -382,7 +403,8 @@ def seed_types_arg(text: str) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scales", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--scales", type=int, nargs="*", default=[128, 1024],
+                    help="conversations per trained arm (none: the baselines only, e.g. first-k of a new --tokens)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256])
     ap.add_argument("--lr", type=float, default=LR,
                     help=f"train's --lr (default {LR:g}, the curve's; another names its arms _lr<rate>)")
@@ -434,7 +456,8 @@ class ScaleRun:
     run's meta (`__init__`), the baselines' cartridges and the model (`load`), then either the
     reference log-likelihoods added to the arms already asked (`add_logliks`), or the baselines
     asked (`ask_baselines`) and each scale trained and asked (`train_and_ask`). Each arm asked is
-    saved at once (`probe`): a run stopped midway resumes."""
+    saved at once (`probe`): a run stopped midway resumes. Saving merges into the file as it is
+    then, so runs side by side (a baseline asked while a long scale trains) keep each other's arms."""
 
     def __init__(self, a: argparse.Namespace, argv: list[str] | None, model_dir: Path, carts: Path,
                  qs: list[Q.Question]) -> None:
@@ -443,14 +466,21 @@ class ScaleRun:
         # a result of either shape
         self.res = res = load_payload(path) if path.exists() else {"arms": {}, "coverage": {}}
         res.pop("machine", None)
+        self.written: dict[str, set[str]] = {"arms": set(), "coverage": set()}  # what this run asked
         command = [".venv/bin/python", "benchmarks/quality_scale.py", *(argv or sys.argv[1:])]
         res["meta"] = {"command": " ".join(command),
                        "machine": harness.machine_info(), "lr": a.lr, "batch_size": a.batch_size,
                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
     def save(self) -> None:
-        """The result as it stands, JSON and markdown, to `--out`."""
+        """The result as it stands, JSON and markdown, to `--out`: the file's arms and coverage as
+        they are now (another run's included), with this run's in their place."""
         res, a = self.res, self.a
+        path = a.out.with_suffix(".json")
+        if path.exists():
+            now = load_payload(path)
+            for key, mine in self.written.items():
+                res[key] = {**now.get(key, {}), **{k: res[key][k] for k in mine}}
         arms = [Arm(name=n, count=r["facts"][1], figures={"facts": r["facts"][0]}) for n, r in res["arms"].items()
                 if "facts" in r]
         details = {**res, "meta": {k: v for k, v in res["meta"].items() if k != "machine"}}
@@ -464,7 +494,7 @@ class ScaleRun:
         from lmcache_cartridge.cartridge.model_kv import load_model
 
         if not self.a.no_baselines:
-            Q.make_first_k(self.model_dir, self.carts)
+            Q.make_first_k(self.model_dir, self.carts, first_k_sizes(self.a))
             Q.make_init(self.model_dir, self.carts)
         self.model, self.tok = load_model(self.model_dir)
         self.pb = PromptBuilder(self.tok)
@@ -476,26 +506,26 @@ class ScaleRun:
         t0 = time.perf_counter()
         r = ask_all(self.model, self.tok, self.pb, arm, self.carts, self.qs, self.pos, self.a.max_tokens)
         self.res["arms"][name] = {**r, **extra, "probe_s": round(time.perf_counter() - t0, 1)}
+        self.written["arms"].add(name)
         print(f"[scale] {name}: facts {r['facts']} by position {r['by_position']}", flush=True)
         self.save()
 
     def add_logliks(self) -> None:
         """`--loglik`: the reference answers' log-likelihoods added to every arm already asked."""
-        kinds = {"first_k_256": ("first_k", "qa-fk256"), "first_k_512": ("first_k", "qa-fk512"),
-                 "init_256": ("trained", "qa-init256"), "icl": ("icl", None)}
         for name, r in self.res["arms"].items():
-            kind, cid = kinds.get(name) or ("trained", "tr" + "_".join(name.split("_")[1:]))
+            kind, cid = arm_source(name)
             add_loglik(self.model, self.tok, self.pb, Q.Arm(name, kind, ("a",), (cid,) if cid else ()), self.carts,
                        self.qs, r)
+            self.written["arms"].add(name)
             print(f"[scale] {name}: LL of the facts by position {r['ll_fact_by_position']}", flush=True)
 
     def ask_baselines(self) -> None:
         """First-k, step 0 and ICL, each unless already asked (nothing with `--no-baselines`)."""
         if self.a.no_baselines:
             return
-        for name, kind, cid in (("first_k_256", "first_k", "qa-fk256"), ("first_k_512", "first_k", "qa-fk512"),
-                                ("init_256", "trained", "qa-init256")):
+        for name in [f"first_k_{k}" for k in first_k_sizes(self.a)] + ["init_256"]:
             if name not in self.res["arms"]:
+                kind, cid = arm_source(name)
                 self.probe(name, Q.Arm(name, kind, ("a",), (cid,)))
         if "icl" not in self.res["arms"]:
             self.probe("icl", Q.Arm("icl", "icl", ("a",)))
@@ -509,8 +539,10 @@ class ScaleRun:
                 cart, summary = train(self.model_dir, self.carts, n, tokens, a)
                 name = "trained_" + cart.name.removeprefix("tr")
                 if cart.name == data_run(n, a):
-                    res["coverage"][scale_key(n, a.answer_tokens, a.seed_types, windows(a))] = coverage(
-                        self.tok, self.carts / f"{cart.name}.train" / "data.pt", self.qs, self.pos)
+                    key = scale_key(n, a.answer_tokens, a.seed_types, windows(a))
+                    res["coverage"][key] = coverage(self.tok, self.carts / f"{cart.name}.train" / "data.pt",
+                                                    self.qs, self.pos)
+                    self.written["coverage"].add(key)
                 if name not in res["arms"]:
                     self.probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
                                lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens,

@@ -175,6 +175,50 @@ def test_a_run_reuses_the_conversations_of_any_run_on_the_same_data(tmp_path):
     assert S.data_of(tmp_path, 1024, a).read_text() == "the data run's"  # the data run's first
 
 
+def test_every_trained_size_has_its_first_k_baseline_and_each_arm_its_cartridge():
+    """`--tokens 1024` adds the first-k 1024 baseline beside 256 and 512; an arm's name says which
+    cartridge it answers from, the baselines' registered ids map to their directories, and a
+    trained run's name is its own directory."""
+    import quality_scale as S
+
+    assert S.first_k_sizes(S.build_parser().parse_args([])) == (256, 512)
+    assert S.first_k_sizes(S.build_parser().parse_args(["--tokens", "1024", "256"])) == (256, 512, 1024)
+    assert S.arm_source("first_k_1024") == ("first_k", "qa-fk1024")
+    assert S.arm_source("init_256") == ("trained", "qa-init256")
+    assert S.arm_source("icl") == ("icl", None)
+    assert S.arm_source("trained_1024_n2048_lr0.01") == ("trained", "tr1024_n2048_lr0.01")
+    assert [Q._dir_of(c) for c in ("qa-fk1024", "qa-init256", "qa-tr512", "qb-tr256", "tr1024_n2048")] == \
+        ["fk1024", "init256", "tr512", "trb256", "tr1024_n2048"]
+
+
+def test_scale_runs_side_by_side_keep_each_others_arms(tmp_path, monkeypatch):
+    """A baseline asked while a long scale trains: both runs read the result before either
+    wrote, and whichever saves last keeps the other's arm; an arm a run asks itself replaces
+    the file's. (The model's answers are not under test here: `ask_all` returns fixed counts.)"""
+    import quality_scale as S
+
+    def answers(facts):
+        return {"facts": [facts, 40], "dev": [0, 20], "heldout": [facts, 20],
+                "by_position": {b: [0, 1] for b in S.BUCKETS}, "rows": []}
+
+    asked = iter([3, 11, 5])
+    monkeypatch.setattr(S, "ask_all", lambda *a, **k: answers(next(asked)))
+    out = tmp_path / "scale"
+    args = ["--scales", "--no-baselines", "--out", str(out)]
+    long, short = (S.ScaleRun(S.build_parser().parse_args(args), args, tmp_path, tmp_path, []) for _ in "ab")
+    for run in (long, short):
+        run.model = run.tok = run.pb = run.pos = None
+    short.probe("first_k_1024", None)
+    long.probe("trained_512_n2048", None)
+    saved = S.load_payload(out.with_suffix(".json"))["arms"]
+    assert {n: r["facts"] for n, r in saved.items()} == {"first_k_1024": [3, 40], "trained_512_n2048": [11, 40]}
+    long.probe("first_k_1024", None)  # asked again by this run: its own answer
+    saved = S.load_payload(out.with_suffix(".json"))["arms"]
+    assert {n: r["facts"] for n, r in saved.items()} == {"first_k_1024": [5, 40], "trained_512_n2048": [11, 40]}
+    md = out.with_suffix(".md").read_text()
+    assert "| first_k_1024 |" in md and "| trained_512_n2048 |" in md
+
+
 def test_scale_table_gives_each_arm_the_kv_it_answers_from():
     """The memory side of the curve: a cartridge's KV is its length times the model's bytes per
     token, ICL's the whole document's; a result written before the column has it blank."""

@@ -187,13 +187,14 @@ class Clock:
             print(f"[quality] {name}: {self.steps[name]:.1f} s", flush=True)
 
 
-def make_first_k(model_dir: Path, carts: Path) -> None:
-    """First-k cartridges of document A, KV computed by vLLM (`create`'s default), one maker."""
+def make_first_k(model_dir: Path, carts: Path, sizes: tuple[int, ...] = (256, 512)) -> None:
+    """First-k cartridges of document A (`fk<size>`, one per size), KV computed by vLLM
+    (`create`'s default), one maker."""
     from lmcache_cartridge.cartridge.packed import pack_kv
     from lmcache_cartridge.tools.create import create_first_k
     from lmcache_cartridge.tools.engine_kv import EngineKVMaker
 
-    todo = [k for k in (256, 512) if not (carts / f"fk{k}" / "manifest.json").exists()]
+    todo = [k for k in sizes if not (carts / f"fk{k}" / "manifest.json").exists()]
     if not todo:
         return
     with EngineKVMaker(model_dir, carts.parent / "kv-maker") as maker:
@@ -340,9 +341,13 @@ def serve_and_ask(model_dir: Path, work: Path, carts: Path, the_arms: list[Arm],
 
 
 def _dir_of(cid: str) -> str:
-    """The directory under the work dir's `carts/` of a registered id (another name: itself)."""
-    return {"qa-fk256": "fk256", "qa-fk512": "fk512", "qa-init256": "init256", "qa-tr256": "tr256",
-            "qa-tr512": "tr512", "qb-tr256": "trb256"}.get(cid, cid)
+    """The directory under the work dir's `carts/` of a registered id (another name: itself):
+    `qa-fk<N>` -> `fk<N>`, `qa-init<N>` -> `init<N>`, `qa-tr<N>` -> `tr<N>`, `qb-tr<N>` -> `trb<N>`."""
+    m = re.fullmatch(r"q([ab])-(fk|init|tr)(\d+)", cid)
+    if not m:
+        return cid
+    doc, kind, n = m.groups()
+    return f"{kind}{'b' if doc == 'b' else ''}{n}"
 
 
 def hf_prompt(pb, tok, arm: Arm, q: Question, carts: Path) -> tuple[Any, list[int]]:
