@@ -67,6 +67,7 @@ from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, LR_SCHEDU
 WORK = harness.ROOT / ".cache" / "quality" / "scale"
 OUT = Q.RESULTS / "scale"
 BUCKETS = [name for _, _, name in Q.POSITION_BUCKETS]
+assert BUCKETS[-1] == ">=512"  # the table's last bucket column, where `far_facts` follows
 
 
 ANSWER_TOKENS = 64  # the curve's answer length; other lengths are other arms
@@ -326,6 +327,19 @@ def machine(m: dict[str, Any]) -> str:
     return f"{m.get('cpu')}, {m.get('nproc')} cores, torch {m.get('torch')}, vLLM {m.get('vllm')}"
 
 
+# Where a 1,024-token cartridge's window ends: the >=512 column also counts, in brackets, the
+# facts past it (the document's last ~740 tokens, where ICL's answers come from).
+FAR = 1024
+
+
+def far_facts(r: dict[str, Any], meta: dict[str, Any]) -> str:
+    """' (stated/asked)' for the questions whose evidence lies past `FAR` tokens (positions from
+    `meta['evidence_positions']`; blank for a result written without them)."""
+    pos = meta.get("evidence_positions") or {}
+    far = [row for row in r.get("rows", ()) if pos and pos.get(row["id"], 0) >= FAR]
+    return f" ({sum(bool(row['correct']) for row in far)}/{len(far)})" if far else ""
+
+
 def markdown(res: dict[str, Any]) -> str:
     def f(c):
         return f"{c[0]}/{c[1]}"
@@ -345,8 +359,9 @@ def markdown(res: dict[str, Any]) -> str:
              f"{machine(res['meta']['machine'])}; lr {LR:g}, batch {BATCH} (where an arm's name says no "
              "other: `_lr`, `_b`), loss over question and answer tokens (`_ans`: answers only), no pull toward "
              "the first-k start (`_anc<A>`: `train --anchor A`), one epoch; "
-             "HF probe of document A's 40 questions (greedy).", "",
-             "| arm | KV MiB | conversations | facts | dev | held-out | <256 | 256-512 | >=512 | "
+             f"HF probe of document A's 40 questions (greedy); >=512 (>={FAR}): the facts past 512 tokens, "
+             f"in brackets those past {FAR:,}.", "",
+             f"| arm | KV MiB | conversations | facts | dev | held-out | <256 | 256-512 | >=512 (>={FAR}) | "
              "LL fact <256 / >=512 | dev LL fact <256 / >=512 | held-out KL init -> final | train wall s |",
              "|---|" + "---:|" * 12]
     for name, r in res["arms"].items():
@@ -355,7 +370,7 @@ def markdown(res: dict[str, Any]) -> str:
         klt = f"{kl.get('init'):.3f} -> {kl.get('final'):.3f}" if kl.get("init") is not None else ""
         lines.append(f"| {name} | {kv_mib(name, res['meta'])} | {r.get('conversations', '')} | "
                      f"{f(r['facts'])} | {f(r['dev'])} | {f(r['heldout'])} | "
-                     + " | ".join(f(r["by_position"][b]) for b in BUCKETS)
+                     + " | ".join(f(r["by_position"][b]) for b in BUCKETS) + far_facts(r, res["meta"])
                      + f" | {ll(r, '<256')} / {ll(r, '>=512')} | {dev_ll(r, '<256')} / {dev_ll(r, '>=512')} | "
                      f"{klt} | {wall(t)} |")
     for key, cov in sorted(res.get("coverage", {}).items(), key=lambda kv: (int(kv[0].split("_")[0]), kv[0])):
@@ -500,6 +515,7 @@ class ScaleRun:
         self.pb = PromptBuilder(self.tok)
         self.res["meta"].update(kv_sizes(self.model_dir, self.tok, self.pb, self.qs, self.carts))
         self.pos = {q.id: Q.evidence_position(self.tok, Q.document("a"), q.evidence) for q in self.qs}
+        self.res["meta"]["evidence_positions"] = self.pos
 
     def probe(self, name: str, arm: Q.Arm, **extra) -> None:
         """Every question under `arm`, recorded as arm `name` (with `extra` beside), and saved."""

@@ -219,6 +219,25 @@ def test_scale_runs_side_by_side_keep_each_others_arms(tmp_path, monkeypatch):
     assert "| first_k_1024 |" in md and "| trained_512_n2048 |" in md
 
 
+def test_scale_table_counts_the_facts_past_a_1024_token_window_apart():
+    """The >=512 column says, in brackets, how many of its facts lie past 1,024 tokens and how
+    many of those were stated (evidence positions from the run's meta); a result written
+    without positions shows the plain count."""
+    import quality_scale as S
+
+    rows = [{"id": i, "split": "dev", "bucket": ">=512", "correct": c, "ll_fact": -1.0}
+            for i, c in (("a20", True), ("a30", True), ("a31", False), ("a32", True))]
+    arm = {"facts": [3, 4], "dev": [3, 4], "heldout": [0, 0], "rows": rows,
+           "by_position": {"<256": [0, 0], "256-512": [0, 0], ">=512": [3, 4]}}
+    meta = {"command": "c", "machine": {}, "evidence_positions": {"a20": 700, "a30": 1024, "a31": 1300, "a32": 1600}}
+    cells = [line.split(" | ") for line in S.markdown({"meta": meta, "arms": {"icl": arm}}).splitlines()
+             if line.startswith("| icl |")][0]
+    assert cells[8] == "3/4 (2/3)"
+    old = [line.split(" | ") for line in S.markdown({"meta": {**meta, "evidence_positions": None},
+                                                     "arms": {"icl": arm}}).splitlines() if line.startswith("| icl")]
+    assert old[0][8] == "3/4"
+
+
 def test_scale_table_gives_each_arm_the_kv_it_answers_from():
     """The memory side of the curve: a cartridge's KV is its length times the model's bytes per
     token, ICL's the whole document's; a result written before the column has it blank."""
