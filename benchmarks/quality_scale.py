@@ -32,6 +32,8 @@ the dev split (docs/benchmarks.md), and both splits are only reported.
                                             # conversations from two seed types only (arm trained_256_n2048_seeds-su-qu)
     .venv/bin/python benchmarks/quality_scale.py --scales --tokens 1024
                                             # the baselines only, first-k 1024 added (arm first_k_1024)
+    .venv/bin/python benchmarks/quality_scale.py --no-baselines --serve trained_1024_n2048
+                                            # that arm served, both LMCache modes, beside its probe
 
 Everything is cached in `--work` (default .cache/quality/scale): rerun to resume; results are
 merged into `--out`.json/.md (default benchmarks/results/quality/scale), also while another run
@@ -231,6 +233,23 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "ll_fact_by_position": {b: ll_fact([r for r in rows if r["bucket"] == b]) for b in BUCKETS}}
 
 
+SERVE_MODES = ("plugin", "mp")  # LMCache's in-process storage plugin, and its MP server
+
+
+def served_tally(rows: list[dict[str, Any]], got: list[dict[str, Any]], qs: list[Q.Question]) -> dict[str, Any]:
+    """Served answers (`got`, one per question) scored as the probe's `rows` are (`fact_found`), by
+    split and position, with the questions where served and probe disagree and the cartridge
+    tokens vLLM took from LMCache for the arm (its own counter)."""
+    facts = {q.id: q.fact for q in qs}
+    probe = {r["id"]: r for r in rows}
+    served = [{**probe[g["id"]], "text": g["text"], "correct": Q.fact_found(facts[g["id"]], g["text"])} for g in got]
+    t = tally(served)
+    return {"facts": t["facts"], "dev": t["dev"], "heldout": t["heldout"], "by_position": t["by_position"],
+            "differ": [r["id"] for r in served if r["correct"] != probe[r["id"]]["correct"]],
+            "cartridge_tokens_loaded": got[0].get("arm_external_tokens") if got else None,
+            "answers": {r["id"]: r["text"] for r in served}}
+
+
 COVERAGE_NAME = "coverage.json"  # beside the run's data.pt: the report, kept where the data cannot travel
 
 
@@ -340,6 +359,28 @@ def far_facts(r: dict[str, Any], meta: dict[str, Any]) -> str:
     return f" ({sum(bool(row['correct']) for row in far)}/{len(far)})" if far else ""
 
 
+def loaded_tokens(served: dict[str, Any]) -> str:
+    n = served.get("cartridge_tokens_loaded")
+    return f"{n:,.0f}" if n else ""
+
+
+def served_section(res: dict[str, Any]) -> list[str]:
+    """The arms asked through vLLM + LMCache + the gateway (`--serve`) beside the HF probe."""
+    rows = [(name, mode, r, s) for name, r in res["arms"].items() for mode, s in (r.get("served") or {}).items()]
+    if not rows:
+        return []
+    out = ["", "## Served: vLLM + LMCache + the gateway, against the HF probe", "",
+           "| arm | LMCache mode | probe facts | served facts | dev | held-out | <256 | 256-512 | >=512 | "
+           "questions where they differ | cartridge tokens loaded |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for name, mode, r, s in rows:
+        cells = [f"{c[0]}/{c[1]}" for c in (r["facts"], s["facts"], s["dev"], s["heldout"],
+                                             *(s["by_position"][b] for b in BUCKETS))]
+        out.append(f"| {name} | {mode} | " + " | ".join(cells)
+                   + f" | {', '.join(s['differ']) or 'none'} | {loaded_tokens(s)} |")
+    return out
+
+
 def markdown(res: dict[str, Any]) -> str:
     def f(c):
         return f"{c[0]}/{c[1]}"
@@ -373,6 +414,7 @@ def markdown(res: dict[str, Any]) -> str:
                      + " | ".join(f(r["by_position"][b]) for b in BUCKETS) + far_facts(r, res["meta"])
                      + f" | {ll(r, '<256')} / {ll(r, '>=512')} | {dev_ll(r, '<256')} / {dev_ll(r, '>=512')} | "
                      f"{klt} | {wall(t)} |")
+    lines += served_section(res)
     for key, cov in sorted(res.get("coverage", {}).items(), key=lambda kv: (int(kv[0].split("_")[0]), kv[0])):
         facts = cov["facts"]
         lines += ["", f"## Coverage at {scale_title(key)} (facts beyond 512 tokens)", "",
@@ -461,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-baselines", action="store_true", help="skip first-k, step 0 and ICL")
     ap.add_argument("--loglik", action="store_true", help="no training: add the reference log-likelihoods to the "
                     "arms already asked (their cartridges still in the work directory) and rewrite the report")
+    ap.add_argument("--serve", nargs="+", default=[], metavar="ARM",
+                    help="no training: ask these arms (asked by the probe already) through vLLM + LMCache + the "
+                    "gateway in both LMCache modes (plugin, MP), and record the facts stated beside the probe's")
     ap.add_argument("--work", type=Path, default=WORK)
     ap.add_argument("--out", type=Path, default=OUT)
     return ap
@@ -535,6 +580,30 @@ class ScaleRun:
             self.written["arms"].add(name)
             print(f"[scale] {name}: LL of the facts by position {r['ll_fact_by_position']}", flush=True)
 
+    def serve(self) -> None:
+        """`--serve`: the named arms (asked by the probe already) through vLLM + LMCache + the
+        gateway, in both LMCache modes, scored as the probe is and recorded under `served`."""
+        arms = []
+        for name in self.a.serve:
+            if name not in self.res["arms"]:
+                raise CartridgeError(f"arm {name!r} has not been asked here: run its scale first "
+                                     f"(asked: {', '.join(self.res['arms'])})")
+            kind, cid = arm_source(name)
+            if cid:  # the probe names a cartridge by its directory, a request by its registered id
+                cid = json.loads((self.carts / Q._dir_of(cid) / "manifest.json").read_text())["cartridge_id"]
+            arms.append(Q.Arm(name, kind, ("a",), (cid,) if cid else ()))
+        for mode in SERVE_MODES:
+            work = self.carts.parent / f"serve-{mode}"
+            work.mkdir(parents=True, exist_ok=True)
+            answers = Q.serve_and_ask(self.model_dir, work, self.carts, arms, self.qs, self.a, mp=mode == "mp")
+            for arm in arms:
+                r = self.res["arms"][arm.name]
+                r.setdefault("served", {})[mode] = s = served_tally(r["rows"], answers[arm.name], self.qs)
+                self.written["arms"].add(arm.name)
+                print(f"[scale] {arm.name} served ({mode}): facts {s['facts']} (probe {r['facts']}), differ on "
+                      f"{s['differ']}", flush=True)
+            self.save()
+
     def ask_baselines(self) -> None:
         """First-k, step 0 and ICL, each unless already asked (nothing with `--no-baselines`)."""
         if self.a.no_baselines:
@@ -584,6 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     run.load()
     if a.loglik:
         run.add_logliks()
+    elif a.serve:
+        run.serve()
     else:
         run.ask_baselines()
         run.train_and_ask()

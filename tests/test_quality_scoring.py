@@ -238,6 +238,42 @@ def test_scale_table_counts_the_facts_past_a_1024_token_window_apart():
     assert old[0][8] == "3/4"
 
 
+def test_a_served_cartridge_is_registered_from_the_directory_its_id_names(tmp_path):
+    """The gateway is asked for a registered id; the scale's trained cartridges are registered
+    as `train --id qa-<name>` in directory `<name>`: found by their manifest's id."""
+    import json
+
+    for d, cid in (("fk256", "qa-fk256"), ("tr1024_n2048", "qa-tr1024-n2048"), ("tr256_n2048", "qa-tr256-n2048")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "manifest.json").write_text(json.dumps({"cartridge_id": cid}))
+    assert Q.cartridge_dir(tmp_path, "qa-fk256") == tmp_path / "fk256"
+    assert Q.cartridge_dir(tmp_path, "qa-tr1024-n2048") == tmp_path / "tr1024_n2048"
+    with pytest.raises(FileNotFoundError, match="qa-tr512-n2048"):
+        Q.cartridge_dir(tmp_path, "qa-tr512-n2048")
+
+
+def test_served_answers_are_scored_as_the_probe_and_their_disagreements_named():
+    """`--serve`: a served answer is scored with the probe's scorer against the same fact; the
+    questions where served and probe disagree are listed, and the table shows both counts."""
+    import quality_scale as S
+
+    qs = [q for q in Q.load_questions() if q.id in ("a01", "a02", "a30")]
+    assert len(qs) == 3
+    rows = [{"id": q.id, "split": q.split, "bucket": b, "correct": c, "text": "probe"}
+            for q, b, c in zip(qs, ("<256", "<256", ">=512"), (True, False, False))]
+    got = [{"id": qs[0].id, "text": f"It is {qs[0].fact.split('|')[0]}.", "arm_external_tokens": 1024},
+           {"id": qs[1].id, "text": f"{qs[1].fact.split('|')[0]}", "arm_external_tokens": 1024},
+           {"id": qs[2].id, "text": "I do not know.", "arm_external_tokens": 1024}]
+    s = S.served_tally(rows, got, qs)
+    assert s["facts"] == [2, 3] and s["by_position"]["<256"] == [2, 2] and s["by_position"][">=512"] == [0, 1]
+    assert s["differ"] == [qs[1].id] and s["cartridge_tokens_loaded"] == 1024
+    arm = {"facts": [1, 3], "dev": [0, 1], "heldout": [1, 2], "rows": rows,
+           "by_position": {"<256": [1, 2], "256-512": [0, 0], ">=512": [0, 1]}, "served": {"mp": s}}
+    md = S.markdown({"meta": {"command": "c", "machine": {}}, "arms": {"trained_1024_n2048": arm}})
+    line = [x for x in md.splitlines() if x.startswith("| trained_1024_n2048 | mp |")][0]
+    assert line.split(" | ")[2:4] == ["1/3", "2/3"] and f"| {qs[1].id} | 1,024 |" in line
+
+
 def test_scale_table_gives_each_arm_the_kv_it_answers_from():
     """The memory side of the curve: a cartridge's KV is its length times the model's bytes per
     token, ICL's the whole document's; a result written before the column has it blank."""

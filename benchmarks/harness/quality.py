@@ -296,20 +296,26 @@ def ask(url: str, model: str, arm: Arm, q: Question, max_tokens: int) -> dict[st
 
 
 def serve_and_ask(model_dir: Path, work: Path, carts: Path, the_arms: list[Arm], qs: list[Question],
-                  a: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+                  a: argparse.Namespace, *, mp: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """Every arm's questions through the gateway to one vLLM on LMCache: the in-process plugin,
+    or with `mp` LMCache's MP mode (vLLM on `LMCacheMPConnector`, the cartridge L2 adapter in its
+    own `lmcache server`)."""
     from lmcache_cartridge.api.gateway import GatewaySettings
     from lmcache_cartridge.store.registry import Registry
-    from lmcache_cartridge.testing.launch import GatewayThread, VllmServer, lmcache_config
+    from lmcache_cartridge.testing.launch import GatewayThread, MpVllmServer, VllmServer, lmcache_config
 
     registry_db = work / "registry.db"
     registry_db.unlink(missing_ok=True)
     registry = Registry(registry_db)
     ids = sorted({c for arm in the_arms for c in arm.cartridges})
-    entries = [registry.register(carts / _dir_of(c)) for c in ids]
+    entries = [registry.register(cartridge_dir(carts, c)) for c in ids]
     cache = work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
-    server = VllmServer(work / "vllm", str(model_dir), lmcache=lmcache_config(registry_db, cache_dir=cache),
-                        max_model_len=4096)
+    if mp:
+        server = MpVllmServer(work / "vllm", str(model_dir), registry=registry_db, cache_dir=cache, max_model_len=4096)
+    else:
+        server = VllmServer(work / "vllm", str(model_dir), lmcache=lmcache_config(registry_db, cache_dir=cache),
+                            max_model_len=4096)
     answers: dict[str, list[dict[str, Any]]] = {}
     try:
         t0 = time.perf_counter()
@@ -338,6 +344,18 @@ def serve_and_ask(model_dir: Path, work: Path, carts: Path, the_arms: list[Arm],
     finally:
         server.stop()
     return answers
+
+
+def cartridge_dir(carts: Path, cid: str) -> Path:
+    """The directory under `carts` of the cartridge registered as `cid`: by the names this module
+    gives (`_dir_of`), else the one whose manifest carries that id (`train --id`)."""
+    direct = carts / _dir_of(cid)
+    if (direct / "manifest.json").exists():
+        return direct
+    for man in sorted(carts.glob("*/manifest.json")):
+        if json.loads(man.read_text()).get("cartridge_id") == cid:
+            return man.parent
+    raise FileNotFoundError(f"no cartridge {cid!r} under {carts}")
 
 
 def _dir_of(cid: str) -> str:
