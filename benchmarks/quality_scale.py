@@ -63,8 +63,8 @@ import harness.quality as Q
 from harness import Arm, Result, load_payload, write_result
 
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, LR_SCHEDULES, SEED_TYPES, SYNTH_BATCH,
-                                                      parse_seed_types)
+from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, LR_SCHEDULES, PLACEMENTS, SEED_TYPES,
+                                                      SYNTH_BATCH, parse_seed_types)
 
 WORK = harness.ROOT / ".cache" / "quality" / "scale"
 OUT = Q.RESULTS / "scale"
@@ -85,12 +85,14 @@ assert tuple(SEED_CODES) == SEED_TYPES
 
 
 def scale_key(n: int, answer_tokens: int, seed_types: tuple[str, ...] = SEED_TYPES,
-              windows: tuple[int, int] = WINDOWS) -> str:
+              windows: tuple = WINDOWS) -> str:
     """One set of conversations: `8192`; `2048_a256` for answers of up to 256 tokens;
-    `2048_w128-256` for teacher windows of 128-256 tokens; `2048_seeds-su-qu` for
-    conversations drawn from some seed types only."""
+    `2048_w128-256` for teacher windows of 128-256 tokens; `2048_tile` for windows that tile
+    the document (`windows` (min, max, "tile"); train's --window-placement); `2048_seeds-su-qu`
+    for conversations drawn from some seed types only."""
+    lo, hi, *placement = windows
     return (f"{n}" + ("" if answer_tokens == ANSWER_TOKENS else f"_a{answer_tokens}")
-            + ("" if tuple(windows) == WINDOWS else f"_w{windows[0]}-{windows[1]}")
+            + ("" if (lo, hi) == WINDOWS else f"_w{lo}-{hi}") + "".join(f"_{p}" for p in placement if p != "even")
             + ("" if tuple(seed_types) == SEED_TYPES else "_seeds-" + "-".join(SEED_CODES[t] for t in seed_types)))
 
 
@@ -103,6 +105,8 @@ def scale_title(key: str) -> str:
     for part in parts:
         if part.startswith("seeds-"):
             words.append("seed types " + ", ".join(names[c] for c in part.removeprefix("seeds-").split("-")))
+        elif part == "tile":
+            words.append("windows tiling the document")
         elif part.startswith("w"):
             words.append(f"windows of {part[1:]} tokens")
         elif part.startswith("a"):
@@ -113,7 +117,7 @@ def scale_title(key: str) -> str:
 def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOKENS,
              autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES,
              lr: float = LR, batch_size: int = BATCH,
-             windows: tuple[int, int] = WINDOWS, question_loss: bool = True, anchor: float = 0.0) -> str:
+             windows: tuple = WINDOWS, question_loss: bool = True, anchor: float = 0.0) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
     256 tokens, `_w128-256` for teacher windows of 128-256 tokens, `_seeds-su-qu` for
     conversations from some seed types only, `_lr0.004` for another rate than the curve's,
@@ -128,8 +132,9 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
             + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16"))
 
 
-def windows(a: argparse.Namespace) -> tuple[int, int]:
-    return a.window_min, a.window_max
+def windows(a: argparse.Namespace) -> tuple:
+    """The teacher windows of `a`: (min, max), and their placement unless the curve's ("even")."""
+    return (a.window_min, a.window_max) + (() if a.window_placement == "even" else (a.window_placement,))
 
 
 def data_run(n: int, a: argparse.Namespace) -> str:
@@ -175,7 +180,8 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--lr", str(a.lr), "--lr-schedule", a.lr_schedule, "--anchor", str(a.anchor),
                "--eval-every", str(max(1, n // a.batch_size // 4)), "--save-every", "10",
                "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
-               "--window-min", str(a.window_min), "--window-max", str(a.window_max), "--seed", str(a.seed),
+               "--window-min", str(a.window_min), "--window-max", str(a.window_max),
+               "--window-placement", a.window_placement, "--seed", str(a.seed),
                "--synth-backend", a.synth_backend, "--synth-batch", str(a.synth_batch), "--device", a.device,
                # the curve trains in fp32 on every device (train's CUDA default is bf16)
                "--dtype", "float32"] + (["--synth-eager"] if a.synth_eager else []) \
@@ -487,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"longest teacher answer (another length than {ANSWER_TOKENS} names its arms _a<N>)")
     ap.add_argument("--window-min", type=int, default=WINDOWS[0])
     ap.add_argument("--window-max", type=int, default=WINDOWS[1])
+    ap.add_argument("--window-placement", choices=PLACEMENTS, default="even",
+                    help="train's --window-placement ('tile' names the conversations and arms _tile)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"))
     ap.add_argument("--synth-batch", type=int, default=SYNTH_BATCH,

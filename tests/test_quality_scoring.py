@@ -139,6 +139,11 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     assert S.scale_key(2048, 256, qs) == "2048_a256_seeds-su-qu"
     assert S.scale_key(2048, S.ANSWER_TOKENS, windows=S.WINDOWS) == "2048"
     assert S.run_name(256, 2048, "constant", windows=(128, 256)) == "tr256_n2048_w128-256"
+    tiled = S.build_parser().parse_args(["--window-placement", "tile"])
+    assert S.windows(tiled) == (*S.WINDOWS, "tile") and S.windows(S.build_parser().parse_args([])) == S.WINDOWS
+    assert S.run_name(512, 2048, "constant", windows=S.windows(tiled)) == "tr512_n2048_tile"
+    assert S.data_run(2048, tiled) == "tr256_n2048_tile" and S.scale_title("2048_tile") == (
+        "2048 conversations, windows tiling the document")
     assert S.scale_title("2048_a256_w128-256_seeds-su-qu") == (
         "2048 conversations, answers up to 256 tokens, windows of 128-256 tokens, seed types summarization, question")
     cov = {"facts": {"a16": {"bucket": ">=512", "split": "dev", "in_window": 3, "question": 1, "answer": 2}}}

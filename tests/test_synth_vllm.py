@@ -19,7 +19,7 @@ from lmcache_cartridge.tools.selfstudy.config import LoopConfig, SynthConfig, Tr
 from lmcache_cartridge.tools.selfstudy.objective import answer_logprobs, collate, distill_loss
 from lmcache_cartridge.tools.selfstudy.run import DATA_NAME, SHARDS_NAME, load_for_training, load_or_synthesize
 from lmcache_cartridge.tools.selfstudy.synth import (
-    HFBackend, ShardStore, plan, scored_prompt_tokens, synthesize,
+    HFBackend, ShardStore, plan, scored_prompt_tokens, synthesize, tiling,
 )
 
 from test_train import doc, one_thread  # noqa: E402,F401  (fixtures: the document; torch on one thread)
@@ -51,6 +51,30 @@ def test_window_starts_cover_the_document_evenly_both_ends_included():
     assert plan(n, cfg, 0, "train", 5, 128) == specs[5]
     assert plan(n, cfg, 0, "train", 128, 128).window == specs[0].window
     assert plan(n, cfg, 1, "train", 5, 128) != specs[5]
+
+
+def test_tiled_windows_put_every_token_in_as_many_windows_the_ends_too():
+    """`placement="tile"`: each cut of the document into consecutive windows of 384-768 tokens
+    holds every token once, so after whole cuts every token is in as many windows; even starts
+    leave the first and last token in one window where the middle is in several."""
+    n, tile = 1766, SynthConfig(window_min=384, window_max=768, per_window=8, placement="tile")
+    specs = [plan(n, tile, 0, "train", i, 96) for i in range(96)]      # 12 groups: 4 cuts of 3
+    groups = [specs[i:i + 8] for i in range(0, 96, 8)]
+    assert all(len({s.window for s in g}) == 1 for g in groups)
+    windows = [g[0].window for g in groups]
+    assert all(384 <= end - start <= 768 for start, end in windows)
+    cuts = [sorted(windows[i:i + 3]) for i in range(0, 12, 3)]
+    for cut in cuts:  # consecutive, from the first token to the last
+        assert [w[0] for w in cut] == [0] + [w[1] for w in cut[:-1]] and cut[-1][1] == n
+    assert len({tuple(c) for c in cuts}) == 4                              # each cut drawn anew
+    assert [sum(s <= t < e for s, e in windows) for t in range(n)] == [4] * n
+    even = [plan(n, replace(tile, placement="even"), 0, "train", i, 96).window for i in range(0, 96, 8)]
+    covered = [sum(s <= t < e for s, e in even) for t in range(n)]
+    assert covered[0] == covered[-1] == 1 < max(covered)
+    assert plan(n, tile, 0, "train", 96, 96).window == windows[0]         # redraws wrap round
+    # Documents shorter than a window, or than two, are cut into as few windows as fit.
+    assert tiling(300, tile, 0) == [(0, 300)] and tiling(768, tile, 0) == [(0, 768)]
+    assert all(384 <= e - s <= 768 for s, e in tiling(770, tile, 1)) and tiling(770, tile, 1)[-1][1] == 770
 
 
 def test_question_targets_line_up_in_teacher_and_student(hf, doc):

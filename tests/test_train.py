@@ -7,6 +7,7 @@ PEFT's own model forward for the exported KV layout, HF's KV of the BOS token fo
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from dataclasses import replace
@@ -452,7 +453,7 @@ def test_seed_types_draw_training_conversations_from_those_types_only(model_dir,
     text = doc.read_text()
     assert only.data_fingerprint(text) != default.data_fingerprint(text)
     synth = asdict(default.synth)
-    del synth["seed_types"]
+    del synth["seed_types"], synth["placement"]
     assert default.data_fingerprint(text) == _digest({
         "model_dir": str(model_dir.resolve()), "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "conversations": 8, "heldout": 2, "synth": synth, "seed": 0})
@@ -464,6 +465,28 @@ def test_seed_types_draw_training_conversations_from_those_types_only(model_dir,
     assert "'quiz' is not one" in capsys.readouterr().err
     assert main([*argv, "--seed-types", ""]) == 2
     assert "give one or more of structuring,summarization" in capsys.readouterr().err
+
+
+def test_window_placement_tile_draws_other_training_windows_and_the_same_heldout(model_dir, doc, data_file,
+                                                                                   tmp_path):
+    """`--window-placement tile`: the training windows tile the document (other data, another
+    fingerprint); the held-out conversations are the default run's, so their KL compares."""
+    from lmcache_cartridge.tools.train import add_train_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    args = p.parse_args(["--model-dir", str(model_dir), "--text", str(doc), "-o", str(tmp_path / "t"),
+                         "--window-placement", "tile", "--window-min", "128", "--window-max", "256"])
+    assert config_from_args(args).synth.placement == "tile"
+    default = config(model_dir, doc, tmp_path / "even", steps=1)
+    tiled = replace(default, output=tmp_path / "tile", synth=replace(SYNTH, placement="tile"))
+    text = doc.read_text()
+    assert tiled.data_fingerprint(text) != default.data_fingerprint(text)
+    model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
+    train, heldout = load_or_synthesize(tiled, model, tok, text)
+    reference = torch.load(data_file, weights_only=True)
+    assert [c.window for c in train] != [tuple(d["window"]) for d in reference["train"]]
+    assert [c.question for c in heldout] == [d["question"] for d in reference["heldout"]]
 
 
 def test_cli_trains_and_reports(model_dir, doc, data_file, tmp_path, capsys):

@@ -19,8 +19,8 @@ from pathlib import Path
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.tools.stopping import sigterm_as_interrupt
 from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, COSINE_FLOOR, DTYPE_NAMES, LR_SCHEDULES,
-                                                      PAPER_LR, SMALL_MODEL_LR, SYNTH_BATCH, LoopConfig, SynthConfig,
-                                                      TrainConfig, one_epoch, parse_seed_types)
+                                                      PAPER_LR, PLACEMENTS, SMALL_MODEL_LR, SYNTH_BATCH, LoopConfig,
+                                                      SynthConfig, TrainConfig, one_epoch, parse_seed_types)
 
 
 # --- command line (tools/cli.py's `train`: its arguments and its command) ----------------------
@@ -68,8 +68,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-tokens", type=int, default=s.answer_tokens, help="longest synthesised answer, tokens")
     p.add_argument("--top-k", type=int, default=s.top_k, help="teacher log-probs kept per scored token")
     p.add_argument("--per-window", type=int, default=s.per_window,
-                   help=f"conversations per document window (default {s.per_window}); window starts are spread "
-                   "evenly over the document, both ends included")
+                   help=f"conversations per document window (default {s.per_window})")
+    p.add_argument("--window-placement", choices=PLACEMENTS, default=s.placement,
+                   help="where the document windows lie: 'even' spreads their starts evenly from the document's "
+                   "first token to its last window (a token near either end is in fewer windows); 'tile' cuts "
+                   "the document into consecutive windows at random boundaries, again and again, so every "
+                   "token is in as many windows (default %(default)s)")
     p.add_argument("--seed-types", default=",".join(s.seed_types), metavar="TYPES",
                    help="seed prompt types the training conversations are drawn from, comma-separated (default: "
                    "all five, the paper's mix: %(default)s); held-out conversations always use all five")
@@ -119,7 +123,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         frozen_tokens=args.frozen_tokens, conversations=args.conversations, heldout=args.heldout,
         synth=SynthConfig(window_min=args.window_min, window_max=args.window_max,
                           question_tokens=args.question_tokens, answer_tokens=args.answer_tokens, top_k=args.top_k,
-                          per_window=args.per_window, seed_types=parse_seed_types(args.seed_types)),
+                          per_window=args.per_window, placement=args.window_placement,
+                          seed_types=parse_seed_types(args.seed_types)),
         loop=LoopConfig(steps=args.steps or one_epoch(args.conversations, args.batch_size), batch_size=args.batch_size,
                         micro_batch=args.micro_batch, lr=args.lr, seed=args.seed, eval_every=args.eval_every,
                         save_every=args.save_every, question_loss=args.question_loss, lr_schedule=args.lr_schedule,

@@ -134,8 +134,9 @@ def load_or_synthesize(cfg: TrainConfig, model, tokenizer, text: str, *,
     try:
         train = synthesize(backend, tokenizer, text, cfg.synth, count=cfg.conversations, seed=cfg.loop.seed,
                            tag="train", progress=cfg.progress, store=store)
-        # held-out from all five seed types, whatever training draws from: KL on the mix a default run sees
-        heldout = synthesize(backend, tokenizer, text, replace(cfg.synth, seed_types=SEED_TYPES),
+        # held-out from all five seed types on evenly spread windows, whatever training draws from: KL on
+        # the conversations a default run sees
+        heldout = synthesize(backend, tokenizer, text, replace(cfg.synth, seed_types=SEED_TYPES, placement="even"),
                              count=cfg.heldout, seed=cfg.loop.seed,
                              tag="heldout", exclude_questions={c.question for c in train}, progress=cfg.progress,
                              store=store)

@@ -4,10 +4,10 @@ Runs once per training run in the `train` process, before the optimisation loop;
 saved in the work directory (`data.pt`, read back with `weights_only=True`) so a resumed run
 trains on the same conversations, and while it runs every finished batch is saved too
 (`synth/`, `ShardStore`), so a stopped synthesis resumes where it stopped. Follows the paper's
-self-study: a window of the document goes into the system prompt (window starts spread evenly
-over the document, `plan`); the model, given a seed prompt of one of five types, writes a
-question (sampled, temperature 0.6); the model answers it greedily with the window still in
-context, and per answer token, and per token of the user turn (the question), we keep its top-k
+self-study: a window of the document goes into the system prompt (windows spread evenly over
+the document, or the document tiled by them: `plan`); the model, given a seed prompt of one of
+five types, writes a question (sampled, temperature 0.6); the model answers it greedily with the
+window still in context, and per answer token, and per token of the user turn (the question), we keep its top-k
 next-token distribution until the kept probability reaches `cover` (the distillation target).
 The student later sees only the question and the answer, after the cartridge.
 
@@ -20,6 +20,7 @@ many in flight (`selfstudy.vllm_synth`).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 import weakref
 from dataclasses import dataclass, replace
@@ -133,18 +134,50 @@ class Spec:
 
 def plan(n: int, cfg: SynthConfig, seed: int, tag: str, index: int, count: int) -> Spec:
     """Conversation `index` of a stream of `count` over a body of `n` tokens. Conversations come
-    in groups of `cfg.per_window` on one window; the groups' window starts are spread evenly
-    from the document's first token to its last window (both ends included), each window's
-    length drawn in [window_min, window_max]. Indexes past the last group (redraws) wrap round."""
+    in groups of `cfg.per_window` on one window, placed as `cfg.placement` says (`even_window`,
+    `tiled_window`). Indexes past the last group (redraws) wrap round."""
     groups = max(1, -(-count // cfg.per_window))
     group = (index // cfg.per_window) % groups
+    place = tiled_window if cfg.placement == "tile" else even_window
+    window = place(n, cfg, seed, tag, group, groups)
+    rng = random.Random(sub_seed(seed, tag, index))
+    seed_type = rng.choice(cfg.seed_types)
+    return Spec(index, window, seed_type, rng.choice(SEED_PROMPTS[seed_type]),
+                sub_seed(seed, tag, index, "question"))
+
+
+def even_window(n: int, cfg: SynthConfig, seed: int, tag: str, group: int, groups: int) -> tuple[int, int]:
+    """Group `group` of `groups`: window starts spread evenly from the document's first token to
+    its last window (both ends included), each window's length drawn in [window_min, window_max]."""
     wrng = random.Random(sub_seed(seed, tag, "window", group))
     length = wrng.randint(min(cfg.window_min, n), min(cfg.window_max, n))
     start = 0 if groups == 1 else round(group * (n - length) / (groups - 1))
-    rng = random.Random(sub_seed(seed, tag, index))
-    seed_type = rng.choice(cfg.seed_types)
-    return Spec(index, (start, start + length), seed_type, rng.choice(SEED_PROMPTS[seed_type]),
-                sub_seed(seed, tag, index, "question"))
+    return start, start + length
+
+
+def tiled_window(n: int, cfg: SynthConfig, seed: int, tag: str, group: int, _groups: int) -> tuple[int, int]:
+    """Group `group`: window `group % k` of cut `group // k`, each cut of the document into its
+    `k` consecutive windows (`tiling`) drawn anew, so every token is in one window per cut."""
+    k = -(-n // min(cfg.window_max, n))
+    return tiling(n, cfg, sub_seed(seed, tag, "tiling", group // k))[group % k]
+
+
+def tiling(n: int, cfg: SynthConfig, seed: int) -> list[tuple[int, int]]:
+    """The document's `n` tokens cut into the fewest consecutive windows of at most `window_max`,
+    their lengths drawn at random in [window_min, window_max] (shorter where `n` leaves less)
+    and in random order."""
+    hi = min(cfg.window_max, n)
+    k = -(-n // hi)
+    lo = min(cfg.window_min, n // k)
+    rng = random.Random(seed)
+    lengths, left = [], n
+    for m in range(k, 1, -1):  # each length leaves the windows after it a length in [lo, hi]
+        lengths.append(rng.randint(max(lo, left - (m - 1) * hi), min(hi, left - (m - 1) * lo)))
+        left -= lengths[-1]
+    lengths.append(left)
+    rng.shuffle(lengths)
+    ends = list(itertools.accumulate(lengths))
+    return [(end - length, end) for end, length in zip(ends, lengths)]
 
 
 def system_message(tokenizer, body: Sequence[int], window: tuple[int, int]) -> dict[str, str]:
