@@ -158,6 +158,13 @@ def data_of(carts: Path, n: int, a: argparse.Namespace) -> Path | None:
     return None
 
 
+def coverage_key(run: str, n: int, a: argparse.Namespace, reports: dict[str, Any]) -> str | None:
+    """The key under which run `run` (at scale `n`, settings `a`) reports its conversations'
+    coverage: the data run's always, another run's only while no report on them exists."""
+    key = scale_key(n, a.answer_tokens, a.seed_types, windows(a))
+    return key if run == data_run(n, a) or key not in reports else None
+
+
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     """One epoch over `n` fresh conversations (`train`'s default steps); other runs on the same
     conversations (512 tokens, another rate, anchor or schedule, trimmed answers, autocast) reuse
@@ -624,15 +631,16 @@ class ScaleRun:
             self.probe("icl", Q.Arm("icl", "icl", ("a",)))
 
     def train_and_ask(self) -> None:
-        """Each scale's cartridges trained (or found trained), the coverage of the run that
-        synthesised the conversations, and each cartridge asked unless already asked."""
+        """Each scale's cartridges trained (or found trained), the coverage of their conversations
+        (from the data run, or from the first run on them), and each cartridge asked unless
+        already asked."""
         a, res = self.a, self.res
         for n in a.scales:
             for tokens in a.tokens:
                 cart, summary = train(self.model_dir, self.carts, n, tokens, a)
                 name = "trained_" + cart.name.removeprefix("tr")
-                if cart.name == data_run(n, a):
-                    key = scale_key(n, a.answer_tokens, a.seed_types, windows(a))
+                key = coverage_key(cart.name, n, a, res["coverage"])
+                if key:
                     res["coverage"][key] = coverage(self.tok, self.carts / f"{cart.name}.train" / "data.pt",
                                                     self.qs, self.pos)
                     self.written["coverage"].add(key)

@@ -144,6 +144,11 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     assert S.run_name(512, 2048, "constant", windows=S.windows(tiled)) == "tr512_n2048_tile"
     assert S.data_run(2048, tiled) == "tr256_n2048_tile" and S.scale_title("2048_tile") == (
         "2048 conversations, windows tiling the document")
+    # A run that synthesised its own conversations (512 tokens only) reports their coverage
+    # once; the data run's report replaces any other's.
+    assert S.coverage_key("tr512_n2048_tile", 2048, tiled, {"2048": {}}) == "2048_tile"
+    assert S.coverage_key("tr512_n2048_tile", 2048, tiled, {"2048_tile": {}}) is None
+    assert S.coverage_key("tr256_n2048_tile", 2048, tiled, {"2048_tile": {}}) == "2048_tile"
     assert S.scale_title("2048_a256_w128-256_seeds-su-qu") == (
         "2048 conversations, answers up to 256 tokens, windows of 128-256 tokens, seed types summarization, question")
     cov = {"facts": {"a16": {"bucket": ">=512", "split": "dev", "in_window": 3, "question": 1, "answer": 2}}}
