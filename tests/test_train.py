@@ -129,6 +129,11 @@ def test_length_must_fit_serving_chunks(model_dir, doc, tmp_path):
         train_cartridge(replace(config(model_dir, doc, tmp_path / "o", steps=1), tokens=300))
     with pytest.raises(CartridgeError, match="frozen-tokens"):
         check_length(256, 256, 256)
+    for lo, hi in ((512, 256), (0, 256)):  # an empty draw, a zero-length window: refused, not crashed
+        bad = replace(config(model_dir, doc, tmp_path / "o", steps=1),
+                      synth=replace(SYNTH, window_min=lo, window_max=hi))
+        with pytest.raises(CartridgeError, match=f"--window-min {lo} and --window-max {hi}: give a positive"):
+            train_cartridge(bad)
     assert not (tmp_path / "o.train").exists()  # refused before any work
     # Same rule as pack_kv's (the writer refuses such a trained cartridge too).
     from lmcache_cartridge.cartridge.packed import VocabInfo, pack_kv

@@ -234,6 +234,9 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.synth_batch < 1:
         raise CartridgeError(f"--synth-batch must be positive (conversations per vLLM engine call), "
                              f"got {cfg.synth_batch}")
+    if not 1 <= cfg.synth.window_min <= cfg.synth.window_max:
+        raise CartridgeError(f"--window-min {cfg.synth.window_min} and --window-max {cfg.synth.window_max}: give "
+                             "a positive minimum no larger than the maximum (tokens of the document per window)")
     if cfg.loop.trim_repeats < 0:
         raise CartridgeError(f"--trim-repeats must be 0 (whole answers) or a positive run length, "
                              f"got {cfg.loop.trim_repeats}")
