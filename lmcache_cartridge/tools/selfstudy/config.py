@@ -32,9 +32,10 @@ class SynthConfig:
     question_temperature: float = 0.6
     top_k: int = 20
     cover: float = 0.99
-    # Conversations that share one document window. Window starts are spread evenly over the
-    # document, both ends included, so every part of it is asked about as often (uniform random
-    # starts under-sample the ends); sharing a window lets vLLM's prefix cache prefill it once.
+    # Conversations that share one document window. By default window starts are spread evenly
+    # over the document, both ends included, so every part of it is asked about as often
+    # (uniform random starts under-sample the ends); sharing a window lets vLLM's prefix cache
+    # prefill it once.
     per_window: int = 8
     # Where the windows lie. "even": starts spread evenly from the document's first token to its
     # last window, so a token near either end is in fewer windows than one in the middle (the

@@ -7,8 +7,9 @@ trains on the same conversations, and while it runs every finished batch is save
 self-study: a window of the document goes into the system prompt (windows spread evenly over
 the document, or the document tiled by them: `plan`); the model, given a seed prompt of one of
 five types, writes a question (sampled, temperature 0.6); the model answers it greedily with the
-window still in context, and per answer token, and per token of the user turn (the question), we keep its top-k
-next-token distribution until the kept probability reaches `cover` (the distillation target).
+window still in context, and per answer token, and per token of the user turn (the question),
+we keep its top-k next-token distribution until the kept probability reaches `cover` (the
+distillation target).
 The student later sees only the question and the answer, after the cartridge.
 
 Three backends follow the same plan (`plan` fixes everything but the model's output): HF
@@ -138,8 +139,10 @@ def plan(n: int, cfg: SynthConfig, seed: int, tag: str, index: int, count: int) 
     `tiled_window`). Indexes past the last group (redraws) wrap round."""
     groups = max(1, -(-count // cfg.per_window))
     group = (index // cfg.per_window) % groups
-    place = tiled_window if cfg.placement == "tile" else even_window
-    window = place(n, cfg, seed, tag, group, groups)
+    if cfg.placement == "tile":
+        window = tiled_window(n, cfg, seed, tag, group)
+    else:
+        window = even_window(n, cfg, seed, tag, group, groups)
     rng = random.Random(sub_seed(seed, tag, index))
     seed_type = rng.choice(cfg.seed_types)
     return Spec(index, window, seed_type, rng.choice(SEED_PROMPTS[seed_type]),
@@ -155,19 +158,23 @@ def even_window(n: int, cfg: SynthConfig, seed: int, tag: str, group: int, group
     return start, start + length
 
 
-def tiled_window(n: int, cfg: SynthConfig, seed: int, tag: str, group: int, _groups: int) -> tuple[int, int]:
+def tiled_window(n: int, cfg: SynthConfig, seed: int, tag: str, group: int) -> tuple[int, int]:
     """Group `group`: window `group % k` of cut `group // k`, each cut of the document into its
     `k` consecutive windows (`tiling`) drawn anew, so every token is in one window per cut."""
-    k = -(-n // min(cfg.window_max, n))
+    k = tile_count(n, cfg)
     return tiling(n, cfg, sub_seed(seed, tag, "tiling", group // k))[group % k]
+
+
+def tile_count(n: int, cfg: SynthConfig) -> int:
+    """Windows per cut: the fewest of at most `window_max` tokens that hold `n`."""
+    return -(-n // min(cfg.window_max, n))
 
 
 def tiling(n: int, cfg: SynthConfig, seed: int) -> list[tuple[int, int]]:
     """The document's `n` tokens cut into the fewest consecutive windows of at most `window_max`,
     their lengths drawn at random in [window_min, window_max] (shorter where `n` leaves less)
     and in random order."""
-    hi = min(cfg.window_max, n)
-    k = -(-n // hi)
+    hi, k = min(cfg.window_max, n), tile_count(n, cfg)
     lo = min(cfg.window_min, n // k)
     rng = random.Random(seed)
     lengths, left = [], n
