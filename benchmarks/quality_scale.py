@@ -34,6 +34,9 @@ the dev split (docs/benchmarks.md), and both splits are only reported.
                                             # the baselines only, first-k 1024 added (arm first_k_1024)
     .venv/bin/python benchmarks/quality_scale.py --no-baselines --serve trained_1024_n2048
                                             # that arm served, both LMCache modes, beside its probe
+    .venv/bin/python benchmarks/quality_scale.py --scales 2048 --tokens 512 --init attention --init-first 256
+                                            # the attention start keeping 256 first tokens (arms
+                                            # init_512_attn256, trained_512_n2048_attn256)
 
 Everything is cached in `--work` (default .cache/quality/scale): rerun to resume; results are
 merged into `--out`.json/.md (default benchmarks/results/quality/scale), also while another run
@@ -63,7 +66,7 @@ import harness.quality as Q
 from harness import Arm, Result, load_payload, write_result
 
 from lmcache_cartridge.errors import CartridgeError
-from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, LR_SCHEDULES, PLACEMENTS, SEED_TYPES,
+from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, INITS, LR_SCHEDULES, PLACEMENTS, SEED_TYPES,
                                                       SYNTH_BATCH, parse_seed_types)
 
 WORK = harness.ROOT / ".cache" / "quality" / "scale"
@@ -117,19 +120,22 @@ def scale_title(key: str) -> str:
 def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOKENS,
              autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES,
              lr: float = LR, batch_size: int = BATCH,
-             windows: tuple = WINDOWS, question_loss: bool = True, anchor: float = 0.0) -> str:
+             windows: tuple = WINDOWS, question_loss: bool = True, anchor: float = 0.0, init: str = "first_k",
+             init_first: int = 1) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
     256 tokens, `_w128-256` for teacher windows of 128-256 tokens, `_seeds-su-qu` for
     conversations from some seed types only, `_lr0.004` for another rate than the curve's,
     `_b64` for 64 conversations per step, `_ans` for a loss over answer tokens only (the curve's
     scores question and answer tokens), `_anc10` for a pull toward the first-k start, `_cos`
     for a cosine schedule, `_t16` for answers trimmed where they repeat a run of 16 tokens,
-    `_bf16` for steps under bf16 autocast)."""
+    `_bf16` for steps under bf16 autocast, `_attn` for the attention start instead of first-k,
+    `_attn256` for the attention start keeping the first 256 tokens)."""
     return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types, windows)}" + ("" if lr == LR else f"_lr{lr:g}")
             + ("" if batch_size == BATCH else f"_b{batch_size}") + ("" if question_loss else "_ans")
             + (f"_anc{anchor:g}" if anchor else "")
             + ("" if schedule == "constant" else f"_{schedule[:3]}")
-            + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16"))
+            + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16")
+            + ("" if init == "first_k" else "_attn" + ("" if init_first == 1 else str(init_first))))
 
 
 def windows(a: argparse.Namespace) -> tuple:
@@ -171,7 +177,8 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
     the data of a run on the same conversations (`data_of`: same scale, answer length, windows and
     seed types)."""
     name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr,
-                    a.batch_size, windows(a), a.question_loss, a.anchor)
+                    a.batch_size, windows(a), a.question_loss, a.anchor, a.init,
+                    a.init_first)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
         first = None if (work / "data.pt").exists() else data_of(carts, n, a)
@@ -184,7 +191,8 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--model", str(model_dir), "--text", str(text), "-o", str(out), "--id", f"qa-{name}".replace("_", "-"),
                "--tokens", str(tokens), "--work-dir", str(work), "--overwrite", "-q",
                "--conversations", str(n), "--heldout", str(a.heldout), "--batch-size", str(a.batch_size),
-               "--lr", str(a.lr), "--lr-schedule", a.lr_schedule, "--anchor", str(a.anchor),
+               "--lr", str(a.lr), "--lr-schedule", a.lr_schedule, "--anchor", str(a.anchor), "--init", a.init,
+               "--init-first", str(a.init_first),
                "--eval-every", str(max(1, n // a.batch_size // 4)), "--save-every", "10",
                "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
                "--window-min", str(a.window_min), "--window-max", str(a.window_max),
@@ -317,15 +325,22 @@ def first_k_sizes(a: argparse.Namespace) -> tuple[int, ...]:
     return tuple(sorted({256, 512, *a.tokens}))
 
 
+def attention_starts(a: argparse.Namespace) -> tuple[int, ...]:
+    """Sizes whose attention start (`train --init attention`, step 0) is a baseline: each trained
+    size of an `--init attention` run."""
+    return tuple(sorted(set(a.tokens))) if a.init == "attention" else ()
+
+
 def arm_source(name: str) -> tuple[str, str | None]:
     """(kind, cartridge id) an arm answers from: `first_k_<N>` -> first-k `qa-fk<N>`, `init_<N>` ->
-    `qa-init<N>`, `icl` -> none, `trained_<rest>` -> the trained cartridge `tr<rest>`."""
+    `qa-init<N>` (`init_<N>_attn` -> `qa-init<N>-attn`), `icl` -> none, `trained_<rest>` -> the
+    trained cartridge `tr<rest>`."""
     if name == "icl":
         return "icl", None
     if name.startswith("first_k_"):
         return "first_k", "qa-fk" + name.removeprefix("first_k_")
     if name.startswith("init_"):
-        return "trained", "qa-init" + name.removeprefix("init_")
+        return "trained", "qa-init" + name.removeprefix("init_").replace("_", "-")
     return "trained", "tr" + name.removeprefix("trained_")
 
 
@@ -412,7 +427,7 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [f"# Data scale: {res['meta']['command']}", "",
              f"{machine(res['meta']['machine'])}; lr {LR:g}, batch {BATCH} (where an arm's name says no "
              "other: `_lr`, `_b`), loss over question and answer tokens (`_ans`: answers only), no pull toward "
-             "the first-k start (`_anc<A>`: `train --anchor A`), one epoch; "
+             "the start (`_anc<A>`: `train --anchor A`), first-k start (`_attn`: `train --init attention`), one epoch; "
              f"HF probe of document A's 40 questions (greedy); >=512 (>={FAR}): the facts past 512 tokens, "
              f"in brackets those past {FAR:,}.", "",
              f"| arm | KV MiB | conversations | facts | dev | held-out | <256 | 256-512 | >=512 (>={FAR}) | "
@@ -490,6 +505,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--anchor", type=float, default=0.0, metavar="A",
                     help="train's --anchor: a pull toward the first-k start (arms and cartridges named with "
                     "_anc<A>; the same conversations)")
+    ap.add_argument("--init", choices=INITS, default="first_k",
+                    help="train's --init: where the KV starts (arms and cartridges named with _attn for "
+                    "'attention'; the same conversations)")
+    ap.add_argument("--init-first", type=int, default=1, metavar="N",
+                    help="train's --init-first (with --init attention; _attn<N> where not 1)")
     ap.add_argument("--batch-size", type=int, default=BATCH)
     ap.add_argument("--no-question-loss", dest="question_loss", action="store_false",
                     help="train's --no-question-loss: score answer tokens only (arms and cartridges named with "
@@ -571,6 +591,8 @@ class ScaleRun:
         if not self.a.no_baselines:
             Q.make_first_k(self.model_dir, self.carts, first_k_sizes(self.a))
             Q.make_init(self.model_dir, self.carts)
+            for tokens in attention_starts(self.a):
+                Q.make_init(self.model_dir, self.carts, tokens, init="attention", first=self.a.init_first)
         self.model, self.tok = load_model(self.model_dir)
         self.pb = PromptBuilder(self.tok)
         self.res["meta"].update(kv_sizes(self.model_dir, self.tok, self.pb, self.qs, self.carts))
@@ -623,7 +645,9 @@ class ScaleRun:
         """First-k, step 0 and ICL, each unless already asked (nothing with `--no-baselines`)."""
         if self.a.no_baselines:
             return
-        for name in [f"first_k_{k}" for k in first_k_sizes(self.a)] + ["init_256"]:
+        for name in [f"first_k_{k}" for k in first_k_sizes(self.a)] + ["init_256"] \
+                + [f"init_{k}_attn{'' if self.a.init_first == 1 else self.a.init_first}"
+                   for k in attention_starts(self.a)]:
             if name not in self.res["arms"]:
                 kind, cid = arm_source(name)
                 self.probe(name, Q.Arm(name, kind, ("a",), (cid,)))
@@ -648,7 +672,8 @@ class ScaleRun:
                     self.probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
                                lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens,
                                autocast=a.autocast, trim_repeats=a.trim_repeats, seed_types=list(a.seed_types),
-                               batch_size=a.batch_size, question_loss=a.question_loss, anchor=a.anchor)
+                               batch_size=a.batch_size, question_loss=a.question_loss, anchor=a.anchor,
+                               init=a.init, init_first=a.init_first)
 
 
 def main(argv: list[str] | None = None) -> int:

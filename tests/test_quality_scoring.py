@@ -136,6 +136,9 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     assert S.run_name(256, 2048, "constant", question_loss=False) == "tr256_n2048_ans"
     assert S.run_name(256, 1024, "constant", lr=8e-3, anchor=10.0) == "tr256_n1024_lr0.008_anc10"
     assert S.run_name(256, 1024, "constant", anchor=0.0) == "tr256_n1024"
+    assert S.run_name(512, 2048, "constant", init="attention") == "tr512_n2048_attn"
+    assert S.run_name(512, 2048, "constant", init="first_k") == "tr512_n2048"
+    assert S.run_name(512, 2048, "constant", init="attention", init_first=256) == "tr512_n2048_attn256"
     assert S.scale_key(2048, 256, qs) == "2048_a256_seeds-su-qu"
     assert S.scale_key(2048, S.ANSWER_TOKENS, windows=S.WINDOWS) == "2048"
     assert S.run_name(256, 2048, "constant", windows=(128, 256)) == "tr256_n2048_w128-256"
@@ -195,10 +198,15 @@ def test_every_trained_size_has_its_first_k_baseline_and_each_arm_its_cartridge(
     assert S.first_k_sizes(S.build_parser().parse_args(["--tokens", "1024", "256"])) == (256, 512, 1024)
     assert S.arm_source("first_k_1024") == ("first_k", "qa-fk1024")
     assert S.arm_source("init_256") == ("trained", "qa-init256")
+    assert S.arm_source("init_512_attn") == ("trained", "qa-init512-attn")
+    assert Q._dir_of(S.arm_source("init_512_attn256")[1]) == "init512_attn256"
+    assert S.attention_starts(S.build_parser().parse_args(["--tokens", "512", "--init", "attention"])) == (512,)
+    assert S.attention_starts(S.build_parser().parse_args(["--tokens", "512"])) == ()
     assert S.arm_source("icl") == ("icl", None)
     assert S.arm_source("trained_1024_n2048_lr0.01") == ("trained", "tr1024_n2048_lr0.01")
-    assert [Q._dir_of(c) for c in ("qa-fk1024", "qa-init256", "qa-tr512", "qb-tr256", "tr1024_n2048")] == \
-        ["fk1024", "init256", "tr512", "trb256", "tr1024_n2048"]
+    assert [Q._dir_of(c) for c in ("qa-fk1024", "qa-init256", "qa-tr512", "qb-tr256", "tr1024_n2048",
+                                   "qa-init512-attn")] == \
+        ["fk1024", "init256", "tr512", "trb256", "tr1024_n2048", "init512_attn"]
 
 
 def test_scale_runs_side_by_side_keep_each_others_arms(tmp_path, monkeypatch):

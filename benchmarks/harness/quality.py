@@ -204,8 +204,10 @@ def make_first_k(model_dir: Path, carts: Path, sizes: tuple[int, ...] = (256, 51
                     token_ids=made.token_ids, chunk_size=CHUNK, provenance=made.provenance, overwrite=True)
 
 
-def make_init(model_dir: Path, carts: Path, tokens: int = 256) -> None:
-    """The KV training starts from (PEFT's first-k initialisation), packed as a trained cartridge."""
+def make_init(model_dir: Path, carts: Path, tokens: int = 256, init: str = "first_k", first: int = 1) -> None:
+    """The KV training starts from (`train --init`: PEFT's first-k initialisation by default),
+    packed as a trained cartridge: `init<tokens>`; `init<tokens>_attn` for the attention start,
+    `init<tokens>_attn<first>` for one keeping the first `first` tokens."""
     import torch
 
     from lmcache_cartridge.cartridge.packed import pack_kv
@@ -213,14 +215,15 @@ def make_init(model_dir: Path, carts: Path, tokens: int = 256) -> None:
     from lmcache_cartridge.tools.selfstudy.loop import build_student
     from lmcache_cartridge.tools.selfstudy.run import export_kv, load_for_training
 
-    out = carts / f"init{tokens}"
+    name = f"init{tokens}" + ("" if init == "first_k" else "_attn" + ("" if first == 1 else str(first)))
+    out = carts / name
     if (out / "manifest.json").exists():
         return
     model, tok = load_for_training(model_dir, torch.device("cpu"), torch.float32)
-    student = build_student(model, tok, document("a"), tokens, 1)
-    pack_kv(export_kv(student), out, cartridge_id=f"qa-init{tokens}", model=str(model_dir), kind="trained",
-            vocab=load_vocab(tok), chunk_size=CHUNK, dtype=torch.bfloat16, overwrite=True,
-            provenance={"method": "first_k_init_of_self_study", "steps": 0})
+    student = build_student(model, tok, document("a"), tokens, 1, init=init, init_first=first)
+    pack_kv(export_kv(student), out, cartridge_id="qa-" + name.replace("_", "-"), model=str(model_dir),
+            kind="trained", vocab=load_vocab(tok), chunk_size=CHUNK, dtype=torch.bfloat16, overwrite=True,
+            provenance={"method": f"{init}_init_of_self_study", "steps": 0})
 
 
 def train_args(a: argparse.Namespace) -> list[str]:
@@ -360,12 +363,13 @@ def cartridge_dir(carts: Path, cid: str) -> Path:
 
 def _dir_of(cid: str) -> str:
     """The directory under the work dir's `carts/` of a registered id (another name: itself):
-    `qa-fk<N>` -> `fk<N>`, `qa-init<N>` -> `init<N>`, `qa-tr<N>` -> `tr<N>`, `qb-tr<N>` -> `trb<N>`."""
-    m = re.fullmatch(r"q([ab])-(fk|init|tr)(\d+)", cid)
+    `qa-fk<N>` -> `fk<N>`, `qa-init<N>` -> `init<N>`, `qa-tr<N>` -> `tr<N>`, `qb-tr<N>` -> `trb<N>`,
+    a suffix kept (`qa-init512-attn` -> `init512_attn`)."""
+    m = re.fullmatch(r"q([ab])-(fk|init|tr)(\d+)((?:-[a-z0-9]+)*)", cid)
     if not m:
         return cid
-    doc, kind, n = m.groups()
-    return f"{kind}{'b' if doc == 'b' else ''}{n}"
+    doc, kind, n, suffix = m.groups()
+    return f"{kind}{'b' if doc == 'b' else ''}{n}{suffix.replace('-', '_')}"
 
 
 def hf_prompt(pb, tok, arm: Arm, q: Question, carts: Path) -> tuple[Any, list[int]]:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.tools.stopping import sigterm_as_interrupt
-from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, COSINE_FLOOR, DTYPE_NAMES, LR_SCHEDULES,
-                                                      PAPER_LR, PLACEMENTS, SMALL_MODEL_LR, SYNTH_BATCH, LoopConfig,
-                                                      SynthConfig, TrainConfig, one_epoch, parse_seed_types)
+from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, COSINE_FLOOR, DTYPE_NAMES, INITS,
+                                                      LR_SCHEDULES, PAPER_LR, PLACEMENTS, SMALL_MODEL_LR, SYNTH_BATCH,
+                                                      LoopConfig, SynthConfig, TrainConfig, one_epoch, parse_seed_types)
 
 
 # --- command line (tools/cli.py's `train`: its arguments and its command) ----------------------
@@ -35,6 +35,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk_size of the serving config")
     p.add_argument("--frozen-tokens", type=int, default=1,
                    help="leading tokens kept fixed (the attention sink; default 1)")
+    p.add_argument("--init", choices=INITS, default="first_k",
+                   help="where the KV starts: first_k, the document's first --tokens tokens (the paper's; default), "
+                   "or attention, the whole document's KV, each layer keeping its first --init-first positions "
+                   "and the most attended others")
+    p.add_argument("--init-first", type=int, default=1, metavar="N",
+                   help="with --init attention: leading document tokens kept whatever their rank (default 1, the "
+                   "attention sink)")
     p.add_argument("--conversations", type=int, default=256, help="synthesised training conversations")
     p.add_argument("--heldout", type=int, default=16, help="held-out conversations for the KL metric")
     p.add_argument("--steps", type=int, help="optimiser steps (default: one epoch, every conversation once, as the "
@@ -52,7 +59,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"constant (the paper's; default {d.lr_schedule}) or cosine: from --lr down to "
                    f"{COSINE_FLOOR:g}x --lr at the last step")
     p.add_argument("--anchor", type=float, default=d.anchor, metavar="A",
-                   help="after each step move the KV lr*A of the way back to its first-k start (decoupled, as "
+                   help="after each step move the KV lr*A of the way back to its start (decoupled, as "
                    "AdamW's weight decay), keeping what the window held while training learns beyond it; "
                    "0: off (default %(default)g)")
     p.add_argument("--seed", type=int, default=d.seed,
@@ -120,7 +127,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model_dir=Path(args.model_dir), text_path=Path(args.text), output=Path(args.output),
         model_name=args.model, cartridge_id=args.id, tokens=args.tokens, chunk_size=args.chunk_size,
-        frozen_tokens=args.frozen_tokens, conversations=args.conversations, heldout=args.heldout,
+        frozen_tokens=args.frozen_tokens, init=args.init, init_first=args.init_first,
+        conversations=args.conversations, heldout=args.heldout,
         synth=SynthConfig(window_min=args.window_min, window_max=args.window_max,
                           question_tokens=args.question_tokens, answer_tokens=args.answer_tokens, top_k=args.top_k,
                           per_window=args.per_window, placement=args.window_placement,
@@ -152,7 +160,7 @@ def run_train(args: argparse.Namespace) -> int:
     m, kl = res.manifest, res.provenance["heldout_kl"]
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     print(f"trained {m.cartridge_id}: {m.num_tokens} tokens, {cfg.loop.steps} steps, "
-          f"held-out KL {fmt(kl['init'])} (first-k) -> {fmt(kl['final'])}, "
+          f"held-out KL {fmt(kl['init'])} (start) -> {fmt(kl['final'])}, "
           f"{fmt(res.provenance['seconds_per_step'])} s/step -> {cfg.output}"
           + (f"; adapter -> {res.adapter_dir}" if res.adapter_dir else "")
           + f"; metrics: {cfg.work / 'metrics.jsonl'}")

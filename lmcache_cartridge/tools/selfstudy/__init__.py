@@ -9,8 +9,10 @@ transformers, conversations are synthesised with transformers' `generate`.
   seed prompt type and answer it; keep the teacher's top-k next-token distribution per answer token.
 - `objective`: student/teacher log-probs on the answer tokens; the top-k distillation loss and
   the full-vocabulary held-out KL.
-- `loop`: the PEFT model with first-k initialisation, the optimisation loop, resumable
-  checkpoints and the metrics log.
+- `init`: where the KV starts: the document's first k tokens (the paper's), or the most
+  attended positions of the whole document's KV.
+- `loop`: the PEFT model with its start, the optimisation loop, resumable checkpoints and the
+  metrics log.
 
 - `run`: one run end to end, ending in the packed cartridge (`pack_kv`, kind `trained`).
 

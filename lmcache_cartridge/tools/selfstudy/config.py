@@ -49,6 +49,7 @@ class SynthConfig:
 
 
 PLACEMENTS = ("even", "tile")  # `SynthConfig.placement`'s values
+INITS = ("first_k", "attention")  # `TrainConfig.init`'s values (`selfstudy.init`)
 
 
 def parse_seed_types(spec: str | Sequence[str]) -> tuple[str, ...]:
@@ -148,6 +149,8 @@ class TrainConfig:
     tokens: int = 256                      # cartridge length (multiple of chunk_size)
     chunk_size: int = 256
     frozen_tokens: int = 1
+    init: str = "first_k"                  # where the KV starts (`INITS`, `selfstudy.init`)
+    init_first: int = 1                    # `attention`: leading tokens kept whatever their rank
     conversations: int = 256
     heldout: int = 16
     synth: SynthConfig = field(default_factory=SynthConfig)
@@ -192,8 +195,13 @@ class TrainConfig:
         for name, off in (("autocast", None), ("trim_repeats", 0), ("anchor", 0.0)):
             if loop[name] == off:
                 del loop[name]  # likewise: runs without them keep their fingerprint
-        return _digest({"data": self.data_fingerprint(text), "tokens": self.tokens,
-                        "frozen_tokens": self.frozen_tokens, "loop": loop})
+        run = {"data": self.data_fingerprint(text), "tokens": self.tokens, "frozen_tokens": self.frozen_tokens,
+               "loop": loop}
+        if self.init != "first_k":
+            run["init"] = self.init  # first-k runs keep their fingerprint
+            if self.init_first != 1:
+                run["init_first"] = self.init_first
+        return _digest(run)
 
 
 def _digest(obj: Any) -> str:

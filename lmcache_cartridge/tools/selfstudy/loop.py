@@ -1,4 +1,4 @@
-"""The optimisation loop: PEFT CARTRIDGE student, first-k initialisation, Adam on the KV only,
+"""The optimisation loop: PEFT CARTRIDGE student (first-k or attention initialisation), Adam on the KV only,
 resumable checkpoints and a JSON-lines metrics log.
 
 Runs in the `train` process; owns the work directory (`checkpoint.pt`, `metrics.jsonl`). The
@@ -38,15 +38,25 @@ class LoopResult:
     resumed_from: int = 0
 
 
-def build_student(model, tokenizer, text: str, num_tokens: int, num_frozen: int):
-    """PEFT CARTRIDGE adapter over `model`, initialised with the KV of the document's first
-    `num_tokens` tokens (PEFT's `initialize_kv_prefix_from_text`: the document as the chat
-    template's system message, as the paper's first-k initialisation)."""
+def build_student(model, tokenizer, text: str, num_tokens: int, num_frozen: int, init: str = "first_k",
+                  init_first: int = 1):
+    """PEFT CARTRIDGE adapter over `model`, its KV started as `init` says (`selfstudy.init`):
+    `first_k`, the KV of the document's first `num_tokens` tokens (PEFT's
+    `initialize_kv_prefix_from_text`: the document as the chat template's system message, as the
+    paper's first-k initialisation), or `attention`, the document's first `init_first` positions
+    and the most attended others of the whole document's KV."""
     from peft import CartridgeConfig, get_peft_model
-    from peft.tuners.cartridge.utils import initialize_kv_prefix_from_text
+    from peft.tuners.cartridge.utils import initialize_kv_prefix_from_past_key_values, initialize_kv_prefix_from_text
 
+    from lmcache_cartridge.tools.selfstudy.init import attention_kv, document_ids
+
+    kv = attention_kv(model, document_ids(tokenizer, text), num_tokens, init_first) if init == "attention" else None
     student = get_peft_model(model, CartridgeConfig(task_type="CAUSAL_LM", num_virtual_tokens=num_tokens,
                                                     num_frozen_tokens=num_frozen))
+    if kv is not None:
+        initialize_kv_prefix_from_past_key_values(student, adapter_name=student.active_adapter, past_key_values=kv,
+                                                  num_virtual_tokens=num_tokens)
+        return student
     try:
         initialize_kv_prefix_from_text(student, tokenizer, text=text, max_length=num_tokens)
     except ValueError as e:
@@ -182,7 +192,7 @@ def run_loop(student, train: list[Conversation], heldout: list[Conversation], cf
     encoder = encoder_of(student)
     base_lr = learning_rate(cfg, student)
     optimizer = torch.optim.Adam([encoder.trainable_embedding], lr=base_lr)
-    # the first-k start, taken before a checkpoint is loaded (`build_student` made it from the text)
+    # the start, taken before a checkpoint is loaded (`build_student` made it from the text)
     start_kv = encoder.trainable_embedding.detach().clone() if cfg.anchor else None
     ck = load_checkpoint(work_dir, fingerprint)
     start = 0

@@ -16,7 +16,7 @@ import torch
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.paths import atomic_open
-from lmcache_cartridge.tools.selfstudy.config import LoopConfig, TrainConfig, check_length, parse_seed_types
+from lmcache_cartridge.tools.selfstudy.config import INITS, LoopConfig, TrainConfig, check_length, parse_seed_types
 from lmcache_cartridge.tools.selfstudy.loop import LoopResult, build_student, encoder_of, learning_rate, run_loop
 from lmcache_cartridge.tools.selfstudy.synth import (SEED_TYPES, Conversation, HFBackend, HFBatchBackend, ShardStore,
                                                      synthesize, trim_repeats)
@@ -177,7 +177,7 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
     whole_answer_tokens = sum(len(c.answer) for c in train)
     train = [trim_repeats(c, cfg.loop.trim_repeats) for c in train]
     model, tokenizer = load_for_training(cfg.model_dir, device, dtype)
-    student = build_student(model, tokenizer, text, cfg.tokens, cfg.frozen_tokens)
+    student = build_student(model, tokenizer, text, cfg.tokens, cfg.frozen_tokens, cfg.init, cfg.init_first)
     # the rate is fixed before the fingerprint (a resumed run keeps it) and recorded in provenance
     cfg = replace(cfg, loop=replace(cfg.loop, lr=learning_rate(cfg.loop, student)))
     check_anchor(cfg.loop)
@@ -192,7 +192,7 @@ def train_cartridge(cfg: TrainConfig) -> TrainResult:
         "method": "self_study",
         "base_model": getattr(model.config, "_name_or_path", None) or str(cfg.model_dir),
         "model_dir": str(cfg.model_dir),
-        "init": "first_k",
+        "init": cfg.init, **({"init_first": cfg.init_first} if cfg.init == "attention" else {}),
         "num_frozen_tokens": cfg.frozen_tokens,
         "steps": cfg.loop.steps,
         "data": {"source": str(cfg.text_path), "source_sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -240,6 +240,11 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.loop.trim_repeats < 0:
         raise CartridgeError(f"--trim-repeats must be 0 (whole answers) or a positive run length, "
                              f"got {cfg.loop.trim_repeats}")
+    if cfg.init not in INITS:
+        raise CartridgeError(f"--init {cfg.init!r}: use one of {', '.join(INITS)}")
+    if not 1 <= cfg.init_first <= cfg.tokens:
+        raise CartridgeError(f"--init-first {cfg.init_first}: give 1 (the sink only) to --tokens {cfg.tokens} "
+                             "(the first-k start) leading tokens to keep")
     check_anchor(cfg.loop)  # its sign now; its share of the way back once the rate is known
 
 
