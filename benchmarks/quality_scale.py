@@ -135,7 +135,7 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
             + (f"_anc{anchor:g}" if anchor else "")
             + ("" if schedule == "constant" else f"_{schedule[:3]}")
             + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16")
-            + ("" if init == "first_k" else "_attn" + ("" if init_first == 1 else str(init_first))))
+            + Q.init_suffix(init, init_first))
 
 
 def windows(a: argparse.Namespace) -> tuple:
@@ -646,8 +646,7 @@ class ScaleRun:
         if self.a.no_baselines:
             return
         for name in [f"first_k_{k}" for k in first_k_sizes(self.a)] + ["init_256"] \
-                + [f"init_{k}_attn{'' if self.a.init_first == 1 else self.a.init_first}"
-                   for k in attention_starts(self.a)]:
+                + [f"init_{k}" + Q.init_suffix("attention", self.a.init_first) for k in attention_starts(self.a)]:
             if name not in self.res["arms"]:
                 kind, cid = arm_source(name)
                 self.probe(name, Q.Arm(name, kind, ("a",), (cid,)))

@@ -204,6 +204,12 @@ def make_first_k(model_dir: Path, carts: Path, sizes: tuple[int, ...] = (256, 51
                     token_ids=made.token_ids, chunk_size=CHUNK, provenance=made.provenance, overwrite=True)
 
 
+def init_suffix(init: str, first: int = 1) -> str:
+    """The name suffix of a start other than first-k (`train --init attention`): `_attn`, or
+    `_attn<first>` where it keeps the document's first `first` tokens; empty for first-k."""
+    return "" if init == "first_k" else "_attn" + ("" if first == 1 else str(first))
+
+
 def make_init(model_dir: Path, carts: Path, tokens: int = 256, init: str = "first_k", first: int = 1) -> None:
     """The KV training starts from (`train --init`: PEFT's first-k initialisation by default),
     packed as a trained cartridge: `init<tokens>`; `init<tokens>_attn` for the attention start,
@@ -215,7 +221,7 @@ def make_init(model_dir: Path, carts: Path, tokens: int = 256, init: str = "firs
     from lmcache_cartridge.tools.selfstudy.loop import build_student
     from lmcache_cartridge.tools.selfstudy.run import export_kv, load_for_training
 
-    name = f"init{tokens}" + ("" if init == "first_k" else "_attn" + ("" if first == 1 else str(first)))
+    name = f"init{tokens}" + init_suffix(init, first)
     out = carts / name
     if (out / "manifest.json").exists():
         return
