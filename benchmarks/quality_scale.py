@@ -603,7 +603,9 @@ class ScaleRun:
         """Every question under `arm`, recorded as arm `name` (with `extra` beside), and saved."""
         t0 = time.perf_counter()
         r = ask_all(self.model, self.tok, self.pb, arm, self.carts, self.qs, self.pos, self.a.max_tokens)
-        self.res["arms"][name] = {**r, **extra, "probe_s": round(time.perf_counter() - t0, 1)}
+        m = self.res["meta"]["machine"]  # per arm: one file gathers runs from different CPUs
+        self.res["arms"][name] = {**r, **extra, "probe_s": round(time.perf_counter() - t0, 1),
+                                  "machine": {k: m[k] for k in ("cpu", "cpu_flags") if k in m}}
         self.written["arms"].add(name)
         print(f"[scale] {name}: facts {r['facts']} by position {r['by_position']}", flush=True)
         self.save()

@@ -71,3 +71,15 @@ def test_the_bench_model_is_described_as_the_results_cite_it():
     cited = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/ttft.json").read_text())["model_spec"]
     described = BENCH_MODEL.describe()
     assert {k: described.get(k) for k in cited} == cited
+
+
+def test_cpu_of_names_the_model_and_the_isa_flags_that_pick_vllms_kernels():
+    from harness.machine import cpu_of
+
+    text = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+            "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n\n"
+            "processor\t: 1\nmodel name\t: Other\nflags\t\t: fpu amx_tile\n")
+    assert cpu_of(text) == {"cpu": "Intel(R) Xeon(R) Processor",
+                            "cpu_flags": ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"]}
+    assert cpu_of("flags\t: fpu sse2 avx2\n") == {"cpu_flags": ["avx2"]}  # AVX2 only: no AVX-512 kernels
+    assert cpu_of("") == {}

