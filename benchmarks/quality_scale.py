@@ -67,7 +67,7 @@ from harness import Arm, Result, load_payload, write_result
 
 from lmcache_cartridge.errors import CartridgeError
 from lmcache_cartridge.tools.selfstudy.config import (AUTOCAST_DTYPES, INITS, LR_SCHEDULES, PLACEMENTS, SEED_TYPES,
-                                                      SYNTH_BATCH, parse_seed_types)
+                                                      SYNTH_BATCH, one_epoch, parse_seed_types)
 
 WORK = harness.ROOT / ".cache" / "quality" / "scale"
 OUT = Q.RESULTS / "scale"
@@ -121,7 +121,7 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
              autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES,
              lr: float = LR, batch_size: int = BATCH,
              windows: tuple = WINDOWS, question_loss: bool = True, anchor: float = 0.0, init: str = "first_k",
-             init_first: int = 1) -> str:
+             init_first: int = 1, epochs: int = 1) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
     256 tokens, `_w128-256` for teacher windows of 128-256 tokens, `_seeds-su-qu` for
     conversations from some seed types only, `_lr0.004` for another rate than the curve's,
@@ -129,13 +129,14 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
     scores question and answer tokens), `_anc10` for a pull toward the first-k start, `_cos`
     for a cosine schedule, `_t16` for answers trimmed where they repeat a run of 16 tokens,
     `_bf16` for steps under bf16 autocast, `_attn` for the attention start instead of first-k,
-    `_attn256` for the attention start keeping the first 256 tokens)."""
+    `_attn256` for the attention start keeping the first 256 tokens, `_e2` for two epochs over the
+    conversations)."""
     return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types, windows)}" + ("" if lr == LR else f"_lr{lr:g}")
             + ("" if batch_size == BATCH else f"_b{batch_size}") + ("" if question_loss else "_ans")
             + (f"_anc{anchor:g}" if anchor else "")
             + ("" if schedule == "constant" else f"_{schedule[:3]}")
             + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16")
-            + Q.init_suffix(init, init_first))
+            + Q.init_suffix(init, init_first) + ("" if epochs == 1 else f"_e{epochs}"))
 
 
 def windows(a: argparse.Namespace) -> tuple:
@@ -150,7 +151,7 @@ def data_run(n: int, a: argparse.Namespace) -> str:
 
 
 # What a run's name adds after its conversations' key: training settings only (`run_name`).
-TRAINING_SUFFIXES = r"(_lr[0-9.e+-]+|_b\d+|_ans|_anc[0-9.e+-]+|_cos|_t\d+|_bf16)*"
+TRAINING_SUFFIXES = r"(_lr[0-9.e+-]+|_b\d+|_ans|_anc[0-9.e+-]+|_cos|_t\d+|_bf16|_attn\d*|_e\d+)*"
 
 
 def data_of(carts: Path, n: int, a: argparse.Namespace) -> Path | None:
@@ -171,16 +172,34 @@ def coverage_key(run: str, n: int, a: argparse.Namespace, reports: dict[str, Any
     return key if run == data_run(n, a) or key not in reports else None
 
 
+def continue_run(carts: Path, name: str, work: Path, a: argparse.Namespace) -> None:
+    """`--epochs E` at a constant rate continues the one-epoch run of the same settings from its
+    last checkpoint (train resumes a work directory whose steps grew; the batch of a step is a
+    pure function of the seed and the step, so the result is a run of E epochs from the start):
+    its data, checkpoint and metrics copied into `work`, its training time kept in
+    `wall_before_s`. Nothing where `work` has a checkpoint already or no such run exists."""
+    src = carts / (name.removesuffix(f"_e{a.epochs}") + ".train")
+    if a.epochs == 1 or a.lr_schedule != "constant" or (work / "checkpoint.pt").exists() \
+            or not (src / "checkpoint.pt").exists():
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    for f in ("data.pt", "checkpoint.pt", "metrics.jsonl"):
+        shutil.copy(src / f, work / f)
+    if (src / "wall_s").exists():
+        shutil.copy(src / "wall_s", work / "wall_before_s")
+
+
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
-    """One epoch over `n` fresh conversations (`train`'s default steps); other runs on the same
+    """One epoch over `n` fresh conversations (`train`'s default steps; `--epochs`); other runs on the same
     conversations (512 tokens, another rate, anchor or schedule, trimmed answers, autocast) reuse
     the data of a run on the same conversations (`data_of`: same scale, answer length, windows and
     seed types)."""
     name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr,
                     a.batch_size, windows(a), a.question_loss, a.anchor, a.init,
-                    a.init_first)
+                    a.init_first, a.epochs)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
+        continue_run(carts, name, work, a)
         first = None if (work / "data.pt").exists() else data_of(carts, n, a)
         if first is not None:
             work.mkdir(parents=True, exist_ok=True)
@@ -192,7 +211,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--tokens", str(tokens), "--work-dir", str(work), "--overwrite", "-q",
                "--conversations", str(n), "--heldout", str(a.heldout), "--batch-size", str(a.batch_size),
                "--lr", str(a.lr), "--lr-schedule", a.lr_schedule, "--anchor", str(a.anchor), "--init", a.init,
-               "--init-first", str(a.init_first),
+               "--init-first", str(a.init_first), "--steps", str(a.epochs * one_epoch(n, a.batch_size)),
                "--eval-every", str(max(1, n // a.batch_size // 4)), "--save-every", "10",
                "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
                "--window-min", str(a.window_min), "--window-max", str(a.window_max),
@@ -209,7 +228,9 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
         (work / "wall_s").write_text(f"{time.perf_counter() - t0:.1f}")
     summary = Q._train_summary(out, work)
     wall = work / "wall_s"
-    summary["wall_s"] = float(wall.read_text()) if wall.exists() else None
+    before = work / "wall_before_s"  # a continued run's time includes its first epochs'
+    summary["wall_s"] = (float(wall.read_text()) + (float(before.read_text()) if before.exists() else 0.0)
+                         if wall.exists() else None)
     return out, summary
 
 
@@ -427,7 +448,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [f"# Data scale: {res['meta']['command']}", "",
              f"{machine(res['meta']['machine'])}; lr {LR:g}, batch {BATCH} (where an arm's name says no "
              "other: `_lr`, `_b`), loss over question and answer tokens (`_ans`: answers only), no pull toward "
-             "the start (`_anc<A>`: `train --anchor A`), first-k start (`_attn`: `train --init attention`), one epoch; "
+             "the start (`_anc<A>`: `train --anchor A`), first-k start (`_attn`: `train --init attention`), "
+             "one epoch (`_e<E>`: E); "
              f"HF probe of document A's 40 questions (greedy); >=512 (>={FAR}): the facts past 512 tokens, "
              f"in brackets those past {FAR:,}.", "",
              f"| arm | KV MiB | conversations | facts | dev | held-out | <256 | 256-512 | >=512 (>={FAR}) | "
@@ -510,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "'attention'; the same conversations)")
     ap.add_argument("--init-first", type=int, default=1, metavar="N",
                     help="train's --init-first (with --init attention; _attn<N> where not 1)")
+    ap.add_argument("--epochs", type=int, default=1, metavar="E",
+                    help="passes over the conversations (train's --steps: E epochs; arms and cartridges named "
+                    "with _e<E>; the same conversations)")
     ap.add_argument("--batch-size", type=int, default=BATCH)
     ap.add_argument("--no-question-loss", dest="question_loss", action="store_false",
                     help="train's --no-question-loss: score answer tokens only (arms and cartridges named with "

@@ -188,6 +188,44 @@ def test_a_run_reuses_the_conversations_of_any_run_on_the_same_data(tmp_path):
     assert S.data_of(tmp_path, 1024, a).read_text() == "the data run's"  # the data run's first
 
 
+def test_a_run_from_the_attention_start_or_of_more_epochs_lends_its_conversations(tmp_path):
+    """The start and the epochs change training only: a run named `_attn256` or `_e2` holds the
+    same conversations as the data run, so another run on them copies rather than synthesises."""
+    import quality_scale as S
+
+    a = S.build_parser().parse_args(["--scales", "2048", "--window-placement", "tile"])
+    for name in ("tr512_n2048_tile_attn256", "tr512_n2048_attn256_e2"):
+        (tmp_path / f"{name}.train").mkdir()
+        (tmp_path / f"{name}.train" / "data.pt").write_text(name)
+    assert S.data_of(tmp_path, 2048, a).read_text() == "tr512_n2048_tile_attn256"
+    even = S.build_parser().parse_args(["--scales", "2048"])
+    assert S.data_of(tmp_path, 2048, even).read_text() == "tr512_n2048_attn256_e2"
+
+
+def test_more_epochs_continue_the_one_epoch_run_at_a_constant_rate(tmp_path):
+    """`--epochs 2` names its run `_e2` and starts from the one-epoch run's last checkpoint (train
+    resumes a work directory whose steps grew), keeping that run's training time; a cosine
+    schedule depends on the steps in all, so it starts over."""
+    import quality_scale as S
+
+    a = S.build_parser().parse_args(["--scales", "2048", "--tokens", "512", "--epochs", "2"])
+    name = S.run_name(512, 2048, "constant", epochs=2)
+    assert name == "tr512_n2048_e2" and S.run_name(512, 2048, "constant", epochs=1) == "tr512_n2048"
+    src = tmp_path / "tr512_n2048.train"
+    src.mkdir()
+    for f, body in (("data.pt", "d"), ("checkpoint.pt", "step 256"), ("metrics.jsonl", "{}"), ("wall_s", "900.0")):
+        (src / f).write_text(body)
+    work = tmp_path / f"{name}.train"
+    S.continue_run(tmp_path, name, work, a)
+    assert (work / "checkpoint.pt").read_text() == "step 256" and (work / "wall_before_s").read_text() == "900.0"
+    (work / "checkpoint.pt").write_text("step 300")
+    S.continue_run(tmp_path, name, work, a)  # its own checkpoint is never replaced
+    assert (work / "checkpoint.pt").read_text() == "step 300"
+    cos = S.build_parser().parse_args(["--scales", "2048", "--epochs", "2", "--lr-schedule", "cosine"])
+    S.continue_run(tmp_path, "tr512_n2048_cos_e2", tmp_path / "cos.train", cos)
+    assert not (tmp_path / "cos.train").exists()
+
+
 def test_every_trained_size_has_its_first_k_baseline_and_each_arm_its_cartridge():
     """`--tokens 1024` adds the first-k 1024 baseline beside 256 and 512; an arm's name says which
     cartridge it answers from, the baselines' registered ids map to their directories, and a
