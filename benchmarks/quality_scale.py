@@ -173,20 +173,24 @@ def coverage_key(run: str, n: int, a: argparse.Namespace, reports: dict[str, Any
 
 
 def continue_run(carts: Path, name: str, work: Path, a: argparse.Namespace) -> None:
-    """`--epochs E` at a constant rate continues the one-epoch run of the same settings from its
-    last checkpoint (train resumes a work directory whose steps grew; the batch of a step is a
-    pure function of the seed and the step, so the result is a run of E epochs from the start):
-    its data, checkpoint and metrics copied into `work`, its training time kept in
-    `wall_before_s`. Nothing where `work` has a checkpoint already or no such run exists."""
-    src = carts / (name.removesuffix(f"_e{a.epochs}") + ".train")
-    if a.epochs == 1 or a.lr_schedule != "constant" or (work / "checkpoint.pt").exists() \
-            or not (src / "checkpoint.pt").exists():
+    """`--epochs E` at a constant rate continues the run of the same settings with the most epochs
+    under E from its last checkpoint (train resumes a work directory whose steps grew; the batch
+    of a step is a pure function of the seed and the step, so the result is a run of E epochs
+    from the start): its data, checkpoint and metrics copied into `work`, its training time kept
+    in `wall_before_s`. Nothing where `work` has a checkpoint already or no such run exists."""
+    if a.epochs == 1 or a.lr_schedule != "constant" or (work / "checkpoint.pt").exists():
+        return
+    base = name.removesuffix(f"_e{a.epochs}")
+    runs = [carts / f"{base}{'' if e == 1 else f'_e{e}'}.train" for e in range(a.epochs - 1, 0, -1)]
+    src = next((r for r in runs if (r / "checkpoint.pt").exists()), None)
+    if src is None:
         return
     work.mkdir(parents=True, exist_ok=True)
     for f in ("data.pt", "checkpoint.pt", "metrics.jsonl"):
         shutil.copy(src / f, work / f)
-    if (src / "wall_s").exists():
-        shutil.copy(src / "wall_s", work / "wall_before_s")
+    walls = [float((src / f).read_text()) for f in ("wall_s", "wall_before_s") if (src / f).exists()]
+    if walls:
+        (work / "wall_before_s").write_text(f"{sum(walls):.1f}")
 
 
 def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:

@@ -204,8 +204,8 @@ def test_a_run_from_the_attention_start_or_of_more_epochs_lends_its_conversation
 
 def test_more_epochs_continue_the_one_epoch_run_at_a_constant_rate(tmp_path):
     """`--epochs 2` names its run `_e2` and starts from the one-epoch run's last checkpoint (train
-    resumes a work directory whose steps grew), keeping that run's training time; a cosine
-    schedule depends on the steps in all, so it starts over."""
+    resumes a work directory whose steps grew), keeping that run's training time; `--epochs 3`
+    from the two-epoch run's; a cosine schedule depends on the steps in all, so it starts over."""
     import quality_scale as S
 
     a = S.build_parser().parse_args(["--scales", "2048", "--tokens", "512", "--epochs", "2"])
@@ -221,6 +221,11 @@ def test_more_epochs_continue_the_one_epoch_run_at_a_constant_rate(tmp_path):
     (work / "checkpoint.pt").write_text("step 300")
     S.continue_run(tmp_path, name, work, a)  # its own checkpoint is never replaced
     assert (work / "checkpoint.pt").read_text() == "step 300"
+    (work / "wall_s").write_text("100.0")
+    a3 = S.build_parser().parse_args(["--scales", "2048", "--tokens", "512", "--epochs", "3"])
+    S.continue_run(tmp_path, "tr512_n2048_e3", tmp_path / "three.train", a3)  # from the two-epoch run
+    assert (tmp_path / "three.train" / "checkpoint.pt").read_text() == "step 300"
+    assert (tmp_path / "three.train" / "wall_before_s").read_text() == "1000.0"
     cos = S.build_parser().parse_args(["--scales", "2048", "--epochs", "2", "--lr-schedule", "cosine"])
     S.continue_run(tmp_path, "tr512_n2048_cos_e2", tmp_path / "cos.train", cos)
     assert not (tmp_path / "cos.train").exists()
