@@ -37,6 +37,9 @@ the dev split (docs/benchmarks.md), and both splits are only reported.
     .venv/bin/python benchmarks/quality_scale.py --scales 2048 --tokens 512 --init attention --init-first 256
                                             # the attention start keeping 256 first tokens (arms
                                             # init_512_attn256, trained_512_n2048_attn256)
+    .venv/bin/python benchmarks/quality_scale.py --scales 2048 --tokens 512 --no-baselines --epochs 2
+                                            # a second pass over the same conversations, continuing
+                                            # the one-epoch run (arm trained_512_n2048_e2)
 
 Everything is cached in `--work` (default .cache/quality/scale): rerun to resume; results are
 merged into `--out`.json/.md (default benchmarks/results/quality/scale), also while another run
