@@ -236,7 +236,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
     summary = Q._train_summary(out, work)
     wall = work / "wall_s"
     before = work / "wall_before_s"  # a continued run's time includes its first epochs'
-    summary["wall_s"] = (float(wall.read_text()) + (float(before.read_text()) if before.exists() else 0.0)
+    summary["wall_s"] = (round(float(wall.read_text()) + (float(before.read_text()) if before.exists() else 0.0), 1)
                          if wall.exists() else None)
     return out, summary
 
