@@ -241,6 +241,18 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
     return out, summary
 
 
+def cartridge_hash(cart: Path) -> str:
+    """The cartridge's identity: its manifest's `content_hash` (made from its chunks' sha256)."""
+    return json.loads((cart / "manifest.json").read_text())["content_hash"]
+
+
+def asked_from(result: dict[str, Any] | None, content_hash: str) -> bool:
+    """Whether an arm's recorded answers came from the cartridge of this `content_hash`. A result
+    kept from another machine or another draw of conversations (a fresh work directory trains
+    its cartridge again under the same name) or one that recorded no hash is not."""
+    return result is not None and result.get("content_hash") == content_hash
+
+
 def ask_all(model, tok, pb, arm: Q.Arm, carts: Path, qs: list[Q.Question], pos: dict[str, int],
             max_tokens: int) -> dict[str, Any]:
     """Every question of `qs` under `arm`: rows and facts stated per split and position bucket."""
@@ -689,8 +701,8 @@ class ScaleRun:
 
     def train_and_ask(self) -> None:
         """Each scale's cartridges trained (or found trained), the coverage of their conversations
-        (from the data run, or from the first run on them), and each cartridge asked unless
-        already asked."""
+        (from the data run, or from the first run on them), and each cartridge asked unless its
+        arm was asked from this very cartridge (`asked_from`)."""
         a, res = self.a, self.res
         for n in a.scales:
             for tokens in a.tokens:
@@ -701,8 +713,10 @@ class ScaleRun:
                     res["coverage"][key] = coverage(self.tok, self.carts / f"{cart.name}.train" / "data.pt",
                                                     self.qs, self.pos)
                     self.written["coverage"].add(key)
-                if name not in res["arms"]:
-                    self.probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), conversations=n, training=summary,
+                content = cartridge_hash(cart)
+                if not asked_from(res["arms"].get(name), content):
+                    self.probe(name, Q.Arm(name, "trained", ("a",), (cart.name,)), content_hash=content,
+                               conversations=n, training=summary,
                                lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens,
                                autocast=a.autocast, trim_repeats=a.trim_repeats, seed_types=list(a.seed_types),
                                batch_size=a.batch_size, question_loss=a.question_loss, anchor=a.anchor,

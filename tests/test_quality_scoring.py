@@ -280,6 +280,42 @@ def test_scale_runs_side_by_side_keep_each_others_arms(tmp_path, monkeypatch):
     assert "| first_k_1024 |" in md and "| trained_512_n2048 |" in md
 
 
+def test_a_cartridge_trained_again_under_its_name_is_asked_again(tmp_path, monkeypatch):
+    """A result kept from another machine's draw names a cartridge this work directory no longer
+    holds: a run that trains the cartridge again asks it again; a run that finds the cartridge
+    it asked does not. (`train` and `ask_all` stand in for training and the model's answers.)"""
+    import json
+
+    import quality_scale as S
+
+    cart = tmp_path / "carts" / "tr512_n2048"
+    cart.mkdir(parents=True)
+    monkeypatch.setattr(S, "train", lambda *a, **k: (cart, {"steps": 256}))
+    monkeypatch.setattr(S, "coverage_key", lambda *a, **k: None)
+    asked = []
+    monkeypatch.setattr(S, "ask_all", lambda *a, **k: asked.append(1) or {
+        "facts": [len(asked), 40], "dev": [0, 20], "heldout": [len(asked), 20],
+        "by_position": {b: [0, 1] for b in S.BUCKETS}, "rows": []})
+    out = tmp_path / "scale"
+    args = ["--scales", "2048", "--tokens", "512", "--no-baselines", "--out", str(out)]
+
+    def run_once():
+        run = S.ScaleRun(S.build_parser().parse_args(args), args, tmp_path, tmp_path / "carts", [])
+        run.model = run.tok = run.pb = run.pos = None
+        run.train_and_ask()
+        return S.load_payload(out.with_suffix(".json"))["arms"]["trained_512_n2048"]
+
+    (cart / "manifest.json").write_text(json.dumps({"content_hash": "one draw"}))
+    S.write_result(S.Result(benchmark="quality_scale", machine={}, parameters={}, arms=[],
+                            details={"arms": {"trained_512_n2048": {"facts": [13, 40], "rows": []}},
+                                     "coverage": {}, "meta": {}}), out.parent, out.stem, body="")
+    assert run_once()["facts"] == [1, 40] and len(asked) == 1  # no hash recorded: asked again
+    assert run_once()["content_hash"] == "one draw" and len(asked) == 1  # the cartridge it asked: kept
+    (cart / "manifest.json").write_text(json.dumps({"content_hash": "another draw"}))
+    r = run_once()
+    assert (r["facts"], r["content_hash"], len(asked)) == ([2, 40], "another draw", 2)
+
+
 def test_scale_table_counts_the_facts_past_a_1024_token_window_apart():
     """The >=512 column says, in brackets, how many of its facts lie past 1,024 tokens and how
     many of those were stated (evidence positions from the run's meta); a result written
