@@ -91,15 +91,17 @@ assert tuple(SEED_CODES) == SEED_TYPES
 
 
 def scale_key(n: int, answer_tokens: int, seed_types: tuple[str, ...] = SEED_TYPES,
-              windows: tuple = WINDOWS) -> str:
+              windows: tuple = WINDOWS, seed: int = 0) -> str:
     """One set of conversations: `8192`; `2048_a256` for answers of up to 256 tokens;
     `2048_w128-256` for teacher windows of 128-256 tokens; `2048_tile` for windows that tile
     the document (`windows` (min, max, "tile"); train's --window-placement); `2048_seeds-su-qu`
-    for conversations drawn from some seed types only."""
+    for conversations drawn from some seed types only; `2048_s1` for another draw (train's
+    --seed picks the windows, seed prompts and samples)."""
     lo, hi, *placement = windows
     return (f"{n}" + ("" if answer_tokens == ANSWER_TOKENS else f"_a{answer_tokens}")
             + ("" if (lo, hi) == WINDOWS else f"_w{lo}-{hi}") + "".join(f"_{p}" for p in placement if p != "even")
-            + ("" if tuple(seed_types) == SEED_TYPES else "_seeds-" + "-".join(SEED_CODES[t] for t in seed_types)))
+            + ("" if tuple(seed_types) == SEED_TYPES else "_seeds-" + "-".join(SEED_CODES[t] for t in seed_types))
+            + (f"_s{seed}" if seed else ""))
 
 
 def scale_title(key: str) -> str:
@@ -111,6 +113,8 @@ def scale_title(key: str) -> str:
     for part in parts:
         if part.startswith("seeds-"):
             words.append("seed types " + ", ".join(names[c] for c in part.removeprefix("seeds-").split("-")))
+        elif re.fullmatch(r"s\d+", part):
+            words.append(f"seed {part[1:]}")
         elif part == "tile":
             words.append("windows tiling the document")
         elif part.startswith("w"):
@@ -124,7 +128,7 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
              autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES,
              lr: float = LR, batch_size: int = BATCH,
              windows: tuple = WINDOWS, question_loss: bool = True, anchor: float = 0.0, init: str = "first_k",
-             init_first: int = 1, epochs: int = 1) -> str:
+             init_first: int = 1, epochs: int = 1, seed: int = 0) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
     256 tokens, `_w128-256` for teacher windows of 128-256 tokens, `_seeds-su-qu` for
     conversations from some seed types only, `_lr0.004` for another rate than the curve's,
@@ -133,8 +137,8 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
     for a cosine schedule, `_t16` for answers trimmed where they repeat a run of 16 tokens,
     `_bf16` for steps under bf16 autocast, `_attn` for the attention start instead of first-k,
     `_attn256` for the attention start keeping the first 256 tokens, `_e2` for two epochs over the
-    conversations)."""
-    return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types, windows)}" + ("" if lr == LR else f"_lr{lr:g}")
+    conversations; `_s1` in the conversations' key for another draw: `scale_key`)."""
+    return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types, windows, seed)}" + ("" if lr == LR else f"_lr{lr:g}")
             + ("" if batch_size == BATCH else f"_b{batch_size}") + ("" if question_loss else "_ans")
             + (f"_anc{anchor:g}" if anchor else "")
             + ("" if schedule == "constant" else f"_{schedule[:3]}")
@@ -150,7 +154,7 @@ def windows(a: argparse.Namespace) -> tuple:
 def data_run(n: int, a: argparse.Namespace) -> str:
     """The run that synthesises the conversations of `a`'s settings at scale `n` (the curve's
     256-token cartridge); other runs on them copy its data."""
-    return run_name(256, n, "constant", a.answer_tokens, seed_types=a.seed_types, windows=windows(a))
+    return run_name(256, n, "constant", a.answer_tokens, seed_types=a.seed_types, windows=windows(a), seed=a.seed)
 
 
 # What a run's name adds after its conversations' key: training settings only (`run_name`).
@@ -160,7 +164,7 @@ TRAINING_SUFFIXES = r"(_lr[0-9.e+-]+|_b\d+|_ans|_anc[0-9.e+-]+|_cos|_t\d+|_bf16|
 def data_of(carts: Path, n: int, a: argparse.Namespace) -> Path | None:
     """The synthesised conversations of `a`'s settings at scale `n` already in `carts`: the data
     run's, else those of any run on the same conversations (another rate, anchor, ...), else None."""
-    key = scale_key(n, a.answer_tokens, a.seed_types, windows(a))
+    key = scale_key(n, a.answer_tokens, a.seed_types, windows(a), a.seed)
     for work in [carts / f"{data_run(n, a)}.train", *sorted(carts.glob("tr*.train"))]:
         m = re.fullmatch(r"tr\d+_n(.+?)" + TRAINING_SUFFIXES + r"\.train", work.name)
         if m and m.group(1) == key and (work / "data.pt").exists():
@@ -171,7 +175,7 @@ def data_of(carts: Path, n: int, a: argparse.Namespace) -> Path | None:
 def coverage_key(run: str, n: int, a: argparse.Namespace, reports: dict[str, Any]) -> str | None:
     """The key under which run `run` (at scale `n`, settings `a`) reports its conversations'
     coverage: the data run's always, another run's only while no report on them exists."""
-    key = scale_key(n, a.answer_tokens, a.seed_types, windows(a))
+    key = scale_key(n, a.answer_tokens, a.seed_types, windows(a), a.seed)
     return key if run == data_run(n, a) or key not in reports else None
 
 
@@ -203,7 +207,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
     seed types)."""
     name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr,
                     a.batch_size, windows(a), a.question_loss, a.anchor, a.init,
-                    a.init_first, a.epochs)
+                    a.init_first, a.epochs, a.seed)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
         continue_run(carts, name, work, a)
@@ -468,7 +472,7 @@ def markdown(res: dict[str, Any]) -> str:
              f"{machine(res['meta']['machine'])}; lr {LR:g}, batch {BATCH} (where an arm's name says no "
              "other: `_lr`, `_b`), loss over question and answer tokens (`_ans`: answers only), no pull toward "
              "the start (`_anc<A>`: `train --anchor A`), first-k start (`_attn`: `train --init attention`), "
-             "one epoch (`_e<E>`: E); "
+             "one epoch (`_e<E>`: E), the conversations of seed 0 (`_s<S>`: `train --seed S`); "
              f"HF probe of document A's 40 questions (greedy); >=512 (>={FAR}): the facts past 512 tokens, "
              f"in brackets those past {FAR:,}.", "",
              f"| arm | KV MiB | conversations | facts | dev | held-out | <256 | 256-512 | >=512 (>={FAR}) | "
@@ -566,7 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--window-max", type=int, default=WINDOWS[1])
     ap.add_argument("--window-placement", choices=PLACEMENTS, default="even",
                     help="train's --window-placement ('tile' names the conversations and arms _tile)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="train's --seed: another draw of conversations and batches (named _s<seed>)")
     ap.add_argument("--synth-backend", default="auto", choices=("auto", "vllm", "hf"))
     ap.add_argument("--synth-batch", type=int, default=SYNTH_BATCH,
                     help="train's --synth-batch: conversations per vLLM engine call (1024 on a GPU)")

@@ -147,6 +147,12 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     assert S.run_name(512, 2048, "constant", windows=S.windows(tiled)) == "tr512_n2048_tile"
     assert S.data_run(2048, tiled) == "tr256_n2048_tile" and S.scale_title("2048_tile") == (
         "2048 conversations, windows tiling the document")
+    # Another seed is another draw of conversations: its own names, data and coverage.
+    drawn = S.build_parser().parse_args(["--window-placement", "tile", "--seed", "1"])
+    assert S.run_name(512, 2048, "constant", windows=S.windows(tiled), epochs=3, seed=1) == "tr512_n2048_tile_s1_e3"
+    assert S.data_run(2048, drawn) == "tr256_n2048_tile_s1" and S.scale_title("2048_tile_s1") == (
+        "2048 conversations, windows tiling the document, seed 1")
+    assert S.coverage_key("tr512_n2048_tile_s1", 2048, drawn, {"2048_tile": {}}) == "2048_tile_s1"
     # A run that synthesised its own conversations (512 tokens only) reports their coverage
     # once; the data run's report replaces any other's.
     assert S.coverage_key("tr512_n2048_tile", 2048, tiled, {"2048": {}}) == "2048_tile"
@@ -200,6 +206,13 @@ def test_a_run_from_the_attention_start_or_of_more_epochs_lends_its_conversation
     assert S.data_of(tmp_path, 2048, a).read_text() == "tr512_n2048_tile_attn256"
     even = S.build_parser().parse_args(["--scales", "2048"])
     assert S.data_of(tmp_path, 2048, even).read_text() == "tr512_n2048_attn256_e2"
+    # another seed draws its own conversations: none of seed 0's are lent to it
+    assert S.data_of(tmp_path, 2048, S.build_parser().parse_args(["--window-placement", "tile", "--seed", "1"])) is None
+    (tmp_path / "tr512_n2048_tile_s1_attn256_e3.train").mkdir()
+    (tmp_path / "tr512_n2048_tile_s1_attn256_e3.train" / "data.pt").write_text("seed 1's")
+    assert S.data_of(tmp_path, 2048, S.build_parser().parse_args(
+        ["--window-placement", "tile", "--seed", "1"])).read_text() == "seed 1's"
+    assert S.data_of(tmp_path, 2048, a).read_text() == "tr512_n2048_tile_attn256"
 
 
 def test_more_epochs_continue_the_one_epoch_run_at_a_constant_rate(tmp_path):
