@@ -128,7 +128,7 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
              autocast: str | None = None, trim_repeats: int = 0, seed_types: tuple[str, ...] = SEED_TYPES,
              lr: float = LR, batch_size: int = BATCH,
              windows: tuple = WINDOWS, question_loss: bool = True, anchor: float = 0.0, init: str = "first_k",
-             init_first: int = 1, epochs: int = 1, seed: int = 0) -> str:
+             init_first: int = 1, epochs: int = 1, seed: int = 0, frozen: int = 1) -> str:
     """The cartridge's name in the work directory (`tr256_n8192`; `_a256` for answers of up to
     256 tokens, `_w128-256` for teacher windows of 128-256 tokens, `_seeds-su-qu` for
     conversations from some seed types only, `_lr0.004` for another rate than the curve's,
@@ -136,14 +136,16 @@ def run_name(tokens: int, n: int, schedule: str, answer_tokens: int = ANSWER_TOK
     scores question and answer tokens), `_anc10` for a pull toward the first-k start, `_cos`
     for a cosine schedule, `_t16` for answers trimmed where they repeat a run of 16 tokens,
     `_bf16` for steps under bf16 autocast, `_attn` for the attention start instead of first-k,
-    `_attn256` for the attention start keeping the first 256 tokens, `_e2` for two epochs over the
+    `_attn256` for the attention start keeping the first 256 tokens, `_f256` for the first 256
+    positions kept fixed (the curve's: the attention sink only), `_e2` for two epochs over the
     conversations; `_s1` in the conversations' key for another draw: `scale_key`)."""
     return (f"tr{tokens}_n{scale_key(n, answer_tokens, seed_types, windows, seed)}" + ("" if lr == LR else f"_lr{lr:g}")
             + ("" if batch_size == BATCH else f"_b{batch_size}") + ("" if question_loss else "_ans")
             + (f"_anc{anchor:g}" if anchor else "")
             + ("" if schedule == "constant" else f"_{schedule[:3]}")
             + (f"_t{trim_repeats}" if trim_repeats else "") + ("" if autocast is None else "_bf16")
-            + Q.init_suffix(init, init_first) + ("" if epochs == 1 else f"_e{epochs}"))
+            + Q.init_suffix(init, init_first) + ("" if frozen == 1 else f"_f{frozen}")
+            + ("" if epochs == 1 else f"_e{epochs}"))
 
 
 def windows(a: argparse.Namespace) -> tuple:
@@ -158,7 +160,7 @@ def data_run(n: int, a: argparse.Namespace) -> str:
 
 
 # What a run's name adds after its conversations' key: training settings only (`run_name`).
-TRAINING_SUFFIXES = r"(_lr[0-9.e+-]+|_b\d+|_ans|_anc[0-9.e+-]+|_cos|_t\d+|_bf16|_attn\d*|_e\d+)*"
+TRAINING_SUFFIXES = r"(_lr[0-9.e+-]+|_b\d+|_ans|_anc[0-9.e+-]+|_cos|_t\d+|_bf16|_attn\d*|_f\d+|_e\d+)*"
 
 
 def data_of(carts: Path, n: int, a: argparse.Namespace) -> Path | None:
@@ -207,7 +209,7 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
     seed types)."""
     name = run_name(tokens, n, a.lr_schedule, a.answer_tokens, a.autocast, a.trim_repeats, a.seed_types, a.lr,
                     a.batch_size, windows(a), a.question_loss, a.anchor, a.init,
-                    a.init_first, a.epochs, a.seed)
+                    a.init_first, a.epochs, a.seed, a.frozen_tokens)
     out, work = carts / name, carts / f"{name}.train"
     if not (out / "manifest.json").exists():
         continue_run(carts, name, work, a)
@@ -222,7 +224,8 @@ def train(model_dir: Path, carts: Path, n: int, tokens: int, a: argparse.Namespa
                "--tokens", str(tokens), "--work-dir", str(work), "--overwrite", "-q",
                "--conversations", str(n), "--heldout", str(a.heldout), "--batch-size", str(a.batch_size),
                "--lr", str(a.lr), "--lr-schedule", a.lr_schedule, "--anchor", str(a.anchor), "--init", a.init,
-               "--init-first", str(a.init_first), "--steps", str(a.epochs * one_epoch(n, a.batch_size)),
+               "--init-first", str(a.init_first), "--frozen-tokens", str(a.frozen_tokens),
+               "--steps", str(a.epochs * one_epoch(n, a.batch_size)),
                "--eval-every", str(max(1, n // a.batch_size // 4)), "--save-every", "10",
                "--question-tokens", str(a.question_tokens), "--answer-tokens", str(a.answer_tokens),
                "--window-min", str(a.window_min), "--window-max", str(a.window_max),
@@ -472,6 +475,7 @@ def markdown(res: dict[str, Any]) -> str:
              f"{machine(res['meta']['machine'])}; lr {LR:g}, batch {BATCH} (where an arm's name says no "
              "other: `_lr`, `_b`), loss over question and answer tokens (`_ans`: answers only), no pull toward "
              "the start (`_anc<A>`: `train --anchor A`), first-k start (`_attn`: `train --init attention`), "
+             "the first position fixed (`_f<N>`: `train --frozen-tokens N`), "
              "one epoch (`_e<E>`: E), the conversations of seed 0 (`_s<S>`: `train --seed S`); "
              f"HF probe of document A's 40 questions (greedy); >=512 (>={FAR}): the facts past 512 tokens, "
              f"in brackets those past {FAR:,}.", "",
@@ -555,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "'attention'; the same conversations)")
     ap.add_argument("--init-first", type=int, default=1, metavar="N",
                     help="train's --init-first (with --init attention; _attn<N> where not 1)")
+    ap.add_argument("--frozen-tokens", type=int, default=1, metavar="N",
+                    help="train's --frozen-tokens: the first N positions kept at their start (_f<N> where not "
+                         "1; the same conversations)")
     ap.add_argument("--epochs", type=int, default=1, metavar="E",
                     help="passes over the conversations (train's --steps: E epochs; arms and cartridges named "
                     "with _e<E>; the same conversations)")
@@ -725,7 +732,7 @@ class ScaleRun:
                                lr=a.lr, lr_schedule=a.lr_schedule, answer_tokens=a.answer_tokens,
                                autocast=a.autocast, trim_repeats=a.trim_repeats, seed_types=list(a.seed_types),
                                batch_size=a.batch_size, question_loss=a.question_loss, anchor=a.anchor,
-                               init=a.init, init_first=a.init_first)
+                               init=a.init, init_first=a.init_first, frozen_tokens=a.frozen_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,6 +139,9 @@ def test_scale_arms_are_named_by_the_conversations_they_train_on():
     assert S.run_name(512, 2048, "constant", init="attention") == "tr512_n2048_attn"
     assert S.run_name(512, 2048, "constant", init="first_k") == "tr512_n2048"
     assert S.run_name(512, 2048, "constant", init="attention", init_first=256) == "tr512_n2048_attn256"
+    assert S.run_name(512, 2048, "constant", init="attention", init_first=256, frozen=256, epochs=2) == (
+        "tr512_n2048_attn256_f256_e2")
+    assert S.run_name(512, 2048, "constant", frozen=1) == "tr512_n2048"  # the attention sink: the curve's
     assert S.scale_key(2048, 256, qs) == "2048_a256_seeds-su-qu"
     assert S.scale_key(2048, S.ANSWER_TOKENS, windows=S.WINDOWS) == "2048"
     assert S.run_name(256, 2048, "constant", windows=(128, 256)) == "tr256_n2048_w128-256"
@@ -195,17 +198,20 @@ def test_a_run_reuses_the_conversations_of_any_run_on_the_same_data(tmp_path):
 
 
 def test_a_run_from_the_attention_start_or_of_more_epochs_lends_its_conversations(tmp_path):
-    """The start and the epochs change training only: a run named `_attn256` or `_e2` holds the
-    same conversations as the data run, so another run on them copies rather than synthesises."""
+    """The start, frozen positions and epochs change training only: a run named `_attn256`,
+    `_f256` or `_e2` holds the same conversations as the data run, so another run on them copies
+    rather than synthesises."""
     import quality_scale as S
 
     a = S.build_parser().parse_args(["--scales", "2048", "--window-placement", "tile"])
-    for name in ("tr512_n2048_tile_attn256", "tr512_n2048_attn256_e2"):
+    for name in ("tr512_n2048_tile_attn256", "tr512_n2048_attn256_e2", "tr512_n2048_w128-256_attn256_f256"):
         (tmp_path / f"{name}.train").mkdir()
         (tmp_path / f"{name}.train" / "data.pt").write_text(name)
     assert S.data_of(tmp_path, 2048, a).read_text() == "tr512_n2048_tile_attn256"
     even = S.build_parser().parse_args(["--scales", "2048"])
     assert S.data_of(tmp_path, 2048, even).read_text() == "tr512_n2048_attn256_e2"
+    short = S.build_parser().parse_args(["--window-min", "128", "--window-max", "256"])
+    assert S.data_of(tmp_path, 2048, short).read_text() == "tr512_n2048_w128-256_attn256_f256"
     # another seed draws its own conversations: none of seed 0's are lent to it
     assert S.data_of(tmp_path, 2048, S.build_parser().parse_args(["--window-placement", "tile", "--seed", "1"])) is None
     (tmp_path / "tr512_n2048_tile_s1_attn256_e3.train").mkdir()
