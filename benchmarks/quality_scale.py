@@ -153,6 +153,11 @@ def windows(a: argparse.Namespace) -> tuple:
     return (a.window_min, a.window_max) + (() if a.window_placement == "even" else (a.window_placement,))
 
 
+def conversations_key(n: int, a: argparse.Namespace) -> str:
+    """The key of the conversations `a`'s settings synthesise at scale `n` (`scale_key`)."""
+    return scale_key(n, a.answer_tokens, a.seed_types, windows(a), a.seed)
+
+
 def data_run(n: int, a: argparse.Namespace) -> str:
     """The run that synthesises the conversations of `a`'s settings at scale `n` (the curve's
     256-token cartridge); other runs on them copy its data."""
@@ -166,7 +171,7 @@ TRAINING_SUFFIXES = r"(_lr[0-9.e+-]+|_b\d+|_ans|_anc[0-9.e+-]+|_cos|_t\d+|_bf16|
 def data_of(carts: Path, n: int, a: argparse.Namespace) -> Path | None:
     """The synthesised conversations of `a`'s settings at scale `n` already in `carts`: the data
     run's, else those of any run on the same conversations (another rate, anchor, ...), else None."""
-    key = scale_key(n, a.answer_tokens, a.seed_types, windows(a), a.seed)
+    key = conversations_key(n, a)
     for work in [carts / f"{data_run(n, a)}.train", *sorted(carts.glob("tr*.train"))]:
         m = re.fullmatch(r"tr\d+_n(.+?)" + TRAINING_SUFFIXES + r"\.train", work.name)
         if m and m.group(1) == key and (work / "data.pt").exists():
@@ -177,7 +182,7 @@ def data_of(carts: Path, n: int, a: argparse.Namespace) -> Path | None:
 def coverage_key(run: str, n: int, a: argparse.Namespace, reports: dict[str, Any]) -> str | None:
     """The key under which run `run` (at scale `n`, settings `a`) reports its conversations'
     coverage: the data run's always, another run's only while no report on them exists."""
-    key = scale_key(n, a.answer_tokens, a.seed_types, windows(a), a.seed)
+    key = conversations_key(n, a)
     return key if run == data_run(n, a) or key not in reports else None
 
 
